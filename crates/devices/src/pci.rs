@@ -1,0 +1,239 @@
+//! A PCI root with configuration mechanism #1 (ports 0xCF8/0xCFC).
+//!
+//! BARs are assigned by the vmm when a function is added and are not
+//! relocatable: a guest may size them (write all ones, read the mask) but
+//! writes of other addresses are ignored. That keeps MMIO routing fixed, which
+//! is what save/restore and migration want.
+
+use crate::bus::BusDevice;
+use serde::{Deserialize, Serialize};
+use std::sync::{Arc, Mutex};
+
+/// A PCI function: owns its configuration header.
+pub trait PciFunction: Send {
+    fn pci_config(&mut self) -> &mut PciConfig;
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Bar {
+    pub addr: u64,
+    pub size: u64,
+}
+
+/// Type 0 configuration header (256 bytes), with 64-bit memory BARs.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct PciConfig {
+    #[serde(with = "serde_bytes_256")]
+    regs: [u8; 256],
+    bars: [Option<Bar>; 6],
+    /// Set per BAR register after the guest wrote all ones (sizing).
+    sizing: [bool; 6],
+}
+
+mod serde_bytes_256 {
+    use serde::{Deserialize, Deserializer, Serializer};
+    pub fn serialize<S: Serializer>(v: &[u8; 256], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(v.iter())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 256], D::Error> {
+        let v: Vec<u8> = Vec::deserialize(d)?;
+        v.try_into().map_err(|_| serde::de::Error::custom("config space must be 256 bytes"))
+    }
+}
+
+pub const CLASS_STORAGE: u8 = 0x01;
+pub const SUBCLASS_NVM: u8 = 0x08;
+pub const PROGIF_NVME: u8 = 0x02;
+
+impl PciConfig {
+    pub fn new(vendor: u16, device: u16, class: u8, subclass: u8, prog_if: u8) -> Self {
+        let mut regs = [0u8; 256];
+        regs[0..2].copy_from_slice(&vendor.to_le_bytes());
+        regs[2..4].copy_from_slice(&device.to_le_bytes());
+        regs[8] = 0; // revision
+        regs[9] = prog_if;
+        regs[10] = subclass;
+        regs[11] = class;
+        regs[0x2c..0x2e].copy_from_slice(&vendor.to_le_bytes()); // subsystem vendor
+        regs[0x2e..0x30].copy_from_slice(&device.to_le_bytes());
+        PciConfig { regs, bars: [None; 6], sizing: [false; 6] }
+    }
+
+    /// Declare a 64-bit memory BAR (uses BAR slots `index` and `index+1`).
+    pub fn set_bar64(&mut self, index: usize, bar: Bar) {
+        assert!(index < 5 && bar.size.is_power_of_two() && bar.addr % bar.size == 0);
+        self.bars[index] = Some(bar);
+    }
+
+    pub fn bar(&self, index: usize) -> Option<Bar> {
+        self.bars.get(index).copied().flatten()
+    }
+
+    /// Bus master enable (command register bit 2): DMA allowed.
+    pub fn bus_master(&self) -> bool {
+        self.regs[4] & 0x4 != 0
+    }
+
+    fn bar_dword(&self, slot: usize) -> u32 {
+        // Slot `slot` is the low half of a 64-bit BAR at slot, or the high
+        // half of one at slot - 1.
+        if let Some(b) = self.bars[slot] {
+            let v = if self.sizing[slot] { !(b.size - 1) } else { b.addr };
+            (v as u32 & !0xf) | 0x4 // memory, 64-bit, non-prefetchable
+        } else if slot > 0 {
+            if let Some(b) = self.bars[slot - 1] {
+                let v = if self.sizing[slot] { !(b.size - 1) } else { b.addr };
+                (v >> 32) as u32
+            } else {
+                0
+            }
+        } else {
+            0
+        }
+    }
+
+    pub fn read_dword(&self, reg: usize) -> u32 {
+        let off = reg * 4;
+        match off {
+            0x10..=0x27 => self.bar_dword((off - 0x10) / 4),
+            _ if off < 256 => u32::from_le_bytes(self.regs[off..off + 4].try_into().unwrap()),
+            _ => 0xffff_ffff,
+        }
+    }
+
+    pub fn write_dword(&mut self, reg: usize, value: u32) {
+        let off = reg * 4;
+        match off {
+            0x04 => {
+                // Command: memory space, bus master, interrupt disable are writable.
+                let cmd = (value as u16) & 0x0406;
+                self.regs[4..6].copy_from_slice(&cmd.to_le_bytes());
+            }
+            0x10..=0x27 => {
+                let slot = (off - 0x10) / 4;
+                self.sizing[slot] = value == 0xffff_ffff;
+            }
+            0x3c => self.regs[0x3c] = value as u8, // interrupt line
+            _ => {}
+        }
+    }
+}
+
+/// Configuration mechanism #1 on ports 0xCF8..0xCFF, bus 0 only.
+pub struct PciRoot {
+    address: u32,
+    functions: Vec<Option<Arc<Mutex<dyn PciFunction>>>>,
+}
+
+impl Default for PciRoot {
+    fn default() -> Self {
+        PciRoot { address: 0, functions: vec![None; 32] }
+    }
+}
+
+impl PciRoot {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add a function at the first free device number; returns it.
+    pub fn add(&mut self, f: Arc<Mutex<dyn PciFunction>>) -> Option<u8> {
+        let slot = self.functions.iter().position(|s| s.is_none())?;
+        self.functions[slot] = Some(f);
+        Some(slot as u8)
+    }
+
+    fn target(&self) -> Option<(&Arc<Mutex<dyn PciFunction>>, usize)> {
+        if self.address & 0x8000_0000 == 0 {
+            return None;
+        }
+        let bus = (self.address >> 16) & 0xff;
+        let dev = ((self.address >> 11) & 0x1f) as usize;
+        let func = (self.address >> 8) & 0x7;
+        let reg = ((self.address >> 2) & 0x3f) as usize;
+        if bus != 0 || func != 0 {
+            return None;
+        }
+        self.functions[dev].as_ref().map(|f| (f, reg))
+    }
+}
+
+impl BusDevice for PciRoot {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        match offset {
+            0 if data.len() == 4 => data.copy_from_slice(&self.address.to_le_bytes()),
+            4..=7 => {
+                let v = match self.target() {
+                    Some((f, reg)) => f.lock().unwrap().pci_config().read_dword(reg),
+                    None => 0xffff_ffff,
+                };
+                let bytes = v.to_le_bytes();
+                let start = (offset - 4) as usize;
+                for (i, d) in data.iter_mut().enumerate() {
+                    *d = *bytes.get(start + i).unwrap_or(&0xff);
+                }
+            }
+            _ => data.fill(0xff),
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        match offset {
+            0 if data.len() == 4 => self.address = u32::from_le_bytes(data.try_into().unwrap()),
+            4 if data.len() == 4 => {
+                if let Some((f, reg)) = self.target() {
+                    let v = u32::from_le_bytes(data.try_into().unwrap());
+                    f.lock().unwrap().pci_config().write_dword(reg, v);
+                }
+            }
+            // Sub-dword config writes: read-modify-write the dword.
+            4..=7 => {
+                if let Some((f, reg)) = self.target() {
+                    let mut f = f.lock().unwrap();
+                    let mut b = f.pci_config().read_dword(reg).to_le_bytes();
+                    let start = (offset - 4) as usize;
+                    for (i, d) in data.iter().enumerate() {
+                        if let Some(x) = b.get_mut(start + i) {
+                            *x = *d;
+                        }
+                    }
+                    f.pci_config().write_dword(reg, u32::from_le_bytes(b));
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct F(PciConfig);
+    impl PciFunction for F {
+        fn pci_config(&mut self) -> &mut PciConfig {
+            &mut self.0
+        }
+    }
+
+    #[test]
+    fn enumerate_and_size_bar() {
+        let mut cfg = PciConfig::new(0x1b36, 0x0010, CLASS_STORAGE, SUBCLASS_NVM, PROGIF_NVME);
+        cfg.set_bar64(0, Bar { addr: 0x80_0010_0000, size: 0x4000 });
+        let mut root = PciRoot::new();
+        assert_eq!(root.add(Arc::new(Mutex::new(F(cfg)))), Some(0));
+        let rd = |root: &mut PciRoot, dev: u32, reg: u32| {
+            root.write(0, &(0x8000_0000 | dev << 11 | reg << 2).to_le_bytes());
+            let mut b = [0u8; 4];
+            root.read(4, &mut b);
+            u32::from_le_bytes(b)
+        };
+        assert_eq!(rd(&mut root, 0, 0), 0x0010_1b36);
+        assert_eq!(rd(&mut root, 1, 0), 0xffff_ffff);
+        assert_eq!(rd(&mut root, 0, 2) >> 8, 0x010802);
+        assert_eq!(rd(&mut root, 0, 4), 0x0010_0004);
+        assert_eq!(rd(&mut root, 0, 5), 0x80);
+        root.write(4, &0xffff_ffffu32.to_le_bytes());
+        assert_eq!(rd(&mut root, 0, 4), 0xffff_c004);
+    }
+}

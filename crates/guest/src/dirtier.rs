@@ -1,0 +1,37 @@
+//! The memory dirtier of QEMU's migration test: increment the first byte of
+//! every 4 KiB page of [start, end) in an endless loop. After any migration
+//! every page equals its predecessor, except at one edge where the loop was.
+//! `rate` (pages per second, 0 = as fast as possible) throttles it.
+
+use crate::hw::Platform;
+
+pub const PAGE: u64 = 4096;
+
+pub fn run(plat: Platform, start: u64, end: u64, rate: u64) -> ! {
+    crate::println!("dirtier: start={:#x} end={:#x} rate={} pages/s", start, end, rate);
+    let mut passes: u64 = 0;
+    // Throttling: pages allowed so far = rate * elapsed; check every batch.
+    const BATCH: u64 = 64;
+    let t0 = plat.now_ns();
+    let mut done: u64 = 0;
+    loop {
+        let mut addr = start;
+        while addr < end {
+            let p = addr as *mut u8;
+            unsafe { p.write_volatile(p.read_volatile().wrapping_add(1)) };
+            addr += PAGE;
+            done += 1;
+            if rate != 0 && done % BATCH == 0 {
+                loop {
+                    let allowed = (plat.now_ns() - t0) as u128 * rate as u128 / 1_000_000_000;
+                    if done as u128 <= allowed {
+                        break;
+                    }
+                    core::hint::spin_loop();
+                }
+            }
+        }
+        passes += 1;
+        plat.progress(passes);
+    }
+}

@@ -1,0 +1,85 @@
+//! Transit guest firmware: a freestanding x86-64 program the vmm loads at
+//! 1 MiB and enters in long mode. The command line picks the workload:
+//!
+//! - `workload=dirtier [start=4M] [end=<ram end>] [rate=<pages/s>]`
+//! - `workload=fill [start=4M] [end=<ram end>]`
+//! - `workload=idle` (halt)
+//! - `workload=selftest` (prints, checks the clock, exits 0)
+//!
+//! vCPUs other than 0 halt.
+
+#![no_std]
+#![no_main]
+
+mod args;
+#[allow(dead_code)]
+mod boot;
+mod dirtier;
+mod fill;
+mod mem;
+#[macro_use]
+#[allow(dead_code)]
+mod hw;
+
+use boot::BootInfo;
+use hw::Platform;
+
+core::arch::global_asm!(
+    ".section .text._start,\"ax\"",
+    ".global _start",
+    "_start:",
+    // rdi = &BootInfo, rsi = vCPU index; stack = __stacks_start + (idx+1)*64K
+    "lea rax, [rip + __stacks_start]",
+    "mov rcx, rsi",
+    "add rcx, 1",
+    "shl rcx, 16",
+    "add rax, rcx",
+    "mov rsp, rax",
+    "xor rbp, rbp",
+    "call {main}",
+    "2: hlt",
+    "jmp 2b",
+    main = sym guest_main,
+);
+
+extern "C" fn guest_main(boot: &'static BootInfo, cpu: u64) -> ! {
+    if boot.magic != boot::BOOT_MAGIC {
+        hw::halt_forever();
+    }
+    if cpu != 0 {
+        hw::halt_forever();
+    }
+    let plat = Platform { base: boot.mmio_base };
+    let args = args::Args(boot.cmdline());
+    println!("transit-guest: ram={} MiB vcpus={} cmdline=\"{}\"", boot.ram_size >> 20, boot.num_vcpus, args.0);
+    let start = args.num("start", 4 << 20).max(boot.firmware_end);
+    let end = args.num("end", boot.ram_size).min(boot.ram_size);
+    match args.get("workload").unwrap_or("idle") {
+        "dirtier" => dirtier::run(plat, start, end, args.num("rate", 0)),
+        "fill" => fill::run(plat, start, end),
+        "selftest" => {
+            let a = plat.now_ns();
+            let mut s = 0u64;
+            for i in 0..100_000u64 {
+                s = s.wrapping_add(i * i);
+            }
+            let b = plat.now_ns();
+            println!("selftest: sum={} clock advanced {} ns", s, b - a);
+            plat.exit(if b > a { 0 } else { 1 })
+        }
+        "idle" => {
+            println!("idle");
+            hw::halt_forever()
+        }
+        other => {
+            println!("unknown workload {:?}", other);
+            plat.exit(2)
+        }
+    }
+}
+
+#[panic_handler]
+fn panic(info: &core::panic::PanicInfo) -> ! {
+    println!("guest panic: {}", info);
+    hw::halt_forever()
+}

@@ -1,0 +1,1 @@
+//! migration (work in progress)
