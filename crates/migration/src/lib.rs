@@ -1,1 +1,3 @@
-//! migration (work in progress)
+//! The migration engine. It knows a VM only through [`vm::MigratableVm`].
+
+pub mod vm;

@@ -1,0 +1,48 @@
+//! What the migration engine needs from a VM, and nothing more.
+//!
+//! The vmm implements [`MigratableVm`]; the engine never reaches into vCPUs
+//! or devices directly: device and vCPU state cross as a [`StateSet`] of
+//! versioned sections (see `snapshot::Persist`).
+
+use snapshot::StateSet;
+use std::os::fd::RawFd;
+
+/// Guest RAM as one contiguous shared mapping of a memfd.
+#[derive(Debug, Clone, Copy)]
+pub struct RamRegion {
+    /// Host address of guest physical address 0 in this process.
+    pub host_addr: *mut u8,
+    /// Bytes of guest RAM (a multiple of 4 KiB).
+    pub len: u64,
+    /// The memfd behind it (other processes, e.g. rnicd, map it too).
+    pub memfd: RawFd,
+}
+
+// The mapping lives as long as the VM; the engine only reads and writes
+// pages through it, like a DMA engine.
+unsafe impl Send for RamRegion {}
+unsafe impl Sync for RamRegion {}
+
+pub trait MigratableVm: Send + Sync {
+    fn ram(&self) -> RamRegion;
+
+    /// Stop all vCPUs and quiesce devices (in-flight device work completes or
+    /// is recorded in device state). Returns once nothing writes guest RAM.
+    fn pause(&self) -> anyhow::Result<()>;
+
+    /// Let vCPUs and devices run again.
+    fn resume(&self) -> anyhow::Result<()>;
+
+    /// vCPU and device state of the paused VM.
+    fn save_state(&self) -> anyhow::Result<StateSet>;
+
+    /// Load vCPU and device state into a paused VM built from the same config.
+    fn restore_state(&self, state: &StateSet) -> anyhow::Result<()>;
+
+    /// Slow the vCPUs to run only (100 - pct)% of the time (auto-converge).
+    fn set_cpu_throttle(&self, pct: u8);
+
+    /// A description of the VM shape (RAM size, vCPUs, devices) that must be
+    /// identical on both ends of a migration.
+    fn shape(&self) -> String;
+}
