@@ -12,3 +12,13 @@ pub mod platform;
 
 /// Guest physical memory as every device sees it (shared memfd mappings).
 pub type GuestMemory = vm_memory::GuestMemoryMmap<()>;
+
+/// Lifecycle of a device that does work outside vCPU accesses (worker
+/// threads, asynchronous I/O). The vmm calls `pause` before taking state or
+/// handing the VM to migration: on return the device no longer touches guest
+/// memory and every in-flight request is either completed or recorded in its
+/// saved state. `resume` lets it run again (also after a restore).
+pub trait Lifecycle {
+    fn pause(&mut self) {}
+    fn resume(&mut self) {}
+}
