@@ -1,0 +1,3 @@
+//! Reordering (work in progress).
+pub struct Delayer;
+pub fn remove_pid_files(_name: &str) {}
