@@ -1,0 +1,3 @@
+"""Shared helpers for the scripts under bench/: a QMP client, two-host network
+namespaces with a veth link, raw TCP baselines with iperf3, and a Linux guest
+(Debian's kernel plus a tiny initramfs) for runs against QEMU."""
