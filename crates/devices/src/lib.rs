@@ -22,3 +22,10 @@ pub trait Lifecycle {
     fn pause(&mut self) {}
     fn resume(&mut self) {}
 }
+
+/// What the vmm keeps in its device list: state plus lifecycle.
+pub trait VmDevice: snapshot::Persist + Lifecycle + Send {}
+impl<T: snapshot::Persist + Lifecycle + Send> VmDevice for T {}
+
+impl Lifecycle for console::DebugConsole {}
+impl Lifecycle for platform::Platform {}
