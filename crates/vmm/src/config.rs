@@ -1,0 +1,71 @@
+//! What a VM is made of. Saved with the VM so restore and migration can
+//! check that both ends build the same machine.
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VmConfig {
+    pub name: String,
+    /// Guest RAM in bytes.
+    pub memory: u64,
+    pub vcpus: u32,
+    /// Guest firmware ELF.
+    pub firmware: PathBuf,
+    /// Firmware command line, e.g. `workload=dirtier rate=0`.
+    pub cmdline: String,
+    /// NVMe controllers, one spec each (see docs/nvme.md).
+    #[serde(default)]
+    pub nvme: Vec<String>,
+}
+
+pub const MAX_VCPUS: u32 = 16;
+
+impl VmConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            bail!("VM name {:?} must be non-empty ASCII letters, digits, '-' or '_'", self.name);
+        }
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            bail!("vcpus must be between 1 and {MAX_VCPUS} (got {})", self.vcpus);
+        }
+        if self.cmdline.len() >= devices::layout::CMDLINE_MAX {
+            bail!("command line is longer than {} bytes", devices::layout::CMDLINE_MAX - 1);
+        }
+        Ok(())
+    }
+
+    /// The parts that must match on both ends of a migration.
+    pub fn shape(&self) -> String {
+        format!("mem={} vcpus={} nvme={}", self.memory, self.vcpus, self.nvme.len())
+    }
+}
+
+/// Parse a size like `512M`, `4G`, `65536`, `1GiB`.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    let v: u64 = num.trim().parse().map_err(|_| anyhow::anyhow!("{s:?} is not a size (try 512M or 4G)"))?;
+    v.checked_mul(mult).ok_or_else(|| anyhow::anyhow!("size {s:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+}

@@ -1,0 +1,283 @@
+//! vCPUs on the unicorn engine.
+//!
+//! Guest RAM is mapped with `uc_mem_map_ptr` straight onto the memfd mapping,
+//! so guest stores are host stores on the shared pages (dirty tracking and
+//! other processes see them). The MMIO window is one `mmio_map` routed to the
+//! device bus; IN/OUT go through instruction hooks. The engine starts in
+//! 64-bit mode with paging disabled (unicorn's flat long mode), so the
+//! firmware runs on physical addresses.
+
+use super::{Hypervisor, IoHandler, Kicker, Vcpu, VcpuExit, VcpuState};
+use anyhow::{anyhow, Context, Result};
+use devices::layout::{MMIO_BASE, MMIO_SIZE};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::Arc;
+use unicorn_engine::unicorn_const::{uc_error, Arch, Mode, Prot};
+use unicorn_engine::{RegisterX86, Unicorn};
+use unicorn_engine_sys as sys;
+
+pub struct UnicornHypervisor;
+
+struct UcKicker {
+    handle: AtomicPtr<sys::uc_engine>,
+    kicked: AtomicBool,
+}
+
+impl Kicker for UcKicker {
+    fn kick(&self) {
+        self.kicked.store(true, Ordering::SeqCst);
+        let h = self.handle.load(Ordering::SeqCst);
+        if !h.is_null() {
+            // SAFETY: the handle stays valid while the vCPU exists (the
+            // kicker is dropped with the VM's vCPU threads joined first);
+            // uc_emu_stop only sets flags, as unicorn's own timeout thread does.
+            unsafe { sys::uc_emu_stop(h) };
+        }
+    }
+}
+
+pub struct UnicornVcpu {
+    uc: Unicorn<'static, ()>,
+    kicker: Arc<UcKicker>,
+    halted: bool,
+}
+
+impl Hypervisor for UnicornHypervisor {
+    fn create_vcpu(
+        &self,
+        _index: u32,
+        ram_host_addr: *mut u8,
+        ram_size: u64,
+        io: Arc<dyn IoHandler>,
+    ) -> Result<Box<dyn Vcpu>> {
+        let mut uc = Unicorn::new(Arch::X86, Mode::MODE_64).map_err(|e| anyhow!("unicorn: {e:?}"))?;
+        // SAFETY: the RAM mapping outlives the vCPU (the VM owns both and
+        // joins vCPU threads before unmapping).
+        unsafe { uc.mem_map_ptr(0, ram_size, Prot::ALL, ram_host_addr as *mut _) }
+            .map_err(|e| anyhow!("mapping guest RAM into the vCPU: {e:?}"))?;
+        let (r, w) = (io.clone(), io.clone());
+        uc.mmio_map(
+            MMIO_BASE,
+            MMIO_SIZE,
+            Some(move |_: &mut Unicorn<'_, ()>, off: u64, size: usize| {
+                let mut b = [0u8; 8];
+                let n = size.min(8);
+                r.mmio_read(MMIO_BASE + off, &mut b[..n]);
+                u64::from_le_bytes(b)
+            }),
+            Some(move |_: &mut Unicorn<'_, ()>, off: u64, size: usize, v: u64| {
+                let n = size.min(8);
+                w.mmio_write(MMIO_BASE + off, &v.to_le_bytes()[..n]);
+            }),
+        )
+        .map_err(|e| anyhow!("mapping the MMIO window: {e:?}"))?;
+        let (pi, po) = (io.clone(), io);
+        uc.add_insn_in_hook(move |_, port, size| {
+            let mut b = [0u8; 4];
+            let n = size.clamp(1, 4);
+            pi.pio_read(port as u16, &mut b[..n]);
+            u32::from_le_bytes(b)
+        })
+        .map_err(|e| anyhow!("IN hook: {e:?}"))?;
+        uc.add_insn_out_hook(move |_, port, size, v| {
+            let n = size.clamp(1, 4);
+            po.pio_write(port as u16, &v.to_le_bytes()[..n]);
+        })
+        .map_err(|e| anyhow!("OUT hook: {e:?}"))?;
+        let kicker = Arc::new(UcKicker { handle: AtomicPtr::new(uc.get_handle()), kicked: AtomicBool::new(false) });
+        Ok(Box::new(UnicornVcpu { uc, kicker, halted: false }))
+    }
+}
+
+impl Drop for UnicornVcpu {
+    fn drop(&mut self) {
+        self.kicker.handle.store(std::ptr::null_mut(), Ordering::SeqCst);
+    }
+}
+
+const GPRS: [RegisterX86; 16] = [
+    RegisterX86::RAX, RegisterX86::RBX, RegisterX86::RCX, RegisterX86::RDX,
+    RegisterX86::RSI, RegisterX86::RDI, RegisterX86::RBP, RegisterX86::RSP,
+    RegisterX86::R8, RegisterX86::R9, RegisterX86::R10, RegisterX86::R11,
+    RegisterX86::R12, RegisterX86::R13, RegisterX86::R14, RegisterX86::R15,
+];
+const SEGS: [RegisterX86; 6] = [
+    RegisterX86::CS, RegisterX86::DS, RegisterX86::ES, RegisterX86::FS, RegisterX86::GS, RegisterX86::SS,
+];
+const MSR_EFER: u32 = 0xC000_0080;
+
+fn uerr(what: &str) -> impl Fn(uc_error) -> anyhow::Error + '_ {
+    move |e| anyhow!("{what}: {e:?}")
+}
+
+impl UnicornVcpu {
+    fn read_mmr(&self, reg: RegisterX86) -> Result<(u64, u32)> {
+        let mut m = sys::uc_x86_mmr { selector: 0, base: 0, limit: 0, flags: 0 };
+        let rc = unsafe { sys::uc_reg_read(self.uc.get_handle(), reg as i32, &mut m as *mut _ as *mut _) };
+        if rc != uc_error::OK {
+            return Err(anyhow!("reading {reg:?}: {rc:?}"));
+        }
+        Ok((m.base, m.limit))
+    }
+
+    fn write_mmr(&mut self, reg: RegisterX86, v: (u64, u32)) -> Result<()> {
+        let mut m = sys::uc_x86_mmr { selector: 0, base: v.0, limit: v.1, flags: 0 };
+        let rc = unsafe { sys::uc_reg_write(self.uc.get_handle(), reg as i32, &mut m as *mut _ as *mut _) };
+        if rc != uc_error::OK {
+            return Err(anyhow!("writing {reg:?}: {rc:?}"));
+        }
+        Ok(())
+    }
+
+    fn msr(&self, rid: u32) -> Result<u64> {
+        let mut m = sys::uc_x86_msr { rid, value: 0 };
+        let rc = unsafe { sys::uc_reg_read(self.uc.get_handle(), RegisterX86::MSR as i32, &mut m as *mut _ as *mut _) };
+        if rc != uc_error::OK {
+            return Err(anyhow!("reading MSR {rid:#x}: {rc:?}"));
+        }
+        Ok(m.value)
+    }
+
+    fn set_msr(&mut self, rid: u32, value: u64) -> Result<()> {
+        let mut m = sys::uc_x86_msr { rid, value };
+        let rc = unsafe { sys::uc_reg_write(self.uc.get_handle(), RegisterX86::MSR as i32, &mut m as *mut _ as *mut _) };
+        if rc != uc_error::OK {
+            return Err(anyhow!("writing MSR {rid:#x}: {rc:?}"));
+        }
+        Ok(())
+    }
+
+    fn just_halted(&self) -> bool {
+        // HLT leaves RIP after the instruction and stops the engine.
+        let rip = self.uc.pc_read().unwrap_or(0);
+        let mut b = [0u8; 1];
+        rip > 0 && self.uc.mem_read(rip - 1, &mut b).is_ok() && b[0] == 0xF4
+    }
+}
+
+impl Vcpu for UnicornVcpu {
+    fn run(&mut self) -> VcpuExit {
+        if self.halted {
+            return VcpuExit::Halted;
+        }
+        if self.kicker.kicked.swap(false, Ordering::SeqCst) {
+            return VcpuExit::Kicked;
+        }
+        let rip = match self.uc.pc_read() {
+            Ok(r) => r,
+            Err(e) => return VcpuExit::Error(format!("reading RIP: {e:?}")),
+        };
+        let r = self.uc.emu_start(rip, u64::MAX, 0, 0);
+        if self.kicker.kicked.swap(false, Ordering::SeqCst) {
+            return VcpuExit::Kicked;
+        }
+        match r {
+            Ok(()) if self.just_halted() => {
+                self.halted = true;
+                VcpuExit::Halted
+            }
+            Ok(()) => VcpuExit::Kicked,
+            Err(e) => {
+                let rip = self.uc.pc_read().unwrap_or(0);
+                VcpuExit::Error(format!("{e:?} at rip={rip:#x}"))
+            }
+        }
+    }
+
+    fn state(&self) -> Result<VcpuState> {
+        let uc = &self.uc;
+        let mut s = VcpuState::default();
+        for (i, r) in GPRS.iter().enumerate() {
+            s.gprs[i] = uc.reg_read(*r).map_err(uerr("reading a GPR"))?;
+        }
+        s.rip = uc.pc_read().map_err(uerr("RIP"))?;
+        s.rflags = uc.reg_read(RegisterX86::RFLAGS).map_err(uerr("RFLAGS"))?;
+        for (i, r) in SEGS.iter().enumerate() {
+            s.segs[i] = uc.reg_read(*r).map_err(uerr("segment"))? as u16;
+        }
+        s.fs_base = uc.reg_read(RegisterX86::FS_BASE).map_err(uerr("FS_BASE"))?;
+        s.gs_base = uc.reg_read(RegisterX86::GS_BASE).map_err(uerr("GS_BASE"))?;
+        s.cr0 = uc.reg_read(RegisterX86::CR0).map_err(uerr("CR0"))?;
+        s.cr2 = uc.reg_read(RegisterX86::CR2).map_err(uerr("CR2"))?;
+        s.cr3 = uc.reg_read(RegisterX86::CR3).map_err(uerr("CR3"))?;
+        s.cr4 = uc.reg_read(RegisterX86::CR4).map_err(uerr("CR4"))?;
+        s.efer = self.msr(MSR_EFER)?;
+        s.gdtr = self.read_mmr(RegisterX86::GDTR)?;
+        s.idtr = self.read_mmr(RegisterX86::IDTR)?;
+        s.mxcsr = uc.reg_read(RegisterX86::MXCSR).map_err(uerr("MXCSR"))? as u32;
+        for i in 0..16 {
+            let v = uc.reg_read_long(RegisterX86::XMM0 as i32 + i).map_err(uerr("XMM"))?;
+            let mut x = [0u8; 16];
+            x.copy_from_slice(&v[..16]);
+            s.xmm.push(x);
+        }
+        for i in 0..8 {
+            let v = uc.reg_read_long(RegisterX86::ST0 as i32 + i).map_err(uerr("ST"))?;
+            let mut x = [0u8; 10];
+            x.copy_from_slice(&v[..10]);
+            s.st.push(x);
+        }
+        s.fpcw = uc.reg_read(RegisterX86::FPCW).map_err(uerr("FPCW"))? as u16;
+        s.fpsw = uc.reg_read(RegisterX86::FPSW).map_err(uerr("FPSW"))? as u16;
+        s.fptag = uc.reg_read(RegisterX86::FPTAG).map_err(uerr("FPTAG"))? as u16;
+        s.halted = self.halted;
+        Ok(s)
+    }
+
+    fn set_state(&mut self, s: &VcpuState) -> Result<()> {
+        if s.xmm.len() != 16 || s.st.len() != 8 {
+            return Err(anyhow!("vCPU state has {} XMM and {} x87 registers, expected 16 and 8", s.xmm.len(), s.st.len()));
+        }
+        // Control registers, EFER and segments: write only what differs from
+        // the engine's reset state, since reloading them re-derives the
+        // flat-mode flags unicorn set up.
+        let cur = self.state().context("reading reset state")?;
+        if s.cr0 != cur.cr0 {
+            self.uc.reg_write(RegisterX86::CR0, s.cr0).map_err(uerr("CR0"))?;
+        }
+        if s.cr4 != cur.cr4 {
+            self.uc.reg_write(RegisterX86::CR4, s.cr4).map_err(uerr("CR4"))?;
+        }
+        if s.cr3 != cur.cr3 {
+            self.uc.reg_write(RegisterX86::CR3, s.cr3).map_err(uerr("CR3"))?;
+        }
+        self.uc.reg_write(RegisterX86::CR2, s.cr2).map_err(uerr("CR2"))?;
+        if s.efer != cur.efer {
+            self.set_msr(MSR_EFER, s.efer)?;
+        }
+        for (i, r) in SEGS.iter().enumerate() {
+            if s.segs[i] != cur.segs[i] {
+                self.uc.reg_write(*r, s.segs[i] as u64).map_err(uerr("segment"))?;
+            }
+        }
+        if s.gdtr != cur.gdtr {
+            self.write_mmr(RegisterX86::GDTR, s.gdtr)?;
+        }
+        if s.idtr != cur.idtr {
+            self.write_mmr(RegisterX86::IDTR, s.idtr)?;
+        }
+        self.uc.reg_write(RegisterX86::FS_BASE, s.fs_base).map_err(uerr("FS_BASE"))?;
+        self.uc.reg_write(RegisterX86::GS_BASE, s.gs_base).map_err(uerr("GS_BASE"))?;
+        for (i, r) in GPRS.iter().enumerate() {
+            self.uc.reg_write(*r, s.gprs[i]).map_err(uerr("GPR"))?;
+        }
+        self.uc.reg_write(RegisterX86::RFLAGS, s.rflags).map_err(uerr("RFLAGS"))?;
+        self.uc.reg_write(RegisterX86::MXCSR, s.mxcsr as u64).map_err(uerr("MXCSR"))?;
+        for (i, x) in s.xmm.iter().enumerate() {
+            self.uc.reg_write_long(RegisterX86::XMM0 as i32 + i as i32, x).map_err(uerr("XMM"))?;
+        }
+        for (i, x) in s.st.iter().enumerate() {
+            self.uc.reg_write_long(RegisterX86::ST0 as i32 + i as i32, x).map_err(uerr("ST"))?;
+        }
+        self.uc.reg_write(RegisterX86::FPCW, s.fpcw as u64).map_err(uerr("FPCW"))?;
+        self.uc.reg_write(RegisterX86::FPSW, s.fpsw as u64).map_err(uerr("FPSW"))?;
+        self.uc.reg_write(RegisterX86::FPTAG, s.fptag as u64).map_err(uerr("FPTAG"))?;
+        self.uc.set_pc(s.rip).map_err(uerr("RIP"))?;
+        self.halted = s.halted;
+        Ok(())
+    }
+
+    fn kicker(&self) -> Arc<dyn Kicker> {
+        self.kicker.clone()
+    }
+}

@@ -1,0 +1,307 @@
+//! vCPU threads and their control: pause/resume with acknowledgement,
+//! state exchange while paused, and throttling for auto-converge.
+
+use crate::hypervisor::{Hypervisor, IoHandler, Kicker, VcpuExit, VcpuState};
+use anyhow::{anyhow, Result};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Want {
+    Run,
+    Pause,
+    Quit,
+}
+
+struct PerVcpu {
+    paused: bool,
+    /// State published at the last pause (or after a set).
+    state: Option<VcpuState>,
+    pending_set: Option<VcpuState>,
+    halted: bool,
+    error: Option<String>,
+    kicker: Option<Arc<dyn Kicker>>,
+}
+
+struct Ctl {
+    want: Want,
+    cpus: Vec<PerVcpu>,
+}
+
+struct Shared {
+    ctl: Mutex<Ctl>,
+    cv: Condvar,
+    throttle_pct: AtomicU8,
+}
+
+/// Throttle period: vCPUs are kicked this often while throttled and then
+/// sleep for their share (as QEMU's cpu-throttle does).
+const THROTTLE_SLICE: Duration = Duration::from_millis(10);
+
+pub struct VcpuSet {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    ticker: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct VcpuStatus {
+    pub halted: bool,
+    pub error: Option<String>,
+}
+
+impl VcpuSet {
+    /// Create `n` vCPU threads, all paused in their reset state.
+    pub fn start(
+        hv: Arc<dyn Hypervisor>,
+        n: u32,
+        ram_addr: *mut u8,
+        ram_size: u64,
+        io: Arc<dyn IoHandler>,
+    ) -> Result<VcpuSet> {
+        let shared = Arc::new(Shared {
+            ctl: Mutex::new(Ctl {
+                want: Want::Pause,
+                cpus: (0..n)
+                    .map(|_| PerVcpu { paused: false, state: None, pending_set: None, halted: false, error: None, kicker: None })
+                    .collect(),
+            }),
+            cv: Condvar::new(),
+            throttle_pct: AtomicU8::new(0),
+        });
+        let ram_addr = ram_addr as usize;
+        let mut threads = Vec::new();
+        for i in 0..n {
+            let (hv, io, sh) = (hv.clone(), io.clone(), shared.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("vcpu{i}"))
+                    .spawn(move || vcpu_thread(i as usize, hv, ram_addr as *mut u8, ram_size, io, sh))?,
+            );
+        }
+        let mut set = VcpuSet { shared, threads, ticker: None };
+        // Wait until every vCPU exists and has published its reset state.
+        let mut c = set.shared.ctl.lock().unwrap();
+        while !c.cpus.iter().all(|p| p.paused || p.error.is_some()) {
+            c = set.shared.cv.wait(c).unwrap();
+        }
+        if let Some(e) = c.cpus.iter().find_map(|p| p.error.clone()) {
+            drop(c);
+            set.shutdown();
+            return Err(anyhow!("creating vCPUs: {e}"));
+        }
+        drop(c);
+        let sh = set.shared.clone();
+        set.ticker = Some(std::thread::Builder::new().name("throttle".into()).spawn(move || throttle_ticker(sh))?);
+        Ok(set)
+    }
+
+    fn kick_all(c: &Ctl) {
+        for p in &c.cpus {
+            if let Some(k) = &p.kicker {
+                k.kick();
+            }
+        }
+    }
+
+    /// Stop every vCPU; returns once all have acknowledged.
+    pub fn pause(&self) {
+        let mut c = self.shared.ctl.lock().unwrap();
+        if c.want == Want::Quit {
+            return;
+        }
+        c.want = Want::Pause;
+        self.shared.cv.notify_all();
+        while !c.cpus.iter().all(|p| p.paused) {
+            Self::kick_all(&c);
+            c = self.shared.cv.wait_timeout(c, Duration::from_millis(1)).unwrap().0;
+        }
+    }
+
+    pub fn resume(&self) {
+        let mut c = self.shared.ctl.lock().unwrap();
+        if c.want == Want::Quit {
+            return;
+        }
+        c.want = Want::Run;
+        self.shared.cv.notify_all();
+    }
+
+    pub fn is_paused(&self) -> bool {
+        let c = self.shared.ctl.lock().unwrap();
+        c.want != Want::Run && c.cpus.iter().all(|p| p.paused)
+    }
+
+    /// States of all vCPUs; the set must be paused.
+    pub fn states(&self) -> Result<Vec<VcpuState>> {
+        let c = self.shared.ctl.lock().unwrap();
+        if !c.cpus.iter().all(|p| p.paused) {
+            return Err(anyhow!("vCPU state can only be read while the VM is paused"));
+        }
+        c.cpus.iter().map(|p| p.state.clone().ok_or_else(|| anyhow!("vCPU has no state"))).collect()
+    }
+
+    /// Load states into all vCPUs; the set must be paused.
+    pub fn set_states(&self, states: &[VcpuState]) -> Result<()> {
+        let mut c = self.shared.ctl.lock().unwrap();
+        if states.len() != c.cpus.len() {
+            return Err(anyhow!("state has {} vCPUs, this VM has {}", states.len(), c.cpus.len()));
+        }
+        if !c.cpus.iter().all(|p| p.paused) {
+            return Err(anyhow!("vCPU state can only be loaded while the VM is paused"));
+        }
+        for (p, s) in c.cpus.iter_mut().zip(states) {
+            p.pending_set = Some(s.clone());
+            p.error = None;
+        }
+        self.shared.cv.notify_all();
+        while c.cpus.iter().any(|p| p.pending_set.is_some()) {
+            c = self.shared.cv.wait(c).unwrap();
+        }
+        if let Some(e) = c.cpus.iter().find_map(|p| p.error.clone()) {
+            return Err(anyhow!("loading vCPU state: {e}"));
+        }
+        Ok(())
+    }
+
+    pub fn set_throttle(&self, pct: u8) {
+        self.shared.throttle_pct.store(pct.min(99), Ordering::Relaxed);
+    }
+
+    pub fn throttle(&self) -> u8 {
+        self.shared.throttle_pct.load(Ordering::Relaxed)
+    }
+
+    pub fn status(&self) -> Vec<VcpuStatus> {
+        let c = self.shared.ctl.lock().unwrap();
+        c.cpus.iter().map(|p| VcpuStatus { halted: p.halted, error: p.error.clone() }).collect()
+    }
+
+    pub fn shutdown(&mut self) {
+        {
+            let mut c = self.shared.ctl.lock().unwrap();
+            c.want = Want::Quit;
+            Self::kick_all(&c);
+            self.shared.cv.notify_all();
+        }
+        for t in self.threads.drain(..) {
+            // Kick until the thread sees Quit (a kick can race with run()).
+            while !t.is_finished() {
+                {
+                    let c = self.shared.ctl.lock().unwrap();
+                    Self::kick_all(&c);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let _ = t.join();
+        }
+        if let Some(t) = self.ticker.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for VcpuSet {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn throttle_ticker(sh: Arc<Shared>) {
+    loop {
+        std::thread::sleep(THROTTLE_SLICE);
+        let c = sh.ctl.lock().unwrap();
+        if c.want == Want::Quit {
+            return;
+        }
+        if sh.throttle_pct.load(Ordering::Relaxed) > 0 && c.want == Want::Run {
+            VcpuSet::kick_all(&c);
+        }
+    }
+}
+
+fn vcpu_thread(
+    i: usize,
+    hv: Arc<dyn Hypervisor>,
+    ram_addr: *mut u8,
+    ram_size: u64,
+    io: Arc<dyn IoHandler>,
+    sh: Arc<Shared>,
+) {
+    let mut vcpu = match hv.create_vcpu(i as u32, ram_addr, ram_size, io) {
+        Ok(v) => v,
+        Err(e) => {
+            let mut c = sh.ctl.lock().unwrap();
+            c.cpus[i].error = Some(format!("{e:#}"));
+            sh.cv.notify_all();
+            return;
+        }
+    };
+    {
+        let mut c = sh.ctl.lock().unwrap();
+        c.cpus[i].kicker = Some(vcpu.kicker());
+    }
+    loop {
+        // Control point: service state requests, wait while paused/halted.
+        {
+            let mut c = sh.ctl.lock().unwrap();
+            loop {
+                if let Some(s) = c.cpus[i].pending_set.take() {
+                    if let Err(e) = vcpu.set_state(&s) {
+                        c.cpus[i].error = Some(format!("{e:#}"));
+                    }
+                    c.cpus[i].state = vcpu.state().ok();
+                    c.cpus[i].halted = s.halted;
+                    sh.cv.notify_all();
+                }
+                match c.want {
+                    Want::Quit => {
+                        c.cpus[i].kicker = None;
+                        return;
+                    }
+                    Want::Pause => {
+                        if !c.cpus[i].paused {
+                            c.cpus[i].state = vcpu.state().ok();
+                            c.cpus[i].paused = true;
+                            sh.cv.notify_all();
+                        }
+                        c = sh.cv.wait(c).unwrap();
+                    }
+                    Want::Run => {
+                        c.cpus[i].paused = false;
+                        if c.cpus[i].halted || c.cpus[i].error.is_some() {
+                            c = sh.cv.wait(c).unwrap();
+                        } else {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        match vcpu.run() {
+            VcpuExit::Kicked => {
+                let pct = sh.throttle_pct.load(Ordering::Relaxed) as u32;
+                if pct > 0 {
+                    let sleep = THROTTLE_SLICE * pct / (100 - pct);
+                    let c = sh.ctl.lock().unwrap();
+                    if c.want == Want::Run {
+                        let _ = sh.cv.wait_timeout(c, sleep);
+                    }
+                }
+            }
+            VcpuExit::Halted => {
+                let mut c = sh.ctl.lock().unwrap();
+                c.cpus[i].halted = true;
+                sh.cv.notify_all();
+            }
+            VcpuExit::Error(e) => {
+                tracing::error!(vcpu = i, "vCPU stopped: {e}");
+                let mut c = sh.ctl.lock().unwrap();
+                c.cpus[i].error = Some(e);
+                sh.cv.notify_all();
+            }
+        }
+    }
+}

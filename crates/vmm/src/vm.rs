@@ -1,0 +1,309 @@
+//! One VM: RAM, buses, devices, vCPUs, and its run state.
+
+use crate::config::VmConfig;
+use crate::hypervisor::{unicorn::UnicornHypervisor, Hypervisor, VcpuState};
+use crate::io::Buses;
+use crate::memory::GuestRam;
+use crate::vcpus::VcpuSet;
+use anyhow::{anyhow, bail, Context, Result};
+use devices::console::DebugConsole;
+use devices::layout::*;
+use devices::pci::PciRoot;
+use devices::platform::{GuestClock, Platform, PlatformEvents};
+use devices::VmDevice;
+use serde::Serialize;
+use snapshot::{Section, StateSet};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use vm_memory::{Bytes, GuestAddress};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RunState {
+    /// Built, waiting for state from a save file or an incoming migration.
+    Inmigrate,
+    Running,
+    Paused,
+    /// The source after a completed outgoing migration.
+    Postmigrate,
+    /// The guest reported it is done (platform exit register).
+    Shutdown,
+    /// A vCPU hit something it cannot continue from.
+    InternalError,
+}
+
+const VCPU_STATE_VERSION: u32 = 1;
+
+pub struct Vm {
+    pub config: VmConfig,
+    ram: GuestRam,
+    buses: Arc<Buses>,
+    devices: Vec<(String, Arc<Mutex<dyn VmDevice>>)>,
+    pci: Arc<Mutex<PciRoot>>,
+    vcpus: Mutex<VcpuSet>,
+    clock: Arc<GuestClock>,
+    events: Arc<PlatformEvents>,
+    console_history: Arc<Mutex<Vec<String>>>,
+    state: Mutex<RunState>,
+}
+
+/// Where console lines go.
+pub type ConsoleSink = Box<dyn FnMut(&str) + Send>;
+
+impl Vm {
+    /// Build the machine with all vCPUs paused and RAM empty.
+    pub fn build(config: VmConfig, console: ConsoleSink) -> Result<Arc<Vm>> {
+        config.validate()?;
+        let ram = GuestRam::new(&config.name, config.memory)?;
+        let buses = Arc::new(Buses::default());
+        let clock = GuestClock::new();
+        let mut devices: Vec<(String, Arc<Mutex<dyn VmDevice>>)> = Vec::new();
+
+        let console = DebugConsole::new(console);
+        let console_history = console.history();
+        let console = Arc::new(Mutex::new(console));
+        buses.pio.insert(console.clone(), DEBUGCON_PORT as u64, 1)?;
+        devices.push(("console".into(), console));
+
+        let platform = Platform::new(clock.clone());
+        let events = platform.events();
+        let platform = Arc::new(Mutex::new(platform));
+        buses.mmio.insert(platform.clone(), PLATFORM_ADDR, 0x1000)?;
+        devices.push(("platform".into(), platform));
+
+        let pci = Arc::new(Mutex::new(PciRoot::new()));
+        buses.pio.insert(pci.clone(), PCI_CONFIG_ADDRESS as u64, 8)?;
+
+        if !config.nvme.is_empty() {
+            bail!("NVMe controllers are not available in this build yet");
+        }
+
+        let hv: Arc<dyn Hypervisor> = Arc::new(UnicornHypervisor);
+        let vcpus = VcpuSet::start(hv, config.vcpus, ram.host_addr(), ram.size(), buses.clone())?;
+        Ok(Arc::new(Vm {
+            config,
+            ram,
+            buses,
+            devices,
+            pci,
+            vcpus: Mutex::new(vcpus),
+            clock,
+            events,
+            console_history,
+            state: Mutex::new(RunState::Inmigrate),
+        }))
+    }
+
+    /// Load the firmware and point the vCPUs at it; the VM stays paused.
+    pub fn boot(&self) -> Result<()> {
+        let fw = &self.config.firmware;
+        let mut f = std::fs::File::open(fw)
+            .with_context(|| format!("opening firmware {}", fw.display()))?;
+        use linux_loader::loader::KernelLoader;
+        let loaded = linux_loader::loader::Elf::load(
+            self.ram.memory(),
+            None,
+            &mut f,
+            Some(GuestAddress(FIRMWARE_ADDR)),
+        )
+        .map_err(|e| anyhow!("loading firmware {}: {e}", fw.display()))?;
+        let firmware_end = (loaded.kernel_end + 0xfff) & !0xfff;
+        if firmware_end > self.ram.size() {
+            bail!("firmware does not fit in {} MiB of RAM", self.ram.size() >> 20);
+        }
+        let entry = elf_entry(fw)?;
+        let mem = self.ram.memory();
+        mem.write_slice(self.config.cmdline.as_bytes(), GuestAddress(CMDLINE_ADDR))?;
+        let info = BootInfo {
+            magic: BOOT_MAGIC,
+            ram_size: self.ram.size(),
+            num_vcpus: self.config.vcpus,
+            _pad: 0,
+            mmio_base: MMIO_BASE,
+            cmdline_addr: CMDLINE_ADDR,
+            cmdline_len: self.config.cmdline.len() as u64,
+            firmware_end,
+        };
+        mem.write_slice(&info.to_bytes(), GuestAddress(BOOT_INFO_ADDR))?;
+        let vcpus = self.vcpus.lock().unwrap();
+        let mut states = vcpus.states()?;
+        for (i, s) in states.iter_mut().enumerate() {
+            s.rip = entry;
+            s.gprs[5] = BOOT_INFO_ADDR; // rdi
+            s.gprs[4] = i as u64; // rsi
+            s.gprs[7] = 0; // rsp: the firmware sets its own stack
+        }
+        vcpus.set_states(&states)?;
+        *self.state.lock().unwrap() = RunState::Paused;
+        Ok(())
+    }
+
+    pub fn run_state(&self) -> RunState {
+        let mut st = self.state.lock().unwrap();
+        // Fold in what the guest and vCPUs reported since.
+        if *st == RunState::Running {
+            if self.events.exit_code.load(Ordering::SeqCst) >= 0 {
+                *st = RunState::Shutdown;
+            } else if self.vcpus.lock().unwrap().status().iter().any(|s| s.error.is_some()) {
+                *st = RunState::InternalError;
+            }
+        }
+        *st
+    }
+
+    pub fn set_run_state(&self, s: RunState) {
+        *self.state.lock().unwrap() = s;
+    }
+
+    /// Exit code the guest reported, if it exited.
+    pub fn guest_exit_code(&self) -> Option<u32> {
+        let c = self.events.exit_code.load(Ordering::SeqCst);
+        (c >= 0).then_some(c as u32)
+    }
+
+    pub fn guest_progress(&self) -> u64 {
+        self.events.progress.load(Ordering::Relaxed)
+    }
+
+    pub fn guest_time_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
+    pub fn console_lines(&self) -> Vec<String> {
+        self.console_history.lock().unwrap().clone()
+    }
+
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
+    pub fn buses(&self) -> &Arc<Buses> {
+        &self.buses
+    }
+
+    pub fn pci(&self) -> &Arc<Mutex<PciRoot>> {
+        &self.pci
+    }
+
+    pub fn vcpu_status(&self) -> Vec<crate::vcpus::VcpuStatus> {
+        self.vcpus.lock().unwrap().status()
+    }
+
+    /// Stop vCPUs, then quiesce devices; nothing writes guest RAM after this.
+    pub fn pause(&self) {
+        self.vcpus.lock().unwrap().pause();
+        for (_, d) in &self.devices {
+            d.lock().unwrap().pause();
+        }
+        self.clock.set_running(false);
+        let mut st = self.state.lock().unwrap();
+        if *st == RunState::Running {
+            *st = RunState::Paused;
+        }
+    }
+
+    pub fn resume(&self) -> Result<()> {
+        let st = self.run_state();
+        match st {
+            RunState::Paused | RunState::Inmigrate => {}
+            RunState::Running => return Ok(()),
+            other => bail!("cannot run a VM in state {other:?}"),
+        }
+        for (_, d) in &self.devices {
+            d.lock().unwrap().resume();
+        }
+        self.clock.set_running(true);
+        *self.state.lock().unwrap() = RunState::Running;
+        self.vcpus.lock().unwrap().resume();
+        Ok(())
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.vcpus.lock().unwrap().is_paused()
+    }
+
+    /// vCPU and device state; the VM must be paused.
+    pub fn save_state(&self) -> Result<StateSet> {
+        let vcpus = self.vcpus.lock().unwrap();
+        let mut set = StateSet::default();
+        for (i, s) in vcpus.states()?.iter().enumerate() {
+            set.push(Section::encode(&format!("cpu{i}"), VCPU_STATE_VERSION, s));
+        }
+        for (_, d) in &self.devices {
+            set.push(d.lock().unwrap().save()?);
+        }
+        Ok(set)
+    }
+
+    /// Load state saved from a VM of the same shape; the VM must be paused.
+    pub fn restore_state(&self, set: &StateSet) -> Result<()> {
+        let vcpus = self.vcpus.lock().unwrap();
+        let mut states = Vec::new();
+        for i in 0..self.config.vcpus {
+            let s: VcpuState = set.get(&format!("cpu{i}"))?.decode(VCPU_STATE_VERSION)?;
+            states.push(s);
+        }
+        if set.get(&format!("cpu{}", self.config.vcpus)).is_ok() {
+            bail!("saved state has more vCPUs than this VM ({})", self.config.vcpus);
+        }
+        for (name, d) in &self.devices {
+            d.lock().unwrap().restore(set.get(name)?)?;
+        }
+        vcpus.set_states(&states)?;
+        drop(vcpus);
+        let mut st = self.state.lock().unwrap();
+        if *st == RunState::Inmigrate {
+            *st = RunState::Paused;
+        }
+        Ok(())
+    }
+
+    pub fn set_cpu_throttle(&self, pct: u8) {
+        self.vcpus.lock().unwrap().set_throttle(pct);
+    }
+
+    pub fn cpu_throttle(&self) -> u8 {
+        self.vcpus.lock().unwrap().throttle()
+    }
+
+    /// Stop the vCPU threads for good (the process is about to exit).
+    pub fn shutdown(&self) {
+        self.vcpus.lock().unwrap().shutdown();
+    }
+}
+
+/// The ELF entry point (linux-loader reports load addresses, not the entry).
+fn elf_entry(path: &std::path::Path) -> Result<u64> {
+    use std::io::Read;
+    let mut hdr = [0u8; 32];
+    std::fs::File::open(path)?.read_exact(&mut hdr)?;
+    if &hdr[..4] != b"\x7fELF" || hdr[4] != 2 {
+        bail!("{} is not a 64-bit ELF file", path.display());
+    }
+    Ok(u64::from_le_bytes(hdr[24..32].try_into().unwrap()))
+}
+
+impl migration::vm::MigratableVm for Vm {
+    fn ram(&self) -> migration::vm::RamRegion {
+        migration::vm::RamRegion { host_addr: self.ram.host_addr(), len: self.ram.size(), memfd: self.ram.memfd_raw() }
+    }
+    fn pause(&self) -> Result<()> {
+        Vm::pause(self);
+        Ok(())
+    }
+    fn resume(&self) -> Result<()> {
+        Vm::resume(self)
+    }
+    fn save_state(&self) -> Result<StateSet> {
+        Vm::save_state(self)
+    }
+    fn restore_state(&self, s: &StateSet) -> Result<()> {
+        Vm::restore_state(self, s)
+    }
+    fn set_cpu_throttle(&self, pct: u8) {
+        Vm::set_cpu_throttle(self, pct)
+    }
+    fn shape(&self) -> String {
+        self.config.shape()
+    }
+}
