@@ -1,3 +1,20 @@
 //! The migration engine. It knows a VM only through [`vm::MigratableVm`].
+//!
+//! - [`dirty`]: write tracking (uffd async write-protect + PAGEMAP_SCAN)
+//! - [`source`] / [`dest`]: the two ends of a precopy migration
+//! - [`wire`]: the versioned stream format; [`compress`]: per-page codecs
+//! - [`qmp`]: the control-socket commands the vmm forwards
+//! - [`memvm`]: a small VM (memfd RAM + dirtier threads) for tests and benches
 
+pub mod compress;
+pub mod cputime;
+pub mod dest;
+pub mod dirty;
+pub mod memvm;
+pub mod pages;
+pub mod qmp;
+pub mod ratelimit;
+pub mod source;
+pub mod stats;
 pub mod vm;
+pub mod wire;

@@ -23,6 +23,16 @@ pub struct RamRegion {
 unsafe impl Send for RamRegion {}
 unsafe impl Sync for RamRegion {}
 
+impl RamRegion {
+    pub fn pages(&self) -> u64 {
+        self.len / crate::dirty::PAGE_SIZE
+    }
+    /// Pages of the memfd that hold data (all others are holes: zero).
+    pub fn data_ranges(&self) -> std::io::Result<Vec<crate::pages::PageRange>> {
+        crate::pages::data_ranges(self.memfd, self.len, crate::dirty::PAGE_SIZE)
+    }
+}
+
 pub trait MigratableVm: Send + Sync {
     fn ram(&self) -> RamRegion;
 
@@ -45,4 +55,10 @@ pub trait MigratableVm: Send + Sync {
     /// A description of the VM shape (RAM size, vCPUs, devices) that must be
     /// identical on both ends of a migration.
     fn shape(&self) -> String;
+
+    /// Expected size in bytes of [`save_state`](Self::save_state)'s encoding,
+    /// known while the VM runs; the downtime estimate includes it.
+    fn state_size_estimate(&self) -> u64 {
+        256 << 10
+    }
 }

@@ -1,0 +1,361 @@
+//! The incoming side. The VM stays paused, and never runs, unless every
+//! channel ended cleanly, the page counts match what the source sent, every
+//! page of RAM arrived at least once, and the state loaded.
+
+use crate::compress::{decompress, Compress};
+use crate::cputime::{thread_cpu_s, unix_ns};
+use crate::dirty::PAGE_SIZE;
+use crate::pages::AtomicBitmap;
+use crate::stats::{Control, Status};
+use crate::vm::{MigratableVm, RamRegion};
+use crate::wire::{self, DataItem, DataReader, Msg, Record, Records, WireError};
+use anyhow::{anyhow, bail, Context, Result};
+use snapshot::StateSet;
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Longest silence accepted on a data connection during a migration.
+pub const DATA_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct IncomingParams {
+    /// Start the vCPUs once the state is in (false: stay paused, e.g. to
+    /// compare RAM hashes first; the vmm's `cont` starts it later).
+    pub resume: bool,
+    /// Give up if no source connects within this many seconds (0 = wait).
+    pub accept_timeout_s: u64,
+}
+
+impl Default for IncomingParams {
+    fn default() -> Self {
+        IncomingParams { resume: true, accept_timeout_s: 0 }
+    }
+}
+
+/// A barrier that a failing channel can break, so the others stop waiting.
+struct RoundBarrier {
+    n: usize,
+    st: Mutex<(usize, u64, bool)>, // (arrived, generation, broken)
+    cv: Condvar,
+}
+
+impl RoundBarrier {
+    fn wait(&self) -> Result<()> {
+        let mut g = self.st.lock().unwrap();
+        if g.2 {
+            bail!("another channel failed");
+        }
+        g.0 += 1;
+        if g.0 == self.n {
+            g.0 = 0;
+            g.1 += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let gen = g.1;
+        while g.1 == gen && !g.2 {
+            g = self.cv.wait(g).unwrap();
+        }
+        if g.2 {
+            bail!("another channel failed");
+        }
+        Ok(())
+    }
+    fn break_all(&self) {
+        self.st.lock().unwrap().2 = true;
+        self.cv.notify_all();
+    }
+}
+
+struct RxShared {
+    ram: RamRegion,
+    total: u64,
+    /// Pages that may hold non-zero bytes here (memfd data, or we wrote them).
+    maybe_nonzero: AtomicBitmap,
+    /// Pages received at least once.
+    seen: AtomicBitmap,
+    barrier: RoundBarrier,
+    ctl: Arc<Control>,
+}
+
+fn page_mut(ram: &RamRegion, pfn: u64) -> &mut [u8] {
+    // SAFETY: callers checked pfn < total pages (Records does); only one
+    // channel writes a given page per round, and rounds are barriers apart.
+    unsafe { std::slice::from_raw_parts_mut(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) }
+}
+
+fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
+    let mut rd = DataReader::default();
+    let mut zstd = None;
+    let mut pages = 0u64;
+    let r = (|| -> Result<u64> {
+        loop {
+            match rd.next(&mut s)? {
+                DataItem::Pages { records } => {
+                    let mut it = Records::new(&rd.payload, records, sh.total);
+                    let (mut n, wire) = (0u64, rd.payload.len() as u64 + 17);
+                    while let Some(rec) = it.next_record()? {
+                        match rec {
+                            Record::Zero { pfn, count } => {
+                                for p in pfn..pfn + count {
+                                    if sh.maybe_nonzero.get(p) {
+                                        page_mut(&sh.ram, p).fill(0);
+                                    }
+                                    sh.seen.set(p);
+                                }
+                                n += count;
+                            }
+                            Record::Raw { pfn, data } => {
+                                page_mut(&sh.ram, pfn).copy_from_slice(data);
+                                sh.maybe_nonzero.set(pfn);
+                                sh.seen.set(pfn);
+                                n += 1;
+                            }
+                            Record::Compressed { pfn, kind, data } => {
+                                decompress(kind, data, page_mut(&sh.ram, pfn), &mut zstd)
+                                    .map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
+                                sh.maybe_nonzero.set(pfn);
+                                sh.seen.set(pfn);
+                                n += 1;
+                            }
+                        }
+                    }
+                    pages += n;
+                    sh.ctl.update(|st| {
+                        st.pages_sent += n;
+                        st.wire_bytes += wire;
+                    });
+                }
+                DataItem::Sync(_) => sh.barrier.wait()?,
+                DataItem::Eos(claimed) => {
+                    if claimed != pages {
+                        bail!("channel ended claiming {claimed} pages, {pages} arrived");
+                    }
+                    return Ok(pages);
+                }
+            }
+        }
+    })();
+    if r.is_err() {
+        sh.barrier.break_all();
+        sh.ctl.shutdown_all();
+    }
+    r.map(|p| (p, thread_cpu_s()))
+}
+
+/// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks one).
+pub fn listen(uri: &str) -> Result<TcpListener> {
+    let a = uri.strip_prefix("tcp:").unwrap_or(uri);
+    TcpListener::bind(a).with_context(|| format!("listening on {a}"))
+}
+
+fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) -> Result<TcpStream> {
+    l.set_nonblocking(true)?;
+    let t = Instant::now();
+    loop {
+        match l.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false)?;
+                s.set_nodelay(true)?;
+                ctl.register(&s);
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if ctl.is_cancelled() {
+                    bail!("cancelled");
+                }
+                if timeout.is_some_and(|to| t.elapsed() >= to) {
+                    bail!("no connection from the source within {:?}", timeout.unwrap());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Receive one migration on `listener` into the paused `vm`.
+pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingParams, ctl: Arc<Control>) -> Result<bool> {
+    let t0 = Instant::now();
+    let cpu0 = thread_cpu_s();
+    ctl.update(|s| {
+        s.status = Status::Setup;
+        s.role = "incoming".into();
+        s.peer = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    });
+    let mut control: Option<TcpStream> = None;
+    let r = run_inner(&vm, &listener, params, &ctl, &mut control, t0);
+    if let Err(e) = &r {
+        if let Some(c) = control.as_mut() {
+            let _ = wire::send_msg(c, &Msg::Abort { reason: format!("{e:#}") });
+        }
+        ctl.shutdown_all();
+    }
+    let cpu = thread_cpu_s() - cpu0;
+    ctl.update(|s| {
+        s.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+        s.cpu_s_dest = Some(s.cpu_s_dest.unwrap_or(0.0) + cpu);
+        match &r {
+            Ok(_) => s.status = Status::Completed,
+            Err(e) => {
+                s.status = if ctl.is_cancelled() { Status::Cancelled } else { Status::Failed };
+                s.error = Some(format!("{e:#}"));
+            }
+        }
+    });
+    r
+}
+
+fn run_inner(
+    vm: &Arc<dyn MigratableVm>,
+    listener: &TcpListener,
+    params: &IncomingParams,
+    ctl: &Arc<Control>,
+    control_out: &mut Option<TcpStream>,
+    t0: Instant,
+) -> Result<bool> {
+    let ram = vm.ram();
+    let total = ram.pages();
+    let timeout = (params.accept_timeout_s > 0).then(|| Duration::from_secs(params.accept_timeout_s));
+    let mut control = accept(listener, ctl, timeout)?;
+    *control_out = Some(control.try_clone()?);
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let role = match wire::read_preamble(&mut control) {
+        Ok(r) => r,
+        Err(e) => {
+            // Answer in our own version so that an older or newer source
+            // prints the reason rather than a bare disconnect.
+            let _ = wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL);
+            return Err(anyhow!("source stream: {e}"));
+        }
+    };
+    if role != wire::ROLE_CONTROL {
+        bail!("first connection is not a control connection");
+    }
+    let (session, channels, compress) = match wire::recv_msg(&mut control)? {
+        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode } => {
+            let mine = vm.shape();
+            if shape != mine {
+                bail!("VM shape differs: source {shape:?}, destination {mine:?}");
+            }
+            if ram_bytes != ram.len || page_size != PAGE_SIZE {
+                bail!("RAM differs: source {ram_bytes} bytes in {page_size}-byte pages, here {} in {PAGE_SIZE}", ram.len);
+            }
+            if mode != "precopy" {
+                bail!("migration mode {mode:?} is not supported by this destination");
+            }
+            if !(1..=64).contains(&channels) {
+                bail!("{channels} channels is out of range");
+            }
+            let c: Compress = compress.parse().map_err(|e: String| anyhow!(e))?;
+            (session, channels as usize, c)
+        }
+        other => bail!("expected hello, got {other:?}"),
+    };
+    wire::send_msg(&mut control, &Msg::Welcome)?;
+    ctl.update(|s| {
+        s.channels = channels as u32;
+        s.compress = compress.to_string();
+        s.ram_bytes = ram.len;
+        s.total_pages = total;
+    });
+
+    let mut streams: Vec<Option<TcpStream>> = (0..channels).map(|_| None).collect();
+    for _ in 0..channels {
+        let mut s = accept(listener, ctl, Some(Duration::from_secs(30)))?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        if wire::read_preamble(&mut s)? != wire::ROLE_DATA {
+            bail!("expected a data connection");
+        }
+        match wire::recv_msg(&mut s)? {
+            Msg::Channel { session: ss, index } if ss == session && (index as usize) < channels && streams[index as usize].is_none() => {
+                // A source that vanishes without a FIN (link cut) must not
+                // leave us waiting forever.
+                s.set_read_timeout(Some(DATA_IDLE_TIMEOUT))?;
+                streams[index as usize] = Some(s);
+            }
+            other => bail!("bad data connection greeting {other:?}"),
+        }
+    }
+    ctl.update(|s| {
+        s.status = Status::Active;
+        s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+    });
+
+    let maybe_nonzero = AtomicBitmap::new(total);
+    for r in ram.data_ranges()? {
+        maybe_nonzero.set_range(r);
+    }
+    let sh = Arc::new(RxShared {
+        ram,
+        total,
+        maybe_nonzero,
+        seen: AtomicBitmap::new(total),
+        barrier: RoundBarrier { n: channels, st: Mutex::new((0, 0, false)), cv: Condvar::new() },
+        ctl: ctl.clone(),
+    });
+    let threads: Vec<_> = streams
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let s = s.expect("all channels connected");
+            let sh = sh.clone();
+            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
+        })
+        .collect::<std::io::Result<_>>()?;
+
+    // The control connection is quiet until the source's End; a failing
+    // channel shuts it down, which ends this read too.
+    control.set_read_timeout(None)?;
+    let end = wire::recv_msg(&mut control);
+    if end.is_err() {
+        ctl.shutdown_all();
+    }
+    let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(anyhow!("channel thread panicked")))).collect();
+    let mut per_channel = Vec::new();
+    let mut cpu = 0.0;
+    for (i, r) in results.into_iter().enumerate() {
+        let (p, c) = r.with_context(|| format!("data channel {i}"))?;
+        per_channel.push(p);
+        cpu += c;
+    }
+    let (claimed, rounds, state_bytes) = match end.map_err(|e| anyhow!("control connection: {e}"))? {
+        Msg::End { pages_per_channel, rounds, state_bytes, .. } => (pages_per_channel, rounds, state_bytes),
+        Msg::Abort { reason } => bail!("source aborted: {reason}"),
+        other => bail!("expected end of stream, got {other:?}"),
+    };
+    if claimed != per_channel {
+        bail!("incomplete stream: source sent {claimed:?} pages per channel, {per_channel:?} arrived");
+    }
+    let seen = sh.seen.count_ones();
+    if seen != total {
+        bail!("incomplete stream: {} of {total} pages never arrived", total - seen);
+    }
+    control.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let blob = wire::recv_blob(&mut control).map_err(|e| anyhow!("state: {e}"))?;
+    if blob.len() as u64 != state_bytes {
+        bail!("state is {} bytes, source announced {state_bytes}", blob.len());
+    }
+    let state = StateSet::read_from(&mut blob.as_slice()).context("decoding vCPU and device state")?;
+    vm.restore_state(&state).context("loading vCPU and device state")?;
+    ctl.update(|s| {
+        s.rounds = rounds;
+        s.state_bytes = state_bytes;
+        s.status = Status::Device;
+        s.cpu_s_dest = Some(cpu);
+    });
+    wire::send_msg(&mut control, &Msg::Loaded { cpu_s: cpu })?;
+    match wire::recv_msg(&mut control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
+        Msg::Go => {}
+        other => bail!("expected go, got {other:?}"),
+    }
+    let resumed = params.resume;
+    if resumed {
+        vm.resume().context("starting the VM")?;
+    }
+    let t = unix_ns();
+    let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
+    Ok(resumed)
+}

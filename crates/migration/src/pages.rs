@@ -1,0 +1,141 @@
+//! Page sets: ranges of page numbers, an atomic bitmap, and the holes of a
+//! memfd (pages never written, known to be zero without touching them).
+
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// `count` pages starting at page number `first`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageRange {
+    pub first: u64,
+    pub count: u64,
+}
+
+impl PageRange {
+    pub fn end(&self) -> u64 {
+        self.first + self.count
+    }
+}
+
+/// Sort, merge overlapping or adjacent ranges, clip to `total` pages.
+pub fn normalize(mut v: Vec<PageRange>, total: u64) -> Vec<PageRange> {
+    v.retain(|r| r.count > 0 && r.first < total);
+    v.sort_by_key(|r| r.first);
+    let mut out: Vec<PageRange> = Vec::with_capacity(v.len());
+    for r in v {
+        let end = r.end().min(total);
+        match out.last_mut() {
+            Some(last) if r.first <= last.end() => {
+                if end > last.end() {
+                    last.count = end - last.first;
+                }
+            }
+            _ => out.push(PageRange { first: r.first, count: end - r.first }),
+        }
+    }
+    out
+}
+
+pub fn count_pages(v: &[PageRange]) -> u64 {
+    v.iter().map(|r| r.count).sum()
+}
+
+/// A fixed-size bitmap that many threads set bits in.
+pub struct AtomicBitmap {
+    words: Vec<AtomicU64>,
+    bits: u64,
+}
+
+impl AtomicBitmap {
+    pub fn new(bits: u64) -> Self {
+        AtomicBitmap { words: (0..bits.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(), bits }
+    }
+    pub fn set(&self, i: u64) {
+        self.words[(i / 64) as usize].fetch_or(1 << (i % 64), Ordering::Relaxed);
+    }
+    pub fn get(&self, i: u64) -> bool {
+        self.words[(i / 64) as usize].load(Ordering::Relaxed) & (1 << (i % 64)) != 0
+    }
+    pub fn set_range(&self, r: PageRange) {
+        for i in r.first..r.end() {
+            self.set(i);
+        }
+    }
+    pub fn count_ones(&self) -> u64 {
+        self.words.iter().map(|w| w.load(Ordering::Relaxed).count_ones() as u64).sum()
+    }
+    pub fn len(&self) -> u64 {
+        self.bits
+    }
+    pub fn is_empty(&self) -> bool {
+        self.bits == 0
+    }
+}
+
+/// Page ranges of `fd` (bytes [0, len)) that hold data, per SEEK_DATA /
+/// SEEK_HOLE. Everything else is a hole and reads as zero; reading a shmem
+/// hole through a mapping would allocate it, so we never do.
+pub fn data_ranges(fd: RawFd, len: u64, page: u64) -> std::io::Result<Vec<PageRange>> {
+    let mut out = Vec::new();
+    let mut off: i64 = 0;
+    while (off as u64) < len {
+        // SAFETY: lseek on a valid fd has no memory effects.
+        let data = unsafe { libc::lseek(fd, off, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // no data after `off`
+            }
+            return Err(e);
+        }
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let first = data as u64 / page;
+        let end = (hole as u64).min(len).div_ceil(page);
+        if end > first {
+            out.push(PageRange { first, count: end - first });
+        }
+        off = hole;
+    }
+    Ok(out)
+}
+
+/// Split `ranges` into the complement within [0, total).
+pub fn complement(ranges: &[PageRange], total: u64) -> Vec<PageRange> {
+    let mut out = Vec::new();
+    let mut cur = 0;
+    for r in ranges {
+        if r.first > cur {
+            out.push(PageRange { first: cur, count: r.first - cur });
+        }
+        cur = cur.max(r.end());
+    }
+    if cur < total {
+        out.push(PageRange { first: cur, count: total - cur });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalize_merges_and_clips() {
+        let v = vec![
+            PageRange { first: 10, count: 5 },
+            PageRange { first: 0, count: 2 },
+            PageRange { first: 2, count: 1 },
+            PageRange { first: 12, count: 10 },
+            PageRange { first: 95, count: 10 },
+        ];
+        assert_eq!(
+            normalize(v, 100),
+            vec![PageRange { first: 0, count: 3 }, PageRange { first: 10, count: 12 }, PageRange { first: 95, count: 5 }]
+        );
+        let c = complement(&[PageRange { first: 2, count: 3 }], 10);
+        assert_eq!(c, vec![PageRange { first: 0, count: 2 }, PageRange { first: 5, count: 5 }]);
+    }
+}

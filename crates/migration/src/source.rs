@@ -1,0 +1,582 @@
+//! The outgoing side of a precopy migration.
+//!
+//! One control connection and N data connections. Each round's pages are
+//! cut into chunks that the channel threads take from a shared index, so a
+//! channel that goes faster simply takes more chunks. Every round ends with
+//! a SYNC on every channel: the destination applies round r+1 only after all
+//! of round r, so a page resent on another channel never loses to its older
+//! copy.
+
+use crate::compress::{Compress, PageCompressor};
+use crate::cputime::{thread_cpu_s, unix_ns};
+use crate::dirty::{DirtyLog, DirtySource, PAGE_SIZE};
+use crate::pages::{complement, count_pages, normalize, PageRange};
+use crate::ratelimit::TokenBucket;
+use crate::stats::{Control, Params, RoundStat, Status};
+use crate::vm::{MigratableVm, RamRegion};
+use crate::wire::{self, BatchWriter, Enc, Msg};
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::Write;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Pages per work chunk: big enough to amortize, small enough to balance.
+const CHUNK_PAGES: u64 = 256;
+/// Zero ranges are cheap (one record per run), so their chunks are large.
+const ZERO_CHUNK_PAGES: u64 = 1 << 20;
+
+#[derive(Clone, Copy)]
+struct WorkItem {
+    first: u64,
+    count: u64,
+    /// A memfd hole: zero without reading it.
+    known_zero: bool,
+}
+
+struct RoundWork {
+    round: u64,
+    items: Vec<WorkItem>,
+    next: AtomicUsize,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Sent {
+    pages: u64,
+    zero: u64,
+    raw: u64,
+    compressed: u64,
+    wire: u64,
+}
+
+impl Sent {
+    fn add(&mut self, o: &Sent) {
+        self.pages += o.pages;
+        self.zero += o.zero;
+        self.raw += o.raw;
+        self.compressed += o.compressed;
+        self.wire += o.wire;
+    }
+}
+
+enum Job {
+    Round(Arc<RoundWork>),
+    Finish,
+}
+
+enum Reply {
+    RoundDone(usize, Result<Sent>),
+    Finished(usize, Result<(u64, f64)>),
+}
+
+fn chunk(ranges: &[PageRange], size: u64, known_zero: bool, out: &mut Vec<WorkItem>) {
+    for r in ranges {
+        let mut f = r.first;
+        while f < r.end() {
+            let c = size.min(r.end() - f);
+            out.push(WorkItem { first: f, count: c, known_zero });
+            f += c;
+        }
+    }
+}
+
+/// True if every byte is zero (the compiler vectorizes the OR-fold).
+pub fn is_zero(p: &[u8]) -> bool {
+    let (a, words, b) = unsafe { p.align_to::<u64>() };
+    a.iter().all(|&x| x == 0) && b.iter().all(|&x| x == 0) && words.iter().fold(0u64, |acc, &w| acc | w) == 0
+}
+
+struct Channel {
+    index: usize,
+    stream: TcpStream,
+    ram: RamRegion,
+    compress: Compress,
+    bucket: Arc<TokenBucket>,
+    ctl: Arc<Control>,
+    total_pages_sent: u64,
+}
+
+impl Channel {
+    fn run(mut self, jobs: mpsc::Receiver<Job>, replies: mpsc::Sender<Reply>) {
+        let mut comp = match PageCompressor::new(self.compress) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = replies.send(Reply::RoundDone(self.index, Err(e.into())));
+                return;
+            }
+        };
+        let mut batch = BatchWriter::new();
+        let mut cbuf = Vec::with_capacity(2 * PAGE_SIZE as usize);
+        while let Ok(job) = jobs.recv() {
+            match job {
+                Job::Round(w) => {
+                    let r = self.send_round(&w, &mut comp, &mut batch, &mut cbuf);
+                    if replies.send(Reply::RoundDone(self.index, r)).is_err() {
+                        return;
+                    }
+                }
+                Job::Finish => {
+                    let r = wire::write_eos(&mut self.stream, self.total_pages_sent)
+                        .and_then(|_| self.stream.flush())
+                        .map(|_| (self.total_pages_sent, thread_cpu_s()))
+                        .map_err(|e| anyhow!("channel {}: {e}", self.index));
+                    let _ = replies.send(Reply::Finished(self.index, r));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn flush(&mut self, batch: &mut BatchWriter, sent: &mut Sent) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let pages = batch.pages;
+        let bytes = batch.seal();
+        self.bucket.take(bytes.len());
+        self.stream.write_all(bytes).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
+        sent.wire += bytes.len() as u64;
+        self.total_pages_sent += pages;
+        let (w, p) = (bytes.len() as u64, pages);
+        batch.reset();
+        self.ctl.update(|s| {
+            s.wire_bytes += w;
+            s.pages_sent += p;
+        });
+        Ok(())
+    }
+
+    fn send_round(&mut self, w: &RoundWork, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
+        let mut sent = Sent::default();
+        loop {
+            if self.ctl.is_cancelled() {
+                bail!("cancelled");
+            }
+            let i = w.next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = w.items.get(i) else { break };
+            if item.known_zero {
+                batch.zero_run(item.first, item.count as u32);
+                sent.pages += item.count;
+                sent.zero += item.count;
+                if batch.is_full() {
+                    self.flush(batch, &mut sent)?;
+                }
+                continue;
+            }
+            let mut run: Option<(u64, u32)> = None;
+            for pfn in item.first..item.first + item.count {
+                // SAFETY: pfn < pages of the live mapping (checked by the
+                // range math); guest writes may race with this copy, and
+                // such a page is dirty again and resent next round.
+                let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
+                let slot = batch.raw(pfn);
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), slot.as_mut_ptr(), slot.len()) };
+                sent.pages += 1;
+                if is_zero(slot) {
+                    batch.pop_raw();
+                    sent.zero += 1;
+                    run = match run {
+                        Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
+                        Some((f, c)) => {
+                            batch.zero_run(f, c);
+                            Some((pfn, 1))
+                        }
+                        None => Some((pfn, 1)),
+                    };
+                    continue;
+                }
+                // Records carry their own page numbers, so order is free.
+                if let Some((f, c)) = run.take() {
+                    batch.zero_run(f, c);
+                }
+                if comp.compress(batch.last_raw(), cbuf) {
+                    batch.pop_raw();
+                    let enc = if self.compress == Compress::Lz4 { Enc::Lz4 } else { Enc::Zstd };
+                    batch.compressed(pfn, enc, cbuf);
+                    sent.compressed += 1;
+                } else {
+                    sent.raw += 1;
+                }
+                if batch.is_full() {
+                    self.flush(batch, &mut sent)?;
+                }
+            }
+            if let Some((f, c)) = run {
+                batch.zero_run(f, c);
+            }
+        }
+        self.flush(batch, &mut sent)?;
+        wire::write_sync(&mut self.stream, w.round).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
+        Ok(sent)
+    }
+}
+
+fn parse_tcp_uri(uri: &str) -> Result<String> {
+    let a = uri.strip_prefix("tcp:").unwrap_or(uri);
+    if a.rsplit_once(':').is_none() {
+        bail!("bad migration address {uri:?} (expected tcp:HOST:PORT)");
+    }
+    Ok(a.to_string())
+}
+
+fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
+    let sa = addr
+        .to_socket_addrs()
+        .with_context(|| format!("resolving {addr}"))?
+        .next()
+        .ok_or_else(|| anyhow!("{addr} resolves to nothing"))?;
+    let s = TcpStream::connect_timeout(&sa, Duration::from_secs(10)).with_context(|| format!("connecting to {addr}"))?;
+    s.set_nodelay(true)?;
+    ctl.register(&s);
+    Ok(s)
+}
+
+/// Everything the engine holds that must be undone if the migration fails.
+struct Outgoing {
+    vm: Arc<dyn MigratableVm>,
+    ctl: Arc<Control>,
+    paused_by_us: bool,
+    committed: bool,
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        // Failure or cancel before commit: the VM runs on here, full speed.
+        self.vm.set_cpu_throttle(0);
+        if !self.committed {
+            self.ctl.shutdown_all();
+            if self.paused_by_us {
+                if let Err(e) = self.vm.resume() {
+                    tracing::error!("migration failed and the VM could not be resumed: {e:#}");
+                }
+            }
+        }
+    }
+}
+
+/// Run an outgoing migration to `uri` to its end. On success the VM stays
+/// paused here (the destination runs it); on any failure it runs here again
+/// with its memory untouched. Progress and the result are in `ctl.stats`.
+pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<Arc<dyn DirtySource>>, ctl: Arc<Control>) -> Result<()> {
+    let t0 = Instant::now();
+    let cpu0 = thread_cpu_s();
+    let r = run_inner(vm, uri, params, sources, &ctl, t0);
+    let cpu_main = thread_cpu_s() - cpu0;
+    ctl.update(|s| {
+        s.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+        s.cpu_s_source = Some(s.cpu_s_source.unwrap_or(0.0) + cpu_main);
+        let secs = s.total_ms / 1e3;
+        if secs > 0.0 {
+            s.throughput_gbps = s.wire_bytes as f64 * 8.0 / secs / 1e9;
+            s.ram_throughput_gbps = (s.pages_sent - s.zero_pages) as f64 * PAGE_SIZE as f64 * 8.0 / secs / 1e9;
+        }
+        match &r {
+            Ok(()) => s.status = Status::Completed,
+            Err(e) => {
+                s.status = if ctl.is_cancelled() { Status::Cancelled } else { Status::Failed };
+                s.error = Some(format!("{e:#}"));
+            }
+        }
+    });
+    r
+}
+
+fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<Arc<dyn DirtySource>>, ctl: &Arc<Control>, t0: Instant) -> Result<()> {
+    params.validate().map_err(|e| anyhow!(e))?;
+    let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
+    let addr = parse_tcp_uri(uri)?;
+    let ram = vm.ram();
+    let total = ram.pages();
+    let deadline = (params.timeout_s > 0).then(|| t0 + Duration::from_secs(params.timeout_s));
+    ctl.update(|s| {
+        s.status = Status::Setup;
+        s.role = "outgoing".into();
+        s.peer = addr.clone();
+        s.channels = params.channels;
+        s.compress = compress.to_string();
+        s.ram_bytes = ram.len;
+        s.total_pages = total;
+    });
+    let mut guard = Outgoing { vm: vm.clone(), ctl: ctl.clone(), paused_by_us: false, committed: false };
+
+    // --- setup: control connection, handshake, data connections ---
+    let session = unix_ns() ^ (std::process::id() as u64) << 32;
+    let mut control = connect(&addr, ctl)?;
+    wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
+    wire::send_msg(
+        &mut control,
+        &Msg::Hello {
+            session,
+            shape: vm.shape(),
+            ram_bytes: ram.len,
+            page_size: PAGE_SIZE,
+            channels: params.channels,
+            compress: compress.to_string(),
+            mode: "precopy".into(),
+        },
+    )?;
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    match recv_reply(&mut control)? {
+        Msg::Welcome => {}
+        other => bail!("destination answered {other:?} to hello"),
+    }
+    control.set_read_timeout(None)?;
+    let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
+    let (reply_tx, reply_rx) = mpsc::channel();
+    let mut job_txs = Vec::new();
+    let mut threads = Vec::new();
+    for i in 0..params.channels as usize {
+        let mut s = connect(&addr, ctl)?;
+        wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_DATA)?;
+        wire::send_msg(&mut s, &Msg::Channel { session, index: i as u32 })?;
+        s.set_write_timeout(Some(crate::dest::DATA_IDLE_TIMEOUT))?;
+        let ch = Channel { index: i, stream: s, ram, compress, bucket: bucket.clone(), ctl: ctl.clone(), total_pages_sent: 0 };
+        let (tx, rx) = mpsc::channel();
+        let rtx = reply_tx.clone();
+        threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
+        job_txs.push(tx);
+    }
+    let mut channels = ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline };
+
+    // --- dirty tracking from here on, then the first pass over all RAM ---
+    let mut log = DirtyLog::start(&ram, sources)?;
+    let data = ram.data_ranges().context("finding the memfd's data ranges")?;
+    let mut items = Vec::new();
+    chunk(&data, CHUNK_PAGES, false, &mut items);
+    chunk(&complement(&data, total), ZERO_CHUNK_PAGES, true, &mut items);
+    items.sort_by_key(|w| w.first);
+    ctl.update(|s| {
+        s.status = Status::Active;
+        s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+        s.remaining_pages = total;
+    });
+
+    let state_estimate = vm.state_size_estimate();
+    let target_s = params.downtime_ms as f64 / 1e3;
+    let mut throttle: u8 = 0;
+    let mut hits = 0;
+    let mut round = 0u64;
+    let mut last = channels.round(round, items)?;
+    // Bytes per second the link gave us, and wire bytes per non-zero page.
+    let mut bw = last.wire as f64 / last.secs.max(1e-6);
+    let mut page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
+    let mut pending = loop {
+        let dirty = log.scan(total)?;
+        let n = count_pages(&dirty);
+        let rate = n as f64 / last.secs.max(1e-6);
+        let est_s = (n as f64 * page_cost + state_estimate as f64) / bw.max(1.0);
+        ctl.update(|s| {
+            s.rounds = round + 1;
+            s.round_stats.push(RoundStat {
+                round,
+                pages: last.pages,
+                zero_pages: last.zero,
+                wire_bytes: last.wire,
+                duration_ms: last.secs * 1e3,
+                dirty_pages_per_s: rate,
+                throttle_pct: throttle,
+            });
+            s.remaining_pages = n;
+            s.expected_downtime_ms = est_s * 1e3;
+        });
+        if est_s <= target_s {
+            break dirty;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            ctl.cancel();
+            bail!("did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)", params.timeout_s, est_s * 1e3, throttle);
+        }
+        // Auto-converge (as QEMU): if the guest dirtied more than half of
+        // what we sent in a round, twice, slow the vCPUs a step further.
+        if params.auto_converge && round >= 1 && n as f64 > 0.5 * last.pages as f64 {
+            hits += 1;
+            if hits >= 2 && throttle < 99 {
+                throttle = if throttle == 0 { params.throttle_initial } else { (throttle + params.throttle_increment).min(99) };
+                vm.set_cpu_throttle(throttle);
+                ctl.update(|s| {
+                    s.throttle_pct = throttle;
+                    s.throttle_steps += 1;
+                });
+            }
+        }
+        round += 1;
+        let mut items = Vec::new();
+        chunk(&dirty, CHUNK_PAGES, false, &mut items);
+        last = channels.round(round, items)?;
+        if last.secs > 0.0 && last.wire > 0 {
+            bw = last.wire as f64 / last.secs;
+            page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
+        }
+    };
+
+    // --- stop-and-copy ---
+    let paused_at = unix_ns();
+    let t_pause = Instant::now();
+    vm.pause().context("pausing the VM")?;
+    guard.paused_by_us = true;
+    ctl.update(|s| s.status = Status::Device);
+    pending.extend(log.scan(total)?);
+    let pending = normalize(pending, total);
+    drop(log); // unregister: nothing writes guest RAM now
+    round += 1;
+    let mut items = Vec::new();
+    chunk(&pending, CHUNK_PAGES, false, &mut items);
+    let fin = channels.round(round, items)?;
+    let state = vm.save_state().context("saving vCPU and device state")?;
+    let mut blob = Vec::with_capacity(state.encoded_len() + 16);
+    state.write_to(&mut blob)?;
+    let (per_channel, cpu) = channels.finish()?;
+    ctl.update(|s| {
+        s.rounds = round + 1;
+        s.round_stats.push(RoundStat {
+            round,
+            pages: fin.pages,
+            zero_pages: fin.zero,
+            wire_bytes: fin.wire,
+            duration_ms: fin.secs * 1e3,
+            dirty_pages_per_s: 0.0,
+            throttle_pct: throttle,
+        });
+        s.remaining_pages = 0;
+        s.state_bytes = blob.len() as u64;
+        s.cpu_s_source = Some(cpu);
+    });
+    wire::send_msg(
+        &mut control,
+        &Msg::End { pages_per_channel: per_channel, rounds: round + 1, state_bytes: blob.len() as u64, source_paused_unix_ns: paused_at },
+    )?;
+    wire::send_blob(&mut control, &blob)?;
+    control.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let dest_cpu = match recv_reply(&mut control)? {
+        Msg::Loaded { cpu_s } => cpu_s,
+        other => bail!("destination answered {other:?} to the end of the stream"),
+    };
+    // Commit point: from here the destination owns the VM.
+    guard.committed = true;
+    ctl.update(|s| s.cpu_s_dest = Some(dest_cpu));
+    let go = wire::send_msg(&mut control, &Msg::Go);
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(&mut control)) {
+        Ok(Msg::Resumed { unix_ns, resumed, cpu_s }) => ctl.update(|s| {
+            s.cpu_s_dest = Some(cpu_s);
+            s.downtime_ms = Some(if resumed {
+                unix_ns.saturating_sub(paused_at) as f64 / 1e6
+            } else {
+                t_pause.elapsed().as_secs_f64() * 1e3
+            });
+        }),
+        Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
+        Err(e) => tracing::warn!("destination loaded the VM but did not confirm its start: {e:#}"),
+    }
+    Ok(())
+}
+
+fn recv_reply(control: &mut TcpStream) -> Result<Msg> {
+    match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
+        Msg::Abort { reason } => bail!("destination refused: {reason}"),
+        m => Ok(m),
+    }
+}
+
+struct RoundResult {
+    pages: u64,
+    zero: u64,
+    wire: u64,
+    secs: f64,
+}
+
+struct ChannelSet {
+    job_txs: Vec<mpsc::Sender<Job>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    replies: mpsc::Receiver<Reply>,
+    ctl: Arc<Control>,
+    deadline: Option<Instant>,
+}
+
+impl ChannelSet {
+    fn wait(&self) -> Result<Reply> {
+        loop {
+            match self.replies.recv_timeout(Duration::from_millis(50)) {
+                Ok(r) => return Ok(r),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if self.deadline.is_some_and(|d| Instant::now() >= d) && !self.ctl.is_cancelled() {
+                        self.ctl.cancel();
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("a channel thread died"),
+            }
+        }
+    }
+
+    fn round(&mut self, round: u64, items: Vec<WorkItem>) -> Result<RoundResult> {
+        let t = Instant::now();
+        let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0) });
+        for tx in &self.job_txs {
+            tx.send(Job::Round(work.clone())).map_err(|_| anyhow!("a channel thread died"))?;
+        }
+        let mut total = Sent::default();
+        let mut first_err = None;
+        for _ in 0..self.job_txs.len() {
+            match self.wait()? {
+                Reply::RoundDone(_, Ok(s)) => total.add(&s),
+                Reply::RoundDone(i, Err(e)) | Reply::Finished(i, Err(e)) => {
+                    tracing::debug!("channel {i} failed in round {round}: {e:#}");
+                    if first_err.is_none() {
+                        // Stop the other channels at once.
+                        self.ctl.shutdown_all();
+                        first_err = Some(e);
+                    }
+                }
+                Reply::Finished(..) => {}
+            }
+        }
+        if let Some(e) = first_err {
+            if self.ctl.is_cancelled() {
+                if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                    bail!("timed out while sending round {round}");
+                }
+                bail!("cancelled");
+            }
+            return Err(e);
+        }
+        self.ctl.update(|s| {
+            s.zero_pages += total.zero;
+            s.raw_pages += total.raw;
+            s.compressed_pages += total.compressed;
+            s.ram_transferred_bytes += (total.raw + total.compressed) * PAGE_SIZE;
+        });
+        Ok(RoundResult { pages: total.pages, zero: total.zero, wire: total.wire, secs: t.elapsed().as_secs_f64() })
+    }
+
+    /// End every data stream; returns pages per channel and their CPU time.
+    fn finish(&mut self) -> Result<(Vec<u64>, f64)> {
+        for tx in &self.job_txs {
+            let _ = tx.send(Job::Finish);
+        }
+        let mut per = vec![0u64; self.job_txs.len()];
+        let mut cpu = 0.0;
+        for _ in 0..self.job_txs.len() {
+            match self.wait()? {
+                Reply::Finished(i, Ok((p, c))) => {
+                    per[i] = p;
+                    cpu += c;
+                }
+                Reply::Finished(_, Err(e)) | Reply::RoundDone(_, Err(e)) => return Err(e),
+                Reply::RoundDone(..) => {}
+            }
+        }
+        Ok((per, cpu))
+    }
+}
+
+impl Drop for ChannelSet {
+    fn drop(&mut self) {
+        self.job_txs.clear();
+        self.ctl.shutdown_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Parameters and statistics of one migration (the `query-migrate` reply).
+
+use serde::{Deserialize, Serialize};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+/// Tunables of an outgoing migration (`migrate-set-parameters`, CLI flags).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Params {
+    /// Parallel TCP data connections.
+    pub channels: u32,
+    /// none | lz4 | zstd[:level]
+    pub compress: String,
+    /// Bytes per second over all channels; 0 = unlimited.
+    pub max_bandwidth: u64,
+    /// Stop-and-copy starts once the estimated pause fits this.
+    pub downtime_ms: u64,
+    /// Cancel (the VM keeps running here) if not done after this; 0 = never.
+    pub timeout_s: u64,
+    /// Slow the vCPUs when the guest dirties faster than the link sends.
+    pub auto_converge: bool,
+    pub throttle_initial: u8,
+    pub throttle_increment: u8,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            channels: 1,
+            compress: "none".into(),
+            max_bandwidth: 0,
+            downtime_ms: 300,
+            timeout_s: 600,
+            auto_converge: true,
+            throttle_initial: 20,
+            throttle_increment: 10,
+        }
+    }
+}
+
+impl Params {
+    /// Overlay the keys present in a JSON object (QMP arguments).
+    pub fn merged(&self, args: &serde_json::Value) -> Result<Params, String> {
+        let mut base = serde_json::to_value(self).expect("params serialize");
+        if let Some(obj) = args.as_object() {
+            for (k, v) in obj {
+                if base.get(k).is_some() {
+                    base[k] = v.clone();
+                }
+            }
+        }
+        let p: Params = serde_json::from_value(base).map_err(|e| format!("bad migration parameter: {e}"))?;
+        p.validate()?;
+        Ok(p)
+    }
+    pub fn validate(&self) -> Result<(), String> {
+        if !(1..=64).contains(&self.channels) {
+            return Err(format!("channels must be 1..=64, not {}", self.channels));
+        }
+        self.compress.parse::<crate::compress::Compress>()?;
+        if self.throttle_initial > 99 || self.throttle_increment == 0 {
+            return Err("throttle_initial must be <= 99 and throttle_increment > 0".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Status {
+    #[default]
+    None,
+    Setup,
+    Active,
+    /// Source paused, last pages and state on the way.
+    Device,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl Status {
+    pub fn is_finished(self) -> bool {
+        matches!(self, Status::Completed | Status::Failed | Status::Cancelled)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct RoundStat {
+    pub round: u64,
+    pub pages: u64,
+    pub zero_pages: u64,
+    pub wire_bytes: u64,
+    pub duration_ms: f64,
+    /// Pages the guest dirtied while this round was sent, per second.
+    pub dirty_pages_per_s: f64,
+    pub throttle_pct: u8,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct Stats {
+    pub status: Status,
+    /// "outgoing" or "incoming"
+    pub role: String,
+    pub error: Option<String>,
+    pub peer: String,
+    pub channels: u32,
+    pub compress: String,
+    pub ram_bytes: u64,
+    pub total_pages: u64,
+    pub setup_ms: f64,
+    pub total_ms: f64,
+    /// Source vCPU stop to destination vCPU start (both wall clocks).
+    pub downtime_ms: Option<f64>,
+    pub expected_downtime_ms: f64,
+    pub pages_sent: u64,
+    pub zero_pages: u64,
+    pub raw_pages: u64,
+    pub compressed_pages: u64,
+    /// Guest bytes moved (non-zero pages x 4096).
+    pub ram_transferred_bytes: u64,
+    /// Bytes on the wire after zero-page elision and compression.
+    pub wire_bytes: u64,
+    pub rounds: u64,
+    pub round_stats: Vec<RoundStat>,
+    pub remaining_pages: u64,
+    /// Wire throughput over the whole migration.
+    pub throughput_gbps: f64,
+    /// Guest RAM throughput (what the wire carried, before compression).
+    pub ram_throughput_gbps: f64,
+    pub throttle_pct: u8,
+    pub throttle_steps: u32,
+    pub cpu_s_source: Option<f64>,
+    pub cpu_s_dest: Option<f64>,
+    pub state_bytes: u64,
+}
+
+/// Shared between the engine thread and the control socket.
+#[derive(Default)]
+pub struct Control {
+    pub stats: Mutex<Stats>,
+    cancelled: AtomicBool,
+    socks: Mutex<Vec<TcpStream>>,
+}
+
+impl Control {
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+    /// Stop the migration: set the flag and shut every connection so that
+    /// blocked reads and writes on both ends return at once.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.shutdown_all();
+    }
+    pub fn shutdown_all(&self) {
+        for s in self.socks.lock().unwrap().iter() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+    pub fn register(&self, s: &TcpStream) {
+        if let Ok(c) = s.try_clone() {
+            self.socks.lock().unwrap().push(c);
+        }
+        if self.is_cancelled() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+    pub fn update(&self, f: impl FnOnce(&mut Stats)) {
+        f(&mut self.stats.lock().unwrap())
+    }
+    pub fn snapshot(&self) -> Stats {
+        self.stats.lock().unwrap().clone()
+    }
+}
