@@ -7,6 +7,7 @@
 pub mod bus;
 pub mod console;
 pub mod layout;
+pub mod nvme;
 pub mod pci;
 pub mod platform;
 

@@ -1,0 +1,81 @@
+//! One io_uring per controller for file-backed reads and writes.
+//!
+//! Submissions and reaping happen under the controller lock (vCPU thread or
+//! completion worker); only the blocking wait for completions runs without
+//! it, so the ring's two queues each have one user at a time.
+
+use io_uring::{opcode, types, IoUring};
+use std::io;
+
+/// user_data of the no-op that tells the worker to stop.
+pub const STOP_TAG: u64 = u64::MAX;
+
+pub struct Uring {
+    ring: IoUring,
+}
+
+impl Uring {
+    pub fn new(entries: u32) -> io::Result<Uring> {
+        Ok(Uring { ring: IoUring::new(entries)? })
+    }
+
+    /// Queue a vectored read or write; false when the submission ring is full.
+    ///
+    /// # Safety
+    /// `iov` must stay valid until the completion for `tag` is reaped.
+    pub unsafe fn push_rw(&self, write: bool, fd: i32, iov: *const libc::iovec, n: u32, off: u64, dsync: bool, tag: u64) -> bool {
+        let e = if write {
+            let mut w = opcode::Writev::new(types::Fd(fd), iov, n).offset(off);
+            if dsync {
+                w = w.rw_flags(libc::RWF_DSYNC);
+            }
+            w.build()
+        } else {
+            opcode::Readv::new(types::Fd(fd), iov, n).offset(off).build()
+        };
+        let mut sq = self.ring.submission_shared();
+        let ok = sq.push(&e.user_data(tag)).is_ok();
+        sq.sync();
+        ok
+    }
+
+    pub fn push_stop(&self) {
+        // SAFETY: only called under the controller lock, like every push.
+        unsafe {
+            let mut sq = self.ring.submission_shared();
+            let _ = sq.push(&opcode::Nop::new().build().user_data(STOP_TAG));
+            sq.sync();
+        }
+        let _ = self.submit();
+    }
+
+    pub fn submit(&self) -> io::Result<usize> {
+        loop {
+            match self.ring.submitter().submit() {
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                // EBUSY: completions must be reaped first; the caller reaps.
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => return Ok(0),
+                r => return r,
+            }
+        }
+    }
+
+    /// Take every finished request.
+    pub fn reap(&self, mut f: impl FnMut(u64, i32)) {
+        // SAFETY: callers hold the controller lock, so nobody else reaps.
+        let mut cq = unsafe { self.ring.completion_shared() };
+        cq.sync();
+        for c in &mut cq {
+            f(c.user_data(), c.result());
+        }
+    }
+
+    /// Block until at least one completion is ready (no lock held).
+    pub fn wait(&self) {
+        // SAFETY: to_submit = 0, so this touches neither queue.
+        let _ = unsafe { self.ring.submitter().enter::<libc::sigset_t>(0, 1, IORING_ENTER_GETEVENTS, None) };
+    }
+}
+
+/// From linux/io_uring.h.
+const IORING_ENTER_GETEVENTS: u32 = 1;
