@@ -1,0 +1,450 @@
+//! The rnicd process: owns UDP port 4791 of one address, serves local
+//! clients on a unix SOCK_SEQPACKET socket, and runs the engine in a single
+//! event loop (no locks on the data path).
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use tracing::{debug, info, warn};
+
+use crate::engine::Engine;
+use crate::objects::{ClientId, OutPkt};
+use crate::proto::{self, Reply, Request, Response};
+use crate::wire::ROCE_PORT;
+
+const RX_BATCH: usize = 64;
+const RX_BUF: usize = 65536;
+const TX_BUDGET: usize = 256;
+const TOKEN_UDP: u64 = 0;
+const TOKEN_LISTEN: u64 = 1;
+
+/// Default control socket of the rnicd serving `addr`.
+pub fn default_socket_path(addr: Ipv4Addr) -> PathBuf {
+    PathBuf::from(format!("/run/transit/rnicd-{addr}.sock"))
+}
+
+/// First non-loopback IPv4 address of this network namespace.
+pub fn first_local_ipv4() -> Option<Ipv4Addr> {
+    let addrs = nix::ifaddrs::getifaddrs().ok()?;
+    let mut lo = None;
+    for a in addrs {
+        let Some(sin) = a.address.as_ref().and_then(|s| s.as_sockaddr_in().map(|x| x.ip())) else { continue };
+        if sin.is_loopback() {
+            lo.get_or_insert(sin);
+        } else {
+            return Some(sin);
+        }
+    }
+    lo
+}
+
+fn cvt(r: libc::c_int, what: &str) -> anyhow::Result<libc::c_int> {
+    if r < 0 {
+        return Err(std::io::Error::last_os_error()).context(what.to_string());
+    }
+    Ok(r)
+}
+
+fn setsockopt_int(fd: RawFd, level: i32, name: i32, v: i32) -> std::io::Result<()> {
+    // SAFETY: setsockopt with an int option.
+    let r = unsafe { libc::setsockopt(fd, level, name, &v as *const i32 as *const libc::c_void, 4) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn sockaddr(ip: Ipv4Addr, port: u16) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+        sin_zero: [0; 8],
+    }
+}
+
+/// A UDP socket bound to `ip:port`; `df` selects DF with IP id 0 (so the
+/// ICRC's pseudo header matches the wire) or kernel fragmentation.
+fn udp_socket(ip: Ipv4Addr, port: u16, df: bool, reuse: bool) -> anyhow::Result<OwnedFd> {
+    // SAFETY: socket() result checked and owned.
+    let fd = cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) }, "socket")?;
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let raw = fd.as_raw_fd();
+    if reuse {
+        setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+        setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_REUSEPORT, 1)?;
+    }
+    let pmtu = if df { libc::IP_PMTUDISC_PROBE } else { libc::IP_PMTUDISC_DONT };
+    setsockopt_int(raw, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, pmtu)?;
+    for (opt, force) in [(libc::SO_RCVBUF, libc::SO_RCVBUFFORCE), (libc::SO_SNDBUF, libc::SO_SNDBUFFORCE)] {
+        if setsockopt_int(raw, libc::SOL_SOCKET, force, 16 << 20).is_err() {
+            let _ = setsockopt_int(raw, libc::SOL_SOCKET, opt, 16 << 20);
+        }
+    }
+    let sa = sockaddr(ip, port);
+    // SAFETY: bind with a valid sockaddr_in.
+    cvt(
+        unsafe { libc::bind(raw, &sa as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_in>() as u32) },
+        &format!("bind udp {ip}:{port}"),
+    )?;
+    Ok(fd)
+}
+
+struct Client {
+    sock: OwnedFd,
+    doorbell: Option<OwnedFd>,
+}
+
+struct Epoll(OwnedFd);
+
+impl Epoll {
+    fn new() -> anyhow::Result<Epoll> {
+        // SAFETY: plain syscall.
+        let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }, "epoll_create1")?;
+        Ok(Epoll(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+    fn add(&self, fd: RawFd, token: u64) -> anyhow::Result<()> {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
+        // SAFETY: valid epoll and fd.
+        cvt(unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) }, "epoll_ctl")?;
+        Ok(())
+    }
+    fn del(&self, fd: RawFd) {
+        // SAFETY: removing an fd; errors do not matter.
+        unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    }
+    fn wait(&self, evs: &mut [libc::epoll_event], timeout_ms: i32) -> usize {
+        // SAFETY: buffer of evs.len() events.
+        let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), evs.as_mut_ptr(), evs.len() as i32, timeout_ms) };
+        n.max(0) as usize
+    }
+}
+
+pub struct Config {
+    pub addr: Ipv4Addr,
+    pub sock: PathBuf,
+}
+
+/// The sockets that send from QPN-derived source ports.
+struct Senders {
+    addr: Ipv4Addr,
+    socks: HashMap<(u16, bool), OwnedFd>,
+    fallback_df: OwnedFd,
+    fallback_frag: OwnedFd,
+}
+
+impl Senders {
+    fn get(&mut self, sport: u16, big: bool) -> RawFd {
+        if let Some(s) = self.socks.get(&(sport, big)) {
+            return s.as_raw_fd();
+        }
+        match udp_socket(self.addr, sport, !big, true) {
+            Ok(s) => {
+                let r = s.as_raw_fd();
+                self.socks.insert((sport, big), s);
+                r
+            }
+            Err(e) => {
+                debug!("source port {sport} unavailable ({e:#}), using {ROCE_PORT}");
+                if big {
+                    self.fallback_frag.as_raw_fd()
+                } else {
+                    self.fallback_df.as_raw_fd()
+                }
+            }
+        }
+    }
+
+    /// Sends the batch with one sendmmsg per run of packets sharing a socket.
+    fn send(&mut self, pkts: &[OutPkt], errors: &mut u64) {
+        let mut i = 0;
+        while i < pkts.len() {
+            let key = (pkts[i].sport, pkts[i].big);
+            let mut j = i + 1;
+            while j < pkts.len() && (pkts[j].sport, pkts[j].big) == key && j - i < 64 {
+                j += 1;
+            }
+            let fd = self.get(key.0, key.1);
+            let run = &pkts[i..j];
+            let addrs: Vec<libc::sockaddr_in> = run.iter().map(|p| sockaddr(p.dst, ROCE_PORT)).collect();
+            let mut iovs: Vec<libc::iovec> =
+                run.iter().map(|p| libc::iovec { iov_base: p.buf.as_ptr() as *mut libc::c_void, iov_len: p.len }).collect();
+            let mut hdrs: Vec<libc::mmsghdr> = (0..run.len())
+                .map(|k| {
+                    // SAFETY: zeroed msghdr is valid; pointers set below outlive the call.
+                    let mut h: libc::mmsghdr = unsafe { std::mem::zeroed() };
+                    h.msg_hdr.msg_name = &addrs[k] as *const _ as *mut libc::c_void;
+                    h.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+                    h.msg_hdr.msg_iov = &mut iovs[k] as *mut libc::iovec;
+                    h.msg_hdr.msg_iovlen = 1;
+                    h
+                })
+                .collect();
+            let mut off = 0;
+            while off < hdrs.len() {
+                // SAFETY: hdrs[off..] are valid mmsghdrs.
+                let n = unsafe { libc::sendmmsg(fd, hdrs[off..].as_mut_ptr(), (hdrs.len() - off) as u32, 0) };
+                if n <= 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() == std::io::ErrorKind::WouldBlock {
+                        // Socket buffer full: wait briefly; the transport retransmits anyway.
+                        let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                        // SAFETY: one pollfd.
+                        unsafe { libc::poll(&mut pfd, 1, 5) };
+                        continue;
+                    }
+                    // Unreachable peer, message too long...: drop it, count it.
+                    *errors += 1;
+                    off += 1;
+                    continue;
+                }
+                off += n as usize;
+            }
+            i = j;
+        }
+    }
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+fn bind_control(path: &Path) -> anyhow::Result<OwnedFd> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    // Bind under a temporary name then rename: the path appears only when ready.
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    // SAFETY: socket() result checked and owned.
+    let fd = cvt(
+        unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) },
+        "unix socket",
+    )?;
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let ua = nix::sys::socket::UnixAddr::new(&tmp)?;
+    nix::sys::socket::bind(fd.as_raw_fd(), &ua).with_context(|| format!("bind {}", tmp.display()))?;
+    cvt(unsafe { libc::listen(fd.as_raw_fd(), 128) }, "listen")?;
+    std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))?;
+    Ok(fd)
+}
+
+/// Runs rnicd until SIGINT/SIGTERM or `stop` is set.
+pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
+    if stop.is_none() {
+        // SAFETY: installing a handler that only stores to an atomic.
+        unsafe {
+            libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+            libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        }
+    }
+    let udp = udp_socket(cfg.addr, ROCE_PORT, true, false).with_context(|| format!("UDP {}:{ROCE_PORT} (is another rnicd running?)", cfg.addr))?;
+    let mut senders = Senders {
+        addr: cfg.addr,
+        socks: HashMap::new(),
+        fallback_df: udp_socket(cfg.addr, 0, true, false)?,
+        fallback_frag: udp_socket(cfg.addr, 0, false, false)?,
+    };
+    let listener = bind_control(&cfg.sock)?;
+    let ep = Epoll::new()?;
+    ep.add(udp.as_raw_fd(), TOKEN_UDP)?;
+    ep.add(listener.as_raw_fd(), TOKEN_LISTEN)?;
+    let mut engine = Engine::new(cfg.addr);
+    let mut clients: HashMap<ClientId, Client> = HashMap::new();
+    let mut next_client: ClientId = 1;
+    info!("rnicd serving {} (UDP {ROCE_PORT}), control socket {}", cfg.addr, cfg.sock.display());
+
+    let mut rxbufs: Vec<Vec<u8>> = (0..RX_BATCH).map(|_| vec![0u8; RX_BUF]).collect();
+    let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+    let mut ctlbuf = vec![0u8; proto::MAX_MSG];
+    let mut busy = false;
+    loop {
+        if STOP.load(Ordering::Relaxed) || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
+            break;
+        }
+        let timeout = if busy {
+            0
+        } else {
+            match engine.next_deadline() {
+                Some(d) => d.saturating_duration_since(Instant::now()).as_millis().min(100) as i32,
+                None => 100,
+            }
+        };
+        let n = ep.wait(&mut evs, timeout);
+        let mut udp_ready = busy;
+        for ev in evs[..n].iter().map(|e| e.u64) {
+            match ev {
+                TOKEN_UDP => udp_ready = true,
+                TOKEN_LISTEN => loop {
+                    // SAFETY: accept4 on our listener.
+                    let fd = unsafe {
+                        libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK)
+                    };
+                    if fd < 0 {
+                        break;
+                    }
+                    let id = next_client;
+                    next_client += 1;
+                    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+                    if ep.add(sock.as_raw_fd(), id << 1).is_ok() {
+                        engine.stats.clients_connected += 1;
+                        clients.insert(id, Client { sock, doorbell: None });
+                    }
+                },
+                t if t & 1 == 1 => {
+                    let id = t >> 1;
+                    if let Some(db) = clients.get(&id).and_then(|c| c.doorbell.as_ref()) {
+                        proto::eventfd_drain(db);
+                        engine.doorbell(id);
+                    }
+                }
+                t => {
+                    let id = t >> 1;
+                    if !serve_client(&mut engine, &ep, &mut clients, id, &mut ctlbuf) {
+                        if let Some(c) = clients.remove(&id) {
+                            ep.del(c.sock.as_raw_fd());
+                            if let Some(d) = &c.doorbell {
+                                ep.del(d.as_raw_fd());
+                            }
+                        }
+                        engine.client_gone(id);
+                        engine.stats.clients_gone += 1;
+                    }
+                }
+            }
+        }
+        let mut got = 0;
+        if udp_ready {
+            for _ in 0..4 {
+                let k = recv_batch(&udp, &mut rxbufs, &mut engine);
+                got += k;
+                if k < RX_BATCH {
+                    break;
+                }
+            }
+        }
+        let now = Instant::now();
+        let more = engine.poll_tx(TX_BUDGET, now);
+        let pkts = std::mem::take(&mut engine.tx.pkts);
+        let sent = pkts.len();
+        if sent > 0 {
+            senders.send(&pkts, &mut engine.stats.send_errors);
+            engine.stats.tx_packets += sent as u64;
+        }
+        for p in pkts {
+            engine.tx.recycle(p);
+        }
+        busy = more || got > 0 || sent > 0;
+    }
+    let _ = std::fs::remove_file(&cfg.sock);
+    info!("rnicd stopped");
+    Ok(())
+}
+
+fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize {
+    // SAFETY: zeroed structs are valid; every pointer refers to live buffers.
+    let mut addrs: [libc::sockaddr_in; RX_BATCH] = unsafe { std::mem::zeroed() };
+    let mut iovs: Vec<libc::iovec> =
+        bufs.iter_mut().map(|b| libc::iovec { iov_base: b.as_mut_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
+    let mut hdrs: [libc::mmsghdr; RX_BATCH] = unsafe { std::mem::zeroed() };
+    for k in 0..RX_BATCH {
+        hdrs[k].msg_hdr.msg_name = &mut addrs[k] as *mut _ as *mut libc::c_void;
+        hdrs[k].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        hdrs[k].msg_hdr.msg_iov = &mut iovs[k];
+        hdrs[k].msg_hdr.msg_iovlen = 1;
+    }
+    let n = unsafe { libc::recvmmsg(udp.as_raw_fd(), hdrs.as_mut_ptr(), RX_BATCH as u32, libc::MSG_DONTWAIT, std::ptr::null_mut()) };
+    if n <= 0 {
+        return 0;
+    }
+    let now = Instant::now();
+    for k in 0..n as usize {
+        let len = hdrs[k].msg_len as usize;
+        let src = Ipv4Addr::from(u32::from_be(addrs[k].sin_addr.s_addr));
+        let sport = u16::from_be(addrs[k].sin_port);
+        if hdrs[k].msg_hdr.msg_flags & libc::MSG_TRUNC != 0 {
+            engine.stats.rx_malformed += 1;
+            continue;
+        }
+        engine.on_packet(&bufs[k][..len], src, sport, now);
+    }
+    n as usize
+}
+
+/// Handles every pending control message of one client; false if it is gone.
+fn serve_client(engine: &mut Engine, ep: &Epoll, clients: &mut HashMap<ClientId, Client>, id: ClientId, buf: &mut [u8]) -> bool {
+    loop {
+        let Some(c) = clients.get(&id) else { return false };
+        let raw = c.sock.as_raw_fd();
+        let (n, fds) = match proto::recv_msg(raw, buf) {
+            Ok(Some(x)) => x,
+            Ok(None) => return false,
+            Err(e) => {
+                let again = e
+                    .downcast_ref::<nix::Error>()
+                    .is_some_and(|e| *e == nix::Error::EAGAIN);
+                if again {
+                    return true;
+                }
+                engine.stats.bad_client_requests += 1;
+                return false;
+            }
+        };
+        let resp: Response = match serde_json::from_slice::<Request>(&buf[..n]) {
+            Err(e) => {
+                engine.stats.bad_client_requests += 1;
+                Err(format!("malformed request: {e}"))
+            }
+            Ok(Request::Hello { version }) => {
+                let mut fds = fds;
+                match (version == proto::PROTO_VERSION, fds.pop()) {
+                    (true, Some(db)) if c.doorbell.is_none() => {
+                        let r = ep.add(db.as_raw_fd(), id << 1 | 1);
+                        if let Some(c) = clients.get_mut(&id) {
+                            c.doorbell = Some(db);
+                        }
+                        r.map(|_| Reply::Hello { gid: engine.gid, client: id }).map_err(|e| e.to_string())
+                    }
+                    _ => {
+                        engine.stats.bad_client_requests += 1;
+                        Err(format!("hello needs protocol version {} and one doorbell eventfd", proto::PROTO_VERSION))
+                    }
+                }
+            }
+            Ok(req) => engine.control(id, req, fds).map_err(|e| {
+                engine.stats.bad_client_requests += 1;
+                format!("{e:#}")
+            }),
+        };
+        if let Err(e) = proto::send_msg(raw, &resp, &[]) {
+            warn!("client {id}: {e:#}");
+            return false;
+        }
+    }
+}
+
+/// Convenience for tools: run rnicd in this process on a thread.
+pub fn spawn(cfg: Config) -> anyhow::Result<(Arc<AtomicBool>, std::thread::JoinHandle<anyhow::Result<()>>)> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let s2 = stop.clone();
+    let path = cfg.sock.clone();
+    let h = std::thread::spawn(move || run(cfg, Some(s2)));
+    let t0 = Instant::now();
+    while !path.exists() {
+        if h.is_finished() || t0.elapsed() > Duration::from_secs(10) {
+            bail!("rnicd did not start");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok((stop, h))
+}

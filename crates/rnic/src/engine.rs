@@ -1,0 +1,378 @@
+//! One RDMA namespace of rnicd: the objects that live behind one GID, the
+//! control requests that create them, and packet dispatch by destination QPN.
+//!
+//! The engine is pure logic: packets in, packets out (`tx`), no sockets, so
+//! it runs the same inside the daemon and in a single-process loopback test.
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context as _};
+
+use crate::mem::Mapping;
+use crate::objects::{ClientId, Cq, Mr, MrTable, Stats, Tx};
+use crate::proto::{Reply, Request};
+use crate::qp::{Ctx, Qp, MAX_MSG};
+use crate::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
+use crate::types::{DeviceAttr, Mtu, PortAttr, QpCap};
+use crate::wire::{self, Flow, ROCE_PORT};
+
+pub const MAX_QP: u32 = 1 << 16;
+pub const MAX_WR: u32 = 1 << 14;
+pub const MAX_CQE: u32 = 1 << 20;
+
+pub struct Engine {
+    pub gid: Ipv4Addr,
+    pub stats: Stats,
+    pub tx: Tx,
+    pds: HashMap<u32, ClientId>,
+    mrs: MrTable,
+    cqs: HashMap<u32, Cq>,
+    qps: HashMap<u32, Qp>,
+    channels: HashMap<u32, (ClientId, Arc<OwnedFd>)>,
+    next_id: u32,
+    next_key: u32,
+    /// Round-robin start for transmit fairness.
+    rr: usize,
+    qpn_order: Vec<u32>,
+}
+
+impl Engine {
+    pub fn new(gid: Ipv4Addr) -> Engine {
+        Engine {
+            gid,
+            stats: Stats::default(),
+            tx: Tx::default(),
+            pds: HashMap::new(),
+            mrs: HashMap::new(),
+            cqs: HashMap::new(),
+            qps: HashMap::new(),
+            channels: HashMap::new(),
+            next_id: 1,
+            // Keys and QPNs start at a per-process pseudo-random point so
+            // that stale peers of a restarted rnicd are unlikely to match.
+            next_key: (std::process::id().wrapping_mul(2654435761) & 0xffff) << 8 | 0x11,
+            rr: 0,
+            qpn_order: Vec::new(),
+        }
+    }
+
+    fn alloc_id(&mut self) -> u32 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn alloc_qpn(&mut self) -> u32 {
+        loop {
+            self.next_key = self.next_key.wrapping_add(1) & wire::QPN_MASK;
+            let q = self.next_key;
+            if q > 1 && !self.qps.contains_key(&q) && !self.mrs.contains_key(&q) {
+                return q;
+            }
+        }
+    }
+
+    fn ctx<'a>(gid: Ipv4Addr, mrs: &'a MrTable, cqs: &'a mut HashMap<u32, Cq>, tx: &'a mut Tx, stats: &'a mut Stats) -> Ctx<'a> {
+        Ctx { gid, mrs, cqs, tx, stats, now: Instant::now() }
+    }
+
+    pub fn device_attr(&self) -> DeviceAttr {
+        DeviceAttr {
+            fw_ver: env!("CARGO_PKG_VERSION").into(),
+            node_guid: u64::from(u32::from(self.gid)) << 16 | 0x0200,
+            vendor_id: 0x5452,
+            vendor_part_id: 0x7272,
+            max_mr_size: 1 << 40,
+            max_qp: MAX_QP,
+            max_qp_wr: MAX_WR,
+            max_sge: MAX_SGE as u32,
+            max_cq: 1 << 16,
+            max_cqe: MAX_CQE,
+            max_mr: 1 << 20,
+            max_pd: 1 << 16,
+            max_qp_rd_atom: 128,
+            max_qp_init_rd_atom: 128,
+            max_inline_data: MAX_INLINE as u32,
+            atomic_cap: "ATOMIC_HCA".into(),
+            max_msg_sz: MAX_MSG,
+        }
+    }
+
+    /// Executes one control request of `client`.
+    pub fn control(&mut self, client: ClientId, req: Request, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
+        Ok(match req {
+            Request::Hello { .. } => bail!("hello is handled by the daemon"),
+            Request::QueryDevice => Reply::Device(self.device_attr()),
+            Request::QueryPort { port } => {
+                if port != 1 {
+                    bail!("no port {port}");
+                }
+                Reply::Port(PortAttr {
+                    state: "ACTIVE".into(),
+                    max_mtu: Mtu::M32768,
+                    active_mtu: Mtu::M4096,
+                    gid_tbl_len: 1,
+                    link_layer: "Ethernet".into(),
+                    port_num: 1,
+                })
+            }
+            Request::QueryGid { port, index } => {
+                if port != 1 || index != 0 {
+                    bail!("no GID {port}/{index}");
+                }
+                Reply::Gid(self.gid)
+            }
+            Request::AllocPd => {
+                let id = self.alloc_id();
+                self.pds.insert(id, client);
+                Reply::Pd(id)
+            }
+            Request::DeallocPd { pd } => {
+                self.owned_pd(client, pd)?;
+                if self.mrs.values().any(|m| m.pd == pd) || self.qps.values().any(|q| q.pd == pd) {
+                    bail!("PD {pd} still has memory regions or QPs");
+                }
+                self.pds.remove(&pd);
+                Reply::Ok
+            }
+            Request::RegMr { pd, iova, len, access, fd_offset } => {
+                self.owned_pd(client, pd)?;
+                let fd = fds.pop().context("RegMr needs a memfd")?;
+                if len == 0 || len > 1 << 40 || access & !crate::types::access::ALL != 0 {
+                    bail!("bad MR length or access flags");
+                }
+                if iova.checked_add(len).is_none() {
+                    bail!("MR range overflows");
+                }
+                let writes_remote = access & (crate::types::access::REMOTE_WRITE | crate::types::access::REMOTE_ATOMIC) != 0;
+                if writes_remote && access & crate::types::access::LOCAL_WRITE == 0 {
+                    bail!("remote write/atomic access needs local write (as in ibv_reg_mr)");
+                }
+                let map = Mapping::map_sealed(&fd, fd_offset, len as usize)?;
+                let key = self.alloc_qpn();
+                self.mrs.insert(
+                    key,
+                    Arc::new(Mr { owner: client, pd, key, iova, len, access, map, invalidated: AtomicBool::new(false) }),
+                );
+                Reply::Mr { lkey: key, rkey: key }
+            }
+            Request::DeregMr { lkey } => {
+                match self.mrs.get(&lkey) {
+                    Some(m) if m.owner == client => {}
+                    _ => bail!("no MR {lkey:#x}"),
+                }
+                self.mrs.remove(&lkey);
+                Reply::Ok
+            }
+            Request::CreateCompChannel => {
+                let fd = fds.pop().context("channel needs an eventfd")?;
+                let id = self.alloc_id();
+                self.channels.insert(id, (client, Arc::new(fd)));
+                Reply::Channel(id)
+            }
+            Request::DestroyCompChannel { channel } => {
+                match self.channels.get(&channel) {
+                    Some((c, _)) if *c == client => {}
+                    _ => bail!("no channel {channel}"),
+                }
+                if self.cqs.values().any(|c| c.channel.as_ref().is_some_and(|f| Arc::ptr_eq(f, &self.channels[&channel].1))) {
+                    bail!("channel {channel} still has CQs");
+                }
+                self.channels.remove(&channel);
+                Reply::Ok
+            }
+            Request::CreateCq { cap, channel } => {
+                let fd = fds.pop().context("CQ needs a ring memfd")?;
+                if cap == 0 || cap > MAX_CQE || !cap.is_power_of_two() {
+                    bail!("CQ size must be a power of two up to {MAX_CQE}");
+                }
+                let ch = match channel {
+                    None => None,
+                    Some(c) => match self.channels.get(&c) {
+                        Some((o, f)) if *o == client => Some(f.clone()),
+                        _ => bail!("no channel {c}"),
+                    },
+                };
+                let len = ring_bytes::<Cqe>(cap);
+                let map = Mapping::map_sealed(&fd, 0, len)?;
+                // SAFETY: the mapping is `len` bytes and lives in the Cq beside the ring.
+                let ring = unsafe { Ring::new(map.ptr(), len, cap) }.ok_or_else(|| anyhow!("bad CQ ring"))?;
+                let id = self.alloc_id();
+                self.cqs.insert(id, Cq { owner: client, ring, _map: map, channel: ch });
+                Reply::Cq(id)
+            }
+            Request::DestroyCq { cq } => {
+                self.owned_cq(client, cq)?;
+                if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
+                    bail!("CQ {cq} is still used by a QP");
+                }
+                self.cqs.remove(&cq);
+                Reply::Ok
+            }
+            Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots } => {
+                self.owned_pd(client, pd)?;
+                self.owned_cq(client, send_cq)?;
+                self.owned_cq(client, recv_cq)?;
+                if fds.len() != 2 {
+                    bail!("CreateQp needs the SQ and RQ ring memfds");
+                }
+                if self.qps.len() as u32 >= MAX_QP {
+                    bail!("too many QPs");
+                }
+                let cap = QpCap {
+                    max_send_wr: cap.max_send_wr.clamp(1, MAX_WR),
+                    max_recv_wr: cap.max_recv_wr.clamp(1, MAX_WR),
+                    max_send_sge: cap.max_send_sge.clamp(1, MAX_SGE as u32),
+                    max_recv_sge: cap.max_recv_sge.clamp(1, MAX_SGE as u32),
+                    max_inline_data: cap.max_inline_data.min(MAX_INLINE as u32),
+                };
+                for s in [sq_slots, rq_slots] {
+                    if s == 0 || !s.is_power_of_two() || s > MAX_WR * 2 {
+                        bail!("ring sizes must be powers of two");
+                    }
+                }
+                let rq_fd = fds.pop().unwrap();
+                let sq_fd = fds.pop().unwrap();
+                let sql = ring_bytes::<SendWqe>(sq_slots);
+                let rql = ring_bytes::<RecvWqe>(rq_slots);
+                let sqm = Mapping::map_sealed(&sq_fd, 0, sql)?;
+                let rqm = Mapping::map_sealed(&rq_fd, 0, rql)?;
+                // SAFETY: mappings of the checked lengths, kept inside the Qp.
+                let sqr = unsafe { Ring::new(sqm.ptr(), sql, sq_slots) }.ok_or_else(|| anyhow!("bad SQ ring"))?;
+                let rqr = unsafe { Ring::new(rqm.ptr(), rql, rq_slots) }.ok_or_else(|| anyhow!("bad RQ ring"))?;
+                let qpn = self.alloc_qpn();
+                let qp = Qp::new(qpn, client, pd, send_cq, recv_cq, sq_sig_all, cap, (sqr, sqm), (rqr, rqm));
+                self.qps.insert(qpn, qp);
+                self.qpn_order.push(qpn);
+                Reply::Qp { qpn, cap }
+            }
+            Request::ModifyQp { qpn, attr, mask } => {
+                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+                let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
+                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+                qp.modify(&attr, mask, &mut ctx).map_err(|e| anyhow!(e))?;
+                Reply::Ok
+            }
+            Request::QueryQp { qpn } => {
+                let qp = self.qps.get(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
+                Reply::QpInfo { attr: qp.attr, cap: qp.cap }
+            }
+            Request::DestroyQp { qpn } => {
+                if !self.qps.get(&qpn).is_some_and(|q| q.owner == client) {
+                    bail!("no QP {qpn:#x}");
+                }
+                self.qps.remove(&qpn);
+                self.qpn_order.retain(|q| *q != qpn);
+                Reply::Ok
+            }
+            Request::Stats => Reply::Stats(serde_json::to_value(&self.stats)?),
+        })
+    }
+
+    fn owned_pd(&self, client: ClientId, pd: u32) -> anyhow::Result<()> {
+        match self.pds.get(&pd) {
+            Some(c) if *c == client => Ok(()),
+            _ => bail!("no PD {pd}"),
+        }
+    }
+
+    fn owned_cq(&self, client: ClientId, cq: u32) -> anyhow::Result<()> {
+        match self.cqs.get(&cq) {
+            Some(c) if c.owner == client => Ok(()),
+            _ => bail!("no CQ {cq}"),
+        }
+    }
+
+    /// A client went away: everything it owned goes, nothing else.
+    pub fn client_gone(&mut self, client: ClientId) {
+        self.qps.retain(|_, q| q.owner != client);
+        let qps = &self.qps;
+        self.qpn_order.retain(|q| qps.contains_key(q));
+        self.mrs.retain(|_, m| m.owner != client);
+        self.cqs.retain(|_, c| c.owner != client);
+        self.pds.retain(|_, c| *c != client);
+        self.channels.retain(|_, (c, _)| *c != client);
+    }
+
+    /// The client rang its doorbell: look at its QPs' rings.
+    pub fn doorbell(&mut self, client: ClientId) {
+        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+        for qp in qps.values_mut().filter(|q| q.owner == client) {
+            qp.doorbell(&mut ctx);
+        }
+    }
+
+    /// One received UDP payload from `src:sport`.
+    pub fn on_packet(&mut self, buf: &[u8], src: Ipv4Addr, sport: u16, now: Instant) {
+        self.stats.rx_packets += 1;
+        let flow = Flow { src, dst: self.gid, sport, dport: ROCE_PORT };
+        let p = match wire::parse(buf, Some(&flow)) {
+            Ok(p) => p,
+            Err(wire::ParseError::Icrc) => {
+                self.stats.rx_bad_icrc += 1;
+                return;
+            }
+            Err(_) => {
+                self.stats.rx_malformed += 1;
+                return;
+            }
+        };
+        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+        let Some(qp) = qps.get_mut(&p.bth.dest_qpn) else {
+            stats.rx_unknown_qp += 1;
+            return;
+        };
+        // Only the connected peer may talk to an RC QP.
+        if qp.attr.dest_gid != src {
+            stats.rx_unknown_qp += 1;
+            return;
+        }
+        let mut ctx = Ctx { gid: *gid, mrs, cqs, tx, stats, now };
+        if p.bth.opcode.is_response() {
+            qp.on_response(&mut ctx, &p);
+        } else {
+            qp.on_request(&mut ctx, &p);
+        }
+    }
+
+    /// Runs timers and emits up to `budget` packets into `self.tx`.
+    /// Returns whether more transmit work is pending.
+    pub fn poll_tx(&mut self, budget: usize, now: Instant) -> bool {
+        let Engine { gid, mrs, cqs, tx, stats, qps, qpn_order, rr, .. } = self;
+        let mut ctx = Ctx { gid: *gid, mrs, cqs, tx, stats, now };
+        let n = qpn_order.len();
+        let mut budget = budget;
+        let mut more = false;
+        for k in 0..n {
+            let qpn = qpn_order[(*rr + k) % n];
+            let Some(qp) = qps.get_mut(&qpn) else { continue };
+            qp.on_timer(&mut ctx);
+            if budget > 0 {
+                // Fair share per QP per round, so one long message cannot starve others.
+                let mut share = (budget / (n - k).max(1)).max(8).min(budget);
+                let before = share;
+                qp.transmit(&mut ctx, &mut share);
+                budget -= before - share;
+            }
+            more |= qp.has_tx_work(now);
+        }
+        if n > 0 {
+            *rr = (*rr + 1) % n;
+        }
+        more
+    }
+
+    /// Earliest timer of any QP.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.qps.values().filter_map(|q| q.next_deadline()).min()
+    }
+
+    pub fn qp(&self, qpn: u32) -> Option<&Qp> {
+        self.qps.get(&qpn)
+    }
+}

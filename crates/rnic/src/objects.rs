@@ -1,0 +1,197 @@
+//! Verbs objects inside rnicd: memory regions, completion queues, stats, and
+//! the outgoing packet batch.
+
+use std::net::Ipv4Addr;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::mem::Mapping;
+use crate::proto::eventfd_signal;
+use crate::ring::{Cqe, Ring, Sge, CQ_ERR_OVERFLOW, NOTIFY_NEXT, NOTIFY_NONE, NOTIFY_SOLICITED};
+use crate::types::{access, WcStatus};
+use crate::wire::{self, Flow, Headers, MAX_HDR_LEN};
+
+/// Largest packet we build: headers + largest MTU + pad + ICRC.
+pub const MAX_PKT: usize = MAX_HDR_LEN + crate::types::Mtu::MAX_BYTES + 8;
+
+pub type ClientId = u64;
+
+pub struct Mr {
+    pub owner: ClientId,
+    pub pd: u32,
+    pub key: u32,
+    pub iova: u64,
+    pub len: u64,
+    pub access: u32,
+    pub map: Mapping,
+    /// Set by SEND with invalidate; the rkey stops working.
+    pub invalidated: AtomicBool,
+}
+
+impl Mr {
+    /// Host pointer for [va, va+len) if inside the region with `need` access.
+    pub fn translate(&self, pd: u32, va: u64, len: u64, need: u32) -> Option<*mut u8> {
+        if self.pd != pd || self.access & need != need || self.invalidated.load(Ordering::Relaxed) {
+            return None;
+        }
+        let off = va.checked_sub(self.iova)?;
+        if off.checked_add(len)? > self.len {
+            return None;
+        }
+        // SAFETY: off + len <= mapping length (len == map.len()).
+        Some(unsafe { self.map.ptr().add(off as usize) })
+    }
+}
+
+pub type MrTable = std::collections::HashMap<u32, Arc<Mr>>;
+
+/// Copies `out.len()` bytes of the message described by `sges`, starting at
+/// message offset `off`, into `out` (local read: no access bit needed).
+pub fn gather(mrs: &MrTable, pd: u32, sges: &[Sge], mut off: u64, out: &mut [u8]) -> Result<(), WcStatus> {
+    let mut done = 0usize;
+    for s in sges {
+        if done == out.len() {
+            break;
+        }
+        let sl = s.length as u64;
+        if off >= sl {
+            off -= sl;
+            continue;
+        }
+        let n = ((sl - off) as usize).min(out.len() - done);
+        let mr = mrs.get(&s.lkey).ok_or(WcStatus::LocProtErr)?;
+        let p = mr.translate(pd, s.addr + off, n as u64, 0).ok_or(WcStatus::LocProtErr)?;
+        // SAFETY: p is valid for n bytes per translate(); out has room.
+        unsafe { std::ptr::copy_nonoverlapping(p, out[done..].as_mut_ptr(), n) };
+        done += n;
+        off = 0;
+    }
+    if done != out.len() {
+        return Err(WcStatus::LocLenErr);
+    }
+    Ok(())
+}
+
+/// Writes `data` into the message buffer `sges` at offset `off` (needs LOCAL_WRITE).
+pub fn scatter(mrs: &MrTable, pd: u32, sges: &[Sge], mut off: u64, data: &[u8]) -> Result<(), WcStatus> {
+    let mut done = 0usize;
+    for s in sges {
+        if done == data.len() {
+            break;
+        }
+        let sl = s.length as u64;
+        if off >= sl {
+            off -= sl;
+            continue;
+        }
+        let n = ((sl - off) as usize).min(data.len() - done);
+        let mr = mrs.get(&s.lkey).ok_or(WcStatus::LocProtErr)?;
+        let p = mr.translate(pd, s.addr + off, n as u64, access::LOCAL_WRITE).ok_or(WcStatus::LocProtErr)?;
+        // SAFETY: p is valid for n bytes per translate().
+        unsafe { std::ptr::copy_nonoverlapping(data[done..].as_ptr(), p, n) };
+        done += n;
+        off = 0;
+    }
+    if done != data.len() {
+        return Err(WcStatus::LocLenErr);
+    }
+    Ok(())
+}
+
+pub struct Cq {
+    pub owner: ClientId,
+    pub ring: Ring<Cqe>,
+    pub _map: Mapping,
+    pub channel: Option<Arc<OwnedFd>>,
+}
+
+impl Cq {
+    pub fn push(&mut self, cqe: &Cqe, solicited: bool, stats: &mut Stats) {
+        if !self.ring.push(cqe) {
+            stats.cq_overflows += 1;
+            self.ring.header().error.fetch_or(CQ_ERR_OVERFLOW, Ordering::Release);
+        }
+        let h = self.ring.header();
+        let n = h.notify.load(Ordering::Acquire);
+        let fire = n == NOTIFY_NEXT || (n == NOTIFY_SOLICITED && (solicited || cqe.status != 0));
+        if fire && h.notify.compare_exchange(n, NOTIFY_NONE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            if let Some(ch) = &self.channel {
+                eventfd_signal(&**ch);
+            }
+        }
+    }
+}
+
+/// Counters of everything rnicd drops or retries; exported over the control socket.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Stats {
+    pub rx_packets: u64,
+    pub tx_packets: u64,
+    pub rx_bad_icrc: u64,
+    pub rx_malformed: u64,
+    pub rx_unknown_qp: u64,
+    pub rx_wrong_state: u64,
+    pub rx_resp_out_of_window: u64,
+    pub rx_bad_response: u64,
+    pub dup_requests: u64,
+    pub seq_naks_sent: u64,
+    pub rnr_naks_sent: u64,
+    pub rnr_naks_received: u64,
+    pub error_naks_sent: u64,
+    pub retransmit_rewinds: u64,
+    pub timeouts: u64,
+    pub cq_overflows: u64,
+    pub bad_client_requests: u64,
+    pub bad_wqes: u64,
+    pub send_errors: u64,
+    pub clients_connected: u64,
+    pub clients_gone: u64,
+}
+
+pub struct OutPkt {
+    pub buf: Vec<u8>,
+    pub len: usize,
+    pub dst: Ipv4Addr,
+    pub sport: u16,
+    /// Whether the packet may need IP fragmentation (larger than a 1500-byte link).
+    pub big: bool,
+}
+
+/// Outgoing packets of one loop iteration, with a buffer pool so the hot
+/// path does not allocate.
+#[derive(Default)]
+pub struct Tx {
+    pub pkts: Vec<OutPkt>,
+    pool: Vec<Vec<u8>>,
+}
+
+impl Tx {
+    /// Builds a packet: headers, then `fill` writes `payload_len` bytes (it may
+    /// fail, and then nothing is sent), then pad and ICRC.
+    pub fn emit<E>(
+        &mut self,
+        flow: &Flow,
+        h: &Headers,
+        payload_len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut buf = self.pool.pop().unwrap_or_else(|| vec![0u8; MAX_PKT]);
+        let n = h.write(payload_len, &mut buf);
+        if let Err(e) = fill(&mut buf[n..n + payload_len]) {
+            self.pool.push(buf);
+            return Err(e);
+        }
+        let len = wire::finish(flow, &mut buf, n + payload_len, payload_len);
+        self.pkts.push(OutPkt { buf, len, dst: flow.dst, sport: flow.sport, big: len + 28 > 1500 });
+        Ok(())
+    }
+
+    pub fn recycle(&mut self, p: OutPkt) {
+        if self.pool.len() < 512 {
+            self.pool.push(p.buf);
+        }
+    }
+}

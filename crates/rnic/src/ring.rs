@@ -1,0 +1,191 @@
+//! Shared-memory rings between a client and rnicd: send queue, receive queue
+//! (client produces, rnicd consumes) and completion queue (rnicd produces).
+//!
+//! A ring lives in a sealed memfd: one 4 KiB header page with the producer
+//! and consumer indexes (free-running u32) and the notification flag, then
+//! `cap` fixed-size slots. Each side keeps its own index privately and only
+//! publishes it, so a misbehaving peer can make the ring look empty or full
+//! but never make the other side read outside the mapping. Slot types are
+//! plain integers: any bit pattern is a value, and rnicd validates the copy.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+pub const HDR_BYTES: usize = 4096;
+pub const MAX_SGE: usize = 8;
+pub const MAX_INLINE: usize = 256;
+
+/// CQ header flag values (`notify`).
+pub const NOTIFY_NONE: u32 = 0;
+pub const NOTIFY_NEXT: u32 = 1;
+pub const NOTIFY_SOLICITED: u32 = 2;
+/// Set by rnicd in the CQ header `error` word when a completion was lost.
+pub const CQ_ERR_OVERFLOW: u32 = 1;
+
+#[repr(C)]
+pub struct RingHeader {
+    pub prod: AtomicU32,
+    _p0: [u32; 15],
+    pub cons: AtomicU32,
+    _p1: [u32; 15],
+    pub notify: AtomicU32,
+    pub error: AtomicU32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sge {
+    pub addr: u64,
+    pub length: u32,
+    pub lkey: u32,
+}
+
+/// A send work request as it sits in the SQ ring (512 bytes).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SendWqe {
+    pub wr_id: u64,
+    pub opcode: u8,
+    pub flags: u8,
+    pub num_sge: u8,
+    pub _r0: u8,
+    /// Immediate data (host order) or the rkey to invalidate.
+    pub imm: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub inline_len: u32,
+    pub compare_add: u64,
+    pub swap: u64,
+    pub sge: [Sge; MAX_SGE],
+    pub inline: [u8; MAX_INLINE],
+    pub _pad: [u8; 80],
+}
+
+impl Default for SendWqe {
+    fn default() -> Self {
+        // SAFETY: all-zero is a valid value of this plain-integer struct.
+        unsafe { std::mem::zeroed() }
+    }
+}
+
+/// A receive work request in the RQ ring.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct RecvWqe {
+    pub wr_id: u64,
+    pub num_sge: u32,
+    pub _r0: u32,
+    pub sge: [Sge; MAX_SGE],
+}
+
+/// A completion in the CQ ring (32 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cqe {
+    pub wr_id: u64,
+    pub byte_len: u32,
+    /// Immediate data (host order) or the invalidated rkey.
+    pub imm: u32,
+    pub qp_num: u32,
+    pub src_qp: u32,
+    pub status: u8,
+    pub opcode: u8,
+    pub wc_flags: u8,
+    pub _r0: u8,
+    pub vendor_err: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<SendWqe>() == 512);
+const _: () = assert!(std::mem::size_of::<Cqe>() == 32);
+const _: () = assert!(std::mem::size_of::<RingHeader>() <= HDR_BYTES);
+
+/// Bytes of a memfd holding a ring of `cap` slots of `T`, page aligned.
+pub fn ring_bytes<T>(cap: u32) -> usize {
+    (HDR_BYTES + cap as usize * std::mem::size_of::<T>()).div_ceil(4096) * 4096
+}
+
+/// One side of a ring over shared memory.
+pub struct Ring<T> {
+    base: *mut u8,
+    cap: u32,
+    /// Our own index: producer index if we produce, consumer index if we consume.
+    local: u32,
+    _t: PhantomData<T>,
+}
+
+// SAFETY: the ring only touches its mapping through atomics and volatile copies.
+unsafe impl<T> Send for Ring<T> {}
+
+impl<T: Copy> Ring<T> {
+    /// # Safety
+    /// `base` must point to a mapping of at least `len` bytes that outlives the ring.
+    pub unsafe fn new(base: *mut u8, len: usize, cap: u32) -> Option<Ring<T>> {
+        if cap == 0 || !cap.is_power_of_two() || len < ring_bytes::<T>(cap) || base as usize % 64 != 0 {
+            return None;
+        }
+        Some(Ring { base, cap, local: 0, _t: PhantomData })
+    }
+
+    pub fn cap(&self) -> u32 {
+        self.cap
+    }
+
+    pub fn header(&self) -> &RingHeader {
+        // SAFETY: the header page is inside the mapping and only used atomically.
+        unsafe { &*(self.base as *const RingHeader) }
+    }
+
+    fn slot(&self, idx: u32) -> *mut T {
+        let i = (idx & (self.cap - 1)) as usize;
+        // SAFETY: i < cap, checked against the mapping length in new().
+        unsafe { self.base.add(HDR_BYTES + i * std::mem::size_of::<T>()) as *mut T }
+    }
+
+    /// Producer: appends `v`, or returns false when the consumer has not freed a slot.
+    pub fn push(&mut self, v: &T) -> bool {
+        let cons = self.header().cons.load(Ordering::Acquire);
+        if self.local.wrapping_sub(cons) >= self.cap {
+            return false;
+        }
+        // SAFETY: slot() is in bounds; volatile because the peer maps the same page.
+        unsafe { std::ptr::write_volatile(self.slot(self.local), *v) };
+        self.local = self.local.wrapping_add(1);
+        self.header().prod.store(self.local, Ordering::Release);
+        true
+    }
+
+    /// Producer: free slots as seen now.
+    pub fn free_slots(&self) -> u32 {
+        let cons = self.header().cons.load(Ordering::Acquire);
+        self.cap.saturating_sub(self.local.wrapping_sub(cons))
+    }
+
+    /// Consumer: entries ready (0 if the producer index is nonsense).
+    pub fn ready(&self) -> u32 {
+        let prod = self.header().prod.load(Ordering::Acquire);
+        let n = prod.wrapping_sub(self.local);
+        if n > self.cap {
+            0
+        } else {
+            n
+        }
+    }
+
+    /// Consumer: takes the oldest entry.
+    pub fn pop(&mut self) -> Option<T> {
+        if self.ready() == 0 {
+            return None;
+        }
+        // SAFETY: in bounds; the copy is validated by the caller.
+        let v = unsafe { std::ptr::read_volatile(self.slot(self.local)) };
+        self.local = self.local.wrapping_add(1);
+        self.header().cons.store(self.local, Ordering::Release);
+        Some(v)
+    }
+
+    /// Consumer: whether the producer published an impossible index.
+    pub fn corrupt(&self) -> bool {
+        let prod = self.header().prod.load(Ordering::Acquire);
+        prod.wrapping_sub(self.local) > self.cap
+    }
+}
