@@ -28,6 +28,8 @@ pub struct HostDriver {
     next_free: u64,
     mem_end: u64,
     next_cid: u16,
+    /// Completions taken while waiting for another command, per queue.
+    stash: Vec<(usize, Completion)>,
     /// How long `wait` spins before giving up (a lost completion is a bug).
     pub timeout: Duration,
 }
@@ -43,6 +45,7 @@ impl HostDriver {
             next_free: alloc_from,
             mem_end: alloc_to,
             next_cid: 1,
+            stash: Vec::new(),
             timeout: Duration::from_secs(20),
         }
     }
@@ -77,7 +80,8 @@ impl HostDriver {
 
     /// Program the admin queue and enable; returns CSTS afterwards.
     pub fn enable(&mut self, admin_entries: u32) -> u32 {
-        self.admin.size = admin_entries;
+        self.admin = QueuePair { qid: 0, sq_base: 0, cq_base: 0, size: admin_entries, sq_tail: 0, cq_head: 0, phase: true };
+        self.stash.clear();
         self.admin.sq_base = self.alloc(admin_entries as u64 * SQE_SIZE);
         self.admin.cq_base = self.alloc(admin_entries as u64 * CQE_SIZE);
         self.zero(self.admin.cq_base, admin_entries as u64 * CQE_SIZE);
@@ -185,6 +189,9 @@ impl HostDriver {
 
     /// Wait for one completion on queue `q`.
     pub fn wait(&mut self, q: usize) -> Option<Completion> {
+        if let Some(i) = self.stash.iter().position(|(sq, _)| *sq == q) {
+            return Some(self.stash.remove(i).1);
+        }
         let start = Instant::now();
         loop {
             if let Some(c) = self.poll(q) {
@@ -207,9 +214,27 @@ impl HostDriver {
         cmd.cid = self.cid();
         self.push(0, &cmd);
         self.ring(0);
-        let c = self.wait(0).expect("admin command completes");
-        assert_eq!(c.cid, cmd.cid, "completion for another command");
-        c
+        self.wait_cid(0, cmd.cid).expect("admin command completes")
+    }
+
+    /// Wait for the completion of `cid` on queue `q`, keeping the others for `wait`.
+    pub fn wait_cid(&mut self, q: usize, cid: u16) -> Option<Completion> {
+        if let Some(i) = self.stash.iter().position(|(sq, c)| *sq == q && c.cid == cid) {
+            return Some(self.stash.remove(i).1);
+        }
+        let start = Instant::now();
+        loop {
+            if let Some(c) = self.poll(q) {
+                if c.cid == cid {
+                    return Some(c);
+                }
+                self.stash.push((q, c));
+            }
+            if start.elapsed() > self.timeout {
+                return None;
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// Identify into a fresh page; returns (status, data).
@@ -289,9 +314,7 @@ impl HostDriver {
         cmd.cid = self.cid();
         self.push(q, &cmd);
         self.ring(q);
-        let c = self.wait(q).expect("I/O command completes");
-        assert_eq!(c.cid, cmd.cid);
-        c
+        self.wait_cid(q, cmd.cid).expect("I/O command completes")
     }
 }
 
