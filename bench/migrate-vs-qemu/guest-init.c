@@ -31,14 +31,17 @@
 
 static char cmdline[4096];
 
+/* Value of key=... on the kernel command line (a fresh copy), or dflt. */
 static const char *arg(const char *key, const char *dflt)
 {
     size_t n = strlen(key);
     for (char *p = cmdline; (p = strstr(p, key)) != NULL; p += n) {
         if ((p == cmdline || p[-1] == ' ') && p[n] == '=') {
-            static char val[128];
+            char *val = calloc(1, 128);
             size_t i = 0;
-            for (const char *v = p + n + 1; *v && *v != ' ' && *v != '\n' && i < sizeof val - 1; v++)
+            if (!val)
+                return dflt;
+            for (const char *v = p + n + 1; *v && *v != ' ' && *v != '\n' && i < 127; v++)
                 val[i++] = *v;
             val[i] = 0;
             return val;
