@@ -1,2 +1,696 @@
-//! The client side of rnicd: a verbs API (work in progress).
+//! The client side of rnicd: a Rust verbs API shaped after libibverbs.
+//!
+//! ```text
+//! let ctx = Context::open(None)?;            // ibv_open_device
+//! let pd = ctx.alloc_pd()?;                  // ibv_alloc_pd
+//! let buf = MemBuf::new(1 << 20)?;           // memfd-backed memory rnicd can map
+//! let mr = pd.reg_mr(&buf, 0, buf.len(), access::LOCAL_WRITE | access::REMOTE_WRITE)?;
+//! let cq = ctx.create_cq(256, None)?;        // ibv_create_cq
+//! let qp = pd.create_qp(&QpInitAttr::new(&cq, &cq))?;
+//! qp.connect(&remote, &ConnectOpts::default())?;   // INIT -> RTR -> RTS
+//! qp.post_send(&[SendWr::write(1, &[mr.sge(0, 4096)], raddr, rkey)])?;
+//! cq.poll(&mut wcs)?;
+//! ```
+//!
+//! Control calls go over rnicd's unix socket; posting and polling only touch
+//! shared-memory rings (plus one eventfd write per post call as doorbell).
+
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context as _};
+use rnic::mem::{sealed_memfd, Mapping};
+use rnic::proto::{self, Reply, Request};
+use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE, NOTIFY_NEXT, NOTIFY_SOLICITED};
+
+pub use rnic::ring::Sge;
+pub use rnic::types::{
+    access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, WcOpcode, WcStatus,
+    WrOpcode,
+};
+
 pub mod tools;
+
+struct Inner {
+    sock: OwnedFd,
+    lock: Mutex<Vec<u8>>,
+    doorbell: OwnedFd,
+    gid: Ipv4Addr,
+    sock_path: PathBuf,
+}
+
+impl Inner {
+    fn call(&self, req: &Request, fds: &[RawFd]) -> anyhow::Result<Reply> {
+        let mut buf = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        proto::send_msg(self.sock.as_raw_fd(), req, fds)?;
+        let (n, _) = proto::recv_msg(self.sock.as_raw_fd(), &mut buf)?.context("rnicd closed the connection")?;
+        let r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
+        r.map_err(|e| anyhow!("rnicd: {e}"))
+    }
+
+    fn ring_doorbell(&self) {
+        proto::eventfd_signal(&self.doorbell);
+    }
+}
+
+/// An open rnicd device (ibv_context).
+#[derive(Clone)]
+pub struct Context {
+    inner: Arc<Inner>,
+}
+
+/// Finds the control socket: `TRANSIT_RNICD_SOCK`, else the default socket of
+/// an rnicd serving one of this network namespace's addresses.
+pub fn find_socket() -> anyhow::Result<PathBuf> {
+    if let Ok(p) = std::env::var("TRANSIT_RNICD_SOCK") {
+        return Ok(PathBuf::from(p));
+    }
+    let mut found = Vec::new();
+    for a in nix::ifaddrs::getifaddrs()? {
+        if let Some(ip) = a.address.as_ref().and_then(|s| s.as_sockaddr_in().map(|x| x.ip())) {
+            let p = rnic::daemon::default_socket_path(ip);
+            if p.exists() {
+                found.push((ip.is_loopback(), p));
+            }
+        }
+    }
+    found.sort();
+    found.into_iter().next().map(|x| x.1).context("no rnicd found in this network namespace (start `transit rnicd`, or set TRANSIT_RNICD_SOCK)")
+}
+
+impl Context {
+    /// Connects to rnicd at `path` (or the one found by [`find_socket`]).
+    pub fn open(path: Option<&Path>) -> anyhow::Result<Context> {
+        let path = match path {
+            Some(p) => p.to_path_buf(),
+            None => find_socket()?,
+        };
+        // SAFETY: socket() result checked and owned.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error()).context("socket");
+        }
+        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+        let ua = nix::sys::socket::UnixAddr::new(&path)?;
+        nix::sys::socket::connect(sock.as_raw_fd(), &ua).with_context(|| format!("connect to rnicd at {}", path.display()))?;
+        let doorbell = proto::eventfd(true)?;
+        let mut inner = Inner { sock, lock: Mutex::new(vec![0u8; proto::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path };
+        match inner.call(&Request::Hello { version: proto::PROTO_VERSION }, &[inner.doorbell.as_raw_fd()])? {
+            Reply::Hello { gid, .. } => inner.gid = gid,
+            r => bail!("unexpected reply {r:?}"),
+        }
+        Ok(Context { inner: Arc::new(inner) })
+    }
+
+    pub fn socket_path(&self) -> &Path {
+        &self.inner.sock_path
+    }
+
+    /// The port's GID: the IPv4 address rnicd serves.
+    pub fn gid(&self) -> Ipv4Addr {
+        self.inner.gid
+    }
+
+    pub fn query_device(&self) -> anyhow::Result<DeviceAttr> {
+        match self.inner.call(&Request::QueryDevice, &[])? {
+            Reply::Device(d) => Ok(d),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    pub fn query_port(&self, port: u8) -> anyhow::Result<PortAttr> {
+        match self.inner.call(&Request::QueryPort { port }, &[])? {
+            Reply::Port(p) => Ok(p),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    pub fn query_gid(&self, port: u8, index: u32) -> anyhow::Result<Ipv4Addr> {
+        match self.inner.call(&Request::QueryGid { port, index }, &[])? {
+            Reply::Gid(g) => Ok(g),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// rnicd's counters (drops, retransmissions, NAKs...).
+    pub fn stats(&self) -> anyhow::Result<serde_json::Value> {
+        match self.inner.call(&Request::Stats, &[])? {
+            Reply::Stats(s) => Ok(s),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    pub fn alloc_pd(&self) -> anyhow::Result<Pd> {
+        match self.inner.call(&Request::AllocPd, &[])? {
+            Reply::Pd(h) => Ok(Pd { ctx: self.clone(), handle: h }),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    pub fn create_comp_channel(&self) -> anyhow::Result<CompChannel> {
+        let efd = proto::eventfd(false)?;
+        match self.inner.call(&Request::CreateCompChannel, &[efd.as_raw_fd()])? {
+            Reply::Channel(h) => Ok(CompChannel { ctx: self.clone(), handle: h, efd }),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// Creates a CQ of at least `cqe` entries, optionally tied to a channel.
+    pub fn create_cq(&self, cqe: u32, channel: Option<&CompChannel>) -> anyhow::Result<Cq> {
+        let cap = cqe.max(1).next_power_of_two();
+        let len = ring_bytes::<Cqe>(cap);
+        let fd = sealed_memfd("transit-cq", len)?;
+        let map = Mapping::map(&fd, 0, len)?;
+        // SAFETY: the mapping has `len` bytes and is kept in the Cq.
+        let ring = unsafe { Ring::new(map.ptr(), len, cap) }.context("ring")?;
+        match self.inner.call(&Request::CreateCq { cap, channel: channel.map(|c| c.handle) }, &[fd.as_raw_fd()])? {
+            Reply::Cq(h) => Ok(Cq { ctx: self.clone(), handle: h, ring: Mutex::new(ring), _map: map, cap }),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+}
+
+/// Memory that rnicd can map: a sealed memfd mapped into this process.
+pub struct MemBuf {
+    fd: OwnedFd,
+    map: Mapping,
+}
+
+impl MemBuf {
+    /// Allocates `len` zeroed bytes (rounded up to pages).
+    pub fn new(len: usize) -> anyhow::Result<MemBuf> {
+        let len = len.max(1).div_ceil(4096) * 4096;
+        let fd = sealed_memfd("transit-mr", len)?;
+        let map = Mapping::map(&fd, 0, len)?;
+        Ok(MemBuf { fd, map })
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    /// The virtual address of byte 0 (what a peer puts in remote_addr).
+    pub fn addr(&self) -> u64 {
+        self.map.ptr() as u64
+    }
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.ptr()
+    }
+    /// A copy of `len` bytes at `off` (the NIC may write concurrently, so no
+    /// long-lived references are handed out).
+    pub fn read(&self, off: usize, len: usize) -> Vec<u8> {
+        assert!(off + len <= self.len(), "read out of bounds");
+        let mut v = vec![0u8; len];
+        // SAFETY: bounds checked above.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.ptr().add(off), v.as_mut_ptr(), len) };
+        v
+    }
+    pub fn write(&self, off: usize, data: &[u8]) {
+        assert!(off + data.len() <= self.len(), "write out of bounds");
+        // SAFETY: bounds checked above.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.map.ptr().add(off), data.len()) };
+    }
+    pub fn read_u64(&self, off: usize) -> u64 {
+        u64::from_ne_bytes(self.read(off, 8).try_into().unwrap())
+    }
+    pub fn write_u64(&self, off: usize, v: u64) {
+        self.write(off, &v.to_ne_bytes())
+    }
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: whole mapping.
+        unsafe { std::ptr::write_bytes(self.map.ptr(), byte, self.len()) };
+    }
+}
+
+pub struct Pd {
+    ctx: Context,
+    handle: u32,
+}
+
+impl Pd {
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// Registers `len` bytes of `buf` from `off` with `access` (ibv_reg_mr).
+    pub fn reg_mr(&self, buf: &MemBuf, off: usize, len: usize, access: u32) -> anyhow::Result<Mr> {
+        if off.checked_add(len).is_none_or(|e| e > buf.len()) {
+            bail!("MR range outside the buffer");
+        }
+        let iova = buf.addr() + off as u64;
+        let req = Request::RegMr { pd: self.handle, iova, len: len as u64, access, fd_offset: off as u64 };
+        match self.ctx.inner.call(&req, &[buf.fd.as_raw_fd()])? {
+            Reply::Mr { lkey, rkey } => Ok(Mr { ctx: self.ctx.clone(), lkey, rkey, addr: iova, len }),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    pub fn create_qp(&self, init: &QpInitAttr) -> anyhow::Result<Qp> {
+        let cap = init.cap;
+        if cap.max_send_sge as usize > MAX_SGE || cap.max_recv_sge as usize > MAX_SGE || cap.max_inline_data as usize > MAX_INLINE {
+            bail!("at most {MAX_SGE} SGEs and {MAX_INLINE} bytes inline");
+        }
+        let sq_slots = cap.max_send_wr.max(1).next_power_of_two();
+        let rq_slots = cap.max_recv_wr.max(1).next_power_of_two();
+        let sql = ring_bytes::<SendWqe>(sq_slots);
+        let rql = ring_bytes::<RecvWqe>(rq_slots);
+        let sqfd = sealed_memfd("transit-sq", sql)?;
+        let rqfd = sealed_memfd("transit-rq", rql)?;
+        let sqm = Mapping::map(&sqfd, 0, sql)?;
+        let rqm = Mapping::map(&rqfd, 0, rql)?;
+        // SAFETY: mappings of the right size, kept in the Qp.
+        let sq = unsafe { Ring::new(sqm.ptr(), sql, sq_slots) }.context("ring")?;
+        let rq = unsafe { Ring::new(rqm.ptr(), rql, rq_slots) }.context("ring")?;
+        let req = Request::CreateQp {
+            pd: self.handle,
+            send_cq: init.send_cq,
+            recv_cq: init.recv_cq,
+            cap,
+            sq_sig_all: init.sq_sig_all,
+            sq_slots,
+            rq_slots,
+        };
+        match self.ctx.inner.call(&req, &[sqfd.as_raw_fd(), rqfd.as_raw_fd()])? {
+            Reply::Qp { qpn, cap } => Ok(Qp {
+                ctx: self.ctx.clone(),
+                qpn,
+                cap,
+                sq: Mutex::new(sq),
+                rq: Mutex::new(rq),
+                _maps: (sqm, rqm),
+            }),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.call(&Request::DeallocPd { pd: self.handle }, &[]);
+    }
+}
+
+pub struct Mr {
+    ctx: Context,
+    pub lkey: u32,
+    pub rkey: u32,
+    pub addr: u64,
+    pub len: usize,
+}
+
+impl Mr {
+    /// An SGE covering `len` bytes at offset `off` of this region.
+    pub fn sge(&self, off: usize, len: usize) -> Sge {
+        Sge { addr: self.addr + off as u64, length: len as u32, lkey: self.lkey }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.call(&Request::DeregMr { lkey: self.lkey }, &[]);
+    }
+}
+
+pub struct CompChannel {
+    ctx: Context,
+    handle: u32,
+    efd: OwnedFd,
+}
+
+impl CompChannel {
+    /// Waits for a CQ event (ibv_get_cq_event); false on timeout.
+    pub fn get_cq_event(&self, timeout: Option<Duration>) -> anyhow::Result<bool> {
+        let mut pfd = libc::pollfd { fd: self.efd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.map(|t| t.as_millis().min(i32::MAX as u128) as i32).unwrap_or(-1);
+        // SAFETY: one pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error()).context("poll");
+        }
+        if n == 0 {
+            return Ok(false);
+        }
+        proto::eventfd_drain(&self.efd);
+        Ok(true)
+    }
+    pub fn fd(&self) -> RawFd {
+        self.efd.as_raw_fd()
+    }
+}
+
+impl Drop for CompChannel {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.call(&Request::DestroyCompChannel { channel: self.handle }, &[]);
+    }
+}
+
+/// A work completion (ibv_wc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wc {
+    pub wr_id: u64,
+    pub status: WcStatus,
+    pub opcode: WcOpcode,
+    pub byte_len: u32,
+    pub imm_data: u32,
+    pub qp_num: u32,
+    pub src_qp: u32,
+    pub wc_flags: u8,
+}
+
+impl Default for Wc {
+    fn default() -> Self {
+        Wc { wr_id: 0, status: WcStatus::Success, opcode: WcOpcode::Send, byte_len: 0, imm_data: 0, qp_num: 0, src_qp: 0, wc_flags: 0 }
+    }
+}
+
+pub struct Cq {
+    ctx: Context,
+    handle: u32,
+    ring: Mutex<Ring<Cqe>>,
+    _map: Mapping,
+    pub cap: u32,
+}
+
+impl Cq {
+    /// ibv_poll_cq: fills `wc` with up to `wc.len()` completions.
+    pub fn poll(&self, wc: &mut [Wc]) -> anyhow::Result<usize> {
+        let mut r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        if r.header().error.load(Ordering::Acquire) != 0 {
+            bail!("CQ overrun: completions were lost");
+        }
+        let mut n = 0;
+        while n < wc.len() {
+            let Some(c) = r.pop() else { break };
+            wc[n] = Wc {
+                wr_id: c.wr_id,
+                status: WcStatus::from_u8(c.status),
+                opcode: WcOpcode::from_u8(c.opcode),
+                byte_len: c.byte_len,
+                imm_data: c.imm,
+                qp_num: c.qp_num,
+                src_qp: c.src_qp,
+                wc_flags: c.wc_flags,
+            };
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// ibv_req_notify_cq: the channel fires on the next (solicited) completion.
+    pub fn req_notify(&self, solicited_only: bool) {
+        let r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        r.header().notify.store(if solicited_only { NOTIFY_SOLICITED } else { NOTIFY_NEXT }, Ordering::Release);
+    }
+
+    /// Polls until `n` completions arrived or `timeout` passed (tests, tools).
+    pub fn wait(&self, n: usize, timeout: Duration) -> anyhow::Result<Vec<Wc>> {
+        let t0 = std::time::Instant::now();
+        let mut out = Vec::with_capacity(n);
+        let mut buf = [Wc::default(); 64];
+        let mut spins = 0u32;
+        while out.len() < n {
+            let k = self.poll(&mut buf[..(n - out.len()).min(64)])?;
+            out.extend_from_slice(&buf[..k]);
+            if k == 0 {
+                spins += 1;
+                if spins > 1000 {
+                    std::thread::sleep(Duration::from_micros(50));
+                } else {
+                    std::hint::spin_loop();
+                }
+                if t0.elapsed() > timeout {
+                    bail!("timed out with {} of {n} completions", out.len());
+                }
+            } else {
+                spins = 0;
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.call(&Request::DestroyCq { cq: self.handle }, &[]);
+    }
+}
+
+pub struct QpInitAttr {
+    pub send_cq: u32,
+    pub recv_cq: u32,
+    pub cap: QpCap,
+    pub sq_sig_all: bool,
+}
+
+impl QpInitAttr {
+    pub fn new(send_cq: &Cq, recv_cq: &Cq) -> QpInitAttr {
+        QpInitAttr {
+            send_cq: send_cq.handle,
+            recv_cq: recv_cq.handle,
+            cap: QpCap { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 128 },
+            sq_sig_all: false,
+        }
+    }
+}
+
+/// A send work request (ibv_send_wr); `inline` carries inline data instead of SGEs.
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr<'a> {
+    pub wr_id: u64,
+    pub opcode: WrOpcode,
+    pub flags: u8,
+    pub sg_list: &'a [Sge],
+    pub inline: Option<&'a [u8]>,
+    /// Immediate data (host order), or the rkey to invalidate for SendInv.
+    pub imm: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub compare_add: u64,
+    pub swap: u64,
+}
+
+impl<'a> SendWr<'a> {
+    pub fn new(wr_id: u64, opcode: WrOpcode, sg_list: &'a [Sge]) -> SendWr<'a> {
+        SendWr { wr_id, opcode, flags: send_flags::SIGNALED, sg_list, inline: None, imm: 0, remote_addr: 0, rkey: 0, compare_add: 0, swap: 0 }
+    }
+    pub fn send(wr_id: u64, sg: &'a [Sge]) -> Self {
+        Self::new(wr_id, WrOpcode::Send, sg)
+    }
+    pub fn write(wr_id: u64, sg: &'a [Sge], remote_addr: u64, rkey: u32) -> Self {
+        SendWr { remote_addr, rkey, ..Self::new(wr_id, WrOpcode::RdmaWrite, sg) }
+    }
+    pub fn read(wr_id: u64, sg: &'a [Sge], remote_addr: u64, rkey: u32) -> Self {
+        SendWr { remote_addr, rkey, ..Self::new(wr_id, WrOpcode::RdmaRead, sg) }
+    }
+    pub fn cmp_swap(wr_id: u64, sg: &'a [Sge], remote_addr: u64, rkey: u32, compare: u64, swap: u64) -> Self {
+        SendWr { remote_addr, rkey, compare_add: compare, swap, ..Self::new(wr_id, WrOpcode::AtomicCmpSwp, sg) }
+    }
+    pub fn fetch_add(wr_id: u64, sg: &'a [Sge], remote_addr: u64, rkey: u32, add: u64) -> Self {
+        SendWr { remote_addr, rkey, compare_add: add, ..Self::new(wr_id, WrOpcode::AtomicFetchAdd, sg) }
+    }
+    pub fn with_imm(mut self, imm: u32) -> Self {
+        self.imm = imm;
+        self.opcode = match self.opcode {
+            WrOpcode::Send => WrOpcode::SendImm,
+            WrOpcode::RdmaWrite => WrOpcode::RdmaWriteImm,
+            o => o,
+        };
+        self
+    }
+    pub fn with_inline(mut self, data: &'a [u8]) -> Self {
+        self.inline = Some(data);
+        self.flags |= send_flags::INLINE;
+        self
+    }
+    pub fn unsignaled(mut self) -> Self {
+        self.flags &= !send_flags::SIGNALED;
+        self
+    }
+    pub fn with_flags(mut self, f: u8) -> Self {
+        self.flags |= f;
+        self
+    }
+}
+
+/// A receive work request (ibv_recv_wr).
+#[derive(Clone, Copy, Debug)]
+pub struct RecvWr<'a> {
+    pub wr_id: u64,
+    pub sg_list: &'a [Sge],
+}
+
+/// What the peer tells us out of band to connect a QP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QpEndpoint {
+    pub gid: Ipv4Addr,
+    pub qpn: u32,
+    pub psn: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectOpts {
+    pub mtu: Mtu,
+    pub access: u32,
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub min_rnr_timer: u8,
+    pub max_rd_atomic: u8,
+    pub sq_psn: u32,
+}
+
+impl Default for ConnectOpts {
+    fn default() -> Self {
+        ConnectOpts {
+            mtu: Mtu::M4096,
+            access: access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
+            timeout: 12,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            max_rd_atomic: 16,
+            sq_psn: 0,
+        }
+    }
+}
+
+pub struct Qp {
+    ctx: Context,
+    pub qpn: u32,
+    pub cap: QpCap,
+    sq: Mutex<Ring<SendWqe>>,
+    rq: Mutex<Ring<RecvWqe>>,
+    _maps: (Mapping, Mapping),
+}
+
+impl Qp {
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// ibv_modify_qp.
+    pub fn modify(&self, attr: &QpAttr, mask: u32) -> anyhow::Result<()> {
+        match self.ctx.inner.call(&Request::ModifyQp { qpn: self.qpn, attr: *attr, mask }, &[])? {
+            Reply::Ok => Ok(()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// ibv_query_qp.
+    pub fn query(&self) -> anyhow::Result<(QpAttr, QpCap)> {
+        match self.ctx.inner.call(&Request::QueryQp { qpn: self.qpn }, &[])? {
+            Reply::QpInfo { attr, cap } => Ok((attr, cap)),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    pub fn state(&self) -> anyhow::Result<QpState> {
+        Ok(self.query()?.0.qp_state)
+    }
+
+    /// Our side of the out-of-band exchange.
+    pub fn endpoint(&self, psn: u32) -> QpEndpoint {
+        QpEndpoint { gid: self.ctx.gid(), qpn: self.qpn, psn }
+    }
+
+    /// RESET -> INIT -> RTR -> RTS towards `remote`, as every verbs program does.
+    pub fn connect(&self, remote: &QpEndpoint, o: &ConnectOpts) -> anyhow::Result<()> {
+        let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: o.access, port_num: 1, ..Default::default() };
+        self.modify(&a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)?;
+        a.qp_state = QpState::Rtr;
+        a.path_mtu = o.mtu;
+        a.dest_gid = remote.gid;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        a.max_dest_rd_atomic = o.max_rd_atomic;
+        a.min_rnr_timer = o.min_rnr_timer;
+        self.modify(
+            &a,
+            mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN | mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER,
+        )?;
+        a.qp_state = QpState::Rts;
+        a.sq_psn = o.sq_psn;
+        a.timeout = o.timeout;
+        a.retry_cnt = o.retry_cnt;
+        a.rnr_retry = o.rnr_retry;
+        a.max_rd_atomic = o.max_rd_atomic;
+        self.modify(&a, mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC)
+    }
+
+    /// ibv_post_send: queues the WRs in order, then rings the doorbell once.
+    /// Fails (posting nothing more) when the send queue is full.
+    pub fn post_send(&self, wrs: &[SendWr]) -> anyhow::Result<()> {
+        let mut ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+        let mut posted = 0;
+        let mut result = Ok(());
+        for wr in wrs {
+            let mut w = SendWqe { wr_id: wr.wr_id, opcode: wr.opcode as u8, flags: wr.flags, imm: wr.imm, remote_addr: wr.remote_addr, rkey: wr.rkey, compare_add: wr.compare_add, swap: wr.swap, ..Default::default() };
+            if let Some(d) = wr.inline {
+                if d.len() > self.cap.max_inline_data as usize || wr.opcode.is_read_or_atomic() {
+                    result = Err(anyhow!("inline data of {} bytes exceeds max_inline_data {}", d.len(), self.cap.max_inline_data));
+                    break;
+                }
+                w.inline[..d.len()].copy_from_slice(d);
+                w.inline_len = d.len() as u32;
+                w.flags |= send_flags::INLINE;
+            } else {
+                if wr.sg_list.len() > self.cap.max_send_sge as usize {
+                    result = Err(anyhow!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.cap.max_send_sge));
+                    break;
+                }
+                w.num_sge = wr.sg_list.len() as u8;
+                w.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
+                w.flags &= !send_flags::INLINE;
+            }
+            if !ring.push(&w) {
+                result = Err(anyhow!("send queue full"));
+                break;
+            }
+            posted += 1;
+        }
+        if posted > 0 {
+            self.ctx.inner.ring_doorbell();
+        }
+        result
+    }
+
+    /// ibv_post_recv.
+    pub fn post_recv(&self, wrs: &[RecvWr]) -> anyhow::Result<()> {
+        let mut ring = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        let mut posted = 0;
+        let mut result = Ok(());
+        for wr in wrs {
+            if wr.sg_list.len() > self.cap.max_recv_sge as usize {
+                result = Err(anyhow!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), self.cap.max_recv_sge));
+                break;
+            }
+            let mut r = RecvWqe { wr_id: wr.wr_id, num_sge: wr.sg_list.len() as u32, ..Default::default() };
+            r.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
+            if !ring.push(&r) {
+                result = Err(anyhow!("receive queue full"));
+                break;
+            }
+            posted += 1;
+        }
+        if posted > 0 {
+            self.ctx.inner.ring_doorbell();
+        }
+        result
+    }
+
+    /// Free slots in the send ring now (for pipelining tools).
+    pub fn send_slots(&self) -> u32 {
+        self.sq.lock().unwrap_or_else(|e| e.into_inner()).free_slots()
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.call(&Request::DestroyQp { qpn: self.qpn }, &[]);
+    }
+}

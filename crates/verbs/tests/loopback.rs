@@ -1,0 +1,70 @@
+//! Two rnicd instances in this process on two loopback addresses.
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use verbs::*;
+
+struct Nic {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    h: Option<std::thread::JoinHandle<anyhow::Result<()>>>,
+    path: std::path::PathBuf,
+}
+impl Drop for Nic {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(h) = self.h.take() {
+            let _ = h.join();
+        }
+    }
+}
+fn nic(addr: Ipv4Addr) -> Nic {
+    let path = std::env::temp_dir().join(format!("rnicd-test-{}-{addr}.sock", std::process::id()));
+    let (stop, h) = rnic::daemon::spawn(rnic::daemon::Config { addr, sock: path.clone() }).unwrap();
+    Nic { stop, h: Some(h), path }
+}
+
+#[test]
+fn write_read_send_atomic_loopback() {
+    let a = nic(Ipv4Addr::new(127, 0, 0, 2));
+    let b = nic(Ipv4Addr::new(127, 0, 0, 3));
+    let ca = Context::open(Some(&a.path)).unwrap();
+    let cb = Context::open(Some(&b.path)).unwrap();
+    let (pa, pb) = (ca.alloc_pd().unwrap(), cb.alloc_pd().unwrap());
+    let (cqa, cqb) = (ca.create_cq(64, None).unwrap(), cb.create_cq(64, None).unwrap());
+    let qa = pa.create_qp(&QpInitAttr::new(&cqa, &cqa)).unwrap();
+    let qb = pb.create_qp(&QpInitAttr::new(&cqb, &cqb)).unwrap();
+    let ba = MemBuf::new(1 << 20).unwrap();
+    let bb = MemBuf::new(1 << 20).unwrap();
+    let ma = pa.reg_mr(&ba, 0, ba.len(), access::ALL).unwrap();
+    let mb = pb.reg_mr(&bb, 0, bb.len(), access::ALL).unwrap();
+    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
+    qa.connect(&qb.endpoint(100), &ConnectOpts { sq_psn: 200, ..o }).unwrap();
+    qb.connect(&qa.endpoint(200), &ConnectOpts { sq_psn: 100, ..o }).unwrap();
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    ba.write(0, &data);
+    qa.post_send(&[SendWr::write(1, &[ma.sge(0, data.len())], mb.addr, mb.rkey)]).unwrap();
+    let wc = cqa.wait(1, Duration::from_secs(10)).unwrap();
+    assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+    assert_eq!(bb.read(0, data.len()), data);
+    // READ it back into another place.
+    qa.post_send(&[SendWr::read(2, &[ma.sge(500_000, data.len())], mb.addr, mb.rkey)]).unwrap();
+    let wc = cqa.wait(1, Duration::from_secs(10)).unwrap();
+    assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+    assert_eq!(ba.read(500_000, data.len()), data);
+    // SEND with imm.
+    qb.post_recv(&[RecvWr { wr_id: 9, sg_list: &[mb.sge(600_000, 5000)] }]).unwrap();
+    qa.post_send(&[SendWr::send(3, &[ma.sge(0, 4000)]).with_imm(0xabcd)]).unwrap();
+    let wc = cqb.wait(1, Duration::from_secs(10)).unwrap();
+    assert_eq!((wc[0].status, wc[0].byte_len, wc[0].imm_data, wc[0].wr_id), (WcStatus::Success, 4000, 0xabcd, 9));
+    assert_eq!(bb.read(600_000, 4000), data[..4000]);
+    cqa.wait(1, Duration::from_secs(10)).unwrap();
+    // atomics
+    bb.write_u64(800_000, 5);
+    qa.post_send(&[SendWr::fetch_add(4, &[ma.sge(900_000, 8)], mb.addr + 800_000, mb.rkey, 10)]).unwrap();
+    qa.post_send(&[SendWr::cmp_swap(5, &[ma.sge(900_008, 8)], mb.addr + 800_000, mb.rkey, 15, 99)]).unwrap();
+    let wc = cqa.wait(2, Duration::from_secs(10)).unwrap();
+    assert!(wc.iter().all(|w| w.status == WcStatus::Success), "{wc:?}");
+    assert_eq!(ba.read_u64(900_000), 5);
+    assert_eq!(ba.read_u64(900_008), 15);
+    assert_eq!(bb.read_u64(800_000), 99);
+}
