@@ -66,15 +66,23 @@ impl PageCompressor {
         Ok(PageCompressor { kind, zstd, misses: 0, skip: 0, attempts: 0, skipped: 0 })
     }
 
-    /// Compress `page` into `out` (cleared first). Returns false (and leaves
-    /// `out` unspecified) when the page should go raw.
-    pub fn compress(&mut self, page: &[u8], out: &mut Vec<u8>) -> bool {
+    /// Whether the next page should be tried at all (cheap check first).
+    pub fn wants_to_try(&mut self) -> bool {
         if self.kind == Compress::None {
             return false;
         }
         if self.skip > 0 {
             self.skip -= 1;
             self.skipped += 1;
+            return false;
+        }
+        true
+    }
+
+    /// Compress `page` into `out` (cleared first). Returns false (and leaves
+    /// `out` unspecified) when the page should go raw.
+    pub fn compress(&mut self, page: &[u8], out: &mut Vec<u8>) -> bool {
+        if self.kind == Compress::None {
             return false;
         }
         self.attempts += 1;

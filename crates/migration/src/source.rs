@@ -83,9 +83,12 @@ fn chunk(ranges: &[PageRange], size: u64, known_zero: bool, out: &mut Vec<WorkIt
 }
 
 /// True if every byte is zero (the compiler vectorizes the OR-fold).
+/// Checks 256-byte blocks so a non-zero page is usually rejected at once.
 pub fn is_zero(p: &[u8]) -> bool {
-    let (a, words, b) = unsafe { p.align_to::<u64>() };
-    a.iter().all(|&x| x == 0) && b.iter().all(|&x| x == 0) && words.iter().fold(0u64, |acc, &w| acc | w) == 0
+    p.chunks(256).all(|c| {
+        let (a, words, b) = unsafe { c.align_to::<u64>() };
+        a.iter().all(|&x| x == 0) && b.iter().all(|&x| x == 0) && words.iter().fold(0u64, |acc, &w| acc | w) == 0
+    })
 }
 
 struct Channel {
@@ -150,6 +153,7 @@ impl Channel {
 
     fn send_round(&mut self, w: &RoundWork, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
         let mut sent = Sent::default();
+        let mut tmp = vec![0u8; PAGE_SIZE as usize];
         loop {
             if self.ctl.is_cancelled() {
                 bail!("cancelled");
@@ -168,14 +172,11 @@ impl Channel {
             let mut run: Option<(u64, u32)> = None;
             for pfn in item.first..item.first + item.count {
                 // SAFETY: pfn < pages of the live mapping (checked by the
-                // range math); guest writes may race with this copy, and
-                // such a page is dirty again and resent next round.
+                // range math). Guest writes may race with these reads; such
+                // a page is dirty again and is resent next round.
                 let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
-                let slot = batch.raw(pfn);
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), slot.as_mut_ptr(), slot.len()) };
                 sent.pages += 1;
-                if is_zero(slot) {
-                    batch.pop_raw();
+                if is_zero(src) {
                     sent.zero += 1;
                     run = match run {
                         Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
@@ -187,16 +188,23 @@ impl Channel {
                     };
                     continue;
                 }
-                // Records carry their own page numbers, so order is free.
                 if let Some((f, c)) = run.take() {
                     batch.zero_run(f, c);
                 }
-                if comp.compress(batch.last_raw(), cbuf) {
-                    batch.pop_raw();
-                    let enc = if self.compress == Compress::Lz4 { Enc::Lz4 } else { Enc::Zstd };
-                    batch.compressed(pfn, enc, cbuf);
-                    sent.compressed += 1;
+                if comp.wants_to_try() {
+                    // Compress a private copy: the codec must not see bytes
+                    // change under it.
+                    tmp.copy_from_slice(src);
+                    if comp.compress(&tmp[..], cbuf) {
+                        let enc = if self.compress == Compress::Lz4 { Enc::Lz4 } else { Enc::Zstd };
+                        batch.compressed(pfn, enc, cbuf);
+                        sent.compressed += 1;
+                    } else {
+                        batch.raw(pfn).copy_from_slice(&tmp[..]);
+                        sent.raw += 1;
+                    }
                 } else {
+                    batch.raw(pfn).copy_from_slice(src);
                     sent.raw += 1;
                 }
                 if batch.is_full() {
@@ -405,7 +413,9 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         let mut items = Vec::new();
         chunk(&dirty, CHUNK_PAGES, false, &mut items);
         last = channels.round(round, items)?;
-        if last.secs > 0.0 && last.wire > 0 {
+        // Small rounds are dominated by fixed costs (scan, round barrier)
+        // and would understate the link: only big rounds update it.
+        if last.secs > 0.0 && last.wire >= 1 << 20 {
             bw = last.wire as f64 / last.secs;
             page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
         }

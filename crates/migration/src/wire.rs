@@ -202,17 +202,6 @@ impl BatchWriter {
         self.buf.resize(at + PAGE, 0);
         &mut self.buf[at..]
     }
-    /// The page most recently added with [`raw`](Self::raw).
-    pub fn last_raw(&mut self) -> &mut [u8] {
-        let at = self.buf.len() - PAGE;
-        &mut self.buf[at..]
-    }
-    /// Take back the page most recently added with [`raw`](Self::raw).
-    pub fn pop_raw(&mut self) {
-        self.buf.truncate(self.buf.len() - PAGE - 8);
-        self.records -= 1;
-        self.pages -= 1;
-    }
     pub fn compressed(&mut self, pfn: u64, enc: Enc, data: &[u8]) {
         self.head(pfn, enc);
         self.pages += 1;

@@ -1,0 +1,153 @@
+//! Helpers of the in-process engine tests: two VMs in one process, real TCP
+//! on loopback, and a TCP proxy that injects faults between them.
+#![allow(dead_code)]
+
+use migration::memvm::{page_hashes, MemVm};
+use migration::qmp::{handle, MigrationSlot, Outcome};
+use migration::vm::MigratableVm;
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const MIB: u64 = 1 << 20;
+
+pub struct Side {
+    pub vm: Arc<MemVm>,
+    pub dynvm: Arc<dyn MigratableVm>,
+    pub slot: MigrationSlot,
+}
+
+impl Side {
+    pub fn new(ram: u64, dirtiers: usize) -> Side {
+        let vm = MemVm::new(ram, dirtiers, 16).unwrap();
+        let dynvm: Arc<dyn MigratableVm> = vm.clone();
+        Side { vm, dynvm, slot: MigrationSlot::default() }
+    }
+    pub fn cmd(&self, c: &str, a: Value) -> Result<Value, migration::qmp::QmpError> {
+        handle(&self.dynvm, &self.slot, c, &a)
+    }
+    /// Start receiving on an ephemeral loopback port; returns the port.
+    pub fn incoming(&self, resume: bool) -> u16 {
+        let r = self.cmd("migrate-incoming", json!({"uri": "tcp:127.0.0.1:0", "resume": resume})).unwrap();
+        r["port"].as_u64().unwrap() as u16
+    }
+    pub fn hashes(&self) -> Vec<u64> {
+        page_hashes(&self.dynvm.ram())
+    }
+}
+
+/// Run source -> destination and wait for both ends.
+pub fn migrate(src: &Side, dst: &Side, port: u16, params: Value) -> (Option<Outcome>, Option<Outcome>, Value) {
+    let mut p = params;
+    p["uri"] = json!(format!("tcp:127.0.0.1:{port}"));
+    src.cmd("migrate", p).unwrap();
+    let o_src = src.slot.wait();
+    let o_dst = dst.slot.wait();
+    let stats = src.cmd("query-migrate", json!({})).unwrap();
+    (o_src, o_dst, stats)
+}
+
+/// Let the VM run for `d`, then pause it and check the dirtier oracle.
+pub fn run_and_check_oracle(vm: &MemVm, d: Duration) {
+    let before = vm.progress();
+    vm.resume().unwrap();
+    let t = Instant::now();
+    while t.elapsed() < d || vm.progress() == before {
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(t.elapsed() < Duration::from_secs(60), "the dirtier makes no progress");
+    }
+    vm.pause().unwrap();
+    vm.check_oracle().unwrap();
+}
+
+pub fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[derive(Clone, Copy, Default)]
+pub struct Fault {
+    /// Which accepted connection (0 = control, 1.. = data) to damage.
+    pub conn: usize,
+    /// Flip one bit of the byte at this offset of the source->dest bytes.
+    pub flip_at: Option<u64>,
+    /// Close both directions after this many source->dest bytes.
+    pub cut_after: Option<u64>,
+}
+
+/// A TCP proxy in front of `target` that injects one fault.
+pub struct Proxy {
+    pub port: u16,
+    stop: Arc<AtomicBool>,
+    pub fired: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    pub fn start(target: u16, fault: Fault) -> Proxy {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let stop = Arc::new(AtomicBool::new(false));
+        let fired = Arc::new(AtomicBool::new(false));
+        let (st, fi) = (stop.clone(), fired.clone());
+        l.set_nonblocking(true).unwrap();
+        std::thread::spawn(move || {
+            let n = AtomicUsize::new(0);
+            while !st.load(Ordering::SeqCst) {
+                let Ok((c, _)) = l.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                c.set_nonblocking(false).unwrap();
+                let i = n.fetch_add(1, Ordering::SeqCst);
+                let s = TcpStream::connect(("127.0.0.1", target)).unwrap();
+                let f = if i == fault.conn { fault } else { Fault::default() };
+                let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
+                let fi2 = fi.clone();
+                std::thread::spawn(move || pump(c, s, f, fi2));
+                std::thread::spawn(move || pump(s2, c2, Fault::default(), Arc::new(AtomicBool::new(false))));
+            }
+        });
+        Proxy { port, stop, fired }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn pump(mut from: TcpStream, mut to: TcpStream, f: Fault, fired: Arc<AtomicBool>) {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut off = 0u64;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if let Some(at) = f.flip_at {
+            if at >= off && at < off + n as u64 {
+                buf[(at - off) as usize] ^= 0x20;
+                fired.store(true, Ordering::SeqCst);
+            }
+        }
+        if let Some(cut) = f.cut_after {
+            if off + n as u64 > cut {
+                fired.store(true, Ordering::SeqCst);
+                break;
+            }
+        }
+        off += n as u64;
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}

@@ -1,0 +1,196 @@
+//! Injected failures: whatever breaks, the source VM runs on with its memory
+//! intact, and a destination that did not get everything never runs.
+
+mod common;
+use common::*;
+use migration::qmp::Outcome;
+use migration::vm::MigratableVm;
+use migration::wire;
+use serde_json::json;
+use std::io::Read;
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+/// A source running the dirtier over 32 MiB.
+fn running_source() -> Side {
+    let src = Side::new(32 * MIB, 1);
+    src.vm.resume().unwrap();
+    wait_until("the dirtier to start", || src.vm.progress() > 0);
+    src
+}
+
+/// After a failed migration: the source is running at full speed, its
+/// memory passes the oracle, and it can still migrate successfully.
+fn assert_source_intact(src: &Side) {
+    assert!(!src.vm.is_paused(), "the source must run on");
+    assert_eq!(src.vm.throttle(), 0, "throttle must be lifted");
+    run_and_check_oracle(&src.vm, Duration::from_millis(100));
+    src.vm.resume().unwrap();
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(true);
+    let (os, od, st) = migrate(src, &dst, port, json!({"downtime_ms": 100}));
+    assert_eq!(os, Some(Outcome::OutgoingCompleted), "{st:#}");
+    assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: true }));
+    dst.vm.pause().unwrap();
+    dst.vm.check_oracle().unwrap();
+}
+
+fn assert_dest_never_ran(dst: &Side, what: &str) -> String {
+    let o = dst.slot.wait();
+    let Some(Outcome::IncomingFailed(e)) = o else { panic!("{what}: destination outcome {o:?}") };
+    assert!(dst.vm.is_paused(), "{what}: the destination must never run");
+    e
+}
+
+fn expect_failure(fault: Fault, params: serde_json::Value) -> (String, String) {
+    let src = running_source();
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(true);
+    let proxy = Proxy::start(port, fault);
+    let (os, _, st) = migrate(&src, &dst, proxy.port, params);
+    assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the fault was never injected");
+    let Some(Outcome::OutgoingFailed(se)) = os else { panic!("source outcome {os:?}: {st:#}") };
+    assert_eq!(st["status"], "failed");
+    let de = assert_dest_never_ran(&dst, "fault");
+    assert_source_intact(&src);
+    (se, de)
+}
+
+#[test]
+fn corrupted_page_batch_is_detected() {
+    // Flip a bit deep inside data channel 0's first batches.
+    let (_se, de) = expect_failure(Fault { conn: 1, flip_at: Some(300_000), cut_after: None }, json!({"channels": 2}));
+    assert!(de.contains("corrupted stream"), "{de}");
+}
+
+#[test]
+fn corrupted_state_on_control_connection_is_detected() {
+    // The control connection carries hello (~200 bytes) then, at the end,
+    // the state blob; flip a byte inside the blob.
+    let (_se, de) = expect_failure(Fault { conn: 0, flip_at: Some(2000), cut_after: None }, json!({"channels": 1}));
+    assert!(de.contains("checksum") || de.contains("corrupt"), "{de}");
+}
+
+#[test]
+fn dropped_data_connection_mid_migration() {
+    let (se, de) = expect_failure(Fault { conn: 2, flip_at: None, cut_after: Some(2 << 20) }, json!({"channels": 4}));
+    assert!(!se.is_empty() && !de.is_empty());
+}
+
+#[test]
+fn destination_gone_mid_migration() {
+    // All of the destination disappears: the source sees resets everywhere.
+    let src = running_source();
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(true);
+    let proxy = Proxy::start(port, Fault { conn: 1, flip_at: None, cut_after: Some(1 << 20) });
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "channels": 1})).unwrap();
+    wait_until("the fault", || proxy.fired.load(std::sync::atomic::Ordering::SeqCst));
+    dst.cmd("migrate-cancel", json!({})).unwrap(); // the destination gives up too
+    let os = src.slot.wait();
+    assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{os:?}");
+    assert_dest_never_ran(&dst, "destination gone");
+    assert_source_intact(&src);
+}
+
+#[test]
+fn timeout_cancels_cleanly() {
+    let src = running_source();
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(true);
+    // 2 MB/s for 32 MiB cannot finish in 2 s.
+    let (os, _, st) = migrate(&src, &dst, port, json!({"max_bandwidth": 2_000_000u64, "timeout_s": 2}));
+    assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{os:?}");
+    assert_eq!(st["status"], "cancelled", "{st:#}");
+    assert!(st["error"].as_str().unwrap().contains("time"), "{st:#}");
+    assert_dest_never_ran(&dst, "timeout");
+    assert_source_intact(&src);
+}
+
+#[test]
+fn migrate_cancel_by_command() {
+    let src = running_source();
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(true);
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "max_bandwidth": 4_000_000u64})).unwrap();
+    wait_until("the migration to be active", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
+    src.cmd("migrate-cancel", json!({})).unwrap();
+    let os = src.slot.wait();
+    assert!(matches!(os, Some(Outcome::OutgoingFailed(_))));
+    assert_eq!(src.cmd("query-migrate", json!({})).unwrap()["status"], "cancelled");
+    assert_dest_never_ran(&dst, "cancel");
+    assert_source_intact(&src);
+}
+
+#[test]
+fn newer_stream_version_is_refused_by_destination() {
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(true);
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    wire::write_preamble(&mut s, wire::VERSION + 1, wire::ROLE_CONTROL).unwrap();
+    let e = assert_dest_never_ran(&dst, "version");
+    assert!(e.contains("version 2 is not supported"), "{e}");
+    // The reply is our own preamble, so the peer can tell why.
+    let mut buf = [0u8; 16];
+    s.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf[..8], b"TRNSTMIG");
+}
+
+#[test]
+fn destination_speaking_another_version_is_refused_by_source() {
+    let src = running_source();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let fake = std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let mut b = [0u8; 16];
+        c.read_exact(&mut b).unwrap();
+        wire::write_preamble(&mut c, 7, wire::ROLE_CONTROL).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}")})).unwrap();
+    let os = src.slot.wait();
+    let Some(Outcome::OutgoingFailed(e)) = os else { panic!("{os:?}") };
+    assert!(e.contains("version") || e.contains("destination"), "{e}");
+    fake.join().unwrap();
+    assert_source_intact(&src);
+}
+
+#[test]
+fn shape_mismatch_is_refused() {
+    let src = running_source();
+    let dst = Side::new(16 * MIB, 1);
+    let port = dst.incoming(true);
+    let (os, _, _) = migrate(&src, &dst, port, json!({}));
+    let Some(Outcome::OutgoingFailed(e)) = os else { panic!("{os:?}") };
+    assert!(e.contains("shape differs"), "{e}");
+    assert_dest_never_ran(&dst, "shape");
+    assert_source_intact(&src);
+}
+
+#[test]
+fn bad_commands_get_clear_errors() {
+    let src = Side::new(16 * MIB, 1);
+    for (cmd, args) in [
+        ("migrate", json!({})),
+        ("migrate", json!({"uri": "nonsense"})),
+        ("migrate", json!({"uri": "tcp:127.0.0.1:1", "channels": 0})),
+        ("migrate", json!({"uri": "tcp:127.0.0.1:1", "compress": "gzip"})),
+        ("migrate-incoming", json!({"uri": "tcp:256.1.1.1:5"})),
+        ("migrate-set-parameters", json!({"downtime_ms": "soon"})),
+        ("no-such-command", json!({})),
+    ] {
+        let e = src.cmd(cmd, args.clone()).err();
+        let ok_async = cmd == "migrate" && args.get("uri").is_some_and(|u| u == "nonsense");
+        if ok_async {
+            // Accepted, then fails in the engine with a clear message.
+            let o = src.slot.wait();
+            assert!(matches!(o, Some(Outcome::OutgoingFailed(ref m)) if m.contains("address")), "{o:?}");
+        } else {
+            assert!(e.is_some(), "{cmd} {args} must fail");
+        }
+    }
+    let p = src.cmd("migrate-set-parameters", json!({"channels": 3, "compress": "zstd:5"})).unwrap();
+    assert_eq!(p["channels"], 3);
+    assert_eq!(src.cmd("query-migrate-parameters", json!({})).unwrap()["compress"], "zstd:5");
+}
