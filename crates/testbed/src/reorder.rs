@@ -86,7 +86,7 @@ impl Delayer {
         self.delayed.load(Ordering::Relaxed)
     }
 
-    /// Blocks until the delayer fails (for the CLI daemon).
+    /// Blocks until the delayer stops (for the CLI daemon, which is killed instead).
     pub fn wait(mut self) {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -202,13 +202,18 @@ pub fn pid_file(name: &str, host: usize, nic: usize) -> std::path::PathBuf {
     std::path::PathBuf::from(crate::STATE_DIR).join(format!("{name}.h{host}.eth{nic}.reorder.pid"))
 }
 
+/// Removes the daemon pid and log files of testbed `name` (`NAME.hI.ethK.reorder.*`).
 pub fn remove_pid_files(name: &str) {
     let Ok(dir) = std::fs::read_dir(crate::STATE_DIR) else { return };
-    let prefix = format!("{name}.h");
     for e in dir.flatten() {
         let f = e.file_name().to_string_lossy().into_owned();
-        if f.starts_with(&prefix) && f.ends_with(".reorder.pid") {
-            let _ = std::fs::remove_file(e.path());
+        let Some(rest) = f.strip_prefix(name).and_then(|r| r.strip_prefix(".h")) else { continue };
+        let parts: Vec<&str> = rest.split('.').collect();
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        if let [h, eth, "reorder", "pid" | "log"] = parts[..] {
+            if digits(h) && eth.strip_prefix("eth").is_some_and(digits) {
+                let _ = std::fs::remove_file(e.path());
+            }
         }
     }
 }
