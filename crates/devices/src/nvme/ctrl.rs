@@ -12,7 +12,7 @@ use crate::GuestMemory;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{fence, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar};
 
 /// Outstanding Asynchronous Event Requests (0's based in Identify).
 pub const AER_LIMIT: usize = 4;
@@ -168,6 +168,10 @@ pub struct Ctrl {
     pub scratch: Vec<Seg>,
     /// Buffers of finished file requests, reused by the next ones.
     pub spare: Vec<(Vec<Seg>, Vec<libc::iovec>)>,
+    /// Wakes the completion worker when requests stay in flight after the
+    /// inline reap (it sleeps otherwise, so page-cache hits cost no wakeup).
+    pub worker_cv: Arc<Condvar>,
+    pub worker_idle: bool,
 }
 
 // `spare` holds only empty vectors of raw pointers into guest RAM.
@@ -199,6 +203,8 @@ impl Ctrl {
             stop: false,
             scratch: Vec::with_capacity(256),
             spare: Vec::new(),
+            worker_cv: Arc::new(Condvar::new()),
+            worker_idle: false,
         }
     }
 
@@ -544,11 +550,19 @@ impl Ctrl {
 
     // ---- io_uring ---------------------------------------------------------
 
+    /// Hand queued file requests to the kernel. Page-cache hits finish
+    /// inside the submit call, so reap right away: their completions are
+    /// posted on this thread without waking the worker.
     pub fn submit_uring(&mut self) {
         if self.inflight_count > 0 {
             if let Some(u) = &self.uring {
                 if let Err(e) = u.submit() {
                     tracing::warn!("io_uring submit: {e}");
+                }
+                self.reap();
+                if self.inflight_count > 0 && self.worker_idle {
+                    self.worker_idle = false;
+                    self.worker_cv.notify_one();
                 }
             }
         }
@@ -571,7 +585,14 @@ impl Ctrl {
             for sqid in waiting {
                 self.process_sq(sqid);
             }
-            self.submit_uring();
+            // The worker (or the next doorbell) reaps these.
+            if let Some(u) = &self.uring {
+                let _ = u.submit();
+            }
+            if self.inflight_count > 0 && self.worker_idle {
+                self.worker_idle = false;
+                self.worker_cv.notify_one();
+            }
         }
     }
 

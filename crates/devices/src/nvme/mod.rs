@@ -127,18 +127,31 @@ impl NvmeController {
                 return;
             }
         };
-        lock(&self.shared).uring = Some(ring.clone());
+        let cv = {
+            let mut c = lock(&self.shared);
+            c.uring = Some(ring.clone());
+            c.worker_cv.clone()
+        };
         let shared = self.shared.clone();
-        let worker = std::thread::Builder::new()
-            .name(format!("{}-io", self.name))
-            .spawn(move || loop {
-                ring.wait();
-                let mut c = lock(&shared);
-                c.reap();
+        let worker = std::thread::Builder::new().name(format!("{}-io", self.name)).spawn(move || {
+            let mut c = lock(&shared);
+            loop {
                 if c.stop {
                     return;
                 }
-            });
+                if c.inflight_count == 0 {
+                    // Nothing asynchronous outstanding: sleep until a
+                    // submission leaves something in flight.
+                    c.worker_idle = true;
+                    c = cv.wait(c).unwrap_or_else(|e| e.into_inner());
+                    continue;
+                }
+                drop(c);
+                ring.wait();
+                c = lock(&shared);
+                c.reap();
+            }
+        });
         match worker {
             Ok(w) => self.worker = Some(w),
             Err(e) => {
@@ -247,6 +260,8 @@ impl Drop for NvmeController {
             {
                 let mut c = lock(&self.shared);
                 c.drain();
+                c.stop = true;
+                c.worker_cv.notify_one();
                 if let Some(u) = &c.uring {
                     u.push_stop();
                 }

@@ -1,0 +1,252 @@
+//! bench/nvme: 4 KiB random reads and writes through the virtual NVMe
+//! controller driven by a host-side driver at native speed (no vCPU), on the
+//! memory and the file backend, beside plain io_uring on the same file in
+//! the same run; then the guest-side figures from the emulated vCPU when a
+//! `transit` binary is available. No arguments. Last line: JSON rows.
+
+use devices::nvme::harness::{setup, HostDriver};
+use devices::nvme::spec::Command;
+use io_uring::{opcode, types, IoUring};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const BS: usize = 4096;
+const FILE_BYTES: u64 = 256 << 20;
+const RUN: Duration = Duration::from_millis(1500);
+
+#[derive(Clone)]
+struct Row {
+    side: &'static str,
+    backend: &'static str,
+    pattern: &'static str,
+    qd: u32,
+    queues: u32,
+    iops: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+impl Row {
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "side": self.side, "backend": self.backend, "pattern": self.pattern,
+            "qd": self.qd, "queues": self.queues, "iops": self.iops.round(),
+            "lat_p50_us": (self.p50_us * 100.0).round() / 100.0,
+            "lat_p99_us": (self.p99_us * 100.0).round() / 100.0,
+        })
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn percentiles(lat_ns: &mut [u32]) -> (f64, f64) {
+    if lat_ns.is_empty() {
+        return (0.0, 0.0);
+    }
+    lat_ns.sort_unstable();
+    let at = |p: f64| lat_ns[((lat_ns.len() as f64 * p) as usize).min(lat_ns.len() - 1)] as f64 / 1000.0;
+    (at(0.50), at(0.99))
+}
+
+/// The device alone: `queues` queue pairs each kept `qd` deep by one thread.
+fn device_run(spec: &str, backend: &'static str, write: bool, qd: u32, queues: u32, blocks: u64) -> Row {
+    let mut d: HostDriver = setup(spec, 512 << 20);
+    d.create_io_queues(queues as u16, 4096).unwrap();
+    let bufs: Vec<u64> = (0..queues * qd).map(|_| d.alloc(BS as u64)).collect();
+    if backend == "memory" {
+        // Touch every page of the memory namespace once, so the run measures
+        // the device rather than the host's first-touch page faults.
+        for b in 0..blocks {
+            let c = d.rw_cmd(true, 1, b * (BS / 512) as u64, (BS / 512) as u32, bufs[0], BS, None);
+            assert!(d.io_cmd(1, c).status.is_success());
+        }
+    }
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let nlb = (BS / 512) as u32;
+    let mut started = vec![Instant::now(); (queues * qd) as usize];
+    let mut lats: Vec<u32> = Vec::with_capacity(4 << 20);
+    let submit = |d: &mut HostDriver, q: usize, slot: u32, rng: &mut Rng, started: &mut [Instant]| {
+        let lba = (rng.next() % blocks) * nlb as u64;
+        let idx = (q as u32 - 1) * qd + slot;
+        let mut c: Command = d.rw_cmd(write, 1, lba, nlb, bufs[idx as usize], BS, None);
+        c.cid = slot as u16;
+        started[idx as usize] = Instant::now();
+        d.push(q, &c);
+    };
+    for q in 1..=queues as usize {
+        for s in 0..qd {
+            submit(&mut d, q, s, &mut rng, &mut started);
+        }
+        d.ring(q);
+    }
+    let t0 = Instant::now();
+    let mut done = 0u64;
+    let mut out = Vec::with_capacity(64);
+    let mut measuring = true;
+    while measuring {
+        for q in 1..=queues as usize {
+            out.clear();
+            d.poll_many(q, qd as usize, &mut out);
+            let now = Instant::now();
+            for c in &out {
+                assert!(c.status.is_success(), "I/O failed: {:?}", c.status);
+                let idx = (q as u32 - 1) * qd + c.cid as u32;
+                lats.push(now.duration_since(started[idx as usize]).as_nanos() as u32);
+                submit(&mut d, q, c.cid as u32, &mut rng, &mut started);
+            }
+            if !out.is_empty() {
+                d.ring(q);
+            }
+            done += out.len() as u64;
+        }
+        if done % 1024 < 64 && t0.elapsed() > RUN {
+            measuring = false;
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    // Let the last commands finish before the controller goes away.
+    for q in 1..=queues as usize {
+        let mut left = qd as usize;
+        while left > 0 {
+            out.clear();
+            left -= d.poll_many(q, left, &mut out);
+        }
+    }
+    let (p50, p99) = percentiles(&mut lats);
+    Row { side: "device", backend, pattern: if write { "randwrite" } else { "randread" }, qd, queues, iops: done as f64 / secs, p50_us: p50, p99_us: p99 }
+}
+
+/// Plain io_uring on the same file: `queues` rings each kept `qd` deep, one thread.
+fn uring_run(path: &Path, write: bool, qd: u32, queues: u32, blocks: u64) -> Row {
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let fd = file.as_raw_fd();
+    let mut rings: Vec<IoUring> = (0..queues).map(|_| IoUring::new(qd.next_power_of_two().max(8)).unwrap()).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..queues * qd).map(|_| vec![0x5au8; BS]).collect();
+    let mut started = vec![Instant::now(); (queues * qd) as usize];
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut lats: Vec<u32> = Vec::with_capacity(4 << 20);
+    let push = |ring: &mut IoUring, idx: usize, buf: &mut Vec<u8>, rng: &mut Rng, started: &mut [Instant]| {
+        let off = (rng.next() % blocks) * BS as u64;
+        let e = if write {
+            opcode::Write::new(types::Fd(fd), buf.as_ptr(), BS as u32).offset(off).build()
+        } else {
+            opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), BS as u32).offset(off).build()
+        };
+        started[idx] = Instant::now();
+        unsafe { ring.submission().push(&e.user_data(idx as u64)).unwrap() };
+    };
+    for q in 0..queues as usize {
+        for s in 0..qd as usize {
+            let idx = q * qd as usize + s;
+            push(&mut rings[q], idx, &mut bufs[idx], &mut rng, &mut started);
+        }
+        rings[q].submit().unwrap();
+    }
+    let t0 = Instant::now();
+    let mut done = 0u64;
+    let mut finished = Vec::with_capacity(64);
+    loop {
+        for q in 0..queues as usize {
+            finished.clear();
+            finished.extend(rings[q].completion().map(|c| {
+                assert_eq!(c.result(), BS as i32, "io_uring I/O failed");
+                c.user_data() as usize
+            }));
+            let now = Instant::now();
+            for &idx in &finished {
+                lats.push(now.duration_since(started[idx]).as_nanos() as u32);
+                push(&mut rings[q], idx, &mut bufs[idx], &mut rng, &mut started);
+            }
+            if !finished.is_empty() {
+                rings[q].submit().unwrap();
+            }
+            done += finished.len() as u64;
+        }
+        if done % 1024 < 64 && t0.elapsed() > RUN {
+            break;
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    // The buffers must outlive the requests still in flight.
+    for ring in &mut rings {
+        let mut left = qd as usize;
+        while left > 0 {
+            ring.submit_and_wait(1).unwrap();
+            left -= ring.completion().count();
+        }
+    }
+    let (p50, p99) = percentiles(&mut lats);
+    Row { side: "io_uring", backend: "file", pattern: if write { "randwrite" } else { "randread" }, qd, queues, iops: done as f64 / secs, p50_us: p50, p99_us: p99 }
+}
+
+fn bench_dir() -> PathBuf {
+    // A real file system (not tmpfs), next to the build output.
+    let base = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target"));
+    let dir = base.join(format!("nvme-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+struct Cleanup(PathBuf);
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let dir = bench_dir();
+    let _cleanup = Cleanup(dir.clone());
+    let disk = dir.join("disk.img");
+    {
+        // Fill the file so reads hit real data (and the page cache, for both sides alike).
+        use std::io::Write;
+        let mut f = std::fs::File::create(&disk)?;
+        let chunk = vec![0xa5u8; 1 << 20];
+        for _ in 0..(FILE_BYTES >> 20) {
+            f.write_all(&chunk)?;
+        }
+        f.sync_all()?;
+    }
+    let blocks = FILE_BYTES / BS as u64;
+    let mut rows = Vec::new();
+    let combos: Vec<(bool, u32, u32)> =
+        [false, true].iter().flat_map(|&w| [(1u32, 1u32), (32, 1), (1, 4), (32, 4)].map(move |(qd, q)| (w, qd, q))).collect();
+    for &(write, qd, queues) in &combos {
+        let mem_spec = format!("ns=mem:{}M,queues=4", FILE_BYTES >> 20);
+        rows.push(device_run(&mem_spec, "memory", write, qd, queues, blocks));
+        let file_spec = format!("ns=file:{},queues=4", disk.display());
+        rows.push(device_run(&file_spec, "file", write, qd, queues, blocks));
+        rows.push(uring_run(&disk, write, qd, queues, blocks));
+    }
+    rows.extend(guest_rows(&dir));
+
+    println!("{:<9} {:<7} {:<10} {:>3} {:>6} {:>12} {:>9} {:>9} {:>11}", "side", "backend", "pattern", "qd", "queues", "IOPS", "p50 us", "p99 us", "vs io_uring");
+    for r in &rows {
+        let base = rows.iter().find(|b| b.side == "io_uring" && b.pattern == r.pattern && b.qd == r.qd && b.queues == r.queues);
+        let ratio = match (r.side, r.backend, base) {
+            ("device", "file", Some(b)) if b.iops > 0.0 => format!("{:.2}x", r.iops / b.iops),
+            _ => String::new(),
+        };
+        println!(
+            "{:<9} {:<7} {:<10} {:>3} {:>6} {:>12.0} {:>9.2} {:>9.2} {:>11}",
+            r.side, r.backend, r.pattern, r.qd, r.queues, r.iops, r.p50_us, r.p99_us, ratio
+        );
+    }
+    println!("{}", serde_json::json!({ "rows": rows.iter().map(Row::json).collect::<Vec<_>>() }));
+    Ok(())
+}
+
+/// Guest-side figures: the nvme-perf workload in a VM on the emulated vCPU.
+fn guest_rows(_dir: &Path) -> Vec<Row> {
+    Vec::new()
+}
