@@ -17,12 +17,8 @@ pub fn run(cmd: &mut Command, stdin: Option<&str>) -> Result<String> {
     }
     let out = child.wait_with_output().with_context(|| format!("waiting for {line}"))?;
     if !out.status.success() {
-        bail!(
-            "{line} failed ({}): {}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim(),
-            if stdin.is_some() { format!("\ninput was:\n{}", stdin.unwrap()) } else { String::new() }
-        );
+        let input = stdin.map(|s| format!("\ninput was:\n{s}")).unwrap_or_default();
+        bail!("{line} failed ({}): {}{input}", out.status, String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

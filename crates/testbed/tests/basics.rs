@@ -59,7 +59,7 @@ fn drop_removes_namespaces_links_and_processes() {
     // One process through the guard, one detached that nobody waits for.
     let guarded = tb.host(0).spawn("sleep", ["1000"]).unwrap();
     let guarded_pid = guarded.id();
-    let detached = tb.host(1).command("sleep").arg("1001").spawn().unwrap();
+    let mut detached = tb.host(1).command("sleep").arg("1001").spawn().unwrap();
     let detached_pid = detached.id();
     let listed = netns_names();
     assert!(listed.contains(&format!("{name}-h0")) && listed.contains(&fab), "{listed}");
@@ -68,6 +68,7 @@ fn drop_removes_namespaces_links_and_processes() {
     let listed = netns_names();
     assert!(!listed.contains(&name), "namespaces left: {listed}");
     assert!(!pid_alive(guarded_pid) && !pid_alive(detached_pid), "processes survive the testbed");
+    detached.wait().unwrap();
     let links = String::from_utf8(Command::new("ip").args(["-o", "link"]).output().unwrap().stdout).unwrap();
     assert!(!links.contains("h0e0") && !links.contains("h1e1"), "links left in the root namespace: {links}");
     assert!(!std::path::Path::new(&format!("{}/{name}.json", testbed::STATE_DIR)).exists());

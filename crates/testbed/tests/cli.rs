@@ -86,3 +86,18 @@ fn help_explains_every_command() {
     assert!(!help.contains("reorder-daemon"), "internal commands stay hidden");
     assert!(ok(&["shape", "--help"]).contains("--reorder-delay-ms"));
 }
+
+#[test]
+fn non_root_gets_a_clear_error() {
+    // Drop to user "nobody" (skip where setpriv is missing).
+    let Ok(out) = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", env!("CARGO_BIN_EXE_testbed-cli")])
+        .args(["testbed", "up", "tbcli-nonroot", "--hosts", "1"])
+        .output()
+    else {
+        return;
+    };
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("needs root"), "{stderr}");
+}

@@ -17,6 +17,7 @@ fn pid_alive(pid: u32) -> bool {
 
 /// Not a test by itself: the child process of `killed_owner_is_swept_by_next_create`.
 #[test]
+#[allow(clippy::zombie_processes)] // the process is killed with its owner, on purpose
 fn owner_child_helper() {
     let Some(report) = std::env::var_os("TB_OWNER_CHILD") else { return };
     let tb = Testbed::create(TestbedOpts::new("tb-crash", 2)).unwrap();
