@@ -88,6 +88,7 @@ pub fn run(cmd: TestbedCmd) -> Result<()> {
                 hosts,
                 nics,
                 rate_mbit: rate_mbit.filter(|&r| r > 0),
+                host_rates: Vec::new(),
                 persistent: true,
             };
             let tb = Testbed::create(opts)?;

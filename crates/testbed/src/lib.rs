@@ -49,6 +49,9 @@ pub struct TestbedOpts {
     pub nics: usize,
     /// Link rate of every host NIC, both directions, in Mbit/s (None: unlimited).
     pub rate_mbit: Option<u32>,
+    /// Per-host link rates (host index, Mbit/s) for all of that host's NICs; they
+    /// override `rate_mbit`.
+    pub host_rates: Vec<(usize, u32)>,
     /// No owner: the testbed is kept when the handle drops and the process exits,
     /// until [`down`] (what `transit testbed up` makes).
     pub persistent: bool,
@@ -56,7 +59,15 @@ pub struct TestbedOpts {
 
 impl TestbedOpts {
     pub fn new(prefix: &str, hosts: usize) -> TestbedOpts {
-        TestbedOpts { prefix: prefix.into(), exact_name: false, hosts, nics: 1, rate_mbit: None, persistent: false }
+        TestbedOpts {
+            prefix: prefix.into(),
+            exact_name: false,
+            hosts,
+            nics: 1,
+            rate_mbit: None,
+            host_rates: Vec::new(),
+            persistent: false,
+        }
     }
     pub fn nics(mut self, nics: usize) -> Self {
         self.nics = nics;
@@ -64,6 +75,11 @@ impl TestbedOpts {
     }
     pub fn rate_mbit(mut self, rate: u32) -> Self {
         self.rate_mbit = Some(rate);
+        self
+    }
+    /// Link rate of one host's NICs.
+    pub fn host_rate(mut self, host: usize, rate: u32) -> Self {
+        self.host_rates.push((host, rate));
         self
     }
 }
@@ -109,6 +125,9 @@ impl Testbed {
         if opts.hosts == 0 || opts.hosts > MAX_HOSTS {
             bail!("a testbed has 1 to {MAX_HOSTS} hosts, not {}", opts.hosts);
         }
+        if let Some((h, _)) = opts.host_rates.iter().find(|(h, _)| *h >= opts.hosts) {
+            bail!("a rate for host {h}, but the testbed has hosts 0..{}", opts.hosts);
+        }
         if opts.nics == 0 || opts.nics > MAX_NICS {
             bail!("a host has 1 or 2 NICs, not {}", opts.nics);
         }
@@ -153,10 +172,11 @@ impl Testbed {
             delayers: Mutex::new(HashMap::new()),
         };
         tb.build().with_context(|| format!("building testbed {}", tb.name))?;
-        if let Some(rate) = opts.rate_mbit {
-            for h in 0..tb.hosts.len() {
-                for k in 0..tb.nics {
-                    tb.set_rate(h, k, Some(rate))?;
+        for h in 0..tb.hosts.len() {
+            let rate = opts.host_rates.iter().rev().find(|(i, _)| *i == h).map(|&(_, r)| r).or(opts.rate_mbit);
+            for k in 0..tb.nics {
+                if rate.is_some() {
+                    tb.set_rate(h, k, rate)?;
                 }
             }
         }

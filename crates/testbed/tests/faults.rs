@@ -110,6 +110,16 @@ fn rate_is_applied_at_both_ends_and_removed() {
 }
 
 #[test]
+fn per_host_rates_at_creation() {
+    let tb = Testbed::create(TestbedOpts::new("tb-hrate", 3).rate_mbit(300).host_rate(2, 40)).unwrap();
+    assert_eq!(tb.rate(0, 0).unwrap(), Some(300));
+    assert_eq!(tb.rate(2, 0).unwrap(), Some(40));
+    let none = Testbed::create(TestbedOpts::new("tb-hrate", 2).host_rate(1, 10)).unwrap();
+    assert_eq!(none.rate(0, 0).unwrap(), None);
+    assert_eq!(none.rate(1, 0).unwrap(), Some(10));
+}
+
+#[test]
 fn duplication_sends_about_the_asked_fraction_twice() {
     let tb = Testbed::create(TestbedOpts::new("tb-dup", 2)).unwrap();
     tb.set_dup(0, 0, 25.0).unwrap();
