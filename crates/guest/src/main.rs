@@ -20,6 +20,10 @@ mod mem;
 #[macro_use]
 #[allow(dead_code)]
 mod hw;
+#[allow(dead_code)]
+mod nvme;
+#[allow(dead_code)]
+mod pci;
 
 use boot::BootInfo;
 use hw::Platform;
@@ -57,6 +61,8 @@ extern "C" fn guest_main(boot: &'static BootInfo, cpu: u64) -> ! {
     match args.get("workload").unwrap_or("idle") {
         "dirtier" => dirtier::run(plat, start, end, args.num("rate", 0)),
         "fill" => fill::run(plat, start, end),
+        "nvme-verify" => nvme::verify::run(plat, &args, nvme::region(&args, boot)),
+        "nvme-perf" => nvme::perf::run(plat, &args, nvme::region(&args, boot)),
         "selftest" => {
             let a = plat.now_ns();
             let mut s = 0u64;
