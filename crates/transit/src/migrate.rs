@@ -1,0 +1,169 @@
+//! `transit vm migrate` and `transit vm migrate-incoming`: the client side.
+//! The engine runs inside the vmm processes; this talks to their control
+//! sockets, shows progress and prints the final report.
+
+use crate::vm::Target;
+use anyhow::{bail, Result};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use vmm::control::Client;
+
+#[derive(clap::Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Destination HOST:PORT (where `migrate-incoming` listens).
+    #[arg(long)]
+    pub to: String,
+    /// Parallel TCP data connections.
+    #[arg(long, default_value_t = 1)]
+    pub channels: u32,
+    /// none | lz4 | zstd | zstd:LEVEL (used per page only where it pays).
+    #[arg(long, default_value = "none")]
+    pub compress: String,
+    /// Cap over all channels: bytes/s (125M) or bits/s (1gbit); 0 = none.
+    #[arg(long, default_value = "0")]
+    pub max_bandwidth: String,
+    /// Largest pause of the VM to aim for.
+    #[arg(long, default_value_t = 300)]
+    pub downtime_ms: u64,
+    /// Give up after this many seconds (the VM keeps running here); 0 = never.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    /// Do not slow the vCPUs when the guest dirties faster than the link.
+    #[arg(long)]
+    pub no_auto_converge: bool,
+    /// Print the final report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Start the migration and return at once.
+    #[arg(long)]
+    pub detach: bool,
+}
+
+#[derive(clap::Args)]
+pub struct MigrateIncomingArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Address to listen on for the source, ADDR:PORT (port 0 picks one).
+    #[arg(long, default_value = "0.0.0.0:4444")]
+    pub listen: String,
+    /// Keep the VM paused after it arrived (start it with `transit vm cont`).
+    #[arg(long)]
+    pub no_resume: bool,
+    /// Wait until the migration ends and print its report.
+    #[arg(long)]
+    pub wait: bool,
+    /// Print the final report as JSON (with --wait).
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn migrate(a: MigrateArgs) -> Result<()> {
+    let max_bandwidth = migration::ratelimit::parse_bandwidth(&a.max_bandwidth).map_err(anyhow::Error::msg)?;
+    let mut c = a.target.client()?;
+    c.execute(
+        "migrate",
+        json!({
+            "uri": format!("tcp:{}", a.to),
+            "channels": a.channels,
+            "compress": a.compress,
+            "max_bandwidth": max_bandwidth,
+            "downtime_ms": a.downtime_ms,
+            "timeout_s": a.timeout,
+            "auto_converge": !a.no_auto_converge,
+        }),
+    )?;
+    if a.detach {
+        return Ok(());
+    }
+    let st = follow(&mut c, !a.json)?;
+    report(&st, a.json)
+}
+
+pub fn migrate_incoming(a: MigrateIncomingArgs) -> Result<()> {
+    let mut c = a.target.client()?;
+    let r = c.execute("migrate-incoming", json!({"uri": format!("tcp:{}", a.listen), "resume": !a.no_resume}))?;
+    if !a.json {
+        eprintln!("listening on port {}", r["port"]);
+    }
+    if !a.wait {
+        if a.json {
+            println!("{r}");
+        }
+        return Ok(());
+    }
+    let st = follow(&mut c, !a.json)?;
+    report(&st, a.json)
+}
+
+/// Poll `query-migrate` until the migration ends, drawing a progress bar.
+fn follow(c: &mut Client, bar: bool) -> Result<Value> {
+    let pb = if bar { indicatif::ProgressBar::new(1) } else { indicatif::ProgressBar::hidden() };
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:40}] {percent:>3}% {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let t = Instant::now();
+    loop {
+        let st = match c.execute("query-migrate", json!({})) {
+            Ok(s) => s,
+            // The source vmm may exit right after completing.
+            Err(e) => bail!("lost the VM's control socket during migration: {e:#}"),
+        };
+        let status = st["status"].as_str().unwrap_or("none").to_string();
+        let total = st["total_pages"].as_u64().unwrap_or(0).max(1);
+        let sent = st["pages_sent"].as_u64().unwrap_or(0);
+        let remaining = st["remaining_pages"].as_u64().unwrap_or(total);
+        let rounds = st["rounds"].as_u64().unwrap_or(0);
+        pb.set_length(total);
+        pb.set_position(if rounds == 0 { sent.min(total) } else { total - remaining.min(total) });
+        let secs = t.elapsed().as_secs_f64().max(1e-3);
+        pb.set_message(format!(
+            "{status} round {} | {:.2} Gbit/s | remaining {} pages | throttle {}%",
+            rounds,
+            st["wire_bytes"].as_u64().unwrap_or(0) as f64 * 8.0 / secs / 1e9,
+            remaining,
+            st["throttle_pct"].as_u64().unwrap_or(0)
+        ));
+        if matches!(status.as_str(), "completed" | "failed" | "cancelled") {
+            pb.finish_and_clear();
+            return Ok(st);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn report(st: &Value, as_json: bool) -> Result<()> {
+    if as_json {
+        println!("{st}");
+    } else {
+        let f = |k: &str| st[k].as_f64().map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
+        let u = |k: &str| st[k].as_u64().map(|v| v.to_string()).unwrap_or_else(|| "-".into());
+        println!("status            {}", st["status"].as_str().unwrap_or("?"));
+        if let Some(e) = st["error"].as_str() {
+            println!("error             {e}");
+        }
+        println!("total time        {} ms (setup {} ms)", f("total_ms"), f("setup_ms"));
+        println!("downtime          {} ms (target estimate {} ms)", f("downtime_ms"), f("expected_downtime_ms"));
+        println!("RAM               {} bytes, {} pages", u("ram_bytes"), u("total_pages"));
+        println!("pages sent        {} (zero {}, raw {}, compressed {})", u("pages_sent"), u("zero_pages"), u("raw_pages"), u("compressed_pages"));
+        println!("transferred       {} bytes of RAM, {} bytes on the wire", u("ram_transferred_bytes"), u("wire_bytes"));
+        println!("throughput        {} Gbit/s on the wire, {} Gbit/s of RAM", f("throughput_gbps"), f("ram_throughput_gbps"));
+        println!("rounds            {} (throttle {}%, {} steps)", u("rounds"), u("throttle_pct"), u("throttle_steps"));
+        if let Some(rs) = st["round_stats"].as_array() {
+            for r in rs {
+                println!(
+                    "  round {:>3}: {:>9} pages {:>9.1} ms  dirty {:>10.0} pages/s  throttle {}%",
+                    r["round"], r["pages"], r["duration_ms"].as_f64().unwrap_or(0.0), r["dirty_pages_per_s"].as_f64().unwrap_or(0.0), r["throttle_pct"]
+                );
+            }
+        }
+        println!("CPU               source {} s, destination {} s", f("cpu_s_source"), f("cpu_s_dest"));
+    }
+    match st["status"].as_str() {
+        Some("completed") => Ok(()),
+        _ => bail!("migration {}: {}", st["status"].as_str().unwrap_or("?"), st["error"].as_str().unwrap_or("")),
+    }
+}
