@@ -29,6 +29,9 @@ use crate::wire::{
 
 /// Most request packets in flight per QP (a PSN window, well under 2^23).
 pub const WINDOW: i32 = 4096;
+/// Most request bytes in flight per QP: more only overruns the peer's socket
+/// buffer and IP reassembly, and go-back-N then resends all of it.
+pub const WINDOW_BYTES: usize = 1 << 20;
 /// Set the AckReq bit at least every this many packets of a long message.
 const ACK_EVERY: u32 = 64;
 /// Atomic results kept for replaying duplicates.
@@ -475,7 +478,7 @@ impl Qp {
             let new = psn_diff(psn, self.rt.max_sent) >= 0;
             let e = &self.sq[self.tx_idx];
             if new {
-                if st == QpState::Sqd || psn_diff(psn, self.rt.una) >= WINDOW {
+                if st == QpState::Sqd || psn_diff(psn, self.rt.una) >= self.window() {
                     break;
                 }
                 if e.op.is_read_or_atomic() && self.rd_outstanding >= self.attr.max_rd_atomic.max(1) as usize {
@@ -509,6 +512,14 @@ impl Qp {
                 self.arm_timer(ctx.now);
             }
         }
+    }
+
+    fn window(&self) -> i32 {
+        (WINDOW_BYTES / self.attr.path_mtu.bytes()).clamp(16, WINDOW as usize) as i32
+    }
+
+    fn ack_every(&self) -> u32 {
+        ((self.window() / 4) as u32).clamp(1, ACK_EVERY)
     }
 
     fn arm_timer(&mut self, now: Instant) {
@@ -558,7 +569,8 @@ impl Qp {
                     (false, false, true) => match op { WrOpcode::SendImm => SendLastImm, WrOpcode::SendInv => SendLastInv, _ => SendLast },
                 };
                 let mut h = Headers::new(opc, dq, psn);
-                h.bth.ack_req = last || (i + 1) % ACK_EVERY == 0;
+                // Ask for ACKs often enough that the window never stalls.
+                h.bth.ack_req = last || (i + 1) % self.ack_every() == 0;
                 h.bth.solicited = last && w.flags & send_flags::SOLICITED != 0;
                 if is_write && first {
                     h.reth = Some(Reth { va: w.remote_addr, rkey: w.rkey, len: e.len as u32 });

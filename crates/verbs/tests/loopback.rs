@@ -68,3 +68,26 @@ fn write_read_send_atomic_loopback() {
     assert_eq!(ba.read_u64(900_008), 15);
     assert_eq!(bb.read_u64(800_000), 99);
 }
+
+#[test]
+fn big_read_small_mtu() {
+    let a = nic(Ipv4Addr::new(127, 0, 0, 4));
+    let b = nic(Ipv4Addr::new(127, 0, 0, 5));
+    let ca = Context::open(Some(&a.path)).unwrap();
+    let cb = Context::open(Some(&b.path)).unwrap();
+    let (pa, pb) = (ca.alloc_pd().unwrap(), cb.alloc_pd().unwrap());
+    let (cqa, cqb) = (ca.create_cq(64, None).unwrap(), cb.create_cq(64, None).unwrap());
+    let qa = pa.create_qp(&QpInitAttr::new(&cqa, &cqa)).unwrap();
+    let qb = pb.create_qp(&QpInitAttr::new(&cqb, &cqb)).unwrap();
+    let ba = MemBuf::new(4 << 20).unwrap();
+    let bb = MemBuf::new(4 << 20).unwrap();
+    let ma = pa.reg_mr(&ba, 0, ba.len(), access::ALL).unwrap();
+    let mb = pb.reg_mr(&bb, 0, bb.len(), access::ALL).unwrap();
+    let o = ConnectOpts { mtu: Mtu::M256, ..Default::default() };
+    qa.connect(&qb.endpoint(100), &ConnectOpts { sq_psn: 200, ..o }).unwrap();
+    qb.connect(&qa.endpoint(200), &ConnectOpts { sq_psn: 100, ..o }).unwrap();
+    qa.post_send(&[SendWr::read(2, &[ma.sge(0, 4 << 20)], mb.addr, mb.rkey)]).unwrap();
+    let wc = cqa.wait(1, Duration::from_secs(20)).unwrap();
+    eprintln!("A {}\nB {}", ca.stats().unwrap(), cb.stats().unwrap());
+    assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+}

@@ -1,0 +1,137 @@
+//! Test harness: a testbed of hosts, each running a real rnicd process, and
+//! connected QP pairs driven through the verbs API from this test process
+//! (control sockets are files, so the test reaches every host's rnicd).
+#![allow(dead_code)]
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use testbed::{HostChild, Testbed, TestbedOpts};
+use verbs::*;
+
+pub struct Nic {
+    pub child: Option<HostChild>,
+    pub sock: PathBuf,
+    pub addr: Ipv4Addr,
+}
+
+impl Drop for Nic {
+    fn drop(&mut self) {
+        self.child.take();
+        let _ = std::fs::remove_file(&self.sock);
+    }
+}
+
+/// Fields drop in order: rnicd processes first, then the testbed.
+pub struct Bed {
+    pub nics: Vec<Nic>,
+    pub tb: Testbed,
+}
+
+impl Bed {
+    pub fn new(prefix: &str, hosts: usize) -> Bed {
+        let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
+        let mut nics = Vec::new();
+        for i in 0..hosts {
+            let h = tb.host(i);
+            let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
+            let _ = std::fs::remove_file(&sock);
+            let child = h
+                .spawn(env!("CARGO_BIN_EXE_rnicd"), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
+                .expect("start rnicd");
+            let mut nic = Nic { child: Some(child), sock, addr: h.addr(0) };
+            wait_for(&mut nic);
+            nics.push(nic);
+        }
+        Bed { nics, tb }
+    }
+
+    pub fn ctx(&self, i: usize) -> Context {
+        Context::open(Some(&self.nics[i].sock)).expect("open rnicd")
+    }
+
+    /// Kills host i's rnicd (the peer "vanishes").
+    pub fn kill(&mut self, i: usize) {
+        self.nics[i].child.take();
+    }
+}
+
+fn wait_for(nic: &mut Nic) {
+    let t0 = Instant::now();
+    while !nic.sock.exists() {
+        if let Some(st) = nic.child.as_mut().unwrap().try_wait().unwrap() {
+            panic!("rnicd exited: {st}");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// One end of a connection: its own PD, CQs, QP and a registered buffer.
+pub struct End {
+    pub qp: Qp,
+    pub mr: Mr,
+    pub scq: Cq,
+    pub rcq: Cq,
+    pub pd: Pd,
+    pub buf: MemBuf,
+    pub ctx: Context,
+}
+
+pub const BUF: usize = 8 << 20;
+
+impl End {
+    pub fn new(ctx: Context, buf_len: usize, depth: u32) -> End {
+        let pd = ctx.alloc_pd().unwrap();
+        let scq = ctx.create_cq(depth * 2, None).unwrap();
+        let rcq = ctx.create_cq(depth * 2, None).unwrap();
+        let mut init = QpInitAttr::new(&scq, &rcq);
+        init.cap.max_send_wr = depth;
+        init.cap.max_recv_wr = depth;
+        init.cap.max_send_sge = 8;
+        init.cap.max_recv_sge = 8;
+        init.cap.max_inline_data = 256;
+        let qp = pd.create_qp(&init).unwrap();
+        let buf = MemBuf::new(buf_len).unwrap();
+        let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL).unwrap();
+        End { qp, mr, scq, rcq, pd, buf, ctx }
+    }
+}
+
+/// Two connected ends on hosts a and b.
+pub fn pair(bed: &Bed, a: usize, b: usize, o: ConnectOpts) -> (End, End) {
+    pair_sized(bed, a, b, o, BUF, 256)
+}
+
+pub fn pair_sized(bed: &Bed, a: usize, b: usize, o: ConnectOpts, buf: usize, depth: u32) -> (End, End) {
+    let ea = End::new(bed.ctx(a), buf, depth);
+    let eb = End::new(bed.ctx(b), buf, depth);
+    ea.qp.connect(&eb.qp.endpoint(0x10_0000), &ConnectOpts { sq_psn: 0xff_fff0, ..o }).unwrap();
+    eb.qp.connect(&ea.qp.endpoint(0xff_fff0), &ConnectOpts { sq_psn: 0x10_0000, ..o }).unwrap();
+    (ea, eb)
+}
+
+pub const T: Duration = Duration::from_secs(60);
+
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn one(cq: &Cq) -> Wc {
+    cq.wait(1, T).unwrap()[0]
+}
+
+pub fn ok(cq: &Cq) -> Wc {
+    let w = one(cq);
+    assert_eq!(w.status, WcStatus::Success, "{w:?}");
+    w
+}
