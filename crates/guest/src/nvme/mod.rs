@@ -153,7 +153,10 @@ impl Nvme {
         let id = unsafe { core::slice::from_raw_parts(scratch as *const u8, 4096) };
         let mdts = id[77];
         n.max_transfer = if mdts == 0 { 1 << 20 } else { (4096u32 << mdts).min(1 << 20) };
-        let model = core::str::from_utf8(&id[24..64]).unwrap_or("?").trim_end();
+        // Copy the model out: the scratch page is reused below.
+        let mut model_buf = [0u8; 40];
+        model_buf.copy_from_slice(&id[24..64]);
+        let model = core::str::from_utf8(&model_buf).unwrap_or("?").trim_end();
         let nn = u32::from_le_bytes([id[516], id[517], id[518], id[519]]);
         // Identify namespace.
         n.admin_cmd(Sqe { opcode: 0x06, nsid, prp1: scratch, cdw10: 0, ..Default::default() }).map_err(|_| "identify namespace failed")?;
