@@ -631,7 +631,10 @@ impl Qp {
         }
         self.rt.retry_left -= 1;
         self.rewind(ctx);
-        self.arm_timer(ctx.now);
+        // Back off on consecutive timeouts so that a slow (not dead) peer
+        // is not buried under go-back-N retransmissions of whole windows.
+        let backoff = self.attr.retry_cnt.saturating_sub(self.rt.retry_left).min(6);
+        self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| ctx.now + Duration::from_micros(us << backoff));
     }
 
     // ---------------------------------------------------------- completer
@@ -1112,8 +1115,17 @@ impl Qp {
                 if reth.len > 0 && self.check_rkey(ctx, reth.rkey, reth.va, reth.len as u64, access::REMOTE_READ).is_none() {
                     return;
                 }
-                // The requester went back to `psn`: what we queued after it is stale.
-                self.rt.resp_queue.clear();
+                // The requester went back to `psn` and resends everything from
+                // there: responses queued for `psn` onwards are stale. Earlier
+                // ones (an atomic replay just before this READ) must stay.
+                let mtu = self.mtu();
+                self.rt.resp_queue.retain(|j| match *j {
+                    RespJob::Ack { psn: p, .. } | RespJob::AtomicAck { psn: p, .. } => psn_diff(p, psn) < 0,
+                    RespJob::Read { psn: p, remaining, .. } => {
+                        let last = psn_add(p, (remaining.div_ceil(mtu).max(1) - 1) as u32);
+                        psn_diff(last, psn) < 0
+                    }
+                });
                 self.rt.resp_queue.push_back(RespJob::Read { psn, va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, first: true });
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
