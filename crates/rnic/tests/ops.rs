@@ -331,3 +331,57 @@ fn dying_client_loses_only_its_resources() {
     let st = d.ctx.stats().unwrap();
     assert!(st["clients_gone"].as_u64().unwrap() >= 1, "{st}");
 }
+
+#[test]
+fn hostile_packets_and_requests_are_counted_and_dropped() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let bed = Bed::new("rnhost", 2);
+    let target = bed.nics[1].addr;
+    // Garbage datagrams at UDP 4791 from the other host.
+    bed.tb
+        .host(0)
+        .in_netns(move || {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            for i in 0..500u32 {
+                let mut junk = pattern(i as u64, (i as usize * 7) % 300);
+                if i % 3 == 0 && junk.len() > 12 {
+                    junk[0] = 0x04; // plausible opcode, bad ICRC
+                }
+                let _ = s.send_to(&junk, (target, 4791));
+            }
+        })
+        .unwrap();
+    // Garbage on the control socket.
+    let raw = |bytes: &[u8], fds: &[i32]| -> String {
+        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+        let ua = nix::sys::socket::UnixAddr::new(&bed.nics[1].sock).unwrap();
+        nix::sys::socket::connect(sock.as_raw_fd(), &ua).unwrap();
+        let iov = [std::io::IoSlice::new(bytes)];
+        let cm = [nix::sys::socket::ControlMessage::ScmRights(fds)];
+        nix::sys::socket::sendmsg::<()>(sock.as_raw_fd(), &iov, if fds.is_empty() { &[] } else { &cm }, nix::sys::socket::MsgFlags::empty(), None).unwrap();
+        let mut buf = vec![0u8; 65536];
+        let n = nix::sys::socket::recv(sock.as_raw_fd(), &mut buf, nix::sys::socket::MsgFlags::empty()).unwrap_or(0);
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    assert!(raw(b"\x00\x01garbage", &[]).contains("malformed"));
+    assert!(raw(br#"{"Hello":{"version":99}}"#, &[]).contains("Err"));
+    assert!(raw(br#"{"RegMr":{"pd":1,"iova":0,"len":4096,"access":15,"fd_offset":0}}"#, &[]).contains("Err"));
+    // An unsealed memfd must be refused (it could shrink under rnicd).
+    let mfd = unsafe { libc::memfd_create(c"x".as_ptr(), 0) };
+    unsafe { libc::ftruncate(mfd, 4096) };
+    let ctx = bed.ctx(1);
+    let pd = ctx.alloc_pd().unwrap();
+    drop(pd);
+    assert!(raw(br#"{"RegMr":{"pd":2,"iova":0,"len":4096,"access":15,"fd_offset":0}}"#, &[mfd]).contains("Err"));
+    assert!(raw(br#"{"CreateQp":{"pd":1,"send_cq":1,"recv_cq":1,"cap":{"max_send_wr":1,"max_recv_wr":1,"max_send_sge":1,"max_recv_sge":1,"max_inline_data":0},"sq_sig_all":false,"sq_slots":3,"rq_slots":0}}"#, &[]).contains("Err"));
+    let st = ctx.stats().unwrap();
+    assert!(st["rx_bad_icrc"].as_u64().unwrap() + st["rx_malformed"].as_u64().unwrap() >= 400, "{st}");
+    assert!(st["bad_client_requests"].as_u64().unwrap() >= 4, "{st}");
+    // And rnicd still works.
+    let (a, b) = pair(&bed, 0, 1, ConnectOpts::default());
+    a.buf.write(0, b"still alive");
+    a.qp.post_send(&[SendWr::write(1, &[a.mr.sge(0, 11)], b.mr.addr, b.mr.rkey)]).unwrap();
+    ok(&a.scq);
+    assert_eq!(b.buf.read(0, 11), b"still alive");
+}
