@@ -115,10 +115,22 @@ impl Testbed {
         sys::ip(Some(&self.fabric()), &["link", "set", &format!("h{host}e{nic}"), "down"]).map(|_| ())
     }
 
-    /// Reconnects a NIC cut by [`Testbed::link_down`].
+    /// Reconnects a NIC cut by [`Testbed::link_down`]; returns once it passes traffic.
+    /// Address resolutions that failed or are still pending because of the cut are
+    /// forgotten on every host of that network, so the next packet resolves afresh
+    /// instead of waiting out (or dying with) the old attempt.
     pub fn link_up(&self, host: usize, nic: usize) -> Result<()> {
         self.check(host, nic)?;
-        sys::ip(Some(&self.fabric()), &["link", "set", &format!("h{host}e{nic}"), "up"]).map(|_| ())
+        sys::ip(Some(&self.fabric()), &["link", "set", &format!("h{host}e{nic}"), "up"])?;
+        self.wait_links_ready(Some((host, nic)))?;
+        let dev = format!("eth{nic}");
+        for h in self.hosts() {
+            for nud in ["incomplete", "failed"] {
+                // Nothing to flush is not an error worth reporting.
+                let _ = sys::ip(Some(&h.netns), &["neigh", "flush", "dev", &dev, "nud", nud]);
+            }
+        }
+        Ok(())
     }
 
     /// Packets counted by a fault's nft rules on NIC `nic` of `host` (`kind`: "loss",

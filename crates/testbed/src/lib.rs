@@ -172,6 +172,7 @@ impl Testbed {
             delayers: Mutex::new(HashMap::new()),
         };
         tb.build().with_context(|| format!("building testbed {}", tb.name))?;
+        tb.wait_links_ready(None)?;
         for h in 0..tb.hosts.len() {
             let rate = opts.host_rates.iter().rev().find(|(i, _)| *i == h).map(|&(_, r)| r).or(opts.rate_mbit);
             for k in 0..tb.nics {
@@ -249,6 +250,42 @@ impl Testbed {
         &self.name
     }
 
+    /// Waits until links pass traffic: both veth ends operationally UP and the bridge
+    /// port forwarding. A link that was just set up drops packets until the kernel's
+    /// link watcher (a global worker, slow when namespaces come and go) activates it.
+    pub(crate) fn wait_links_ready(&self, only: Option<(usize, usize)>) -> Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let fab = sys::ip(Some(&self.fabric()), &["-d", "-o", "link", "show"])?;
+            let mut waiting = Vec::new();
+            for h in &self.hosts {
+                if only.is_some_and(|(oh, _)| oh != h.index) {
+                    continue;
+                }
+                let links = sys::ip(Some(&h.netns), &["-o", "link", "show"])?;
+                for k in 0..self.nics {
+                    if only.is_some_and(|(_, ok)| ok != k) {
+                        continue;
+                    }
+                    let port = format!("h{}e{k}", h.index);
+                    let port_ok = line_of(&fab, &port)
+                        .is_some_and(|l| l.contains(" state UP ") && l.contains("bridge_slave state forwarding"));
+                    let eth_ok = line_of(&links, &format!("eth{k}")).is_some_and(|l| l.contains(" state UP "));
+                    if !(port_ok && eth_ok) {
+                        waiting.push(port);
+                    }
+                }
+            }
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("links of testbed {} not up after 20 s: {}", self.name, waiting.join(" "));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
     /// Host `i`; panics if out of range (see [`Testbed::try_host`]).
     pub fn host(&self, i: usize) -> &Host {
         self.try_host(i).unwrap()
@@ -313,6 +350,16 @@ impl Drop for Testbed {
             }
         }
     }
+}
+
+/// The `ip -o link` line of interface `dev` (named `dev` or `dev@peer`).
+fn line_of<'a>(links: &'a str, dev: &str) -> Option<&'a str> {
+    links.lines().find(|l| {
+        l.split_whitespace().nth(1).is_some_and(|n| {
+            let n = n.trim_end_matches(':');
+            n == dev || n.split('@').next() == Some(dev)
+        })
+    })
 }
 
 /// Whether a namespace of testbed `name` exists.
