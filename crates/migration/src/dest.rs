@@ -321,8 +321,8 @@ fn run_inner(
         per_channel.push(p);
         cpu += c;
     }
-    let (claimed, rounds, state_bytes) = match end.map_err(|e| anyhow!("control connection: {e}"))? {
-        Msg::End { pages_per_channel, rounds, state_bytes, .. } => (pages_per_channel, rounds, state_bytes),
+    let (claimed, rounds, state_bytes, ram_hashes) = match end.map_err(|e| anyhow!("control connection: {e}"))? {
+        Msg::End { pages_per_channel, rounds, state_bytes, ram_hashes, .. } => (pages_per_channel, rounds, state_bytes, ram_hashes),
         Msg::Abort { reason } => bail!("source aborted: {reason}"),
         other => bail!("expected end of stream, got {other:?}"),
     };
@@ -339,6 +339,19 @@ fn run_inner(
         bail!("state is {} bytes, source announced {state_bytes}", blob.len());
     }
     let state = StateSet::read_from(&mut blob.as_slice()).context("decoding vCPU and device state")?;
+    if ram_hashes {
+        let theirs = wire::recv_blob(&mut control).map_err(|e| anyhow!("RAM hashes: {e}"))?;
+        let mine = crate::pages::page_hashes(&ram);
+        if theirs.len() != mine.len() * 8 {
+            bail!("RAM hashes: {} bytes for {} pages", theirs.len(), mine.len());
+        }
+        let bad: Vec<usize> =
+            (0..mine.len()).filter(|&i| u64::from_le_bytes(theirs[i * 8..i * 8 + 8].try_into().unwrap()) != mine[i]).collect();
+        if !bad.is_empty() {
+            bail!("RAM differs from the source in {} pages (first: {:?})", bad.len(), &bad[..bad.len().min(8)]);
+        }
+        ctl.update(|s| s.verified_pages = mine.len() as u64);
+    }
     vm.restore_state(&state).context("loading vCPU and device state")?;
     ctl.update(|s| {
         s.rounds = rounds;

@@ -63,27 +63,7 @@ impl Drop for GuestRam {
     }
 }
 
-/// Per-page xxh3 hashes of guest RAM (the byte-exact check of tests).
-pub fn page_hashes(ram: &RamRegion) -> Vec<u64> {
-    let data = ram.data_ranges().unwrap_or_default();
-    let mut is_data = vec![false; (ram.len / PAGE) as usize];
-    for r in data {
-        for p in r.first..r.end() {
-            is_data[p as usize] = true;
-        }
-    }
-    let zero = xxhash_rust::xxh3::xxh3_64(&[0u8; PAGE as usize]);
-    (0..ram.len / PAGE)
-        .map(|p| {
-            if !is_data[p as usize] {
-                return zero;
-            }
-            // SAFETY: within the mapping.
-            let s = unsafe { std::slice::from_raw_parts(ram.host_addr.add((p * PAGE) as usize), PAGE as usize) };
-            xxhash_rust::xxh3::xxh3_64(s)
-        })
-        .collect()
-}
+pub use crate::pages::page_hashes;
 
 /// QEMU's `check_guests_ram`: walking pages in order, the first byte of each
 /// equals its predecessor's except at most one step down by one (where the

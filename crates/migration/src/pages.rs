@@ -118,6 +118,28 @@ pub fn complement(ranges: &[PageRange], total: u64) -> Vec<PageRange> {
     out
 }
 
+/// Per-page xxh3 hashes of guest RAM (the byte-exact check of tests).
+pub fn page_hashes(ram: &crate::vm::RamRegion) -> Vec<u64> {
+    let data = ram.data_ranges().unwrap_or_default();
+    let mut is_data = vec![false; (ram.len / crate::dirty::PAGE_SIZE) as usize];
+    for r in data {
+        for p in r.first..r.end() {
+            is_data[p as usize] = true;
+        }
+    }
+    let zero = xxhash_rust::xxh3::xxh3_64(&[0u8; crate::dirty::PAGE_SIZE as usize]);
+    (0..ram.len / crate::dirty::PAGE_SIZE)
+        .map(|p| {
+            if !is_data[p as usize] {
+                return zero;
+            }
+            // SAFETY: within the mapping.
+            let s = unsafe { std::slice::from_raw_parts(ram.host_addr.add((p * crate::dirty::PAGE_SIZE) as usize), crate::dirty::PAGE_SIZE as usize) };
+            xxhash_rust::xxh3::xxh3_64(s)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -455,9 +455,20 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     });
     wire::send_msg(
         &mut control,
-        &Msg::End { pages_per_channel: per_channel, rounds: round + 1, state_bytes: blob.len() as u64, source_paused_unix_ns: paused_at },
+        &Msg::End {
+            pages_per_channel: per_channel,
+            rounds: round + 1,
+            state_bytes: blob.len() as u64,
+            source_paused_unix_ns: paused_at,
+            ram_hashes: params.verify_ram,
+        },
     )?;
     wire::send_blob(&mut control, &blob)?;
+    if params.verify_ram {
+        let h = crate::pages::page_hashes(&ram);
+        let bytes: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+        wire::send_blob(&mut control, &bytes)?;
+    }
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
     let dest_cpu = match recv_reply(&mut control)? {
         Msg::Loaded { cpu_s } => cpu_s,

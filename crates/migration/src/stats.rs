@@ -23,6 +23,10 @@ pub struct Params {
     pub auto_converge: bool,
     pub throttle_initial: u8,
     pub throttle_increment: u8,
+    /// After stop-and-copy, also send a hash of every page; the destination
+    /// compares them with its own and refuses to run on any difference.
+    /// Costs a read of all RAM inside the downtime: for tests and audits.
+    pub verify_ram: bool,
 }
 
 impl Default for Params {
@@ -36,6 +40,7 @@ impl Default for Params {
             auto_converge: true,
             throttle_initial: 20,
             throttle_increment: 10,
+            verify_ram: false,
         }
     }
 }
@@ -136,6 +141,8 @@ pub struct Stats {
     pub cpu_s_source: Option<f64>,
     pub cpu_s_dest: Option<f64>,
     pub state_bytes: u64,
+    /// Pages whose hash the destination checked against the source's.
+    pub verified_pages: u64,
 }
 
 /// Shared between the engine thread and the control socket.

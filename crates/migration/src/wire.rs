@@ -64,7 +64,15 @@ pub enum Msg {
     Abort { reason: String },
     /// Source -> destination after the last page batch; the vCPU/device
     /// state blob follows as the next frame.
-    End { pages_per_channel: Vec<u64>, rounds: u64, state_bytes: u64, source_paused_unix_ns: u64 },
+    End {
+        pages_per_channel: Vec<u64>,
+        rounds: u64,
+        state_bytes: u64,
+        source_paused_unix_ns: u64,
+        /// A blob of per-page xxh3 hashes follows the state.
+        #[serde(default)]
+        ram_hashes: bool,
+    },
     /// Destination holds the complete state and loaded it.
     Loaded { cpu_s: f64 },
     /// Source committed: the destination may run.

@@ -12,6 +12,7 @@ use std::time::Duration;
 /// Migrate, then check: source paused with the same RAM the destination
 /// got, destination runs on and its dirtier oracle holds.
 fn migrate_and_verify(src: &Side, params: serde_json::Value, oracle: bool) -> serde_json::Value {
+    let params_verify = params.get("verify_ram").is_some();
     let dst = Side::new(src.dynvm.ram().len, src.vm.slices().len());
     let port = dst.incoming(false);
     let (os, od, stats) = migrate(src, &dst, port, params);
@@ -29,6 +30,9 @@ fn migrate_and_verify(src: &Side, params: serde_json::Value, oracle: bool) -> se
     assert_eq!(stats["status"], "completed");
     assert_eq!(dstats["status"], "completed");
     assert_eq!(dstats["pages_sent"], stats["pages_sent"]);
+    if params_verify {
+        assert_eq!(dstats["verified_pages"], stats["total_pages"], "in-band RAM check ran");
+    }
     stats
 }
 
@@ -65,7 +69,7 @@ fn dirtying_vm_four_channels_converges_byte_exact() {
     let src = Side::new(64 * MIB, 2);
     src.vm.resume().unwrap();
     std::thread::sleep(Duration::from_millis(100));
-    let st = migrate_and_verify(&src, json!({"channels": 4, "downtime_ms": 50, "timeout_s": 120}), true);
+    let st = migrate_and_verify(&src, json!({"channels": 4, "downtime_ms": 50, "timeout_s": 120, "verify_ram": true}), true);
     assert!(st["rounds"].as_u64().unwrap() >= 2, "{st:#}");
     assert!(!st["round_stats"].as_array().unwrap().is_empty());
 }
