@@ -59,7 +59,6 @@ fn killed_owner_is_swept_by_next_create() {
 
     child.kill().unwrap(); // SIGKILL: no destructor runs
     child.wait().unwrap();
-    assert!(pid_alive(sleeper), "nothing cleans up a SIGKILLed owner by itself");
 
     let _next = Testbed::create(TestbedOpts::new("tb-next", 1)).unwrap();
     let left: Vec<String> = netns_names().into_iter().filter(|n| n.starts_with(&format!("{name}-"))).collect();
@@ -83,6 +82,17 @@ fn down_works_without_a_state_file() {
     assert!(!netns_names().iter().any(|n| n.starts_with(&format!("{name}-"))));
     assert!(!pid_alive(sleeper));
     assert!(testbed::down(&name).is_err(), "second down: unknown testbed");
+}
+
+#[test]
+fn a_failure_while_building_removes_what_was_built() {
+    // A rate of 0 is refused after the namespaces exist.
+    let r = Testbed::create(TestbedOpts::new("tb-fail", 2).rate_mbit(0));
+    assert!(format!("{:#}", r.err().unwrap()).contains("rate of 0"));
+    let prefix = format!("tb-fail-{}-", std::process::id());
+    assert!(!netns_names().iter().any(|n| n.starts_with(&prefix)), "{:?}", netns_names());
+    let states = std::fs::read_dir(testbed::STATE_DIR).unwrap();
+    assert!(!states.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix)));
 }
 
 #[test]
