@@ -186,7 +186,8 @@ pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingPa
         s.peer = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     });
     let mut control: Option<TcpStream> = None;
-    let r = run_inner(&vm, &listener, params, &ctl, &mut control, t0);
+    let mut started = t0;
+    let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started);
     if let Err(e) = &r {
         if let Some(c) = control.as_mut() {
             let _ = wire::send_msg(c, &Msg::Abort { reason: format!("{e:#}") });
@@ -195,8 +196,13 @@ pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingPa
     }
     let cpu = thread_cpu_s() - cpu0;
     ctl.update(|s| {
-        s.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+        // From the source's connection on, not from when we began to listen.
+        s.total_ms = started.elapsed().as_secs_f64() * 1e3;
         s.cpu_s_dest = Some(s.cpu_s_dest.unwrap_or(0.0) + cpu);
+        let secs = (s.total_ms - s.setup_ms) / 1e3;
+        if secs > 0.0 {
+            s.throughput_gbps = s.wire_bytes as f64 * 8.0 / secs / 1e9;
+        }
         match &r {
             Ok(_) => s.status = Status::Completed,
             Err(e) => {
@@ -214,12 +220,13 @@ fn run_inner(
     params: &IncomingParams,
     ctl: &Arc<Control>,
     control_out: &mut Option<TcpStream>,
-    t0: Instant,
+    t0: &mut Instant,
 ) -> Result<bool> {
     let ram = vm.ram();
     let total = ram.pages();
     let timeout = (params.accept_timeout_s > 0).then(|| Duration::from_secs(params.accept_timeout_s));
     let mut control = accept(listener, ctl, timeout)?;
+    *t0 = Instant::now();
     *control_out = Some(control.try_clone()?);
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     let role = match wire::read_preamble(&mut control) {
@@ -321,8 +328,12 @@ fn run_inner(
         per_channel.push(p);
         cpu += c;
     }
+    let source_paused;
     let (claimed, rounds, state_bytes, ram_hashes) = match end.map_err(|e| anyhow!("control connection: {e}"))? {
-        Msg::End { pages_per_channel, rounds, state_bytes, ram_hashes, .. } => (pages_per_channel, rounds, state_bytes, ram_hashes),
+        Msg::End { pages_per_channel, rounds, state_bytes, ram_hashes, source_paused_unix_ns } => {
+            source_paused = source_paused_unix_ns;
+            (pages_per_channel, rounds, state_bytes, ram_hashes)
+        }
         Msg::Abort { reason } => bail!("source aborted: {reason}"),
         other => bail!("expected end of stream, got {other:?}"),
     };
@@ -370,5 +381,9 @@ fn run_inner(
     }
     let t = unix_ns();
     let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
+    if resumed {
+        // Same figure as the source's, so it survives a source that exits.
+        ctl.update(|s| s.downtime_ms = Some(t.saturating_sub(source_paused) as f64 / 1e6));
+    }
     Ok(resumed)
 }
