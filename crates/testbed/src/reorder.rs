@@ -25,6 +25,8 @@ const TABLE: u32 = 7570;
 /// Mark of packets the delayer sends again (never chosen a second time).
 const RESENT_MARK: u32 = 0x7e57_00ff;
 const SCALE: u64 = 1_000_000;
+/// Most packets held back at once.
+const MAX_HELD: usize = 100_000;
 
 fn tun_name(nic: usize) -> String {
     format!("tbdly{nic}")
@@ -57,7 +59,7 @@ impl Delayer {
         sys::ip_batch(
             netns,
             &format!(
-                "link set {dev} addrgenmode none\nlink set {dev} mtu 1500\nlink set {dev} up\n\
+                "link set {dev} addrgenmode none\nlink set {dev} mtu 1500 txqueuelen 10000\nlink set {dev} up\n\
                  route replace default dev {dev} table {table}\n\
                  rule add fwmark {mark} table {table} priority 100\n"
             ),
@@ -117,7 +119,12 @@ pub fn remove_rules(netns: &str, nic: usize) {
 fn open_in_netns(netns: &str, nic: usize) -> Result<(File, OwnedFd)> {
     let host = crate::Host { index: 0, netns: netns.into(), addrs: Vec::new() };
     host.in_netns(|| -> Result<(File, OwnedFd)> {
-        let tun = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun")
+        use std::os::unix::fs::OpenOptionsExt;
+        let tun = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open("/dev/net/tun")
             .context("cannot open /dev/net/tun")?;
         // SAFETY: ifreq is plain data; zeroed is a valid value.
         let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
@@ -162,10 +169,17 @@ fn relay(tun: File, raw: OwnedFd, delay: Duration, stop: &AtomicBool, delayed: &
         // SAFETY: one pollfd and a timespec that live across the call.
         let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
         if n > 0 && pfd.revents & libc::POLLIN != 0 {
-            // SAFETY: reads into our own buffer of the given length.
-            let len = unsafe { libc::read(tun.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if len >= 20 {
-                held.push_back((Instant::now() + delay, buf[..len as usize].to_vec()));
+            // Drain everything queued (the tun is non-blocking), so bursts are not dropped.
+            loop {
+                // SAFETY: reads into our own buffer of the given length.
+                let len = unsafe { libc::read(tun.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+                if len < 0 {
+                    break;
+                }
+                // Bounded: past MAX_HELD the link is overloaded and the packet is lost.
+                if len >= 20 && held.len() < MAX_HELD {
+                    held.push_back((Instant::now() + delay, buf[..len as usize].to_vec()));
+                }
             }
         } else if n > 0 && pfd.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
             return;
