@@ -9,18 +9,22 @@ normal exit, on exceptions, on Ctrl-C and on SIGTERM (see install_signal_exit).
 """
 
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 
 
 def install_signal_exit():
-    """Turn SIGTERM/SIGHUP into SystemExit so `with` blocks clean up."""
+    """Turn SIGINT/SIGTERM/SIGHUP into SystemExit so `with` blocks clean up
+    (SIGINT too: a script started in the background inherits it ignored)."""
 
     def handler(signum, _frame):
+        print(f"interrupted by signal {signum}; cleaning up", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
 
 
@@ -33,7 +37,8 @@ class TwoHosts:
 
     def __init__(self, prefix="qb"):
         # Unique per process so parallel runs never collide.
-        tag = f"{prefix}{os.getpid() % 100000}"
+        tag = f"{prefix}{os.getpid()}"
+        self.prefix = prefix
         self.ns = {"a": f"{tag}a", "b": f"{tag}b"}
         self.dev = {"a": f"{tag}-va", "b": f"{tag}-vb"}
         octet = os.getpid() % 250 + 1
@@ -52,7 +57,23 @@ class TwoHosts:
     def __exit__(self, *exc):
         self.close()
 
+    def sweep_stale(self):
+        """Remove namespaces of earlier runs that were SIGKILLed (owner pid gone)."""
+        out = _ip("netns", "list", check=False).stdout
+        for line in out.splitlines():
+            m = re.fullmatch(rf"{self.prefix}(\d+)[ab]", line.split()[0]) if line.strip() else None
+            if not m or os.path.exists(f"/proc/{m.group(1)}"):
+                continue
+            ns = line.split()[0]
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", ns, check=False)
+
     def setup(self):
+        self.sweep_stale()
         for h in ("a", "b"):
             _ip("netns", "add", self.ns[h])
         self.up = True
