@@ -51,7 +51,7 @@ pub struct Control {
 
 pub const COMMANDS: &[&str] = &[
     "qmp_capabilities", "query-commands", "query-status", "query-vm", "stop", "cont", "quit",
-    "query-console", "pmemsave", "query-ram-digest", "check-dirtier", "save",
+    "query-console", "query-vcpus", "pmemsave", "query-ram-digest", "check-dirtier", "save",
 ];
 
 impl Control {
@@ -157,6 +157,10 @@ impl Control {
                 Ok(json!({}))
             }
             "query-console" => Ok(json!({"lines": vm.console_lines()})),
+            "query-vcpus" => {
+                paused_ram(vm)?;
+                Ok(serde_json::to_value(vm.vcpu_states()?).unwrap())
+            }
             "pmemsave" => {
                 let addr = arg_u64(args, "val")?;
                 let size = arg_u64(args, "size")?;

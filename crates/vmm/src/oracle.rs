@@ -13,6 +13,8 @@ pub struct DirtierReport {
     pub edge: bool,
     /// First byte of the first page: how many passes, modulo 256.
     pub first_byte: u8,
+    /// Where the rule first broke: (guest address, its byte, predecessor's byte).
+    pub first_bad: Option<(u64, u8, u8)>,
 }
 
 /// QEMU's `check_guests_ram` rule for the dirtier: walking up from `start`,
@@ -24,6 +26,7 @@ pub fn check_dirtier(ram: &[u8], start: u64, end: u64) -> DirtierReport {
     let mut edge = false;
     let mut bad = 0;
     let mut pages = 0;
+    let mut first_bad = None;
     let mut a = start;
     while a < end {
         let b = ram[a];
@@ -33,12 +36,13 @@ pub fn check_dirtier(ram: &[u8], start: u64, end: u64) -> DirtierReport {
                 last = b;
             } else {
                 bad += 1;
+                first_bad.get_or_insert((a as u64, b, last));
             }
         }
         pages += 1;
         a += PAGE;
     }
-    DirtierReport { pages, bad_pages: bad, edge, first_byte: ram[start] }
+    DirtierReport { pages, bad_pages: bad, edge, first_byte: ram[start], first_bad }
 }
 
 /// One 64-bit hash per 4 KiB page, to compare RAM across hosts.

@@ -222,6 +222,11 @@ impl Vm {
         self.vcpus.lock().unwrap().is_paused()
     }
 
+    /// Architectural state of every vCPU; the VM must be paused.
+    pub fn vcpu_states(&self) -> Result<Vec<VcpuState>> {
+        self.vcpus.lock().unwrap().states()
+    }
+
     /// vCPU and device state; the VM must be paused.
     pub fn save_state(&self) -> Result<StateSet> {
         let vcpus = self.vcpus.lock().unwrap();

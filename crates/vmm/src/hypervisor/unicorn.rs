@@ -10,7 +10,7 @@
 use super::{Hypervisor, IoHandler, Kicker, Vcpu, VcpuExit, VcpuState};
 use anyhow::{anyhow, Context, Result};
 use devices::layout::{MMIO_BASE, MMIO_SIZE};
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use unicorn_engine::unicorn_const::{uc_error, Arch, Mode, Prot};
 use unicorn_engine::{RegisterX86, Unicorn};
@@ -18,21 +18,28 @@ use unicorn_engine_sys as sys;
 
 pub struct UnicornHypervisor;
 
+/// Kicks are delivered at the next translation-block boundary by a block
+/// hook that stops the engine from inside the vCPU thread. Calling
+/// `uc_emu_stop` from another thread is not precise in unicorn 2.1: the
+/// engine can report the PC of a block whose first store already ran, so a
+/// resumed guest would execute that store twice (a lost-update the dirtier
+/// oracle catches).
 struct UcKicker {
-    handle: AtomicPtr<sys::uc_engine>,
     kicked: AtomicBool,
 }
 
 impl Kicker for UcKicker {
     fn kick(&self) {
         self.kicked.store(true, Ordering::SeqCst);
-        let h = self.handle.load(Ordering::SeqCst);
-        if !h.is_null() {
-            // SAFETY: the handle stays valid while the vCPU exists (the
-            // kicker is dropped with the VM's vCPU threads joined first);
-            // uc_emu_stop only sets flags, as unicorn's own timeout thread does.
-            unsafe { sys::uc_emu_stop(h) };
-        }
+    }
+}
+
+/// Runs at the start of every translation block (a plain C callback: this
+/// is the hottest path of the emulator).
+unsafe extern "C" fn stop_if_kicked(uc: *mut sys::uc_engine, _addr: u64, _size: u32, user: *mut std::ffi::c_void) {
+    let k = &*(user as *const UcKicker);
+    if k.kicked.load(Ordering::Relaxed) {
+        sys::uc_emu_stop(uc);
     }
 }
 
@@ -84,14 +91,24 @@ impl Hypervisor for UnicornHypervisor {
             po.pio_write(port as u16, &v.to_le_bytes()[..n]);
         })
         .map_err(|e| anyhow!("OUT hook: {e:?}"))?;
-        let kicker = Arc::new(UcKicker { handle: AtomicPtr::new(uc.get_handle()), kicked: AtomicBool::new(false) });
+        let kicker = Arc::new(UcKicker { kicked: AtomicBool::new(false) });
+        let mut hook: sys::uc_hook = 0;
+        // SAFETY: the kicker lives in the returned vCPU, as long as the engine.
+        let rc = unsafe {
+            sys::uc_hook_add(
+                uc.get_handle(),
+                &mut hook,
+                sys::HookType::BLOCK.0 as i32,
+                stop_if_kicked as *mut std::ffi::c_void,
+                Arc::as_ptr(&kicker) as *mut std::ffi::c_void,
+                1,
+                0,
+            )
+        };
+        if rc != uc_error::OK {
+            return Err(anyhow!("block hook: {rc:?}"));
+        }
         Ok(Box::new(UnicornVcpu { uc, kicker, halted: false }))
-    }
-}
-
-impl Drop for UnicornVcpu {
-    fn drop(&mut self) {
-        self.kicker.handle.store(std::ptr::null_mut(), Ordering::SeqCst);
     }
 }
 
