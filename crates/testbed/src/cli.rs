@@ -8,8 +8,10 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Subcommand)]
 pub enum TestbedCmd {
-    /// Create a testbed: N hosts (network namespaces NAME-h0, NAME-h1, ...) whose NICs
-    /// eth0 (and eth1) sit on bridges in the namespace NAME-fab. It stays until `down`.
+    /// Create a testbed of N hosts; it stays until `down`.
+    ///
+    /// The hosts are network namespaces NAME-h0, NAME-h1, ... whose NICs eth0 (and
+    /// eth1) sit on bridges in the namespace NAME-fab.
     Up {
         /// Testbed name (letters, digits, '-', '_', '.').
         name: String,
@@ -36,14 +38,18 @@ pub enum TestbedCmd {
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
-    /// Remove a testbed completely: its processes, namespaces, links, bridges, rules and
-    /// state. Also works after a crash, with or without its state file.
+    /// Remove a testbed completely, also after a crash.
+    ///
+    /// Kills its processes and removes its namespaces, links, bridges, rules and state,
+    /// with or without its state file.
     Down { name: String },
-    /// List testbeds: name, hosts, NICs, subnets, owner.
+    /// List testbeds with their hosts, NICs, subnets and owner.
     List,
     /// Remove every testbed whose owner process has died.
     Sweep,
-    /// Change the shaping and faults of one host's NIC (unspecified settings are kept).
+    /// Change the link rate and faults of one host's NIC.
+    ///
+    /// Settings not given are kept; 0 removes one.
     Shape {
         name: String,
         /// Host index (1) or name (h1).
