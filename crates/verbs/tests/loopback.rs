@@ -19,7 +19,7 @@ impl Drop for Nic {
 }
 fn nic(addr: Ipv4Addr) -> Nic {
     let path = std::env::temp_dir().join(format!("rnicd-test-{}-{addr}.sock", std::process::id()));
-    let (stop, h) = rnic::daemon::spawn(rnic::daemon::Config { addr, sock: path.clone() }).unwrap();
+    let (stop, h) = rnic::daemon::spawn(rnic::daemon::Config { addr, sock: path.clone(), gso: false }).unwrap();
     Nic { stop, h: Some(h), path }
 }
 
