@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod migrate;
 mod vm;
 
 #[derive(Parser)]

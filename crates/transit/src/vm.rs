@@ -10,7 +10,15 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 use vmm::control::{Client, Control, ProcessRequest};
+use migration::qmp::{MigrationSlot, Outcome};
+use migration::vm::MigratableVm;
 use vmm::{RunState, Vm, VmConfig};
+
+/// Control commands served by the migration engine.
+const MIGRATION_COMMANDS: &[&str] = &[
+    "migrate", "migrate-incoming", "query-migrate", "migrate-cancel", "migrate-set-parameters",
+    "query-migrate-parameters", "migrate-start-postcopy", "migrate-recover", "migrate-pause",
+];
 
 #[derive(Subcommand)]
 pub enum VmCmd {
@@ -35,6 +43,12 @@ pub enum VmCmd {
     },
     /// Print the last lines the guest wrote to its console.
     Console(Target),
+    /// Live-migrate a running VM to a destination waiting with `--incoming`
+    /// or `migrate-incoming`.
+    Migrate(crate::migrate::MigrateArgs),
+    /// Make a VM started with `--incoming` (or any paused, never-run VM)
+    /// wait for an incoming migration.
+    MigrateIncoming(crate::migrate::MigrateIncomingArgs),
     /// Send any control command, e.g. `transit vm cmd query-status` or
     /// `transit vm cmd pmemsave '{"val":0,"size":4096,"filename":"/tmp/p"}'`.
     Cmd {
@@ -102,6 +116,14 @@ pub struct RunArgs {
     /// Append guest console lines to this file instead of stdout.
     #[arg(long)]
     pub console_log: Option<PathBuf>,
+    /// Do not boot: wait for an incoming migration on tcp:ADDR:PORT
+    /// (with --paused the VM stays paused after it arrived).
+    #[arg(long, value_name = "URI")]
+    pub incoming: Option<String>,
+    /// After migrating away, stay alive in the postmigrate state until
+    /// `quit` (default: exit two seconds after completion).
+    #[arg(long)]
+    pub keep_after_migrate: bool,
 }
 
 #[derive(Args)]
@@ -138,6 +160,8 @@ pub fn run(cmd: VmCmd) -> Result<()> {
             }
             Ok(())
         }
+        VmCmd::Migrate(a) => crate::migrate::migrate(a),
+        VmCmd::MigrateIncoming(a) => crate::migrate::migrate_incoming(a),
         VmCmd::Cmd { target, command, arguments } => {
             let args: Value = serde_json::from_str(&arguments).context("arguments must be a JSON object")?;
             print(target.client()?.execute(&command, args)?)
@@ -185,9 +209,12 @@ fn run_vm(a: RunArgs) -> Result<()> {
     }
     let config = VmConfig { name: a.name.clone(), memory, vcpus: a.vcpus, firmware, cmdline, nvme: a.nvme };
     let vm = Vm::build(config, console_sink(a.console_log)?)?;
-    vm.boot()?;
     let socket = a.control.unwrap_or_else(|| default_socket(&a.name));
-    serve(vm, &socket, !a.paused)
+    let opts = ServeOpts { start: !a.paused, incoming: a.incoming, keep_after_migrate: a.keep_after_migrate };
+    if opts.incoming.is_none() {
+        vm.boot()?;
+    }
+    serve(vm, &socket, opts)
 }
 
 fn restore_vm(a: RestoreArgs) -> Result<()> {
@@ -198,23 +225,67 @@ fn restore_vm(a: RestoreArgs) -> Result<()> {
     reader.read_ram(vm.ram())?;
     vm.restore_state(&state)?;
     let socket = a.control.unwrap_or_else(|| default_socket(&vm.config.name));
-    serve(vm, &socket, !a.paused)
+    serve(vm, &socket, ServeOpts { start: !a.paused, incoming: None, keep_after_migrate: false })
 }
 
+struct ServeOpts {
+    /// Start the vCPUs (or, with `incoming`, resume once the VM arrived).
+    start: bool,
+    incoming: Option<String>,
+    keep_after_migrate: bool,
+}
+
+/// How long a source that migrated away stays up so clients can read the
+/// final `query-migrate`.
+const POSTMIGRATE_GRACE: Duration = Duration::from_secs(2);
+
 /// Serve the control socket and run until quit, guest exit or a signal.
-fn serve(vm: Arc<Vm>, socket: &std::path::Path, start: bool) -> Result<()> {
+fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as usize);
         libc::signal(libc::SIGINT, on_signal as *const () as usize);
     }
     let (tx, rx) = mpsc::channel();
-    let control = Control::new(vm.clone(), tx);
+    let mut control = Control::new(vm.clone(), tx);
+    let slot = Arc::new(MigrationSlot::default());
+    let vm_dyn: Arc<dyn MigratableVm> = vm.clone();
+    {
+        let (slot, vm_dyn) = (slot.clone(), vm_dyn.clone());
+        control.extend(Box::new(move |_vm, cmd, args| {
+            if !MIGRATION_COMMANDS.contains(&cmd) {
+                return None;
+            }
+            Some(migration::qmp::handle(&vm_dyn, &slot, cmd, args).map_err(|e| vmm::control::CmdError {
+                class: if e.class == "CommandNotFound" { "CommandNotFound" } else { "GenericError" },
+                desc: e.desc,
+            }))
+        }));
+    }
     control.serve(socket)?;
     tracing::info!(name = %vm.config.name, socket = %socket.display(), "VM ready");
-    if start {
+    if let Some(uri) = &opts.incoming {
+        migration::qmp::handle(&vm_dyn, &slot, "migrate-incoming", &json!({"uri": uri, "resume": opts.start}))
+            .map_err(|e| anyhow::anyhow!("migrate-incoming {uri}: {}", e.desc))?;
+        tracing::info!(%uri, "waiting for an incoming migration");
+    } else if opts.start {
         vm.resume()?;
     }
+    let mut migrated_at: Option<std::time::Instant> = None;
     let result = loop {
+        match slot.outcome() {
+            Some(Outcome::OutgoingCompleted) if migrated_at.is_none() => {
+                vm.set_run_state(RunState::Postmigrate);
+                tracing::info!("migrated away; this VM is now stopped for good");
+                migrated_at = Some(std::time::Instant::now());
+            }
+            Some(Outcome::IncomingFailed(why)) if opts.incoming.is_some() => {
+                break Err(anyhow::anyhow!("incoming migration failed, the VM never ran: {why}"));
+            }
+            _ => {}
+        }
+        if migrated_at.is_some_and(|t| !opts.keep_after_migrate && t.elapsed() > POSTMIGRATE_GRACE) {
+            break Ok(());
+        }
         match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(ProcessRequest::Quit) => break Ok(()),
             Err(mpsc::RecvTimeoutError::Disconnected) => break Ok(()),
