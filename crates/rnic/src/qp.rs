@@ -439,7 +439,10 @@ impl Qp {
 
     /// Whether the requester or responder has packets to send now.
     pub fn has_tx_work(&self, now: Instant) -> bool {
-        if !self.rt.resp_queue.is_empty() {
+        let pullable = self.sq_ring.ready() > 0
+            && self.sq.len() < self.cap.max_send_wr as usize
+            && matches!(self.attr.qp_state, QpState::Rts | QpState::Err);
+        if !self.rt.resp_queue.is_empty() || pullable {
             return true;
         }
         matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd)
@@ -458,6 +461,10 @@ impl Qp {
 
     /// Sends up to `budget` packets: responses first, then requests.
     pub fn transmit(&mut self, ctx: &mut Ctx, budget: &mut usize) {
+        // WQEs left in the ring while the queue was full get no new doorbell.
+        if self.sq.len() < self.cap.max_send_wr as usize && self.sq_ring.ready() > 0 {
+            self.pull_sq(ctx);
+        }
         self.responder_tx(ctx, budget);
         self.requester_tx(ctx, budget);
     }
