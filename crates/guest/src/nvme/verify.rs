@@ -93,6 +93,11 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
         let list = if bs as u64 > 2 * PAGE { region.alloc(PAGE).unwrap_or(0) } else { 0 };
         *s = Slot { unit: 0, seq: 0, state: State::Idle, buf, list };
     }
+    let (passed, failed) = super::check::run(&mut n, &mut region);
+    if failed != 0 {
+        fail(plat, format_args!("command check: {} of {} checks wrong", failed, passed + failed));
+    }
+    println!("nvme-verify: command check passed ({} checks)", passed);
     n.arm_events();
     let max_ops = args.num("ops", 0);
     println!(
