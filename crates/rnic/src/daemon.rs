@@ -21,6 +21,8 @@ use crate::wire::ROCE_PORT;
 const RX_BATCH: usize = 64;
 const RX_BUF: usize = 65536;
 const TX_BUDGET: usize = 256;
+/// How long the event loop keeps polling after the last activity.
+const SPIN: Duration = Duration::from_micros(200);
 const TOKEN_UDP: u64 = 0;
 const SOL_UDP: i32 = 17;
 const UDP_SEGMENT: i32 = 103;
@@ -320,11 +322,19 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
     let mut ctlbuf = vec![0u8; proto::MAX_MSG];
     let mut busy = false;
+    let mut last_activity = Instant::now();
     loop {
         if STOP.load(Ordering::Relaxed) || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
             break;
         }
-        let timeout = if busy {
+        // After activity, keep polling (politely) for a short while: the
+        // next request of a ping-pong then finds us awake, not asleep in epoll.
+        let spinning = !busy && last_activity.elapsed() < SPIN;
+        if spinning {
+            // SAFETY: plain syscall.
+            unsafe { libc::sched_yield() };
+        }
+        let timeout = if busy || spinning {
             0
         } else {
             match engine.next_deadline() {
@@ -397,6 +407,9 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
             engine.tx.recycle(p);
         }
         busy = more || got > 0 || sent > 0;
+        if busy || n > 0 {
+            last_activity = Instant::now();
+        }
     }
     let _ = std::fs::remove_file(&cfg.sock);
     info!("rnicd stopped");
