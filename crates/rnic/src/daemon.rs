@@ -456,7 +456,11 @@ fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
                 c = libc::CMSG_NXTHDR(&hdrs[k].msg_hdr, c);
             }
         }
-        for chunk in bufs[k][..len].chunks(seg) {
+        if len == 0 {
+            engine.stats.rx_malformed += 1;
+            continue;
+        }
+        for chunk in bufs[k][..len].chunks(seg.max(1)) {
             engine.on_packet(chunk, src, sport, now);
         }
     }
