@@ -158,31 +158,31 @@ fn uring_run(path: &Path, write: bool, qd: u32, queues: u32, blocks: u64) -> Row
         started[idx] = Instant::now();
         unsafe { ring.submission().push(&e.user_data(idx as u64)).unwrap() };
     };
-    for q in 0..queues as usize {
+    for (q, ring) in rings.iter_mut().enumerate() {
         for s in 0..qd as usize {
             let idx = q * qd as usize + s;
-            push(&mut rings[q], idx, &mut bufs[idx], &mut rng, &mut started);
+            push(ring, idx, &mut bufs[idx], &mut rng, &mut started);
         }
-        rings[q].submit().unwrap();
+        ring.submit().unwrap();
     }
     let t0 = Instant::now();
     let cpu0 = cpu_ns();
     let mut done = 0u64;
     let mut finished = Vec::with_capacity(64);
     loop {
-        for q in 0..queues as usize {
+        for ring in rings.iter_mut() {
             finished.clear();
-            finished.extend(rings[q].completion().map(|c| {
+            finished.extend(ring.completion().map(|c| {
                 assert_eq!(c.result(), BS as i32, "io_uring I/O failed");
                 c.user_data() as usize
             }));
             let now = Instant::now();
             for &idx in &finished {
                 lats.push(now.duration_since(started[idx]).as_nanos() as u32);
-                push(&mut rings[q], idx, &mut bufs[idx], &mut rng, &mut started);
+                push(ring, idx, &mut bufs[idx], &mut rng, &mut started);
             }
             if !finished.is_empty() {
-                rings[q].submit().unwrap();
+                ring.submit().unwrap();
             }
             done += finished.len() as u64;
         }

@@ -285,6 +285,7 @@ impl HostDriver {
 
     /// A Read or Write of `nlb` blocks at `slba` to/from a buffer at `buf`
     /// (PRP list built in `list` when the buffer spans more than two pages).
+    #[allow(clippy::too_many_arguments)]
     pub fn rw_cmd(&mut self, write: bool, nsid: u32, slba: u64, nlb: u32, buf: u64, bytes: usize, list: Option<u64>) -> Command {
         let pages = bytes.div_ceil(PAGE_SIZE as usize);
         let prp2 = if pages <= 1 {

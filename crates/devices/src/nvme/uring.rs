@@ -23,6 +23,7 @@ impl Uring {
     ///
     /// # Safety
     /// `iov` must stay valid until the completion for `tag` is reaped.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn push_rw(&self, write: bool, fd: i32, iov: *const libc::iovec, n: u32, off: u64, dsync: bool, tag: u64) -> bool {
         let e = if write {
             let mut w = opcode::Writev::new(types::Fd(fd), iov, n).offset(off);
