@@ -737,8 +737,12 @@ fn save_restore_mid_io_loses_and_duplicates_nothing() {
             assert_eq!(u64::from_le_bytes(got[..8].try_into().unwrap()), slot, "block {slot}");
         }
     }
-    // The outstanding AER survived: a hot add on the new controller completes it.
+    // The outstanding AER survived. A hot add while the device is paused
+    // is announced only once it runs again.
+    d.dev.lock().unwrap().pause();
     d.dev.lock().unwrap().attach_namespace("mem:1M").unwrap();
+    assert!(d.poll(0).is_none(), "a paused device writes no completion");
+    d.dev.lock().unwrap().resume();
     let ev = d.wait(0).unwrap();
     assert_eq!(ev.cid, 4000);
     assert!(saved.is_some());

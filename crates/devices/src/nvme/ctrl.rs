@@ -507,7 +507,8 @@ impl Ctrl {
     }
 
     pub fn deliver_events(&mut self) {
-        while !self.aer.outstanding.is_empty() {
+        // A paused device does not write guest memory; resume delivers.
+        while !self.paused && !self.aer.outstanding.is_empty() {
             let Some(pos) = self.aer.pending.iter().position(|e| self.aer.masked & (1 << (e & 0x7)) == 0) else { return };
             let dw0 = self.aer.pending.remove(pos).unwrap();
             let cid = self.aer.outstanding.remove(0);

@@ -249,6 +249,7 @@ impl Lifecycle for NvmeController {
         c.paused = false;
         c.blocked.clear();
         if c.ready() {
+            c.deliver_events();
             for qid in 0..c.sqs.len() as u16 {
                 c.process_sq(qid);
             }
