@@ -158,3 +158,41 @@ fn bad_configs_and_files_fail_clearly_and_leave_nothing() {
     let ps = Command::new("pgrep").args(["-f", &name]).output().unwrap();
     assert!(ps.stdout.is_empty(), "left a process: {}", String::from_utf8_lossy(&ps.stdout));
 }
+
+#[test]
+fn nvme_controller_from_the_command_line_and_control_socket() {
+    let name = unique_name("nvme");
+    let vm = VmProcess::run_local(
+        &name,
+        &["--memory", "128M", "--workload", "nvme-verify", "--args", "qd=32", "--nvme", "name=nvme0,ns=mem:32M"],
+    )
+    .unwrap();
+    vm.wait_progress(100, Duration::from_secs(120)).unwrap();
+    let r = vm.exec("nvme-ns-add", json!({"spec": "mem:8M"})).unwrap();
+    let nsid = r["nsid"].as_u64().unwrap();
+    let t = std::time::Instant::now();
+    while !vm.console().contains("namespaces changed") {
+        assert!(t.elapsed() < Duration::from_secs(60), "the guest never saw the namespace event:\n{}", vm.console());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    vm.exec("nvme-ns-remove", json!({"nsid": nsid})).unwrap();
+    let e = vm.exec("nvme-ns-remove", json!({"nsid": 99})).unwrap_err().to_string();
+    assert!(e.contains("not attached"), "{e}");
+    let e = vm.exec("nvme-ns-add", json!({"controller": "nope", "spec": "mem:8M"})).unwrap_err().to_string();
+    assert!(e.contains("DeviceNotFound"), "{e}");
+    let q = vm.exec("query-nvme", json!({})).unwrap();
+    assert_eq!(q[0]["name"], "nvme0");
+    // Save mid-verify, restore, and the verifier keeps passing.
+    let file = TempPath::new(&format!("{name}.snap"));
+    vm.exec("save", json!({"filename": file.path()})).unwrap();
+    let p = vm.status().unwrap()["guest_progress"].as_u64().unwrap();
+    drop(vm);
+    let b = VmProcess::start(
+        Command::new(transit_bin()),
+        &format!("{name}-r"),
+        &["vm", "restore", file.path().to_str().unwrap()],
+    )
+    .unwrap();
+    b.wait_progress(p + 100, Duration::from_secs(120)).unwrap();
+    assert!(!b.console().contains("FAIL"), "{}", b.console());
+}

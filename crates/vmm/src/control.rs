@@ -52,6 +52,7 @@ pub struct Control {
 pub const COMMANDS: &[&str] = &[
     "qmp_capabilities", "query-commands", "query-status", "query-vm", "stop", "cont", "quit",
     "query-console", "query-vcpus", "pmemsave", "query-ram-digest", "check-dirtier", "save",
+    "query-nvme", "nvme-ns-add", "nvme-ns-remove",
 ];
 
 impl Control {
@@ -198,6 +199,26 @@ impl Control {
                 let st = crate::savefile::write(&file, &vm.config, &state, vm.ram())?;
                 Ok(json!({"bytes": st.bytes, "data_pages": st.data_pages, "zero_pages": st.zero_pages}))
             }
+            "query-nvme" => Ok(json!(vm
+                .nvme_controllers()
+                .iter()
+                .map(|c| {
+                    let c = c.lock().unwrap();
+                    json!({"name": c.name(), "stats": c.stats()})
+                })
+                .collect::<Vec<_>>())),
+            "nvme-ns-add" => {
+                let spec = args.get("spec").and_then(Value::as_str).ok_or_else(|| CmdError::generic("argument \"spec\" (e.g. \"mem:64M\") is required"))?;
+                let ctrl = nvme_arg(vm, args)?;
+                let nsid = ctrl.lock().unwrap().attach_namespace(spec).map_err(CmdError::generic)?;
+                Ok(json!({"nsid": nsid}))
+            }
+            "nvme-ns-remove" => {
+                let nsid = arg_u64(args, "nsid")?;
+                let nsid = u32::try_from(nsid).map_err(|_| CmdError::generic("nsid is out of range"))?;
+                nvme_arg(vm, args)?.lock().unwrap().detach_namespace(nsid).map_err(CmdError::generic)?;
+                Ok(json!({}))
+            }
             _ => {
                 for e in &self.extensions {
                     if let Some(r) = e(vm, cmd, args) {
@@ -220,6 +241,18 @@ fn status(vm: &Vm) -> Value {
         "guest_time_ns": vm.guest_time_ns(),
         "cpu_throttle_pct": vm.cpu_throttle(),
         "vcpus": vm.vcpu_status(),
+    })
+}
+
+/// The controller named by the optional "controller" argument.
+fn nvme_arg<'a>(vm: &'a Vm, args: &Value) -> Result<&'a std::sync::Arc<std::sync::Mutex<devices::nvme::NvmeController>>, CmdError> {
+    let name = args.get("controller").and_then(Value::as_str);
+    vm.nvme(name).ok_or_else(|| CmdError {
+        class: "DeviceNotFound",
+        desc: match name {
+            Some(n) => format!("no NVMe controller named {n}"),
+            None => "this VM has no NVMe controller".into(),
+        },
     })
 }
 

@@ -8,6 +8,7 @@ use crate::vcpus::VcpuSet;
 use anyhow::{anyhow, bail, Context, Result};
 use devices::console::DebugConsole;
 use devices::layout::*;
+use devices::nvme::{NvmeConfig, NvmeController};
 use devices::pci::PciRoot;
 use devices::platform::{GuestClock, Platform, PlatformEvents};
 use devices::VmDevice;
@@ -40,6 +41,7 @@ pub struct Vm {
     buses: Arc<Buses>,
     devices: Vec<(String, Arc<Mutex<dyn VmDevice>>)>,
     pci: Arc<Mutex<PciRoot>>,
+    nvme: Vec<Arc<Mutex<NvmeController>>>,
     vcpus: Mutex<VcpuSet>,
     clock: Arc<GuestClock>,
     events: Arc<PlatformEvents>,
@@ -74,8 +76,21 @@ impl Vm {
         let pci = Arc::new(Mutex::new(PciRoot::new()));
         buses.pio.insert(pci.clone(), PCI_CONFIG_ADDRESS as u64, 8)?;
 
-        if !config.nvme.is_empty() {
-            bail!("NVMe controllers are not available in this build yet");
+        let mut nvme = Vec::new();
+        let mut bar = PCI_BAR_BASE;
+        for spec in &config.nvme {
+            let cfg = NvmeConfig::parse(spec).map_err(|e| anyhow!("--nvme {spec:?}: {e}"))?;
+            let name = cfg.name.clone();
+            if devices.iter().any(|(n, _)| *n == name) {
+                bail!("two devices are named {name:?}; give each NVMe controller its own name=");
+            }
+            let ctrl = NvmeController::new(cfg, ram.memory().clone(), bar).map_err(|e| anyhow!("NVMe controller {name}: {e}"))?;
+            let ctrl = Arc::new(Mutex::new(ctrl));
+            buses.mmio.insert(ctrl.clone(), bar, NvmeController::BAR0_SIZE)?;
+            pci.lock().unwrap().add(ctrl.clone()).ok_or_else(|| anyhow!("no free PCI slot for {name}"))?;
+            devices.push((name, ctrl.clone()));
+            nvme.push(ctrl);
+            bar += NvmeController::BAR0_SIZE;
         }
 
         let hv: Arc<dyn Hypervisor> = Arc::new(UnicornHypervisor);
@@ -86,6 +101,7 @@ impl Vm {
             buses,
             devices,
             pci,
+            nvme,
             vcpus: Mutex::new(vcpus),
             clock,
             events,
@@ -183,6 +199,18 @@ impl Vm {
 
     pub fn pci(&self) -> &Arc<Mutex<PciRoot>> {
         &self.pci
+    }
+
+    /// The NVMe controller called `name`, or the first one.
+    pub fn nvme(&self, name: Option<&str>) -> Option<&Arc<Mutex<NvmeController>>> {
+        match name {
+            None => self.nvme.first(),
+            Some(n) => self.nvme.iter().find(|c| c.lock().unwrap().name() == n),
+        }
+    }
+
+    pub fn nvme_controllers(&self) -> &[Arc<Mutex<NvmeController>>] {
+        &self.nvme
     }
 
     pub fn vcpu_status(&self) -> Vec<crate::vcpus::VcpuStatus> {
