@@ -169,7 +169,7 @@ fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) -> Result<T
                 if timeout.is_some_and(|to| t.elapsed() >= to) {
                     bail!("no connection from the source within {:?}", timeout.unwrap());
                 }
-                std::thread::sleep(Duration::from_millis(20));
+                std::thread::sleep(Duration::from_millis(5));
             }
             Err(e) => return Err(e.into()),
         }

@@ -278,7 +278,7 @@ pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<A
         let secs = s.total_ms / 1e3;
         if secs > 0.0 {
             s.throughput_gbps = s.wire_bytes as f64 * 8.0 / secs / 1e9;
-            s.ram_throughput_gbps = (s.pages_sent - s.zero_pages) as f64 * PAGE_SIZE as f64 * 8.0 / secs / 1e9;
+            s.ram_throughput_gbps = s.pages_sent.saturating_sub(s.zero_pages) as f64 * PAGE_SIZE as f64 * 8.0 / secs / 1e9;
         }
         match &r {
             Ok(()) => s.status = Status::Completed,
