@@ -385,3 +385,43 @@ fn hostile_packets_and_requests_are_counted_and_dropped() {
     ok(&a.scq);
     assert_eq!(b.buf.read(0, 11), b"still alive");
 }
+
+#[test]
+fn completion_channel_notifies_armed_cq() {
+    let bed = Bed::new("rnchan", 2);
+    let a = End::new(bed.ctx(0), 1 << 20, 16);
+    let cb = bed.ctx(1);
+    let ch = cb.create_comp_channel().unwrap();
+    let cq = cb.create_cq(64, Some(&ch)).unwrap();
+    let pd = cb.alloc_pd().unwrap();
+    let qp = pd.create_qp(&QpInitAttr::new(&cq, &cq)).unwrap();
+    let buf = MemBuf::new(1 << 20).unwrap();
+    let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL).unwrap();
+    let o = ConnectOpts::default();
+    a.qp.connect(&qp.endpoint(7), &ConnectOpts { sq_psn: 3, ..o }).unwrap();
+    qp.connect(&a.qp.endpoint(3), &ConnectOpts { sq_psn: 7, ..o }).unwrap();
+    for i in 0..4 {
+        qp.post_recv(&[RecvWr { wr_id: i, sg_list: &[mr.sge(0, 4096)] }]).unwrap();
+    }
+    // Armed for any completion: the next one fires the channel.
+    cq.req_notify(false);
+    assert!(!ch.get_cq_event(Some(Duration::from_millis(100))).unwrap(), "no event before a completion");
+    a.qp.post_send(&[SendWr::send(1, &[a.mr.sge(0, 10)])]).unwrap();
+    assert!(ch.get_cq_event(Some(T)).unwrap(), "armed CQ must notify");
+    assert_eq!(cq.poll(&mut [Wc::default(); 4]).unwrap(), 1);
+    // Not re-armed: no event.
+    a.qp.post_send(&[SendWr::send(2, &[a.mr.sge(0, 10)])]).unwrap();
+    ok(&a.scq);
+    ok(&a.scq);
+    assert!(!ch.get_cq_event(Some(Duration::from_millis(100))).unwrap(), "one event per arming");
+    assert_eq!(cq.poll(&mut [Wc::default(); 4]).unwrap(), 1);
+    // Solicited only: an unsolicited SEND does not fire, a solicited one does.
+    cq.req_notify(true);
+    a.qp.post_send(&[SendWr::send(3, &[a.mr.sge(0, 10)])]).unwrap();
+    ok(&a.scq);
+    assert!(!ch.get_cq_event(Some(Duration::from_millis(100))).unwrap(), "unsolicited must not fire");
+    a.qp.post_send(&[SendWr::send(4, &[a.mr.sge(0, 10)]).with_flags(send_flags::SOLICITED)]).unwrap();
+    assert!(ch.get_cq_event(Some(T)).unwrap(), "solicited must fire");
+    assert_eq!(cq.poll(&mut [Wc::default(); 4]).unwrap(), 2);
+    drop(qp);
+}
