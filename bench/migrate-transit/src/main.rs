@@ -74,6 +74,8 @@ fn row(bin: &std::path::Path, workload: &str, ram_gib: u64, channels: u32) -> Re
         "cpu_s_source": stats["cpu_s_source"],
         "cpu_s_dest": d["cpu_s_dest"],
         "error": d["error"].as_str().or(stats["error"].as_str()),
+        "downtime_steps_source": stats["downtime_steps"],
+        "downtime_steps_dest": d["downtime_steps"],
     }))
 }
 

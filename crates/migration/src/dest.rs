@@ -317,6 +317,11 @@ fn run_inner(
     // channel shuts it down, which ends this read too.
     control.set_read_timeout(None)?;
     let end = wire::recv_msg(&mut control);
+    let t_end = Instant::now();
+    let step = |name: &str| {
+        let ms = t_end.elapsed().as_secs_f64() * 1e3;
+        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    };
     if end.is_err() {
         ctl.shutdown_all();
     }
@@ -340,6 +345,7 @@ fn run_inner(
     if claimed != per_channel {
         bail!("incomplete stream: source sent {claimed:?} pages per channel, {per_channel:?} arrived");
     }
+    step("channels joined");
     let seen = sh.seen.count_ones();
     if seen != total {
         bail!("incomplete stream: {} of {total} pages never arrived", total - seen);
@@ -363,7 +369,9 @@ fn run_inner(
         }
         ctl.update(|s| s.verified_pages = mine.len() as u64);
     }
+    step("state received");
     vm.restore_state(&state).context("loading vCPU and device state")?;
+    step("state restored");
     ctl.update(|s| {
         s.rounds = rounds;
         s.state_bytes = state_bytes;
@@ -375,10 +383,12 @@ fn run_inner(
         Msg::Go => {}
         other => bail!("expected go, got {other:?}"),
     }
+    step("go received");
     let resumed = params.resume;
     if resumed {
         vm.resume().context("starting the VM")?;
     }
+    step("resumed");
     let t = unix_ns();
     let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
     if resumed {

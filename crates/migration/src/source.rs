@@ -424,20 +424,29 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // --- stop-and-copy ---
     let paused_at = unix_ns();
     let t_pause = Instant::now();
+    let step = |name: &str| {
+        let ms = t_pause.elapsed().as_secs_f64() * 1e3;
+        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    };
     vm.pause().context("pausing the VM")?;
     guard.paused_by_us = true;
+    step("paused");
     ctl.update(|s| s.status = Status::Device);
     pending.extend(log.scan(total)?);
     let pending = normalize(pending, total);
     drop(log); // unregister: nothing writes guest RAM now
+    step("scanned");
     round += 1;
     let mut items = Vec::new();
     chunk(&pending, CHUNK_PAGES, false, &mut items);
     let fin = channels.round(round, items)?;
+    step("last pages sent");
     let state = vm.save_state().context("saving vCPU and device state")?;
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
     state.write_to(&mut blob)?;
+    step("state saved");
     let (per_channel, cpu) = channels.finish()?;
+    step("streams ended");
     ctl.update(|s| {
         s.rounds = round + 1;
         s.round_stats.push(RoundStat {
@@ -476,11 +485,13 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     };
     // Commit point: from here the destination owns the VM.
     guard.committed = true;
+    step("destination loaded");
     ctl.update(|s| s.cpu_s_dest = Some(dest_cpu));
     let go = wire::send_msg(&mut control, &Msg::Go);
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(&mut control)) {
         Ok(Msg::Resumed { unix_ns, resumed, cpu_s }) => ctl.update(|s| {
+            s.downtime_steps.push(("destination resumed (reply)".into(), t_pause.elapsed().as_secs_f64() * 1e3));
             s.cpu_s_dest = Some(cpu_s);
             s.downtime_ms = Some(if resumed {
                 unix_ns.saturating_sub(paused_at) as f64 / 1e6

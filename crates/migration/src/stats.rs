@@ -143,6 +143,8 @@ pub struct Stats {
     pub state_bytes: u64,
     /// Pages whose hash the destination checked against the source's.
     pub verified_pages: u64,
+    /// Where the downtime went: (step, ms since the pause began) on this side.
+    pub downtime_steps: Vec<(String, f64)>,
 }
 
 /// Shared between the engine thread and the control socket.
