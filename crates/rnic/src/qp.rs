@@ -1051,7 +1051,13 @@ impl Qp {
                 self.responder_error(ctx, psn, NakCode::RemoteAccessError);
                 return;
             }
-            if self.rt.resp_queue.len() >= MAX_RESP_QUEUE {
+            // Responder resources: a compliant requester keeps at most
+            // max_rd_atomic READs/atomics outstanding (<= our max_dest_rd_atomic);
+            // the slack covers duplicates. Bounds what a hostile peer can make
+            // us stream out of client memory.
+            let reads = self.rt.resp_queue.iter().filter(|j| matches!(j, RespJob::Read { .. })).count();
+            let limit = (self.attr.max_dest_rd_atomic.max(1) as usize * 2 + 8).min(MAX_RESP_QUEUE);
+            if reads >= limit || self.rt.resp_queue.len() >= MAX_RESP_QUEUE {
                 self.responder_error(ctx, psn, NakCode::InvalidRequest);
                 return;
             }
