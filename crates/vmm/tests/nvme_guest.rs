@@ -1,10 +1,9 @@
 //! The guest firmware's NVMe driver and workloads against the controller,
 //! under the emulated vCPU: init, verify, perf, namespace hot add, and
-//! save/restore in the middle of the verifier at high queue depth.
+//! save/restore in the middle of the verifier at high queue depth. The
+//! controller comes from the VM config (`--nvme`), as in `transit vm run`.
 
-use devices::nvme::{NvmeConfig, NvmeController};
-use devices::Lifecycle;
-use snapshot::Persist;
+use devices::nvme::NvmeController;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};
@@ -29,14 +28,10 @@ fn start(name: &str, cmdline: &str, nvme_spec: &str, boot: bool) -> GuestVm {
         vcpus: 1,
         firmware: guest_image::default_path(),
         cmdline: cmdline.into(),
-        nvme: Vec::new(),
+        nvme: vec![nvme_spec.to_string()],
     };
     let vm = Vm::build(config, Box::new(|_line: &str| {})).expect("build VM");
-    let bar = devices::layout::PCI_BAR_BASE;
-    let cfg = NvmeConfig::parse(nvme_spec).expect("nvme spec");
-    let nvme = Arc::new(Mutex::new(NvmeController::new(cfg, vm.ram().memory().clone(), bar).expect("controller")));
-    vm.buses().mmio.insert(nvme.clone(), bar, NvmeController::BAR0_SIZE).unwrap();
-    vm.pci().lock().unwrap().add(nvme.clone()).unwrap();
+    let nvme = vm.nvme(None).expect("the VM has its NVMe controller").clone();
     if boot {
         vm.boot().expect("boot");
         vm.resume().expect("run");
@@ -140,10 +135,10 @@ fn save_restore_in_the_middle_of_the_verifier() {
     let cmd = "workload=nvme-verify qd=128 queues=2 ops=6000";
     let src = start("nvg-src", cmd, &spec, true);
     src.wait_progress(1500, Duration::from_secs(300));
+    // The vmm's own pause / save: vCPUs stop, the controller drains.
     src.vm.pause();
-    src.nvme.lock().unwrap().pause();
-    let cpu_state = src.vm.save_state().unwrap();
-    let nvme_state = src.nvme.lock().unwrap().save().unwrap();
+    let state = src.vm.save_state().unwrap();
+    assert!(state.get("nvme0").is_ok(), "the controller is part of the VM state");
     let progress_at_save = src.vm.guest_progress();
     let size = src.vm.ram().size() as usize;
     let mut ram = vec![0u8; size];
@@ -153,9 +148,7 @@ fn save_restore_in_the_middle_of_the_verifier() {
 
     let dst = start("nvg-dst", cmd, &spec, false);
     dst.vm.ram().memory().write_slice(&ram, GuestAddress(0)).unwrap();
-    dst.vm.restore_state(&cpu_state).unwrap();
-    dst.nvme.lock().unwrap().restore(&nvme_state).unwrap();
-    dst.nvme.lock().unwrap().resume();
+    dst.vm.restore_state(&state).unwrap();
     dst.vm.resume().unwrap();
     let code = dst.wait_exit(Duration::from_secs(600));
     let console = dst.console();
