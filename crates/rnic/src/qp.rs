@@ -31,7 +31,7 @@ use crate::wire::{
 pub const WINDOW: i32 = 4096;
 /// Most request bytes in flight per QP: more only overruns the peer's socket
 /// buffer and IP reassembly, and go-back-N then resends all of it.
-pub const WINDOW_BYTES: usize = 1 << 20;
+pub const WINDOW_BYTES: usize = 4 << 20;
 /// Set the AckReq bit at least every this many packets of a long message.
 const ACK_EVERY: u32 = 64;
 /// Atomic results kept for replaying duplicates.
