@@ -5,7 +5,6 @@
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
-use std::process::Command;
 use std::time::{Duration, Instant};
 use vmm::testing::{unique_name, TempPath, VmProcess};
 
@@ -89,8 +88,15 @@ fn hop(src: &mut VmProcess, dst: &VmProcess, to: &str, channels: u32) -> Result<
     Ok(json!({"total_ms": stats["total_ms"], "downtime_ms": stats["downtime_ms"], "rounds": stats["rounds"], "pages": check["pages"]}))
 }
 
-fn live(a: DemoArgs) -> Result<()> {
-    let t0 = Instant::now();
+/// What both demos start from: two hosts, and a VM running the dirtier on A.
+struct Setup {
+    tb: testbed::Testbed,
+    me: std::path::PathBuf,
+    name: String,
+    vm: VmProcess,
+}
+
+fn setup(a: &DemoArgs) -> Result<Setup> {
     let me = std::env::current_exe()?;
     step("creating a testbed with two hosts (network namespaces on a bridge)");
     let tb = testbed::Testbed::create(testbed::TestbedOpts::new("demo", 2))?;
@@ -98,13 +104,21 @@ fn live(a: DemoArgs) -> Result<()> {
     eprintln!("    host A = {} ({}), host B = {} ({})", ha.name(), ha.addr(0), hb.name(), hb.addr(0));
     let name = unique_name("demo");
     step(&format!("starting VM {name} on host A: {} of RAM, running the memory dirtier", a.memory));
-    let mut on_a = VmProcess::start(
+    let vm = VmProcess::start(
         ha.command(&me),
         &name,
         &["--log", "warn", "vm", "run", "--name", &name, "--memory", &a.memory, "--workload", "dirtier"],
     )?;
     std::thread::sleep(Duration::from_secs(a.run_secs));
-    on_a.wait_progress(1, Duration::from_secs(60))?;
+    let passes = vm.wait_progress(1, Duration::from_secs(60))?;
+    eprintln!("    the guest made {passes} passes over its memory");
+    Ok(Setup { tb, me, name, vm })
+}
+
+fn live(a: DemoArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let Setup { tb, me, name, vm: mut on_a } = setup(&a)?;
+    let (ha, hb) = (tb.host(0), tb.host(1));
     let mut hops = Vec::new();
 
     step(&format!("live-migrating it to host B over {} TCP channels while it runs", a.channels));
@@ -132,22 +146,8 @@ fn live(a: DemoArgs) -> Result<()> {
 
 fn save_restore(a: DemoArgs) -> Result<()> {
     let t0 = Instant::now();
-    let me = std::env::current_exe()?;
-    step("creating a testbed with two hosts (network namespaces on a bridge)");
-    let tb = testbed::Testbed::create(testbed::TestbedOpts::new("demo", 2))?;
-    let (ha, hb) = (tb.host(0), tb.host(1));
-    eprintln!("    host A = {} ({}), host B = {} ({})", ha.name(), ha.addr(0), hb.name(), hb.addr(0));
-
-    let name = unique_name("demo");
-    step(&format!("starting VM {name} on host A: {} of RAM, running the memory dirtier", a.memory));
-    let mut vm_a = VmProcess::start(
-        ha.command(&me),
-        &name,
-        &["--log", "warn", "vm", "run", "--name", &name, "--memory", &a.memory, "--workload", "dirtier"],
-    )?;
-    std::thread::sleep(Duration::from_secs(a.run_secs));
-    let passes = vm_a.wait_progress(1, Duration::from_secs(60))?;
-    eprintln!("    the guest made {passes} passes over its memory");
+    let Setup { tb, me, name, vm: mut vm_a } = setup(&a)?;
+    let hb = tb.host(1);
 
     step("saving the VM on host A");
     let file = TempPath::new(&format!("{name}.snap"));
@@ -186,7 +186,6 @@ fn save_restore(a: DemoArgs) -> Result<()> {
     eprintln!("    the guest continued on host B: {} more passes, oracle holds", after - before);
     drop(vm_b);
     drop(tb);
-    let _ = Command::new("true").status();
 
     println!(
         "Transit demo: a VM with {} of RAM moved from host A to host B by save/restore; \

@@ -233,7 +233,8 @@ impl Vm {
     pub fn resume(&self) -> Result<()> {
         let st = self.run_state();
         match st {
-            RunState::Paused | RunState::Inmigrate => {}
+            RunState::Paused => {}
+            RunState::Inmigrate => bail!("the VM has not received its state yet (it waits for a migration or a restore)"),
             RunState::Running => return Ok(()),
             other => bail!("cannot run a VM in state {other:?}"),
         }
