@@ -172,6 +172,8 @@ pub struct Ctrl {
     /// inline reap (it sleeps otherwise, so page-cache hits cost no wakeup).
     pub worker_cv: Arc<Condvar>,
     pub worker_idle: bool,
+    /// Reused list of (tag, result) taken from the ring.
+    pub reaped: Vec<(u64, i32)>,
 }
 
 // `spare` holds only empty vectors of raw pointers into guest RAM.
@@ -205,6 +207,7 @@ impl Ctrl {
             spare: Vec::new(),
             worker_cv: Arc::new(Condvar::new()),
             worker_idle: false,
+            reaped: Vec::new(),
         }
     }
 
@@ -572,15 +575,17 @@ impl Ctrl {
     /// Take finished file requests and post their completions.
     pub fn reap(&mut self) {
         let Some(u) = self.uring.clone() else { return };
-        let mut done = Vec::new();
+        let mut done = std::mem::take(&mut self.reaped);
         u.reap(|tag, res| done.push((tag, res)));
-        for (tag, res) in done {
+        for &(tag, res) in &done {
             if tag == STOP_TAG {
                 self.stop = true;
                 continue;
             }
             self.finish_inflight(tag as u32, res);
         }
+        done.clear();
+        self.reaped = done;
         if !self.blocked.is_empty() && !self.paused && self.inflight_count < URING_DEPTH {
             let waiting: Vec<u16> = std::mem::take(&mut self.blocked).into_iter().collect();
             for sqid in waiting {

@@ -25,14 +25,13 @@ impl Uring {
     /// `iov` must stay valid until the completion for `tag` is reaped.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn push_rw(&self, write: bool, fd: i32, iov: *const libc::iovec, n: u32, off: u64, dsync: bool, tag: u64) -> bool {
-        let e = if write {
-            let mut w = opcode::Writev::new(types::Fd(fd), iov, n).offset(off);
-            if dsync {
-                w = w.rw_flags(libc::RWF_DSYNC);
-            }
-            w.build()
-        } else {
-            opcode::Readv::new(types::Fd(fd), iov, n).offset(off).build()
+        let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+        // One segment (the common 4 KiB case) skips the kernel's iovec import.
+        let e = match (write, n) {
+            (true, 1) => opcode::Write::new(types::Fd(fd), (*iov).iov_base as *const u8, (*iov).iov_len as u32).offset(off).rw_flags(flags).build(),
+            (false, 1) => opcode::Read::new(types::Fd(fd), (*iov).iov_base as *mut u8, (*iov).iov_len as u32).offset(off).build(),
+            (true, _) => opcode::Writev::new(types::Fd(fd), iov, n).offset(off).rw_flags(flags).build(),
+            (false, _) => opcode::Readv::new(types::Fd(fd), iov, n).offset(off).build(),
         };
         let mut sq = self.ring.submission_shared();
         let ok = sq.push(&e.user_data(tag)).is_ok();
