@@ -31,7 +31,9 @@ use crate::wire::{
 pub const WINDOW: i32 = 4096;
 /// Most request bytes in flight per QP: more only overruns the peer's socket
 /// buffer and IP reassembly, and go-back-N then resends all of it.
-pub const WINDOW_BYTES: usize = 4 << 20;
+pub const WINDOW_BYTES: usize = 2 << 20;
+/// Smallest congestion window (packets).
+const MIN_CWND: u32 = 16;
 /// Set the AckReq bit at least every this many packets of a long message.
 const ACK_EVERY: u32 = 64;
 /// Atomic results kept for replaying duplicates.
@@ -71,6 +73,11 @@ pub struct QpRuntime {
     pub max_sent: u32,
     pub retry_left: u8,
     pub rnr_left: u8,
+    /// Packets the requester may have unacknowledged now (<= the window):
+    /// cut after a timeout or sequence NAK, grown by every ACKed packet, so
+    /// that a go-back-N retransmission after a stall is not a full window.
+    #[serde(default)]
+    pub cwnd: u32,
     // responder
     pub epsn: u32,
     pub msn: u32,
@@ -143,6 +150,8 @@ pub struct Qp {
     rnr_until: Option<Instant>,
     /// Avoids rewinding again for the same gap while a rewind is under way.
     last_rewind: Option<u32>,
+    /// `una` when the congestion window last grew.
+    cwnd_una: u32,
 }
 
 impl Qp {
@@ -179,6 +188,7 @@ impl Qp {
             retrans_deadline: None,
             rnr_until: None,
             last_rewind: None,
+            cwnd_una: 0,
         }
     }
 
@@ -277,10 +287,14 @@ impl Qp {
                 self.rt.max_sent = p;
                 self.rt.retry_left = self.attr.retry_cnt;
                 self.rt.rnr_left = self.attr.rnr_retry;
+                self.rt.cwnd = self.max_window() as u32;
+                self.cwnd_una = p;
                 self.attr.qp_state = Rts;
             }
             (Sqd, Rts) | (Sqe, Rts) if mask & m::SQ_PSN != 0 && self.sq.is_empty() => {
                 let p = self.attr.sq_psn;
+                self.rt.cwnd = self.max_window() as u32;
+                self.cwnd_una = p;
                 self.rt.next_psn = p;
                 self.rt.una = p;
                 self.rt.tx_psn = p;
@@ -521,8 +535,12 @@ impl Qp {
         }
     }
 
+    fn max_window(&self) -> i32 {
+        (WINDOW_BYTES / self.attr.path_mtu.bytes()).clamp(MIN_CWND as usize, WINDOW as usize) as i32
+    }
+
     fn window(&self) -> i32 {
-        (WINDOW_BYTES / self.attr.path_mtu.bytes()).clamp(16, WINDOW as usize) as i32
+        self.max_window().min(self.rt.cwnd.max(MIN_CWND) as i32)
     }
 
     fn ack_every(&self) -> u32 {
@@ -637,6 +655,7 @@ impl Qp {
             return;
         }
         self.rt.retry_left -= 1;
+        self.rt.cwnd = MIN_CWND;
         self.rewind(ctx);
         // Back off on consecutive timeouts so that a slow (not dead) peer
         // is not buried under go-back-N retransmissions of whole windows.
@@ -681,6 +700,9 @@ impl Qp {
     }
 
     fn progress(&mut self, ctx: &mut Ctx) {
+        let acked = psn_diff(self.rt.una, self.cwnd_una).max(0) as u32;
+        self.cwnd_una = self.rt.una;
+        self.rt.cwnd = (self.rt.cwnd + acked).min(self.max_window() as u32);
         self.rt.retry_left = self.attr.retry_cnt;
         self.rt.rnr_left = self.attr.rnr_retry;
         self.last_rewind = None;
@@ -777,6 +799,9 @@ impl Qp {
                         self.rewind(ctx);
                     }
                     Syndrome::Nak(NakCode::PsnSeqError) => {
+                        if self.last_rewind != Some(self.rt.una) {
+                            self.rt.cwnd = (self.rt.cwnd / 2).max(MIN_CWND);
+                        }
                         if !self.ack_through(ctx, prev) {
                             self.rewind_once(ctx);
                             return;
