@@ -233,7 +233,10 @@ mod tests {
         assert_eq!(rd(&mut root, 0, 2) >> 8, 0x010802);
         assert_eq!(rd(&mut root, 0, 4), 0x0010_0004);
         assert_eq!(rd(&mut root, 0, 5), 0x80);
+        // Size BAR0: select register 4, write all ones, read the mask back.
+        root.write(0, &(0x8000_0000u32 | 4 << 2).to_le_bytes());
         root.write(4, &0xffff_ffffu32.to_le_bytes());
         assert_eq!(rd(&mut root, 0, 4), 0xffff_c004);
+        assert_eq!(rd(&mut root, 0, 5), 0x80, "the high half was not being sized");
     }
 }
