@@ -501,6 +501,10 @@ fn malformed_io_commands_get_the_right_status() {
     let list = d.alloc(4096);
     d.write_mem(list, &(buf + 4096 + 512).to_le_bytes());
     cases.push(("PRP list entry with an offset", Command { prp2: list, ..rw(&mut d, 0, 24) }, Status::INVALID_PRP_OFFSET));
+    // A PRP list whose only entry (the last slot of its page) chains to itself.
+    let selfref = d.alloc(4096) + 4096 - 8;
+    d.write_mem(selfref, &selfref.to_le_bytes());
+    cases.push(("PRP list chained to itself", Command { prp2: selfref, ..rw(&mut d, 0, 24) }, Status::INVALID_PRP_OFFSET));
     for (what, cmd, want) in cases {
         let c = d.io_cmd(1, cmd);
         assert_eq!(c.status, want, "{what}");

@@ -80,6 +80,11 @@ pub fn map_prps(mem: &GuestMemory, prp1: u64, prp2: u64, len: usize, out: &mut V
             return Err(Status::DATA_TRANSFER_ERROR);
         }
         let data_entries = if chained { n - 1 } else { n };
+        if data_entries == 0 {
+            // A list page holding only the chain pointer would let a guest
+            // build a list that never ends.
+            return Err(Status::INVALID_PRP_OFFSET);
+        }
         for i in 0..data_entries {
             let e = u64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap());
             if e & (PAGE_SIZE - 1) != 0 {
