@@ -74,7 +74,7 @@ pub struct QpRuntime {
     pub retry_left: u8,
     pub rnr_left: u8,
     /// Packets the requester may have unacknowledged now (<= the window):
-    /// cut after a timeout or sequence NAK, grown by every ACKed packet, so
+    /// cut after a timeout, grown by every ACKed packet, so
     /// that a go-back-N retransmission after a stall is not a full window.
     #[serde(default)]
     pub cwnd: u32,
@@ -799,9 +799,6 @@ impl Qp {
                         self.rewind(ctx);
                     }
                     Syndrome::Nak(NakCode::PsnSeqError) => {
-                        if self.last_rewind != Some(self.rt.una) {
-                            self.rt.cwnd = (self.rt.cwnd / 2).max(MIN_CWND);
-                        }
                         if !self.ack_through(ctx, prev) {
                             self.rewind_once(ctx);
                             return;
