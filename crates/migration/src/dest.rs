@@ -42,7 +42,8 @@ struct RoundBarrier {
 }
 
 impl RoundBarrier {
-    fn wait(&self) -> Result<()> {
+    /// Returns true for the last channel to arrive (it speaks for all).
+    fn wait(&self) -> Result<bool> {
         let mut g = self.st.lock().unwrap();
         if g.2 {
             bail!("another channel failed");
@@ -52,7 +53,7 @@ impl RoundBarrier {
             g.0 = 0;
             g.1 += 1;
             self.cv.notify_all();
-            return Ok(());
+            return Ok(true);
         }
         let gen = g.1;
         while g.1 == gen && !g.2 {
@@ -61,7 +62,7 @@ impl RoundBarrier {
         if g.2 {
             bail!("another channel failed");
         }
-        Ok(())
+        Ok(false)
     }
     fn break_all(&self) {
         self.st.lock().unwrap().2 = true;
@@ -77,6 +78,8 @@ struct RxShared {
     /// Pages received at least once.
     seen: AtomicBitmap,
     barrier: RoundBarrier,
+    /// The control connection's write side, for round acknowledgements.
+    acks: Mutex<TcpStream>,
     ctl: Arc<Control>,
 }
 
@@ -84,6 +87,42 @@ fn page_mut(ram: &RamRegion, pfn: u64) -> &mut [u8] {
     // SAFETY: callers checked pfn < total pages (Records does); only one
     // channel writes a given page per round, and rounds are barriers apart.
     unsafe { std::slice::from_raw_parts_mut(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) }
+}
+
+/// Allocate, in one call per run, the pages of this batch that arrive for
+/// the first time: one MADV_POPULATE_WRITE instead of a page fault per page
+/// (the destination's memfd starts empty). Errors are ignored: the copy
+/// faults the pages in anyway.
+fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
+    let mut it = Records::new(payload, records, sh.total);
+    let mut run: Option<(u64, u64)> = None;
+    let flush = |r: (u64, u64)| {
+        // SAFETY: the range lies inside guest RAM (Records checked it).
+        unsafe {
+            libc::madvise(
+                sh.ram.host_addr.add((r.0 * PAGE_SIZE) as usize) as *mut libc::c_void,
+                (r.1 * PAGE_SIZE) as usize,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+    };
+    while let Ok(Some(rec)) = it.next_record() {
+        let pfn = match rec {
+            Record::Raw { pfn, .. } | Record::Compressed { pfn, .. } if !sh.maybe_nonzero.get(pfn) => pfn,
+            _ => continue,
+        };
+        run = match run {
+            Some((f, c)) if f + c == pfn => Some((f, c + 1)),
+            Some(r) => {
+                flush(r);
+                Some((pfn, 1))
+            }
+            None => Some((pfn, 1)),
+        };
+    }
+    if let Some(r) = run {
+        flush(r);
+    }
 }
 
 fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
@@ -94,6 +133,7 @@ fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
         loop {
             match rd.next(&mut s)? {
                 DataItem::Pages { records } => {
+                    populate_new_pages(&sh, &rd.payload, records);
                     let mut it = Records::new(&rd.payload, records, sh.total);
                     let (mut n, wire) = (0u64, rd.payload.len() as u64 + 17);
                     while let Some(rec) = it.next_record()? {
@@ -128,7 +168,15 @@ fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
                         st.wire_bytes += wire;
                     });
                 }
-                DataItem::Sync(_) => sh.barrier.wait()?,
+                DataItem::Sync(round) => {
+                    // Every channel applied the round: tell the source, so
+                    // it measures what really arrived and never pauses the
+                    // VM with a backlog still in flight.
+                    if sh.barrier.wait()? {
+                        let mut c = sh.acks.lock().unwrap();
+                        wire::send_msg(&mut *c, &Msg::RoundDone { round })?;
+                    }
+                }
                 DataItem::Eos(claimed) => {
                     if claimed != pages {
                         bail!("channel ended claiming {claimed} pages, {pages} arrived");
@@ -301,6 +349,7 @@ fn run_inner(
         maybe_nonzero,
         seen: AtomicBitmap::new(total),
         barrier: RoundBarrier { n: channels, st: Mutex::new((0, 0, false)), cv: Condvar::new() },
+        acks: Mutex::new(control.try_clone()?),
         ctl: ctl.clone(),
     });
     let threads: Vec<_> = streams

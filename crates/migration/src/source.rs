@@ -366,7 +366,10 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut throttle: u8 = 0;
     let mut hits = 0;
     let mut round = 0u64;
+    let t_round = Instant::now();
     let mut last = channels.round(round, items)?;
+    wait_round_done(&mut control, round, ctl, deadline)?;
+    last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = last.wire as f64 / last.secs.max(1e-6);
     let mut page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
@@ -412,7 +415,10 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         round += 1;
         let mut items = Vec::new();
         chunk(&dirty, CHUNK_PAGES, false, &mut items);
+        let t_round = Instant::now();
         last = channels.round(round, items)?;
+        wait_round_done(&mut control, round, ctl, deadline)?;
+        last.secs = t_round.elapsed().as_secs_f64();
         // Small rounds are dominated by fixed costs (scan, round barrier)
         // and would understate the link: only big rounds update it.
         if last.secs > 0.0 && last.wire >= 1 << 20 {
@@ -434,7 +440,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     ctl.update(|s| s.status = Status::Device);
     pending.extend(log.scan(total)?);
     let pending = normalize(pending, total);
-    drop(log); // unregister: nothing writes guest RAM now
+    // Keep the registration until the end: unregistering walks every page
+    // table entry of RAM (hundreds of ms for GiBs) and nothing writes now.
     step("scanned");
     round += 1;
     let mut items = Vec::new();
@@ -486,6 +493,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // Commit point: from here the destination owns the VM.
     guard.committed = true;
     step("destination loaded");
+    let unregister = std::thread::spawn(move || drop(log));
     ctl.update(|s| s.cpu_s_dest = Some(dest_cpu));
     let go = wire::send_msg(&mut control, &Msg::Go);
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -502,13 +510,48 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination loaded the VM but did not confirm its start: {e:#}"),
     }
+    let _ = unregister.join();
     Ok(())
 }
 
+/// Wait for the destination to have applied `round` on every channel.
+fn wait_round_done(control: &mut TcpStream, round: u64, ctl: &Control, deadline: Option<Instant>) -> Result<()> {
+    let t = Instant::now();
+    loop {
+        // Poll for readability first: a read timeout could cut a frame.
+        let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(control), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        if n > 0 {
+            control.set_read_timeout(Some(Duration::from_secs(30)))?;
+            match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
+                Msg::RoundDone { round: r } if r == round => return Ok(()),
+                Msg::RoundDone { .. } => continue,
+                Msg::Abort { reason } => bail!("destination refused: {reason}"),
+                other => bail!("destination sent {other:?} during round {round}"),
+            }
+        }
+        if ctl.is_cancelled() {
+            bail!("cancelled");
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            ctl.cancel();
+            bail!("timed out waiting for the destination to apply round {round}");
+        }
+        if t.elapsed() > Duration::from_secs(120) {
+            bail!("destination did not confirm round {round} within 120 s");
+        }
+    }
+}
+
 fn recv_reply(control: &mut TcpStream) -> Result<Msg> {
-    match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
-        Msg::Abort { reason } => bail!("destination refused: {reason}"),
-        m => Ok(m),
+    loop {
+        match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
+            Msg::Abort { reason } => bail!("destination refused: {reason}"),
+            // The final round's acknowledgement; End's answer follows.
+            Msg::RoundDone { .. } => continue,
+            m => return Ok(m),
+        }
     }
 }
 

@@ -73,6 +73,8 @@ pub enum Msg {
         #[serde(default)]
         ram_hashes: bool,
     },
+    /// Destination -> source: every channel applied this round.
+    RoundDone { round: u64 },
     /// Destination holds the complete state and loaded it.
     Loaded { cpu_s: f64 },
     /// Source committed: the destination may run.
@@ -87,12 +89,13 @@ const FRAME_MSG: u8 = 1;
 const FRAME_BLOB: u8 = 2;
 
 fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> io::Result<()> {
-    let mut hdr = [0u8; 5];
-    hdr[0] = kind;
-    hdr[1..5].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-    w.write_all(&hdr)?;
-    w.write_all(payload)?;
-    w.write_all(&xxhash_rust::xxh3::xxh3_64(payload).to_le_bytes())?;
+    // One write per frame: small frames leave in one segment.
+    let mut buf = Vec::with_capacity(payload.len() + 13);
+    buf.push(kind);
+    buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    buf.extend_from_slice(payload);
+    buf.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(payload).to_le_bytes());
+    w.write_all(&buf)?;
     w.flush()
 }
 
