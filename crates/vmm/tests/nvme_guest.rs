@@ -108,6 +108,20 @@ fn guest_perf_reports_iops_and_latency() {
     eprintln!("{console}");
 }
 
+/// Sequential 128 KiB reads and 64 KiB verified writes: the guest builds
+/// PRP lists.
+#[test]
+fn guest_large_transfers_use_prp_lists() {
+    let g = start("nvg-seq", "workload=nvme-perf rw=read bs=128K qd=4 secs=1", "ns=mem:16M", true);
+    assert_eq!(g.wait_exit(Duration::from_secs(300)), 0, "{}", g.console());
+    assert!(g.console().contains("rw=read bs=131072"), "{}", g.console());
+    let g = start("nvg-seqw", "workload=nvme-perf rw=write bs=64K qd=4 secs=1", "ns=mem:16M", true);
+    assert_eq!(g.wait_exit(Duration::from_secs(300)), 0, "{}", g.console());
+    let g = start("nvg-big", "workload=nvme-verify bs=64K qd=8 ops=400", "ns=mem:16M,block=4096", true);
+    assert_eq!(g.wait_exit(Duration::from_secs(300)), 0, "{}", g.console());
+    assert!(g.console().contains("nvme-verify: PASS"), "{}", g.console());
+}
+
 #[test]
 fn guest_sees_namespace_hot_add_and_remove() {
     let g = start("nvg-hot", "workload=nvme-verify qd=8", "ns=mem:8M", true);
