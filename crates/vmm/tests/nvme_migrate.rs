@@ -125,3 +125,32 @@ fn namespace_hot_add_and_remove_through_the_control_socket() {
     vm.wait_progress(p + 512, Duration::from_secs(120)).unwrap();
     assert!(!vm.console().contains("FAIL"), "{}", vm.console());
 }
+
+/// `save` to a file in the middle of the verifier (memory namespace: its
+/// data is in the file), then `transit vm restore` in a new process: the
+/// verifier carries on from where it was and passes.
+#[test]
+fn save_file_and_restore_in_a_new_process() {
+    transit();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let save = dir.path().join("vm.save");
+    let mut src = VmProcess::run_local(
+        &unique_name("nvsave"),
+        &["--memory", "64M", "--workload", "nvme-verify", "--args", "qd=64 ops=20000", "--nvme", "name=nvme0,ns=mem:8M"],
+    )
+    .unwrap();
+    src.wait_progress(2000, Duration::from_secs(300)).unwrap();
+    src.exec("save", json!({ "filename": save })).unwrap();
+    src.kill();
+    let name = unique_name("nvrestore");
+    let mut dst = VmProcess::start(
+        Command::new(transit()),
+        &name,
+        &["vm", "restore", save.to_str().unwrap()],
+    )
+    .unwrap();
+    let code = dst.wait_exit(Duration::from_secs(600)).unwrap();
+    let console = dst.console();
+    assert_eq!(code, Some(0), "verifier failed after restore:\n{console}");
+    assert!(console.contains("nvme-verify: PASS"), "{console}");
+}
