@@ -170,3 +170,33 @@ fn save_restore_in_the_middle_of_the_verifier() {
     assert!(console.contains("nvme-verify: PASS"), "{console}");
     assert!(dst.vm.guest_progress() >= progress_at_save);
 }
+
+/// The verifier is not vacuous: data changed behind its back is a FAIL.
+#[test]
+fn guest_verifier_catches_corrupted_blocks() {
+    use std::os::unix::fs::FileExt;
+    let disk = tempfile::NamedTempFile::new().unwrap();
+    disk.as_file().set_len(1 << 20).unwrap();
+    let g = start("nvg-corrupt", "workload=nvme-verify qd=4", &format!("ns=file:{}", disk.path().display()), true);
+    g.wait_progress(512, Duration::from_secs(300));
+    let zeros = vec![0u8; 1 << 20];
+    let t = Instant::now();
+    while g.vm.guest_exit_code().is_none() {
+        disk.as_file().write_all_at(&zeros, 0).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(120), "corruption not detected:\n{}", g.console());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(g.vm.guest_exit_code(), Some(1));
+    assert!(g.console().contains("nvme-verify: FAIL block"), "{}", g.console());
+}
+
+/// ... and so is a command that never completes (here: the controller is
+/// paused under a running guest).
+#[test]
+fn guest_verifier_catches_a_lost_completion() {
+    let g = start("nvg-stall", "workload=nvme-verify qd=8 stall=2", "ns=mem:8M", true);
+    g.wait_progress(512, Duration::from_secs(300));
+    devices::Lifecycle::pause(&mut *g.nvme.lock().unwrap());
+    assert_eq!(g.wait_exit(Duration::from_secs(120)), 1);
+    assert!(g.console().contains("nvme-verify: FAIL no completion for 2 s"), "{}", g.console());
+}

@@ -211,6 +211,7 @@ impl Nvme {
         let mut q = self.admin;
         self.push(&mut q, &cmd);
         self.ring(&q);
+        let mut spins = 0u64;
         let c = loop {
             if let Some(c) = self.poll(&mut q) {
                 if c.cid == cmd.cid {
@@ -221,6 +222,12 @@ impl Nvme {
                     self.event = Some(c.dw0);
                 }
             }
+            spins += 1;
+            if spins % 65536 == 0 && self.fatal() {
+                // The controller stopped (CSTS.CFS): this command will never complete.
+                self.admin = q;
+                return Err(Cqe { status: 0xffff, cid: cmd.cid, ..Default::default() });
+            }
         };
         self.ack(&q);
         self.admin = q;
@@ -229,6 +236,11 @@ impl Nvme {
         } else {
             Err(c)
         }
+    }
+
+    /// Controller fatal status (CSTS.CFS).
+    pub fn fatal(&self) -> bool {
+        mmio_read32(self.bar + CSTS) & 2 != 0
     }
 
     /// Enable namespace-attribute notices and post an Asynchronous Event Request.

@@ -1,9 +1,10 @@
-//! `workload=nvme-verify [qd=32] [queues=1] [bs=4096] [blocks=N] [ops=N] [ns=1]`
+//! `workload=nvme-verify [qd=32] [queues=1] [bs=4096] [blocks=N] [ops=N] [ns=1] [stall=30]`
 //!
 //! Writes blocks tagged with their number and a sequence number, reads them
 //! back and checks every byte; also re-reads older blocks. Runs forever
 //! (or until `ops` blocks were verified). Any mismatch or error status
-//! prints "nvme-verify: FAIL ..." and exits 1.
+//! prints "nvme-verify: FAIL ..." and exits 1, and so does `stall` seconds
+//! (guest time) without any completion.
 
 use super::{Nvme, Region, Rng, PAGE};
 use crate::args::Args;
@@ -118,7 +119,26 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
         }
         n.kick_io(q);
     }
+    // A command that never completes is a lost write or read: after this
+    // long without any completion, fail instead of hanging.
+    let stall_ns = args.num("stall", 30).max(1) * 1_000_000_000;
+    let mut spins = 0u64;
+    let mut progressed = false;
+    let mut last_completion = plat.now_ns();
     loop {
+        spins += 1;
+        if spins % 4096 == 0 {
+            if n.fatal() {
+                fail(plat, format_args!("controller fatal status (CSTS.CFS) after {} blocks", verified));
+            }
+            let now = plat.now_ns();
+            if progressed {
+                last_completion = now;
+                progressed = false;
+            } else if now.saturating_sub(last_completion) > stall_ns {
+                fail(plat, format_args!("no completion for {} s with {} commands outstanding ({} blocks verified)", stall_ns / 1_000_000_000, total_slots, verified));
+            }
+        }
         for q in 0..queues {
             let mut completed = false;
             while let Some(c) = n.poll_io(q) {
@@ -160,6 +180,7 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
             }
             if completed {
                 n.kick_io(q);
+                progressed = true;
             }
         }
         if verified - last_check >= 256 {
