@@ -549,7 +549,7 @@ impl Default for ConnectOpts {
         ConnectOpts {
             mtu: Mtu::M4096,
             access: access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
-            timeout: 12,
+            timeout: 14,
             retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 12,

@@ -65,8 +65,8 @@ pub struct PerfArgs {
     /// Outstanding work requests.
     #[arg(long, default_value_t = 128)]
     pub tx_depth: u32,
-    /// Local ACK timeout (IB code: 4.096 us * 2^t).
-    #[arg(long, default_value_t = 12)]
+    /// Local ACK timeout (IB code: 4.096 us * 2^t; 14 = 67 ms, the usual default).
+    #[arg(long, default_value_t = 14)]
     pub timeout: u8,
     #[arg(long)]
     pub sock: Option<PathBuf>,
