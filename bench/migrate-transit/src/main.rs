@@ -49,7 +49,7 @@ fn row(bin: &std::path::Path, workload: &str, ram_gib: u64, channels: u32) -> Re
     let d = wait_migration(&dst, Duration::from_secs(timeout_s + 120));
     let wall = t.elapsed().as_secs_f64();
     // The source may have exited already after handing over.
-    let s = if src.is_alive() { src.exec("query-migrate", json!({})).ok() } else { None };
+    let s = if src.is_alive() { wait_migration(&src, Duration::from_secs(60)).ok() } else { None };
     let d = d.unwrap_or_else(|e| json!({"status": "failed", "error": e.to_string()}));
     let stats = s.clone().unwrap_or_else(|| d.clone());
     let completed = d["status"] == "completed";
