@@ -57,6 +57,11 @@ class QMP:
                 raise QMPError(f"{command}: {reply['error'].get('desc', reply['error'])}")
             return reply.get("return")
 
+    def event_times(self, name):
+        """Host times (s) of the events called `name` received so far."""
+        return [e["timestamp"]["seconds"] + e["timestamp"]["microseconds"] / 1e6
+                for e in self.events if e.get("event") == name]
+
     def close(self):
         try:
             self.sock.close()
