@@ -23,7 +23,6 @@ const RX_BUF: usize = 65536;
 const TX_BUDGET: usize = 256;
 /// How long the event loop keeps polling after the last activity.
 const SPIN: Duration = Duration::from_micros(200);
-const TOKEN_UDP: u64 = 0;
 const SOL_UDP: i32 = 17;
 const UDP_SEGMENT: i32 = 103;
 const UDP_GRO: i32 = 104;
@@ -88,6 +87,8 @@ fn udp_socket(ip: Ipv4Addr, port: u16, df: bool, reuse: bool) -> anyhow::Result<
         setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
         setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_REUSEPORT, 1)?;
     }
+    // A namespace may be created (suspended) before its address moves here.
+    setsockopt_int(raw, libc::IPPROTO_IP, libc::IP_FREEBIND, 1)?;
     let pmtu = if df { libc::IP_PMTUDISC_PROBE } else { libc::IP_PMTUDISC_DONT };
     setsockopt_int(raw, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, pmtu)?;
     for (opt, force) in [(libc::SO_RCVBUF, libc::SO_RCVBUFFORCE), (libc::SO_SNDBUF, libc::SO_SNDBUFFORCE)] {
@@ -107,6 +108,63 @@ fn udp_socket(ip: Ipv4Addr, port: u16, df: bool, reuse: bool) -> anyhow::Result<
 struct Client {
     sock: OwnedFd,
     doorbell: Option<OwnedFd>,
+    /// The namespace (GID) the client works in, set by its Hello.
+    ns: Ipv4Addr,
+}
+
+/// One RDMA namespace: its engine (objects keyed by QPN/key inside it), its
+/// own UDP socket on the namespace's GID and its own send sockets, so that
+/// packets of two namespaces never meet.
+struct Namespace {
+    engine: Engine,
+    udp: OwnedFd,
+    senders: Senders,
+}
+
+/// Epoll tokens of namespace UDP sockets: this bit plus the GID.
+const TOKEN_NS: u64 = 1 << 62;
+
+impl Namespace {
+    fn open(gid: Ipv4Addr, gso: bool) -> anyhow::Result<Namespace> {
+        let udp = udp_socket(gid, ROCE_PORT, true, false).with_context(|| format!("UDP {gid}:{ROCE_PORT} (is another rnicd serving it?)"))?;
+        if gso {
+            setsockopt_int(udp.as_raw_fd(), SOL_UDP, UDP_GRO, 1).context("UDP_GRO")?;
+        }
+        let senders = Senders {
+            addr: gid,
+            gso,
+            socks: HashMap::new(),
+            fallback_df: udp_socket(gid, 0, true, false)?,
+            fallback_frag: udp_socket(gid, 0, false, false)?,
+        };
+        Ok(Namespace { engine: Engine::new(gid), udp, senders })
+    }
+
+    /// Receives and transmits; returns (packets received, packets sent, more work pending).
+    fn pump(&mut self, udp_ready: bool, rxbufs: &mut [Vec<u8>]) -> (usize, usize, bool) {
+        let mut got = 0;
+        if udp_ready {
+            for _ in 0..4 {
+                let k = recv_batch(&self.udp, rxbufs, &mut self.engine);
+                got += k;
+                if k < RX_BATCH {
+                    break;
+                }
+            }
+        }
+        let now = Instant::now();
+        let more = self.engine.poll_tx(TX_BUDGET, now);
+        let pkts = std::mem::take(&mut self.engine.tx.pkts);
+        let sent = pkts.len();
+        if sent > 0 {
+            self.senders.send(&pkts, &mut self.engine.stats.send_errors);
+            self.engine.stats.tx_packets += sent as u64;
+        }
+        for p in pkts {
+            self.engine.tx.recycle(p);
+        }
+        (got, sent, more)
+    }
 }
 
 struct Epoll(OwnedFd);
@@ -298,22 +356,12 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
             libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         }
     }
-    let udp = udp_socket(cfg.addr, ROCE_PORT, true, false).with_context(|| format!("UDP {}:{ROCE_PORT} (is another rnicd running?)", cfg.addr))?;
-    if cfg.gso {
-        setsockopt_int(udp.as_raw_fd(), SOL_UDP, UDP_GRO, 1).context("UDP_GRO")?;
-    }
-    let mut senders = Senders {
-        addr: cfg.addr,
-        gso: cfg.gso,
-        socks: HashMap::new(),
-        fallback_df: udp_socket(cfg.addr, 0, true, false)?,
-        fallback_frag: udp_socket(cfg.addr, 0, false, false)?,
-    };
+    let mut nss: HashMap<Ipv4Addr, Namespace> = HashMap::new();
+    nss.insert(cfg.addr, Namespace::open(cfg.addr, cfg.gso)?);
     let listener = bind_control(&cfg.sock)?;
     let ep = Epoll::new()?;
-    ep.add(udp.as_raw_fd(), TOKEN_UDP)?;
+    ep.add(nss[&cfg.addr].udp.as_raw_fd(), TOKEN_NS | u64::from(u32::from(cfg.addr)))?;
     ep.add(listener.as_raw_fd(), TOKEN_LISTEN)?;
-    let mut engine = Engine::new(cfg.addr);
     let mut clients: HashMap<ClientId, Client> = HashMap::new();
     let mut next_client: ClientId = 1;
     info!("rnicd serving {} (UDP {ROCE_PORT}), control socket {}", cfg.addr, cfg.sock.display());
@@ -337,16 +385,16 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
         let timeout = if busy || spinning {
             0
         } else {
-            match engine.next_deadline() {
+            match nss.values().filter_map(|n| n.engine.next_deadline()).min() {
                 Some(d) => d.saturating_duration_since(Instant::now()).as_millis().min(100) as i32,
                 None => 100,
             }
         };
         let n = ep.wait(&mut evs, timeout);
-        let mut udp_ready = busy;
+        let mut udp_ready: Vec<Ipv4Addr> = Vec::new();
         for ev in evs[..n].iter().map(|e| e.u64) {
             match ev {
-                TOKEN_UDP => udp_ready = true,
+                t if t & TOKEN_NS != 0 => udp_ready.push(Ipv4Addr::from(t as u32)),
                 TOKEN_LISTEN => loop {
                     // SAFETY: accept4 on our listener.
                     let fd = unsafe {
@@ -359,52 +407,49 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
                     next_client += 1;
                     let sock = unsafe { OwnedFd::from_raw_fd(fd) };
                     if ep.add(sock.as_raw_fd(), id << 1).is_ok() {
-                        engine.stats.clients_connected += 1;
-                        clients.insert(id, Client { sock, doorbell: None });
+                        clients.insert(id, Client { sock, doorbell: None, ns: cfg.addr });
                     }
                 },
                 t if t & 1 == 1 => {
                     let id = t >> 1;
-                    if let Some(db) = clients.get(&id).and_then(|c| c.doorbell.as_ref()) {
-                        proto::eventfd_drain(db);
-                        engine.doorbell(id);
+                    if let Some(c) = clients.get(&id) {
+                        if let (Some(db), Some(ns)) = (c.doorbell.as_ref(), nss.get_mut(&c.ns)) {
+                            proto::eventfd_drain(db);
+                            ns.engine.doorbell(id);
+                        }
                     }
                 }
                 t => {
                     let id = t >> 1;
-                    if !serve_client(&mut engine, &ep, &mut clients, id, &mut ctlbuf) {
+                    if !serve_client(&mut nss, &cfg, &ep, &mut clients, id, &mut ctlbuf) {
                         if let Some(c) = clients.remove(&id) {
                             ep.del(c.sock.as_raw_fd());
                             if let Some(d) = &c.doorbell {
                                 ep.del(d.as_raw_fd());
                             }
+                            if let Some(ns) = nss.get_mut(&c.ns) {
+                                ns.engine.client_gone(id);
+                                ns.engine.stats.clients_gone += 1;
+                            }
+                            // A namespace other than the daemon's own goes with its last client.
+                            let in_use = clients.values().any(|o| o.ns == c.ns);
+                            if c.ns != cfg.addr && !in_use {
+                                if let Some(ns) = nss.remove(&c.ns) {
+                                    ep.del(ns.udp.as_raw_fd());
+                                    info!("namespace {} closed", c.ns);
+                                }
+                            }
                         }
-                        engine.client_gone(id);
-                        engine.stats.clients_gone += 1;
                     }
                 }
             }
         }
-        let mut got = 0;
-        if udp_ready {
-            for _ in 0..4 {
-                let k = recv_batch(&udp, &mut rxbufs, &mut engine);
-                got += k;
-                if k < RX_BATCH {
-                    break;
-                }
-            }
-        }
-        let now = Instant::now();
-        let more = engine.poll_tx(TX_BUDGET, now);
-        let pkts = std::mem::take(&mut engine.tx.pkts);
-        let sent = pkts.len();
-        if sent > 0 {
-            senders.send(&pkts, &mut engine.stats.send_errors);
-            engine.stats.tx_packets += sent as u64;
-        }
-        for p in pkts {
-            engine.tx.recycle(p);
+        let (mut got, mut sent, mut more) = (0, 0, false);
+        for (gid, ns) in nss.iter_mut() {
+            let (g, t, m) = ns.pump(busy || udp_ready.contains(gid), &mut rxbufs);
+            got += g;
+            sent += t;
+            more |= m;
         }
         busy = more || got > 0 || sent > 0;
         if busy || n > 0 {
@@ -468,10 +513,18 @@ fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
 }
 
 /// Handles every pending control message of one client; false if it is gone.
-fn serve_client(engine: &mut Engine, ep: &Epoll, clients: &mut HashMap<ClientId, Client>, id: ClientId, buf: &mut [u8]) -> bool {
+fn serve_client(
+    nss: &mut HashMap<Ipv4Addr, Namespace>,
+    cfg: &Config,
+    ep: &Epoll,
+    clients: &mut HashMap<ClientId, Client>,
+    id: ClientId,
+    buf: &mut [u8],
+) -> bool {
     loop {
         let Some(c) = clients.get(&id) else { return false };
         let raw = c.sock.as_raw_fd();
+        let Some(engine) = nss.get_mut(&c.ns).map(|n| &mut n.engine) else { return false };
         let (n, fds) = match proto::recv_msg(raw, buf) {
             Ok(Some(x)) => x,
             Ok(None) => return false,
@@ -491,15 +544,25 @@ fn serve_client(engine: &mut Engine, ep: &Epoll, clients: &mut HashMap<ClientId,
                 engine.stats.bad_client_requests += 1;
                 Err(format!("malformed request: {e}"))
             }
-            Ok(Request::Hello { version }) => {
+            Ok(Request::Hello { version, namespace }) => {
                 let mut fds = fds;
                 match (version == proto::PROTO_VERSION, fds.pop()) {
                     (true, Some(db)) if c.doorbell.is_none() => {
-                        let r = ep.add(db.as_raw_fd(), id << 1 | 1);
-                        if let Some(c) = clients.get_mut(&id) {
-                            c.doorbell = Some(db);
+                        let gid = namespace.unwrap_or(cfg.addr);
+                        match enter_namespace(nss, cfg, ep, gid) {
+                            Err(e) => Err(format!("{e:#}")),
+                            Ok(()) => {
+                                let r = ep.add(db.as_raw_fd(), id << 1 | 1);
+                                if let Some(c) = clients.get_mut(&id) {
+                                    c.doorbell = Some(db);
+                                    c.ns = gid;
+                                }
+                                if let Some(ns) = nss.get_mut(&gid) {
+                                    ns.engine.stats.clients_connected += 1;
+                                }
+                                r.map(|_| Reply::Hello { gid, client: id }).map_err(|e| e.to_string())
+                            }
                         }
-                        r.map(|_| Reply::Hello { gid: engine.gid, client: id }).map_err(|e| e.to_string())
                     }
                     _ => {
                         engine.stats.bad_client_requests += 1;
@@ -517,6 +580,21 @@ fn serve_client(engine: &mut Engine, ep: &Epoll, clients: &mut HashMap<ClientId,
             return false;
         }
     }
+}
+
+/// Opens the namespace `gid` if it does not exist yet.
+fn enter_namespace(nss: &mut HashMap<Ipv4Addr, Namespace>, cfg: &Config, ep: &Epoll, gid: Ipv4Addr) -> anyhow::Result<()> {
+    if nss.contains_key(&gid) {
+        return Ok(());
+    }
+    if gid.is_unspecified() || gid.is_multicast() || gid.is_broadcast() {
+        bail!("{gid} cannot be a namespace GID");
+    }
+    let ns = Namespace::open(gid, cfg.gso)?;
+    ep.add(ns.udp.as_raw_fd(), TOKEN_NS | u64::from(u32::from(gid)))?;
+    info!("namespace {gid} opened");
+    nss.insert(gid, ns);
+    Ok(())
 }
 
 /// Convenience for tools: run rnicd in this process on a thread.

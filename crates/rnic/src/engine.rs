@@ -139,7 +139,7 @@ impl Engine {
                 self.pds.remove(&pd);
                 Reply::Ok
             }
-            Request::RegMr { pd, iova, len, access, fd_offset } => {
+            Request::RegMr { pd, iova, len, access, fd_offset, key } => {
                 self.owned_pd(client, pd)?;
                 let fd = fds.pop().context("RegMr needs a memfd")?;
                 if len == 0 || len > 1 << 40 || access & !crate::types::access::ALL != 0 {
@@ -152,8 +152,16 @@ impl Engine {
                 if writes_remote && access & crate::types::access::LOCAL_WRITE == 0 {
                     bail!("remote write/atomic access needs local write (as in ibv_reg_mr)");
                 }
+                if let Some(k) = key {
+                    if self.mrs.contains_key(&k) {
+                        bail!("key {k:#x} is already in use in namespace {}", self.gid);
+                    }
+                }
                 let map = Mapping::map_sealed(&fd, fd_offset, len as usize)?;
-                let key = self.alloc_qpn();
+                let key = match key {
+                    Some(k) => k,
+                    None => self.alloc_qpn(),
+                };
                 self.mrs.insert(
                     key,
                     Arc::new(Mr { owner: client, pd, key, iova, len, access, map, invalidated: AtomicBool::new(false) }),
@@ -213,7 +221,7 @@ impl Engine {
                 self.cqs.remove(&cq);
                 Reply::Ok
             }
-            Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots } => {
+            Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn } => {
                 self.owned_pd(client, pd)?;
                 self.owned_cq(client, send_cq)?;
                 self.owned_cq(client, recv_cq)?;
@@ -222,6 +230,9 @@ impl Engine {
                 }
                 if self.qps.len() as u32 >= MAX_QP {
                     bail!("too many QPs");
+                }
+                if let Some(q) = qpn {
+                    self.check_free_qpn(q)?;
                 }
                 let cap = QpCap {
                     max_send_wr: cap.max_send_wr.clamp(1, MAX_WR),
@@ -244,7 +255,10 @@ impl Engine {
                 // SAFETY: mappings of the checked lengths, kept inside the Qp.
                 let sqr = unsafe { Ring::new(sqm.ptr(), sql, sq_slots) }.ok_or_else(|| anyhow!("bad SQ ring"))?;
                 let rqr = unsafe { Ring::new(rqm.ptr(), rql, rq_slots) }.ok_or_else(|| anyhow!("bad RQ ring"))?;
-                let qpn = self.alloc_qpn();
+                let qpn = match qpn {
+                    Some(q) => q,
+                    None => self.alloc_qpn(),
+                };
                 let qp = Qp::new(qpn, client, pd, send_cq, recv_cq, sq_sig_all, cap, (sqr, sqm), (rqr, rqm));
                 self.qps.insert(qpn, qp);
                 self.qpn_order.push(qpn);
@@ -271,6 +285,23 @@ impl Engine {
             }
             Request::Stats => Reply::Stats(serde_json::to_value(&self.stats)?),
         })
+    }
+
+    /// A caller-chosen QPN must be a valid, free QPN of this namespace
+    /// (0 and 1 are the special QPs of IB).
+    fn check_free_qpn(&self, q: u32) -> anyhow::Result<()> {
+        if q < 2 || q > wire::QPN_MASK {
+            bail!("QPN {q:#x} is outside 0x2..={:#x}", wire::QPN_MASK);
+        }
+        if self.qps.contains_key(&q) {
+            bail!("QPN {q:#x} is already in use in namespace {}", self.gid);
+        }
+        Ok(())
+    }
+
+    /// Whether no client object is left (the namespace may go).
+    pub fn is_empty(&self) -> bool {
+        self.qps.is_empty() && self.mrs.is_empty() && self.cqs.is_empty() && self.pds.is_empty()
     }
 
     fn owned_pd(&self, client: ClientId, pd: u32) -> anyhow::Result<()> {

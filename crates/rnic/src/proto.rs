@@ -20,14 +20,30 @@ pub const PROTO_VERSION: u32 = 1;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Request {
     /// First message; carries the client's doorbell eventfd.
-    Hello { version: u32 },
+    /// `namespace`: the GID (IPv4 address) of the RDMA namespace the client
+    /// works in; none means the daemon's own address. A namespace is created
+    /// on first use and goes away with its last client.
+    Hello {
+        version: u32,
+        #[serde(default)]
+        namespace: Option<std::net::Ipv4Addr>,
+    },
     QueryDevice,
     QueryPort { port: u8 },
     QueryGid { port: u8, index: u32 },
     AllocPd,
     DeallocPd { pd: u32 },
     /// Carries the memfd; `fd_offset` is where `iova` lives in it.
-    RegMr { pd: u32, iova: u64, len: u64, access: u32, fd_offset: u64 },
+    /// `key`: the lkey/rkey the caller wants (refused if taken in the namespace).
+    RegMr {
+        pd: u32,
+        iova: u64,
+        len: u64,
+        access: u32,
+        fd_offset: u64,
+        #[serde(default)]
+        key: Option<u32>,
+    },
     DeregMr { lkey: u32 },
     /// Carries the channel's eventfd.
     CreateCompChannel,
@@ -36,7 +52,18 @@ pub enum Request {
     CreateCq { cap: u32, channel: Option<u32> },
     DestroyCq { cq: u32 },
     /// Carries the SQ ring memfd then the RQ ring memfd.
-    CreateQp { pd: u32, send_cq: u32, recv_cq: u32, cap: QpCap, sq_sig_all: bool, sq_slots: u32, rq_slots: u32 },
+    /// `qpn`: the QPN the caller wants (refused if taken in the namespace).
+    CreateQp {
+        pd: u32,
+        send_cq: u32,
+        recv_cq: u32,
+        cap: QpCap,
+        sq_sig_all: bool,
+        sq_slots: u32,
+        rq_slots: u32,
+        #[serde(default)]
+        qpn: Option<u32>,
+    },
     ModifyQp { qpn: u32, attr: QpAttr, mask: u32 },
     QueryQp { qpn: u32 },
     DestroyQp { qpn: u32 },

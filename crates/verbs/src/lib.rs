@@ -85,6 +85,17 @@ pub fn find_socket() -> anyhow::Result<PathBuf> {
 impl Context {
     /// Connects to rnicd at `path` (or the one found by [`find_socket`]).
     pub fn open(path: Option<&Path>) -> anyhow::Result<Context> {
+        Self::open_in(path, None)
+    }
+
+    /// Connects to rnicd inside the RDMA namespace of `gid` (created on first
+    /// use, gone with its last client). Inside a namespace every QPN and key
+    /// is free for the caller to choose; namespaces never see each other.
+    pub fn open_namespace(path: Option<&Path>, gid: Ipv4Addr) -> anyhow::Result<Context> {
+        Self::open_in(path, Some(gid))
+    }
+
+    fn open_in(path: Option<&Path>, namespace: Option<Ipv4Addr>) -> anyhow::Result<Context> {
         let path = match path {
             Some(p) => p.to_path_buf(),
             None => find_socket()?,
@@ -99,7 +110,7 @@ impl Context {
         nix::sys::socket::connect(sock.as_raw_fd(), &ua).with_context(|| format!("connect to rnicd at {}", path.display()))?;
         let doorbell = proto::eventfd(true)?;
         let mut inner = Inner { sock, lock: Mutex::new(vec![0u8; proto::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path };
-        match inner.call(&Request::Hello { version: proto::PROTO_VERSION }, &[inner.doorbell.as_raw_fd()])? {
+        match inner.call(&Request::Hello { version: proto::PROTO_VERSION, namespace }, &[inner.doorbell.as_raw_fd()])? {
             Reply::Hello { gid, .. } => inner.gid = gid,
             r => bail!("unexpected reply {r:?}"),
         }
@@ -239,11 +250,21 @@ impl Pd {
 
     /// Registers `len` bytes of `buf` from `off` with `access` (ibv_reg_mr).
     pub fn reg_mr(&self, buf: &MemBuf, off: usize, len: usize, access: u32) -> anyhow::Result<Mr> {
+        self.reg_mr_keyed(buf, off, len, access, None)
+    }
+
+    /// Like [`Pd::reg_mr`] with a caller-chosen lkey = rkey (refused if the
+    /// namespace already has an MR with that key).
+    pub fn reg_mr_with_key(&self, buf: &MemBuf, off: usize, len: usize, access: u32, key: u32) -> anyhow::Result<Mr> {
+        self.reg_mr_keyed(buf, off, len, access, Some(key))
+    }
+
+    fn reg_mr_keyed(&self, buf: &MemBuf, off: usize, len: usize, access: u32, key: Option<u32>) -> anyhow::Result<Mr> {
         if off.checked_add(len).is_none_or(|e| e > buf.len()) {
             bail!("MR range outside the buffer");
         }
         let iova = buf.addr() + off as u64;
-        let req = Request::RegMr { pd: self.handle, iova, len: len as u64, access, fd_offset: off as u64 };
+        let req = Request::RegMr { pd: self.handle, iova, len: len as u64, access, fd_offset: off as u64, key };
         match self.ctx.inner.call(&req, &[buf.fd.as_raw_fd()])? {
             Reply::Mr { lkey, rkey } => Ok(Mr { ctx: self.ctx.clone(), lkey, rkey, addr: iova, len }),
             r => bail!("unexpected reply {r:?}"),
@@ -251,6 +272,16 @@ impl Pd {
     }
 
     pub fn create_qp(&self, init: &QpInitAttr) -> anyhow::Result<Qp> {
+        self.create_qp_numbered(init, None)
+    }
+
+    /// Like [`Pd::create_qp`] with a caller-chosen QPN (refused if taken in
+    /// the namespace).
+    pub fn create_qp_with_qpn(&self, init: &QpInitAttr, qpn: u32) -> anyhow::Result<Qp> {
+        self.create_qp_numbered(init, Some(qpn))
+    }
+
+    fn create_qp_numbered(&self, init: &QpInitAttr, qpn: Option<u32>) -> anyhow::Result<Qp> {
         let cap = init.cap;
         if cap.max_send_sge as usize > MAX_SGE || cap.max_recv_sge as usize > MAX_SGE || cap.max_inline_data as usize > MAX_INLINE {
             bail!("at most {MAX_SGE} SGEs and {MAX_INLINE} bytes inline");
@@ -274,6 +305,7 @@ impl Pd {
             sq_sig_all: init.sq_sig_all,
             sq_slots,
             rq_slots,
+            qpn,
         };
         match self.ctx.inner.call(&req, &[sqfd.as_raw_fd(), rqfd.as_raw_fd()])? {
             Reply::Qp { qpn, cap } => Ok(Qp {
