@@ -38,6 +38,25 @@ pub fn is_zero_page(p: &[u8]) -> bool {
     pre.iter().all(|&b| b == 0) && mid.iter().all(|&w| w == 0) && post.iter().all(|&b| b == 0)
 }
 
+/// Runs `[a, b)` of set bits among the first `n` bits of `bitmap`.
+fn data_runs(bitmap: &[u64], n: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let bit = move |i: usize| bitmap[i / 64] & (1 << (i % 64)) != 0;
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while i < n && !bit(i) {
+            i += 1;
+        }
+        if i >= n {
+            return None;
+        }
+        let a = i;
+        while i < n && bit(i) {
+            i += 1;
+        }
+        Some((a, i))
+    })
+}
+
 pub struct SaveStats {
     pub bytes: u64,
     pub zero_pages: u64,
@@ -48,7 +67,7 @@ pub struct SaveStats {
 pub fn write(path: &Path, config: &VmConfig, state: &StateSet, ram: &GuestRam) -> Result<SaveStats> {
     let tmp = path.with_extension("partial");
     let f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let mut w = BufWriter::with_capacity(4 << 20, f);
+    let mut w = BufWriter::with_capacity(256 << 10, f);
     w.write_all(MAGIC)?;
     w.write_all(&FORMAT_VERSION.to_le_bytes())?;
     let hdr = serde_json::to_vec(&Header { config: config.clone(), ram_size: ram.size() })?;
@@ -70,15 +89,15 @@ pub fn write(path: &Path, config: &VmConfig, state: &StateSet, ram: &GuestRam) -
             w.write_all(&word.to_le_bytes())?;
             crc.update(&word.to_le_bytes());
         }
-        for (i, p) in chunk.chunks(PAGE_SIZE as usize).enumerate() {
-            if bitmap[i / 64] & (1 << (i % 64)) != 0 {
-                w.write_all(p)?;
-                crc.update(p);
-                stats.data_pages += 1;
-            } else {
-                stats.zero_pages += 1;
-            }
+        // Runs of consecutive data pages go out in one write (large writes
+        // bypass the BufWriter's copy).
+        for (a, b) in data_runs(&bitmap, chunk.len() / PAGE_SIZE as usize) {
+            let bytes = &chunk[a * PAGE_SIZE as usize..b * PAGE_SIZE as usize];
+            w.write_all(bytes)?;
+            crc.update(bytes);
+            stats.data_pages += (b - a) as u64;
         }
+        stats.zero_pages += (chunk.len() / PAGE_SIZE as usize) as u64 - bitmap.iter().map(|w| w.count_ones() as u64).sum::<u64>();
         w.write_all(&crc.finalize().to_le_bytes())?;
     }
     w.write_all(END)?;
@@ -106,7 +125,7 @@ fn damaged(e: std::io::Error) -> anyhow::Error {
 
 pub fn open(path: &Path) -> Result<SaveReader> {
     let f = std::fs::File::open(path).with_context(|| format!("opening save file {}", path.display()))?;
-    let mut r = BufReader::with_capacity(4 << 20, f);
+    let mut r = BufReader::with_capacity(256 << 10, f);
     let mut magic = [0u8; 8];
     r.read_exact(&mut magic).map_err(damaged)?;
     if &magic != MAGIC {
@@ -150,14 +169,16 @@ impl SaveReader {
                 crc.update(&b);
                 *word = u64::from_le_bytes(b);
             }
-            for (i, p) in chunk.chunks_mut(PAGE_SIZE as usize).enumerate() {
-                if bitmap[i / 64] & (1 << (i % 64)) != 0 {
-                    self.r.read_exact(p).map_err(damaged)?;
-                    crc.update(p);
-                } else {
-                    p.fill(0);
-                }
+            let pages = chunk.len() / PAGE_SIZE as usize;
+            let mut next = 0;
+            for (a, b) in data_runs(&bitmap, pages) {
+                chunk[next * PAGE_SIZE as usize..a * PAGE_SIZE as usize].fill(0);
+                let bytes = &mut chunk[a * PAGE_SIZE as usize..b * PAGE_SIZE as usize];
+                self.r.read_exact(bytes).map_err(damaged)?;
+                crc.update(bytes);
+                next = b;
             }
+            chunk[next * PAGE_SIZE as usize..].fill(0);
             let mut c = [0u8; 4];
             self.r.read_exact(&mut c).map_err(damaged)?;
             if u32::from_le_bytes(c) != crc.finalize() {
