@@ -221,7 +221,8 @@ impl Engine {
                 self.cqs.remove(&cq);
                 Reply::Ok
             }
-            Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn } => {
+            Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore } => {
+                let qpn = qpn.or(restore.as_ref().map(|s| s.qpn));
                 self.owned_pd(client, pd)?;
                 self.owned_cq(client, send_cq)?;
                 self.owned_cq(client, recv_cq)?;
@@ -259,7 +260,10 @@ impl Engine {
                     Some(q) => q,
                     None => self.alloc_qpn(),
                 };
-                let qp = Qp::new(qpn, client, pd, send_cq, recv_cq, sq_sig_all, cap, (sqr, sqm), (rqr, rqm));
+                let mut qp = Qp::new(qpn, client, pd, send_cq, recv_cq, sq_sig_all, cap, (sqr, sqm), (rqr, rqm));
+                if let Some(s) = &restore {
+                    qp.restore(s).map_err(|e| anyhow!("create suspended QP {qpn:#x}: {e}"))?;
+                }
                 self.qps.insert(qpn, qp);
                 self.qpn_order.push(qpn);
                 Reply::Qp { qpn, cap }
@@ -274,6 +278,21 @@ impl Engine {
             Request::QueryQp { qpn } => {
                 let qp = self.qps.get(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
                 Reply::QpInfo { attr: qp.attr, cap: qp.cap }
+            }
+            Request::SuspendQp { qpn } => {
+                self.owned_qp(client, qpn)?.suspend().map_err(|e| anyhow!(e))?;
+                Reply::Ok
+            }
+            Request::QueryQpState { qpn } => {
+                let s = self.owned_qp(client, qpn)?.snapshot().map_err(|e| anyhow!(e))?;
+                Reply::QpState(Box::new(s))
+            }
+            Request::ResumeQp { qpn } => {
+                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+                let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
+                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+                qp.resume(&mut ctx).map_err(|e| anyhow!(e))?;
+                Reply::Ok
             }
             Request::DestroyQp { qpn } => {
                 if !self.qps.get(&qpn).is_some_and(|q| q.owner == client) {
@@ -302,6 +321,10 @@ impl Engine {
     /// Whether no client object is left (the namespace may go).
     pub fn is_empty(&self) -> bool {
         self.qps.is_empty() && self.mrs.is_empty() && self.cqs.is_empty() && self.pds.is_empty()
+    }
+
+    fn owned_qp(&mut self, client: ClientId, qpn: u32) -> anyhow::Result<&mut Qp> {
+        self.qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))
     }
 
     fn owned_pd(&self, client: ClientId, pd: u32) -> anyhow::Result<()> {

@@ -149,6 +149,8 @@ pub struct Stats {
     pub send_errors: u64,
     pub clients_connected: u64,
     pub clients_gone: u64,
+    /// Packets that reached a suspended QP (requests get an RNR NAK).
+    pub rx_while_suspended: u64,
 }
 
 pub struct OutPkt {

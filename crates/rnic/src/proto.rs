@@ -63,10 +63,19 @@ pub enum Request {
         rq_slots: u32,
         #[serde(default)]
         qpn: Option<u32>,
+        /// Create-suspended: the QP starts from this state (its QPN unless
+        /// `qpn` says otherwise) and stays suspended until ResumeQp.
+        #[serde(default)]
+        restore: Option<Box<crate::qp::QpSnapshot>>,
     },
     ModifyQp { qpn: u32, attr: QpAttr, mask: u32 },
     QueryQp { qpn: u32 },
     DestroyQp { qpn: u32 },
+    /// Stop all processing and host memory access; the peer sees RNR NAKs.
+    SuspendQp { qpn: u32 },
+    /// The runtime state of a suspended QP.
+    QueryQpState { qpn: u32 },
+    ResumeQp { qpn: u32 },
     Stats,
 }
 
@@ -82,6 +91,7 @@ pub enum Reply {
     Cq(u32),
     Qp { qpn: u32, cap: QpCap },
     QpInfo { attr: QpAttr, cap: QpCap },
+    QpState(Box<crate::qp::QpSnapshot>),
     Stats(serde_json::Value),
     Ok,
 }

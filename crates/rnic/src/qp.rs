@@ -88,6 +88,27 @@ pub struct QpRuntime {
     pub atomic_results: VecDeque<(u32, u64)>,
     pub nak_sent: bool,
     pub resp_queue: VecDeque<RespJob>,
+    /// Send WQEs retired (completed, signaled or not) since the QP was
+    /// created: the owner reposts its WRs from this index on after a move.
+    #[serde(default)]
+    pub sq_retired: u64,
+    /// Receive WQEs retired since the QP was created (the same for RECVs).
+    #[serde(default)]
+    pub rq_retired: u64,
+}
+
+/// Version of [`QpSnapshot`]; bump on any change of its meaning.
+pub const QP_SNAPSHOT_VERSION: u32 = 1;
+
+/// The runtime state of a suspended RC QP, as query-suspended returns it and
+/// create-suspended takes it (docs/rdma-migration.md). Posted WRs are not in
+/// it: the owner reposts those from `runtime.sq_retired` / `rq_retired` on.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct QpSnapshot {
+    pub version: u32,
+    pub qpn: u32,
+    pub attr: QpAttr,
+    pub runtime: QpRuntime,
 }
 
 /// A send WQE the QP has taken from its ring.
@@ -152,6 +173,9 @@ pub struct Qp {
     last_rewind: Option<u32>,
     /// `una` when the congestion window last grew.
     cwnd_una: u32,
+    /// Suspended (seed 000): no host memory access, no transmission, every
+    /// incoming request answered with an RNR NAK so the peer keeps retrying.
+    pub suspended: bool,
 }
 
 impl Qp {
@@ -189,7 +213,106 @@ impl Qp {
             rnr_until: None,
             last_rewind: None,
             cwnd_una: 0,
+            suspended: false,
         }
+    }
+
+    // ------------------------------------------------------------ migration
+
+    /// Suspends processing: from now on the QP touches neither host memory
+    /// nor its rings, and its peer sees only RNR NAKs.
+    pub fn suspend(&mut self) -> Result<(), String> {
+        if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
+        }
+        self.suspended = true;
+        self.retrans_deadline = None;
+        self.rnr_until = None;
+        Ok(())
+    }
+
+    /// The runtime state of a suspended QP. WQEs already taken from the ring
+    /// but not retired are described by PSNs only: `next_psn` goes back to the
+    /// first of them, so that reposting them in order gives each its old PSNs.
+    pub fn snapshot(&self) -> Result<QpSnapshot, String> {
+        if !self.suspended {
+            return Err("query-suspended needs a suspended QP".into());
+        }
+        let mut rt = self.rt.clone();
+        if let Some(e) = self.sq.front() {
+            rt.next_psn = e.first_psn;
+        }
+        rt.tx_psn = rt.una;
+        Ok(QpSnapshot { version: QP_SNAPSHOT_VERSION, qpn: self.qpn, attr: self.attr, runtime: rt })
+    }
+
+    /// Create-suspended: takes the transport state of `s` (checked, since it
+    /// comes from a client). The QP stays suspended until [`Qp::resume`].
+    pub fn restore(&mut self, s: &QpSnapshot) -> Result<(), String> {
+        if s.version != QP_SNAPSHOT_VERSION {
+            return Err(format!("QP state version {} (this rnicd reads {QP_SNAPSHOT_VERSION})", s.version));
+        }
+        let a = &s.attr;
+        if !matches!(a.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            return Err(format!("a QP can be created suspended in RTR/RTS/SQD, not {:?}", a.qp_state));
+        }
+        if a.retry_cnt > 7 || a.rnr_retry > 7 || a.min_rnr_timer > 31 || a.timeout > 31 || a.dest_gid.is_unspecified() {
+            return Err("bad QP attributes in the state".into());
+        }
+        let r = &s.runtime;
+        if r.resp_queue.len() > MAX_RESP_QUEUE || r.atomic_results.len() > 2 * ATOMIC_REPLAY.max(256) || r.recv_offset > MAX_MSG {
+            return Err("QP state queues too long".into());
+        }
+        if r.write.is_some_and(|w| w.remaining > MAX_MSG || w.total > MAX_MSG) {
+            return Err("bad WRITE in progress".into());
+        }
+        let m = wire::PSN_MASK;
+        let mut rt = r.clone();
+        for p in [&mut rt.next_psn, &mut rt.una, &mut rt.tx_psn, &mut rt.max_sent, &mut rt.epsn, &mut rt.msn] {
+            *p &= m;
+        }
+        if psn_diff(rt.max_sent, rt.una) < 0 || psn_diff(rt.una, rt.next_psn) > 0 {
+            return Err("inconsistent requester PSNs".into());
+        }
+        rt.tx_psn = rt.una;
+        self.attr = *a;
+        self.attr.dest_qp_num &= wire::QPN_MASK;
+        self.attr.sq_draining = false;
+        self.cwnd_una = rt.una;
+        self.rt = rt;
+        self.sq.clear();
+        self.rq.clear();
+        self.tx_idx = 0;
+        self.rd_outstanding = 0;
+        self.suspended = true;
+        Ok(())
+    }
+
+    /// Resumes a suspended (or created-suspended) QP: unacknowledged requests
+    /// go out again from `una` (the peer's responses were dropped meanwhile).
+    pub fn resume(&mut self, ctx: &mut Ctx) -> Result<(), String> {
+        if !self.suspended {
+            return Err("QP is not suspended".into());
+        }
+        self.suspended = false;
+        self.rt.retry_left = self.attr.retry_cnt;
+        self.rt.rnr_left = self.attr.rnr_retry;
+        self.rewind(ctx);
+        self.last_rewind = None;
+        self.pull_sq(ctx);
+        self.pull_rq(ctx);
+        Ok(())
+    }
+
+    /// Suspended answer to any request: RNR NAK for its PSN (or for the
+    /// expected one if it is ahead), sent at once and touching no memory.
+    fn suspended_nak(&mut self, ctx: &mut Ctx, psn: u32) {
+        let nak_psn = if psn_diff(psn, self.rt.epsn) <= 0 { psn } else { self.rt.epsn };
+        ctx.stats.rnr_naks_sent += 1;
+        let flow = self.flow(ctx.gid);
+        let mut h = Headers::new(Opcode::Ack, self.attr.dest_qp_num, nak_psn);
+        h.aeth = Some(Aeth { syndrome: Syndrome::RnrNak(self.attr.min_rnr_timer), msn: self.rt.msn });
+        let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
     }
 
     fn flow(&self, gid: Ipv4Addr) -> Flow {
@@ -363,6 +486,9 @@ impl Qp {
 
     /// Takes new send WQEs from the shared ring (bounded by max_send_wr).
     pub fn pull_sq(&mut self, ctx: &mut Ctx) {
+        if self.suspended {
+            return;
+        }
         let st = self.attr.qp_state;
         if !matches!(st, QpState::Rts | QpState::Sqd | QpState::Err) {
             return;
@@ -427,6 +553,9 @@ impl Qp {
 
     /// Takes new receive WQEs from the shared ring.
     pub fn pull_rq(&mut self, ctx: &mut Ctx) {
+        if self.suspended {
+            return;
+        }
         let st = self.attr.qp_state;
         if st == QpState::Reset {
             return;
@@ -453,6 +582,9 @@ impl Qp {
 
     /// Whether the requester or responder has packets to send now.
     pub fn has_tx_work(&self, now: Instant) -> bool {
+        if self.suspended {
+            return false;
+        }
         let pullable = self.sq_ring.ready() > 0
             && self.sq.len() < self.cap.max_send_wr as usize
             && matches!(self.attr.qp_state, QpState::Rts | QpState::Err);
@@ -465,6 +597,9 @@ impl Qp {
     }
 
     pub fn next_deadline(&self) -> Option<Instant> {
+        if self.suspended {
+            return None;
+        }
         match (self.retrans_deadline, self.rnr_until) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -475,6 +610,9 @@ impl Qp {
 
     /// Sends up to `budget` packets: responses first, then requests.
     pub fn transmit(&mut self, ctx: &mut Ctx, budget: &mut usize) {
+        if self.suspended {
+            return;
+        }
         // WQEs left in the ring while the queue was full get no new doorbell.
         if self.sq.len() < self.cap.max_send_wr as usize && self.sq_ring.ready() > 0 {
             self.pull_sq(ctx);
@@ -637,6 +775,9 @@ impl Qp {
 
     /// Retransmission timer.
     pub fn on_timer(&mut self, ctx: &mut Ctx) {
+        if self.suspended {
+            return;
+        }
         let Some(d) = self.retrans_deadline else { return };
         if ctx.now < d {
             return;
@@ -667,6 +808,7 @@ impl Qp {
 
     fn complete_front(&mut self, ctx: &mut Ctx, status: WcStatus) {
         let Some(e) = self.sq.pop_front() else { return };
+        self.rt.sq_retired += 1;
         if self.tx_idx > 0 {
             self.tx_idx -= 1;
             if e.op.is_read_or_atomic() {
@@ -762,6 +904,11 @@ impl Qp {
     }
 
     pub fn on_response(&mut self, ctx: &mut Ctx, p: &Packet) {
+        if self.suspended {
+            // Dropped: the requests go out again from `una` on resume.
+            ctx.stats.rx_while_suspended += 1;
+            return;
+        }
         if !matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd | QpState::Sqe) {
             ctx.stats.rx_wrong_state += 1;
             return;
@@ -922,6 +1069,7 @@ impl Qp {
 
     fn complete_recv(&mut self, ctx: &mut Ctx, status: WcStatus, opcode: WcOpcode, byte_len: u32, imm: Option<u32>, inv: Option<u32>, solicited: bool) {
         let Some(r) = self.rq.pop_front() else { return };
+        self.rt.rq_retired += 1;
         let mut flags = 0;
         let mut immv = 0;
         if let Some(i) = imm {
@@ -961,6 +1109,11 @@ impl Qp {
             return;
         }
         let psn = p.bth.psn;
+        if self.suspended {
+            ctx.stats.rx_while_suspended += 1;
+            self.suspended_nak(ctx, psn);
+            return;
+        }
         let d = psn_diff(psn, self.rt.epsn);
         if d > 0 {
             if !self.rt.nak_sent {

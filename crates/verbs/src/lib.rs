@@ -27,6 +27,7 @@ use rnic::mem::{sealed_memfd, Mapping};
 use rnic::proto::{self, Reply, Request};
 use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE, NOTIFY_NEXT, NOTIFY_SOLICITED};
 
+pub use rnic::qp::{QpRuntime, QpSnapshot, QP_SNAPSHOT_VERSION};
 pub use rnic::ring::Sge;
 pub use rnic::types::{
     access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, WcOpcode, WcStatus,
@@ -250,20 +251,26 @@ impl Pd {
 
     /// Registers `len` bytes of `buf` from `off` with `access` (ibv_reg_mr).
     pub fn reg_mr(&self, buf: &MemBuf, off: usize, len: usize, access: u32) -> anyhow::Result<Mr> {
-        self.reg_mr_keyed(buf, off, len, access, None)
+        self.reg_mr_keyed(buf, off, len, access, None, None)
+    }
+
+    /// Registers with a chosen key and I/O virtual address: what restoring a
+    /// migrated namespace needs (the peer keeps using the old rkey and addresses).
+    pub fn reg_mr_at(&self, buf: &MemBuf, off: usize, len: usize, access: u32, key: Option<u32>, iova: u64) -> anyhow::Result<Mr> {
+        self.reg_mr_keyed(buf, off, len, access, key, Some(iova))
     }
 
     /// Like [`Pd::reg_mr`] with a caller-chosen lkey = rkey (refused if the
     /// namespace already has an MR with that key).
     pub fn reg_mr_with_key(&self, buf: &MemBuf, off: usize, len: usize, access: u32, key: u32) -> anyhow::Result<Mr> {
-        self.reg_mr_keyed(buf, off, len, access, Some(key))
+        self.reg_mr_keyed(buf, off, len, access, Some(key), None)
     }
 
-    fn reg_mr_keyed(&self, buf: &MemBuf, off: usize, len: usize, access: u32, key: Option<u32>) -> anyhow::Result<Mr> {
+    fn reg_mr_keyed(&self, buf: &MemBuf, off: usize, len: usize, access: u32, key: Option<u32>, iova: Option<u64>) -> anyhow::Result<Mr> {
         if off.checked_add(len).is_none_or(|e| e > buf.len()) {
             bail!("MR range outside the buffer");
         }
-        let iova = buf.addr() + off as u64;
+        let iova = iova.unwrap_or(buf.addr() + off as u64);
         let req = Request::RegMr { pd: self.handle, iova, len: len as u64, access, fd_offset: off as u64, key };
         match self.ctx.inner.call(&req, &[buf.fd.as_raw_fd()])? {
             Reply::Mr { lkey, rkey } => Ok(Mr { ctx: self.ctx.clone(), lkey, rkey, addr: iova, len }),
@@ -272,16 +279,24 @@ impl Pd {
     }
 
     pub fn create_qp(&self, init: &QpInitAttr) -> anyhow::Result<Qp> {
-        self.create_qp_numbered(init, None)
+        self.create_qp_numbered(init, None, None)
+    }
+
+    /// Create-suspended (seed 000): a QP with the creation attributes `init`
+    /// and the runtime state of a QP suspended elsewhere, same QPN. It does
+    /// nothing until [`Qp::resume`]; repost the WRs first (see
+    /// `QpRuntime::sq_retired`).
+    pub fn create_qp_suspended(&self, init: &QpInitAttr, state: &QpSnapshot) -> anyhow::Result<Qp> {
+        self.create_qp_numbered(init, Some(state.qpn), Some(Box::new(state.clone())))
     }
 
     /// Like [`Pd::create_qp`] with a caller-chosen QPN (refused if taken in
     /// the namespace).
     pub fn create_qp_with_qpn(&self, init: &QpInitAttr, qpn: u32) -> anyhow::Result<Qp> {
-        self.create_qp_numbered(init, Some(qpn))
+        self.create_qp_numbered(init, Some(qpn), None)
     }
 
-    fn create_qp_numbered(&self, init: &QpInitAttr, qpn: Option<u32>) -> anyhow::Result<Qp> {
+    fn create_qp_numbered(&self, init: &QpInitAttr, qpn: Option<u32>, restore: Option<Box<QpSnapshot>>) -> anyhow::Result<Qp> {
         let cap = init.cap;
         if cap.max_send_sge as usize > MAX_SGE || cap.max_recv_sge as usize > MAX_SGE || cap.max_inline_data as usize > MAX_INLINE {
             bail!("at most {MAX_SGE} SGEs and {MAX_INLINE} bytes inline");
@@ -306,6 +321,7 @@ impl Pd {
             sq_slots,
             rq_slots,
             qpn,
+            restore,
         };
         match self.ctx.inner.call(&req, &[sqfd.as_raw_fd(), rqfd.as_raw_fd()])? {
             Reply::Qp { qpn, cap } => Ok(Qp {
@@ -617,6 +633,31 @@ impl Qp {
     pub fn query(&self) -> anyhow::Result<(QpAttr, QpCap)> {
         match self.ctx.inner.call(&Request::QueryQp { qpn: self.qpn }, &[])? {
             Reply::QpInfo { attr, cap } => Ok((attr, cap)),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// Suspend: rnicd stops processing this QP and touching its memory;
+    /// the peer sees RNR NAKs (and keeps retrying with rnr_retry 7).
+    pub fn suspend(&self) -> anyhow::Result<()> {
+        match self.ctx.inner.call(&Request::SuspendQp { qpn: self.qpn }, &[])? {
+            Reply::Ok => Ok(()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// Query-suspended: the runtime state (docs/rdma-migration.md).
+    pub fn query_state(&self) -> anyhow::Result<QpSnapshot> {
+        match self.ctx.inner.call(&Request::QueryQpState { qpn: self.qpn }, &[])? {
+            Reply::QpState(s) => Ok(*s),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// Resume a suspended or created-suspended QP.
+    pub fn resume(&self) -> anyhow::Result<()> {
+        match self.ctx.inner.call(&Request::ResumeQp { qpn: self.qpn }, &[])? {
+            Reply::Ok => Ok(()),
             r => bail!("unexpected reply {r:?}"),
         }
     }
