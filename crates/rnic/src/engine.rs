@@ -164,7 +164,7 @@ impl Engine {
                 };
                 self.mrs.insert(
                     key,
-                    Arc::new(Mr { owner: client, pd, key, iova, len, access, map, invalidated: AtomicBool::new(false) }),
+                    Arc::new(Mr { owner: client, pd, key, iova, len, access, map, invalidated: AtomicBool::new(false), trace: Default::default() }),
                 );
                 Reply::Mr { lkey: key, rkey: key }
             }
@@ -175,6 +175,18 @@ impl Engine {
                 }
                 self.mrs.remove(&lkey);
                 Reply::Ok
+            }
+            Request::TraceMr { lkey, granularity } => {
+                let mr = self.mrs.get(&lkey).filter(|m| m.owner == client).ok_or_else(|| anyhow!("no MR {lkey:#x}"))?;
+                match granularity {
+                    0 => mr.trace.stop(),
+                    g => mr.trace.start(mr.len, g).map_err(|e| anyhow!(e))?,
+                }
+                Reply::Ok
+            }
+            Request::FetchTrace { lkey } => {
+                let mr = self.mrs.get(&lkey).filter(|m| m.owner == client).ok_or_else(|| anyhow!("no MR {lkey:#x}"))?;
+                Reply::Trace(mr.trace.fetch_and_clear().map_err(|e| anyhow!(e))?)
             }
             Request::CreateCompChannel => {
                 let fd = fds.pop().context("channel needs an eventfd")?;

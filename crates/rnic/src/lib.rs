@@ -11,5 +11,6 @@ pub mod objects;
 pub mod proto;
 pub mod qp;
 pub mod ring;
+pub mod trace;
 pub mod types;
 pub mod wire;

@@ -29,6 +29,8 @@ pub struct Mr {
     pub map: Mapping,
     /// Set by SEND with invalidate; the rkey stops working.
     pub invalidated: AtomicBool,
+    /// Write trace (pre-copy dirty tracking), off unless the owner starts it.
+    pub trace: crate::trace::TraceSlot,
 }
 
 impl Mr {
@@ -40,6 +42,11 @@ impl Mr {
         let off = va.checked_sub(self.iova)?;
         if off.checked_add(len)? > self.len {
             return None;
+        }
+        // Every write into the MR passes here: the trace cannot miss one
+        // (a range only validated, never written, is merely over-reported).
+        if need & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0 {
+            self.trace.mark(off, len);
         }
         // SAFETY: off + len <= mapping length (len == map.len()).
         Some(unsafe { self.map.ptr().add(off as usize) })

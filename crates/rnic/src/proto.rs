@@ -45,6 +45,11 @@ pub enum Request {
         key: Option<u32>,
     },
     DeregMr { lkey: u32 },
+    /// Starts (clearing) a write trace of the MR with blocks of `granularity`
+    /// bytes (a power of two >= 512); 0 stops it.
+    TraceMr { lkey: u32, granularity: u64 },
+    /// Returns the MR's dirty blocks since the last fetch and clears them.
+    FetchTrace { lkey: u32 },
     /// Carries the channel's eventfd.
     CreateCompChannel,
     DestroyCompChannel { channel: u32 },
@@ -92,6 +97,7 @@ pub enum Reply {
     Qp { qpn: u32, cap: QpCap },
     QpInfo { attr: QpAttr, cap: QpCap },
     QpState(Box<crate::qp::QpSnapshot>),
+    Trace(crate::trace::TraceReport),
     Stats(serde_json::Value),
     Ok,
 }

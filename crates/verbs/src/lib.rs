@@ -29,6 +29,7 @@ use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE, N
 
 pub use rnic::qp::{QpRuntime, QpSnapshot, QP_SNAPSHOT_VERSION};
 pub use rnic::ring::Sge;
+pub use rnic::trace::TraceReport;
 pub use rnic::types::{
     access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, WcOpcode, WcStatus,
     WrOpcode,
@@ -355,6 +356,32 @@ impl Mr {
     /// An SGE covering `len` bytes at offset `off` of this region.
     pub fn sge(&self, off: usize, len: usize) -> Sge {
         Sge { addr: self.addr + off as u64, length: len as u32, lkey: self.lkey }
+    }
+
+    /// Starts (or restarts, clearing) a write trace: rnicd records which
+    /// `granularity`-byte blocks it writes into (WRITE, SEND, READ
+    /// responses, atomics).
+    pub fn start_trace(&self, granularity: u64) -> anyhow::Result<()> {
+        match self.ctx.inner.call(&Request::TraceMr { lkey: self.lkey, granularity }, &[])? {
+            Reply::Ok => Ok(()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    pub fn stop_trace(&self) -> anyhow::Result<()> {
+        match self.ctx.inner.call(&Request::TraceMr { lkey: self.lkey, granularity: 0 }, &[])? {
+            Reply::Ok => Ok(()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// Dirty blocks since the last fetch (offsets from the MR start), cleared
+    /// in the same step; `all_dirty` when rnicd cannot be precise.
+    pub fn fetch_trace(&self) -> anyhow::Result<TraceReport> {
+        match self.ctx.inner.call(&Request::FetchTrace { lkey: self.lkey }, &[])? {
+            Reply::Trace(t) => Ok(t),
+            r => bail!("unexpected reply {r:?}"),
+        }
     }
 }
 
