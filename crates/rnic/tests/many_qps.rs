@@ -1,0 +1,357 @@
+//! Moving a whole namespace of N QPs between two hosts while the peer keeps
+//! sending on every QP (and streams RDMA WRITEs and fetch-and-adds on QP 0):
+//! every SEND arrives exactly once and in order on its QP, every atomic
+//! executes once, the peer's QPs stay in RTS. `bench_qp_migrate` (ignored;
+//! run by bench/qp-migrate) measures the blackout the peer sees, the state
+//! size and the peer's throughput, and the cost of write tracing.
+mod common;
+use common::*;
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use verbs::*;
+
+const MB: usize = 1 << 20;
+const KEY: u32 = 0x6d6d00;
+const IOVA: u64 = 0x7e00_0000_0000;
+/// SEND rounds per QP: 0-1 before the move, 2-3 released just before it
+/// (they hit the move), 4-5 after it.
+const ROUNDS: usize = 6;
+const WRITE_LEN: usize = 64 << 10;
+const M_WRITES: usize = 4 * MB; // the peer's WRITE stream lands here (64 slots)
+const M_CNT: usize = 3 * MB + MB / 2; // the peer's fetch-and-add counter
+const M_RECV: usize = 0; // receive buffers: (qp * ROUNDS + round) * 64
+
+struct Peer {
+    qps: Vec<Qp>,
+    scq: Cq,
+    mr: Mr,
+    buf: MemBuf,
+    _pd: Pd,
+    ctx: Context,
+}
+
+/// Peer-side record: completion times and WRITE bytes, for the figures.
+#[derive(Default)]
+struct Timeline {
+    events: Vec<(Instant, u64)>,
+}
+
+fn peer_loop(p: &Peer, released: &AtomicUsize, stop: &AtomicBool, tl: &Mutex<Timeline>) {
+    let n = p.qps.len();
+    for i in 0..n {
+        for r in 0..ROUNDS {
+            let mut msg = [0u8; 64];
+            msg[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            msg[8..16].copy_from_slice(&(r as u64).to_le_bytes());
+            p.buf.write((i * ROUNDS + r) * 64, &msg);
+        }
+    }
+    let mut sent = vec![0usize; n];
+    let mut done = vec![0usize; n];
+    let (mut w_posted, mut w_done, mut fa_posted, mut fa_done) = (0u64, 0u64, 0u64, 0u64);
+    let mut wcs = [Wc::default(); 256];
+    let mut last = Instant::now();
+    loop {
+        let rel = released.load(Ordering::Acquire);
+        let all_sent = done.iter().all(|&d| d == ROUNDS);
+        if stop.load(Ordering::Acquire) && all_sent && w_posted == w_done && fa_posted == fa_done {
+            break;
+        }
+        for i in 0..n {
+            while sent[i] < rel.min(ROUNDS) && sent[i] - done[i] < 2 {
+                let r = sent[i];
+                let id = (i * ROUNDS + r) as u64;
+                p.qps[i].post_send(&[SendWr::send(id, &[p.mr.sge((i * ROUNDS + r) * 64, 64)])]).unwrap();
+                sent[i] += 1;
+            }
+        }
+        if !stop.load(Ordering::Acquire) {
+            // The throughput stream on QP 0: 4 WRITEs in flight, one atomic every 8.
+            while w_posted - w_done < 4 {
+                let slot = (w_posted % 64) as usize;
+                let id = 1 << 40 | w_posted;
+                p.qps[0].post_send(&[SendWr::write(id, &[p.mr.sge(MB, WRITE_LEN)], IOVA + (M_WRITES + slot * WRITE_LEN) as u64, KEY)]).unwrap();
+                w_posted += 1;
+                if w_posted % 8 == 0 && fa_posted == fa_done {
+                    let id = 2 << 40 | fa_posted;
+                    p.qps[0].post_send(&[SendWr::fetch_add(id, &[p.mr.sge(2 * MB, 8)], IOVA + M_CNT as u64, KEY, 1)]).unwrap();
+                    fa_posted += 1;
+                }
+            }
+        }
+        let k = p.scq.poll(&mut wcs).unwrap();
+        let now = Instant::now();
+        let mut tl = tl.lock().unwrap();
+        for w in &wcs[..k] {
+            assert_eq!(w.status, WcStatus::Success, "peer completion {w:?}");
+            match w.wr_id >> 40 {
+                0 => {
+                    let (i, r) = ((w.wr_id as usize) / ROUNDS, (w.wr_id as usize) % ROUNDS);
+                    assert_eq!(r, done[i], "peer SENDs on QP {i} complete in order");
+                    done[i] += 1;
+                    tl.events.push((now, 0));
+                }
+                1 => {
+                    assert_eq!(w.wr_id & 0xff_ffff_ffff, w_done, "WRITEs complete in order");
+                    w_done += 1;
+                    tl.events.push((now, WRITE_LEN as u64));
+                }
+                _ => {
+                    assert_eq!(p.buf.read_u64(2 * MB), fa_done, "fetch-and-add {fa_done} executed exactly once");
+                    fa_done += 1;
+                    tl.events.push((now, 0));
+                }
+            }
+        }
+        drop(tl);
+        if k > 0 {
+            last = now;
+        } else {
+            assert!(last.elapsed() < Duration::from_secs(60), "peer made no progress for 60 s");
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+/// What one move measured.
+#[derive(Debug)]
+struct MoveReport {
+    qps: usize,
+    blackout_ms: f64,
+    state_bytes_per_qp: usize,
+    gbps_before: f64,
+    gbps_during: f64,
+    gbps_after: f64,
+}
+
+fn gbps(ev: &[(Instant, u64)], from: Instant, to: Instant) -> f64 {
+    let bytes: u64 = ev.iter().filter(|e| e.0 >= from && e.0 < to).map(|e| e.1).sum();
+    let s = to.duration_since(from).as_secs_f64().max(1e-6);
+    bytes as f64 * 8.0 / s / 1e9
+}
+
+fn init_attr(scq: &Cq, rcq: &Cq) -> QpInitAttr {
+    let mut init = QpInitAttr::new(scq, rcq);
+    init.cap.max_send_wr = 16;
+    init.cap.max_recv_wr = ROUNDS as u32;
+    init
+}
+
+fn drain(cq: &Cq, out: &mut Vec<Wc>) {
+    let mut wcs = [Wc::default(); 256];
+    loop {
+        let k = cq.poll(&mut wcs).unwrap();
+        out.extend_from_slice(&wcs[..k]);
+        if k == 0 {
+            break;
+        }
+    }
+}
+
+/// Sets up N QP pairs (namespace `gid` on host 0 <-> host 1), runs the peer,
+/// moves the namespace to host 2 mid-stream, checks everything, measures.
+fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
+    let bed = Bed::new(prefix, 3);
+    let (h_old, h_peer, h_new) = (bed.tb.host(0), bed.tb.host(1), bed.tb.host(2));
+    let gid: Ipv4Addr = bed.tb.spare_addr(0, 9);
+    h_old.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+
+    let ctx = Context::open_namespace(Some(&bed.nics[0].sock), gid).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cqn = (n * ROUNDS * 2).next_power_of_two() as u32;
+    let (scq, rcq) = (ctx.create_cq(cqn, None).unwrap(), ctx.create_cq(cqn, None).unwrap());
+    let buf = MemBuf::new(8 * MB).unwrap();
+    let mr = pd.reg_mr_at(&buf, 0, 8 * MB, access::ALL, Some(KEY), IOVA).unwrap();
+    let mqps: Vec<Qp> = (0..n).map(|_| pd.create_qp(&init_attr(&scq, &rcq)).unwrap()).collect();
+
+    let pctx = bed.ctx(1);
+    let ppd = pctx.alloc_pd().unwrap();
+    let pscq = pctx.create_cq(cqn.max(1024), None).unwrap();
+    let prcq = pctx.create_cq(64, None).unwrap();
+    let pbuf = MemBuf::new(4 * MB).unwrap();
+    let pmr = ppd.reg_mr(&pbuf, 0, 4 * MB, access::ALL).unwrap();
+    let pqps: Vec<Qp> = (0..n).map(|_| ppd.create_qp(&init_attr(&pscq, &prcq)).unwrap()).collect();
+    let o = ConnectOpts { mtu: Mtu::M4096, rnr_retry: 7, min_rnr_timer: 1, ..Default::default() };
+    for (m, p) in mqps.iter().zip(&pqps) {
+        m.connect(&p.endpoint(0x2000), &ConnectOpts { sq_psn: 0x1000, ..o }).unwrap();
+        p.connect(&m.endpoint(0x1000), &ConnectOpts { sq_psn: 0x2000, ..o }).unwrap();
+    }
+    for (i, m) in mqps.iter().enumerate() {
+        let wrs: Vec<_> = (0..ROUNDS).map(|r| [mr.sge(M_RECV + (i * ROUNDS + r) * 64, 64)]).collect();
+        let rws: Vec<_> = (0..ROUNDS).map(|r| RecvWr { wr_id: (i * ROUNDS + r) as u64, sg_list: &wrs[r] }).collect();
+        m.post_recv(&rws).unwrap();
+    }
+
+    let peer = Peer { qps: pqps, scq: pscq, mr: pmr, buf: pbuf, _pd: ppd, ctx: pctx };
+    let released = Arc::new(AtomicUsize::new(2));
+    let stop = Arc::new(AtomicBool::new(false));
+    let tl = Arc::new(Mutex::new(Timeline::default()));
+    let (rel2, stop2, tl2) = (released.clone(), stop.clone(), tl.clone());
+    let t_start = Instant::now();
+    let peer_thread = std::thread::spawn(move || {
+        peer_loop(&peer, &rel2, &stop2, &tl2);
+        peer
+    });
+
+    // Before the move: rounds 0-1 delivered, the WRITE stream running.
+    let mut rwc = Vec::new();
+    while rwc.len() < 2 * n {
+        drain(&rcq, &mut rwc);
+        assert!(!peer_thread.is_finished(), "peer thread ended early");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(settle);
+    released.store(4, Ordering::Release);
+    std::thread::sleep(Duration::from_millis(1));
+
+    // The move.
+    let t_suspend = Instant::now();
+    for q in &mqps {
+        q.suspend().unwrap();
+    }
+    drain(&rcq, &mut rwc);
+    drain(&scq, &mut Vec::new());
+    let states: Vec<QpSnapshot> = mqps.iter().map(|q| q.query_state().unwrap()).collect();
+    let state_bytes: usize = states.iter().map(|s| serde_json::to_vec(s).unwrap().len()).sum();
+    let image = buf.read(0, 8 * MB);
+    let ctx2 = Context::open_namespace(Some(&bed.nics[2].sock), gid).unwrap();
+    let pd2 = ctx2.alloc_pd().unwrap();
+    let (scq2, rcq2) = (ctx2.create_cq(cqn, None).unwrap(), ctx2.create_cq(cqn, None).unwrap());
+    let buf2 = MemBuf::new(8 * MB).unwrap();
+    buf2.write(0, &image);
+    let mr2 = pd2.reg_mr_at(&buf2, 0, 8 * MB, access::ALL, Some(KEY), IOVA).unwrap();
+    let mut qps2 = Vec::with_capacity(n);
+    for (i, st) in states.iter().enumerate() {
+        let q = pd2.create_qp_suspended(&init_attr(&scq2, &rcq2), st).unwrap();
+        let from = st.runtime.rq_retired as usize;
+        let sg: Vec<_> = (from..ROUNDS).map(|r| [mr2.sge(M_RECV + (i * ROUNDS + r) * 64, 64)]).collect();
+        let rws: Vec<_> = (from..ROUNDS).map(|r| RecvWr { wr_id: (i * ROUNDS + r) as u64, sg_list: &sg[r - from] }).collect();
+        if !rws.is_empty() {
+            q.post_recv(&rws).unwrap();
+        }
+        qps2.push(q);
+    }
+    h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
+    h_new.sh(&format!("ip addr add {gid}/24 dev eth0 && ip neigh flush dev eth0")).unwrap();
+    let peer_addr = h_peer.addr(0);
+    h_new
+        .in_netns(move || {
+            let s = std::net::UdpSocket::bind((gid, 0)).unwrap();
+            s.send_to(b"announce", (peer_addr, 9)).unwrap();
+        })
+        .unwrap();
+    for q in &qps2 {
+        q.resume().unwrap();
+    }
+    let t_resumed = Instant::now();
+    drop(mqps);
+    drop((mr, scq, rcq, pd, ctx));
+
+    // After: the rest arrives on the new host; then rounds 4-5.
+    std::thread::sleep(settle);
+    released.store(ROUNDS, Ordering::Release);
+    let t0 = Instant::now();
+    while rwc.len() < ROUNDS * n {
+        drain(&rcq2, &mut rwc);
+        assert!(t0.elapsed() < Duration::from_secs(120), "moved QPs stalled: {} of {} receives", rwc.len(), ROUNDS * n);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let t_end = Instant::now();
+    stop.store(true, Ordering::Release);
+    let peer = peer_thread.join().expect("peer thread");
+
+    // Exactly once, in order, per QP; the data is what the peer sent.
+    let mut next = vec![0usize; n];
+    for w in &rwc {
+        assert_eq!(w.status, WcStatus::Success, "{w:?}");
+        let (i, r) = ((w.wr_id as usize) / ROUNDS, (w.wr_id as usize) % ROUNDS);
+        assert_eq!(r, next[i], "QP {i}: messages in order, none twice");
+        next[i] += 1;
+        let off = M_RECV + (i * ROUNDS + r) * 64;
+        assert_eq!((buf2.read_u64(off), buf2.read_u64(off + 8)), (i as u64, r as u64), "QP {i} message {r}");
+    }
+    assert!(next.iter().all(|&k| k == ROUNDS));
+    // Every peer atomic executed exactly once (the peer checked the old values).
+    let fas = tl.lock().unwrap().events.len(); // (used below only for the figures)
+    let _ = fas;
+    for q in &peer.qps {
+        assert_eq!(q.state().unwrap(), QpState::Rts, "the peer's QPs never leave RTS");
+    }
+    let _ = &peer.ctx;
+
+    let ev = std::mem::take(&mut tl.lock().unwrap().events);
+    let mut times: Vec<Instant> = ev.iter().map(|e| e.0).filter(|t| *t >= t_suspend - Duration::from_millis(50)).collect();
+    times.sort();
+    // Blackout: the longest time without any peer completion around the move.
+    let blackout = times.windows(2).filter(|w| w[1] >= t_suspend).map(|w| w[1].duration_since(w[0])).max().unwrap_or_default();
+    let before_from = t_start.max(t_suspend - settle);
+    MoveReport {
+        qps: n,
+        blackout_ms: blackout.as_secs_f64() * 1e3,
+        state_bytes_per_qp: state_bytes / n,
+        gbps_before: gbps(&ev, before_from, t_suspend),
+        gbps_during: gbps(&ev, t_suspend, t_resumed),
+        gbps_after: gbps(&ev, t_resumed, t_end.min(t_resumed + settle)),
+    }
+}
+
+#[test]
+fn thousand_qps_move_under_traffic() {
+    let r = move_namespace("rnmany", 1000, Duration::from_millis(100));
+    eprintln!("{r:?}");
+}
+
+/// RDMA WRITE throughput of 64 KiB messages into an MR, traced or not.
+fn write_gbps(traced: bool, secs: f64) -> f64 {
+    let bed = Bed::new(if traced { "rntrc1" } else { "rntrc0" }, 2);
+    let o = ConnectOpts { mtu: Mtu::M4096, ..Default::default() };
+    let (a, b) = pair(&bed, 0, 1, o);
+    if traced {
+        b.mr.start_trace(4096).unwrap();
+    }
+    let (mut posted, mut done) = (0u64, 0u64);
+    let t0 = Instant::now();
+    let mut wcs = [Wc::default(); 64];
+    let mut fetch_at = t0;
+    while t0.elapsed().as_secs_f64() < secs {
+        while posted - done < 16 {
+            let off = (posted % 64) as usize * WRITE_LEN;
+            a.qp.post_send(&[SendWr::write(posted, &[a.mr.sge(off, WRITE_LEN)], b.mr.addr + off as u64, b.mr.rkey)]).unwrap();
+            posted += 1;
+        }
+        let k = a.scq.poll(&mut wcs).unwrap();
+        done += k as u64;
+        if traced && fetch_at.elapsed() > Duration::from_millis(100) {
+            // The owner fetches as a pre-copy loop would.
+            b.mr.fetch_trace().unwrap();
+            fetch_at = Instant::now();
+        }
+    }
+    let s = t0.elapsed().as_secs_f64();
+    a.scq.wait((posted - done) as usize, T).unwrap();
+    done as f64 * WRITE_LEN as f64 * 8.0 / s / 1e9
+}
+
+#[test]
+#[ignore = "benchmark: run by bench/qp-migrate"]
+fn bench_qp_migrate() {
+    let mut rows = Vec::new();
+    for n in [1, 100, 1000] {
+        let r = move_namespace(&format!("rnbm{n}"), n, Duration::from_millis(1000));
+        eprintln!("{r:?}");
+        rows.push(format!(
+            r#"{{"qps": {}, "blackout_ms": {:.3}, "state_bytes_per_qp": {}, "peer_gbps_before": {:.3}, "peer_gbps_during": {:.3}, "peer_gbps_after": {:.3}}}"#,
+            r.qps, r.blackout_ms, r.state_bytes_per_qp, r.gbps_before, r.gbps_during, r.gbps_after
+        ));
+    }
+    // Alternate to spread the machine's load drift over both.
+    let (mut with, mut without) = (0.0, 0.0);
+    for _ in 0..2 {
+        without += write_gbps(false, 3.0) / 2.0;
+        with += write_gbps(true, 3.0) / 2.0;
+    }
+    rows.push(format!(r#"{{"test": "write_trace_cost", "gbps_with": {with:.3}, "gbps_without": {without:.3}}}"#));
+    println!("BENCH_JSON {{\"rows\": [{}]}}", rows.join(", "));
+}
