@@ -301,6 +301,12 @@ impl Qp {
         self.last_rewind = None;
         self.pull_sq(ctx);
         self.pull_rq(ctx);
+        // Kick the peer: a PSN sequence NAK for the PSN we expect makes it
+        // resend from there now instead of at its next RNR or retry timer
+        // (a peer with nothing outstanding drops it as out of window).
+        if matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd | QpState::Rtr) {
+            self.queue_nak(self.rt.epsn, Syndrome::Nak(NakCode::PsnSeqError));
+        }
         Ok(())
     }
 

@@ -173,7 +173,7 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     let pbuf = MemBuf::new(4 * MB).unwrap();
     let pmr = ppd.reg_mr(&pbuf, 0, 4 * MB, access::ALL).unwrap();
     let pqps: Vec<Qp> = (0..n).map(|_| ppd.create_qp(&init_attr(&pscq, &prcq)).unwrap()).collect();
-    let o = ConnectOpts { mtu: Mtu::M4096, rnr_retry: 7, min_rnr_timer: 1, ..Default::default() };
+    let o = ConnectOpts { mtu: Mtu::M4096, rnr_retry: 7, min_rnr_timer: 6, ..Default::default() };
     for (m, p) in mqps.iter().zip(&pqps) {
         m.connect(&p.endpoint(0x2000), &ConnectOpts { sq_psn: 0x1000, ..o }).unwrap();
         p.connect(&m.endpoint(0x1000), &ConnectOpts { sq_psn: 0x2000, ..o }).unwrap();
@@ -206,6 +206,14 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     released.store(4, Ordering::Release);
     std::thread::sleep(Duration::from_millis(1));
 
+    // The destination's PD, CQs and MR (same key and address) are made
+    // ahead, as in a pre-copy phase; the QPs need their final state.
+    let ctx2 = Context::open_namespace(Some(&bed.nics[2].sock), gid).unwrap();
+    let pd2 = ctx2.alloc_pd().unwrap();
+    let (scq2, rcq2) = (ctx2.create_cq(cqn, None).unwrap(), ctx2.create_cq(cqn, None).unwrap());
+    let buf2 = MemBuf::new(8 * MB).unwrap();
+    let mr2 = pd2.reg_mr_at(&buf2, 0, 8 * MB, access::ALL, Some(KEY), IOVA).unwrap();
+
     // The move.
     let t_suspend = Instant::now();
     for q in &mqps {
@@ -216,12 +224,7 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     let states: Vec<QpSnapshot> = mqps.iter().map(|q| q.query_state().unwrap()).collect();
     let state_bytes: usize = states.iter().map(|s| serde_json::to_vec(s).unwrap().len()).sum();
     let image = buf.read(0, 8 * MB);
-    let ctx2 = Context::open_namespace(Some(&bed.nics[2].sock), gid).unwrap();
-    let pd2 = ctx2.alloc_pd().unwrap();
-    let (scq2, rcq2) = (ctx2.create_cq(cqn, None).unwrap(), ctx2.create_cq(cqn, None).unwrap());
-    let buf2 = MemBuf::new(8 * MB).unwrap();
     buf2.write(0, &image);
-    let mr2 = pd2.reg_mr_at(&buf2, 0, 8 * MB, access::ALL, Some(KEY), IOVA).unwrap();
     let mut qps2 = Vec::with_capacity(n);
     for (i, st) in states.iter().enumerate() {
         let q = pd2.create_qp_suspended(&init_attr(&scq2, &rcq2), st).unwrap();
@@ -233,7 +236,7 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
         }
         qps2.push(q);
     }
-    h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
+    // Both hosts hold the address for a moment; both answer with RNR NAKs.
     h_new.sh(&format!("ip addr add {gid}/24 dev eth0 && ip neigh flush dev eth0")).unwrap();
     let peer_addr = h_peer.addr(0);
     h_new
@@ -246,6 +249,7 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
         q.resume().unwrap();
     }
     let t_resumed = Instant::now();
+    h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
     drop(mqps);
     drop((mr, scq, rcq, pd, ctx));
 

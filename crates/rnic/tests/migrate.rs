@@ -261,7 +261,7 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     }
     // 7. Move the address; the new host announces it (its ARP request for the
     // peer updates the peer's neighbour entry, as a VMM's announcement would).
-    h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
+    // Both hosts hold the address for a moment; both answer with RNR NAKs.
     h_new.sh(&format!("ip addr add {gid}/24 dev eth0 && ip neigh flush dev eth0")).unwrap();
     let peer_addr = h_peer.addr(0);
     h_new
@@ -272,6 +272,7 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
         .unwrap();
     // 8. Resume; the old objects go.
     qp2.resume().unwrap();
+    h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
     drop(m);
     let m = Side { qp: qp2, mr: mr2, scq: scq2, rcq: rcq2, _pd: pd2, buf: buf2, _ctx: ctx2 };
 
