@@ -150,6 +150,19 @@ fn drain(cq: &Cq, out: &mut Vec<Wc>) {
     }
 }
 
+/// One pre-copy round: copies the blocks the trace reports dirty (all if it
+/// says so) from `src` to `dst`; returns the bytes copied.
+fn copy_dirty(mr: &Mr, src: &MemBuf, dst: &MemBuf) -> usize {
+    let t = mr.fetch_trace().unwrap();
+    let runs = if t.all_dirty { vec![(0, src.len() as u64)] } else { t.runs };
+    let mut n = 0;
+    for (off, len) in runs {
+        dst.write(off as usize, &src.read(off as usize, len as usize));
+        n += len as usize;
+    }
+    n
+}
+
 /// Sets up N QP pairs (namespace `gid` on host 0 <-> host 1), runs the peer,
 /// moves the namespace to host 2 mid-stream, checks everything, measures.
 fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
@@ -213,18 +226,35 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     let (scq2, rcq2) = (ctx2.create_cq(cqn, None).unwrap(), ctx2.create_cq(cqn, None).unwrap());
     let buf2 = MemBuf::new(8 * MB).unwrap();
     let mr2 = pd2.reg_mr_at(&buf2, 0, 8 * MB, access::ALL, Some(KEY), IOVA).unwrap();
+    // The new host takes the address ahead but does not answer ARP for it
+    // (arp_ignore 8) until the move, so the peer keeps reaching the old host
+    // until the announcement.
+    h_new.sh(&format!("sysctl -qw net.ipv4.conf.eth0.arp_ignore=8; ip neigh flush dev eth0; ip addr add {gid}/24 dev eth0")).unwrap();
+    let announcer = h_new.in_netns(move || std::net::UdpSocket::bind((gid, 0))).unwrap().unwrap();
+    // Pre-copy: the whole memory once, then what rnicd wrote meanwhile (its
+    // write trace), while the QPs keep running.
+    mr.start_trace(4096).unwrap();
+    buf2.write(0, &buf.read(0, 8 * MB));
+    for _ in 0..8 {
+        if copy_dirty(&mr, &buf, &buf2) < 256 << 10 {
+            break;
+        }
+    }
 
     // The move.
     let t_suspend = Instant::now();
     for q in &mqps {
         q.suspend().unwrap();
     }
+    let mut phases = vec![("suspend", t_suspend.elapsed())];
     drain(&rcq, &mut rwc);
     drain(&scq, &mut Vec::new());
     let states: Vec<QpSnapshot> = mqps.iter().map(|q| q.query_state().unwrap()).collect();
     let state_bytes: usize = states.iter().map(|s| serde_json::to_vec(s).unwrap().len()).sum();
-    let image = buf.read(0, 8 * MB);
-    buf2.write(0, &image);
+    phases.push(("query", t_suspend.elapsed()));
+    // The last pre-copy round: only what was written since the previous one.
+    let copied = copy_dirty(&mr, &buf, &buf2);
+    phases.push(("memory copy", t_suspend.elapsed()));
     let mut qps2 = Vec::with_capacity(n);
     for (i, st) in states.iter().enumerate() {
         let q = pd2.create_qp_suspended(&init_attr(&scq2, &rcq2), st).unwrap();
@@ -236,20 +266,19 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
         }
         qps2.push(q);
     }
-    // Both hosts hold the address for a moment; both answer with RNR NAKs.
-    h_new.sh(&format!("ip addr add {gid}/24 dev eth0 && ip neigh flush dev eth0")).unwrap();
-    let peer_addr = h_peer.addr(0);
-    h_new
-        .in_netns(move || {
-            let s = std::net::UdpSocket::bind((gid, 0)).unwrap();
-            s.send_to(b"announce", (peer_addr, 9)).unwrap();
-        })
-        .unwrap();
+    phases.push(("create suspended + repost", t_suspend.elapsed()));
+    // The announcement: the new host's ARP request for the peer, sent from
+    // the GID, updates the peer's neighbour entry.
+    announcer.send_to(b"announce", (h_peer.addr(0), 9)).unwrap();
+    phases.push(("address moved + announced", t_suspend.elapsed()));
     for q in &qps2 {
         q.resume().unwrap();
     }
+    phases.push(("resumed", t_suspend.elapsed()));
+    eprintln!("{n} QPs, {copied} bytes copied after suspend; ms since suspend: {}", phases.iter().map(|(k, d)| format!("{k} {:.2}", d.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(", "));
     let t_resumed = Instant::now();
     h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
+    h_new.sh("sysctl -qw net.ipv4.conf.eth0.arp_ignore=0").unwrap();
     drop(mqps);
     drop((mr, scq, rcq, pd, ctx));
 
