@@ -306,6 +306,43 @@ impl Engine {
                 qp.resume(&mut ctx).map_err(|e| anyhow!(e))?;
                 Reply::Ok
             }
+            Request::SuspendQps { qpns } => {
+                self.check_batch(client, &qpns, crate::proto::MAX_BATCH)?;
+                for q in qpns {
+                    self.owned_qp(client, q)?.suspend().map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                }
+                Reply::Ok
+            }
+            Request::QueryQpStates { qpns } => {
+                self.check_batch(client, &qpns, crate::proto::MAX_QUERY_BATCH)?;
+                let mut out = Vec::with_capacity(qpns.len());
+                for q in qpns {
+                    out.push(self.owned_qp(client, q)?.snapshot().map_err(|e| anyhow!("QP {q:#x}: {e}"))?);
+                }
+                Reply::QpStates(out)
+            }
+            Request::ResumeQps { qpns } => {
+                self.check_batch(client, &qpns, crate::proto::MAX_BATCH)?;
+                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+                for q in qpns {
+                    if let Some(qp) = qps.get_mut(&q) {
+                        qp.resume(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                    }
+                }
+                Reply::Ok
+            }
+            Request::RestoreQps { states } => {
+                let qpns: Vec<u32> = states.iter().map(|s| s.qpn).collect();
+                self.check_batch(client, &qpns, crate::proto::MAX_QUERY_BATCH)?;
+                if let Some(q) = qpns.iter().find(|q| self.qps[q].attr.qp_state != crate::types::QpState::Reset || self.qps[q].suspended) {
+                    bail!("QP {q:#x} must be in RESET to take a state");
+                }
+                for s in &states {
+                    self.owned_qp(client, s.qpn)?.restore(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;
+                }
+                Reply::Ok
+            }
             Request::DestroyQp { qpn } => {
                 if !self.qps.get(&qpn).is_some_and(|q| q.owner == client) {
                     bail!("no QP {qpn:#x}");
@@ -333,6 +370,19 @@ impl Engine {
     /// Whether no client object is left (the namespace may go).
     pub fn is_empty(&self) -> bool {
         self.qps.is_empty() && self.mrs.is_empty() && self.cqs.is_empty() && self.pds.is_empty()
+    }
+
+    /// A batch names at most `max` QPs, all the client's own.
+    fn check_batch(&self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<()> {
+        if qpns.len() > max {
+            bail!("at most {max} QPs per request");
+        }
+        for q in qpns {
+            if !self.qps.get(q).is_some_and(|x| x.owner == client) {
+                bail!("no QP {q:#x}");
+            }
+        }
+        Ok(())
     }
 
     fn owned_qp(&mut self, client: ClientId, qpn: u32) -> anyhow::Result<&mut Qp> {

@@ -16,6 +16,10 @@ use crate::types::{DeviceAttr, PortAttr, QpAttr, QpCap};
 pub const MAX_MSG: usize = 64 * 1024;
 pub const MAX_FDS: usize = 4;
 pub const PROTO_VERSION: u32 = 1;
+/// Most QPNs in one batched request.
+pub const MAX_BATCH: usize = 4096;
+/// Most QP states in one QueryQpStates reply (it must fit in MAX_MSG).
+pub const MAX_QUERY_BATCH: usize = 48;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Request {
@@ -81,6 +85,16 @@ pub enum Request {
     /// The runtime state of a suspended QP.
     QueryQpState { qpn: u32 },
     ResumeQp { qpn: u32 },
+    /// Batched forms for moving many QPs at once (all checked first, then
+    /// applied; at most MAX_BATCH QPNs; query replies are one message, so
+    /// clients ask for at most MAX_QUERY_BATCH states at a time).
+    SuspendQps { qpns: Vec<u32> },
+    QueryQpStates { qpns: Vec<u32> },
+    ResumeQps { qpns: Vec<u32> },
+    /// Create-suspended in two steps, for many QPs: QPs created ahead (with
+    /// the QPNs of the states, still in RESET) take these states and become
+    /// suspended. At most MAX_QUERY_BATCH states per request.
+    RestoreQps { states: Vec<crate::qp::QpSnapshot> },
     Stats,
 }
 
@@ -97,6 +111,7 @@ pub enum Reply {
     Qp { qpn: u32, cap: QpCap },
     QpInfo { attr: QpAttr, cap: QpCap },
     QpState(Box<crate::qp::QpSnapshot>),
+    QpStates(Vec<crate::qp::QpSnapshot>),
     Trace(crate::trace::TraceReport),
     Stats(serde_json::Value),
     Ok,

@@ -172,6 +172,7 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     h_old.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
 
     let ctx = Context::open_namespace(Some(&bed.nics[0].sock), gid).unwrap();
+    let mctx = ctx.clone();
     let pd = ctx.alloc_pd().unwrap();
     let cqn = (n * ROUNDS * 2).next_power_of_two() as u32;
     let (scq, rcq) = (ctx.create_cq(cqn, None).unwrap(), ctx.create_cq(cqn, None).unwrap());
@@ -226,6 +227,8 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     let (scq2, rcq2) = (ctx2.create_cq(cqn, None).unwrap(), ctx2.create_cq(cqn, None).unwrap());
     let buf2 = MemBuf::new(8 * MB).unwrap();
     let mr2 = pd2.reg_mr_at(&buf2, 0, 8 * MB, access::ALL, Some(KEY), IOVA).unwrap();
+    // The QPs too, with their QPNs, in RESET: they take their states later.
+    let qps2: Vec<Qp> = mqps.iter().map(|q| pd2.create_qp_with_qpn(&init_attr(&scq2, &rcq2), q.qpn).unwrap()).collect();
     // The new host takes the address ahead but does not answer ARP for it
     // (arp_ignore 8) until the move, so the peer keeps reaching the old host
     // until the announcement.
@@ -243,44 +246,41 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
 
     // The move.
     let t_suspend = Instant::now();
-    for q in &mqps {
-        q.suspend().unwrap();
-    }
+    let mrefs: Vec<&Qp> = mqps.iter().collect();
+    mctx.suspend_qps(&mrefs).unwrap();
     let mut phases = vec![("suspend", t_suspend.elapsed())];
     drain(&rcq, &mut rwc);
     drain(&scq, &mut Vec::new());
-    let states: Vec<QpSnapshot> = mqps.iter().map(|q| q.query_state().unwrap()).collect();
+    let states: Vec<QpSnapshot> = mctx.query_qp_states(&mrefs).unwrap();
     let state_bytes: usize = states.iter().map(|s| serde_json::to_vec(s).unwrap().len()).sum();
     phases.push(("query", t_suspend.elapsed()));
     // The last pre-copy round: only what was written since the previous one.
     let copied = copy_dirty(&mr, &buf, &buf2);
     phases.push(("memory copy", t_suspend.elapsed()));
-    let mut qps2 = Vec::with_capacity(n);
-    for (i, st) in states.iter().enumerate() {
-        let q = pd2.create_qp_suspended(&init_attr(&scq2, &rcq2), st).unwrap();
+    ctx2.restore_qps(&states).unwrap();
+    for (i, (st, q)) in states.iter().zip(&qps2).enumerate() {
+        assert_eq!(st.qpn, q.qpn);
         let from = st.runtime.rq_retired as usize;
         let sg: Vec<_> = (from..ROUNDS).map(|r| [mr2.sge(M_RECV + (i * ROUNDS + r) * 64, 64)]).collect();
         let rws: Vec<_> = (from..ROUNDS).map(|r| RecvWr { wr_id: (i * ROUNDS + r) as u64, sg_list: &sg[r - from] }).collect();
         if !rws.is_empty() {
             q.post_recv(&rws).unwrap();
         }
-        qps2.push(q);
     }
-    phases.push(("create suspended + repost", t_suspend.elapsed()));
+    phases.push(("restore states + repost", t_suspend.elapsed()));
     // The announcement: the new host's ARP request for the peer, sent from
     // the GID, updates the peer's neighbour entry.
     announcer.send_to(b"announce", (h_peer.addr(0), 9)).unwrap();
     phases.push(("address moved + announced", t_suspend.elapsed()));
-    for q in &qps2 {
-        q.resume().unwrap();
-    }
+    ctx2.resume_qps(&qps2.iter().collect::<Vec<_>>()).unwrap();
     phases.push(("resumed", t_suspend.elapsed()));
     eprintln!("{n} QPs, {copied} bytes copied after suspend; ms since suspend: {}", phases.iter().map(|(k, d)| format!("{k} {:.2}", d.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(", "));
     let t_resumed = Instant::now();
     h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
     h_new.sh("sysctl -qw net.ipv4.conf.eth0.arp_ignore=0").unwrap();
+    drop(mrefs);
     drop(mqps);
-    drop((mr, scq, rcq, pd, ctx));
+    drop((mr, scq, rcq, pd, ctx, mctx));
 
     // After: the rest arrives on the new host; then rounds 4-5.
     std::thread::sleep(settle);

@@ -157,6 +157,56 @@ impl Context {
         }
     }
 
+    /// Suspends many QPs in one request (see [`Qp::suspend`]).
+    pub fn suspend_qps(&self, qps: &[&Qp]) -> anyhow::Result<()> {
+        for chunk in qps.chunks(proto::MAX_BATCH) {
+            let qpns = chunk.iter().map(|q| q.qpn).collect();
+            match self.inner.call(&Request::SuspendQps { qpns }, &[])? {
+                Reply::Ok => {}
+                r => bail!("unexpected reply {r:?}"),
+            }
+        }
+        Ok(())
+    }
+
+    /// The states of many suspended QPs, in their order (see [`Qp::query_state`]).
+    pub fn query_qp_states(&self, qps: &[&Qp]) -> anyhow::Result<Vec<QpSnapshot>> {
+        let mut out = Vec::with_capacity(qps.len());
+        for chunk in qps.chunks(proto::MAX_QUERY_BATCH) {
+            let qpns = chunk.iter().map(|q| q.qpn).collect();
+            match self.inner.call(&Request::QueryQpStates { qpns }, &[])? {
+                Reply::QpStates(v) if v.len() == chunk.len() => out.extend(v),
+                r => bail!("unexpected reply {r:?}"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Create-suspended for many QPs made ahead: each state goes to the QP
+    /// with its QPN (made with [`Pd::create_qp_with_qpn`], still in RESET),
+    /// which becomes suspended. Repost WRs, then [`Context::resume_qps`].
+    pub fn restore_qps(&self, states: &[QpSnapshot]) -> anyhow::Result<()> {
+        for chunk in states.chunks(proto::MAX_QUERY_BATCH) {
+            match self.inner.call(&Request::RestoreQps { states: chunk.to_vec() }, &[])? {
+                Reply::Ok => {}
+                r => bail!("unexpected reply {r:?}"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Resumes many QPs in one request (see [`Qp::resume`]).
+    pub fn resume_qps(&self, qps: &[&Qp]) -> anyhow::Result<()> {
+        for chunk in qps.chunks(proto::MAX_BATCH) {
+            let qpns = chunk.iter().map(|q| q.qpn).collect();
+            match self.inner.call(&Request::ResumeQps { qpns }, &[])? {
+                Reply::Ok => {}
+                r => bail!("unexpected reply {r:?}"),
+            }
+        }
+        Ok(())
+    }
+
     pub fn alloc_pd(&self) -> anyhow::Result<Pd> {
         match self.inner.call(&Request::AllocPd, &[])? {
             Reply::Pd(h) => Ok(Pd { ctx: self.clone(), handle: h }),
