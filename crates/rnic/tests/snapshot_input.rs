@@ -1,0 +1,67 @@
+//! QP states come from clients: create-suspended and the migration requests
+//! refuse bad ones with a clear error and never harm rnicd.
+mod common;
+use common::*;
+use rnic::qp::RespJob;
+use verbs::*;
+
+fn valid(qpn: u32) -> QpSnapshot {
+    let attr = QpAttr {
+        qp_state: QpState::Rts,
+        dest_gid: "10.9.9.9".parse().unwrap(),
+        dest_qp_num: 0x77,
+        path_mtu: Mtu::M1024,
+        ..Default::default()
+    };
+    let runtime = QpRuntime { next_psn: 100, una: 90, tx_psn: 90, max_sent: 100, epsn: 5, ..Default::default() };
+    QpSnapshot { version: QP_SNAPSHOT_VERSION, qpn, attr, runtime }
+}
+
+#[test]
+fn bad_states_and_requests_are_refused() {
+    let bed = Bed::new("rnsnap", 1);
+    let ctx = bed.ctx(0);
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16, None).unwrap();
+    let init = QpInitAttr::new(&cq, &cq);
+    let err = |r: anyhow::Result<Qp>| format!("{:#}", r.err().expect("refused"));
+
+    let mut s = valid(0x500);
+    s.version = 2;
+    assert!(err(pd.create_qp_suspended(&init, &s)).contains("version"));
+    let mut s = valid(0x500);
+    s.runtime.una = 101; // una past next_psn
+    assert!(err(pd.create_qp_suspended(&init, &s)).contains("inconsistent"));
+    let mut s = valid(0x500);
+    s.runtime.resp_queue = (0..10_000).map(|p| RespJob::Ack { psn: p, syndrome: 0 }).collect();
+    assert!(pd.create_qp_suspended(&init, &s).is_err(), "oversized state refused");
+    let mut s = valid(0x500);
+    s.attr.qp_state = QpState::Init;
+    assert!(err(pd.create_qp_suspended(&init, &s)).contains("RTR/RTS/SQD"));
+    let mut s = valid(0x500);
+    s.attr.retry_cnt = 9;
+    assert!(pd.create_qp_suspended(&init, &s).is_err());
+
+    // A valid state makes a suspended QP with that QPN; the QPN is then taken.
+    let q = pd.create_qp_suspended(&init, &valid(0x500)).unwrap();
+    assert_eq!(q.qpn, 0x500);
+    assert!(err(pd.create_qp_suspended(&init, &valid(0x500))).contains("already in use"));
+    let st = q.query_state().unwrap();
+    assert_eq!((st.runtime.una, st.runtime.next_psn, st.runtime.epsn), (90, 100, 5));
+    q.resume().unwrap();
+    assert!(q.resume().is_err(), "resume of a running QP");
+    assert!(q.query_state().is_err(), "query of a running QP");
+
+    // Restore only into a QP in RESET that the client owns.
+    assert!(format!("{:#}", ctx.restore_qps(&[valid(0x500)]).unwrap_err()).contains("RESET"));
+    let other = bed.ctx(0);
+    assert!(format!("{:#}", other.restore_qps(&[valid(0x500)]).unwrap_err()).contains("no QP"));
+    assert!(other.suspend_qps(&[&q]).is_err(), "another client's QP");
+    let fresh = pd.create_qp_with_qpn(&init, 0x501).unwrap();
+    let mut s = valid(0x501);
+    s.runtime.epsn = 0xffff_ffff; // masked to 24 bits, accepted
+    ctx.restore_qps(&[s]).unwrap();
+    assert_eq!(fresh.query_state().unwrap().runtime.epsn, 0xff_ffff);
+    // rnicd is still fine.
+    assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 8);
+}
