@@ -271,7 +271,9 @@ impl Qp {
         for p in [&mut rt.next_psn, &mut rt.una, &mut rt.tx_psn, &mut rt.max_sent, &mut rt.epsn, &mut rt.msn] {
             *p &= m;
         }
-        if psn_diff(rt.max_sent, rt.una) < 0 || psn_diff(rt.una, rt.next_psn) > 0 {
+        // next_psn is the first PSN of the oldest WQE not retired, so
+        // next_psn <= una <= max_sent.
+        if psn_diff(rt.max_sent, rt.una) < 0 || psn_diff(rt.una, rt.next_psn) < 0 {
             return Err("inconsistent requester PSNs".into());
         }
         rt.tx_psn = rt.una;

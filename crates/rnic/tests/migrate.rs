@@ -217,13 +217,32 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     let mut send_log = vec![MWr::Write { id: 0 }, MWr::Read { id: 1 }, MWr::FetchAdd { id: 2, slot: 0 }];
     send_log.extend((0..40).map(|s| MWr::Send { id: 3 + s as u64, seq: s }));
     send_log.push(MWr::FetchAdd { id: 43, slot: 1 });
+    // The old host's link is slowed to 200 Mbit/s so that the 2 MiB WRITE
+    // takes ~80 ms: then a suspend soon finds it partly acknowledged.
+    bed.tb.set_rate(0, 0, Some(200)).unwrap();
     for &w in &send_log {
         post_m(&m.qp, &m.mr, w);
     }
-    std::thread::sleep(Duration::from_millis(2));
+    // WRITE: PSNs 0x1000..0x1800 (2 MiB at MTU 1024); READ from 0x1800.
+    let (w_first, w_end) = (0x1000u32, 0x1800u32);
+    let mut tries = 0;
+    loop {
+        std::thread::sleep(Duration::from_millis(3));
+        // 1. Suspend (a suspend that misses the moment is resumed in place:
+        // suspend/resume on one host under traffic, too).
+        m.qp.suspend().unwrap();
+        let st = m.qp.query_state().unwrap();
+        let half_acked = st.runtime.una > w_first && st.runtime.una < w_end;
+        if half_acked && st.runtime.max_sent > w_end && !st.runtime.atomic_results.is_empty() {
+            break;
+        }
+        tries += 1;
+        assert!(tries < 200 && st.runtime.una < w_end, "never caught the WRITE half acknowledged: {:?}", st.runtime);
+        m.qp.resume().unwrap();
+    }
+    eprintln!("suspended after {tries} suspend/resume cycles in place");
 
-    // 1. Suspend; 2. drain the CQs; 3. query the state.
-    m.qp.suspend().unwrap();
+    // 2. drain the CQs; 3. query the state.
     let (mut m_swc, mut m_rwc) = (Vec::new(), Vec::new());
     drain(&m.scq, &mut m_swc);
     drain(&m.rcq, &mut m_rwc);
@@ -237,6 +256,9 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     );
     assert_eq!(m_swc.len() as u64, st.runtime.sq_retired, "every retired send WR was signaled and drained");
     assert_eq!(m_rwc.len() as u64, st.runtime.rq_retired);
+    assert!(st.runtime.una > w_first && st.runtime.una < w_end, "the 2 MiB WRITE is half acknowledged");
+    assert!(st.runtime.max_sent > w_end, "the READ request is out, its response outstanding");
+    assert!(!st.runtime.atomic_results.is_empty(), "the peer's recent atomics travel for replay");
     // The state survives a round trip through its serialized form.
     let st: QpSnapshot = serde_json::from_slice(&json).unwrap();
 

@@ -13,7 +13,7 @@ fn valid(qpn: u32) -> QpSnapshot {
         path_mtu: Mtu::M1024,
         ..Default::default()
     };
-    let runtime = QpRuntime { next_psn: 100, una: 90, tx_psn: 90, max_sent: 100, epsn: 5, ..Default::default() };
+    let runtime = QpRuntime { next_psn: 90, una: 95, tx_psn: 95, max_sent: 100, epsn: 5, ..Default::default() };
     QpSnapshot { version: QP_SNAPSHOT_VERSION, qpn, attr, runtime }
 }
 
@@ -30,7 +30,7 @@ fn bad_states_and_requests_are_refused() {
     s.version = 2;
     assert!(err(pd.create_qp_suspended(&init, &s)).contains("version"));
     let mut s = valid(0x500);
-    s.runtime.una = 101; // una past next_psn
+    s.runtime.una = 80; // una before the first WQE's PSN
     assert!(err(pd.create_qp_suspended(&init, &s)).contains("inconsistent"));
     let mut s = valid(0x500);
     s.runtime.resp_queue = (0..10_000).map(|p| RespJob::Ack { psn: p, syndrome: 0 }).collect();
@@ -47,7 +47,7 @@ fn bad_states_and_requests_are_refused() {
     assert_eq!(q.qpn, 0x500);
     assert!(err(pd.create_qp_suspended(&init, &valid(0x500))).contains("already in use"));
     let st = q.query_state().unwrap();
-    assert_eq!((st.runtime.una, st.runtime.next_psn, st.runtime.epsn), (90, 100, 5));
+    assert_eq!((st.runtime.una, st.runtime.next_psn, st.runtime.epsn), (95, 90, 5));
     q.resume().unwrap();
     assert!(q.resume().is_err(), "resume of a running QP");
     assert!(q.query_state().is_err(), "query of a running QP");
