@@ -123,6 +123,8 @@ struct Namespace {
 
 /// Epoll tokens of namespace UDP sockets: this bit plus the GID.
 const TOKEN_NS: u64 = 1 << 62;
+/// Most namespaces one rnicd serves (each holds sockets and tables).
+const MAX_NAMESPACES: usize = 1024;
 
 impl Namespace {
     fn open(gid: Ipv4Addr, gso: bool) -> anyhow::Result<Namespace> {
@@ -589,6 +591,9 @@ fn enter_namespace(nss: &mut HashMap<Ipv4Addr, Namespace>, cfg: &Config, ep: &Ep
     }
     if gid.is_unspecified() || gid.is_multicast() || gid.is_broadcast() {
         bail!("{gid} cannot be a namespace GID");
+    }
+    if nss.len() >= MAX_NAMESPACES {
+        bail!("this rnicd already serves {MAX_NAMESPACES} namespaces");
     }
     let ns = Namespace::open(gid, cfg.gso)?;
     ep.add(ns.udp.as_raw_fd(), TOKEN_NS | u64::from(u32::from(gid)))?;

@@ -307,8 +307,6 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     }
     assert!(next.iter().all(|&k| k == ROUNDS));
     // Every peer atomic executed exactly once (the peer checked the old values).
-    let fas = tl.lock().unwrap().events.len(); // (used below only for the figures)
-    let _ = fas;
     for q in &peer.qps {
         assert_eq!(q.state().unwrap(), QpState::Rts, "the peer's QPs never leave RTS");
     }

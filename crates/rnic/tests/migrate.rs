@@ -103,8 +103,7 @@ fn drain(cq: &Cq, out: &mut Vec<Wc>) {
 
 /// The peer: posts ROUNDS x (SEND, WRITE, READ, FA) towards the migrating QP,
 /// keeps PEER_DEPTH WRs in flight, checks every completion as it comes.
-fn peer_loop(p: &End, m_qpn: u32, progress: &AtomicU64) {
-    let _ = m_qpn;
+fn peer_loop(p: &End, progress: &AtomicU64) {
     for s in 0..32 {
         p.buf.write(P_WSRC + s * WSLOT, &pattern(1000 + s as u64, WSLOT));
     }
@@ -200,7 +199,7 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     let progress = Arc::new(AtomicU64::new(0));
     let prog = progress.clone();
     let peer = std::thread::spawn(move || {
-        peer_loop(&p, m_qpn, &prog);
+        peer_loop(&p, &prog);
         p
     });
     let t0 = Instant::now();
