@@ -169,7 +169,9 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     let bed = Bed::new(prefix, 3);
     let (h_old, h_peer, h_new) = (bed.tb.host(0), bed.tb.host(1), bed.tb.host(2));
     let gid: Ipv4Addr = bed.tb.spare_addr(0, 9);
-    h_old.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    // The old host must not teach the peer its MAC for the GID after the
+    // move: its ARP requests use its primary address (arp_announce 2).
+    h_old.sh(&format!("sysctl -qw net.ipv4.conf.all.arp_announce=2; ip addr add {gid}/24 dev eth0")).unwrap();
 
     let ctx = Context::open_namespace(Some(&bed.nics[0].sock), gid).unwrap();
     let mctx = ctx.clone();
@@ -277,7 +279,11 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     eprintln!("{n} QPs, {copied} bytes copied after suspend; ms since suspend: {}", phases.iter().map(|(k, d)| format!("{k} {:.2}", d.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(", "));
     let t_resumed = Instant::now();
     h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
-    h_new.sh("sysctl -qw net.ipv4.conf.eth0.arp_ignore=0").unwrap();
+    h_new.sh("sysctl -qw net.ipv4.conf.eth0.arp_ignore=0; ip neigh flush dev eth0").unwrap();
+    // Announce again (off the critical path): a peer that ignored the first
+    // announcement (ARP locktime) learns the new place now, not at its next
+    // neighbour probe seconds later.
+    announcer.send_to(b"announce", (h_peer.addr(0), 9)).unwrap();
     drop(mrefs);
     drop(mqps);
     drop((mr, scq, rcq, pd, ctx, mctx));
@@ -293,7 +299,14 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     }
     let t_end = Instant::now();
     stop.store(true, Ordering::Release);
-    let peer = peer_thread.join().expect("peer thread");
+    let peer = match peer_thread.join() {
+        Ok(p) => p,
+        Err(_) => {
+            let s1 = bed.ctx(1).stats().unwrap();
+            let s2 = ctx2.stats().unwrap();
+            panic!("peer thread failed; peer rnicd {s1}; new host namespace {s2}; {:?} since resume", t_resumed.elapsed());
+        }
+    };
 
     // Exactly once, in order, per QP; the data is what the peer sent.
     let mut next = vec![0usize; n];

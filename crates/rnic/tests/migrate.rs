@@ -161,7 +161,9 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     let bed = Bed::new("rnmig", 3);
     let (h_old, h_peer, h_new) = (bed.tb.host(0), bed.tb.host(1), bed.tb.host(2));
     let gid: Ipv4Addr = bed.tb.spare_addr(0, 7);
-    h_old.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    // The old host must not teach the peer its MAC for the GID after the
+    // move: its ARP requests use its primary address (arp_announce 2).
+    h_old.sh(&format!("sysctl -qw net.ipv4.conf.all.arp_announce=2; ip addr add {gid}/24 dev eth0")).unwrap();
 
     // The migrating side, in namespace `gid` on the old host.
     let ctx = Context::open_namespace(Some(&bed.nics[0].sock), gid).unwrap();
@@ -294,6 +296,14 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     // 8. Resume; the old objects go.
     qp2.resume().unwrap();
     h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
+    // Announce again, in case the peer ignored the first one (ARP locktime).
+    h_new.sh("ip neigh flush dev eth0").unwrap();
+    h_new
+        .in_netns(move || {
+            let s = std::net::UdpSocket::bind((gid, 0)).unwrap();
+            s.send_to(b"announce", (peer_addr, 9)).unwrap();
+        })
+        .unwrap();
     drop(m);
     let m = Side { qp: qp2, mr: mr2, scq: scq2, rcq: rcq2, _pd: pd2, buf: buf2, _ctx: ctx2 };
 
