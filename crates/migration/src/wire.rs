@@ -14,8 +14,12 @@ pub const VERSION: u32 = 1;
 pub const ROLE_CONTROL: u8 = 0;
 pub const ROLE_DATA: u8 = 1;
 pub const PAGE: usize = 4096;
-/// Largest page batch or control frame accepted; bigger means damage.
+/// Largest page batch accepted; bigger means damage.
 pub const MAX_FRAME: usize = 16 << 20;
+/// Largest control frame accepted. The VM state travels in one, and a
+/// device may carry data in its state (an NVMe memory namespace), so this
+/// follows the largest section a save file accepts.
+pub const MAX_CONTROL_FRAME: usize = snapshot::Section::MAX_DATA;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
@@ -106,7 +110,7 @@ fn read_frame(r: &mut impl Read, want: u8) -> Result<Vec<u8>, WireError> {
         return Err(WireError::Corrupt(format!("control frame kind {} where {} was expected", hdr[0], want)));
     }
     let len = u32::from_le_bytes(hdr[1..5].try_into().unwrap()) as usize;
-    if len > MAX_FRAME {
+    if len > MAX_CONTROL_FRAME {
         return Err(WireError::Corrupt(format!("control frame of {len} bytes")));
     }
     let mut payload = vec![0u8; len];
