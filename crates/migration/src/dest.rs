@@ -6,13 +6,15 @@ use crate::compress::{decompress, Compress};
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::PAGE_SIZE;
 use crate::pages::AtomicBitmap;
-use crate::stats::{Control, Status};
+use crate::stats::{Control, Mode, Status};
 use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, DataItem, DataReader, Msg, Record, Records, WireError};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
-use std::sync::{Arc, Condvar, Mutex};
+use crate::postcopy::clients::RamClients;
+use crate::postcopy::place::{Placer, Via};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Longest silence accepted on a data connection during a migration.
@@ -70,17 +72,20 @@ impl RoundBarrier {
     }
 }
 
-struct RxShared {
-    ram: RamRegion,
-    total: u64,
+pub(crate) struct RxShared {
+    pub ram: RamRegion,
+    pub total: u64,
     /// Pages that may hold non-zero bytes here (memfd data, or we wrote them).
     maybe_nonzero: AtomicBitmap,
     /// Pages received at least once.
-    seen: AtomicBitmap,
+    pub seen: Arc<AtomicBitmap>,
     barrier: RoundBarrier,
     /// The control connection's write side, for round acknowledgements.
     acks: Mutex<TcpStream>,
-    ctl: Arc<Control>,
+    pub ctl: Arc<Control>,
+    /// Set at a postcopy switch: pages are placed through userfaultfd from
+    /// then on (the VM may be running and faulting on them).
+    pub placer: OnceLock<Arc<Placer>>,
 }
 
 fn page_mut(ram: &RamRegion, pfn: u64) -> &mut [u8] {
@@ -125,13 +130,48 @@ fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
     }
 }
 
-fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
+/// Postcopy: place a batch's pages through the placer.
+pub(crate) fn place_batch(placer: &Placer, payload: &[u8], records: u32, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
+    let mut it = Records::new(payload, records, total);
+    let mut n = 0;
+    let mut page = [0u8; PAGE_SIZE as usize];
+    while let Some(rec) = it.next_record()? {
+        match rec {
+            Record::Zero { pfn, count } => {
+                placer.place_zero(pfn, count, via);
+                n += count;
+            }
+            Record::Raw { pfn, data } => {
+                placer.place(pfn, data, via)?;
+                n += 1;
+            }
+            Record::Compressed { pfn, kind, data } => {
+                decompress(kind, data, &mut page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
+                placer.place(pfn, &page, via)?;
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
+pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
     let mut rd = DataReader::default();
     let mut zstd = None;
     let mut pages = 0u64;
     let r = (|| -> Result<u64> {
         loop {
             match rd.next(&mut s)? {
+                DataItem::Pages { records } if sh.placer.get().is_some() => {
+                    let placer = sh.placer.get().expect("checked");
+                    let n = place_batch(placer, &rd.payload, records, sh.total, Via::Push, &mut zstd)?;
+                    pages += n;
+                    let wire = rd.payload.len() as u64 + 17;
+                    sh.ctl.update(|st| {
+                        st.pages_sent += n;
+                        st.wire_bytes += wire;
+                    });
+                }
                 DataItem::Pages { records } => {
                     populate_new_pages(&sh, &rd.payload, records);
                     let mut it = Records::new(&rd.payload, records, sh.total);
@@ -193,13 +233,47 @@ fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
     r.map(|p| (p, thread_cpu_s()))
 }
 
+/// Accept the data connections (and, for postcopy, the urgent one) of
+/// `session`, each once, in any order.
+pub(crate) fn accept_channels(
+    listener: &TcpListener,
+    ctl: &Control,
+    session: u64,
+    channels: usize,
+    with_urgent: bool,
+) -> Result<(Vec<TcpStream>, Option<TcpStream>)> {
+    let mut streams: Vec<Option<TcpStream>> = (0..channels).map(|_| None).collect();
+    let mut urgent = None;
+    for _ in 0..channels + with_urgent as usize {
+        let mut s = accept(listener, ctl, Some(Duration::from_secs(30)))?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let role = wire::read_preamble(&mut s)?;
+        let greeting = wire::recv_msg(&mut s)?;
+        match (role, greeting) {
+            (wire::ROLE_DATA, Msg::Channel { session: ss, index }) if ss == session && (index as usize) < channels && streams[index as usize].is_none() => {
+                // A source that vanishes without a FIN (link cut) must not
+                // leave us waiting forever.
+                s.set_read_timeout(Some(DATA_IDLE_TIMEOUT))?;
+                streams[index as usize] = Some(s);
+            }
+            (wire::ROLE_URGENT, Msg::Channel { session: ss, .. }) if with_urgent && ss == session && urgent.is_none() => {
+                // Requests may be rare: the urgent connection may idle.
+                s.set_read_timeout(None)?;
+                urgent = Some(s);
+            }
+            (role, other) => bail!("bad data connection greeting {other:?} (role {role})"),
+        }
+    }
+    Ok((streams.into_iter().map(|s| s.expect("all channels connected")).collect(), urgent))
+}
+
 /// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks one).
 pub fn listen(uri: &str) -> Result<TcpListener> {
     let a = uri.strip_prefix("tcp:").unwrap_or(uri);
     TcpListener::bind(a).with_context(|| format!("listening on {a}"))
 }
 
-fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) -> Result<TcpStream> {
+pub(crate) fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) -> Result<TcpStream> {
     l.set_nonblocking(true)?;
     let t = Instant::now();
     loop {
@@ -225,7 +299,7 @@ fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) -> Result<T
 }
 
 /// Receive one migration on `listener` into the paused `vm`.
-pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingParams, ctl: Arc<Control>) -> Result<bool> {
+pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingParams, ctl: Arc<Control>, clients: Option<Arc<RamClients>>) -> Result<bool> {
     let t0 = Instant::now();
     let cpu0 = thread_cpu_s();
     ctl.update(|s| {
@@ -235,7 +309,7 @@ pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingPa
     });
     let mut control: Option<TcpStream> = None;
     let mut started = t0;
-    let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started);
+    let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started, clients);
     if let Err(e) = &r {
         if let Some(c) = control.as_mut() {
             let _ = wire::send_msg(c, &Msg::Abort { reason: format!("{e:#}") });
@@ -269,6 +343,7 @@ fn run_inner(
     ctl: &Arc<Control>,
     control_out: &mut Option<TcpStream>,
     t0: &mut Instant,
+    clients: Option<Arc<RamClients>>,
 ) -> Result<bool> {
     let ram = vm.ram();
     let total = ram.pages();
@@ -289,7 +364,7 @@ fn run_inner(
     if role != wire::ROLE_CONTROL {
         bail!("first connection is not a control connection");
     }
-    let (session, channels, compress) = match wire::recv_msg(&mut control)? {
+    let (session, channels, compress, mode) = match wire::recv_msg(&mut control)? {
         Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode } => {
             let mine = vm.shape();
             if shape != mine {
@@ -298,14 +373,15 @@ fn run_inner(
             if ram_bytes != ram.len || page_size != PAGE_SIZE {
                 bail!("RAM differs: source {ram_bytes} bytes in {page_size}-byte pages, here {} in {PAGE_SIZE}", ram.len);
             }
-            if mode != "precopy" {
-                bail!("migration mode {mode:?} is not supported by this destination");
+            if mode == "recover" {
+                bail!("nothing to recover here: this destination has no paused postcopy migration");
             }
+            let mode: Mode = mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
             if !(1..=64).contains(&channels) {
                 bail!("{channels} channels is out of range");
             }
             let c: Compress = compress.parse().map_err(|e: String| anyhow!(e))?;
-            (session, channels as usize, c)
+            (session, channels as usize, c, mode)
         }
         other => bail!("expected hello, got {other:?}"),
     };
@@ -315,30 +391,14 @@ fn run_inner(
         s.compress = compress.to_string();
         s.ram_bytes = ram.len;
         s.total_pages = total;
+        s.mode = mode.to_string();
     });
 
-    let mut streams: Vec<Option<TcpStream>> = (0..channels).map(|_| None).collect();
-    for _ in 0..channels {
-        let mut s = accept(listener, ctl, Some(Duration::from_secs(30)))?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        if wire::read_preamble(&mut s)? != wire::ROLE_DATA {
-            bail!("expected a data connection");
-        }
-        match wire::recv_msg(&mut s)? {
-            Msg::Channel { session: ss, index } if ss == session && (index as usize) < channels && streams[index as usize].is_none() => {
-                // A source that vanishes without a FIN (link cut) must not
-                // leave us waiting forever.
-                s.set_read_timeout(Some(DATA_IDLE_TIMEOUT))?;
-                streams[index as usize] = Some(s);
-            }
-            other => bail!("bad data connection greeting {other:?}"),
-        }
-    }
+    let (streams, urgent) = accept_channels(listener, ctl, session, channels, mode != Mode::Precopy)?;
     ctl.update(|s| {
         s.status = Status::Active;
         s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     });
-
     let maybe_nonzero = AtomicBitmap::new(total);
     for r in ram.data_ranges()? {
         maybe_nonzero.set_range(r);
@@ -347,7 +407,8 @@ fn run_inner(
         ram,
         total,
         maybe_nonzero,
-        seen: AtomicBitmap::new(total),
+        seen: Arc::new(AtomicBitmap::new(total)),
+        placer: OnceLock::new(),
         barrier: RoundBarrier { n: channels, st: Mutex::new((0, 0, false)), cv: Condvar::new() },
         acks: Mutex::new(control.try_clone()?),
         ctl: ctl.clone(),
@@ -356,7 +417,6 @@ fn run_inner(
         .into_iter()
         .enumerate()
         .map(|(i, s)| {
-            let s = s.expect("all channels connected");
             let sh = sh.clone();
             std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
         })
@@ -366,6 +426,11 @@ fn run_inner(
     // channel shuts it down, which ends this read too.
     control.set_read_timeout(None)?;
     let end = wire::recv_msg(&mut control);
+    if let Ok(Msg::Switchover { state_bytes, source_paused_unix_ns, dirty_ranges }) = &end {
+        let sw = crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
+        let urgent = urgent.ok_or_else(|| anyhow!("postcopy without an urgent connection"))?;
+        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, session, sw, clients);
+    }
     let t_end = Instant::now();
     let step = |name: &str| {
         let ms = t_end.elapsed().as_secs_f64() * 1e3;

@@ -1,7 +1,8 @@
 //! The migration engine. It knows a VM only through [`vm::MigratableVm`].
 //!
 //! - [`dirty`]: write tracking (uffd async write-protect + PAGEMAP_SCAN)
-//! - [`source`] / [`dest`]: the two ends of a precopy migration
+//! - [`source`] / [`dest`]: the two ends of a migration; [`postcopy`]: its
+//!   postcopy part (userfaultfd on the destination)
 //! - [`wire`]: the versioned stream format; [`compress`]: per-page codecs
 //! - [`qmp`]: the control-socket commands the vmm forwards
 //! - [`memvm`]: a small VM (memfd RAM + dirtier threads) for tests and benches
@@ -12,6 +13,7 @@ pub mod dest;
 pub mod dirty;
 pub mod memvm;
 pub mod pages;
+pub mod postcopy;
 pub mod qmp;
 pub mod ratelimit;
 pub mod source;

@@ -53,6 +53,32 @@ impl AtomicBitmap {
     pub fn set(&self, i: u64) {
         self.words[(i / 64) as usize].fetch_or(1 << (i % 64), Ordering::Relaxed);
     }
+    /// Set bit `i`; true if it was clear before (this caller set it first).
+    pub fn test_and_set(&self, i: u64) -> bool {
+        let m = 1 << (i % 64);
+        self.words[(i / 64) as usize].fetch_or(m, Ordering::AcqRel) & m == 0
+    }
+    pub fn clear(&self, i: u64) {
+        self.words[(i / 64) as usize].fetch_and(!(1 << (i % 64)), Ordering::Relaxed);
+    }
+    /// The bits as little-endian words (for the wire).
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        self.words.iter().flat_map(|w| w.load(Ordering::Acquire).to_le_bytes()).collect()
+    }
+    /// Bits set in a [`to_le_bytes`](Self::to_le_bytes) image of `bits` bits.
+    pub fn from_le_bytes(bits: u64, b: &[u8]) -> Option<AtomicBitmap> {
+        if b.len() as u64 != bits.div_ceil(64) * 8 {
+            return None;
+        }
+        let words: Vec<AtomicU64> = b.chunks(8).map(|c| AtomicU64::new(u64::from_le_bytes(c.try_into().unwrap()))).collect();
+        // Bits past the end are not pages: a peer must not make them count.
+        if bits % 64 != 0 {
+            if let Some(w) = words.last() {
+                w.fetch_and((1u64 << (bits % 64)) - 1, Ordering::Relaxed);
+            }
+        }
+        Some(AtomicBitmap { words, bits })
+    }
     pub fn get(&self, i: u64) -> bool {
         self.words[(i / 64) as usize].load(Ordering::Relaxed) & (1 << (i % 64)) != 0
     }

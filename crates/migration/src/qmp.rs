@@ -8,8 +8,9 @@
 
 use crate::dest::{self, IncomingParams};
 use crate::dirty::DirtySource;
+use crate::postcopy::clients::RamClients;
 use crate::source;
-use crate::stats::{Control, Params, Stats, Status};
+use crate::stats::{Control, Params, RecoverRequest, Stats, Status};
 use crate::vm::MigratableVm;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -53,6 +54,7 @@ struct Inner {
     params: Option<Params>,
     job: Option<Job>,
     sources: Vec<Arc<dyn DirtySource>>,
+    ram_clients: Option<Arc<RamClients>>,
 }
 
 /// The current or last migration of one VM, and its parameters.
@@ -80,6 +82,12 @@ impl MigrationSlot {
         self.inner.lock().unwrap().sources.push(s);
     }
 
+    /// Processes other than the vmm that map guest RAM (see
+    /// [`crate::postcopy::clients`]); an incoming postcopy includes them.
+    pub fn set_ram_clients(&self, c: Arc<RamClients>) {
+        self.inner.lock().unwrap().ram_clients = Some(c);
+    }
+
     /// Block until the running migration ends (tests, `--incoming` startup).
     pub fn wait(&self) -> Option<Outcome> {
         let t = self.inner.lock().unwrap().job.as_mut().and_then(|j| j.thread.take());
@@ -105,6 +113,16 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
         "migrate" => {
             let uri = str_arg(args, "uri")?.to_string();
             let mut g = slot.inner.lock().unwrap();
+            if args.get("resume").and_then(|v| v.as_bool()).unwrap_or(false) {
+                // Recovery of a paused postcopy: the running job reconnects.
+                let job = g.job.as_ref().filter(|j| !j.incoming && j.ctl.snapshot().status == Status::PostcopyPaused);
+                let Some(j) = job else {
+                    return Err(QmpError::generic("migrate resume: no paused postcopy migration to resume"));
+                };
+                crate::source::parse_tcp_uri(&uri).map_err(|e| QmpError::generic(format!("{e:#}")))?;
+                j.ctl.offer_recovery(RecoverRequest::Connect(uri));
+                return Ok(json!({}));
+            }
             if MigrationSlot::busy(&g) {
                 return Err(QmpError::generic("a migration is already running"));
             }
@@ -153,11 +171,11 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
                 s.role = "incoming".into();
             });
             let outcome = Arc::new(Mutex::new(None));
-            let (vm2, ctl2, out2) = (vm.clone(), ctl.clone(), outcome.clone());
+            let (vm2, ctl2, out2, clients) = (vm.clone(), ctl.clone(), outcome.clone(), g.ram_clients.clone());
             let thread = std::thread::Builder::new()
                 .name("migrate-in".into())
                 .spawn(move || {
-                    let r = dest::run(vm2, listener, &params, ctl2);
+                    let r = dest::run(vm2, listener, &params, ctl2, clients);
                     if let Err(e) = &r {
                         tracing::warn!("incoming migration failed: {e:#}");
                     }
@@ -185,6 +203,11 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
             let g = slot.inner.lock().unwrap();
             if let Some(j) = &g.job {
                 if j.outcome.lock().unwrap().is_none() {
+                    if matches!(j.ctl.snapshot().status, Status::PostcopyActive | Status::PostcopyPaused) {
+                        return Err(QmpError::generic(
+                            "cannot cancel a migration in postcopy: the destination runs the VM and the source holds part of its memory; only completion (or recovery) can end it",
+                        ));
+                    }
                     j.ctl.cancel();
                 }
             }
@@ -200,8 +223,31 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
             let g = slot.inner.lock().unwrap();
             Ok(serde_json::to_value(g.params.clone().unwrap_or_default()).expect("params serialize"))
         }
-        "migrate-start-postcopy" | "migrate-recover" => {
-            Err(QmpError::generic(format!("{cmd}: postcopy is not implemented yet (precopy only)")))
+        "migrate-start-postcopy" => {
+            let g = slot.inner.lock().unwrap();
+            let Some(j) = g.job.as_ref().filter(|j| !j.incoming && j.outcome.lock().unwrap().is_none()) else {
+                return Err(QmpError::generic("migrate-start-postcopy: no outgoing migration is running"));
+            };
+            let st = j.ctl.snapshot();
+            if st.mode != "hybrid" {
+                return Err(QmpError::generic(format!("migrate-start-postcopy: this migration runs in mode {:?}; start it with mode \"hybrid\"", st.mode)));
+            }
+            j.ctl.request_postcopy();
+            Ok(json!({}))
+        }
+        "migrate-recover" => {
+            let uri = str_arg(args, "uri")?;
+            let g = slot.inner.lock().unwrap();
+            let job = g.job.as_ref().filter(|j| j.incoming && j.ctl.snapshot().status == Status::PostcopyPaused);
+            let Some(j) = job else {
+                return Err(QmpError::generic("migrate-recover: no paused incoming postcopy migration here"));
+            };
+            let listener = dest::listen(uri).map_err(|e| {
+                QmpError::generic(format!("{e:#} (a paused destination also keeps accepting the source on its original address)"))
+            })?;
+            let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+            j.ctl.offer_recovery(RecoverRequest::Listen(listener));
+            Ok(json!({ "port": port }))
         }
         _ => Err(QmpError { class: "CommandNotFound".into(), desc: format!("unknown migration command {cmd:?}") }),
     }

@@ -12,7 +12,8 @@ use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::{DirtyLog, DirtySource, PAGE_SIZE};
 use crate::pages::{complement, count_pages, normalize, PageRange};
 use crate::ratelimit::TokenBucket;
-use crate::stats::{Control, Params, RoundStat, Status};
+use crate::postcopy::push::PushQueue;
+use crate::stats::{Control, Mode, Params, RoundStat, Status};
 use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, BatchWriter, Enc, Msg};
 use anyhow::{anyhow, bail, Context, Result};
@@ -29,11 +30,11 @@ const CHUNK_PAGES: u64 = 256;
 const ZERO_CHUNK_PAGES: u64 = 1 << 20;
 
 #[derive(Clone, Copy)]
-struct WorkItem {
-    first: u64,
-    count: u64,
+pub(crate) struct WorkItem {
+    pub first: u64,
+    pub count: u64,
     /// A memfd hole: zero without reading it.
-    known_zero: bool,
+    pub known_zero: bool,
 }
 
 struct RoundWork {
@@ -63,6 +64,8 @@ impl Sent {
 
 enum Job {
     Round(Arc<RoundWork>),
+    /// Postcopy: send what the queue hands out until it is empty.
+    Push(Arc<PushQueue>),
     Finish,
 }
 
@@ -120,6 +123,12 @@ impl Channel {
                         return;
                     }
                 }
+                Job::Push(q) => {
+                    let r = self.push(&q, &mut comp, &mut batch, &mut cbuf);
+                    if replies.send(Reply::RoundDone(self.index, r)).is_err() {
+                        return;
+                    }
+                }
                 Job::Finish => {
                     let r = wire::write_eos(&mut self.stream, self.total_pages_sent)
                         .and_then(|_| self.stream.flush())
@@ -153,21 +162,46 @@ impl Channel {
 
     fn send_round(&mut self, w: &RoundWork, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
         let mut sent = Sent::default();
-        let mut tmp = vec![0u8; PAGE_SIZE as usize];
         loop {
             if self.ctl.is_cancelled() {
                 bail!("cancelled");
             }
             let i = w.next.fetch_add(1, Ordering::Relaxed);
             let Some(item) = w.items.get(i) else { break };
+            self.send_item(item, comp, batch, cbuf, &mut sent)?;
+        }
+        self.flush(batch, &mut sent)?;
+        wire::write_sync(&mut self.stream, w.round).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
+        Ok(sent)
+    }
+
+    fn push(&mut self, q: &PushQueue, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
+        let mut sent = Sent::default();
+        let mut claims = Vec::new();
+        while q.claim(CHUNK_PAGES, &mut claims) {
+            for c in &claims {
+                let item = WorkItem { first: c.first, count: c.count, known_zero: c.known_zero };
+                self.send_item(&item, comp, batch, cbuf, &mut sent)?;
+            }
+            // Flush per chunk: the pages near a fault should not wait for
+            // a full batch.
+            self.flush(batch, &mut sent)?;
+        }
+        self.flush(batch, &mut sent)?;
+        Ok(sent)
+    }
+
+    fn send_item(&mut self, item: &WorkItem, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>, sent: &mut Sent) -> Result<()> {
+        let mut tmp = [0u8; PAGE_SIZE as usize];
+        {
             if item.known_zero {
                 batch.zero_run(item.first, item.count as u32);
                 sent.pages += item.count;
                 sent.zero += item.count;
                 if batch.is_full() {
-                    self.flush(batch, &mut sent)?;
+                    self.flush(batch, sent)?;
                 }
-                continue;
+                return Ok(());
             }
             let mut run: Option<(u64, u32)> = None;
             for pfn in item.first..item.first + item.count {
@@ -208,20 +242,56 @@ impl Channel {
                     sent.raw += 1;
                 }
                 if batch.is_full() {
-                    self.flush(batch, &mut sent)?;
+                    self.flush(batch, sent)?;
                 }
             }
             if let Some((f, c)) = run {
                 batch.zero_run(f, c);
             }
         }
-        self.flush(batch, &mut sent)?;
-        wire::write_sync(&mut self.stream, w.round).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
-        Ok(sent)
+        Ok(())
     }
 }
 
-fn parse_tcp_uri(uri: &str) -> Result<String> {
+/// Open `n` data connections and their sender threads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn open_channels(
+    addr: &str,
+    session: u64,
+    n: u32,
+    ram: RamRegion,
+    compress: Compress,
+    bucket: &Arc<TokenBucket>,
+    ctl: &Arc<Control>,
+    deadline: Option<Instant>,
+) -> Result<ChannelSet> {
+    let (reply_tx, reply_rx) = mpsc::channel();
+    let mut job_txs = Vec::new();
+    let mut threads = Vec::new();
+    for i in 0..n as usize {
+        let mut s = connect(addr, ctl)?;
+        wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_DATA)?;
+        wire::send_msg(&mut s, &Msg::Channel { session, index: i as u32 })?;
+        s.set_write_timeout(Some(crate::dest::DATA_IDLE_TIMEOUT))?;
+        let ch = Channel { index: i, stream: s, ram, compress, bucket: bucket.clone(), ctl: ctl.clone(), total_pages_sent: 0 };
+        let (tx, rx) = mpsc::channel();
+        let rtx = reply_tx.clone();
+        threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
+        job_txs.push(tx);
+    }
+    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline })
+}
+
+/// The postcopy urgent connection (page requests and their answers).
+pub(crate) fn open_urgent(addr: &str, session: u64, ctl: &Control) -> Result<TcpStream> {
+    let mut s = connect(addr, ctl)?;
+    wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_URGENT)?;
+    wire::send_msg(&mut s, &Msg::Channel { session, index: 0 })?;
+    s.set_write_timeout(Some(crate::dest::DATA_IDLE_TIMEOUT))?;
+    Ok(s)
+}
+
+pub(crate) fn parse_tcp_uri(uri: &str) -> Result<String> {
     let a = uri.strip_prefix("tcp:").unwrap_or(uri);
     if a.rsplit_once(':').is_none() {
         bail!("bad migration address {uri:?} (expected tcp:HOST:PORT)");
@@ -229,7 +299,7 @@ fn parse_tcp_uri(uri: &str) -> Result<String> {
     Ok(a.to_string())
 }
 
-fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
+pub(crate) fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
     let sa = addr
         .to_socket_addrs()
         .with_context(|| format!("resolving {addr}"))?
@@ -242,11 +312,11 @@ fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
 }
 
 /// Everything the engine holds that must be undone if the migration fails.
-struct Outgoing {
-    vm: Arc<dyn MigratableVm>,
-    ctl: Arc<Control>,
-    paused_by_us: bool,
-    committed: bool,
+pub(crate) struct Outgoing {
+    pub vm: Arc<dyn MigratableVm>,
+    pub ctl: Arc<Control>,
+    pub paused_by_us: bool,
+    pub committed: bool,
 }
 
 impl Drop for Outgoing {
@@ -294,6 +364,7 @@ pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<A
 fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<Arc<dyn DirtySource>>, ctl: &Arc<Control>, t0: Instant) -> Result<()> {
     params.validate().map_err(|e| anyhow!(e))?;
     let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
+    let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
     let addr = parse_tcp_uri(uri)?;
     let ram = vm.ram();
     let total = ram.pages();
@@ -306,6 +377,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         s.compress = compress.to_string();
         s.ram_bytes = ram.len;
         s.total_pages = total;
+        s.mode = mode.to_string();
     });
     let mut guard = Outgoing { vm: vm.clone(), ctl: ctl.clone(), paused_by_us: false, committed: false };
 
@@ -322,7 +394,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             page_size: PAGE_SIZE,
             channels: params.channels,
             compress: compress.to_string(),
-            mode: "precopy".into(),
+            mode: mode.to_string(),
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -332,23 +404,16 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     }
     control.set_read_timeout(None)?;
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
-    let (reply_tx, reply_rx) = mpsc::channel();
-    let mut job_txs = Vec::new();
-    let mut threads = Vec::new();
-    for i in 0..params.channels as usize {
-        let mut s = connect(&addr, ctl)?;
-        wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_DATA)?;
-        wire::send_msg(&mut s, &Msg::Channel { session, index: i as u32 })?;
-        s.set_write_timeout(Some(crate::dest::DATA_IDLE_TIMEOUT))?;
-        let ch = Channel { index: i, stream: s, ram, compress, bucket: bucket.clone(), ctl: ctl.clone(), total_pages_sent: 0 };
-        let (tx, rx) = mpsc::channel();
-        let rtx = reply_tx.clone();
-        threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
-        job_txs.push(tx);
-    }
-    let mut channels = ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline };
+    let mut channels = open_channels(&addr, session, params.channels, ram, compress, &bucket, ctl, deadline)?;
+    let urgent = if mode != Mode::Precopy { Some(open_urgent(&addr, session, ctl)?) } else { None };
 
     // --- dirty tracking from here on, then the first pass over all RAM ---
+    if mode == Mode::Postcopy {
+        // Nothing moves before the switch: the destination runs at once.
+        ctl.update(|s| s.setup_ms = t0.elapsed().as_secs_f64() * 1e3);
+        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: None, pending: Vec::new(), round: 0 };
+        return crate::postcopy::source::run(&mut guard, start);
+    }
     let mut log = DirtyLog::start(&ram, sources)?;
     let data = ram.data_ranges().context("finding the memfd's data ranges")?;
     let mut items = Vec::new();
@@ -373,7 +438,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = last.wire as f64 / last.secs.max(1e-6);
     let mut page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
-    let mut pending = loop {
+    let mut prev_dirty = u64::MAX;
+    let (mut pending, switch) = loop {
         let dirty = log.scan(total)?;
         let n = count_pages(&dirty);
         let rate = n as f64 / last.secs.max(1e-6);
@@ -393,15 +459,21 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             s.expected_downtime_ms = est_s * 1e3;
         });
         if est_s <= target_s {
-            break dirty;
+            break (dirty, false);
         }
+        // Hybrid: once a round no longer shrinks the dirty set by a tenth
+        // (or the operator asks), more rounds only cost time: switch.
+        if mode == Mode::Hybrid && (ctl.postcopy_requested() || (round >= 1 && n as f64 >= 0.9 * prev_dirty as f64)) {
+            break (dirty, true);
+        }
+        prev_dirty = n;
         if deadline.is_some_and(|d| Instant::now() >= d) {
             ctl.cancel();
             bail!("did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)", params.timeout_s, est_s * 1e3, throttle);
         }
         // Auto-converge (as QEMU): if the guest dirtied more than half of
         // what we sent in a round, twice, slow the vCPUs a step further.
-        if params.auto_converge && round >= 1 && n as f64 > 0.5 * last.pages as f64 {
+        if params.auto_converge && mode == Mode::Precopy && round >= 1 && n as f64 > 0.5 * last.pages as f64 {
             hits += 1;
             if hits >= 2 && throttle < 99 {
                 throttle = if throttle == 0 { params.throttle_initial } else { (throttle + params.throttle_increment).min(99) };
@@ -426,6 +498,11 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
         }
     };
+
+    if switch {
+        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some(log), pending, round: round + 1 };
+        return crate::postcopy::source::run(&mut guard, start);
+    }
 
     // --- stop-and-copy ---
     let paused_at = unix_ns();
@@ -544,7 +621,7 @@ fn wait_round_done(control: &mut TcpStream, round: u64, ctl: &Control, deadline:
     }
 }
 
-fn recv_reply(control: &mut TcpStream) -> Result<Msg> {
+pub(crate) fn recv_reply(control: &mut TcpStream) -> Result<Msg> {
     loop {
         match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
             Msg::Abort { reason } => bail!("destination refused: {reason}"),
@@ -562,7 +639,7 @@ struct RoundResult {
     secs: f64,
 }
 
-struct ChannelSet {
+pub(crate) struct ChannelSet {
     job_txs: Vec<mpsc::Sender<Job>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     replies: mpsc::Receiver<Reply>,
@@ -625,8 +702,41 @@ impl ChannelSet {
         Ok(RoundResult { pages: total.pages, zero: total.zero, wire: total.wire, secs: t.elapsed().as_secs_f64() })
     }
 
+    /// Postcopy: every channel pushes from `q` until it is empty; returns
+    /// the pages sent.
+    pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
+        for tx in &self.job_txs {
+            tx.send(Job::Push(q.clone())).map_err(|_| anyhow!("a channel thread died"))?;
+        }
+        let mut total = Sent::default();
+        let mut first_err = None;
+        for _ in 0..self.job_txs.len() {
+            match self.wait()? {
+                Reply::RoundDone(_, Ok(s)) => total.add(&s),
+                Reply::RoundDone(_, Err(e)) | Reply::Finished(_, Err(e)) => {
+                    if first_err.is_none() {
+                        self.ctl.shutdown_all();
+                        first_err = Some(e);
+                    }
+                }
+                Reply::Finished(..) => {}
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        self.ctl.update(|s| {
+            s.zero_pages += total.zero;
+            s.raw_pages += total.raw;
+            s.compressed_pages += total.compressed;
+            s.ram_transferred_bytes += (total.raw + total.compressed) * PAGE_SIZE;
+            s.pages_pushed += total.pages;
+        });
+        Ok(total.pages)
+    }
+
     /// End every data stream; returns pages per channel and their CPU time.
-    fn finish(&mut self) -> Result<(Vec<u64>, f64)> {
+    pub(crate) fn finish(&mut self) -> Result<(Vec<u64>, f64)> {
         for tx in &self.job_txs {
             let _ = tx.send(Job::Finish);
         }

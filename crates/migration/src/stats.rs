@@ -27,6 +27,9 @@ pub struct Params {
     /// compares them with its own and refuses to run on any difference.
     /// Costs a read of all RAM inside the downtime: for tests and audits.
     pub verify_ram: bool,
+    /// precopy | postcopy | hybrid (precopy rounds, then postcopy once the
+    /// rounds stop shrinking or on `migrate-start-postcopy`).
+    pub mode: String,
 }
 
 impl Default for Params {
@@ -41,6 +44,7 @@ impl Default for Params {
             throttle_initial: 20,
             throttle_increment: 10,
             verify_ram: false,
+            mode: "precopy".into(),
         }
     }
 }
@@ -65,10 +69,41 @@ impl Params {
             return Err(format!("channels must be 1..=64, not {}", self.channels));
         }
         self.compress.parse::<crate::compress::Compress>()?;
+        self.mode.parse::<Mode>()?;
         if self.throttle_initial > 99 || self.throttle_increment == 0 {
             return Err("throttle_initial must be <= 99 and throttle_increment > 0".into());
         }
         Ok(())
+    }
+}
+
+/// How RAM moves (see docs/migration.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Precopy,
+    Postcopy,
+    Hybrid,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Mode, String> {
+        match s {
+            "precopy" => Ok(Mode::Precopy),
+            "postcopy" => Ok(Mode::Postcopy),
+            "hybrid" => Ok(Mode::Hybrid),
+            _ => Err(format!("mode must be precopy, postcopy or hybrid, not {s:?}")),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Precopy => "precopy",
+            Mode::Postcopy => "postcopy",
+            Mode::Hybrid => "hybrid",
+        })
     }
 }
 
@@ -81,6 +116,11 @@ pub enum Status {
     Active,
     /// Source paused, last pages and state on the way.
     Device,
+    /// The destination runs; missing pages are pushed and fetched on fault.
+    PostcopyActive,
+    /// A postcopy connection broke: the destination waits for missing pages,
+    /// the source keeps them; `migrate-recover` + `migrate resume` go on.
+    PostcopyPaused,
     Completed,
     Failed,
     Cancelled,
@@ -145,6 +185,24 @@ pub struct Stats {
     pub verified_pages: u64,
     /// Where the downtime went: (step, ms since the pause began) on this side.
     pub downtime_steps: Vec<(String, f64)>,
+    /// precopy | postcopy | hybrid
+    pub mode: String,
+    /// Postcopy: page faults on pages not yet here (destination's count).
+    pub faults: u64,
+    /// Postcopy: fault to wake of the faulting thread, microseconds.
+    pub fault_p50_us: Option<f64>,
+    pub fault_p99_us: Option<f64>,
+    pub fault_max_us: Option<f64>,
+    /// Postcopy: pages sent by the background push / on request.
+    pub pages_pushed: u64,
+    pub pages_requested: u64,
+    /// Postcopy: from the destination's start to the last page.
+    pub postcopy_ms: f64,
+    /// Postcopy: time spent paused between a broken connection and recovery.
+    pub paused_ms: f64,
+    pub recoveries: u32,
+    /// Helper processes (rnicd, vhost-user backends) whose faults were served.
+    pub ram_clients: u32,
 }
 
 /// Shared between the engine thread and the control socket.
@@ -153,6 +211,18 @@ pub struct Control {
     pub stats: Mutex<Stats>,
     cancelled: AtomicBool,
     socks: Mutex<Vec<TcpStream>>,
+    start_postcopy: AtomicBool,
+    /// `migrate-recover` / `migrate resume`: the address to go on with.
+    recover: Mutex<Option<RecoverRequest>>,
+    recover_cv: std::sync::Condvar,
+}
+
+/// Where a paused postcopy goes on.
+pub enum RecoverRequest {
+    /// Destination: listen here for the source to come back.
+    Listen(std::net::TcpListener),
+    /// Source: connect to this address.
+    Connect(String),
 }
 
 impl Control {
@@ -164,6 +234,36 @@ impl Control {
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::SeqCst);
         self.shutdown_all();
+    }
+    /// `migrate-start-postcopy`: a hybrid migration switches at its next round.
+    pub fn request_postcopy(&self) {
+        self.start_postcopy.store(true, Ordering::SeqCst);
+    }
+    pub fn postcopy_requested(&self) -> bool {
+        self.start_postcopy.load(Ordering::SeqCst)
+    }
+    /// Hand a paused postcopy the way to go on.
+    pub fn offer_recovery(&self, r: RecoverRequest) {
+        *self.recover.lock().unwrap() = Some(r);
+        self.recover_cv.notify_all();
+    }
+    /// Wait for [`offer_recovery`](Self::offer_recovery).
+    pub fn wait_recovery(&self) -> RecoverRequest {
+        let mut g = self.recover.lock().unwrap();
+        loop {
+            if let Some(r) = g.take() {
+                return r;
+            }
+            g = self.recover_cv.wait(g).unwrap();
+        }
+    }
+    /// A recovery offered since the last look, if any.
+    pub fn try_recovery(&self) -> Option<RecoverRequest> {
+        self.recover.lock().unwrap().take()
+    }
+    /// Forget connections of a broken attempt (they are shut already).
+    pub fn forget_connections(&self) {
+        self.socks.lock().unwrap().clear();
     }
     pub fn shutdown_all(&self) {
         for s in self.socks.lock().unwrap().iter() {

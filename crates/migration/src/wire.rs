@@ -13,6 +13,9 @@ pub const MAGIC: [u8; 8] = *b"TRNSTMIG";
 pub const VERSION: u32 = 1;
 pub const ROLE_CONTROL: u8 = 0;
 pub const ROLE_DATA: u8 = 1;
+/// Postcopy: page requests (destination -> source) and their answers, on a
+/// connection of their own so they never wait behind bulk pages.
+pub const ROLE_URGENT: u8 = 2;
 pub const PAGE: usize = 4096;
 /// Largest page batch accepted; bigger means damage.
 pub const MAX_FRAME: usize = 16 << 20;
@@ -87,6 +90,14 @@ pub enum Msg {
     Resumed { unix_ns: u64, resumed: bool, cpu_s: f64 },
     /// First message of each data connection.
     Channel { session: u64, index: u32 },
+    /// Source -> destination: the source paused; from here the destination
+    /// runs and fetches what it misses. Followed by the state blob and, if
+    /// `dirty_ranges`, a blob of (first, count) u64 pairs: pages sent before
+    /// that changed since (the destination drops its copies). Without it,
+    /// no page was sent yet (pure postcopy).
+    Switchover { state_bytes: u64, source_paused_unix_ns: u64, dirty_ranges: bool },
+    /// Destination -> source: every page is in; the source may let go.
+    Complete { faults: u64, fault_p50_us: Option<f64>, fault_p99_us: Option<f64>, fault_max_us: Option<f64>, cpu_s: f64, ram_clients: u32 },
 }
 
 const FRAME_MSG: u8 = 1;
@@ -145,6 +156,33 @@ pub fn recv_blob(r: &mut impl Read) -> Result<Vec<u8>, WireError> {
 pub const DATA_PAGES: u8 = 1;
 pub const DATA_SYNC: u8 = 2;
 pub const DATA_EOS: u8 = 3;
+/// Urgent connection, destination -> source: `u64 first page, u32 count`.
+pub const DATA_REQUEST: u8 = 4;
+/// Most pages one request may ask for.
+pub const MAX_REQUEST_PAGES: u32 = 256;
+
+pub fn write_request(w: &mut impl Write, first: u64, count: u32) -> io::Result<()> {
+    let mut b = [0u8; 13];
+    b[0] = DATA_REQUEST;
+    b[1..9].copy_from_slice(&first.to_le_bytes());
+    b[9..].copy_from_slice(&count.to_le_bytes());
+    w.write_all(&b)
+}
+
+/// Read one page request; checks it lies inside `total_pages`.
+pub fn read_request(r: &mut impl Read, total_pages: u64) -> Result<(u64, u32), WireError> {
+    let mut b = [0u8; 13];
+    r.read_exact(&mut b)?;
+    if b[0] != DATA_REQUEST {
+        return Err(WireError::Corrupt(format!("urgent frame kind {} where a page request was expected", b[0])));
+    }
+    let first = u64::from_le_bytes(b[1..9].try_into().unwrap());
+    let count = u32::from_le_bytes(b[9..].try_into().unwrap());
+    if count == 0 || count > MAX_REQUEST_PAGES || first.checked_add(count as u64).is_none_or(|e| e > total_pages) {
+        return Err(WireError::Corrupt(format!("request for pages {first} (+{count}) outside guest RAM of {total_pages} pages")));
+    }
+    Ok((first, count))
+}
 
 /// How one page record is encoded (low 4 bits of its first word).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -86,6 +86,7 @@ pub struct Proxy {
     pub port: u16,
     stop: Arc<AtomicBool>,
     pub fired: Arc<AtomicBool>,
+    conns: Arc<std::sync::Mutex<Vec<TcpStream>>>,
 }
 
 impl Proxy {
@@ -95,6 +96,8 @@ impl Proxy {
         let stop = Arc::new(AtomicBool::new(false));
         let fired = Arc::new(AtomicBool::new(false));
         let (st, fi) = (stop.clone(), fired.clone());
+        let conns = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let conns2 = conns.clone();
         l.set_nonblocking(true).unwrap();
         std::thread::spawn(move || {
             let n = AtomicUsize::new(0);
@@ -105,7 +108,8 @@ impl Proxy {
                 };
                 c.set_nonblocking(false).unwrap();
                 let i = n.fetch_add(1, Ordering::SeqCst);
-                let s = TcpStream::connect(("127.0.0.1", target)).unwrap();
+                let Ok(s) = TcpStream::connect(("127.0.0.1", target)) else { continue };
+                conns2.lock().unwrap().extend([c.try_clone().unwrap(), s.try_clone().unwrap()]);
                 let f = if i == fault.conn { fault } else { Fault::default() };
                 let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
                 let fi2 = fi.clone();
@@ -113,7 +117,15 @@ impl Proxy {
                 std::thread::spawn(move || pump(s2, c2, Fault::default(), Arc::new(AtomicBool::new(false))));
             }
         });
-        Proxy { port, stop, fired }
+        Proxy { port, stop, fired, conns }
+    }
+
+    /// Break every connection made so far (as a link going down would);
+    /// new connections still pass.
+    pub fn cut_all(&self) {
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
     }
 }
 

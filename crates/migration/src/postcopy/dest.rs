@@ -1,0 +1,346 @@
+//! The destination side of postcopy: drop stale pages, register guest RAM
+//! (and every RAM client's mapping) for missing-page faults, load the
+//! state, run, and place pages as they come: pushed on the data channels,
+//! requested on the urgent one. Ends when every page is here. A broken
+//! connection pauses the migration: faulting threads wait, the rest of the
+//! VM runs on, and the source comes back with `migrate resume` (on this
+//! listener or on the one `migrate-recover` gives).
+
+use super::faults::{FaultThread, RequestSink};
+use super::place::{Placer, Via};
+use crate::cputime::{thread_cpu_s, unix_ns};
+use crate::dest::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
+use crate::dirty::PAGE_SIZE;
+use crate::stats::{Control, RecoverRequest, Status};
+use crate::vm::MigratableVm;
+use crate::wire::{self, DataItem, DataReader, Msg};
+use anyhow::{anyhow, bail, Context, Result};
+use snapshot::StateSet;
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub(crate) struct Switch {
+    pub state_bytes: u64,
+    pub source_paused: u64,
+    pub dirty_ranges: bool,
+}
+
+type ChannelThread = JoinHandle<Result<(u64, f64)>>;
+
+/// One connected set: data channel threads and the urgent receiver.
+struct Link {
+    control: TcpStream,
+    channels: Vec<ChannelThread>,
+    urgent: TcpStream,
+    urgent_rx: Option<JoinHandle<Result<()>>>,
+}
+
+impl Link {
+    fn start(control: TcpStream, channels: Vec<ChannelThread>, urgent: TcpStream, sh: &Arc<RxShared>, sink: &RequestSink) -> Result<Link> {
+        let placer = sh.placer.get().expect("placer set before the link starts").clone();
+        let rx = urgent.try_clone()?;
+        let total = sh.total;
+        let ctl = sh.ctl.clone();
+        let t = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || receive_urgent(rx, &placer, total, &ctl))?;
+        sink.connect(urgent.try_clone()?);
+        Ok(Link { control, channels, urgent, urgent_rx: Some(t) })
+    }
+
+    /// Something broke: the error, if any thread or the control
+    /// connection says so. Channels that ended cleanly are reaped.
+    fn check(&mut self) -> Option<String> {
+        let mut i = 0;
+        while i < self.channels.len() {
+            if self.channels[i].is_finished() {
+                let t = self.channels.remove(i);
+                match t.join() {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err(e)) => return Some(format!("data channel: {e:#}")),
+                    Err(_) => return Some("data channel thread panicked".into()),
+                }
+            }
+            i += 1;
+        }
+        if self.urgent_rx.as_ref().is_some_and(|t| t.is_finished()) {
+            let r = self.urgent_rx.take().unwrap().join();
+            return Some(match r {
+                Ok(Err(e)) => format!("urgent connection: {e:#}"),
+                _ => "urgent connection ended".into(),
+            });
+        }
+        let mut pfd = libc::pollfd { fd: self.control.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut pfd, 1, 0) } > 0 {
+            return Some(match wire::recv_msg(&mut self.control) {
+                Ok(Msg::Abort { reason }) => format!("source aborted: {reason}"),
+                Ok(other) => format!("source sent {other:?} during postcopy"),
+                Err(e) => format!("control connection: {e}"),
+            });
+        }
+        None
+    }
+
+    fn close(mut self, ctl: &Control, sink: &RequestSink) {
+        sink.disconnect();
+        ctl.shutdown_all();
+        let _ = self.urgent.shutdown(std::net::Shutdown::Both);
+        for t in self.channels.drain(..) {
+            let _ = t.join();
+        }
+        if let Some(t) = self.urgent_rx.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) -> Result<()> {
+    let mut rd = DataReader::default();
+    let mut zstd = None;
+    loop {
+        match rd.next(&mut s)? {
+            DataItem::Pages { records } => {
+                let n = place_batch(placer, &rd.payload, records, total, Via::Request, &mut zstd)?;
+                let w = rd.payload.len() as u64 + 17;
+                ctl.update(|st| {
+                    st.pages_sent += n;
+                    st.wire_bytes += w;
+                });
+            }
+            _ => bail!("unexpected frame on the urgent connection"),
+        }
+    }
+}
+
+/// Stale pages (sent before, changed since): the source sends them again.
+fn drop_pages(sh: &RxShared, blob: &[u8]) -> Result<()> {
+    if blob.len() % 16 != 0 {
+        bail!("stale page list of {} bytes", blob.len());
+    }
+    for c in blob.chunks(16) {
+        let first = u64::from_le_bytes(c[..8].try_into().unwrap());
+        let count = u64::from_le_bytes(c[8..].try_into().unwrap());
+        if count == 0 || first.checked_add(count).is_none_or(|e| e > sh.total) {
+            bail!("stale pages {first} (+{count}) outside guest RAM");
+        }
+        // SAFETY: plain syscall on our memfd, range checked above.
+        let r = unsafe {
+            libc::fallocate(
+                sh.ram.memfd,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                (first * PAGE_SIZE) as i64,
+                (count * PAGE_SIZE) as i64,
+            )
+        };
+        if r < 0 {
+            bail!("dropping stale pages: {}", std::io::Error::last_os_error());
+        }
+        for p in first..first + count {
+            sh.seen.clear(p);
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run(
+    vm: &Arc<dyn MigratableVm>,
+    listener: &TcpListener,
+    params: &IncomingParams,
+    ctl: &Arc<Control>,
+    mut control: TcpStream,
+    sh: Arc<RxShared>,
+    channels: Vec<ChannelThread>,
+    urgent: TcpStream,
+    session: u64,
+    sw: Switch,
+    clients: Option<Arc<super::clients::RamClients>>,
+) -> Result<bool> {
+    let cpu0 = thread_cpu_s();
+    let t_sw = Instant::now();
+    let step = |name: &str| {
+        let ms = t_sw.elapsed().as_secs_f64() * 1e3;
+        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    };
+    ctl.update(|s| s.status = Status::Device);
+    control.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let blob = wire::recv_blob(&mut control).map_err(|e| anyhow!("state: {e}"))?;
+    if blob.len() as u64 != sw.state_bytes {
+        bail!("state is {} bytes, source announced {}", blob.len(), sw.state_bytes);
+    }
+    let state = StateSet::read_from(&mut blob.as_slice()).context("decoding vCPU and device state")?;
+    if sw.dirty_ranges {
+        let stale = wire::recv_blob(&mut control).map_err(|e| anyhow!("stale page list: {e}"))?;
+        drop_pages(&sh, &stale)?;
+    }
+    step("state received");
+    let placer = Arc::new(Placer::new(sh.ram, sh.seen.clone())?);
+    let mut n_clients = 0;
+    if let Some(c) = &clients {
+        for d in c.advise().context("RAM clients")? {
+            placer.add_domain(d)?;
+            n_clients += 1;
+        }
+    }
+    let _ = sh.placer.set(placer.clone());
+    let sink = Arc::new(RequestSink::default());
+    let mut faults = FaultThread::start(placer.clone(), sink.clone())?;
+    let mut link = Some(Link::start(control.try_clone()?, channels, urgent, &sh, &sink)?);
+    step("faults armed");
+    vm.restore_state(&state).context("loading vCPU and device state")?;
+    step("state restored");
+    wire::send_msg(&mut control, &Msg::Loaded { cpu_s: thread_cpu_s() - cpu0 })?;
+    match wire::recv_msg(&mut control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
+        Msg::Go => {}
+        other => bail!("expected go, got {other:?}"),
+    }
+    let resumed = params.resume;
+    if resumed {
+        vm.resume().context("starting the VM")?;
+    }
+    step("resumed");
+    let t = unix_ns();
+    let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: thread_cpu_s() - cpu0 });
+    let t_post = Instant::now();
+    ctl.update(|s| {
+        if resumed {
+            s.downtime_ms = Some(t.saturating_sub(sw.source_paused) as f64 / 1e6);
+        }
+        s.status = Status::PostcopyActive;
+        s.ram_clients = n_clients;
+        s.remaining_pages = placer.missing();
+    });
+
+    // --- until every page is here; pause and recover on breaks ---
+    let mut listener_now: Option<TcpListener> = None;
+    loop {
+        if placer.wait_complete(Duration::from_millis(20)) {
+            break;
+        }
+        ctl.update(|s| s.remaining_pages = placer.missing());
+        let broken = match link.as_mut() {
+            Some(l) => l.check(),
+            None => Some("not connected".into()),
+        };
+        let Some(why) = broken else { continue };
+        if placer.is_complete() {
+            break;
+        }
+        if let Some(l) = link.take() {
+            l.close(ctl, &sink);
+        }
+        let missing = placer.missing();
+        tracing::warn!("postcopy paused: {why}; {missing} pages missing");
+        let t_paused = Instant::now();
+        ctl.update(|s| {
+            s.status = Status::PostcopyPaused;
+            s.error = Some(format!(
+                "postcopy paused: {why}; {missing} pages are still on the source; threads that touch them wait. If the source lives, `migrate resume` there (after `migrate-recover` here for a new address); if it died, they are lost"
+            ));
+        });
+        ctl.forget_connections();
+        let recovered = loop {
+            if let Some(RecoverRequest::Listen(nl)) = ctl.try_recovery() {
+                listener_now = Some(nl);
+            }
+            if placer.is_complete() {
+                break None;
+            }
+            let lis = listener_now.as_ref().unwrap_or(listener);
+            match accept_recovery(lis, ctl, session, &sh, &placer, &sink) {
+                Ok(Some(l)) => break Some(l),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("recovery attempt refused: {e:#}"),
+            }
+        };
+        let Some(l) = recovered else { break };
+        link = Some(l);
+        ctl.update(|s| {
+            s.status = Status::PostcopyActive;
+            s.error = None;
+            s.recoveries += 1;
+            s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3;
+        });
+    }
+
+    // --- every page is in ---
+    faults.stop();
+    placer.unregister_vmm();
+    if let Some(c) = &clients {
+        c.end();
+    }
+    let (p50, p99, max) = placer.latency_percentiles();
+    let cpu = thread_cpu_s() - cpu0;
+    let faults_n = placer.faults.load(std::sync::atomic::Ordering::Relaxed);
+    ctl.update(|s| {
+        s.faults = faults_n;
+        s.fault_p50_us = p50;
+        s.fault_p99_us = p99;
+        s.fault_max_us = max;
+        s.pages_pushed = placer.pushed.load(std::sync::atomic::Ordering::Relaxed);
+        s.pages_requested = placer.requested.load(std::sync::atomic::Ordering::Relaxed);
+        s.postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
+        s.remaining_pages = 0;
+        s.cpu_s_dest = Some(s.cpu_s_dest.unwrap_or(0.0) + cpu);
+    });
+    if let Some(mut l) = link.take() {
+        let complete = Msg::Complete { faults: faults_n, fault_p50_us: p50, fault_p99_us: p99, fault_max_us: max, cpu_s: cpu, ram_clients: n_clients };
+        if let Err(e) = wire::send_msg(&mut l.control, &complete) {
+            tracing::warn!("could not tell the source that postcopy completed: {e}");
+        }
+        // The source ends its streams once its push is done.
+        for t in l.channels.drain(..) {
+            let _ = t.join();
+        }
+        l.close(ctl, &sink);
+    }
+    Ok(resumed)
+}
+
+/// One recovery attempt: a source that comes back with our session gets
+/// our received-pages bitmap and reconnects its channels.
+fn accept_recovery(l: &TcpListener, ctl: &Control, session: u64, sh: &Arc<RxShared>, placer: &Placer, sink: &RequestSink) -> Result<Option<Link>> {
+    let mut control = match accept(l, ctl, Some(Duration::from_millis(200))) {
+        Ok(c) => c,
+        Err(_) => return Ok(None),
+    };
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    if wire::read_preamble(&mut control)? != wire::ROLE_CONTROL {
+        bail!("first connection is not a control connection");
+    }
+    let channels = match wire::recv_msg(&mut control)? {
+        Msg::Hello { session: s, mode, channels, .. } if mode == "recover" && s == session && (1..=64).contains(&channels) => channels as usize,
+        Msg::Hello { mode, session: s, .. } => {
+            let why = if mode != "recover" {
+                format!("this destination is in a paused postcopy migration and takes only its recovery (got mode {mode:?})")
+            } else {
+                format!("session {s:#x} is not this migration's ({session:#x})")
+            };
+            let _ = wire::send_msg(&mut control, &Msg::Abort { reason: why.clone() });
+            bail!(why);
+        }
+        other => bail!("expected hello, got {other:?}"),
+    };
+    wire::send_msg(&mut control, &Msg::Welcome)?;
+    wire::send_blob(&mut control, &sh.seen.to_le_bytes())?;
+    control.set_read_timeout(None)?;
+    let (streams, urgent) = accept_channels(l, ctl, session, channels, true)?;
+    let urgent = urgent.ok_or_else(|| anyhow!("recovery without an urgent connection"))?;
+    let threads = streams
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let sh = sh.clone();
+            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let link = Link::start(control, threads, urgent, sh, sink)?;
+    // Ask again for what threads wait on: those requests died with the link.
+    let mut waiting = placer.waiting();
+    if !waiting.is_empty() {
+        sink.request(&mut waiting);
+    }
+    Ok(Some(link))
+}

@@ -1,0 +1,136 @@
+//! The destination's fault thread: reads missing-page faults from every
+//! fault domain (the vmm's uffd and each helper's) and asks the source for
+//! pages nobody asked for yet, on the urgent connection.
+
+use super::place::Placer;
+use crate::wire;
+use std::io::Write;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use userfaultfd::Event;
+
+/// The write side of the urgent connection; absent while reconnecting
+/// (the waiters remember what to ask for again).
+#[derive(Default)]
+pub struct RequestSink {
+    conn: Mutex<Option<TcpStream>>,
+}
+
+impl RequestSink {
+    pub fn connect(&self, s: TcpStream) {
+        *self.conn.lock().unwrap() = Some(s);
+    }
+    pub fn disconnect(&self) {
+        *self.conn.lock().unwrap() = None;
+    }
+    /// Ask for these pages, in runs; false if there is no connection.
+    pub fn request(&self, pfns: &mut [u64]) -> bool {
+        pfns.sort_unstable();
+        let mut g = self.conn.lock().unwrap();
+        let Some(s) = g.as_mut() else { return false };
+        let mut buf = Vec::with_capacity(pfns.len() * 13);
+        let mut i = 0;
+        while i < pfns.len() {
+            let mut n = 1;
+            while i + n < pfns.len() && pfns[i + n] == pfns[i] + n as u64 && n < wire::MAX_REQUEST_PAGES as usize {
+                n += 1;
+            }
+            wire::write_request(&mut buf, pfns[i], n as u32).expect("vec write");
+            i += n;
+        }
+        if let Err(e) = s.write_all(&buf) {
+            tracing::debug!("page request not sent: {e}");
+            *g = None;
+            return false;
+        }
+        true
+    }
+}
+
+/// Runs until `stop` is set (and the wake eventfd written).
+pub struct FaultThread {
+    stop: Arc<AtomicBool>,
+    wake: Arc<OwnedFd>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FaultThread {
+    pub fn start(placer: Arc<Placer>, sink: Arc<RequestSink>) -> std::io::Result<FaultThread> {
+        // SAFETY: plain syscall, owned right after.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
+        let stop = Arc::new(AtomicBool::new(false));
+        let (w2, s2) = (wake.clone(), stop.clone());
+        let thread = std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || fault_loop(placer, sink, w2, s2))?;
+        Ok(FaultThread { stop, wake, thread: Some(thread) })
+    }
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: 8 bytes to an eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for FaultThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<OwnedFd>, stop: Arc<AtomicBool>) {
+    let mut wanted = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        // Domains can join while we run (helpers register before resume).
+        let doms = placer.fault_fds();
+        let mut pfds: Vec<libc::pollfd> = std::iter::once(wake.as_raw_fd())
+            .chain(doms.iter().map(|d| d.1))
+            .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
+            .collect();
+        // SAFETY: valid pollfd array. A short timeout picks up new domains.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 100) };
+        if n <= 0 {
+            continue;
+        }
+        for (k, (d, _)) in doms.iter().enumerate() {
+            if pfds[k + 1].revents == 0 {
+                continue;
+            }
+            let Some(dom) = placer.domain(*d) else { continue };
+            if pfds[k + 1].revents & (libc::POLLERR | libc::POLLHUP) != 0 && pfds[k + 1].revents & libc::POLLIN == 0 {
+                tracing::info!("{}: its process is gone, no more faults from it", dom.name);
+                dom.gone.store(true, Ordering::Relaxed);
+                continue;
+            }
+            loop {
+                match dom.uffd.read_event() {
+                    Ok(Some(Event::Pagefault { addr, .. })) => {
+                        if let Some(pfn) = placer.fault(*d, addr as u64) {
+                            wanted.push(pfn);
+                        }
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!("{}: reading faults: {e}", dom.name);
+                        break;
+                    }
+                }
+            }
+        }
+        if !wanted.is_empty() {
+            // Without a connection the waiters are asked for again on
+            // reconnection; nothing is lost.
+            sink.request(&mut wanted);
+            wanted.clear();
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! The source's background push: the pages the destination still misses,
+//! handed to the bulk channels in chunks, starting next to the most recent
+//! fault (a guest that touched page p will likely touch p+1 soon), as
+//! QEMU's postcopy does after each page request.
+
+use crate::pages::PageRange;
+use std::sync::Mutex;
+
+struct Inner {
+    bits: Vec<u64>,
+    /// Known-zero ranges (memfd holes): sent first, one record each.
+    zero: Vec<PageRange>,
+    cursor: u64,
+    left: u64,
+}
+
+pub struct PushQueue {
+    inner: Mutex<Inner>,
+    total: u64,
+}
+
+/// One claimed piece of work: pages to send, or a known-zero run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    pub first: u64,
+    pub count: u64,
+    pub known_zero: bool,
+}
+
+impl PushQueue {
+    /// Pages to push: `data` (read and sent) and `zero` (known holes).
+    pub fn new(total: u64, data: &[PageRange], zero: Vec<PageRange>) -> PushQueue {
+        let mut bits = vec![0u64; total.div_ceil(64) as usize];
+        let mut left = 0;
+        for r in data {
+            for p in r.first..r.end().min(total) {
+                let (w, b) = ((p / 64) as usize, p % 64);
+                if bits[w] & (1 << b) == 0 {
+                    bits[w] |= 1 << b;
+                    left += 1;
+                }
+            }
+        }
+        PushQueue { inner: Mutex::new(Inner { bits, zero, cursor: 0, left }), total }
+    }
+
+    /// Start over with this work (after a reconnection: what the
+    /// destination reports missing).
+    pub fn reset(&self, total: u64, data: &[PageRange], zero: Vec<PageRange>) {
+        let fresh = PushQueue::new(total, data, zero).inner.into_inner().unwrap();
+        *self.inner.lock().unwrap() = fresh;
+    }
+
+    /// Pages still to read and send (known-zero runs not counted).
+    pub fn left(&self) -> u64 {
+        self.inner.lock().unwrap().left
+    }
+
+    /// A fault asked for `first..first+count`: those go out now on the
+    /// urgent connection, so drop them here, and push on from there.
+    pub fn requested(&self, first: u64, count: u64) {
+        let mut g = self.inner.lock().unwrap();
+        for p in first..(first + count).min(self.total) {
+            let (w, b) = ((p / 64) as usize, p % 64);
+            if g.bits[w] & (1 << b) != 0 {
+                g.bits[w] &= !(1 << b);
+                g.left -= 1;
+            }
+        }
+        g.cursor = (first + count) % self.total.max(1);
+    }
+
+    /// Up to `max` pages from the cursor on (wrapping), as runs.
+    pub fn claim(&self, max: u64, out: &mut Vec<Claim>) -> bool {
+        out.clear();
+        let mut g = self.inner.lock().unwrap();
+        if let Some(z) = g.zero.pop() {
+            out.push(Claim { first: z.first, count: z.count, known_zero: true });
+            return true;
+        }
+        if g.left == 0 {
+            return false;
+        }
+        let words = g.bits.len();
+        let mut w = (g.cursor / 64) as usize;
+        let mut taken = 0u64;
+        // At most one full turn over the bitmap (+1 for the cursor's word).
+        for turn in 0..=words {
+            let mut word = g.bits[w];
+            if turn == 0 {
+                // Start at the cursor within its word.
+                word &= !0u64 << (g.cursor % 64);
+            }
+            while word != 0 && taken < max {
+                let b = word.trailing_zeros() as u64;
+                let p = w as u64 * 64 + b;
+                g.bits[w] &= !(1 << b);
+                word &= !(1 << b);
+                taken += 1;
+                match out.last_mut() {
+                    Some(c) if c.first + c.count == p => c.count += 1,
+                    _ => out.push(Claim { first: p, count: 1, known_zero: false }),
+                }
+            }
+            if taken >= max {
+                break;
+            }
+            w = (w + 1) % words;
+        }
+        g.left -= taken;
+        if let Some(c) = out.last() {
+            g.cursor = (c.first + c.count) % self.total.max(1);
+        }
+        taken > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claims_every_page_once_from_the_last_fault_on() {
+        let q = PushQueue::new(1000, &[PageRange { first: 0, count: 1000 }], vec![PageRange { first: 5000, count: 3 }]);
+        let mut out = Vec::new();
+        assert!(q.claim(256, &mut out));
+        assert_eq!(out, vec![Claim { first: 5000, count: 3, known_zero: true }]);
+        q.requested(700, 2);
+        assert!(q.claim(100, &mut out));
+        assert_eq!(out, vec![Claim { first: 702, count: 100, known_zero: false }]);
+        let mut seen = vec![false; 1000];
+        seen[700] = true;
+        seen[701] = true;
+        for p in 702..802 {
+            seen[p] = true;
+        }
+        while q.claim(64, &mut out) {
+            for c in &out {
+                for p in c.first..c.first + c.count {
+                    assert!(!seen[p as usize], "page {p} twice");
+                    seen[p as usize] = true;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+        assert_eq!(q.left(), 0);
+    }
+}

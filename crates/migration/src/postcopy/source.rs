@@ -1,0 +1,326 @@
+//! The source side of postcopy: pause, hand over vCPU and device state and
+//! the list of stale pages, then push every missing page in the background
+//! while answering the destination's page requests on the urgent
+//! connection, until the destination has all of RAM. A broken connection
+//! after the switch pauses the migration (the source keeps every page) until
+//! `migrate` with `resume` gives a new address.
+
+use super::push::PushQueue;
+use crate::compress::Compress;
+use crate::cputime::unix_ns;
+use crate::dirty::{DirtyLog, PAGE_SIZE};
+use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
+use crate::ratelimit::TokenBucket;
+use crate::source::{is_zero, open_channels, open_urgent, recv_reply, ChannelSet, Outgoing};
+use crate::stats::{Control, RecoverRequest, Status};
+use crate::vm::RamRegion;
+use crate::wire::{self, BatchWriter, Msg};
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What the precopy part hands over at the switch.
+pub(crate) struct Start {
+    pub session: u64,
+    pub compress: Compress,
+    pub bucket: Arc<TokenBucket>,
+    pub control: TcpStream,
+    pub urgent: TcpStream,
+    pub channels: ChannelSet,
+    /// Hybrid: the dirty log still armed, and pages found dirty but not
+    /// sent yet. Pure postcopy: none, nothing was sent.
+    pub log: Option<DirtyLog>,
+    pub pending: Vec<PageRange>,
+    pub round: u64,
+}
+
+/// Split `pages` into (pages with data here, pages that are memfd holes).
+fn split_known_zero(ram: &RamRegion, pages: &[PageRange]) -> Result<(Vec<PageRange>, Vec<PageRange>)> {
+    let total = ram.pages();
+    let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
+    let (mut data, mut zero) = (Vec::new(), Vec::new());
+    // Both lists are sorted and disjoint within themselves: intersect by walking.
+    let mut h = 0;
+    for r in pages {
+        let mut f = r.first;
+        while f < r.end() {
+            while h < holes.len() && holes[h].end() <= f {
+                h += 1;
+            }
+            match holes.get(h) {
+                Some(hole) if hole.first <= f => {
+                    let e = hole.end().min(r.end());
+                    zero.push(PageRange { first: f, count: e - f });
+                    f = e;
+                }
+                Some(hole) => {
+                    let e = hole.first.min(r.end());
+                    data.push(PageRange { first: f, count: e - f });
+                    f = e;
+                }
+                None => {
+                    data.push(PageRange { first: f, count: r.end() - f });
+                    f = r.end();
+                }
+            }
+        }
+    }
+    Ok((data, zero))
+}
+
+pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
+    let Start { session, compress, bucket, mut control, urgent, channels, log, pending, round } = st;
+    let (vm, ctl) = (guard.vm.clone(), guard.ctl.clone());
+    let ram = vm.ram();
+    let total = ram.pages();
+
+    // --- the switch: pause, state, stale pages ---
+    let paused_at = unix_ns();
+    let t_pause = Instant::now();
+    let step = |name: &str| {
+        let ms = t_pause.elapsed().as_secs_f64() * 1e3;
+        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    };
+    vm.pause().context("pausing the VM")?;
+    guard.paused_by_us = true;
+    step("paused");
+    ctl.update(|s| s.status = Status::Device);
+    let (missing, mut log) = match log {
+        Some(mut l) => {
+            let mut p = pending;
+            p.extend(l.scan(total)?);
+            (Some(normalize(p, total)), Some(l))
+        }
+        None => (None, None),
+    };
+    step("scanned");
+    let state = vm.save_state().context("saving vCPU and device state")?;
+    let mut blob = Vec::with_capacity(state.encoded_len() + 16);
+    state.write_to(&mut blob)?;
+    step("state saved");
+    // Everything the destination lacks from here on, pushed from the start
+    // and served on request even while it loads the state.
+    let all = [PageRange { first: 0, count: total }];
+    let (data, zero) = split_known_zero(&ram, missing.as_deref().unwrap_or(&all))?;
+    let queue = Arc::new(PushQueue::new(total, &data, zero));
+    let mut server = UrgentServer::start(urgent, ram, queue.clone(), ctl.clone())?;
+    wire::send_msg(
+        &mut control,
+        &Msg::Switchover { state_bytes: blob.len() as u64, source_paused_unix_ns: paused_at, dirty_ranges: missing.is_some() },
+    )?;
+    wire::send_blob(&mut control, &blob)?;
+    if let Some(m) = &missing {
+        let bytes: Vec<u8> = m.iter().flat_map(|r| [r.first.to_le_bytes(), r.count.to_le_bytes()]).flatten().collect();
+        wire::send_blob(&mut control, &bytes)?;
+    }
+    control.set_read_timeout(Some(Duration::from_secs(60)))?;
+    match recv_reply(&mut control)? {
+        Msg::Loaded { .. } => {}
+        other => bail!("destination answered {other:?} to the switchover"),
+    }
+    // Commit point: from here the destination owns the VM and this side
+    // only serves its memory.
+    guard.committed = true;
+    step("destination loaded");
+    let unregister = std::thread::spawn(move || drop(log.take()));
+    let go = wire::send_msg(&mut control, &Msg::Go);
+    match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(&mut control)) {
+        Ok(Msg::Resumed { unix_ns, resumed, .. }) => ctl.update(|s| {
+            s.downtime_steps.push(("destination resumed (reply)".into(), t_pause.elapsed().as_secs_f64() * 1e3));
+            s.downtime_ms = Some(if resumed { unix_ns.saturating_sub(paused_at) as f64 / 1e6 } else { t_pause.elapsed().as_secs_f64() * 1e3 });
+        }),
+        Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
+        Err(e) => tracing::warn!("destination did not confirm its start: {e:#}"),
+    }
+    let _ = unregister.join();
+    let t_post = Instant::now();
+    ctl.update(|s| {
+        s.status = Status::PostcopyActive;
+        s.rounds = round + 1;
+        s.remaining_pages = queue.left();
+    });
+
+    // --- serve until the destination has every page; recover on breaks ---
+    let mut conn = Some((control, channels));
+    loop {
+        let r = match conn.take() {
+            Some((mut control, mut channels)) => serve(&mut control, &mut channels, &queue, &ctl),
+            None => Err(anyhow!("not connected")),
+        };
+        match r {
+            Ok(()) => break,
+            Err(e) => {
+                // The destination runs the VM: never resume here. Keep
+                // every page and wait for a way to go on.
+                ctl.shutdown_all();
+                server.stop();
+                let why = format!("{e:#}");
+                tracing::warn!("postcopy paused: {why}");
+                let t_paused = Instant::now();
+                ctl.update(|s| {
+                    s.status = Status::PostcopyPaused;
+                    s.error = Some(format!(
+                        "postcopy paused: {why}; the destination runs the VM and this host still holds its missing pages: recover with migrate-recover on the destination and migrate resume here"
+                    ));
+                });
+                let target = loop {
+                    match ctl.wait_recovery() {
+                        RecoverRequest::Connect(a) => break a,
+                        RecoverRequest::Listen(_) => tracing::warn!("migrate-recover is for the destination"),
+                    }
+                };
+                ctl.forget_connections();
+                match reconnect(&target, session, &ram, compress, &bucket, &ctl, &queue) {
+                    Ok((c, ch, u)) => {
+                        server = UrgentServer::start(u, ram, queue.clone(), ctl.clone())?;
+                        conn = Some((c, ch));
+                        ctl.update(|s| {
+                            s.status = Status::PostcopyActive;
+                            s.error = None;
+                            s.recoveries += 1;
+                            s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3;
+                            s.peer = target.clone();
+                        });
+                    }
+                    Err(e) => {
+                        ctl.update(|s| s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3);
+                        conn = None;
+                        tracing::warn!("recovery failed: {e:#}");
+                        continue;
+                    }
+                }
+            }
+        }
+    }
+    server.stop();
+    ctl.update(|s| {
+        s.postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
+        s.remaining_pages = 0;
+    });
+    Ok(())
+}
+
+/// Push until the queue is empty, end the streams, then wait for the
+/// destination's `Complete`.
+fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQueue>, ctl: &Arc<Control>) -> Result<()> {
+    channels.push(queue)?;
+    channels.finish()?;
+    control.set_read_timeout(None)?;
+    loop {
+        match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
+            Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients } => {
+                ctl.update(|s| {
+                    s.faults = faults;
+                    s.fault_p50_us = fault_p50_us;
+                    s.fault_p99_us = fault_p99_us;
+                    s.fault_max_us = fault_max_us;
+                    s.cpu_s_dest = Some(cpu_s);
+                    s.ram_clients = ram_clients;
+                });
+                return Ok(());
+            }
+            Msg::Abort { reason } => bail!("destination: {reason}"),
+            Msg::RoundDone { .. } => {}
+            other => bail!("destination sent {other:?} during postcopy"),
+        }
+    }
+}
+
+/// A new set of connections to a destination that kept its RAM: it tells
+/// which pages it has, the queue becomes the rest.
+fn reconnect(
+    addr: &str,
+    session: u64,
+    ram: &RamRegion,
+    compress: Compress,
+    bucket: &Arc<TokenBucket>,
+    ctl: &Arc<Control>,
+    queue: &Arc<PushQueue>,
+) -> Result<(TcpStream, ChannelSet, TcpStream)> {
+    let addr = crate::source::parse_tcp_uri(addr)?;
+    let total = ram.pages();
+    let mut control = crate::source::connect(&addr, ctl)?;
+    wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
+    let channels = ctl.snapshot().channels.max(1);
+    wire::send_msg(
+        &mut control,
+        &Msg::Hello {
+            session,
+            shape: String::new(),
+            ram_bytes: ram.len,
+            page_size: PAGE_SIZE,
+            channels,
+            compress: compress.to_string(),
+            mode: "recover".into(),
+        },
+    )?;
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    match recv_reply(&mut control)? {
+        Msg::Welcome => {}
+        other => bail!("destination answered {other:?} to the recovery hello"),
+    }
+    let have = wire::recv_blob(&mut control).map_err(|e| anyhow!("received-pages bitmap: {e}"))?;
+    let have = AtomicBitmap::from_le_bytes(total, &have).ok_or_else(|| anyhow!("received-pages bitmap of {} bytes for {total} pages", have.len()))?;
+    control.set_read_timeout(None)?;
+    let missing: Vec<PageRange> = (0..total).filter(|&p| !have.get(p)).map(|p| PageRange { first: p, count: 1 }).collect();
+    let missing = normalize(missing, total);
+    let (data, zero) = split_known_zero(ram, &missing)?;
+    queue.reset(total, &data, zero);
+    let ch = open_channels(&addr, session, channels, *ram, compress, bucket, ctl, None)?;
+    let urgent = open_urgent(&addr, session, ctl)?;
+    Ok((control, ch, urgent))
+}
+
+/// Answers page requests on the urgent connection, one batch per request.
+struct UrgentServer {
+    stream: TcpStream,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl UrgentServer {
+    fn start(stream: TcpStream, ram: RamRegion, queue: Arc<PushQueue>, ctl: Arc<Control>) -> Result<UrgentServer> {
+        let s2 = stream.try_clone()?;
+        let thread = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
+            if let Err(e) = serve_requests(s2, ram, &queue, &ctl) {
+                tracing::debug!("urgent connection ended: {e:#}");
+            }
+        })?;
+        Ok(UrgentServer { stream, thread: Some(thread) })
+    }
+    fn stop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Control) -> Result<()> {
+    let total = ram.pages();
+    let mut w = s.try_clone()?;
+    let mut batch = BatchWriter::new();
+    loop {
+        let (first, count) = wire::read_request(&mut s, total)?;
+        queue.requested(first, count as u64);
+        for pfn in first..first + count as u64 {
+            // SAFETY: read_request checked the range; the VM is paused here.
+            let src = unsafe { std::slice::from_raw_parts(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
+            if is_zero(src) {
+                batch.zero(pfn);
+            } else {
+                batch.raw(pfn).copy_from_slice(src);
+            }
+        }
+        let bytes = batch.seal();
+        w.write_all(bytes)?;
+        let n = bytes.len() as u64;
+        batch.reset();
+        ctl.update(|st| {
+            st.pages_requested += count as u64;
+            st.pages_sent += count as u64;
+            st.wire_bytes += n;
+        });
+    }
+}

@@ -1,0 +1,242 @@
+//! Postcopy and hybrid between two VMs of one process over real loopback
+//! TCP, real userfaultfd and a real helper process: byte-exact RAM, the
+//! dirtier oracle on the destination, RAM clients, recovery after a cut.
+
+mod common;
+use common::*;
+use migration::postcopy::clients::RamClients;
+use migration::qmp::Outcome;
+use migration::vm::MigratableVm;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// Hash of every page without byte 0 (the dirtier's counter, which the
+/// oracle checks instead): what the destination runs on must equal what
+/// the source stopped with in every other byte.
+fn tail_hashes(vm: &Side) -> Vec<u64> {
+    let ram = vm.dynvm.ram();
+    (0..ram.pages())
+        .map(|p| {
+            let page = unsafe { std::slice::from_raw_parts(ram.host_addr.add((p * 4096) as usize), 4096) };
+            xxhash_rust::xxh3::xxh3_64(&page[1..])
+        })
+        .collect()
+}
+
+fn assert_same(a: &[u64], b: &[u64]) {
+    let diff: Vec<usize> = (0..a.len()).filter(|&i| a[i] != b[i]).collect();
+    assert!(diff.is_empty(), "{} pages differ, first {:?}", diff.len(), &diff[..diff.len().min(8)]);
+}
+
+fn finish(src: &Side, dst: &Side) -> (Value, Value) {
+    let o_src = src.slot.wait();
+    let o_dst = dst.slot.wait();
+    let s = src.cmd("query-migrate", json!({})).unwrap();
+    let d = dst.cmd("query-migrate", json!({})).unwrap();
+    assert_eq!(o_src, Some(Outcome::OutgoingCompleted), "source: {s:#}\ndestination: {d:#}");
+    assert!(matches!(o_dst, Some(Outcome::IncomingCompleted { .. })), "destination: {d:#}");
+    assert_eq!(s["status"], "completed");
+    assert_eq!(d["status"], "completed");
+    (s, d)
+}
+
+#[test]
+fn postcopy_idle_vm_arrives_byte_exact() {
+    for channels in [1, 4] {
+        let src = Side::new(64 * MIB, 1);
+        src.vm.fill(16, 12000); // the rest stays zero (memfd holes)
+        let dst = Side::new(64 * MIB, 1);
+        let port = dst.incoming(false);
+        src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "channels": channels})).unwrap();
+        let (s, d) = finish(&src, &dst);
+        assert_eq!(s["mode"], "postcopy");
+        assert!(src.vm.is_paused());
+        assert_same(&src.hashes(), &dst.hashes());
+        assert_eq!(d["remaining_pages"], 0);
+        assert!(s["pages_pushed"].as_u64().unwrap() > 0, "{s:#}");
+        assert!(s["downtime_ms"].as_f64().is_some());
+        // Zero pages are markers, not 4 KiB each.
+        assert!(s["wire_bytes"].as_u64().unwrap() < 12100 * 4096 + 2_000_000, "{s:#}");
+    }
+}
+
+/// The destination runs the dirtier at once: it faults on pages that have
+/// not arrived, they are fetched, and the oracle holds.
+#[test]
+fn postcopy_dirtier_runs_on_destination_at_once() {
+    let src = Side::new(64 * MIB, 2);
+    src.vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let dst = Side::new(64 * MIB, 2);
+    let port = dst.incoming(true);
+    // A slow push, so the running guest must fault for most pages.
+    src.cmd(
+        "migrate",
+        json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "channels": 2, "max_bandwidth": 40_000_000u64}),
+    )
+    .unwrap();
+    let (s, d) = finish(&src, &dst);
+    assert!(d["faults"].as_u64().unwrap() > 0, "the guest never waited for a page: {d:#}");
+    assert!(s["pages_requested"].as_u64().unwrap() > 0, "{s:#}");
+    assert!(d["fault_p50_us"].as_f64().is_some() && d["fault_p99_us"].as_f64().is_some());
+    assert_eq!(s["faults"], d["faults"], "the source reports the destination's faults");
+    dst.vm.pause().unwrap();
+    assert_same(&tail_hashes(&src), &tail_hashes(&dst));
+    dst.vm.check_oracle().unwrap();
+    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+}
+
+/// Hybrid: precopy rounds that cannot converge (a zero downtime target
+/// never fits), then the switch once they stop shrinking.
+#[test]
+fn hybrid_switches_when_rounds_stop_shrinking() {
+    let src = Side::new(64 * MIB, 2);
+    src.vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let dst = Side::new(64 * MIB, 2);
+    let port = dst.incoming(true);
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "channels": 2, "downtime_ms": 0})).unwrap();
+    let (s, d) = finish(&src, &dst);
+    assert_eq!(s["mode"], "hybrid");
+    assert!(s["rounds"].as_u64().unwrap() >= 2, "{s:#}");
+    assert!(s["postcopy_ms"].as_f64().unwrap() > 0.0, "never switched: {s:#}");
+    assert_eq!(s["throttle_steps"], 0, "hybrid switches instead of throttling");
+    let _ = d;
+    dst.vm.pause().unwrap();
+    assert_same(&tail_hashes(&src), &tail_hashes(&dst));
+    dst.vm.check_oracle().unwrap();
+    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+}
+
+#[test]
+fn hybrid_switches_on_migrate_start_postcopy() {
+    let src = Side::new(64 * MIB, 2);
+    src.vm.resume().unwrap();
+    let dst = Side::new(64 * MIB, 2);
+    let port = dst.incoming(true);
+    // Capped so that rounds take a while, and a downtime it cannot reach.
+    src.cmd(
+        "migrate",
+        json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "downtime_ms": 1, "max_bandwidth": 50_000_000u64}),
+    )
+    .unwrap();
+    wait_until("the first round", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
+    src.cmd("migrate-start-postcopy", json!({})).unwrap();
+    let (s, _) = finish(&src, &dst);
+    assert!(s["postcopy_ms"].as_f64().unwrap() > 0.0, "{s:#}");
+    dst.vm.pause().unwrap();
+    dst.vm.check_oracle().unwrap();
+}
+
+#[test]
+fn postcopy_commands_refused_where_they_make_no_sense() {
+    let src = Side::new(16 * MIB, 1);
+    let e = src.cmd("migrate-start-postcopy", json!({})).unwrap_err();
+    assert!(e.desc.contains("no outgoing migration"), "{e}");
+    let e = src.cmd("migrate-recover", json!({"uri": "tcp:127.0.0.1:0"})).unwrap_err();
+    assert!(e.desc.contains("no paused"), "{e}");
+    let e = src.cmd("migrate", json!({"uri": "tcp:127.0.0.1:1", "resume": true})).unwrap_err();
+    assert!(e.desc.contains("no paused"), "{e}");
+    let e = src.cmd("migrate", json!({"uri": "tcp:127.0.0.1:1", "mode": "sideways"})).unwrap_err();
+    assert!(e.desc.contains("mode"), "{e}");
+}
+
+/// A process outside the vmm maps guest RAM and reads pages that have not
+/// arrived: it gets their real bytes, never zeros.
+#[test]
+fn helper_process_reads_missing_pages_correctly() {
+    // No dirtier: what the helper reads must be exactly the source's RAM.
+    let src = Side::new(64 * MIB, 0);
+    src.vm.fill(0, 16384);
+    let dst = Side::new(64 * MIB, 0);
+    let sock = std::env::temp_dir().join(format!("transit-ramc-{}.sock", std::process::id()));
+    let clients = RamClients::bind(&sock, dst.dynvm.ram()).unwrap();
+    dst.slot.set_ram_clients(clients.clone());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ram-client-probe"))
+        .arg(&sock)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut stdin = child.stdin.take().unwrap();
+    let _guard = Kill(child);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.starts_with("ready"), "{line}");
+    wait_until("the client joined", || clients.count() == 1);
+
+    let want = src.hashes();
+    let port = dst.incoming(true);
+    // 10 MB/s: 64 MiB takes seconds, the reads below come long before.
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "max_bandwidth": 10_000_000u64})).unwrap();
+    wait_until("postcopy", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-active");
+    let before = dst.cmd("query-migrate", json!({})).unwrap();
+    assert!(before["remaining_pages"].as_u64().unwrap() > 8000, "{before:#}");
+    let mut checked = 0;
+    for first in [16000u64, 9000, 12345] {
+        writeln!(stdin, "read {first} 16").unwrap();
+        loop {
+            line.clear();
+            out.read_line(&mut line).unwrap();
+            if line.trim() == "done" {
+                break;
+            }
+            let v: Vec<u64> = line.split_whitespace().map(|x| x.parse().unwrap()).collect();
+            assert_eq!(v[2], 0, "page {} read as zeros", v[0]);
+            assert_eq!(v[1], want[v[0] as usize], "page {} differs from the source", v[0]);
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 48);
+    let (_, d) = finish(&src, &dst);
+    assert_eq!(d["ram_clients"], 1);
+    assert!(d["faults"].as_u64().unwrap() >= 3, "{d:#}");
+    assert_same(&want, &dst.hashes());
+}
+
+/// Every connection breaks mid-postcopy: both ends pause, the source keeps
+/// the pages, `migrate resume` through the same path finishes, nothing is
+/// lost or stale.
+#[test]
+fn postcopy_recovers_after_the_connections_break() {
+    let src = Side::new(64 * MIB, 2);
+    src.vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let dst = Side::new(64 * MIB, 2);
+    let port = dst.incoming(true);
+    let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
+    src.cmd(
+        "migrate",
+        json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "mode": "postcopy", "channels": 2, "max_bandwidth": 20_000_000u64}),
+    )
+    .unwrap();
+    wait_until("postcopy", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-active");
+    std::thread::sleep(Duration::from_millis(300));
+    proxy.cut_all();
+    wait_until("the source pauses", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-paused");
+    wait_until("the destination pauses", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-paused");
+    let d = dst.cmd("query-migrate", json!({})).unwrap();
+    assert!(d["error"].as_str().unwrap().contains("pages are still on the source"), "{d:#}");
+    let e = src.cmd("migrate-cancel", json!({})).unwrap_err();
+    assert!(e.desc.contains("postcopy"), "{e}");
+    std::thread::sleep(Duration::from_millis(200));
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "resume": true})).unwrap();
+    let (s, d) = finish(&src, &dst);
+    assert_eq!(s["recoveries"], 1, "{s:#}");
+    assert_eq!(d["recoveries"], 1, "{d:#}");
+    assert!(d["paused_ms"].as_f64().unwrap() > 0.0);
+    dst.vm.pause().unwrap();
+    assert_same(&tail_hashes(&src), &tail_hashes(&dst));
+    dst.vm.check_oracle().unwrap();
+    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+}
