@@ -281,6 +281,7 @@ pub(crate) fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) 
             Ok((s, _)) => {
                 s.set_nonblocking(false)?;
                 s.set_nodelay(true)?;
+                wire::tune_socket(&s);
                 ctl.register(&s);
                 return Ok(s);
             }

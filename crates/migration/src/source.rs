@@ -307,6 +307,7 @@ pub(crate) fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
         .ok_or_else(|| anyhow!("{addr} resolves to nothing"))?;
     let s = TcpStream::connect_timeout(&sa, Duration::from_secs(10)).with_context(|| format!("connecting to {addr}"))?;
     s.set_nodelay(true)?;
+    wire::tune_socket(&s);
     ctl.register(&s);
     Ok(s)
 }

@@ -36,6 +36,24 @@ pub enum WireError {
     Io(#[from] io::Error),
 }
 
+/// A dead peer or a cut link must show up as an error within seconds, not
+/// after TCP's 15 minutes: keepalives on idle connections (2 s, then every
+/// second, 3 misses) and a 6 s limit on unacknowledged data. Postcopy
+/// relies on it to pause and wait for recovery.
+pub fn tune_socket(s: &std::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let set = |level: i32, opt: i32, v: i32| {
+        // SAFETY: an int option on our own socket.
+        unsafe { libc::setsockopt(fd, level, opt, &v as *const i32 as *const libc::c_void, 4) };
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 2);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 6000);
+}
+
 pub fn write_preamble(w: &mut impl Write, version: u32, role: u8) -> io::Result<()> {
     let mut b = [0u8; 16];
     b[..8].copy_from_slice(&MAGIC);

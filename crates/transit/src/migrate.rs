@@ -33,6 +33,16 @@ pub struct MigrateArgs {
     /// Do not slow the vCPUs when the guest dirties faster than the link.
     #[arg(long)]
     pub no_auto_converge: bool,
+    /// precopy: rounds until the rest fits the downtime; postcopy: switch at
+    /// once, the destination fetches what it touches; hybrid: precopy rounds,
+    /// then postcopy once they stop shrinking (or on `migrate-start-postcopy`).
+    #[arg(long, default_value = "precopy", value_parser = ["precopy", "postcopy", "hybrid"])]
+    pub mode: String,
+    /// Go on with a postcopy migration paused by a broken connection, to
+    /// --to (the destination's original address, or the one its
+    /// `migrate-recover` gave).
+    #[arg(long)]
+    pub resume: bool,
     /// Print the final report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -62,9 +72,18 @@ pub struct MigrateIncomingArgs {
 pub fn migrate(a: MigrateArgs) -> Result<()> {
     let max_bandwidth = migration::ratelimit::parse_bandwidth(&a.max_bandwidth).map_err(anyhow::Error::msg)?;
     let mut c = a.target.client()?;
+    if a.resume {
+        c.execute("migrate", json!({"uri": format!("tcp:{}", a.to), "resume": true}))?;
+        if a.detach {
+            return Ok(());
+        }
+        let st = follow(&mut c, !a.json)?;
+        return report(&st, a.json);
+    }
     c.execute(
         "migrate",
         json!({
+            "mode": a.mode,
             "uri": format!("tcp:{}", a.to),
             "channels": a.channels,
             "compress": a.compress,
@@ -79,6 +98,30 @@ pub fn migrate(a: MigrateArgs) -> Result<()> {
     }
     let st = follow(&mut c, !a.json)?;
     report(&st, a.json)
+}
+
+#[derive(clap::Args)]
+pub struct MigrateRecoverArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// New address to listen on for the source, ADDR:PORT (a paused
+    /// destination also keeps accepting on its original address).
+    #[arg(long)]
+    pub listen: String,
+}
+
+/// Destination of a paused postcopy: listen for the source on a new address.
+pub fn migrate_recover(a: MigrateRecoverArgs) -> Result<()> {
+    let mut c = a.target.client()?;
+    let r = c.execute("migrate-recover", json!({"uri": format!("tcp:{}", a.listen)}))?;
+    eprintln!("listening on port {} for the source's `transit vm migrate --resume`", r["port"]);
+    Ok(())
+}
+
+/// Source of a hybrid migration: switch to postcopy at the end of this round.
+pub fn start_postcopy(t: Target) -> Result<()> {
+    t.client()?.execute("migrate-start-postcopy", json!({}))?;
+    Ok(())
 }
 
 pub fn migrate_incoming(a: MigrateIncomingArgs) -> Result<()> {
@@ -120,13 +163,20 @@ fn follow(c: &mut Client, bar: bool) -> Result<Value> {
         pb.set_length(total);
         pb.set_position(if rounds == 0 { sent.min(total) } else { total - remaining.min(total) });
         let secs = t.elapsed().as_secs_f64().max(1e-3);
+        let detail = if status.starts_with("postcopy") {
+            format!("faults {} | requested {} pages", st["faults"].as_u64().unwrap_or(0), st["pages_requested"].as_u64().unwrap_or(0))
+        } else {
+            format!("throttle {}%", st["throttle_pct"].as_u64().unwrap_or(0))
+        };
         pb.set_message(format!(
-            "{status} round {} | {:.2} Gbit/s | remaining {} pages | throttle {}%",
+            "{status} round {} | {:.2} Gbit/s | remaining {} pages | {detail}",
             rounds,
             st["wire_bytes"].as_u64().unwrap_or(0) as f64 * 8.0 / secs / 1e9,
             remaining,
-            st["throttle_pct"].as_u64().unwrap_or(0)
         ));
+        if status == "postcopy-paused" {
+            pb.println(format!("paused: {}", st["error"].as_str().unwrap_or("")));
+        }
         if matches!(status.as_str(), "completed" | "failed" | "cancelled") {
             pb.finish_and_clear();
             return Ok(st);
@@ -159,6 +209,12 @@ fn report(st: &Value, as_json: bool) -> Result<()> {
                     r["round"], r["pages"], r["duration_ms"].as_f64().unwrap_or(0.0), r["dirty_pages_per_s"].as_f64().unwrap_or(0.0), r["throttle_pct"]
                 );
             }
+        }
+        if st["mode"].as_str().is_some_and(|m| m != "precopy") {
+            println!("mode              {}", st["mode"].as_str().unwrap_or("?"));
+            println!("postcopy          {} ms, pages pushed {} / requested {}", f("postcopy_ms"), u("pages_pushed"), u("pages_requested"));
+            println!("faults            {} (wait p50 {} us, p99 {} us, max {} us)", u("faults"), f("fault_p50_us"), f("fault_p99_us"), f("fault_max_us"));
+            println!("recoveries        {} ({} ms paused)", u("recoveries"), f("paused_ms"));
         }
         println!("CPU               source {} s, destination {} s", f("cpu_s_source"), f("cpu_s_dest"));
     }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use vmm::control::{Client, Control, ProcessRequest};
 use migration::qmp::{MigrationSlot, Outcome};
+use migration::stats::Status;
 use migration::vm::MigratableVm;
 use vmm::{RunState, Vm, VmConfig};
 
@@ -49,6 +50,11 @@ pub enum VmCmd {
     /// Make a VM started with `--incoming` (or any paused, never-run VM)
     /// wait for an incoming migration.
     MigrateIncoming(crate::migrate::MigrateIncomingArgs),
+    /// Destination of a postcopy paused by a broken connection: listen on a
+    /// new address for the source's `migrate --resume`.
+    MigrateRecover(crate::migrate::MigrateRecoverArgs),
+    /// Source of a hybrid migration: switch to postcopy now.
+    MigrateStartPostcopy(Target),
     /// Send any control command, e.g. `transit vm cmd query-status` or
     /// `transit vm cmd pmemsave '{"val":0,"size":4096,"filename":"/tmp/p"}'`.
     Cmd {
@@ -124,6 +130,10 @@ pub struct RunArgs {
     /// `quit` (default: exit two seconds after completion).
     #[arg(long)]
     pub keep_after_migrate: bool,
+    /// Unix socket where processes that map guest RAM (rnicd, backends)
+    /// join, so an incoming postcopy serves their faults too.
+    #[arg(long)]
+    pub ram_socket: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -162,6 +172,8 @@ pub fn run(cmd: VmCmd) -> Result<()> {
         }
         VmCmd::Migrate(a) => crate::migrate::migrate(a),
         VmCmd::MigrateIncoming(a) => crate::migrate::migrate_incoming(a),
+        VmCmd::MigrateRecover(a) => crate::migrate::migrate_recover(a),
+        VmCmd::MigrateStartPostcopy(t) => crate::migrate::start_postcopy(t),
         VmCmd::Cmd { target, command, arguments } => {
             let args: Value = serde_json::from_str(&arguments).context("arguments must be a JSON object")?;
             print(target.client()?.execute(&command, args)?)
@@ -210,7 +222,7 @@ fn run_vm(a: RunArgs) -> Result<()> {
     let config = VmConfig { name: a.name.clone(), memory, vcpus: a.vcpus, firmware, cmdline, nvme: a.nvme };
     let vm = Vm::build(config, console_sink(a.console_log)?)?;
     let socket = a.control.unwrap_or_else(|| default_socket(&a.name));
-    let opts = ServeOpts { start: !a.paused, incoming: a.incoming, keep_after_migrate: a.keep_after_migrate };
+    let opts = ServeOpts { start: !a.paused, incoming: a.incoming, keep_after_migrate: a.keep_after_migrate, ram_socket: a.ram_socket };
     if opts.incoming.is_none() {
         vm.boot()?;
     }
@@ -225,7 +237,7 @@ fn restore_vm(a: RestoreArgs) -> Result<()> {
     reader.read_ram(vm.ram())?;
     vm.restore_state(&state)?;
     let socket = a.control.unwrap_or_else(|| default_socket(&vm.config.name));
-    serve(vm, &socket, ServeOpts { start: !a.paused, incoming: None, keep_after_migrate: false })
+    serve(vm, &socket, ServeOpts { start: !a.paused, incoming: None, keep_after_migrate: false, ram_socket: None })
 }
 
 struct ServeOpts {
@@ -233,6 +245,7 @@ struct ServeOpts {
     start: bool,
     incoming: Option<String>,
     keep_after_migrate: bool,
+    ram_socket: Option<PathBuf>,
 }
 
 /// How long a source that migrated away stays up so clients can read the
@@ -252,6 +265,19 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
     {
         let (slot, vm_dyn) = (slot.clone(), vm_dyn.clone());
         control.extend(Box::new(move |_vm, cmd, args| {
+            if cmd == "cont" {
+                // A source whose state went to the destination must never
+                // run again: from the pause of stop-and-copy or the
+                // postcopy switch on, `cont` would split the VM in two.
+                let st = slot.stats().filter(|s| s.role == "outgoing").map(|s| s.status);
+                if matches!(st, Some(Status::Device | Status::PostcopyActive | Status::PostcopyPaused | Status::Completed)) {
+                    return Some(Err(vmm::control::CmdError {
+                        class: "GenericError",
+                        desc: "the VM is being handed over to the migration destination; it cannot run here".into(),
+                    }));
+                }
+                return None;
+            }
             if !MIGRATION_COMMANDS.contains(&cmd) {
                 return None;
             }
@@ -262,6 +288,14 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
         }));
     }
     control.serve(socket)?;
+    let _ram_clients = match &opts.ram_socket {
+        Some(p) => {
+            let c = migration::postcopy::clients::RamClients::bind(p, vm_dyn.ram())?;
+            slot.set_ram_clients(c.clone());
+            Some(c)
+        }
+        None => None,
+    };
     tracing::info!(name = %vm.config.name, socket = %socket.display(), "VM ready");
     if let Some(uri) = &opts.incoming {
         migration::qmp::handle(&vm_dyn, &slot, "migrate-incoming", &json!({"uri": uri, "resume": opts.start}))

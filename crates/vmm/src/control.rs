@@ -140,6 +140,13 @@ impl Control {
 
     pub fn execute(&self, cmd: &str, args: &Value) -> CmdResult {
         let vm = &self.vm;
+        // Extensions first: they add commands and may veto built-in ones
+        // (the migration engine refuses `cont` on a VM it handed over).
+        for e in &self.extensions {
+            if let Some(r) = e(vm, cmd, args) {
+                return r;
+            }
+        }
         match cmd {
             "qmp_capabilities" => Ok(json!({})),
             "query-commands" => Ok(json!(COMMANDS.iter().map(|c| json!({"name": c})).collect::<Vec<_>>())),
@@ -219,14 +226,7 @@ impl Control {
                 nvme_arg(vm, args)?.lock().unwrap().detach_namespace(nsid).map_err(CmdError::generic)?;
                 Ok(json!({}))
             }
-            _ => {
-                for e in &self.extensions {
-                    if let Some(r) = e(vm, cmd, args) {
-                        return r;
-                    }
-                }
-                Err(CmdError { class: "CommandNotFound", desc: format!("the command {cmd} has not been found") })
-            }
+            _ => Err(CmdError { class: "CommandNotFound", desc: format!("the command {cmd} has not been found") }),
         }
     }
 }
