@@ -114,6 +114,15 @@ fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
     while let Ok(Some(rec)) = it.next_record() {
         let pfn = match rec {
             Record::Raw { pfn, .. } | Record::Compressed { pfn, .. } if !sh.maybe_nonzero.get(pfn) => pfn,
+            Record::RawRun { pfn, data } => {
+                // Rare in precopy; populate the whole run.
+                let c = data.len() as u64 / PAGE_SIZE;
+                if let Some(r) = run.take() {
+                    flush(r);
+                }
+                flush((pfn, c));
+                continue;
+            }
             _ => continue,
         };
         run = match run {
@@ -144,6 +153,10 @@ pub(crate) fn place_batch(placer: &Placer, payload: &[u8], records: u32, total: 
             Record::Raw { pfn, data } => {
                 placer.place(pfn, data, via)?;
                 n += 1;
+            }
+            Record::RawRun { pfn, data } => {
+                placer.place(pfn, data, via)?;
+                n += (data.len() as u64) / PAGE_SIZE;
             }
             Record::Compressed { pfn, kind, data } => {
                 decompress(kind, data, &mut page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
@@ -192,6 +205,15 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                                 sh.maybe_nonzero.set(pfn);
                                 sh.seen.set(pfn);
                                 n += 1;
+                            }
+                            Record::RawRun { pfn, data } => {
+                                for (i, page) in data.chunks(PAGE_SIZE as usize).enumerate() {
+                                    let p = pfn + i as u64;
+                                    page_mut(&sh.ram, p).copy_from_slice(page);
+                                    sh.maybe_nonzero.set(p);
+                                    sh.seen.set(p);
+                                    n += 1;
+                                }
                             }
                             Record::Compressed { pfn, kind, data } => {
                                 decompress(kind, data, page_mut(&sh.ram, pfn), &mut zstd)

@@ -168,7 +168,7 @@ impl Channel {
             }
             let i = w.next.fetch_add(1, Ordering::Relaxed);
             let Some(item) = w.items.get(i) else { break };
-            self.send_item(item, comp, batch, cbuf, &mut sent)?;
+            self.send_item(item, comp, batch, cbuf, &mut sent, false)?;
         }
         self.flush(batch, &mut sent)?;
         wire::write_sync(&mut self.stream, w.round).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
@@ -181,7 +181,7 @@ impl Channel {
         while q.claim(CHUNK_PAGES, &mut claims) {
             for c in &claims {
                 let item = WorkItem { first: c.first, count: c.count, known_zero: c.known_zero };
-                self.send_item(&item, comp, batch, cbuf, &mut sent)?;
+                self.send_item(&item, comp, batch, cbuf, &mut sent, true)?;
             }
             // Flush per chunk: the pages near a fault should not wait for
             // a full batch.
@@ -191,7 +191,8 @@ impl Channel {
         Ok(sent)
     }
 
-    fn send_item(&mut self, item: &WorkItem, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>, sent: &mut Sent) -> Result<()> {
+    /// `runs`: raw pages go as runs (postcopy: one placement per run).
+    fn send_item(&mut self, item: &WorkItem, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>, sent: &mut Sent, runs: bool) -> Result<()> {
         let mut tmp = [0u8; PAGE_SIZE as usize];
         {
             if item.known_zero {
@@ -237,6 +238,9 @@ impl Channel {
                         batch.raw(pfn).copy_from_slice(&tmp[..]);
                         sent.raw += 1;
                     }
+                } else if runs {
+                    batch.raw_in_run(pfn).copy_from_slice(src);
+                    sent.raw += 1;
                 } else {
                     batch.raw(pfn).copy_from_slice(src);
                     sent.raw += 1;

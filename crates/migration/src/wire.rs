@@ -216,6 +216,9 @@ pub enum Enc {
     Zstd = 3,
     /// u32 count: `count` zero pages from this one on.
     ZeroRun = 4,
+    /// u32 count, then `count` raw pages from this one on (placed with one
+    /// copy on a postcopy destination).
+    RawRun = 5,
 }
 
 impl Enc {
@@ -226,6 +229,7 @@ impl Enc {
             2 => Enc::Lz4,
             3 => Enc::Zstd,
             4 => Enc::ZeroRun,
+            5 => Enc::RawRun,
             _ => return None,
         })
     }
@@ -236,7 +240,12 @@ pub struct BatchWriter {
     buf: Vec<u8>,
     records: u32,
     pub pages: u64,
+    /// The open raw run: where its count is and the page that would extend it.
+    run: Option<(usize, u64)>,
 }
+
+/// Longest raw run: 256 KiB, one batch.
+pub const MAX_RAW_RUN: u32 = 64;
 
 pub const BATCH_BYTES: usize = 256 << 10;
 
@@ -250,9 +259,10 @@ impl BatchWriter {
     pub fn new() -> Self {
         let mut buf = Vec::with_capacity(BATCH_BYTES + 2 * PAGE);
         buf.extend_from_slice(&[0u8; 9]);
-        BatchWriter { buf, records: 0, pages: 0 }
+        BatchWriter { buf, records: 0, pages: 0, run: None }
     }
     fn head(&mut self, pfn: u64, enc: Enc) {
+        self.run = None;
         self.buf.extend_from_slice(&((pfn << 4) | enc as u64).to_le_bytes());
         self.records += 1;
     }
@@ -268,6 +278,26 @@ impl BatchWriter {
     /// Append room for a raw page and return it to be filled.
     pub fn raw(&mut self, pfn: u64) -> &mut [u8] {
         self.head(pfn, Enc::Raw);
+        self.pages += 1;
+        let at = self.buf.len();
+        self.buf.resize(at + PAGE, 0);
+        &mut self.buf[at..]
+    }
+    /// Room for raw page `pfn`, appended to the open run if it follows it.
+    pub fn raw_in_run(&mut self, pfn: u64) -> &mut [u8] {
+        match self.run {
+            Some((at, next)) if next == pfn => {
+                let n = u32::from_le_bytes(self.buf[at..at + 4].try_into().unwrap()) + 1;
+                self.buf[at..at + 4].copy_from_slice(&n.to_le_bytes());
+                self.run = (n < MAX_RAW_RUN).then_some((at, pfn + 1));
+            }
+            _ => {
+                self.head(pfn, Enc::RawRun);
+                let at = self.buf.len();
+                self.buf.extend_from_slice(&1u32.to_le_bytes());
+                self.run = Some((at, pfn + 1));
+            }
+        }
         self.pages += 1;
         let at = self.buf.len();
         self.buf.resize(at + PAGE, 0);
@@ -300,6 +330,7 @@ impl BatchWriter {
         self.buf.truncate(9);
         self.records = 0;
         self.pages = 0;
+        self.run = None;
     }
 }
 
@@ -373,6 +404,8 @@ impl DataReader {
 pub enum Record<'a> {
     Zero { pfn: u64, count: u64 },
     Raw { pfn: u64, data: &'a [u8] },
+    /// `data.len() / 4096` raw pages from `pfn` on.
+    RawRun { pfn: u64, data: &'a [u8] },
     Compressed { pfn: u64, kind: Compress, data: &'a [u8] },
 }
 
@@ -413,6 +446,13 @@ impl<'a> Records<'a> {
                 Record::Zero { pfn, count: c }
             }
             Enc::Raw => Record::Raw { pfn, data: self.take(PAGE)? },
+            Enc::RawRun => {
+                let c = u32::from_le_bytes(self.take(4)?.try_into().unwrap());
+                if c == 0 || c > MAX_RAW_RUN {
+                    return Err(WireError::Corrupt(format!("raw run of {c} pages")));
+                }
+                Record::RawRun { pfn, data: self.take(c as usize * PAGE)? }
+            }
             Enc::Lz4 | Enc::Zstd => {
                 let n = u16::from_le_bytes(self.take(2)?.try_into().unwrap()) as usize;
                 if n > PAGE {
@@ -424,6 +464,7 @@ impl<'a> Records<'a> {
         };
         let (first, count) = match &rec {
             Record::Zero { pfn, count } => (*pfn, *count),
+            Record::RawRun { pfn, data } => (*pfn, (data.len() / PAGE) as u64),
             Record::Raw { pfn, .. } | Record::Compressed { pfn, .. } => (*pfn, 1),
         };
         if count == 0 || first.checked_add(count).is_none_or(|e| e > self.total_pages) {
@@ -444,6 +485,9 @@ mod tests {
         b.zero_run(10, 5);
         b.raw(7).fill(0xab);
         b.compressed(8, Enc::Lz4, &[1, 2, 3]);
+        for p in [20, 21, 22, 30] {
+            b.raw_in_run(p).fill(p as u8);
+        }
         let bytes = b.seal().to_vec();
         let mut rd = DataReader::default();
         let DataItem::Pages { records } = rd.next(&mut bytes.as_slice()).unwrap() else { panic!() };
@@ -454,12 +498,19 @@ mod tests {
                 assert_eq!(pfn, 7);
                 assert!(data.iter().all(|&x| x == 0xab));
             }
+            if let Record::RawRun { pfn, data } = r {
+                let pages: Vec<u8> = data.chunks(PAGE).map(|c| c[0]).collect();
+                assert!(pfn == 20 && pages == [20, 21, 22] || pfn == 30 && pages == [30], "run at {pfn}: {pages:?}");
+            }
             n += 1;
         }
-        assert_eq!(n, 4);
+        assert_eq!(n, 6);
         // A page number beyond RAM is refused, never written.
         let mut it = Records::new(&rd.payload, records, 12);
-        assert!((0..4).any(|_| it.next_record().is_err()));
+        assert!((0..6).any(|_| it.next_record().is_err()));
+        // A run reaching past RAM is refused too.
+        let mut it = Records::new(&rd.payload, records, 22);
+        assert!((0..6).any(|_| it.next_record().is_err()));
         // Any flipped byte is caught by the checksum.
         for i in [0usize, 3, 9, 20, bytes.len() - 1] {
             let mut bad = bytes.clone();

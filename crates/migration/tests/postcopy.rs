@@ -209,19 +209,21 @@ fn helper_process_reads_missing_pages_correctly() {
 /// lost or stale.
 #[test]
 fn postcopy_recovers_after_the_connections_break() {
-    let src = Side::new(64 * MIB, 2);
+    // 128 MiB at 10 MB/s and a guest that faults its way through: the
+    // cut below lands long before the last page.
+    let src = Side::new(128 * MIB, 2);
     src.vm.resume().unwrap();
     std::thread::sleep(Duration::from_millis(50));
-    let dst = Side::new(64 * MIB, 2);
+    let dst = Side::new(128 * MIB, 2);
     let port = dst.incoming(true);
     let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
     src.cmd(
         "migrate",
-        json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "mode": "postcopy", "channels": 2, "max_bandwidth": 20_000_000u64}),
+        json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "mode": "postcopy", "channels": 2, "max_bandwidth": 10_000_000u64}),
     )
     .unwrap();
     wait_until("postcopy", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-active");
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(100));
     proxy.cut_all();
     wait_until("the source pauses", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-paused");
     wait_until("the destination pauses", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-paused");

@@ -97,6 +97,7 @@ impl Link {
 }
 
 fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) -> Result<()> {
+    super::urgent_priority();
     let mut rd = DataReader::default();
     let mut zstd = None;
     loop {
@@ -160,6 +161,8 @@ pub(crate) fn run(
 ) -> Result<bool> {
     let cpu0 = thread_cpu_s();
     let t_sw = Instant::now();
+    // Until the VM runs, this is downtime and blocks only on I/O.
+    super::set_priority(true);
     let step = |name: &str| {
         let ms = t_sw.elapsed().as_secs_f64() * 1e3;
         ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
@@ -203,6 +206,7 @@ pub(crate) fn run(
     step("resumed");
     let t = unix_ns();
     let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: thread_cpu_s() - cpu0 });
+    super::set_priority(false);
     let t_post = Instant::now();
     ctl.update(|s| {
         if resumed {
@@ -290,9 +294,11 @@ pub(crate) fn run(
         if let Err(e) = wire::send_msg(&mut l.control, &complete) {
             tracing::warn!("could not tell the source that postcopy completed: {e}");
         }
-        // The source ends its streams once its push is done.
-        for t in l.channels.drain(..) {
-            let _ = t.join();
+        // The source stops pushing on Complete and ends its streams; a link
+        // that dies now loses nothing, so wait only a little.
+        let t = Instant::now();
+        while l.channels.iter().any(|c| !c.is_finished()) && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
         }
         l.close(ctl, &sink);
     }

@@ -87,6 +87,7 @@ impl Drop for FaultThread {
 }
 
 fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<OwnedFd>, stop: Arc<AtomicBool>) {
+    super::urgent_priority();
     let mut wanted = Vec::new();
     while !stop.load(Ordering::SeqCst) {
         // Domains can join while we run (helpers register before resume).

@@ -19,6 +19,18 @@ use userfaultfd::Uffd;
 
 const PAGE: u64 = crate::dirty::PAGE_SIZE;
 
+// linux/userfaultfd.h: the crate's copy() hides how much a failed copy
+// placed, which a run with one page already there needs.
+const UFFDIO_COPY: libc::c_ulong = 0xC028_AA03;
+#[repr(C)]
+struct UffdioCopy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+
 /// A process's missing-page userfaultfd over (part of) guest RAM.
 pub struct FaultDomain {
     pub uffd: Uffd,
@@ -146,23 +158,49 @@ impl Placer {
         *g
     }
 
-    /// Place one page's bytes. Duplicates (the push and a request both
-    /// answered) are harmless: the second copy finds the page there.
+    /// Place whole pages from `pfn` on (`data` is one or more pages).
+    /// Duplicates (the push and a request both answered) are harmless: a
+    /// page already there is skipped.
     pub fn place(&self, pfn: u64, data: &[u8], via: Via) -> anyhow::Result<()> {
-        debug_assert_eq!(data.len() as u64, PAGE);
-        if self.seen.get(pfn) {
+        let pages = data.len() as u64 / PAGE;
+        if pages == 1 && self.seen.get(pfn) {
             return Ok(());
         }
-        let dst = unsafe { self.ram.host_addr.add((pfn * PAGE) as usize) } as *mut libc::c_void;
-        let vmm = self.domain(0).expect("vmm domain");
-        // SAFETY: dst is one page inside the registered RAM mapping; data
-        // is a full page.
-        match unsafe { vmm.uffd.copy(data.as_ptr() as *const libc::c_void, dst, PAGE as usize, true) } {
-            Ok(_) => {}
-            Err(userfaultfd::Error::CopyFailed(e)) if e as i32 == libc::EEXIST => {}
-            Err(e) => anyhow::bail!("placing page {pfn}: {e}"),
+        let uffd = self.domain(0).expect("vmm domain").uffd.as_raw_fd();
+        let mut done = 0u64;
+        while done < pages {
+            let mut c = UffdioCopy {
+                dst: self.ram.host_addr as u64 + (pfn + done) * PAGE,
+                src: data.as_ptr() as u64 + done * PAGE,
+                len: (pages - done) * PAGE,
+                mode: 0,
+                copy: 0,
+            };
+            // SAFETY: dst is inside the registered RAM mapping, src inside
+            // `data`, both for `len` bytes.
+            let r = unsafe { libc::ioctl(uffd, UFFDIO_COPY as _, &mut c as *mut UffdioCopy) };
+            let copied = if c.copy > 0 { c.copy as u64 / PAGE } else { 0 };
+            for p in pfn + done..pfn + done + copied {
+                self.arrived(p, via);
+            }
+            done += copied;
+            if r == 0 {
+                // Everything asked was copied.
+                for p in pfn + done..pfn + pages {
+                    self.arrived(p, via);
+                }
+                break;
+            }
+            match std::io::Error::last_os_error().raw_os_error() {
+                // That page is there already: count it, go on after it.
+                Some(libc::EEXIST) => {
+                    self.arrived(pfn + done, via);
+                    done += 1;
+                }
+                Some(libc::EAGAIN) => {}
+                _ => anyhow::bail!("placing pages {}..{}: {}", pfn + done, pfn + pages, std::io::Error::last_os_error()),
+            }
         }
-        self.arrived(pfn, via);
         Ok(())
     }
 

@@ -51,6 +51,14 @@ impl PushQueue {
         *self.inner.lock().unwrap() = fresh;
     }
 
+    /// Nothing more to push (the destination has every page).
+    pub fn clear(&self) {
+        let mut g = self.inner.lock().unwrap();
+        g.bits.iter_mut().for_each(|w| *w = 0);
+        g.zero.clear();
+        g.left = 0;
+    }
+
     /// Pages still to read and send (known-zero runs not counted).
     pub fn left(&self) -> u64 {
         self.inner.lock().unwrap().left

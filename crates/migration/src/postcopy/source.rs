@@ -77,6 +77,9 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     let total = ram.pages();
 
     // --- the switch: pause, state, stale pages ---
+    // All of it is downtime; it blocks only on I/O. (This thread ends with
+    // the migration, so an early return needs no reset.)
+    super::set_priority(true);
     let paused_at = unix_ns();
     let t_pause = Instant::now();
     let step = |name: &str| {
@@ -100,11 +103,9 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
     state.write_to(&mut blob)?;
     step("state saved");
-    // Everything the destination lacks from here on, pushed from the start
-    // and served on request even while it loads the state.
-    let all = [PageRange { first: 0, count: total }];
-    let (data, zero) = split_known_zero(&ram, missing.as_deref().unwrap_or(&all))?;
-    let queue = Arc::new(PushQueue::new(total, &data, zero));
+    // Requests are served from now on, even while the destination loads
+    // the state (a device may touch RAM); the push queue fills below.
+    let queue = Arc::new(PushQueue::new(total, &[], Vec::new()));
     let mut server = UrgentServer::start(urgent, ram, queue.clone(), ctl.clone())?;
     wire::send_msg(
         &mut control,
@@ -115,6 +116,22 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         let bytes: Vec<u8> = m.iter().flat_map(|r| [r.first.to_le_bytes(), r.count.to_le_bytes()]).flatten().collect();
         wire::send_blob(&mut control, &bytes)?;
     }
+    step("switchover sent");
+    // Everything the destination lacks, split into pages to read and memfd
+    // holes (known zero): walking the holes of a large memfd takes
+    // milliseconds, so it happens while the destination loads, not before.
+    // Pages requested meanwhile may go twice; the second copy is dropped.
+    let q2 = queue.clone();
+    let fill = std::thread::spawn(move || {
+        let all = [PageRange { first: 0, count: total }];
+        let pages = missing.as_deref().unwrap_or(&all);
+        let (data, zero) = split_known_zero(&ram, pages).unwrap_or_else(|e| {
+            // Without the holes every page is read and checked for zero.
+            tracing::warn!("{e:#}; pushing every missing page");
+            (pages.to_vec(), Vec::new())
+        });
+        q2.reset(total, &data, zero);
+    });
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
     match recv_reply(&mut control)? {
         Msg::Loaded { .. } => {}
@@ -135,6 +152,9 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         Err(e) => tracing::warn!("destination did not confirm its start: {e:#}"),
     }
     let _ = unregister.join();
+    // The push can only start once it knows what to push.
+    fill.join().map_err(|_| anyhow!("the push planner panicked"))?;
+    super::set_priority(false);
     let t_post = Instant::now();
     ctl.update(|s| {
         s.status = Status::PostcopyActive;
@@ -202,29 +222,47 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     Ok(())
 }
 
-/// Push until the queue is empty, end the streams, then wait for the
-/// destination's `Complete`.
+/// Push until the queue is empty (or the destination has everything, which
+/// a guest that faults fast reaches before the push), end the streams, and
+/// take the destination's `Complete`.
 fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQueue>, ctl: &Arc<Control>) -> Result<()> {
-    channels.push(queue)?;
-    channels.finish()?;
     control.set_read_timeout(None)?;
-    loop {
-        match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
-            Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients } => {
-                ctl.update(|s| {
-                    s.faults = faults;
-                    s.fault_p50_us = fault_p50_us;
-                    s.fault_p99_us = fault_p99_us;
-                    s.fault_max_us = fault_max_us;
-                    s.cpu_s_dest = Some(cpu_s);
-                    s.ram_clients = ram_clients;
-                });
-                return Ok(());
+    let mut rd = control.try_clone()?;
+    let q = queue.clone();
+    let reader = std::thread::Builder::new().name("postcopy-control".into()).spawn(move || -> Result<Msg> {
+        loop {
+            match wire::recv_msg(&mut rd).map_err(|e| anyhow!("destination: {e}"))? {
+                m @ Msg::Complete { .. } => {
+                    q.clear();
+                    return Ok(m);
+                }
+                Msg::Abort { reason } => bail!("destination: {reason}"),
+                Msg::RoundDone { .. } => {}
+                other => bail!("destination sent {other:?} during postcopy"),
             }
-            Msg::Abort { reason } => bail!("destination: {reason}"),
-            Msg::RoundDone { .. } => {}
-            other => bail!("destination sent {other:?} during postcopy"),
         }
+    })?;
+    let pushed = channels.push(queue).and_then(|_| channels.finish().map(|_| ()));
+    if pushed.is_err() {
+        // Wakes the reader if the connection is only half dead.
+        ctl.shutdown_all();
+    }
+    let complete = reader.join().map_err(|_| anyhow!("postcopy control reader panicked"))?;
+    match complete {
+        Ok(Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients }) => {
+            // Whatever the push did after this, the destination has it all.
+            ctl.update(|s| {
+                s.faults = faults;
+                s.fault_p50_us = fault_p50_us;
+                s.fault_p99_us = fault_p99_us;
+                s.fault_max_us = fault_max_us;
+                s.cpu_s_dest = Some(cpu_s);
+                s.ram_clients = ram_clients;
+            });
+            Ok(())
+        }
+        Ok(_) => unreachable!("the reader returns only Complete"),
+        Err(e) => Err(pushed.err().unwrap_or(e)),
     }
 }
 
@@ -298,6 +336,7 @@ impl UrgentServer {
 }
 
 fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Control) -> Result<()> {
+    super::urgent_priority();
     let total = ram.pages();
     let mut w = s.try_clone()?;
     let mut batch = BatchWriter::new();
