@@ -172,6 +172,8 @@ pub struct Ctrl {
     /// inline reap (it sleeps otherwise, so page-cache hits cost no wakeup).
     pub worker_cv: Arc<Condvar>,
     pub worker_idle: bool,
+    /// The worker must be woken once the lock is released.
+    pub wake_pending: bool,
     /// Reused list of (tag, result) taken from the ring.
     pub reaped: Vec<(u64, i32)>,
 }
@@ -207,6 +209,7 @@ impl Ctrl {
             spare: Vec::new(),
             worker_cv: Arc::new(Condvar::new()),
             worker_idle: false,
+            wake_pending: false,
             reaped: Vec::new(),
         }
     }
@@ -564,19 +567,29 @@ impl Ctrl {
                     tracing::warn!("io_uring submit: {e}");
                 }
                 self.reap();
-                if self.inflight_count > 0 && self.worker_idle {
-                    self.worker_idle = false;
-                    self.worker_cv.notify_one();
-                }
+                self.wake_worker_if_idle();
             }
         }
     }
 
-    /// Take finished file requests and post their completions.
-    pub fn reap(&mut self) {
-        let Some(u) = self.uring.clone() else { return };
+    /// Ask for the completion worker when requests stay in flight and it
+    /// sleeps. The wakeup itself happens when the lock is released (see
+    /// `Locked`), so the woken worker does not run straight into the lock
+    /// this thread still holds.
+    fn wake_worker_if_idle(&mut self) {
+        if self.inflight_count > 0 && self.worker_idle {
+            self.worker_idle = false;
+            self.wake_pending = true;
+        }
+    }
+
+    /// Take finished file requests and post their completions; returns
+    /// how many there were.
+    pub fn reap(&mut self) -> usize {
+        let Some(u) = self.uring.clone() else { return 0 };
         let mut done = std::mem::take(&mut self.reaped);
         u.reap(|tag, res| done.push((tag, res)));
+        let n = done.len();
         for &(tag, res) in &done {
             if tag == STOP_TAG {
                 self.stop = true;
@@ -595,11 +608,9 @@ impl Ctrl {
             if let Some(u) = &self.uring {
                 let _ = u.submit();
             }
-            if self.inflight_count > 0 && self.worker_idle {
-                self.worker_idle = false;
-                self.worker_cv.notify_one();
-            }
+            self.wake_worker_if_idle();
         }
+        n
     }
 
     /// Wait until no file request is in flight (pause, reset, delete queue).
