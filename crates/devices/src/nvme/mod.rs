@@ -17,6 +17,7 @@ mod ctrl;
 mod dma;
 pub mod harness;
 mod io;
+mod jobs;
 mod persist;
 mod queues;
 pub mod spec;
@@ -183,9 +184,29 @@ impl NvmeController {
             // The first wakeup that finds nothing to reap (a request that
             // finished inline) sends it back to the condition variable.
             let mut wait_on_ring = false;
+            let result = c.jobs.result.clone();
             loop {
                 if c.stop {
                     return;
+                }
+                if let Some(slot) = c.jobs.queue.pop_front() {
+                    c.jobs.start(slot);
+                    let Some(op) = c.inflight.get(slot as usize).and_then(|s| s.as_ref()) else {
+                        c.jobs.running = None;
+                        continue;
+                    };
+                    let (fd, iov, n, off, dsync) = (op.fd, op.iov.as_ptr() as usize, op.iov.len(), op.off, op.dsync);
+                    drop(c);
+                    // SAFETY: the slot (and its iovecs) stays until this
+                    // request is finished, by this thread or by a drain
+                    // that waits for `result` first.
+                    let res = unsafe { jobs::pwritev(fd, iov as *const libc::iovec, n, off, dsync) };
+                    jobs::publish(&result, res);
+                    c = lock_raw(&shared);
+                    if let Some((slot, res)) = c.jobs.take_finished() {
+                        c.finish_inflight(slot, res);
+                    }
+                    continue;
                 }
                 if c.inflight_count == 0 && !wait_on_ring {
                     // Nothing asynchronous outstanding: sleep until a
@@ -195,9 +216,11 @@ impl NvmeController {
                     c.worker_idle = false;
                     continue;
                 }
+                c.worker_on_ring = true;
                 drop(c);
                 ring.wait();
                 c = lock_raw(&shared);
+                c.worker_on_ring = false;
                 wait_on_ring = c.reap() > 0;
             }
         });
