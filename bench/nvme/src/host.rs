@@ -20,6 +20,8 @@ pub struct Tally {
     pub wall_ns: u64,
     pub cpu_ns: u64,
     pub lat_ns: Vec<u32>,
+    /// (ops, wall ns, cpu ns) of each slice.
+    pub slices: Vec<(u64, u64, u64)>,
 }
 
 impl Tally {
@@ -30,6 +32,13 @@ impl Tally {
     /// driver, device worker, io_uring's kernel workers) used.
     pub fn cpu_iops(&self) -> f64 {
         self.ops as f64 / (self.cpu_ns.max(1) as f64 / 1e9)
+    }
+
+    fn end_slice(&mut self, ops0: u64, t0: Instant, cpu0: u64) {
+        let (ops, wall, cpu) = (self.ops - ops0, t0.elapsed().as_nanos() as u64, cpu_ns() - cpu0);
+        self.wall_ns += wall;
+        self.cpu_ns += cpu;
+        self.slices.push((ops, wall, cpu));
     }
 }
 
@@ -125,6 +134,7 @@ impl DeviceSide {
 impl Side for DeviceSide {
     fn slice(&mut self, dur: Duration, t: &mut Tally) {
         let (qd, queues) = (self.load.qd, self.load.queues as usize);
+        let ops0 = t.ops;
         let t0 = Instant::now();
         let cpu0 = cpu_ns();
         for q in 1..=queues {
@@ -168,8 +178,7 @@ impl Side for DeviceSide {
                 refill = false;
             }
         }
-        t.wall_ns += t0.elapsed().as_nanos() as u64;
-        t.cpu_ns += cpu_ns() - cpu0;
+        t.end_slice(ops0, t0, cpu0);
     }
 }
 
@@ -225,6 +234,7 @@ impl UringSide {
 impl Side for UringSide {
     fn slice(&mut self, dur: Duration, t: &mut Tally) {
         let (qd, queues) = (self.load.qd as usize, self.load.queues as usize);
+        let ops0 = t.ops;
         let t0 = Instant::now();
         let cpu0 = cpu_ns();
         for q in 0..queues {
@@ -269,8 +279,7 @@ impl Side for UringSide {
                 refill = false;
             }
         }
-        t.wall_ns += t0.elapsed().as_nanos() as u64;
-        t.cpu_ns += cpu_ns() - cpu0;
+        t.end_slice(ops0, t0, cpu0);
     }
 }
 
