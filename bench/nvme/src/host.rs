@@ -80,6 +80,32 @@ impl Load {
     }
 }
 
+/// The driver's poll loop, the same on both sides: after a few microseconds
+/// without a completion it yields the CPU on every empty poll, so that on a
+/// host with fewer free CPUs than runnable threads the spinning driver does
+/// not keep the threads doing the I/O (the device's worker, io_uring's kernel
+/// workers) waiting for the end of its time slice. Fast completions (page
+/// cache reads) arrive before the first yield.
+struct IdlePoll {
+    since: Instant,
+}
+
+impl IdlePoll {
+    const SPIN: Duration = Duration::from_micros(5);
+
+    fn new() -> IdlePoll {
+        IdlePoll { since: Instant::now() }
+    }
+
+    fn after_poll(&mut self, completions: usize) {
+        if completions > 0 {
+            self.since = Instant::now();
+        } else if self.since.elapsed() > Self::SPIN {
+            std::thread::yield_now();
+        }
+    }
+}
+
 /// One slice: fill every queue, keep it full for `dur`, then let the last
 /// requests finish. Wall and CPU time cover all of it (ramp and drain), the
 /// same way for both sides.
@@ -147,6 +173,8 @@ impl Side for DeviceSide {
         let mut left = queues * qd as usize;
         let mut refill = true;
         let mut spins = 0u64;
+        let mut got = 0usize;
+        let mut idle = IdlePoll::new();
         while left > 0 {
             for q in 1..=queues {
                 if inflight[q] == 0 {
@@ -165,6 +193,7 @@ impl Side for DeviceSide {
                     }
                 }
                 t.ops += out.len() as u64;
+                got += out.len();
                 if refill && !out.is_empty() {
                     self.d.ring(q);
                 } else {
@@ -174,6 +203,8 @@ impl Side for DeviceSide {
                 self.out = out;
             }
             spins += 1;
+            idle.after_poll(got);
+            got = 0;
             if refill && spins % 64 == 0 && t0.elapsed() > dur {
                 refill = false;
             }
@@ -247,6 +278,8 @@ impl Side for UringSide {
         let mut left = queues * qd;
         let mut refill = true;
         let mut spins = 0u64;
+        let mut got = 0usize;
+        let mut idle = IdlePoll::new();
         while left > 0 {
             for q in 0..queues {
                 if inflight[q] == 0 {
@@ -266,6 +299,7 @@ impl Side for UringSide {
                     }
                 }
                 t.ops += finished.len() as u64;
+                got += finished.len();
                 if refill && !finished.is_empty() {
                     self.rings[q].submit().unwrap();
                 } else {
@@ -275,6 +309,8 @@ impl Side for UringSide {
                 self.finished = finished;
             }
             spins += 1;
+            idle.after_poll(got);
+            got = 0;
             if refill && spins % 64 == 0 && t0.elapsed() > dur {
                 refill = false;
             }
