@@ -599,7 +599,7 @@ impl Ctrl {
     /// Take finished file requests and post their completions; returns
     /// how many there were.
     pub fn reap(&mut self) -> usize {
-        let Some(u) = self.uring.clone() else { return 0 };
+        let Some(u) = &self.uring else { return 0 };
         let mut done = std::mem::take(&mut self.reaped);
         u.reap(|tag, res| done.push((tag, res)));
         let mut n = 0;

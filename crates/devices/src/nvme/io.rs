@@ -110,11 +110,11 @@ impl Ctrl {
             self.queue_write_job(slot);
             return Outcome::Async;
         }
-        let uring = self.uring.clone().unwrap();
         // SAFETY: the iovecs live in the slot until the completion is reaped.
-        let mut queued = unsafe { uring.push_rw(write, fd, iov_ptr, n, off, dsync, slot as u64) };
+        let mut queued = unsafe { self.uring.as_ref().unwrap().push_rw(write, fd, iov_ptr, n, off, dsync, slot as u64) };
         if !queued {
             // Submission ring full: hand the batch to the kernel, reap, retry.
+            let uring = self.uring.clone().unwrap();
             let _ = uring.submit();
             self.reap();
             queued = unsafe { uring.push_rw(write, fd, iov_ptr, n, off, dsync, slot as u64) };
