@@ -219,8 +219,8 @@ fn main() -> anyhow::Result<()> {
     }
 
     println!(
-        "{:<9} {:<7} {:<10} {:>3} {:>6} {:>10} {:>12} {:>9} {:>9}  {}",
-        "side", "backend", "pattern", "qd", "queues", "IOPS", "IOPS/CPU-s", "p50 us", "p99 us", "vs io_uring: IOPS / per CPU-s, median of paired slices  (of the totals)"
+        "{:<9} {:<7} {:<10} {:>3} {:>6} {:>10} {:>12} {:>9} {:>9}  vs io_uring: IOPS / per CPU-s, median of paired slices  (of the totals)",
+        "side", "backend", "pattern", "qd", "queues", "IOPS", "IOPS/CPU-s", "p50 us", "p99 us"
     );
     for r in &rows {
         let ratio = r.vs_uring.map(|q| format!("{:.2}x / {:.2}x  ({:.2}x / {:.2}x)", q.iops, q.cpu_iops, q.iops_total, q.cpu_iops_total)).unwrap_or_default();
