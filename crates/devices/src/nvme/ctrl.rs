@@ -7,7 +7,8 @@ use super::config::{NamespaceSpec, NvmeConfig};
 use super::dma::{self, Seg};
 use super::queues::{Cq, Sq};
 use super::spec::*;
-use super::uring::{Uring, STOP_TAG};
+use super::jobs::{self, WriteJobs};
+use super::uring::{Uring, STOP_TAG, WAKE_TAG};
 use crate::GuestMemory;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -125,6 +126,9 @@ pub struct Inflight {
     pub cqid: u16,
     pub cid: u16,
     pub nsid: u32,
+    /// The namespace's file (it stays open while requests are in flight:
+    /// detaching drains first).
+    pub fd: i32,
     pub write: bool,
     pub off: u64,
     pub len: usize,
@@ -172,6 +176,12 @@ pub struct Ctrl {
     /// inline reap (it sleeps otherwise, so page-cache hits cost no wakeup).
     pub worker_cv: Arc<Condvar>,
     pub worker_idle: bool,
+    /// The worker must be woken once the lock is released.
+    pub wake_pending: bool,
+    /// The worker waits on the ring (a queued write job wakes it with a no-op).
+    pub worker_on_ring: bool,
+    /// Buffered writes for the worker to do itself (see jobs.rs).
+    pub jobs: WriteJobs,
     /// Reused list of (tag, result) taken from the ring.
     pub reaped: Vec<(u64, i32)>,
 }
@@ -207,6 +217,9 @@ impl Ctrl {
             spare: Vec::new(),
             worker_cv: Arc::new(Condvar::new()),
             worker_idle: false,
+            wake_pending: false,
+            worker_on_ring: false,
+            jobs: WriteJobs::default(),
             reaped: Vec::new(),
         }
     }
@@ -560,29 +573,45 @@ impl Ctrl {
     pub fn submit_uring(&mut self) {
         if self.inflight_count > 0 {
             if let Some(u) = &self.uring {
-                if let Err(e) = u.submit() {
-                    tracing::warn!("io_uring submit: {e}");
+                // Write jobs alone leave nothing to submit: no syscall.
+                if u.has_unsubmitted() {
+                    if let Err(e) = u.submit() {
+                        tracing::warn!("io_uring submit: {e}");
+                    }
                 }
                 self.reap();
-                if self.inflight_count > 0 && self.worker_idle {
-                    self.worker_idle = false;
-                    self.worker_cv.notify_one();
-                }
+                self.wake_worker_if_idle();
             }
         }
     }
 
-    /// Take finished file requests and post their completions.
-    pub fn reap(&mut self) {
-        let Some(u) = self.uring.clone() else { return };
+    /// Ask for the completion worker when requests stay in flight and it
+    /// sleeps. The wakeup itself happens when the lock is released (see
+    /// `Locked`), so the woken worker does not run straight into the lock
+    /// this thread still holds.
+    fn wake_worker_if_idle(&mut self) {
+        if self.inflight_count > 0 && self.worker_idle {
+            self.worker_idle = false;
+            self.wake_pending = true;
+        }
+    }
+
+    /// Take finished file requests and post their completions; returns
+    /// how many there were.
+    pub fn reap(&mut self) -> usize {
+        let Some(u) = &self.uring else { return 0 };
         let mut done = std::mem::take(&mut self.reaped);
         u.reap(|tag, res| done.push((tag, res)));
+        let mut n = 0;
         for &(tag, res) in &done {
-            if tag == STOP_TAG {
-                self.stop = true;
-                continue;
+            match tag {
+                STOP_TAG => self.stop = true,
+                WAKE_TAG => {}
+                _ => {
+                    self.finish_inflight(tag as u32, res);
+                    n += 1;
+                }
             }
-            self.finish_inflight(tag as u32, res);
         }
         done.clear();
         self.reaped = done;
@@ -595,11 +624,9 @@ impl Ctrl {
             if let Some(u) = &self.uring {
                 let _ = u.submit();
             }
-            if self.inflight_count > 0 && self.worker_idle {
-                self.worker_idle = false;
-                self.worker_cv.notify_one();
-            }
+            self.wake_worker_if_idle();
         }
+        n
     }
 
     /// Wait until no file request is in flight (pause, reset, delete queue).
@@ -607,12 +634,49 @@ impl Ctrl {
         while self.inflight_count > 0 {
             self.submit_uring();
             self.reap();
+            // Write jobs the worker has not taken yet: do them here.
+            while let Some(slot) = self.jobs.queue.pop_front() {
+                let res = self.write_job(slot);
+                self.finish_inflight(slot, res);
+            }
+            if self.jobs.running.is_some() {
+                // The worker writes without the lock and cannot post while
+                // this thread holds it: take its result when it is there.
+                match self.jobs.take_finished() {
+                    Some((slot, res)) => self.finish_inflight(slot, res),
+                    None => std::thread::sleep(std::time::Duration::from_micros(20)),
+                }
+                continue;
+            }
             if self.inflight_count > 0 {
                 if let Some(u) = &self.uring {
                     u.wait();
                 }
             }
         }
+    }
+
+    /// Hand a buffered write (already in its in-flight slot) to the worker.
+    pub fn queue_write_job(&mut self, slot: u32) {
+        self.jobs.queue.push_back(slot);
+        if self.worker_idle {
+            self.worker_idle = false;
+            self.wake_pending = true;
+        } else if self.worker_on_ring {
+            self.worker_on_ring = false;
+            if let Some(u) = &self.uring {
+                u.push_wake();
+            }
+        }
+        // Otherwise the worker is busy and looks at the queue before it sleeps.
+    }
+
+    /// Do the write of in-flight `slot` on this thread; bytes or -errno.
+    pub fn write_job(&self, slot: u32) -> i32 {
+        let Some(op) = self.inflight.get(slot as usize).and_then(|s| s.as_ref()) else { return -libc::EINVAL };
+        // SAFETY: the iovecs live in the slot and point into guest RAM
+        // checked by map_prps; the slot stays until finish_inflight.
+        unsafe { jobs::pwritev(op.fd, op.iov.as_ptr(), op.iov.len(), op.off, op.dsync) }
     }
 
     pub fn alloc_slot(&mut self) -> u32 {
@@ -623,7 +687,7 @@ impl Ctrl {
         (self.inflight.len() - 1) as u32
     }
 
-    fn finish_inflight(&mut self, slot: u32, res: i32) {
+    pub fn finish_inflight(&mut self, slot: u32, res: i32) {
         let Some(mut op) = self.inflight.get_mut(slot as usize).and_then(|s| s.take()) else { return };
         self.inflight_count -= 1;
         let mut status = Status::SUCCESS;

@@ -95,17 +95,26 @@ impl Ctrl {
         seg_buf.extend_from_slice(&segs);
         self.scratch = segs;
         iov.extend(seg_buf.iter().map(|s| libc::iovec { iov_base: s.ptr as *mut libc::c_void, iov_len: s.len }));
+        let buffered = match &ns.storage {
+            super::backend::Storage::File(f) => !f.direct,
+            _ => false,
+        };
         let slot = self.alloc_slot();
-        let op = Inflight { sqid, cqid, cid: cmd.cid, nsid: cmd.nsid, write, off, len: len as usize, dsync, segs: seg_buf, iov };
+        let op = Inflight { sqid, cqid, cid: cmd.cid, nsid: cmd.nsid, fd, write, off, len: len as usize, dsync, segs: seg_buf, iov };
         let iov_ptr = op.iov.as_ptr();
         let n = op.iov.len() as u32;
         self.inflight[slot as usize] = Some(op);
         self.inflight_count += 1;
-        let uring = self.uring.clone().unwrap();
+        if write && buffered {
+            // io_uring would pass it to a kernel worker anyway (jobs.rs).
+            self.queue_write_job(slot);
+            return Outcome::Async;
+        }
         // SAFETY: the iovecs live in the slot until the completion is reaped.
-        let mut queued = unsafe { uring.push_rw(write, fd, iov_ptr, n, off, dsync, slot as u64) };
+        let mut queued = unsafe { self.uring.as_ref().unwrap().push_rw(write, fd, iov_ptr, n, off, dsync, slot as u64) };
         if !queued {
             // Submission ring full: hand the batch to the kernel, reap, retry.
+            let uring = self.uring.clone().unwrap();
             let _ = uring.submit();
             self.reap();
             queued = unsafe { uring.push_rw(write, fd, iov_ptr, n, off, dsync, slot as u64) };

@@ -17,10 +17,13 @@ mod ctrl;
 mod dma;
 pub mod harness;
 mod io;
+mod jobs;
 mod persist;
 mod queues;
 pub mod spec;
 mod uring;
+#[cfg(test)]
+mod worker_tests;
 
 pub use config::{BackendSpec, NamespaceSpec, NvmeConfig};
 
@@ -44,9 +47,44 @@ pub struct NvmeController {
     worker: Option<JoinHandle<()>>,
 }
 
-fn lock(m: &Mutex<Ctrl>) -> MutexGuard<'_, Ctrl> {
+fn lock_raw(m: &Mutex<Ctrl>) -> MutexGuard<'_, Ctrl> {
     // A panic elsewhere must not take the device down with it.
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The controller lock. Dropping it wakes the completion worker if the
+/// work done under it asked for that (`Ctrl::wake_pending`): after the
+/// unlock, so the worker does not wake only to block on this lock.
+pub(crate) struct Locked<'a>(Option<MutexGuard<'a, Ctrl>>);
+
+fn lock(m: &Mutex<Ctrl>) -> Locked<'_> {
+    Locked(Some(lock_raw(m)))
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Ctrl;
+    fn deref(&self) -> &Ctrl {
+        self.0.as_ref().unwrap()
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Ctrl {
+        self.0.as_mut().unwrap()
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Some(mut g) = self.0.take() else { return };
+        if !g.wake_pending {
+            return;
+        }
+        g.wake_pending = false;
+        let cv = g.worker_cv.clone();
+        drop(g);
+        cv.notify_one();
+    }
 }
 
 impl NvmeController {
@@ -137,22 +175,53 @@ impl NvmeController {
         };
         let shared = self.shared.clone();
         let worker = std::thread::Builder::new().name(format!("{}-io", self.name)).spawn(move || {
-            let mut c = lock(&shared);
+            let mut c = lock_raw(&shared);
+            // After it posted completions the worker keeps waiting on the
+            // ring even with nothing in flight: while the host streams
+            // writes (which io_uring finishes asynchronously) the next
+            // request's completion then wakes it directly, one wakeup per
+            // command instead of a condition-variable wakeup plus the ring's.
+            // The first wakeup that finds nothing to reap (a request that
+            // finished inline) sends it back to the condition variable.
+            let mut wait_on_ring = false;
+            let result = c.jobs.result.clone();
             loop {
                 if c.stop {
                     return;
                 }
-                if c.inflight_count == 0 {
+                if let Some(slot) = c.jobs.queue.pop_front() {
+                    c.jobs.start(slot);
+                    let Some(op) = c.inflight.get(slot as usize).and_then(|s| s.as_ref()) else {
+                        c.jobs.running = None;
+                        continue;
+                    };
+                    let (fd, iov, n, off, dsync) = (op.fd, op.iov.as_ptr() as usize, op.iov.len(), op.off, op.dsync);
+                    drop(c);
+                    // SAFETY: the slot (and its iovecs) stays until this
+                    // request is finished, by this thread or by a drain
+                    // that waits for `result` first.
+                    let res = unsafe { jobs::pwritev(fd, iov as *const libc::iovec, n, off, dsync) };
+                    jobs::publish(&result, res);
+                    c = lock_raw(&shared);
+                    if let Some((slot, res)) = c.jobs.take_finished() {
+                        c.finish_inflight(slot, res);
+                    }
+                    continue;
+                }
+                if c.inflight_count == 0 && !wait_on_ring {
                     // Nothing asynchronous outstanding: sleep until a
                     // submission leaves something in flight.
                     c.worker_idle = true;
                     c = cv.wait(c).unwrap_or_else(|e| e.into_inner());
+                    c.worker_idle = false;
                     continue;
                 }
+                c.worker_on_ring = true;
                 drop(c);
                 ring.wait();
-                c = lock(&shared);
-                c.reap();
+                c = lock_raw(&shared);
+                c.worker_on_ring = false;
+                wait_on_ring = c.reap() > 0;
             }
         });
         match worker {

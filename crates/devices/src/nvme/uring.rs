@@ -9,6 +9,8 @@ use std::io;
 
 /// user_data of the no-op that tells the worker to stop.
 pub const STOP_TAG: u64 = u64::MAX;
+/// user_data of the no-op that wakes a worker waiting on the ring.
+pub const WAKE_TAG: u64 = u64::MAX - 1;
 
 pub struct Uring {
     ring: IoUring,
@@ -40,13 +42,30 @@ impl Uring {
     }
 
     pub fn push_stop(&self) {
+        self.push_nop(STOP_TAG);
+    }
+
+    /// Make a waiter on the ring return (its no-op completes at once).
+    pub fn push_wake(&self) {
+        self.push_nop(WAKE_TAG);
+    }
+
+    fn push_nop(&self, tag: u64) {
         // SAFETY: only called under the controller lock, like every push.
         unsafe {
             let mut sq = self.ring.submission_shared();
-            let _ = sq.push(&opcode::Nop::new().build().user_data(STOP_TAG));
+            let _ = sq.push(&opcode::Nop::new().build().user_data(tag));
             sq.sync();
         }
         let _ = self.submit();
+    }
+
+    /// Whether pushed entries still wait for a submit call.
+    pub fn has_unsubmitted(&self) -> bool {
+        // SAFETY: under the controller lock, like every push.
+        let mut sq = unsafe { self.ring.submission_shared() };
+        sq.sync();
+        !sq.is_empty()
     }
 
     pub fn submit(&self) -> io::Result<usize> {
