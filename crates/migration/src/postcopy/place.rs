@@ -163,12 +163,15 @@ impl Placer {
     /// page already there is skipped.
     pub fn place(&self, pfn: u64, data: &[u8], via: Via) -> anyhow::Result<()> {
         let pages = data.len() as u64 / PAGE;
-        if pages == 1 && self.seen.get(pfn) {
-            return Ok(());
-        }
         let uffd = self.domain(0).expect("vmm domain").uffd.as_raw_fd();
         let mut done = 0u64;
         while done < pages {
+            // Pages already here are skipped, not copied: once all are here
+            // the range is unregistered and a copy would fail.
+            if self.seen.get(pfn + done) {
+                done += 1;
+                continue;
+            }
             let mut c = UffdioCopy {
                 dst: self.ram.host_addr as u64 + (pfn + done) * PAGE,
                 src: data.as_ptr() as u64 + done * PAGE,
@@ -179,6 +182,8 @@ impl Placer {
             // SAFETY: dst is inside the registered RAM mapping, src inside
             // `data`, both for `len` bytes.
             let r = unsafe { libc::ioctl(uffd, UFFDIO_COPY as _, &mut c as *mut UffdioCopy) };
+            // Before anything else can overwrite errno (waking does ioctls).
+            let err = std::io::Error::last_os_error();
             let copied = if c.copy > 0 { c.copy as u64 / PAGE } else { 0 };
             for p in pfn + done..pfn + done + copied {
                 self.arrived(p, via);
@@ -191,14 +196,16 @@ impl Placer {
                 }
                 break;
             }
-            match std::io::Error::last_os_error().raw_os_error() {
+            match err.raw_os_error() {
                 // That page is there already: count it, go on after it.
                 Some(libc::EEXIST) => {
                     self.arrived(pfn + done, via);
                     done += 1;
                 }
                 Some(libc::EAGAIN) => {}
-                _ => anyhow::bail!("placing pages {}..{}: {}", pfn + done, pfn + pages, std::io::Error::last_os_error()),
+                // Placed by someone else meanwhile (and maybe unregistered).
+                _ if self.seen.get(pfn + done) => done += 1,
+                _ => anyhow::bail!("placing pages {}..{}: {err}", pfn + done, pfn + pages),
             }
         }
         Ok(())
