@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::engine::Engine;
 use crate::objects::{ClientId, OutPkt};
 use crate::proto::{self, Reply, Request, Response};
-use crate::wire::ROCE_PORT;
+use crate::wire::{self, Flow, ROCE_PORT};
 
 const RX_BATCH: usize = 64;
 const RX_BUF: usize = 65536;
@@ -132,13 +132,7 @@ impl Namespace {
         if gso {
             setsockopt_int(udp.as_raw_fd(), SOL_UDP, UDP_GRO, 1).context("UDP_GRO")?;
         }
-        let senders = Senders {
-            addr: gid,
-            gso,
-            socks: HashMap::new(),
-            fallback_df: udp_socket(gid, 0, true, false)?,
-            fallback_frag: udp_socket(gid, 0, false, false)?,
-        };
+        let senders = Senders::new(gid, gso)?;
         Ok(Namespace { engine: Engine::new(gid), udp, senders })
     }
 
@@ -156,10 +150,10 @@ impl Namespace {
         }
         let now = Instant::now();
         let more = self.engine.poll_tx(TX_BUDGET, now);
-        let pkts = std::mem::take(&mut self.engine.tx.pkts);
+        let mut pkts = std::mem::take(&mut self.engine.tx.pkts);
         let sent = pkts.len();
         if sent > 0 {
-            self.senders.send(&pkts, &mut self.engine.stats.send_errors);
+            self.senders.send(&mut pkts, &mut self.engine.stats.send_errors);
             self.engine.stats.tx_packets += sent as u64;
         }
         for p in pkts {
@@ -208,36 +202,57 @@ pub struct Config {
 struct Senders {
     addr: Ipv4Addr,
     gso: bool,
-    socks: HashMap<(u16, bool), OwnedFd>,
-    fallback_df: OwnedFd,
-    fallback_frag: OwnedFd,
+    socks: HashMap<(u16, bool), SendSock>,
+    fallback_df: (OwnedFd, u16),
+    fallback_frag: (OwnedFd, u16),
+}
+
+/// Where packets of one source port leave.
+enum SendSock {
+    Own(OwnedFd),
+    /// The port is taken by another socket of this host (any program may
+    /// bind an ephemeral port in 0xc000..): the packets leave from a
+    /// fallback socket's port, and their ICRC must be computed for it.
+    Fallback,
+}
+
+/// The local port a socket is bound to.
+fn bound_port(fd: &OwnedFd) -> anyhow::Result<u16> {
+    // SAFETY: getsockname into a sockaddr_in of the right size.
+    let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as u32;
+    cvt(unsafe { libc::getsockname(fd.as_raw_fd(), &mut sa as *mut _ as *mut libc::sockaddr, &mut len) }, "getsockname")?;
+    Ok(u16::from_be(sa.sin_port))
 }
 
 impl Senders {
-    fn get(&mut self, sport: u16, big: bool) -> RawFd {
-        if let Some(s) = self.socks.get(&(sport, big)) {
-            return s.as_raw_fd();
-        }
-        match udp_socket(self.addr, sport, !big, true) {
-            Ok(s) => {
-                let r = s.as_raw_fd();
-                self.socks.insert((sport, big), s);
-                r
-            }
+    fn new(addr: Ipv4Addr, gso: bool) -> anyhow::Result<Senders> {
+        let df = udp_socket(addr, 0, true, false)?;
+        let frag = udp_socket(addr, 0, false, false)?;
+        let (pdf, pfrag) = (bound_port(&df)?, bound_port(&frag)?);
+        Ok(Senders { addr, gso, socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
+    }
+
+    /// The socket for packets built with source port `sport`, and the port
+    /// they actually leave from.
+    fn get(&mut self, sport: u16, big: bool) -> (RawFd, u16) {
+        let s = self.socks.entry((sport, big)).or_insert_with(|| match udp_socket(self.addr, sport, !big, true) {
+            Ok(s) => SendSock::Own(s),
             Err(e) => {
-                debug!("source port {sport} unavailable ({e:#}), using {ROCE_PORT}");
-                if big {
-                    self.fallback_frag.as_raw_fd()
-                } else {
-                    self.fallback_df.as_raw_fd()
-                }
+                warn!("{}: source port {sport} is taken ({e:#}); its packets leave from a fallback port", self.addr);
+                SendSock::Fallback
             }
+        });
+        match s {
+            SendSock::Own(fd) => (fd.as_raw_fd(), sport),
+            SendSock::Fallback if big => (self.fallback_frag.0.as_raw_fd(), self.fallback_frag.1),
+            SendSock::Fallback => (self.fallback_df.0.as_raw_fd(), self.fallback_df.1),
         }
     }
 
     /// Sends the batch with one sendmmsg per run of packets sharing a socket;
     /// with GSO, runs of equal-sized packets to one peer become one message.
-    fn send(&mut self, pkts: &[OutPkt], errors: &mut u64) {
+    fn send(&mut self, pkts: &mut [OutPkt], errors: &mut u64) {
         let mut i = 0;
         while i < pkts.len() {
             let key = (pkts[i].sport, pkts[i].big);
@@ -245,7 +260,14 @@ impl Senders {
             while j < pkts.len() && (pkts[j].sport, pkts[j].big) == key && j - i < 256 {
                 j += 1;
             }
-            let fd = self.get(key.0, key.1);
+            let (fd, port) = self.get(key.0, key.1);
+            if port != key.0 {
+                // The ICRC covers the UDP source port: seal for the real one.
+                for p in &mut pkts[i..j] {
+                    let flow = Flow { src: self.addr, dst: p.dst, sport: port, dport: ROCE_PORT };
+                    wire::reseal(&flow, &mut p.buf[..p.len]);
+                }
+            }
             self.send_run(fd, &pkts[i..j], errors);
             i = j;
         }

@@ -543,6 +543,18 @@ pub fn finish(flow: &Flow, buf: &mut [u8], len: usize, payload_len: usize) -> us
     body + 4
 }
 
+/// Recomputes the ICRC of a finished packet (`pkt` includes its ICRC) for
+/// another flow: a packet that must leave from another source port than the
+/// one it was built for stays valid.
+pub fn reseal(flow: &Flow, pkt: &mut [u8]) {
+    if pkt.len() < BTH_LEN + ICRC_LEN {
+        return;
+    }
+    let body = pkt.len() - ICRC_LEN;
+    let c = icrc(flow, &pkt[..body]);
+    pkt[body..].copy_from_slice(&c.to_le_bytes());
+}
+
 /// Builds a complete packet into a fresh vector (tests, tools; the engine
 /// builds into pooled buffers with `Headers::write` + `finish`).
 pub fn build(flow: &Flow, h: &Headers, payload: &[u8]) -> Vec<u8> {
@@ -627,6 +639,10 @@ mod tests {
         b[13] ^= 0x40;
         b[4] = 0xc0;
         assert!(parse(&b, Some(&f)).is_ok());
+        // Resealed for another source port, it is valid for that port only.
+        reseal(&g, &mut b);
+        assert!(parse(&b, Some(&g)).is_ok());
+        assert_eq!(parse(&b, Some(&f)), Err(ParseError::Icrc));
     }
 
     #[test]
