@@ -46,41 +46,66 @@ pub fn garp_request(mac: [u8; 6], ip: Ipv4Addr) -> [u8; 28] {
     p
 }
 
+/// A prepared announcement: the packet socket and frame are made ahead (in
+/// the new host's network namespace, once the address is there), so that
+/// announcing at move time is one `sendto` per packet.
+pub struct Announcer {
+    fd: OwnedFd,
+    sa: libc::sockaddr_ll,
+    pkt: [u8; 28],
+    /// The interface that holds the address.
+    pub interface: String,
+}
+
+impl Announcer {
+    /// Prepares gratuitous ARP for `ip` on the interface of the calling
+    /// thread's network namespace that holds it.
+    pub fn new(ip: Ipv4Addr) -> io::Result<Announcer> {
+        let (ifindex, interface, mac) = interface_of(ip)?;
+        // SAFETY: socket() result checked and owned.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, ETH_P_ARP.to_be() as i32) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: a zeroed sockaddr_ll is valid; fields set below.
+        let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sa.sll_family = libc::AF_PACKET as u16;
+        sa.sll_protocol = ETH_P_ARP.to_be();
+        sa.sll_ifindex = ifindex as i32;
+        sa.sll_halen = 6;
+        sa.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+        Ok(Announcer { fd, sa, pkt: garp_request(mac, ip), interface })
+    }
+
+    /// Broadcasts `count` gratuitous ARP requests.
+    pub fn announce(&self, count: usize) -> io::Result<()> {
+        for _ in 0..count.max(1) {
+            // SAFETY: valid buffer and sockaddr_ll.
+            let r = unsafe {
+                libc::sendto(
+                    self.fd.as_raw_fd(),
+                    self.pkt.as_ptr() as *const libc::c_void,
+                    self.pkt.len(),
+                    0,
+                    &self.sa as *const _ as *const libc::sockaddr,
+                    std::mem::size_of::<libc::sockaddr_ll>() as u32,
+                )
+            };
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Broadcasts `count` gratuitous ARP requests for `ip` on the interface that
 /// holds it (in the calling thread's network namespace). Returns its name.
 pub fn gratuitous_arp(ip: Ipv4Addr, count: usize) -> io::Result<String> {
-    let (ifindex, name, mac) = interface_of(ip)?;
-    // SAFETY: socket() result checked and owned.
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, ETH_P_ARP.to_be() as i32) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: a zeroed sockaddr_ll is valid; fields set below.
-    let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    sa.sll_family = libc::AF_PACKET as u16;
-    sa.sll_protocol = ETH_P_ARP.to_be();
-    sa.sll_ifindex = ifindex as i32;
-    sa.sll_halen = 6;
-    sa.sll_addr[..6].copy_from_slice(&[0xff; 6]);
-    let pkt = garp_request(mac, ip);
-    for _ in 0..count.max(1) {
-        // SAFETY: valid buffer and sockaddr_ll.
-        let r = unsafe {
-            libc::sendto(
-                fd.as_raw_fd(),
-                pkt.as_ptr() as *const libc::c_void,
-                pkt.len(),
-                0,
-                &sa as *const _ as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(name)
+    let a = Announcer::new(ip)?;
+    a.announce(count)?;
+    Ok(a.interface)
 }
 
 #[cfg(test)]

@@ -176,6 +176,8 @@ pub struct Qp {
     /// Suspended (seed 000): no host memory access, no transmission, every
     /// incoming request answered with an RNR NAK so the peer keeps retrying.
     pub suspended: bool,
+    /// When the last RNR NAK of a suspended QP went out.
+    suspended_nak_at: Option<Instant>,
 }
 
 impl Qp {
@@ -214,6 +216,7 @@ impl Qp {
             last_rewind: None,
             cwnd_una: 0,
             suspended: false,
+            suspended_nak_at: None,
         }
     }
 
@@ -1119,6 +1122,15 @@ impl Qp {
         let psn = p.bth.psn;
         if self.suspended {
             ctx.stats.rx_while_suspended += 1;
+            // One RNR NAK per RNR period: the rest of a burst is resent by the
+            // peer after its RNR wait anyway; NAKing every packet restarts its
+            // wait and rewinds it again and again (a storm of retransmissions
+            // that takes the CPU while the QP moves).
+            let period = Duration::from_micros(wire::rnr_timer_us(self.attr.min_rnr_timer));
+            if self.suspended_nak_at.is_some_and(|t| ctx.now < t + period) {
+                return;
+            }
+            self.suspended_nak_at = Some(ctx.now);
             self.suspended_nak(ctx, psn);
             return;
         }
