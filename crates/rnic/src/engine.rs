@@ -292,7 +292,9 @@ impl Engine {
                 Reply::QpInfo { attr: qp.attr, cap: qp.cap }
             }
             Request::SuspendQp { qpn } => {
-                self.owned_qp(client, qpn)?.suspend().map_err(|e| anyhow!(e))?;
+                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+                let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
+                qp.suspend(&mut Self::ctx(*gid, mrs, cqs, tx, stats)).map_err(|e| anyhow!(e))?;
                 Reply::Ok
             }
             Request::QueryQpState { qpn } => {
@@ -308,8 +310,12 @@ impl Engine {
             }
             Request::SuspendQps { qpns } => {
                 self.check_batch(client, &qpns, crate::proto::MAX_BATCH)?;
+                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
                 for q in qpns {
-                    self.owned_qp(client, q)?.suspend().map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                    if let Some(qp) = qps.get_mut(&q) {
+                        qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                    }
                 }
                 Reply::Ok
             }

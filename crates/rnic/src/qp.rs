@@ -224,9 +224,26 @@ impl Qp {
 
     /// Suspends processing: from now on the QP touches neither host memory
     /// nor its rings, and its peer sees only RNR NAKs.
-    pub fn suspend(&mut self) -> Result<(), String> {
+    ///
+    /// Responses already due that need no memory (ACKs, atomic ACKs) go out
+    /// now, and a READ response that cannot is replaced by an RNR NAK for
+    /// its PSN: a peer whose requests were all executed would otherwise hear
+    /// nothing until the resume and count retransmission timeouts (retry_cnt)
+    /// during a long move.
+    pub fn suspend(&mut self, ctx: &mut Ctx) -> Result<(), String> {
         if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
             return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
+        }
+        if !self.suspended {
+            while matches!(self.rt.resp_queue.front(), Some(RespJob::Ack { .. } | RespJob::AtomicAck { .. })) {
+                let mut one = 1;
+                self.responder_tx(ctx, &mut one);
+            }
+            if let Some(RespJob::Read { psn, .. }) = self.rt.resp_queue.front() {
+                let psn = *psn;
+                self.suspended_nak_at = Some(ctx.now);
+                self.suspended_nak(ctx, psn);
+            }
         }
         self.suspended = true;
         self.retrans_deadline = None;
