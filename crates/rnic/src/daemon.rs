@@ -138,18 +138,27 @@ impl Namespace {
 
     /// Receives and transmits; returns (packets received, packets sent, more work pending).
     fn pump(&mut self, udp_ready: bool, rxbufs: &mut [Vec<u8>]) -> (usize, usize, bool) {
-        let mut got = 0;
-        if udp_ready {
-            for _ in 0..4 {
-                let k = recv_batch(&self.udp, rxbufs, &mut self.engine);
-                got += k;
-                if k < RX_BATCH {
-                    break;
-                }
+        let (mut got, mut sent, mut more) = (0, 0, false);
+        for _ in 0..4 {
+            let k = if udp_ready { recv_batch(&self.udp, rxbufs, &mut self.engine) } else { 0 };
+            got += k;
+            // Transmit after every receive batch: the ACKs (and READ
+            // responses) it produced leave at once, so the peer's window
+            // keeps moving while we are still receiving.
+            let (s, m) = self.transmit();
+            sent += s;
+            more = m;
+            if k < RX_BATCH {
+                break;
             }
         }
-        let now = Instant::now();
-        let more = self.engine.poll_tx(TX_BUDGET, now);
+        (got, sent, more)
+    }
+
+    /// Runs timers and sends what the engine has to send; returns (packets
+    /// sent, more work pending).
+    fn transmit(&mut self) -> (usize, bool) {
+        let more = self.engine.poll_tx(TX_BUDGET, Instant::now());
         let mut pkts = std::mem::take(&mut self.engine.tx.pkts);
         let sent = pkts.len();
         if sent > 0 {
@@ -159,7 +168,7 @@ impl Namespace {
         for p in pkts {
             self.engine.tx.recycle(p);
         }
-        (got, sent, more)
+        (sent, more)
     }
 }
 

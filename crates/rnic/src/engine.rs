@@ -4,7 +4,6 @@
 //! The engine is pure logic: packets in, packets out (`tx`), no sockets, so
 //! it runs the same inside the daemon and in a single-process loopback test.
 
-use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
@@ -14,7 +13,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context as _};
 
 use crate::mem::Mapping;
-use crate::objects::{ClientId, Cq, Mr, MrTable, Stats, Tx};
+use crate::objects::{ClientId, Cq, IdMap, Mr, MrTable, Stats, Tx};
 use crate::proto::{Reply, Request};
 use crate::qp::{Ctx, Qp, MAX_MSG};
 use crate::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
@@ -29,11 +28,11 @@ pub struct Engine {
     pub gid: Ipv4Addr,
     pub stats: Stats,
     pub tx: Tx,
-    pds: HashMap<u32, ClientId>,
+    pds: IdMap<ClientId>,
     mrs: MrTable,
-    cqs: HashMap<u32, Cq>,
-    qps: HashMap<u32, Qp>,
-    channels: HashMap<u32, (ClientId, Arc<OwnedFd>)>,
+    cqs: IdMap<Cq>,
+    qps: IdMap<Qp>,
+    channels: IdMap<(ClientId, Arc<OwnedFd>)>,
     next_id: u32,
     next_key: u32,
     /// Round-robin start for transmit fairness.
@@ -47,11 +46,11 @@ impl Engine {
             gid,
             stats: Stats::default(),
             tx: Tx::default(),
-            pds: HashMap::new(),
-            mrs: HashMap::new(),
-            cqs: HashMap::new(),
-            qps: HashMap::new(),
-            channels: HashMap::new(),
+            pds: IdMap::default(),
+            mrs: IdMap::default(),
+            cqs: IdMap::default(),
+            qps: IdMap::default(),
+            channels: IdMap::default(),
             next_id: 1,
             // Keys and QPNs start at a per-process pseudo-random point so
             // that stale peers of a restarted rnicd are unlikely to match.
@@ -76,7 +75,7 @@ impl Engine {
         }
     }
 
-    fn ctx<'a>(gid: Ipv4Addr, mrs: &'a MrTable, cqs: &'a mut HashMap<u32, Cq>, tx: &'a mut Tx, stats: &'a mut Stats) -> Ctx<'a> {
+    fn ctx<'a>(gid: Ipv4Addr, mrs: &'a MrTable, cqs: &'a mut IdMap<Cq>, tx: &'a mut Tx, stats: &'a mut Stats) -> Ctx<'a> {
         Ctx { gid, mrs, cqs, tx, stats, now: Instant::now() }
     }
 

@@ -36,6 +36,9 @@ pub const WINDOW_BYTES: usize = 2 << 20;
 const MIN_CWND: u32 = 16;
 /// Set the AckReq bit at least every this many packets of a long message.
 const ACK_EVERY: u32 = 64;
+/// Shortest loss-probe time (µs), and the one used before any RTT sample.
+const MIN_PROBE_US: f64 = 1000.0;
+const FIRST_PROBE_US: f64 = 10_000.0;
 /// Atomic results kept for replaying duplicates.
 const ATOMIC_REPLAY: usize = 16;
 /// Queued responses per QP before we stop accepting READs (bounded memory).
@@ -133,7 +136,7 @@ impl SqEntry {
 pub struct Ctx<'a> {
     pub gid: Ipv4Addr,
     pub mrs: &'a MrTable,
-    pub cqs: &'a mut std::collections::HashMap<u32, Cq>,
+    pub cqs: &'a mut crate::objects::IdMap<Cq>,
     pub tx: &'a mut Tx,
     pub stats: &'a mut Stats,
     pub now: Instant,
@@ -168,6 +171,15 @@ pub struct Qp {
     /// READ/atomic WQEs in sq[..tx_idx] (against max_rd_atomic).
     rd_outstanding: usize,
     retrans_deadline: Option<Instant>,
+    /// Loss probe: go back N after a few round trips without progress,
+    /// long before the IB timeout, without counting a retry (below).
+    probe_deadline: Option<Instant>,
+    probe_backoff: u32,
+    /// Smoothed round trip and its variation (µs), from ACKed new packets.
+    srtt_us: f64,
+    rttvar_us: f64,
+    /// A new packet being timed: (PSN, sent at).
+    rtt_sample: Option<(u32, Instant)>,
     rnr_until: Option<Instant>,
     /// Avoids rewinding again for the same gap while a rewind is under way.
     last_rewind: Option<u32>,
@@ -212,6 +224,11 @@ impl Qp {
             tx_idx: 0,
             rd_outstanding: 0,
             retrans_deadline: None,
+            probe_deadline: None,
+            probe_backoff: 0,
+            srtt_us: 0.0,
+            rttvar_us: 0.0,
+            rtt_sample: None,
             rnr_until: None,
             last_rewind: None,
             cwnd_una: 0,
@@ -247,6 +264,7 @@ impl Qp {
         }
         self.suspended = true;
         self.retrans_deadline = None;
+        self.probe_deadline = None;
         self.rnr_until = None;
         Ok(())
     }
@@ -467,6 +485,7 @@ impl Qp {
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.retrans_deadline = None;
+        self.probe_deadline = None;
         self.rnr_until = None;
         self.last_rewind = None;
         let keep = (self.attr.port_num, self.attr.path_mtu);
@@ -478,6 +497,7 @@ impl Qp {
     pub fn to_error(&mut self, ctx: &mut Ctx) {
         self.attr.qp_state = QpState::Err;
         self.retrans_deadline = None;
+        self.probe_deadline = None;
         self.rnr_until = None;
         self.rt.resp_queue.clear();
         self.flush(ctx);
@@ -622,16 +642,29 @@ impl Qp {
         matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd)
             && self.tx_idx < self.sq.len()
             && self.rnr_until.is_none_or(|t| now >= t)
+            && !self.blocked()
+    }
+
+    /// Whether the next request is new and may not go yet (window, READ/atomic
+    /// credits, fence, SQD): then only a response or a timer moves the QP, and
+    /// the daemon may sleep instead of spinning.
+    fn blocked(&self) -> bool {
+        let psn = self.rt.tx_psn;
+        if psn_diff(psn, self.rt.max_sent) < 0 {
+            return false;
+        }
+        let Some(e) = self.sq.get(self.tx_idx) else { return true };
+        self.attr.qp_state == QpState::Sqd
+            || psn_diff(psn, self.rt.una) >= self.window()
+            || (e.op.is_read_or_atomic() && self.rd_outstanding >= self.attr.max_rd_atomic.max(1) as usize)
+            || (e.wqe.flags & send_flags::FENCE != 0 && self.rd_outstanding > 0)
     }
 
     pub fn next_deadline(&self) -> Option<Instant> {
         if self.suspended {
             return None;
         }
-        match (self.retrans_deadline, self.rnr_until) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.retrans_deadline, self.rnr_until, self.probe_deadline].into_iter().flatten().min()
     }
 
     // ---------------------------------------------------------- requester
@@ -694,6 +727,9 @@ impl Qp {
             }
             if psn_diff(self.rt.tx_psn, self.rt.max_sent) > 0 {
                 self.rt.max_sent = self.rt.tx_psn;
+                if new && self.rtt_sample.is_none() {
+                    self.rtt_sample = Some((psn, ctx.now));
+                }
             }
             if self.retrans_deadline.is_none() {
                 self.arm_timer(ctx.now);
@@ -715,6 +751,27 @@ impl Qp {
 
     fn arm_timer(&mut self, now: Instant) {
         self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| now + Duration::from_micros(us));
+        self.probe_deadline = self.probe_rto().map(|d| now + d);
+    }
+
+    /// When to probe for a lost packet: a few smoothed round trips (at least
+    /// MIN_PROBE), never later than the IB timeout, never with timeout 0
+    /// (infinite: the owner asked for no retransmission timer).
+    fn probe_rto(&self) -> Option<Duration> {
+        let ib = wire::ack_timeout_us(self.attr.timeout)?;
+        let us = if self.srtt_us == 0.0 { FIRST_PROBE_US } else { self.srtt_us + 4.0 * self.rttvar_us };
+        let us = (us.max(MIN_PROBE_US) as u64) << self.probe_backoff.min(6);
+        (us < ib).then(|| Duration::from_micros(us))
+    }
+
+    fn rtt_update(&mut self, sample_us: f64) {
+        if self.srtt_us == 0.0 {
+            self.srtt_us = sample_us;
+            self.rttvar_us = sample_us / 2.0;
+        } else {
+            self.rttvar_us = 0.75 * self.rttvar_us + 0.25 * (self.srtt_us - sample_us).abs();
+            self.srtt_us = 0.875 * self.srtt_us + 0.125 * sample_us;
+        }
     }
 
     fn build_request(&self, ctx: &mut Ctx, idx: usize, psn: u32) -> Result<(), WcStatus> {
@@ -789,6 +846,8 @@ impl Qp {
     /// Go-back-N: the next packet sent is `una` again.
     fn rewind(&mut self, ctx: &mut Ctx) {
         ctx.stats.retransmit_rewinds += 1;
+        // Karn: a resent packet's ACK says nothing about the round trip.
+        self.rtt_sample = None;
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.rt.tx_psn = self.rt.una;
@@ -806,16 +865,19 @@ impl Qp {
         if self.suspended {
             return;
         }
+        self.on_probe(ctx);
         let Some(d) = self.retrans_deadline else { return };
         if ctx.now < d {
             return;
         }
         if psn_diff(self.rt.max_sent, self.rt.una) <= 0 {
             self.retrans_deadline = None;
+            self.probe_deadline = None;
             return;
         }
         if self.rnr_until.is_some() {
             self.retrans_deadline = None;
+            self.probe_deadline = None;
             return;
         }
         ctx.stats.timeouts += 1;
@@ -830,6 +892,27 @@ impl Qp {
         // is not buried under go-back-N retransmissions of whole windows.
         let backoff = self.attr.retry_cnt.saturating_sub(self.rt.retry_left).min(6);
         self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| ctx.now + Duration::from_micros(us << backoff));
+    }
+
+    /// The loss probe: no progress for a few round trips means a lost packet
+    /// that no later one will reveal (the last ones of a burst, a lost NAK, a
+    /// lost retransmission: the responder NAKs a gap once). Go back N now
+    /// instead of stalling until the IB timeout; retry_cnt and cwnd are left
+    /// alone, as only the IB timeout is a retry.
+    fn on_probe(&mut self, ctx: &mut Ctx) {
+        let Some(d) = self.probe_deadline else { return };
+        if ctx.now < d {
+            return;
+        }
+        let outstanding = psn_diff(self.rt.max_sent, self.rt.una) > 0;
+        if !outstanding || self.rnr_until.is_some() || !matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
+            self.probe_deadline = None;
+            return;
+        }
+        ctx.stats.loss_probes += 1;
+        self.rewind(ctx);
+        self.probe_backoff += 1;
+        self.probe_deadline = self.probe_rto().map(|d| ctx.now + d);
     }
 
     // ---------------------------------------------------------- completer
@@ -870,6 +953,13 @@ impl Qp {
     }
 
     fn progress(&mut self, ctx: &mut Ctx) {
+        if let Some((p, t)) = self.rtt_sample {
+            if psn_diff(self.rt.una, p) > 0 {
+                self.rtt_update(ctx.now.saturating_duration_since(t).as_secs_f64() * 1e6);
+                self.rtt_sample = None;
+            }
+        }
+        self.probe_backoff = 0;
         let acked = psn_diff(self.rt.una, self.cwnd_una).max(0) as u32;
         self.cwnd_una = self.rt.una;
         self.rt.cwnd = (self.rt.cwnd + acked).min(self.max_window() as u32);
@@ -880,6 +970,7 @@ impl Qp {
             self.arm_timer(ctx.now);
         } else {
             self.retrans_deadline = None;
+            self.probe_deadline = None;
         }
         // A late ACK can overtake a rewind: never resend what is acknowledged.
         if psn_diff(self.rt.tx_psn, self.rt.una) < 0 {
@@ -971,6 +1062,7 @@ impl Qp {
                         }
                         self.rnr_until = Some(ctx.now + Duration::from_micros(wire::rnr_timer_us(code)));
                         self.retrans_deadline = None;
+                        self.probe_deadline = None;
                         self.rewind(ctx);
                     }
                     Syndrome::Nak(NakCode::PsnSeqError) => {
