@@ -148,6 +148,8 @@ pub struct Stats {
     pub rx_bad_response: u64,
     pub dup_requests: u64,
     pub seq_naks_sent: u64,
+    /// Requests kept because they arrived ahead of a lost one.
+    pub held_out_of_order: u64,
     pub rnr_naks_sent: u64,
     pub rnr_naks_received: u64,
     pub error_naks_sent: u64,

@@ -39,6 +39,11 @@ const ACK_EVERY: u32 = 64;
 /// Shortest loss-probe time (µs), and the one used before any RTT sample.
 const MIN_PROBE_US: f64 = 1000.0;
 const FIRST_PROBE_US: f64 = 10_000.0;
+/// First span of a loss recovery (packets): a lost UDP GSO batch is up to ~60.
+const RECOVERY_FIRST: u32 = 64;
+/// Requests a responder keeps when they arrive ahead of a gap (see `Qp::hold`).
+const HOLD_MAX_PKTS: usize = 2048;
+const HOLD_MAX_BYTES: usize = 4 << 20;
 /// Atomic results kept for replaying duplicates.
 const ATOMIC_REPLAY: usize = 16;
 /// Queued responses per QP before we stop accepting READs (bounded memory).
@@ -185,11 +190,20 @@ pub struct Qp {
     last_rewind: Option<u32>,
     /// `una` when the congestion window last grew.
     cwnd_una: u32,
+    /// After a sequence NAK or a loss probe: resend at most this many
+    /// packets past `una` until an ACK comes. A peer that kept what arrived
+    /// after the gap (as rnicd does) then acknowledges it all at once and the
+    /// rest of the go-back-N resend is never sent; any other peer gets the
+    /// resend in spans doubling per round trip.
+    recovery: Option<u32>,
     /// Suspended (seed 000): no host memory access, no transmission, every
     /// incoming request answered with an RNR NAK so the peer keeps retrying.
     pub suspended: bool,
     /// When the last RNR NAK of a suspended QP went out.
     suspended_nak_at: Option<Instant>,
+    /// Requests received ahead of the expected PSN, by PSN (see `hold`).
+    held: VecDeque<(u32, Packet<'static>, Vec<u8>)>,
+    held_bytes: usize,
 }
 
 impl Qp {
@@ -232,8 +246,11 @@ impl Qp {
             rnr_until: None,
             last_rewind: None,
             cwnd_una: 0,
+            recovery: None,
             suspended: false,
             suspended_nak_at: None,
+            held: VecDeque::new(),
+            held_bytes: 0,
         }
     }
 
@@ -262,6 +279,8 @@ impl Qp {
                 self.suspended_nak(ctx, psn);
             }
         }
+        // Held requests are not state: the peer resends them.
+        self.drop_held();
         self.suspended = true;
         self.retrans_deadline = None;
         self.probe_deadline = None;
@@ -477,6 +496,7 @@ impl Qp {
     }
 
     fn reset(&mut self) {
+        self.drop_held();
         self.sq.clear();
         self.rq.clear();
         while self.sq_ring.pop().is_some() {}
@@ -495,6 +515,7 @@ impl Qp {
 
     /// Moves to ERR and flushes every outstanding and queued WQE.
     pub fn to_error(&mut self, ctx: &mut Ctx) {
+        self.drop_held();
         self.attr.qp_state = QpState::Err;
         self.retrans_deadline = None;
         self.probe_deadline = None;
@@ -651,7 +672,7 @@ impl Qp {
     fn blocked(&self) -> bool {
         let psn = self.rt.tx_psn;
         if psn_diff(psn, self.rt.max_sent) < 0 {
-            return false;
+            return self.recovery.is_some_and(|n| psn_diff(psn, self.rt.una) >= n as i32);
         }
         let Some(e) = self.sq.get(self.tx_idx) else { return true };
         self.attr.qp_state == QpState::Sqd
@@ -697,6 +718,9 @@ impl Qp {
             let psn = self.rt.tx_psn;
             let new = psn_diff(psn, self.rt.max_sent) >= 0;
             let e = &self.sq[self.tx_idx];
+            if !new && self.recovery.is_some_and(|n| psn_diff(psn, self.rt.una) >= n as i32) {
+                break;
+            }
             if new {
                 if st == QpState::Sqd || psn_diff(psn, self.rt.una) >= self.window() {
                     break;
@@ -848,6 +872,7 @@ impl Qp {
         ctx.stats.retransmit_rewinds += 1;
         // Karn: a resent packet's ACK says nothing about the round trip.
         self.rtt_sample = None;
+        self.recovery = None;
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.rt.tx_psn = self.rt.una;
@@ -911,6 +936,7 @@ impl Qp {
         }
         ctx.stats.loss_probes += 1;
         self.rewind(ctx);
+        self.recovery = Some(RECOVERY_FIRST);
         self.probe_backoff += 1;
         self.probe_deadline = self.probe_rto().map(|d| ctx.now + d);
     }
@@ -987,6 +1013,12 @@ impl Qp {
                     self.rd_outstanding = 0;
                 }
             }
+        }
+        // Loss recovery resends a span that doubles with every ACK, until it
+        // reaches what was sent before the loss.
+        if let Some(n) = self.recovery {
+            let done = psn_diff(psn_add(self.rt.una, n.saturating_mul(2)), self.rt.max_sent) >= 0;
+            self.recovery = if done { None } else { Some(n.saturating_mul(2)) };
         }
     }
 
@@ -1070,7 +1102,10 @@ impl Qp {
                             self.rewind_once(ctx);
                             return;
                         }
-                        self.rewind_once(ctx);
+                        if self.last_rewind != Some(self.rt.una) {
+                            self.rewind(ctx);
+                            self.recovery = Some(RECOVERY_FIRST);
+                        }
                     }
                     Syndrome::Nak(code) => {
                         self.ack_through(ctx, prev);
@@ -1224,6 +1259,57 @@ impl Qp {
     }
 
     pub fn on_request(&mut self, ctx: &mut Ctx, p: &Packet) {
+        let epsn = self.rt.epsn;
+        self.handle_request(ctx, p);
+        if !self.held.is_empty() && self.rt.epsn != epsn {
+            self.release_held(ctx);
+        }
+    }
+
+    /// Keeps a request that arrived ahead of the expected PSN (the one at
+    /// the gap was lost): when the requester's go-back-N resend fills the
+    /// gap, these are executed at once and one ACK covers them all, which
+    /// cuts that resend short (its requester stops at the ACKed PSN). The
+    /// order in which requests execute is unchanged: strictly by PSN.
+    fn hold(&mut self, ctx: &mut Ctx, p: &Packet, d: i32) {
+        if d as usize >= HOLD_MAX_PKTS || self.held_bytes + p.payload.len() > HOLD_MAX_BYTES {
+            return;
+        }
+        let psn = p.bth.psn;
+        let at = self.held.iter().rposition(|(q, _, _)| psn_diff(*q, psn) <= 0).map_or(0, |i| i + 1);
+        if at > 0 && self.held[at - 1].0 == psn {
+            return;
+        }
+        ctx.stats.held_out_of_order += 1;
+        self.held_bytes += p.payload.len();
+        self.held.insert(at, (psn, Packet { payload: &[], ..*p }, p.payload.to_vec()));
+    }
+
+    /// Executes the held requests that are now in sequence.
+    fn release_held(&mut self, ctx: &mut Ctx) {
+        while let Some((psn, _, _)) = self.held.front() {
+            let d = psn_diff(*psn, self.rt.epsn);
+            if d > 0 {
+                break;
+            }
+            let (_, hdr, data) = self.held.pop_front().unwrap();
+            self.held_bytes -= data.len();
+            if d == 0 {
+                let epsn = self.rt.epsn;
+                self.handle_request(ctx, &Packet { payload: &data, ..hdr });
+                if self.rt.epsn == epsn {
+                    break; // RNR or error: the requester resends from here
+                }
+            }
+        }
+    }
+
+    fn drop_held(&mut self) {
+        self.held.clear();
+        self.held_bytes = 0;
+    }
+
+    fn handle_request(&mut self, ctx: &mut Ctx, p: &Packet) {
         if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe) {
             ctx.stats.rx_wrong_state += 1;
             return;
@@ -1250,6 +1336,7 @@ impl Qp {
                 self.rt.nak_sent = true;
                 self.queue_nak(self.rt.epsn, Syndrome::Nak(NakCode::PsnSeqError));
             }
+            self.hold(ctx, p, d);
             return;
         }
         if d < 0 {
