@@ -413,13 +413,14 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     let mut ctlbuf = vec![0u8; proto::MAX_MSG];
     let mut busy = false;
     let mut last_activity = Instant::now();
+    let spin = std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN);
     loop {
         if STOP.load(Ordering::Relaxed) || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
             break;
         }
         // After activity, keep polling (politely) for a short while: the
         // next request of a ping-pong then finds us awake, not asleep in epoll.
-        let spinning = !busy && last_activity.elapsed() < SPIN;
+        let spinning = !busy && last_activity.elapsed() < spin;
         if spinning {
             // SAFETY: plain syscall.
             unsafe { libc::sched_yield() };
