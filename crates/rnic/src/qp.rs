@@ -1096,6 +1096,9 @@ impl Qp {
                         self.retrans_deadline = None;
                         self.probe_deadline = None;
                         self.rewind(ctx);
+                        // The responder keeps what arrived after the NAKed
+                        // request: resend a span, not the whole window.
+                        self.recovery = Some(RECOVERY_FIRST);
                     }
                     Syndrome::Nak(NakCode::PsnSeqError) => {
                         if !self.ack_through(ctx, prev) {
