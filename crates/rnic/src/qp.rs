@@ -37,8 +37,10 @@ const MIN_CWND: u32 = 16;
 /// Set the AckReq bit at least every this many packets of a long message.
 const ACK_EVERY: u32 = 64;
 /// Shortest loss-probe time (µs), and the one used before any RTT sample.
-const MIN_PROBE_US: f64 = 1000.0;
-const FIRST_PROBE_US: f64 = 10_000.0;
+/// Not shorter: with 1,000 QPs a busy responder answers late, and spurious
+/// probes (each a resend) then add to its load.
+const MIN_PROBE_US: f64 = 4000.0;
+const FIRST_PROBE_US: f64 = 20_000.0;
 /// First span of a loss recovery (packets): a lost UDP GSO batch is up to ~60.
 const RECOVERY_FIRST: u32 = 64;
 /// Requests a responder keeps when they arrive ahead of a gap (see `Qp::hold`).
@@ -783,7 +785,7 @@ impl Qp {
     /// (infinite: the owner asked for no retransmission timer).
     fn probe_rto(&self) -> Option<Duration> {
         let ib = wire::ack_timeout_us(self.attr.timeout)?;
-        let us = if self.srtt_us == 0.0 { FIRST_PROBE_US } else { self.srtt_us + 4.0 * self.rttvar_us };
+        let us = if self.srtt_us == 0.0 { FIRST_PROBE_US } else { (self.srtt_us + 4.0 * self.rttvar_us).max(2.0 * self.srtt_us) };
         let us = (us.max(MIN_PROBE_US) as u64) << self.probe_backoff.min(6);
         (us < ib).then(|| Duration::from_micros(us))
     }

@@ -248,6 +248,7 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
         }
     }
 
+    let before = bed.ctx(1).stats().unwrap();
     // The move.
     let t_suspend = Instant::now();
     let mrefs: Vec<&Qp> = mqps.iter().collect();
@@ -326,9 +327,11 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
         assert_eq!(q.state().unwrap(), QpState::Rts, "the peer's QPs never leave RTS");
     }
     let ps = peer.ctx.stats().unwrap();
+    let d = |k: &str| ps[k].as_u64().unwrap_or(0) - before[k].as_u64().unwrap_or(0);
     eprintln!(
-        "{n} QPs, peer rnicd: timeouts {} rewinds {} rnr_naks_received {} out-of-window responses {} bad ICRC {}",
-        ps["timeouts"], ps["retransmit_rewinds"], ps["rnr_naks_received"], ps["rx_resp_out_of_window"], ps["rx_bad_icrc"]
+        "{n} QPs, peer rnicd from the suspend on (before it): timeouts {} ({}) loss probes {} ({}) rewinds {} ({}) rnr_naks_received {} out-of-window responses {} bad ICRC {}",
+        d("timeouts"), before["timeouts"], d("loss_probes"), before["loss_probes"], d("retransmit_rewinds"), before["retransmit_rewinds"],
+        d("rnr_naks_received"), d("rx_resp_out_of_window"), ps["rx_bad_icrc"]
     );
 
     let ev = std::mem::take(&mut tl.lock().unwrap().events);
