@@ -264,6 +264,8 @@ impl Engine {
                 let rql = ring_bytes::<RecvWqe>(rq_slots);
                 let sqm = Mapping::map_sealed(&sq_fd, 0, sql)?;
                 let rqm = Mapping::map_sealed(&rq_fd, 0, rql)?;
+                sqm.populate();
+                rqm.populate();
                 // SAFETY: mappings of the checked lengths, kept inside the Qp.
                 let sqr = unsafe { Ring::new(sqm.ptr(), sql, sq_slots) }.ok_or_else(|| anyhow!("bad SQ ring"))?;
                 let rqr = unsafe { Ring::new(rqm.ptr(), rql, rq_slots) }.ok_or_else(|| anyhow!("bad RQ ring"))?;
