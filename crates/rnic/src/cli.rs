@@ -13,10 +13,15 @@ pub struct RnicdArgs {
     /// Control socket for local clients. Default: /run/transit/rnicd-<addr>.sock
     #[arg(long)]
     pub sock: Option<PathBuf>,
-    /// Send equal-sized packets as UDP GSO batches (faster on software links;
-    /// the IP ids of segments after the first are then not covered by the
-    /// ICRC, so only rnicd peers accept them).
+    /// Do not send equal-sized packets as UDP GSO batches (nor receive with
+    /// GRO). Batching is on by default: several times cheaper per packet;
+    /// each segment's ICRC covers the IP id the kernel gives it. Off, every
+    /// packet is its own skb (captures on a veth then show wire packets, and
+    /// nftables faults act per packet rather than per batch).
     #[arg(long)]
+    pub no_gso: bool,
+    /// Accepted for compatibility: batching is the default.
+    #[arg(long, hide = true)]
     pub gso: bool,
 }
 
@@ -26,5 +31,5 @@ pub fn rnicd(a: RnicdArgs) -> anyhow::Result<()> {
         None => crate::daemon::first_local_ipv4().context("no IPv4 address in this network namespace; pass --addr")?,
     };
     let sock = a.sock.unwrap_or_else(|| crate::daemon::default_socket_path(addr));
-    crate::daemon::run(crate::daemon::Config { addr, sock, gso: a.gso }, None)
+    crate::daemon::run(crate::daemon::Config { addr, sock, gso: !a.no_gso }, None)
 }

@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::engine::Engine;
 use crate::objects::{ClientId, OutPkt};
 use crate::proto::{self, Reply, Request, Response};
-use crate::wire::ROCE_PORT;
+use crate::wire::{self, Flow, ROCE_PORT};
 
 const RX_BATCH: usize = 64;
 const RX_BUF: usize = 65536;
@@ -26,7 +26,8 @@ const SPIN: Duration = Duration::from_micros(200);
 const SOL_UDP: i32 = 17;
 const UDP_SEGMENT: i32 = 103;
 const UDP_GRO: i32 = 104;
-/// Most segments of one UDP GSO send (and 64 KiB in all).
+/// Most segments of one UDP GSO send (and 64 KiB in all; the ICRC covers
+/// ids below wire::MAX_GSO_SEGS).
 const GSO_MAX_SEGS: usize = 60;
 const TOKEN_LISTEN: u64 = 1;
 
@@ -132,40 +133,43 @@ impl Namespace {
         if gso {
             setsockopt_int(udp.as_raw_fd(), SOL_UDP, UDP_GRO, 1).context("UDP_GRO")?;
         }
-        let senders = Senders {
-            addr: gid,
-            gso,
-            socks: HashMap::new(),
-            fallback_df: udp_socket(gid, 0, true, false)?,
-            fallback_frag: udp_socket(gid, 0, false, false)?,
-        };
+        let senders = Senders::new(gid, gso)?;
         Ok(Namespace { engine: Engine::new(gid), udp, senders })
     }
 
     /// Receives and transmits; returns (packets received, packets sent, more work pending).
     fn pump(&mut self, udp_ready: bool, rxbufs: &mut [Vec<u8>]) -> (usize, usize, bool) {
-        let mut got = 0;
-        if udp_ready {
-            for _ in 0..4 {
-                let k = recv_batch(&self.udp, rxbufs, &mut self.engine);
-                got += k;
-                if k < RX_BATCH {
-                    break;
-                }
+        let (mut got, mut sent, mut more) = (0, 0, false);
+        for _ in 0..4 {
+            let k = if udp_ready { recv_batch(&self.udp, rxbufs, &mut self.engine) } else { 0 };
+            got += k;
+            // Transmit after every receive batch: the ACKs (and READ
+            // responses) it produced leave at once, so the peer's window
+            // keeps moving while we are still receiving.
+            let (s, m) = self.transmit();
+            sent += s;
+            more = m;
+            if k < RX_BATCH {
+                break;
             }
         }
-        let now = Instant::now();
-        let more = self.engine.poll_tx(TX_BUDGET, now);
-        let pkts = std::mem::take(&mut self.engine.tx.pkts);
+        (got, sent, more)
+    }
+
+    /// Runs timers and sends what the engine has to send; returns (packets
+    /// sent, more work pending).
+    fn transmit(&mut self) -> (usize, bool) {
+        let more = self.engine.poll_tx(TX_BUDGET, Instant::now());
+        let mut pkts = std::mem::take(&mut self.engine.tx.pkts);
         let sent = pkts.len();
         if sent > 0 {
-            self.senders.send(&pkts, &mut self.engine.stats.send_errors);
+            self.senders.send(&mut pkts, &mut self.engine.stats.send_errors);
             self.engine.stats.tx_packets += sent as u64;
         }
         for p in pkts {
             self.engine.tx.recycle(p);
         }
-        (got, sent, more)
+        (sent, more)
     }
 }
 
@@ -198,9 +202,9 @@ pub struct Config {
     pub addr: Ipv4Addr,
     pub sock: PathBuf,
     /// Batch equal-sized packets into UDP GSO sends (and accept GRO on
-    /// receive). Much cheaper per packet, but the kernel numbers the IP id of
-    /// segments 1.. of a batch, which the ICRC (computed for id 0) does not
-    /// cover: only rnicd peers accept such packets. Off by default.
+    /// receive): much cheaper per packet. The kernel gives segment k of a
+    /// batch IP id k and each segment's ICRC is computed for that id, so the
+    /// packets are valid RoCEv2 on the wire.
     pub gso: bool,
 }
 
@@ -208,36 +212,57 @@ pub struct Config {
 struct Senders {
     addr: Ipv4Addr,
     gso: bool,
-    socks: HashMap<(u16, bool), OwnedFd>,
-    fallback_df: OwnedFd,
-    fallback_frag: OwnedFd,
+    socks: HashMap<(u16, bool), SendSock>,
+    fallback_df: (OwnedFd, u16),
+    fallback_frag: (OwnedFd, u16),
+}
+
+/// Where packets of one source port leave.
+enum SendSock {
+    Own(OwnedFd),
+    /// The port is taken by another socket of this host (any program may
+    /// bind an ephemeral port in 0xc000..): the packets leave from a
+    /// fallback socket's port, and their ICRC must be computed for it.
+    Fallback,
+}
+
+/// The local port a socket is bound to.
+fn bound_port(fd: &OwnedFd) -> anyhow::Result<u16> {
+    // SAFETY: getsockname into a sockaddr_in of the right size.
+    let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as u32;
+    cvt(unsafe { libc::getsockname(fd.as_raw_fd(), &mut sa as *mut _ as *mut libc::sockaddr, &mut len) }, "getsockname")?;
+    Ok(u16::from_be(sa.sin_port))
 }
 
 impl Senders {
-    fn get(&mut self, sport: u16, big: bool) -> RawFd {
-        if let Some(s) = self.socks.get(&(sport, big)) {
-            return s.as_raw_fd();
-        }
-        match udp_socket(self.addr, sport, !big, true) {
-            Ok(s) => {
-                let r = s.as_raw_fd();
-                self.socks.insert((sport, big), s);
-                r
-            }
+    fn new(addr: Ipv4Addr, gso: bool) -> anyhow::Result<Senders> {
+        let df = udp_socket(addr, 0, true, false)?;
+        let frag = udp_socket(addr, 0, false, false)?;
+        let (pdf, pfrag) = (bound_port(&df)?, bound_port(&frag)?);
+        Ok(Senders { addr, gso, socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
+    }
+
+    /// The socket for packets built with source port `sport`, and the port
+    /// they actually leave from.
+    fn get(&mut self, sport: u16, big: bool) -> (RawFd, u16) {
+        let s = self.socks.entry((sport, big)).or_insert_with(|| match udp_socket(self.addr, sport, !big, true) {
+            Ok(s) => SendSock::Own(s),
             Err(e) => {
-                debug!("source port {sport} unavailable ({e:#}), using {ROCE_PORT}");
-                if big {
-                    self.fallback_frag.as_raw_fd()
-                } else {
-                    self.fallback_df.as_raw_fd()
-                }
+                warn!("{}: source port {sport} is taken ({e:#}); its packets leave from a fallback port", self.addr);
+                SendSock::Fallback
             }
+        });
+        match s {
+            SendSock::Own(fd) => (fd.as_raw_fd(), sport),
+            SendSock::Fallback if big => (self.fallback_frag.0.as_raw_fd(), self.fallback_frag.1),
+            SendSock::Fallback => (self.fallback_df.0.as_raw_fd(), self.fallback_df.1),
         }
     }
 
     /// Sends the batch with one sendmmsg per run of packets sharing a socket;
     /// with GSO, runs of equal-sized packets to one peer become one message.
-    fn send(&mut self, pkts: &[OutPkt], errors: &mut u64) {
+    fn send(&mut self, pkts: &mut [OutPkt], errors: &mut u64) {
         let mut i = 0;
         while i < pkts.len() {
             let key = (pkts[i].sport, pkts[i].big);
@@ -245,13 +270,20 @@ impl Senders {
             while j < pkts.len() && (pkts[j].sport, pkts[j].big) == key && j - i < 256 {
                 j += 1;
             }
-            let fd = self.get(key.0, key.1);
-            self.send_run(fd, &pkts[i..j], errors);
+            let (fd, port) = self.get(key.0, key.1);
+            if port != key.0 {
+                // The ICRC covers the UDP source port: seal for the real one.
+                for p in &mut pkts[i..j] {
+                    let flow = Flow { src: self.addr, dst: p.dst, sport: port, dport: ROCE_PORT };
+                    wire::reseal(&flow, &mut p.buf[..p.len]);
+                }
+            }
+            self.send_run(fd, &mut pkts[i..j], errors);
             i = j;
         }
     }
 
-    fn send_run(&mut self, fd: RawFd, run: &[OutPkt], errors: &mut u64) {
+    fn send_run(&mut self, fd: RawFd, run: &mut [OutPkt], errors: &mut u64) {
         // Group into messages: [start, end) ranges of the run.
         let mut groups: Vec<(usize, usize)> = Vec::with_capacity(run.len());
         let mut k = 0;
@@ -267,6 +299,14 @@ impl Senders {
                 {
                     total += run[e].len;
                     e += 1;
+                }
+            }
+            // Segment j of the batch leaves with IP id j: seal it for that id.
+            for (j, p) in run[k..e].iter_mut().enumerate().skip(1) {
+                let body = p.len - 4;
+                let delta = wire::ip_id_delta(body, j as u16);
+                for (b, d) in p.buf[body..p.len].iter_mut().zip(delta.to_le_bytes()) {
+                    *b ^= d;
                 }
             }
             groups.push((k, e));
@@ -373,13 +413,14 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     let mut ctlbuf = vec![0u8; proto::MAX_MSG];
     let mut busy = false;
     let mut last_activity = Instant::now();
+    let spin = std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN);
     loop {
         if STOP.load(Ordering::Relaxed) || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
             break;
         }
         // After activity, keep polling (politely) for a short while: the
         // next request of a ping-pong then finds us awake, not asleep in epoll.
-        let spinning = !busy && last_activity.elapsed() < SPIN;
+        let spinning = !busy && last_activity.elapsed() < spin;
         if spinning {
             // SAFETY: plain syscall.
             unsafe { libc::sched_yield() };

@@ -4,7 +4,6 @@
 //! The engine is pure logic: packets in, packets out (`tx`), no sockets, so
 //! it runs the same inside the daemon and in a single-process loopback test.
 
-use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
@@ -14,7 +13,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context as _};
 
 use crate::mem::Mapping;
-use crate::objects::{ClientId, Cq, Mr, MrTable, Stats, Tx};
+use crate::objects::{ClientId, Cq, IdMap, Mr, MrTable, Stats, Tx};
 use crate::proto::{Reply, Request};
 use crate::qp::{Ctx, Qp, MAX_MSG};
 use crate::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
@@ -29,11 +28,11 @@ pub struct Engine {
     pub gid: Ipv4Addr,
     pub stats: Stats,
     pub tx: Tx,
-    pds: HashMap<u32, ClientId>,
+    pds: IdMap<ClientId>,
     mrs: MrTable,
-    cqs: HashMap<u32, Cq>,
-    qps: HashMap<u32, Qp>,
-    channels: HashMap<u32, (ClientId, Arc<OwnedFd>)>,
+    cqs: IdMap<Cq>,
+    qps: IdMap<Qp>,
+    channels: IdMap<(ClientId, Arc<OwnedFd>)>,
     next_id: u32,
     next_key: u32,
     /// Round-robin start for transmit fairness.
@@ -47,11 +46,11 @@ impl Engine {
             gid,
             stats: Stats::default(),
             tx: Tx::default(),
-            pds: HashMap::new(),
-            mrs: HashMap::new(),
-            cqs: HashMap::new(),
-            qps: HashMap::new(),
-            channels: HashMap::new(),
+            pds: IdMap::default(),
+            mrs: IdMap::default(),
+            cqs: IdMap::default(),
+            qps: IdMap::default(),
+            channels: IdMap::default(),
             next_id: 1,
             // Keys and QPNs start at a per-process pseudo-random point so
             // that stale peers of a restarted rnicd are unlikely to match.
@@ -76,7 +75,7 @@ impl Engine {
         }
     }
 
-    fn ctx<'a>(gid: Ipv4Addr, mrs: &'a MrTable, cqs: &'a mut HashMap<u32, Cq>, tx: &'a mut Tx, stats: &'a mut Stats) -> Ctx<'a> {
+    fn ctx<'a>(gid: Ipv4Addr, mrs: &'a MrTable, cqs: &'a mut IdMap<Cq>, tx: &'a mut Tx, stats: &'a mut Stats) -> Ctx<'a> {
         Ctx { gid, mrs, cqs, tx, stats, now: Instant::now() }
     }
 
@@ -265,6 +264,8 @@ impl Engine {
                 let rql = ring_bytes::<RecvWqe>(rq_slots);
                 let sqm = Mapping::map_sealed(&sq_fd, 0, sql)?;
                 let rqm = Mapping::map_sealed(&rq_fd, 0, rql)?;
+                sqm.populate();
+                rqm.populate();
                 // SAFETY: mappings of the checked lengths, kept inside the Qp.
                 let sqr = unsafe { Ring::new(sqm.ptr(), sql, sq_slots) }.ok_or_else(|| anyhow!("bad SQ ring"))?;
                 let rqr = unsafe { Ring::new(rqm.ptr(), rql, rq_slots) }.ok_or_else(|| anyhow!("bad RQ ring"))?;
@@ -292,7 +293,9 @@ impl Engine {
                 Reply::QpInfo { attr: qp.attr, cap: qp.cap }
             }
             Request::SuspendQp { qpn } => {
-                self.owned_qp(client, qpn)?.suspend().map_err(|e| anyhow!(e))?;
+                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+                let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
+                qp.suspend(&mut Self::ctx(*gid, mrs, cqs, tx, stats)).map_err(|e| anyhow!(e))?;
                 Reply::Ok
             }
             Request::QueryQpState { qpn } => {
@@ -308,8 +311,12 @@ impl Engine {
             }
             Request::SuspendQps { qpns } => {
                 self.check_batch(client, &qpns, crate::proto::MAX_BATCH)?;
+                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
                 for q in qpns {
-                    self.owned_qp(client, q)?.suspend().map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                    if let Some(qp) = qps.get_mut(&q) {
+                        qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                    }
                 }
                 Reply::Ok
             }

@@ -3,6 +3,7 @@
 //! `wire` is the packet format, `qp` the RC transport, `engine` one namespace
 //! of objects, `daemon` the process (sockets, clients, event loop). `ring`,
 //! `proto` and `types` are shared with the client side (the `verbs` crate).
+pub mod announce;
 pub mod cli;
 pub mod daemon;
 pub mod engine;

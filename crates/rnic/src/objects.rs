@@ -53,7 +53,10 @@ impl Mr {
     }
 }
 
-pub type MrTable = std::collections::HashMap<u32, Arc<Mr>>;
+/// Tables keyed by QPN / key / ID, looked up for every packet: a fast hash.
+pub type IdMap<V> = rustc_hash::FxHashMap<u32, V>;
+
+pub type MrTable = IdMap<Arc<Mr>>;
 
 /// Copies `out.len()` bytes of the message described by `sges`, starting at
 /// message offset `off`, into `out` (local read: no access bit needed).
@@ -145,10 +148,14 @@ pub struct Stats {
     pub rx_bad_response: u64,
     pub dup_requests: u64,
     pub seq_naks_sent: u64,
+    /// Requests kept because they arrived ahead of a lost one.
+    pub held_out_of_order: u64,
     pub rnr_naks_sent: u64,
     pub rnr_naks_received: u64,
     pub error_naks_sent: u64,
     pub retransmit_rewinds: u64,
+    /// Go-back-N rewinds by the loss probe (a few RTTs without progress).
+    pub loss_probes: u64,
     pub timeouts: u64,
     pub cq_overflows: u64,
     pub bad_client_requests: u64,

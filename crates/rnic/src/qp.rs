@@ -36,6 +36,16 @@ pub const WINDOW_BYTES: usize = 2 << 20;
 const MIN_CWND: u32 = 16;
 /// Set the AckReq bit at least every this many packets of a long message.
 const ACK_EVERY: u32 = 64;
+/// Shortest loss-probe time (µs), and the one used before any RTT sample.
+/// Not shorter: with 1,000 QPs a busy responder answers late, and spurious
+/// probes (each a resend) then add to its load.
+const MIN_PROBE_US: f64 = 4000.0;
+const FIRST_PROBE_US: f64 = 20_000.0;
+/// First span of a loss recovery (packets): a lost UDP GSO batch is up to ~60.
+const RECOVERY_FIRST: u32 = 64;
+/// Requests a responder keeps when they arrive ahead of a gap (see `Qp::hold`).
+const HOLD_MAX_PKTS: usize = 2048;
+const HOLD_MAX_BYTES: usize = 4 << 20;
 /// Atomic results kept for replaying duplicates.
 const ATOMIC_REPLAY: usize = 16;
 /// Queued responses per QP before we stop accepting READs (bounded memory).
@@ -133,7 +143,7 @@ impl SqEntry {
 pub struct Ctx<'a> {
     pub gid: Ipv4Addr,
     pub mrs: &'a MrTable,
-    pub cqs: &'a mut std::collections::HashMap<u32, Cq>,
+    pub cqs: &'a mut crate::objects::IdMap<Cq>,
     pub tx: &'a mut Tx,
     pub stats: &'a mut Stats,
     pub now: Instant,
@@ -168,14 +178,34 @@ pub struct Qp {
     /// READ/atomic WQEs in sq[..tx_idx] (against max_rd_atomic).
     rd_outstanding: usize,
     retrans_deadline: Option<Instant>,
+    /// Loss probe: go back N after a few round trips without progress,
+    /// long before the IB timeout, without counting a retry (below).
+    probe_deadline: Option<Instant>,
+    probe_backoff: u32,
+    /// Smoothed round trip and its variation (µs), from ACKed new packets.
+    srtt_us: f64,
+    rttvar_us: f64,
+    /// A new packet being timed: (PSN, sent at).
+    rtt_sample: Option<(u32, Instant)>,
     rnr_until: Option<Instant>,
     /// Avoids rewinding again for the same gap while a rewind is under way.
     last_rewind: Option<u32>,
     /// `una` when the congestion window last grew.
     cwnd_una: u32,
+    /// After a sequence NAK or a loss probe: resend at most this many
+    /// packets past `una` until an ACK comes. A peer that kept what arrived
+    /// after the gap (as rnicd does) then acknowledges it all at once and the
+    /// rest of the go-back-N resend is never sent; any other peer gets the
+    /// resend in spans doubling per round trip.
+    recovery: Option<u32>,
     /// Suspended (seed 000): no host memory access, no transmission, every
     /// incoming request answered with an RNR NAK so the peer keeps retrying.
     pub suspended: bool,
+    /// When the last RNR NAK of a suspended QP went out.
+    suspended_nak_at: Option<Instant>,
+    /// Requests received ahead of the expected PSN, by PSN (see `hold`).
+    held: VecDeque<(u32, Packet<'static>, Vec<u8>)>,
+    held_bytes: usize,
 }
 
 impl Qp {
@@ -210,10 +240,19 @@ impl Qp {
             tx_idx: 0,
             rd_outstanding: 0,
             retrans_deadline: None,
+            probe_deadline: None,
+            probe_backoff: 0,
+            srtt_us: 0.0,
+            rttvar_us: 0.0,
+            rtt_sample: None,
             rnr_until: None,
             last_rewind: None,
             cwnd_una: 0,
+            recovery: None,
             suspended: false,
+            suspended_nak_at: None,
+            held: VecDeque::new(),
+            held_bytes: 0,
         }
     }
 
@@ -221,12 +260,32 @@ impl Qp {
 
     /// Suspends processing: from now on the QP touches neither host memory
     /// nor its rings, and its peer sees only RNR NAKs.
-    pub fn suspend(&mut self) -> Result<(), String> {
+    ///
+    /// Responses already due that need no memory (ACKs, atomic ACKs) go out
+    /// now, and a READ response that cannot is replaced by an RNR NAK for
+    /// its PSN: a peer whose requests were all executed would otherwise hear
+    /// nothing until the resume and count retransmission timeouts (retry_cnt)
+    /// during a long move.
+    pub fn suspend(&mut self, ctx: &mut Ctx) -> Result<(), String> {
         if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
             return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
         }
+        if !self.suspended {
+            while matches!(self.rt.resp_queue.front(), Some(RespJob::Ack { .. } | RespJob::AtomicAck { .. })) {
+                let mut one = 1;
+                self.responder_tx(ctx, &mut one);
+            }
+            if let Some(RespJob::Read { psn, .. }) = self.rt.resp_queue.front() {
+                let psn = *psn;
+                self.suspended_nak_at = Some(ctx.now);
+                self.suspended_nak(ctx, psn);
+            }
+        }
+        // Held requests are not state: the peer resends them.
+        self.drop_held();
         self.suspended = true;
         self.retrans_deadline = None;
+        self.probe_deadline = None;
         self.rnr_until = None;
         Ok(())
     }
@@ -439,6 +498,7 @@ impl Qp {
     }
 
     fn reset(&mut self) {
+        self.drop_held();
         self.sq.clear();
         self.rq.clear();
         while self.sq_ring.pop().is_some() {}
@@ -447,6 +507,7 @@ impl Qp {
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.retrans_deadline = None;
+        self.probe_deadline = None;
         self.rnr_until = None;
         self.last_rewind = None;
         let keep = (self.attr.port_num, self.attr.path_mtu);
@@ -456,8 +517,10 @@ impl Qp {
 
     /// Moves to ERR and flushes every outstanding and queued WQE.
     pub fn to_error(&mut self, ctx: &mut Ctx) {
+        self.drop_held();
         self.attr.qp_state = QpState::Err;
         self.retrans_deadline = None;
+        self.probe_deadline = None;
         self.rnr_until = None;
         self.rt.resp_queue.clear();
         self.flush(ctx);
@@ -602,16 +665,29 @@ impl Qp {
         matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd)
             && self.tx_idx < self.sq.len()
             && self.rnr_until.is_none_or(|t| now >= t)
+            && !self.blocked()
+    }
+
+    /// Whether the next request is new and may not go yet (window, READ/atomic
+    /// credits, fence, SQD): then only a response or a timer moves the QP, and
+    /// the daemon may sleep instead of spinning.
+    fn blocked(&self) -> bool {
+        let psn = self.rt.tx_psn;
+        if psn_diff(psn, self.rt.max_sent) < 0 {
+            return self.recovery.is_some_and(|n| psn_diff(psn, self.rt.una) >= n as i32);
+        }
+        let Some(e) = self.sq.get(self.tx_idx) else { return true };
+        self.attr.qp_state == QpState::Sqd
+            || psn_diff(psn, self.rt.una) >= self.window()
+            || (e.op.is_read_or_atomic() && self.rd_outstanding >= self.attr.max_rd_atomic.max(1) as usize)
+            || (e.wqe.flags & send_flags::FENCE != 0 && self.rd_outstanding > 0)
     }
 
     pub fn next_deadline(&self) -> Option<Instant> {
         if self.suspended {
             return None;
         }
-        match (self.retrans_deadline, self.rnr_until) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.retrans_deadline, self.rnr_until, self.probe_deadline].into_iter().flatten().min()
     }
 
     // ---------------------------------------------------------- requester
@@ -644,6 +720,9 @@ impl Qp {
             let psn = self.rt.tx_psn;
             let new = psn_diff(psn, self.rt.max_sent) >= 0;
             let e = &self.sq[self.tx_idx];
+            if !new && self.recovery.is_some_and(|n| psn_diff(psn, self.rt.una) >= n as i32) {
+                break;
+            }
             if new {
                 if st == QpState::Sqd || psn_diff(psn, self.rt.una) >= self.window() {
                     break;
@@ -674,6 +753,9 @@ impl Qp {
             }
             if psn_diff(self.rt.tx_psn, self.rt.max_sent) > 0 {
                 self.rt.max_sent = self.rt.tx_psn;
+                if new && self.rtt_sample.is_none() {
+                    self.rtt_sample = Some((psn, ctx.now));
+                }
             }
             if self.retrans_deadline.is_none() {
                 self.arm_timer(ctx.now);
@@ -695,6 +777,27 @@ impl Qp {
 
     fn arm_timer(&mut self, now: Instant) {
         self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| now + Duration::from_micros(us));
+        self.probe_deadline = self.probe_rto().map(|d| now + d);
+    }
+
+    /// When to probe for a lost packet: a few smoothed round trips (at least
+    /// MIN_PROBE), never later than the IB timeout, never with timeout 0
+    /// (infinite: the owner asked for no retransmission timer).
+    fn probe_rto(&self) -> Option<Duration> {
+        let ib = wire::ack_timeout_us(self.attr.timeout)?;
+        let us = if self.srtt_us == 0.0 { FIRST_PROBE_US } else { (self.srtt_us + 4.0 * self.rttvar_us).max(2.0 * self.srtt_us) };
+        let us = (us.max(MIN_PROBE_US) as u64) << self.probe_backoff.min(6);
+        (us < ib).then(|| Duration::from_micros(us))
+    }
+
+    fn rtt_update(&mut self, sample_us: f64) {
+        if self.srtt_us == 0.0 {
+            self.srtt_us = sample_us;
+            self.rttvar_us = sample_us / 2.0;
+        } else {
+            self.rttvar_us = 0.75 * self.rttvar_us + 0.25 * (self.srtt_us - sample_us).abs();
+            self.srtt_us = 0.875 * self.srtt_us + 0.125 * sample_us;
+        }
     }
 
     fn build_request(&self, ctx: &mut Ctx, idx: usize, psn: u32) -> Result<(), WcStatus> {
@@ -769,6 +872,9 @@ impl Qp {
     /// Go-back-N: the next packet sent is `una` again.
     fn rewind(&mut self, ctx: &mut Ctx) {
         ctx.stats.retransmit_rewinds += 1;
+        // Karn: a resent packet's ACK says nothing about the round trip.
+        self.rtt_sample = None;
+        self.recovery = None;
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.rt.tx_psn = self.rt.una;
@@ -786,16 +892,19 @@ impl Qp {
         if self.suspended {
             return;
         }
+        self.on_probe(ctx);
         let Some(d) = self.retrans_deadline else { return };
         if ctx.now < d {
             return;
         }
         if psn_diff(self.rt.max_sent, self.rt.una) <= 0 {
             self.retrans_deadline = None;
+            self.probe_deadline = None;
             return;
         }
         if self.rnr_until.is_some() {
             self.retrans_deadline = None;
+            self.probe_deadline = None;
             return;
         }
         ctx.stats.timeouts += 1;
@@ -810,6 +919,28 @@ impl Qp {
         // is not buried under go-back-N retransmissions of whole windows.
         let backoff = self.attr.retry_cnt.saturating_sub(self.rt.retry_left).min(6);
         self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| ctx.now + Duration::from_micros(us << backoff));
+    }
+
+    /// The loss probe: no progress for a few round trips means a lost packet
+    /// that no later one will reveal (the last ones of a burst, a lost NAK, a
+    /// lost retransmission: the responder NAKs a gap once). Go back N now
+    /// instead of stalling until the IB timeout; retry_cnt and cwnd are left
+    /// alone, as only the IB timeout is a retry.
+    fn on_probe(&mut self, ctx: &mut Ctx) {
+        let Some(d) = self.probe_deadline else { return };
+        if ctx.now < d {
+            return;
+        }
+        let outstanding = psn_diff(self.rt.max_sent, self.rt.una) > 0;
+        if !outstanding || self.rnr_until.is_some() || !matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
+            self.probe_deadline = None;
+            return;
+        }
+        ctx.stats.loss_probes += 1;
+        self.rewind(ctx);
+        self.recovery = Some(RECOVERY_FIRST);
+        self.probe_backoff += 1;
+        self.probe_deadline = self.probe_rto().map(|d| ctx.now + d);
     }
 
     // ---------------------------------------------------------- completer
@@ -850,6 +981,13 @@ impl Qp {
     }
 
     fn progress(&mut self, ctx: &mut Ctx) {
+        if let Some((p, t)) = self.rtt_sample {
+            if psn_diff(self.rt.una, p) > 0 {
+                self.rtt_update(ctx.now.saturating_duration_since(t).as_secs_f64() * 1e6);
+                self.rtt_sample = None;
+            }
+        }
+        self.probe_backoff = 0;
         let acked = psn_diff(self.rt.una, self.cwnd_una).max(0) as u32;
         self.cwnd_una = self.rt.una;
         self.rt.cwnd = (self.rt.cwnd + acked).min(self.max_window() as u32);
@@ -860,6 +998,7 @@ impl Qp {
             self.arm_timer(ctx.now);
         } else {
             self.retrans_deadline = None;
+            self.probe_deadline = None;
         }
         // A late ACK can overtake a rewind: never resend what is acknowledged.
         if psn_diff(self.rt.tx_psn, self.rt.una) < 0 {
@@ -876,6 +1015,12 @@ impl Qp {
                     self.rd_outstanding = 0;
                 }
             }
+        }
+        // Loss recovery resends a span that doubles with every ACK, until it
+        // reaches what was sent before the loss.
+        if let Some(n) = self.recovery {
+            let done = psn_diff(psn_add(self.rt.una, n.saturating_mul(2)), self.rt.max_sent) >= 0;
+            self.recovery = if done { None } else { Some(n.saturating_mul(2)) };
         }
     }
 
@@ -951,14 +1096,21 @@ impl Qp {
                         }
                         self.rnr_until = Some(ctx.now + Duration::from_micros(wire::rnr_timer_us(code)));
                         self.retrans_deadline = None;
+                        self.probe_deadline = None;
                         self.rewind(ctx);
+                        // The responder keeps what arrived after the NAKed
+                        // request: resend a span, not the whole window.
+                        self.recovery = Some(RECOVERY_FIRST);
                     }
                     Syndrome::Nak(NakCode::PsnSeqError) => {
                         if !self.ack_through(ctx, prev) {
                             self.rewind_once(ctx);
                             return;
                         }
-                        self.rewind_once(ctx);
+                        if self.last_rewind != Some(self.rt.una) {
+                            self.rewind(ctx);
+                            self.recovery = Some(RECOVERY_FIRST);
+                        }
                     }
                     Syndrome::Nak(code) => {
                         self.ack_through(ctx, prev);
@@ -1112,6 +1264,57 @@ impl Qp {
     }
 
     pub fn on_request(&mut self, ctx: &mut Ctx, p: &Packet) {
+        let epsn = self.rt.epsn;
+        self.handle_request(ctx, p);
+        if !self.held.is_empty() && self.rt.epsn != epsn {
+            self.release_held(ctx);
+        }
+    }
+
+    /// Keeps a request that arrived ahead of the expected PSN (the one at
+    /// the gap was lost): when the requester's go-back-N resend fills the
+    /// gap, these are executed at once and one ACK covers them all, which
+    /// cuts that resend short (its requester stops at the ACKed PSN). The
+    /// order in which requests execute is unchanged: strictly by PSN.
+    fn hold(&mut self, ctx: &mut Ctx, p: &Packet, d: i32) {
+        if d as usize >= HOLD_MAX_PKTS || self.held_bytes + p.payload.len() > HOLD_MAX_BYTES {
+            return;
+        }
+        let psn = p.bth.psn;
+        let at = self.held.iter().rposition(|(q, _, _)| psn_diff(*q, psn) <= 0).map_or(0, |i| i + 1);
+        if at > 0 && self.held[at - 1].0 == psn {
+            return;
+        }
+        ctx.stats.held_out_of_order += 1;
+        self.held_bytes += p.payload.len();
+        self.held.insert(at, (psn, Packet { payload: &[], ..*p }, p.payload.to_vec()));
+    }
+
+    /// Executes the held requests that are now in sequence.
+    fn release_held(&mut self, ctx: &mut Ctx) {
+        while let Some((psn, _, _)) = self.held.front() {
+            let d = psn_diff(*psn, self.rt.epsn);
+            if d > 0 {
+                break;
+            }
+            let (_, hdr, data) = self.held.pop_front().unwrap();
+            self.held_bytes -= data.len();
+            if d == 0 {
+                let epsn = self.rt.epsn;
+                self.handle_request(ctx, &Packet { payload: &data, ..hdr });
+                if self.rt.epsn == epsn {
+                    break; // RNR or error: the requester resends from here
+                }
+            }
+        }
+    }
+
+    fn drop_held(&mut self) {
+        self.held.clear();
+        self.held_bytes = 0;
+    }
+
+    fn handle_request(&mut self, ctx: &mut Ctx, p: &Packet) {
         if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe) {
             ctx.stats.rx_wrong_state += 1;
             return;
@@ -1119,6 +1322,15 @@ impl Qp {
         let psn = p.bth.psn;
         if self.suspended {
             ctx.stats.rx_while_suspended += 1;
+            // One RNR NAK per RNR period: the rest of a burst is resent by the
+            // peer after its RNR wait anyway; NAKing every packet restarts its
+            // wait and rewinds it again and again (a storm of retransmissions
+            // that takes the CPU while the QP moves).
+            let period = Duration::from_micros(wire::rnr_timer_us(self.attr.min_rnr_timer));
+            if self.suspended_nak_at.is_some_and(|t| ctx.now < t + period) {
+                return;
+            }
+            self.suspended_nak_at = Some(ctx.now);
             self.suspended_nak(ctx, psn);
             return;
         }
@@ -1129,6 +1341,7 @@ impl Qp {
                 self.rt.nak_sent = true;
                 self.queue_nak(self.rt.epsn, Syndrome::Nak(NakCode::PsnSeqError));
             }
+            self.hold(ctx, p, d);
             return;
         }
         if d < 0 {

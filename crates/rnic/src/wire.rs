@@ -334,6 +334,17 @@ fn be64(b: &[u8]) -> u64 {
 /// ones) and our sockets' fixed IP id 0 with DF set. The CRC starts from 8 bytes of
 /// ones standing for the masked LRH, and BTH byte 4 (resv8a) is masked too.
 pub fn icrc(flow: &Flow, pkt: &[u8]) -> u32 {
+    icrc_with_ip_id(flow, pkt, 0)
+}
+
+/// Most segments of one UDP GSO batch whose IP ids an ICRC may cover.
+pub const MAX_GSO_SEGS: u16 = 64;
+
+/// The ICRC for a packet that leaves with IP id `ip_id`: segment k of a UDP
+/// GSO batch of DF packets gets id k from the kernel's segmentation (the
+/// first gets 0), so a batched packet carries the ICRC for its own id and is
+/// valid RoCEv2 on the wire.
+pub fn icrc_with_ip_id(flow: &Flow, pkt: &[u8], ip_id: u16) -> u32 {
     let udp_len = (8 + pkt.len() + ICRC_LEN) as u16;
     let ip_len = 20 + udp_len;
     let mut ph = [0u8; 8 + 20 + 8 + BTH_LEN];
@@ -342,7 +353,7 @@ pub fn icrc(flow: &Flow, pkt: &[u8]) -> u32 {
     ip[0] = 0x45;
     ip[1] = 0xff; // TOS masked
     ip[2..4].copy_from_slice(&ip_len.to_be_bytes());
-    ip[4..6].copy_from_slice(&0u16.to_be_bytes()); // id 0: DF packets from unconnected sockets
+    ip[4..6].copy_from_slice(&ip_id.to_be_bytes()); // 0 for DF packets from unconnected sockets
     ip[6..8].copy_from_slice(&0x4000u16.to_be_bytes()); // DF
     ip[8] = 0xff; // TTL masked
     ip[9] = 17;
@@ -365,6 +376,39 @@ pub fn icrc(flow: &Flow, pkt: &[u8]) -> u32 {
     h.finalize()
 }
 
+/// What changing the IP id from 0 to `ip_id` does to the ICRC of a packet
+/// of `len` bytes (without its ICRC). The CRC is linear, so this does not
+/// depend on the packet's contents: ICRC(id k) = ICRC(id 0) ^ delta(len, k).
+pub fn ip_id_delta(len: usize, ip_id: u16) -> u32 {
+    ip_id_deltas(len, |d| d[ip_id as usize % MAX_GSO_SEGS as usize])
+}
+
+/// Which GSO segment IP id (1..MAX_GSO_SEGS) turns an ICRC mismatch `diff`
+/// (received ^ computed for id 0) into a match, if any.
+fn ip_id_for_delta(len: usize, diff: u32) -> Option<u16> {
+    ip_id_deltas(len, |d| d.iter().position(|&x| x == diff && x != 0).map(|k| k as u16))
+}
+
+fn ip_id_deltas<R>(len: usize, f: impl FnOnce(&[u32; MAX_GSO_SEGS as usize]) -> R) -> R {
+    thread_local! {
+        static DELTAS: std::cell::RefCell<std::collections::HashMap<usize, Box<[u32; MAX_GSO_SEGS as usize]>>> = Default::default();
+    }
+    DELTAS.with(|t| {
+        let mut t = t.borrow_mut();
+        let d = t.entry(len).or_insert_with(|| {
+            let zeros = vec![0u8; len];
+            let f0 = Flow { src: Ipv4Addr::UNSPECIFIED, dst: Ipv4Addr::UNSPECIFIED, sport: 0, dport: 0 };
+            let base = icrc_with_ip_id(&f0, &zeros, 0);
+            let mut d = Box::new([0u32; MAX_GSO_SEGS as usize]);
+            for (k, x) in d.iter_mut().enumerate() {
+                *x = icrc_with_ip_id(&f0, &zeros, k as u16) ^ base;
+            }
+            d
+        });
+        f(d)
+    })
+}
+
 /// Parses and validates one UDP payload. `flow` enables the ICRC check.
 pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, ParseError> {
     if buf.len() < BTH_LEN + ICRC_LEN {
@@ -372,7 +416,10 @@ pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, Parse
     }
     let (body, crc) = buf.split_at(buf.len() - ICRC_LEN);
     if let Some(f) = flow {
-        if icrc(f, body) != u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]) {
+        let diff = icrc(f, body) ^ u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]);
+        // A segment of a GSO batch: sealed for IP id 1..64 (we see only the
+        // UDP payload, not the id it had on the wire).
+        if diff != 0 && ip_id_for_delta(body.len(), diff).is_none() {
             return Err(ParseError::Icrc);
         }
     }
@@ -543,6 +590,18 @@ pub fn finish(flow: &Flow, buf: &mut [u8], len: usize, payload_len: usize) -> us
     body + 4
 }
 
+/// Recomputes the ICRC of a finished packet (`pkt` includes its ICRC) for
+/// another flow: a packet that must leave from another source port than the
+/// one it was built for stays valid.
+pub fn reseal(flow: &Flow, pkt: &mut [u8]) {
+    if pkt.len() < BTH_LEN + ICRC_LEN {
+        return;
+    }
+    let body = pkt.len() - ICRC_LEN;
+    let c = icrc(flow, &pkt[..body]);
+    pkt[body..].copy_from_slice(&c.to_le_bytes());
+}
+
 /// Builds a complete packet into a fresh vector (tests, tools; the engine
 /// builds into pooled buffers with `Headers::write` + `finish`).
 pub fn build(flow: &Flow, h: &Headers, payload: &[u8]) -> Vec<u8> {
@@ -627,6 +686,18 @@ mod tests {
         b[13] ^= 0x40;
         b[4] = 0xc0;
         assert!(parse(&b, Some(&f)).is_ok());
+        // Sealed for GSO segment 5 (IP id 5): still accepted; the delta is
+        // what a full recomputation gives.
+        let mut h5 = b.clone();
+        let body = h5.len() - 4;
+        let c5 = icrc_with_ip_id(&f, &h5[..body], 5);
+        assert_eq!(c5, icrc(&f, &h5[..body]) ^ ip_id_delta(body, 5));
+        h5[body..].copy_from_slice(&c5.to_le_bytes());
+        assert!(parse(&h5, Some(&f)).is_ok());
+        // Resealed for another source port, it is valid for that port only.
+        reseal(&g, &mut b);
+        assert!(parse(&b, Some(&g)).is_ok());
+        assert_eq!(parse(&b, Some(&f)), Err(ParseError::Icrc));
     }
 
     #[test]

@@ -5,10 +5,17 @@
 //! state, repost the WRs that were not retired, move the GID address, resume.
 //! Every message arrives exactly once and in order, every atomic executes
 //! exactly once, and the peer's QP never leaves RTS.
+//!
+//! The moment of the suspend is made, not waited for: nftables rules on the
+//! old host hold the moving QP's traffic at chosen PSNs (first its requests
+//! from the middle of its RDMA WRITE on, then the peer's responses from there
+//! on), so that it is suspended with the WRITE exactly half acknowledged, its
+//! RDMA READ answered but the response not received, and its own atomics
+//! executed by the peer but not acknowledged.
 mod common;
 use common::*;
 use std::net::Ipv4Addr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use verbs::*;
@@ -18,6 +25,9 @@ const KEY: u32 = 0x4d4d00;
 const IOVA: u64 = 0x7f00_0000_0000;
 /// Peer rounds: each is SEND + WRITE + READ + fetch-and-add.
 const ROUNDS: usize = 1500;
+/// Rounds the peer may post before the move is over: it is still sending
+/// while the QP moves, however slow the machine.
+const ROUNDS_BEFORE_MOVE: usize = 1200;
 const PEER_DEPTH: usize = 64;
 const WSLOT: usize = 32 << 10;
 const RSLOT: usize = 16 << 10;
@@ -29,18 +39,31 @@ const M_CNT: usize = 3 * MB; // peer's fetch-and-add counter
 const M_FA_RES: usize = 3 * MB + 4096; // M's own fetch-and-add results
 const M_SEND_SRC: usize = 3 * MB + 8192; // M's SEND payloads (64 B each)
 const M_RECV: usize = 4 * MB; // M's receive buffers (64 B each)
-const M_WSRC: usize = 5 * MB; // M's WRITE source (2 MiB)
-const M_RDST: usize = 7 * MB; // M's READ destination (1 MiB)
+const M_WSRC: usize = 5 * MB; // M's WRITE source (1 MiB)
+const M_RDST: usize = 7 * MB; // M's READ destination (256 KiB)
 
 // Layout of the peer's memory (P).
-const P_WDST: usize = 0; // M's WRITE lands here (2 MiB)
-const P_RSRC: usize = 2 * MB; // M's READ source (1 MiB)
+const P_WDST: usize = 0; // M's WRITE lands here (1 MiB)
+const P_RSRC: usize = 2 * MB; // M's READ source
 const P_CNT: usize = 3 * MB; // M's fetch-and-add counter
 const P_FA_RES: usize = 3 * MB + 4096; // peer FA results (128 slots)
 const P_RDST: usize = 4 * MB; // peer READ destinations (64 slots of 16 KiB)
 const P_SEND_SRC: usize = 5 * MB; // peer SEND payloads (256 slots of 64 B)
 const P_RECV: usize = 6 * MB; // peer receive buffers for M's SENDs
 const P_WSRC: usize = 7 * MB; // peer WRITE sources (32 slots of 32 KiB)
+
+// M's own requests and their PSNs (path MTU 1024, first PSN 0x1000).
+const W_LEN: usize = MB;
+const R_LEN: usize = 256 << 10;
+const M_SENDS: usize = 40;
+const W_FIRST: u32 = 0x1000;
+/// The WRITE's middle: packets before it are acknowledged when M is suspended.
+const W_HALF: u32 = W_FIRST + (W_LEN / 2048) as u32;
+const READ_PSN: u32 = W_FIRST + (W_LEN / 1024) as u32;
+const FA1_PSN: u32 = READ_PSN + (R_LEN / 1024) as u32;
+const FA2_PSN: u32 = FA1_PSN + 1 + M_SENDS as u32;
+/// Above every PSN M uses in this test.
+const M_PSN_END: u32 = 0x1fff;
 
 /// A WR of the migrating side, kept so that it can be reposted.
 #[derive(Clone, Copy, Debug)]
@@ -53,8 +76,8 @@ enum MWr {
 
 fn post_m(qp: &Qp, mr: &Mr, w: MWr) {
     let r = match w {
-        MWr::Write { id } => qp.post_send(&[SendWr::write(id, &[mr.sge(M_WSRC, 2 * MB)], P_ADDR.with(|a| a.get()) + P_WDST as u64, P_RKEY.with(|k| k.get()))]),
-        MWr::Read { id } => qp.post_send(&[SendWr::read(id, &[mr.sge(M_RDST, MB)], P_ADDR.with(|a| a.get()) + P_RSRC as u64, P_RKEY.with(|k| k.get()))]),
+        MWr::Write { id } => qp.post_send(&[SendWr::write(id, &[mr.sge(M_WSRC, W_LEN)], P_ADDR.with(|a| a.get()) + P_WDST as u64, P_RKEY.with(|k| k.get()))]),
+        MWr::Read { id } => qp.post_send(&[SendWr::read(id, &[mr.sge(M_RDST, R_LEN)], P_ADDR.with(|a| a.get()) + P_RSRC as u64, P_RKEY.with(|k| k.get()))]),
         MWr::FetchAdd { id, slot } => qp.post_send(&[SendWr::fetch_add(
             id,
             &[mr.sge(M_FA_RES + slot * 8, 8)],
@@ -101,9 +124,10 @@ fn drain(cq: &Cq, out: &mut Vec<Wc>) {
     }
 }
 
-/// The peer: posts ROUNDS x (SEND, WRITE, READ, FA) towards the migrating QP,
-/// keeps PEER_DEPTH WRs in flight, checks every completion as it comes.
-fn peer_loop(p: &End, progress: &AtomicU64) {
+/// The peer: posts ROUNDS x (SEND, WRITE, READ, FA) towards the migrating QP
+/// (no more than `allowed` rounds so far), keeps PEER_DEPTH WRs in flight,
+/// checks every completion as it comes.
+fn peer_loop(p: &End, progress: &AtomicU64, allowed: &AtomicUsize) {
     for s in 0..32 {
         p.buf.write(P_WSRC + s * WSLOT, &pattern(1000 + s as u64, WSLOT));
     }
@@ -113,7 +137,7 @@ fn peer_loop(p: &End, progress: &AtomicU64) {
     let mut wcs = [Wc::default(); 64];
     let mut last = Instant::now();
     while done < total {
-        while posted < total && posted - done < PEER_DEPTH {
+        while posted < total.min(allowed.load(Ordering::Acquire) * 4) && posted - done < PEER_DEPTH {
             let (round, kind) = (posted / 4, posted % 4);
             let id = posted as u64;
             let wr = match kind {
@@ -156,15 +180,46 @@ fn peer_loop(p: &End, progress: &AtomicU64) {
     }
 }
 
+/// nftables rules in table `inet rnmig` of host `h` (replacing any earlier ones
+/// in one transaction).
+fn hold(h: &testbed::Host, chains: &str) {
+    h.sh(&format!("nft -f - <<'EOF'\nadd table inet rnmig\ndelete table inet rnmig\ntable inet rnmig {{\n{chains}\n}}\nEOF")).unwrap();
+}
+
+fn counter(h: &testbed::Host, name: &str) -> u64 {
+    let out = h.sh(&format!("nft list counter inet rnmig {name}")).unwrap();
+    let w: Vec<&str> = out.split_whitespace().collect();
+    w.iter().position(|x| *x == "packets").and_then(|i| w[i + 1].parse().ok()).unwrap_or_else(|| panic!("counter {name}: {out}"))
+}
+
+/// Waits until nft counter `name` exceeds `seen`; meanwhile, if the counter
+/// stays put for 2 s (a packet lost on the veth: the QP has no retransmission
+/// timer in this phase), suspends and resumes the QP in place, which sends
+/// again from `una`. Returns the counter and the number of such kicks.
+fn wait_counter(h: &testbed::Host, name: &str, seen: u64, qp: &Qp) -> (u64, usize) {
+    let (mut kicks, mut since) = (0, Instant::now());
+    loop {
+        let c = counter(h, name);
+        if c > seen {
+            return (c, kicks);
+        }
+        if since.elapsed() > Duration::from_secs(2) {
+            assert!(kicks < 30, "nft counter {name} never moved");
+            qp.suspend().unwrap();
+            qp.resume().unwrap();
+            kicks += 1;
+            since = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 #[test]
-// Flaky on a loaded machine: about 1 run in 4 never catches the moment it
-// waits for (WRITE half acknowledged with the READ behind it already sent),
-// because each in-place suspend/resume cycle resends from `una`. Run it with
-// `cargo test -p rnic --test migrate -- --ignored` until the catch is made
-// deterministic (see the issue 7 note).
-#[ignore = "flaky: catching the half-acknowledged WRITE by polling; run with --ignored"]
 fn qp_moves_between_hosts_while_peer_keeps_sending() {
-    let bed = Bed::new("rnmig", 3);
+    // Without UDP GSO: the nftables rules below match each packet's own BTH
+    // (on a veth, a GSO batch passes the hooks as one skb with the first
+    // segment's headers).
+    let bed = Bed::with_args("rnmig", 3, &["--no-gso"]);
     let (h_old, h_peer, h_new) = (bed.tb.host(0), bed.tb.host(1), bed.tb.host(2));
     let gid: Ipv4Addr = bed.tb.spare_addr(0, 7);
     // The old host must not teach the peer its MAC for the GID after the
@@ -180,20 +235,24 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     let mr = pd.reg_mr_at(&buf, 0, 8 * MB, access::ALL, Some(KEY), IOVA).unwrap();
     let m = Side { qp, mr, scq, rcq, _pd: pd, buf, _ctx: ctx };
     m.buf.write(M_R, &pattern(99, MB));
-    m.buf.write(M_WSRC, &pattern(7, 2 * MB));
+    m.buf.write(M_WSRC, &pattern(7, W_LEN));
     for seq in 0..64 {
         m.buf.write(M_SEND_SRC + seq * 64, &[(seq as u64).to_le_bytes().to_vec(), pattern(500 + seq as u64, 56)].concat());
     }
 
     // The peer, on its own host, unchanged rnicd, default namespace.
     let p = End::new(bed.ctx(1), 8 * MB, 256);
-    p.buf.write(P_RSRC, &pattern(55, MB));
+    p.buf.write(P_RSRC, &pattern(55, R_LEN));
     P_ADDR.with(|a| a.set(p.mr.addr));
     P_RKEY.with(|k| k.set(p.mr.rkey));
     let o = ConnectOpts { mtu: Mtu::M1024, rnr_retry: 7, min_rnr_timer: 12, ..Default::default() };
-    m.qp.connect(&p.qp.endpoint(0x2000), &ConnectOpts { sq_psn: 0x1000, ..o }).unwrap();
-    p.qp.connect(&m.qp.endpoint(0x1000), &ConnectOpts { sq_psn: 0x2000, ..o }).unwrap();
-    let m_qpn = m.qp.qpn;
+    // M has no retransmission timer (timeout 0 = infinite) until it has
+    // moved: the held packets must not make it retransmit on its own and so
+    // shift the state it is suspended in. Its only go-back-N resends are the
+    // ones every resume does.
+    m.qp.connect(&p.qp.endpoint(0x2000), &ConnectOpts { sq_psn: W_FIRST, timeout: 0, ..o }).unwrap();
+    p.qp.connect(&m.qp.endpoint(W_FIRST), &ConnectOpts { sq_psn: 0x2000, ..o }).unwrap();
+    let (m_qpn, p_qpn) = (m.qp.qpn, p.qp.qpn);
 
     // Receives on both sides, logged for reposting.
     let recv_log: Vec<u64> = (0..ROUNDS as u64).collect();
@@ -205,9 +264,10 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     }
 
     let progress = Arc::new(AtomicU64::new(0));
-    let prog = progress.clone();
+    let allowed = Arc::new(AtomicUsize::new(ROUNDS_BEFORE_MOVE));
+    let (prog, allow) = (progress.clone(), allowed.clone());
     let peer = std::thread::spawn(move || {
-        peer_loop(&p, &prog);
+        peer_loop(&p, &prog, &allow);
         p
     });
     let t0 = Instant::now();
@@ -220,34 +280,78 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
         std::thread::sleep(Duration::from_millis(1));
     }
 
-    // The migrating side's own requests, in flight when it is suspended.
+    // The migrating side's own requests: WRITE (PSNs W_FIRST..READ_PSN),
+    // READ (READ_PSN), fetch-and-add (FA1_PSN), 40 SENDs, fetch-and-add (FA2_PSN).
     let mut send_log = vec![MWr::Write { id: 0 }, MWr::Read { id: 1 }, MWr::FetchAdd { id: 2, slot: 0 }];
-    send_log.extend((0..40).map(|s| MWr::Send { id: 3 + s as u64, seq: s }));
-    send_log.push(MWr::FetchAdd { id: 43, slot: 1 });
-    // The old host's link is slowed to 200 Mbit/s so that the 2 MiB WRITE
-    // takes ~80 ms: then a suspend soon finds it partly acknowledged.
-    bed.tb.set_rate(0, 0, Some(200)).unwrap();
+    send_log.extend((0..M_SENDS).map(|s| MWr::Send { id: 3 + s as u64, seq: s }));
+    send_log.push(MWr::FetchAdd { id: 3 + M_SENDS as u64, slot: 1 });
+    let udp = "udp dport 4791";
+    let requests = "@th,64,8 { 0x00-0x0c, 0x13-0x17 }";
+    let responses = "@th,64,8 0x0d-0x12";
+    let (bth_qpn, bth_psn) = ("@th,104,24", "@th,136,24");
+
+    // Phase 1: M's requests from the WRITE's middle on do not leave the old
+    // host, so the peer acknowledges exactly the first half (its last ACK is
+    // for W_HALF - 1, which carries AckReq).
+    hold(
+        h_old,
+        &format!(
+            "counter half_ack {{ }}\n\
+             chain out {{ type filter hook output priority -10; policy accept;\n\
+               {udp} {bth_qpn} {p_qpn:#x} {requests} {bth_psn} {W_HALF:#x}-{M_PSN_END:#x} drop\n}}\n\
+             chain in {{ type filter hook input priority -10; policy accept;\n\
+               {udp} {bth_qpn} {m_qpn:#x} @th,64,8 0x11 {bth_psn} {:#x} counter name \"half_ack\"\n}}",
+            W_HALF - 1
+        ),
+    );
     for &w in &send_log {
         post_m(&m.qp, &m.mr, w);
     }
-    // WRITE: PSNs 0x1000..0x1800 (2 MiB at MTU 1024); READ from 0x1800.
-    let (w_first, w_end) = (0x1000u32, 0x1800u32);
-    let mut tries = 0;
+    let (mut seen, mut kicks) = (0, 0);
     loop {
-        std::thread::sleep(Duration::from_millis(3));
-        // 1. Suspend (a suspend that misses the moment is resumed in place:
-        // suspend/resume on one host under traffic, too).
+        let (c, k) = wait_counter(h_old, "half_ack", seen, &m.qp);
+        (seen, kicks) = (c, kicks + k);
+        // Suspended in place: if the ACK is not processed yet, resume (which
+        // resends from una, and the peer acknowledges W_HALF - 1 again).
         m.qp.suspend().unwrap();
-        let st = m.qp.query_state().unwrap();
-        let half_acked = st.runtime.una > w_first && st.runtime.una < w_end;
-        if half_acked && st.runtime.max_sent > w_end && !st.runtime.atomic_results.is_empty() {
+        if m.qp.query_state().unwrap().runtime.una == W_HALF {
             break;
         }
-        tries += 1;
-        assert!(tries < 200 && st.runtime.una < w_end, "never caught the WRITE half acknowledged: {:?}", st.runtime);
         m.qp.resume().unwrap();
     }
-    eprintln!("suspended after {tries} suspend/resume cycles in place");
+
+    // Phase 2 (M still suspended): its requests flow again, but no response
+    // for PSNs from W_HALF on reaches it, except sequence NAKs (which only a
+    // lost packet causes; M then resends). The resume resends from W_HALF:
+    // the peer places the rest of the WRITE, executes the READ, both atomics
+    // and takes the SENDs; their responses are held.
+    hold(
+        h_old,
+        &format!(
+            "counter fa_held {{ }}\ncounter held {{ }}\n\
+             chain in {{ type filter hook input priority -10; policy accept;\n\
+               {udp} {bth_qpn} {m_qpn:#x} @th,64,8 0x11 @th,160,8 & 0xe0 == 0x60 accept\n\
+               {udp} {bth_qpn} {m_qpn:#x} @th,64,8 0x12 {bth_psn} {FA2_PSN:#x} counter name \"fa_held\" drop\n\
+               {udp} {bth_qpn} {m_qpn:#x} {responses} {bth_psn} {W_HALF:#x}-{M_PSN_END:#x} counter name \"held\" drop\n}}"
+        ),
+    );
+    m.qp.resume().unwrap();
+    let (fa, k) = wait_counter(h_old, "fa_held", 0, &m.qp);
+    kicks += k;
+    // Once more in place: the resume resends everything from W_HALF; the peer
+    // answers the duplicate atomics from its replay table (they must not
+    // execute again: checked at the end), and re-executes the READ.
+    m.qp.suspend().unwrap();
+    m.qp.resume().unwrap();
+    let (_, k) = wait_counter(h_old, "fa_held", fa, &m.qp);
+    kicks += k;
+
+    // 1. Suspend.
+    m.qp.suspend().unwrap();
+    let held = counter(h_old, "held");
+    assert!(!peer.is_finished() && progress.load(Ordering::Relaxed) < (ROUNDS * 4) as u64, "the peer is still sending");
+    h_old.sh("nft delete table inet rnmig").unwrap();
+    eprintln!("suspended with {held} responses held back ({kicks} kicks for lost packets)");
 
     // 2. drain the CQs; 3. query the state.
     let (mut m_swc, mut m_rwc) = (Vec::new(), Vec::new());
@@ -263,8 +367,10 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     );
     assert_eq!(m_swc.len() as u64, st.runtime.sq_retired, "every retired send WR was signaled and drained");
     assert_eq!(m_rwc.len() as u64, st.runtime.rq_retired);
-    assert!(st.runtime.una > w_first && st.runtime.una < w_end, "the 2 MiB WRITE is half acknowledged");
-    assert!(st.runtime.max_sent > w_end, "the READ request is out, its response outstanding");
+    assert_eq!(st.runtime.sq_retired, 0, "none of M's WRs is complete");
+    assert_eq!(st.runtime.una, W_HALF, "the WRITE is exactly half acknowledged");
+    assert_eq!(st.runtime.max_sent, FA2_PSN + 1, "the READ and both atomics were sent");
+    assert!(fa >= 1, "the peer executed M's atomics; their responses are not received");
     assert!(!st.runtime.atomic_results.is_empty(), "the peer's recent atomics travel for replay");
     // The state survives a round trip through its serialized form.
     let st: QpSnapshot = serde_json::from_slice(&json).unwrap();
@@ -281,6 +387,9 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     let mr2 = pd2.reg_mr_at(&buf2, 0, 8 * MB, access::ALL, Some(KEY), IOVA).unwrap();
     let qp2 = pd2.create_qp_suspended(&init_attr(&scq2, &rcq2), &st).unwrap();
     assert_eq!(qp2.qpn, m_qpn);
+    // From now on M retransmits on timeouts like any QP (the attribute may
+    // change while suspended).
+    qp2.modify(&QpAttr { timeout: 14, ..Default::default() }, mask::TIMEOUT).unwrap();
     // 6. Repost what was not retired, in the same order.
     for &w in &send_log[st.runtime.sq_retired as usize..] {
         post_m(&qp2, &mr2, w);
@@ -288,30 +397,17 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     for &i in &recv_log[st.runtime.rq_retired as usize..] {
         qp2.post_recv(&[RecvWr { wr_id: i, sg_list: &[mr2.sge(M_RECV + i as usize * 64, 64)] }]).unwrap();
     }
-    // 7. Move the address; the new host announces it (its ARP request for the
-    // peer updates the peer's neighbour entry, as a VMM's announcement would).
-    // Both hosts hold the address for a moment; both answer with RNR NAKs.
-    h_new.sh(&format!("ip addr add {gid}/24 dev eth0 && ip neigh flush dev eth0")).unwrap();
-    let peer_addr = h_peer.addr(0);
-    h_new
-        .in_netns(move || {
-            let s = std::net::UdpSocket::bind((gid, 0)).unwrap();
-            s.send_to(b"announce", (peer_addr, 9)).unwrap();
-        })
-        .unwrap();
+    // 7. Move the address: the new host takes it and announces it with
+    // gratuitous ARP (as a VMM announces a moved guest). Both hosts hold the
+    // address for a moment; both answer with RNR NAKs.
+    h_new.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    h_new.in_netns(move || rnic::announce::gratuitous_arp(gid, 2)).unwrap().unwrap();
     // 8. Resume; the old objects go.
     qp2.resume().unwrap();
     h_old.sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
-    // Announce again, in case the peer ignored the first one (ARP locktime).
-    h_new.sh("ip neigh flush dev eth0").unwrap();
-    h_new
-        .in_netns(move || {
-            let s = std::net::UdpSocket::bind((gid, 0)).unwrap();
-            s.send_to(b"announce", (peer_addr, 9)).unwrap();
-        })
-        .unwrap();
     drop(m);
     let m = Side { qp: qp2, mr: mr2, scq: scq2, rcq: rcq2, _pd: pd2, buf: buf2, _ctx: ctx2 };
+    allowed.store(ROUNDS, Ordering::Release);
 
     // The moved QP keeps working: the rest of its WRs complete, then more.
     let t0 = Instant::now();
@@ -321,7 +417,7 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
         assert!(t0.elapsed() < Duration::from_secs(120), "moved QP stalled: {} sends, {} recvs", m_swc.len(), m_rwc.len());
         std::thread::sleep(Duration::from_millis(1));
     }
-    let more: Vec<MWr> = (40..60).map(|s| MWr::Send { id: 100 + s as u64, seq: s }).chain([MWr::FetchAdd { id: 200, slot: 2 }]).collect();
+    let more: Vec<MWr> = (M_SENDS..60).map(|s| MWr::Send { id: 100 + s as u64, seq: s }).chain([MWr::FetchAdd { id: 200, slot: 2 }]).collect();
     for &w in &more {
         post_m(&m.qp, &m.mr, w);
     }
@@ -336,10 +432,10 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     }).collect();
     assert!(m_swc.iter().all(|w| w.status == WcStatus::Success), "{m_swc:?}");
     assert_eq!(m_swc.iter().map(|w| w.wr_id).collect::<Vec<_>>(), ids);
-    assert_eq!(p.buf.read(P_WDST, 2 * MB), pattern(7, 2 * MB), "M's WRITE landed whole");
-    assert_eq!(m.buf.read(M_RDST, MB), pattern(55, MB), "M's READ data");
+    assert_eq!(p.buf.read(P_WDST, W_LEN), pattern(7, W_LEN), "M's WRITE landed whole");
+    assert_eq!(m.buf.read(M_RDST, R_LEN), pattern(55, R_LEN), "M's READ data");
     let fa: Vec<u64> = (0..3).map(|s| m.buf.read_u64(M_FA_RES + s * 8)).collect();
-    assert_eq!(fa, vec![0, 1, 2], "M's atomics executed exactly once, in order");
+    assert_eq!(fa, vec![0, 1, 2], "M's atomics executed exactly once, in order (the held ones answered from the replay table)");
     assert_eq!(p.buf.read_u64(P_CNT), 3);
 
     // Peer's SENDs: each exactly once, in order, intact.
@@ -366,4 +462,5 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     assert_eq!(p.rcq.poll(&mut [Wc::default(); 8]).unwrap(), 0, "no duplicate message");
     let stats = p.ctx.stats().unwrap();
     eprintln!("peer rnicd: rnr_naks_received {} timeouts {}", stats["rnr_naks_received"], stats["timeouts"]);
+    let _ = h_peer;
 }

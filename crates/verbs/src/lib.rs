@@ -360,6 +360,8 @@ impl Pd {
         let rqfd = sealed_memfd("transit-rq", rql)?;
         let sqm = Mapping::map(&sqfd, 0, sql)?;
         let rqm = Mapping::map(&rqfd, 0, rql)?;
+        sqm.populate();
+        rqm.populate();
         // SAFETY: mappings of the right size, kept in the Qp.
         let sq = unsafe { Ring::new(sqm.ptr(), sql, sq_slots) }.context("ring")?;
         let rq = unsafe { Ring::new(rqm.ptr(), rql, rq_slots) }.context("ring")?;
@@ -811,6 +813,19 @@ impl Qp {
 
     /// ibv_post_recv.
     pub fn post_recv(&self, wrs: &[RecvWr]) -> anyhow::Result<()> {
+        self.post_recv_inner(wrs, true)
+    }
+
+    /// Posts receive WRs without ringing the doorbell: for a suspended QP
+    /// (rnicd reads its rings when it resumes) or a QP in RESET, where a
+    /// doorbell only wakes rnicd for nothing. Reposting the WRs of 1,000
+    /// moved QPs this way saves 1,000 doorbells (10-20 ms) on the move's
+    /// critical path.
+    pub fn post_recv_quiet(&self, wrs: &[RecvWr]) -> anyhow::Result<()> {
+        self.post_recv_inner(wrs, false)
+    }
+
+    fn post_recv_inner(&self, wrs: &[RecvWr], doorbell: bool) -> anyhow::Result<()> {
         let mut ring = self.rq.lock().unwrap_or_else(|e| e.into_inner());
         let mut posted = 0;
         let mut result = Ok(());
@@ -827,7 +842,7 @@ impl Qp {
             }
             posted += 1;
         }
-        if posted > 0 {
+        if posted > 0 && doorbell {
             self.ctx.inner.ring_doorbell();
         }
         result

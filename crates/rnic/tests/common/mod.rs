@@ -31,6 +31,11 @@ pub struct Bed {
 
 impl Bed {
     pub fn new(prefix: &str, hosts: usize) -> Bed {
+        Bed::with_args(prefix, hosts, &[])
+    }
+
+    /// With extra rnicd arguments (e.g. `--no-gso`).
+    pub fn with_args(prefix: &str, hosts: usize, extra: &[&str]) -> Bed {
         let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
         let mut nics = Vec::new();
         for i in 0..hosts {
@@ -38,7 +43,7 @@ impl Bed {
             let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
             let _ = std::fs::remove_file(&sock);
             let child = h
-                .spawn(env!("CARGO_BIN_EXE_rnicd"), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
+                .spawn(env!("CARGO_BIN_EXE_rnicd"), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()].into_iter().chain(extra.iter().copied()))
                 .expect("start rnicd");
             let mut nic = Nic { child: Some(child), sock, addr: h.addr(0) };
             wait_for(&mut nic);

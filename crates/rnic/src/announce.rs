@@ -1,0 +1,122 @@
+//! Announcing a GID that moved to this host: gratuitous ARP.
+//!
+//! When a namespace's address moves, its peers must send to the new host at
+//! once. An ordinary ARP request from the new host (what sending any packet
+//! from the GID provokes) is not enough: Linux ignores the sender address of
+//! a non-gratuitous ARP packet for an entry that was confirmed within the last
+//! `locktime` (1 s by default) and stays REACHABLE at the old MAC. A gratuitous
+//! ARP request (sender IP = target IP = the GID) always overrides, which is
+//! why VMMs announce a moved guest with gratuitous ARP (or RARP). This is what
+//! the owner of a namespace calls on the new host, before resuming its QPs.
+
+use std::io;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+const ETH_P_ARP: u16 = 0x0806;
+
+/// The interface of this network namespace that holds `ip`: (index, name, MAC).
+pub fn interface_of(ip: Ipv4Addr) -> io::Result<(u32, String, [u8; 6])> {
+    let addrs: Vec<_> = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?.collect();
+    let name = addrs
+        .iter()
+        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == ip))
+        .map(|a| a.interface_name.clone())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no interface holds {ip}")))?;
+    let link = addrs
+        .iter()
+        .filter(|a| a.interface_name == name)
+        .find_map(|a| a.address.as_ref().and_then(|s| s.as_link_addr()).and_then(|l| Some((l.ifindex() as u32, l.addr()?))))
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{name} has no link-layer address")))?;
+    Ok((link.0, name, link.1))
+}
+
+/// The ARP payload of a gratuitous request for `ip` from `mac`.
+pub fn garp_request(mac: [u8; 6], ip: Ipv4Addr) -> [u8; 28] {
+    let mut p = [0u8; 28];
+    p[0..2].copy_from_slice(&1u16.to_be_bytes()); // Ethernet
+    p[2..4].copy_from_slice(&0x0800u16.to_be_bytes()); // IPv4
+    p[4] = 6;
+    p[5] = 4;
+    p[6..8].copy_from_slice(&1u16.to_be_bytes()); // request
+    p[8..14].copy_from_slice(&mac);
+    p[14..18].copy_from_slice(&ip.octets());
+    // Target hardware address zero, target IP = sender IP: gratuitous.
+    p[24..28].copy_from_slice(&ip.octets());
+    p
+}
+
+/// A prepared announcement: the packet socket and frame are made ahead (in
+/// the new host's network namespace, once the address is there), so that
+/// announcing at move time is one `sendto` per packet.
+pub struct Announcer {
+    fd: OwnedFd,
+    sa: libc::sockaddr_ll,
+    pkt: [u8; 28],
+    /// The interface that holds the address.
+    pub interface: String,
+}
+
+impl Announcer {
+    /// Prepares gratuitous ARP for `ip` on the interface of the calling
+    /// thread's network namespace that holds it.
+    pub fn new(ip: Ipv4Addr) -> io::Result<Announcer> {
+        let (ifindex, interface, mac) = interface_of(ip)?;
+        // SAFETY: socket() result checked and owned.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, ETH_P_ARP.to_be() as i32) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: a zeroed sockaddr_ll is valid; fields set below.
+        let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sa.sll_family = libc::AF_PACKET as u16;
+        sa.sll_protocol = ETH_P_ARP.to_be();
+        sa.sll_ifindex = ifindex as i32;
+        sa.sll_halen = 6;
+        sa.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+        Ok(Announcer { fd, sa, pkt: garp_request(mac, ip), interface })
+    }
+
+    /// Broadcasts `count` gratuitous ARP requests.
+    pub fn announce(&self, count: usize) -> io::Result<()> {
+        for _ in 0..count.max(1) {
+            // SAFETY: valid buffer and sockaddr_ll.
+            let r = unsafe {
+                libc::sendto(
+                    self.fd.as_raw_fd(),
+                    self.pkt.as_ptr() as *const libc::c_void,
+                    self.pkt.len(),
+                    0,
+                    &self.sa as *const _ as *const libc::sockaddr,
+                    std::mem::size_of::<libc::sockaddr_ll>() as u32,
+                )
+            };
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Broadcasts `count` gratuitous ARP requests for `ip` on the interface that
+/// holds it (in the calling thread's network namespace). Returns its name.
+pub fn gratuitous_arp(ip: Ipv4Addr, count: usize) -> io::Result<String> {
+    let a = Announcer::new(ip)?;
+    a.announce(count)?;
+    Ok(a.interface)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn garp_layout() {
+        let p = garp_request([2, 0, 0, 0, 0, 1], Ipv4Addr::new(10, 1, 2, 3));
+        assert_eq!(&p[..8], &[0, 1, 8, 0, 6, 4, 0, 1]);
+        assert_eq!(&p[14..18], &p[24..28], "sender IP = target IP");
+        assert_eq!(&p[18..24], &[0; 6]);
+    }
+}
