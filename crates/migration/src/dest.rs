@@ -88,6 +88,8 @@ pub(crate) struct RxShared {
     pub placer: OnceLock<Arc<Placer>>,
 }
 
+// Guest RAM is shared memory reached through a raw mapping, like DMA.
+#[allow(clippy::mut_from_ref)]
 fn page_mut(ram: &RamRegion, pfn: u64) -> &mut [u8] {
     // SAFETY: callers checked pfn < total pages (Records does); only one
     // channel writes a given page per round, and rounds are barriers apart.

@@ -72,7 +72,7 @@ impl AtomicBitmap {
         }
         let words: Vec<AtomicU64> = b.chunks(8).map(|c| AtomicU64::new(u64::from_le_bytes(c.try_into().unwrap()))).collect();
         // Bits past the end are not pages: a peer must not make them count.
-        if bits % 64 != 0 {
+        if !bits.is_multiple_of(64) {
             if let Some(w) = words.last() {
                 w.fetch_and((1u64 << (bits % 64)) - 1, Ordering::Relaxed);
             }

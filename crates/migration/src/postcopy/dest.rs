@@ -117,7 +117,7 @@ fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) 
 
 /// Stale pages (sent before, changed since): the source sends them again.
 fn drop_pages(sh: &RxShared, blob: &[u8]) -> Result<()> {
-    if blob.len() % 16 != 0 {
+    if !blob.len().is_multiple_of(16) {
         bail!("stale page list of {} bytes", blob.len());
     }
     for c in blob.chunks(16) {
