@@ -12,6 +12,7 @@ use crate::wire::{self, DataItem, DataReader, Msg, Record, Records, WireError};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,11 +27,14 @@ pub struct IncomingParams {
     pub resume: bool,
     /// Give up if no source connects within this many seconds (0 = wait).
     pub accept_timeout_s: u64,
+    /// Allocate all of guest RAM while waiting for the source (precopy
+    /// only; see [`Prealloc`]).
+    pub prealloc: bool,
 }
 
 impl Default for IncomingParams {
     fn default() -> Self {
-        IncomingParams { resume: true, accept_timeout_s: 0 }
+        IncomingParams { resume: true, accept_timeout_s: 0, prealloc: false }
     }
 }
 
@@ -122,6 +126,55 @@ fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
     }
     if let Some(r) = run {
         flush(r);
+    }
+}
+
+/// Allocates the destination's guest RAM in a background thread, from the
+/// moment it starts listening: the first write to a fresh memfd page costs
+/// a fault, zeroing and, on a virtualized host, the host's own first-touch
+/// fault (measured here: 1 to 5 s of CPU per GiB, 5x the cost of receiving
+/// the page). Done before the source connects, it leaves the receive path
+/// only copying. Precopy only: postcopy needs the pages absent to catch
+/// faults. Pages it allocates stay zero, so the receiver's zero handling is
+/// unchanged. Dropping it stops the thread within one chunk.
+pub struct Prealloc {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Prealloc {
+    const CHUNK: u64 = 16 << 20;
+
+    pub fn start(ram: RamRegion) -> std::io::Result<Prealloc> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = stop.clone();
+        let thread = std::thread::Builder::new().name("migrate-prealloc".into()).spawn(move || {
+            let ram = ram; // the whole region (Send), not its raw pointer field
+            let t = Instant::now();
+            let mut off = 0;
+            while off < ram.len && !st.load(Ordering::Relaxed) {
+                let n = Self::CHUNK.min(ram.len - off);
+                // SAFETY: inside the mapping, which outlives this thread
+                // (joined on drop). Populating never changes page contents.
+                let r = unsafe { libc::madvise(ram.host_addr.add(off as usize) as *mut libc::c_void, n as usize, libc::MADV_POPULATE_WRITE) };
+                if r != 0 {
+                    tracing::debug!("prealloc stopped at {off}: {}", std::io::Error::last_os_error());
+                    return;
+                }
+                off += n;
+            }
+            tracing::debug!("prealloc: {off} bytes in {:?}", t.elapsed());
+        })?;
+        Ok(Prealloc { stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for Prealloc {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -235,6 +288,7 @@ pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingPa
     });
     let mut control: Option<TcpStream> = None;
     let mut started = t0;
+    let _prealloc = if params.prealloc { Some(Prealloc::start(vm.ram())?) } else { None };
     let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started);
     if let Err(e) = &r {
         if let Some(c) = control.as_mut() {
@@ -297,6 +351,9 @@ fn run_inner(
             }
             if ram_bytes != ram.len || page_size != PAGE_SIZE {
                 bail!("RAM differs: source {ram_bytes} bytes in {page_size}-byte pages, here {} in {PAGE_SIZE}", ram.len);
+            }
+            if params.prealloc && mode != "precopy" {
+                bail!("this destination preallocated its RAM, which only precopy allows (mode {mode:?})");
             }
             if mode != "precopy" {
                 bail!("migration mode {mode:?} is not supported by this destination");
