@@ -154,6 +154,8 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
         "raw_tcp_gbps": raw,
         "fraction_of_raw": tput.map(|t| t / raw),
         "timeout_s": timeout_s,
+        "setup_ms": s["setup_ms"],
+        "round_ms": s["round_stats"].as_array().map(|v| v.iter().map(|r| r["duration_ms"].clone()).collect::<Vec<_>>()),
         "rounds": s["rounds"],
         "throttle_pct": s["throttle_pct"],
         "wire_bytes": s["wire_bytes"],

@@ -9,7 +9,7 @@
 
 use crate::compress::{Compress, PageCompressor};
 use crate::cputime::{thread_cpu_s, unix_ns};
-use crate::dirty::{DirtyLog, DirtySource, PAGE_SIZE};
+use crate::dirty::{Armer, DirtyLog, DirtySource, PAGE_SIZE};
 use crate::pages::{complement, count_pages, normalize, PageRange};
 use crate::ratelimit::TokenBucket;
 use crate::stats::{Control, Params, RoundStat, Status};
@@ -40,6 +40,8 @@ struct RoundWork {
     round: u64,
     items: Vec<WorkItem>,
     next: AtomicUsize,
+    /// First pass: write-protect each item just before reading it.
+    arm: Option<Armer>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -160,6 +162,9 @@ impl Channel {
             }
             let i = w.next.fetch_add(1, Ordering::Relaxed);
             let Some(item) = w.items.get(i) else { break };
+            if let Some(a) = &w.arm {
+                a.arm(PageRange { first: item.first, count: item.count }).map_err(|e| anyhow!("dirty tracking: {e}"))?;
+            }
             if item.known_zero {
                 batch.zero_run(item.first, item.count as u32);
                 sent.pages += item.count;
@@ -346,10 +351,13 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
         job_txs.push(tx);
     }
-    let mut channels = ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline };
+    let mut channels = ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None };
 
     // --- dirty tracking from here on, then the first pass over all RAM ---
-    let mut log = DirtyLog::start(&ram, sources)?;
+    // Registered now; each page is write-protected by the first pass just
+    // before it is read, so that walk overlaps with sending.
+    let mut log = DirtyLog::start_unarmed(&ram, sources)?;
+    channels.arm_next = Some(log.armer()?);
     let data = ram.data_ranges().context("finding the memfd's data ranges")?;
     let mut items = Vec::new();
     chunk(&data, CHUNK_PAGES, false, &mut items);
@@ -568,6 +576,8 @@ struct ChannelSet {
     replies: mpsc::Receiver<Reply>,
     ctl: Arc<Control>,
     deadline: Option<Instant>,
+    /// Given to the next round (the first pass).
+    arm_next: Option<Armer>,
 }
 
 impl ChannelSet {
@@ -587,7 +597,7 @@ impl ChannelSet {
 
     fn round(&mut self, round: u64, items: Vec<WorkItem>) -> Result<RoundResult> {
         let t = Instant::now();
-        let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0) });
+        let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take() });
         for tx in &self.job_txs {
             tx.send(Job::Round(work.clone())).map_err(|_| anyhow!("a channel thread died"))?;
         }
