@@ -25,7 +25,7 @@ const CAPPED_DIRTY_PAGES_S: u64 = 100 * 256;
 
 const USAGE: &str = "usage: migrate-transit [--quick] [--only SUBSTR] [--no-prealloc] [--list]
   --quick        1 GiB rows only
-  --only S       rows whose label (precopy/WORKLOAD/NG/Nch[/COMPRESS]) contains S
+  --only S       the row labelled S, else rows whose label (precopy/WORKLOAD/NG/Nch[/COMPRESS]) contains S
   --no-prealloc  destinations allocate RAM as pages arrive (default: while waiting)
   --list         print the labels and exit
 workloads: idle (fill, then halt), dirtier, dirtier-capped (dirtier at 100 MiB/s,
@@ -51,18 +51,20 @@ impl Row {
     fn capped(&self) -> bool {
         self.workload.ends_with("-capped")
     }
-    /// Give up the migration (cancel it) after this long: five passes over
-    /// RAM at the link's raw rate, at least 30 s.
+    /// Give up the migration (cancel it) after this long: three passes over
+    /// RAM at the link's raw rate, at least 30 s (bench/migrate-vs-qemu's
+    /// rule, so that the full run fits in 30 minutes).
     fn precopy_timeout_s(&self, raw_gbps: f64) -> u64 {
         let one_pass = self.ram_gib as f64 * 8.0 * 1.074 / raw_gbps.max(0.1);
-        (5.0 * one_pass).max(30.0) as u64
+        (3.0 * one_pass).max(30.0) as u64
     }
     /// The whole row, from testbed creation to teardown, before it is killed.
     fn limit_s(&self) -> u64 {
         let raw = if self.capped() { 0.9 } else { 5.0 };
-        // Boot and fill/first dirtier pass (~15 s per GiB here), iperf3,
-        // the migration and its grace, teardown.
-        60 + 20 * self.ram_gib + self.precopy_timeout_s(raw) + 60
+        // Boot and fill/first dirtier pass (~15 s per GiB here, 10 s per
+        // GiB more when capped), iperf3, the migration and its grace,
+        // teardown.
+        60 + 30 * self.ram_gib + self.precopy_timeout_s(raw) + 60
     }
 }
 
@@ -102,13 +104,10 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
     let incoming = if prealloc { Incoming::Prealloc(listen) } else { Incoming::Uri(listen) };
     let src = start_vm(bin, &tb, 0, &spec, None)?;
     let dst = start_vm(bin, &tb, 1, &spec, Some(incoming))?;
-    if r.workload == "dirtier-capped" {
-        // The rate-limited dirtier needs 10 s per GiB per pass: let it run
-        // a while rather than waiting for a whole pass.
-        std::thread::sleep(Duration::from_secs(5));
-    } else {
-        wait_guest_progress(&src, 1, Duration::from_secs(60 + 60 * r.ram_gib))?;
-    }
+    // Migrate once the workload covers all of RAM (the fill is done, or the
+    // dirtier finished its first pass: 10 s per GiB when capped), as the
+    // QEMU guest's BENCH-READY does.
+    wait_guest_progress(&src, 1, Duration::from_secs(60 + 60 * r.ram_gib))?;
     if prealloc {
         // The destination allocates its RAM while the source boots and
         // fills; a migration started before that ends would measure the
@@ -288,10 +287,13 @@ fn main() {
     }
     // The children find the same binary.
     std::env::set_var("TRANSIT_BIN", &bin);
+    let all = matrix(quick);
+    // A full label selects that row alone (not its compressed variants).
+    let exact = only.as_deref().is_some_and(|o| all.iter().any(|r| r.label() == o));
     let mut rows = Vec::new();
-    for r in matrix(quick) {
+    for r in all {
         let label = r.label();
-        if only.as_deref().is_some_and(|o| !label.contains(o)) {
+        if only.as_deref().is_some_and(|o| if exact { label != o } else { !label.contains(o) }) {
             continue;
         }
         eprintln!("migrate-transit: {label} (limit {} s)", r.limit_s());
