@@ -5,7 +5,7 @@
 use crate::compress::{decompress, Compress};
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::PAGE_SIZE;
-use crate::pages::AtomicBitmap;
+use crate::pages::{AtomicBitmap, PageRange};
 use crate::stats::{Control, Status};
 use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, DataItem, DataReader, Msg, Record, Records, WireError};
@@ -178,6 +178,29 @@ impl Drop for Prealloc {
     }
 }
 
+/// A run of consecutive pages written with data, marked in the bitmaps
+/// at once.
+#[derive(Default)]
+struct Runs(Option<PageRange>);
+
+impl Runs {
+    fn add(&mut self, pfn: u64, sh: &RxShared) {
+        match &mut self.0 {
+            Some(r) if r.end() == pfn => r.count += 1,
+            _ => {
+                self.flush(sh);
+                self.0 = Some(PageRange { first: pfn, count: 1 });
+            }
+        }
+    }
+    fn flush(&mut self, sh: &RxShared) {
+        if let Some(r) = self.0.take() {
+            sh.maybe_nonzero.set_range(r);
+            sh.seen.set_range(r);
+        }
+    }
+}
+
 fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
     let mut rd = DataReader::default();
     let mut zstd = None;
@@ -189,6 +212,9 @@ fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
                     populate_new_pages(&sh, &rd.payload, records);
                     let mut it = Records::new(&rd.payload, records, sh.total);
                     let (mut n, wire) = (0u64, rd.payload.len() as u64 + 17);
+                    // Bitmap updates go per run of pages, after the copies:
+                    // an atomic per page would stall on each page's stores.
+                    let mut written = Runs::default();
                     while let Some(rec) = it.next_record()? {
                         match rec {
                             Record::Zero { pfn, count } => {
@@ -196,25 +222,24 @@ fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
                                     if sh.maybe_nonzero.get(p) {
                                         page_mut(&sh.ram, p).fill(0);
                                     }
-                                    sh.seen.set(p);
                                 }
+                                sh.seen.set_range(PageRange { first: pfn, count });
                                 n += count;
                             }
                             Record::Raw { pfn, data } => {
                                 page_mut(&sh.ram, pfn).copy_from_slice(data);
-                                sh.maybe_nonzero.set(pfn);
-                                sh.seen.set(pfn);
+                                written.add(pfn, &sh);
                                 n += 1;
                             }
                             Record::Compressed { pfn, kind, data } => {
                                 decompress(kind, data, page_mut(&sh.ram, pfn), &mut zstd)
                                     .map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
-                                sh.maybe_nonzero.set(pfn);
-                                sh.seen.set(pfn);
+                                written.add(pfn, &sh);
                                 n += 1;
                             }
                         }
                     }
+                    written.flush(&sh);
                     pages += n;
                     sh.ctl.update(|st| {
                         st.pages_sent += n;

@@ -181,7 +181,18 @@ impl Channel {
                 // a page is dirty again and is resent next round.
                 let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
                 sent.pages += 1;
-                if is_zero(src) {
+                // Without compression, copy first and check the copy: the
+                // guest page is read once, by the copy, not twice.
+                let zero = if self.compress == Compress::None {
+                    let z = is_zero(batch.raw_from(pfn, src));
+                    if z {
+                        batch.undo_raw();
+                    }
+                    z
+                } else {
+                    is_zero(src)
+                };
+                if zero {
                     sent.zero += 1;
                     run = match run {
                         Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
@@ -196,7 +207,9 @@ impl Channel {
                 if let Some((f, c)) = run.take() {
                     batch.zero_run(f, c);
                 }
-                if comp.wants_to_try() {
+                if self.compress == Compress::None {
+                    sent.raw += 1; // already in the batch
+                } else if comp.wants_to_try() {
                     // Compress a private copy: the codec must not see bytes
                     // change under it.
                     tmp.copy_from_slice(src);
@@ -205,11 +218,11 @@ impl Channel {
                         batch.compressed(pfn, enc, cbuf);
                         sent.compressed += 1;
                     } else {
-                        batch.raw(pfn).copy_from_slice(&tmp[..]);
+                        batch.raw_from(pfn, &tmp[..]);
                         sent.raw += 1;
                     }
                 } else {
-                    batch.raw(pfn).copy_from_slice(src);
+                    batch.raw_from(pfn, src);
                     sent.raw += 1;
                 }
                 if batch.is_full() {
