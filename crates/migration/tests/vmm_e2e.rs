@@ -29,10 +29,14 @@ struct Pair {
 }
 
 fn pair(bin: &std::path::Path, workload: &str, args: &str) -> Pair {
+    pair_with(bin, workload, args, Incoming::Uri("tcp:0.0.0.0:4444"))
+}
+
+fn pair_with(bin: &std::path::Path, workload: &str, args: &str, incoming: Incoming) -> Pair {
     let tb = Testbed::create(TestbedOpts::new("mige2e", 2)).unwrap();
     let spec = VmSpec { name: "e2e", memory: MEM, workload, args };
     let src = start_vm(bin, &tb, 0, &spec, None).unwrap();
-    let dst = start_vm(bin, &tb, 1, &spec, Some(Incoming::Uri("tcp:0.0.0.0:4444"))).unwrap();
+    let dst = start_vm(bin, &tb, 1, &spec, Some(incoming)).unwrap();
     wait_guest_progress(&src, 1, Duration::from_secs(120)).unwrap();
     Pair { tb, src, dst }
 }
@@ -90,6 +94,20 @@ fn idle_and_dirtier_vms_every_channel_and_compression_mode() {
         eprintln!("e2e: {wl} {params} cap={cap:?}");
         migrate_ok(&bin, wl, "", params, cap);
     }
+}
+
+/// The benchmark's destination: started paused, `migrate-incoming` with
+/// `prealloc` (RAM allocated while waiting); RAM byte-exact and the dirtier
+/// oracle holds on the destination.
+#[test]
+fn preallocated_destination_vmm() {
+    let Some(bin) = setup() else { return };
+    let p = pair_with(&bin, "dirtier", "", Incoming::Prealloc("tcp:0.0.0.0:4444"));
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2, "verify_ram": true, "timeout_s": 300})).unwrap();
+    let d = wait_migration(&p.dst, Duration::from_secs(400)).unwrap();
+    assert_eq!(d["status"], "completed", "destination {d:#}");
+    assert_eq!(d["verified_pages"], d["total_pages"], "every page hash compared");
+    p.check_destination_runs(true);
 }
 
 /// After a failure: the source still runs and its dirtier oracle holds; the
