@@ -162,7 +162,8 @@ impl Channel {
             }
             let i = w.next.fetch_add(1, Ordering::Relaxed);
             let Some(item) = w.items.get(i) else { break };
-            if let Some(a) = &w.arm {
+            // Holes were armed before they were found to be holes (run_inner).
+            if let (Some(a), false) = (&w.arm, item.known_zero) {
                 a.arm(PageRange { first: item.first, count: item.count }).map_err(|e| anyhow!("dirty tracking: {e}"))?;
             }
             if item.known_zero {
@@ -370,7 +371,16 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // Registered now; each page is write-protected by the first pass just
     // before it is read, so that walk overlaps with sending.
     let mut log = DirtyLog::start_unarmed(&ram, sources)?;
-    channels.arm_next = Some(log.armer()?);
+    let armer = log.armer()?;
+    // Holes go as zero runs without being read, so they must be armed
+    // before they are taken for holes: arm the holes seen now, then look
+    // again. A page written in between is data in the second look and is
+    // read (after arming) like any other; a hole in the second look was a
+    // hole when it was armed.
+    for r in complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total) {
+        armer.arm(r).context("arming dirty tracking")?;
+    }
+    channels.arm_next = Some(armer);
     let data = ram.data_ranges().context("finding the memfd's data ranges")?;
     let mut items = Vec::new();
     chunk(&data, CHUNK_PAGES, false, &mut items);
