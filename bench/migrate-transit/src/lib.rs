@@ -1,15 +1,18 @@
 //! Drive real vmm processes (`transit vm run`) on a testbed and migrate
 //! between them through their control sockets. Used by the
 //! `migrate-transit` benchmark and by crates/migration's end-to-end tests.
+//! The processes and their control clients are the vmm's own
+//! ([`vmm::testing::VmProcess`], [`vmm::control::Client`]); this module only
+//! adds what a migration needs on top.
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use testbed::{HostChild, Testbed};
+use testbed::Testbed;
+pub use vmm::control::Client;
+pub use vmm::testing::{unique_name, VmProcess};
 
 /// The `transit` binary: $TRANSIT_BIN, else next to the running executable
 /// (target/<profile>/ or target/<profile>/deps/), built if missing.
@@ -28,6 +31,10 @@ pub fn transit_bin() -> Result<PathBuf> {
     // Always ask cargo: it rebuilds only if the sources changed.
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.args(["build", "-q", "-p", "transit", "--bin", "transit"]).env("CARGO_TARGET_DIR", &target).env("UNICORN_NO_PKG_CONFIG", "1");
+    if let Some(ws) = Path::new(env!("CARGO_MANIFEST_DIR")).ancestors().nth(2) {
+        // Works from any current directory.
+        c.current_dir(ws);
+    }
     if release {
         c.arg("--release");
     }
@@ -47,77 +54,6 @@ pub fn vmm_supports_migration(bin: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// A blocking client of one vmm's control socket.
-pub struct Qmp {
-    r: BufReader<UnixStream>,
-    w: UnixStream,
-}
-
-impl Qmp {
-    pub fn connect(path: &Path, wait: Duration) -> Result<Qmp> {
-        let t = Instant::now();
-        let s = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(e) if t.elapsed() > wait => bail!("control socket {}: {e}", path.display()),
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        };
-        s.set_read_timeout(Some(Duration::from_secs(120)))?;
-        let mut q = Qmp { r: BufReader::new(s.try_clone()?), w: s };
-        let g = q.read()?;
-        if g.get("QMP").is_none() {
-            bail!("no QMP greeting from {}", path.display());
-        }
-        Ok(q)
-    }
-    fn read(&mut self) -> Result<Value> {
-        let mut line = String::new();
-        if self.r.read_line(&mut line)? == 0 {
-            bail!("control socket closed");
-        }
-        Ok(serde_json::from_str(&line)?)
-    }
-    pub fn execute(&mut self, cmd: &str, args: Value) -> Result<Value> {
-        writeln!(self.w, "{}", json!({"execute": cmd, "arguments": args}))?;
-        let r = self.read()?;
-        if let Some(e) = r.get("error") {
-            bail!("{cmd}: {}", e["desc"].as_str().unwrap_or("error"));
-        }
-        Ok(r["return"].clone())
-    }
-}
-
-/// One vmm process in a testbed host.
-pub struct VmProc {
-    pub child: HostChild,
-    pub sock: PathBuf,
-    pub console: PathBuf,
-}
-
-impl VmProc {
-    pub fn qmp(&self) -> Result<Qmp> {
-        Qmp::connect(&self.sock, Duration::from_secs(60))
-    }
-    pub fn exec(&self, cmd: &str, args: Value) -> Result<Value> {
-        self.qmp()?.execute(cmd, args)
-    }
-    pub fn is_alive(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-    /// Wait (up to `t`) until the process exits; its exit code.
-    pub fn wait_exit(&mut self, t: Duration) -> Option<i32> {
-        let s = Instant::now();
-        while s.elapsed() < t {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return Some(st.code().unwrap_or(-1));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        None
-    }
-}
-
 pub struct VmSpec<'a> {
     pub name: &'a str,
     pub memory: &'a str,
@@ -125,46 +61,51 @@ pub struct VmSpec<'a> {
     pub args: &'a str,
 }
 
-/// Start `transit vm run` in `host`; with `incoming`, paused and waiting
-/// for a migration on that URI.
-pub fn start_vm(bin: &Path, tb: &Testbed, host: usize, spec: &VmSpec, incoming: Option<&str>, dir: &Path) -> Result<VmProc> {
-    let sock = dir.join(format!("{}-h{host}.sock", spec.name));
-    let console = dir.join(format!("{}-h{host}.console", spec.name));
-    let mut args: Vec<String> = ["vm", "run", "--name", spec.name, "--memory", spec.memory, "--workload", spec.workload, "--args", spec.args]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(["--control".into(), sock.display().to_string(), "--console-log".into(), console.display().to_string()]);
-    if let Some(u) = incoming {
-        args.extend(["--incoming".into(), u.to_string()]);
+/// How a destination vmm waits for its migration.
+#[derive(Clone, Copy)]
+pub enum Incoming<'a> {
+    /// `vm run --incoming URI`: listens from startup, RAM allocated as pages
+    /// arrive.
+    Uri(&'a str),
+    /// `vm run --paused`, then `migrate-incoming {uri, prealloc: true}`: the
+    /// destination allocates its RAM while it waits (precopy only).
+    Prealloc(&'a str),
+}
+
+/// Start `transit vm run` in `host` (the source: it boots and runs), or,
+/// with `incoming`, a destination waiting for a migration.
+pub fn start_vm(bin: &Path, tb: &Testbed, host: usize, spec: &VmSpec, incoming: Option<Incoming>) -> Result<VmProcess> {
+    let mut args = vec!["vm", "run", "--name", spec.name, "--memory", spec.memory, "--workload", spec.workload, "--args", spec.args];
+    match incoming {
+        Some(Incoming::Uri(u)) => args.extend(["--incoming", u]),
+        Some(Incoming::Prealloc(_)) => args.push("--paused"),
+        None => {}
     }
-    let child = tb.host(host).spawn(bin.to_str().unwrap(), &args)?;
-    let vm = VmProc { child, sock, console };
-    vm.qmp().with_context(|| format!("vmm in host {host} did not come up"))?;
+    // Process names are unique; the VM name (part of its shape) is not.
+    let vm = VmProcess::start(tb.host(host).command(bin), &unique_name(&format!("{}-h{host}", spec.name)), &args)
+        .with_context(|| format!("vmm in host {host} did not come up"))?;
+    if let Some(Incoming::Prealloc(u)) = incoming {
+        vm.exec("migrate-incoming", json!({"uri": u, "prealloc": true}))?;
+    }
     Ok(vm)
+}
+
+/// Whether the process still runs.
+pub fn is_alive(vm: &mut VmProcess) -> bool {
+    // A zero timeout: an error means "has not exited".
+    vm.wait_exit(Duration::ZERO).is_err()
 }
 
 /// Wait until `query-status`'s guest progress reaches `n` (the fill workload
 /// reports 1 when RAM is full; the dirtier counts passes).
-pub fn wait_guest_progress(vm: &VmProc, n: u64, t: Duration) -> Result<()> {
-    let s = Instant::now();
-    let mut q = vm.qmp()?;
-    loop {
-        let st = q.execute("query-status", json!({}))?;
-        if st["guest_progress"].as_u64().unwrap_or(0) >= n {
-            return Ok(());
-        }
-        if s.elapsed() > t {
-            bail!("guest progress stuck at {} (want {n}): {st}", st["guest_progress"]);
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+pub fn wait_guest_progress(vm: &VmProcess, n: u64, t: Duration) -> Result<()> {
+    vm.wait_progress(n, t).map(|_| ())
 }
 
 /// Poll `query-migrate` on `vm` until the migration ends.
-pub fn wait_migration(vm: &VmProc, t: Duration) -> Result<Value> {
+pub fn wait_migration(vm: &VmProcess, t: Duration) -> Result<Value> {
     let s = Instant::now();
-    let mut q = vm.qmp()?;
+    let mut q = vm.client()?;
     loop {
         let st = q.execute("query-migrate", json!({}))?;
         if matches!(st["status"].as_str(), Some("completed" | "failed" | "cancelled")) {
@@ -178,34 +119,17 @@ pub fn wait_migration(vm: &VmProc, t: Duration) -> Result<Value> {
 }
 
 /// Raw TCP throughput host 0 -> host 1 with `streams` parallel streams
-/// (iperf3), Gbit/s.
+/// (iperf3), Gbit/s. Bounded in time whatever the link does.
 pub fn raw_tcp_gbps(tb: &Testbed, streams: u32, secs: u32) -> Result<f64> {
     let port = 5201;
     let _srv = tb.host(1).spawn("iperf3", ["-s", "-1", "-p", &port.to_string()])?;
     std::thread::sleep(Duration::from_millis(300));
-    let out = tb.host(0).sh(&format!("iperf3 -c {} -p {port} -P {streams} -t {secs} -J", tb.host(1).addr(0)))?;
+    let out = tb.host(0).sh(&format!(
+        "timeout {} iperf3 -c {} -p {port} -P {streams} -t {secs} --connect-timeout 3000 -J",
+        secs + 20,
+        tb.host(1).addr(0)
+    ))?;
     let v: Value = serde_json::from_str(&out).context("iperf3 JSON")?;
     let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().ok_or_else(|| anyhow!("iperf3 gave no throughput"))?;
     Ok(bps / 1e9)
-}
-
-/// A scratch directory removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(prefix: &str) -> Result<TempDir> {
-        let p = std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), rand_suffix()));
-        std::fs::create_dir_all(&p)?;
-        Ok(TempDir(p))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn rand_suffix() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos() as u64).unwrap_or(0)
 }

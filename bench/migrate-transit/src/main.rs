@@ -1,15 +1,21 @@
 //! migrate-transit: Transit's rows of bench/migrate-vs-qemu.
 //!
-//! For each (workload, RAM size, channels): two testbed hosts, a source vmm
-//! running the workload in host 0, an incoming vmm in host 1, one precopy
-//! migration; raw TCP (iperf3, same stream count, same link) is measured in
-//! the same testbed just before. Prints a table, then `{"rows": [...]}`.
+//! For each (workload, RAM size, channels[, compression]): two testbed
+//! hosts, a source vmm running the workload in host 0, an incoming vmm in
+//! host 1, one precopy migration; raw TCP (iperf3, same stream count, same
+//! link) is measured in the same testbed just before. Prints a table, then
+//! `{"rows": [...]}`.
 //!
-//! Usage: migrate-transit [--quick] [--only SUBSTR]
+//! Every row runs in a child process of its own (`--row LABEL`) in its own
+//! process group, with a time limit: a row that hangs is killed with its
+//! vmm processes, its testbed is swept, and it is reported as not completed.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use migrate_transit::*;
 use serde_json::{json, Value};
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use testbed::{Testbed, TestbedOpts};
 
@@ -17,82 +23,267 @@ const CAP_MBIT: u32 = 1000;
 /// 100 MiB/s of dirtied pages for the dirtier-capped rows.
 const CAPPED_DIRTY_PAGES_S: u64 = 100 * 256;
 
-fn precopy_timeout_s(ram_gib: u64, raw_gbps: f64) -> u64 {
-    let one_pass = ram_gib as f64 * 8.0 * 1.074 / raw_gbps.max(0.1);
-    (5.0 * one_pass).max(30.0) as u64
+const USAGE: &str = "usage: migrate-transit [--quick] [--only SUBSTR] [--no-prealloc] [--list]
+  --quick        1 GiB rows of the shared matrix only (no compression rows)
+  --only S       the row labelled S, else rows whose label (precopy/WORKLOAD/NG/Nch[/COMPRESS]) contains S
+  --no-prealloc  destinations allocate RAM as pages arrive (default: while waiting)
+  --list         print the labels and exit
+workloads: idle (fill, then halt), dirtier, dirtier-capped (dirtier at 100 MiB/s,
+link capped at 1 Gbit/s), idle-capped (fill on the capped link) and dirtier-on-capped
+(full-speed dirtier on the capped link): the compression rows";
+
+/// One row of the matrix.
+#[derive(Clone)]
+struct Row {
+    workload: &'static str,
+    ram_gib: u64,
+    channels: u32,
+    compress: &'static str,
 }
 
-fn row(bin: &std::path::Path, workload: &str, ram_gib: u64, channels: u32) -> Result<Value> {
-    let tmp = TempDir::new("migrate-transit")?;
+impl Row {
+    fn label(&self) -> String {
+        let mut l = format!("precopy/{}/{}G/{}ch", self.workload, self.ram_gib, self.channels);
+        if self.compress != "none" {
+            l += &format!("/{}", self.compress);
+        }
+        l
+    }
+    fn capped(&self) -> bool {
+        self.workload.ends_with("-capped")
+    }
+    /// Give up the migration (cancel it) after this long: three passes over
+    /// RAM at the link's raw rate, at least 30 s (bench/migrate-vs-qemu's
+    /// rule, so that the full run fits in 30 minutes).
+    fn precopy_timeout_s(&self, raw_gbps: f64) -> u64 {
+        let one_pass = self.ram_gib as f64 * 8.0 * 1.074 / raw_gbps.max(0.1);
+        (3.0 * one_pass).max(30.0) as u64
+    }
+    /// The whole row, from testbed creation to teardown, before it is killed.
+    fn limit_s(&self) -> u64 {
+        let raw = if self.capped() { 0.9 } else { 5.0 };
+        // Boot and fill/first dirtier pass (~15 s per GiB here, 10 s per
+        // GiB more when capped), iperf3, the migration and its grace,
+        // teardown.
+        60 + 30 * self.ram_gib + self.precopy_timeout_s(raw) + 60
+    }
+}
+
+fn matrix(quick: bool) -> Vec<Row> {
+    let sizes: &[u64] = if quick { &[1] } else { &[1, 4] };
+    let mut rows = Vec::new();
+    for &ram_gib in sizes {
+        for workload in ["idle", "dirtier", "dirtier-capped"] {
+            for channels in [1, 4] {
+                rows.push(Row { workload, ram_gib, channels, compress: "none" });
+            }
+        }
+    }
+    if quick {
+        // --quick must stay under 10 minutes with the QEMU half.
+        return rows;
+    }
+    // Compression where it matters: a 1 Gbit/s link. The fill content is
+    // half random (at most ~2x); the dirtier's pages (a counter byte, the
+    // rest zero) are the compressible case.
+    for compress in ["none", "lz4", "zstd"] {
+        rows.push(Row { workload: "idle-capped", ram_gib: 1, channels: 4, compress });
+    }
+    for compress in ["none", "lz4"] {
+        rows.push(Row { workload: "dirtier-on-capped", ram_gib: 1, channels: 4, compress });
+    }
+    rows
+}
+
+fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
     let tb = Testbed::create(TestbedOpts::new("mt", 2))?;
-    let capped = workload == "dirtier-capped";
-    if capped {
+    if r.capped() {
         tb.set_rate(0, 0, Some(CAP_MBIT))?;
     }
-    let raw = raw_tcp_gbps(&tb, channels, 3)?;
-    let (wl, args) = match workload {
-        "idle" => ("fill", String::new()),
-        "dirtier" => ("dirtier", String::new()),
+    let raw = raw_tcp_gbps(&tb, r.channels, 3)?;
+    let (wl, args) = match r.workload {
+        "idle" | "idle-capped" => ("fill", String::new()),
+        "dirtier" | "dirtier-on-capped" => ("dirtier", String::new()),
         _ => ("dirtier", format!("rate={CAPPED_DIRTY_PAGES_S}")),
     };
-    let mem = format!("{ram_gib}G");
+    let mem = format!("{}G", r.ram_gib);
     let spec = VmSpec { name: "bench", memory: &mem, workload: wl, args: &args };
-    let mut src = start_vm(bin, &tb, 0, &spec, None, &tmp.0)?;
-    let dst = start_vm(bin, &tb, 1, &spec, Some("tcp:0.0.0.0:4444"), &tmp.0)?;
-    if capped {
-        // The rate-limited dirtier needs a long time per pass: let it run a
-        // while rather than waiting for a whole pass.
-        std::thread::sleep(Duration::from_secs(5));
-    } else {
-        wait_guest_progress(&src, 1, Duration::from_secs(600))?;
+    let listen = "tcp:0.0.0.0:4444";
+    let incoming = if prealloc { Incoming::Prealloc(listen) } else { Incoming::Uri(listen) };
+    let src = start_vm(bin, &tb, 0, &spec, None)?;
+    let dst = start_vm(bin, &tb, 1, &spec, Some(incoming))?;
+    // Migrate once the workload covers all of RAM (the fill is done, or the
+    // dirtier finished its first pass: 10 s per GiB when capped), as the
+    // QEMU guest's BENCH-READY does.
+    // A pass of the capped dirtier takes 10 s per GiB: three times that is
+    // plenty (its rate limit has been seen to stall the guest on large RAM;
+    // such a row fails here, clearly, rather than measuring an idle VM).
+    let ready_s = if r.workload == "dirtier-capped" { 20 + 30 * r.ram_gib } else { 60 + 60 * r.ram_gib };
+    wait_guest_progress(&src, 1, Duration::from_secs(ready_s))
+        .map_err(|e| anyhow::anyhow!("the workload did not cover RAM in {ready_s} s: {e:#}"))?;
+    if prealloc {
+        // The destination allocates its RAM while the source boots and
+        // fills; a migration started before that ends would measure the
+        // allocation too. Wait a bounded time for it.
+        wait_prealloc(&dst, r.ram_gib, Duration::from_secs(10 * r.ram_gib))?;
     }
-    let timeout_s = precopy_timeout_s(ram_gib, raw);
-    let t = Instant::now();
+    let timeout_s = r.precopy_timeout_s(raw);
     src.exec(
         "migrate",
-        json!({"uri": format!("tcp:{}:4444", tb.host(1).addr(0)), "channels": channels, "downtime_ms": 300, "timeout_s": timeout_s}),
+        json!({"uri": format!("tcp:{}:4444", tb.host(1).addr(0)), "channels": r.channels, "compress": r.compress,
+               "downtime_ms": 300, "timeout_s": timeout_s}),
     )?;
-    let d = wait_migration(&dst, Duration::from_secs(timeout_s + 120));
-    let wall = t.elapsed().as_secs_f64();
-    // The source may have exited already after handing over.
-    let s = if src.is_alive() { wait_migration(&src, Duration::from_secs(60)).ok() } else { None };
-    let d = d.unwrap_or_else(|e| json!({"status": "failed", "error": e.to_string()}));
-    let stats = s.clone().unwrap_or_else(|| d.clone());
-    let completed = d["status"] == "completed";
-    let secs = stats["total_ms"].as_f64().map(|m| m / 1e3).unwrap_or(wall);
-    let tput = stats["wire_bytes"].as_f64().map(|b| b * 8.0 / secs.max(1e-9) / 1e9);
+    // The source's own figures are final once it says so; it stays alive
+    // two seconds after completing, so read it first.
+    let s = wait_migration(&src, Duration::from_secs(timeout_s + 60));
+    let d = wait_migration(&dst, Duration::from_secs(if s.is_ok() { 30 } else { 5 }));
+    let s = s.unwrap_or_else(|e| json!({"status": "failed", "error": format!("source: {e:#}")}));
+    let d = d.unwrap_or_else(|e| json!({"status": "failed", "error": format!("destination: {e:#}")}));
+    let completed = s["status"] == "completed" && d["status"] == "completed";
+    let secs = s["total_ms"].as_f64().map(|m| m / 1e3).filter(|&t| t > 0.0);
+    let wire = s["wire_bytes"].as_f64();
+    let tput = secs.zip(wire).map(|(t, b)| b * 8.0 / t / 1e9);
+    // RAM moved per second (non-zero pages as 4 KiB each): what compression
+    // multiplies.
+    let ram_bytes = s["ram_transferred_bytes"].as_f64();
+    let eff = secs.zip(ram_bytes).map(|(t, b)| b * 8.0 / t / 1e9);
+    if completed && secs.is_none() {
+        bail!("completed without a total time: {s}");
+    }
     Ok(json!({
         "system": "transit",
         "mode": "precopy",
-        "workload": workload,
-        "ram_gib": ram_gib,
-        "channels": channels,
+        "workload": r.workload,
+        "ram_gib": r.ram_gib,
+        "channels": r.channels,
+        "compress": r.compress,
+        "prealloc": prealloc,
         "completed": completed,
-        "total_s": if completed { Some(secs) } else { None },
-        "downtime_ms": if completed { d["downtime_ms"].as_f64().or(stats["downtime_ms"].as_f64()) } else { None },
+        "total_s": if completed { secs } else { None },
+        "downtime_ms": if completed { d["downtime_ms"].as_f64().or(s["downtime_ms"].as_f64()) } else { None },
         "throughput_gbps": tput,
+        "ram_throughput_gbps": eff,
         "raw_tcp_gbps": raw,
         "fraction_of_raw": tput.map(|t| t / raw),
-        "rounds": stats["rounds"],
-        "throttle_pct": stats["throttle_pct"],
-        "wire_bytes": stats["wire_bytes"],
-        "zero_pages": stats["zero_pages"],
-        "cpu_s_source": stats["cpu_s_source"],
-        "cpu_s_dest": d["cpu_s_dest"],
-        "error": d["error"].as_str().or(stats["error"].as_str()),
-        "downtime_steps_source": stats["downtime_steps"],
+        "timeout_s": timeout_s,
+        "setup_ms": s["setup_ms"],
+        "round_ms": s["round_stats"].as_array().map(|v| v.iter().map(|r| r["duration_ms"].clone()).collect::<Vec<_>>()),
+        "rounds": s["rounds"],
+        "throttle_pct": s["throttle_pct"],
+        "wire_bytes": s["wire_bytes"],
+        "ram_transferred_bytes": s["ram_transferred_bytes"],
+        "zero_pages": s["zero_pages"],
+        "compressed_pages": s["compressed_pages"],
+        "cpu_s_source": s["cpu_s_source"],
+        "cpu_s_dest": d["cpu_s_dest"].as_f64().or(s["cpu_s_dest"].as_f64()),
+        "error": s["error"].as_str().or(d["error"].as_str()),
+        "downtime_steps_source": s["downtime_steps"],
         "downtime_steps_dest": d["downtime_steps"],
     }))
+}
+
+/// Wait until the destination's memfd holds all of RAM (its prealloc done).
+fn wait_prealloc(dst: &VmProcess, ram_gib: u64, t: Duration) -> Result<()> {
+    let want = ram_gib << 30;
+    let s = Instant::now();
+    // `ip netns exec` execs into the vmm: the child's pid is the vmm's.
+    let path = format!("/proc/{}/smaps_rollup", dst.pid());
+    while s.elapsed() < t {
+        // Resident memory of the vmm, in kB: guest RAM dominates it.
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let kb: u64 = text
+            .lines()
+            .filter(|l| l.starts_with("Rss:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum();
+        if kb * 1024 >= want {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("  prealloc not finished after {t:?}; migrating anyway");
+    Ok(())
+}
+
+fn failed_row(r: &Row, error: String) -> Value {
+    json!({"system": "transit", "mode": "precopy", "workload": r.workload, "ram_gib": r.ram_gib, "channels": r.channels,
+           "compress": r.compress, "completed": false, "total_s": null, "downtime_ms": null, "throughput_gbps": null,
+           "raw_tcp_gbps": null, "error": error})
+}
+
+/// Run one row in a child process (own process group) within its limit.
+fn row_in_child(r: &Row, prealloc: bool) -> Value {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return failed_row(r, e.to_string()),
+    };
+    let mut c = Command::new(exe);
+    c.args(["--row", &r.label()]).stdout(Stdio::piped()).stderr(Stdio::inherit()).process_group(0);
+    if !prealloc {
+        c.arg("--no-prealloc");
+    }
+    let mut child = match c.spawn() {
+        Ok(c) => c,
+        Err(e) => return failed_row(r, e.to_string()),
+    };
+    let mut out = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let limit = Duration::from_secs(r.limit_s());
+    let t = Instant::now();
+    let status = loop {
+        if let Ok(Some(st)) = child.try_wait() {
+            break Some(st);
+        }
+        if t.elapsed() > limit {
+            // The whole group: the vmm processes too.
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+            let _ = child.wait();
+            let _ = testbed::sweep();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let text = reader.join().unwrap_or_default();
+    match status {
+        None => failed_row(r, format!("no answer within {limit:?} (killed with its vmm processes)")),
+        Some(st) => text
+            .lines()
+            .last()
+            .and_then(|l| serde_json::from_str::<Value>(l).ok())
+            .unwrap_or_else(|| failed_row(r, format!("row process exited {st} without a result"))),
+    }
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("usage: migrate-transit [--quick] [--only SUBSTR]\n  --quick  1 GiB rows only\n  --only   rows whose label (precopy/WORKLOAD/NG/Nch) contains SUBSTR");
+        println!("{USAGE}");
         return;
     }
     let quick = args.iter().any(|a| a == "--quick");
-    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    let prealloc = !args.iter().any(|a| a == "--no-prealloc");
+    let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let only = arg("--only");
+    if args.iter().any(|a| a == "--list") {
+        for r in matrix(quick) {
+            println!("{}", r.label());
+        }
+        return;
+    }
+    if let Some(label) = arg("--row") {
+        // Child mode: one row, its JSON as the last line.
+        let Some(r) = matrix(false).into_iter().find(|r| r.label() == label) else {
+            eprintln!("migrate-transit: no row {label}");
+            std::process::exit(2);
+        };
+        let v = transit_bin().and_then(|bin| run_row(&bin, &r, prealloc)).unwrap_or_else(|e| failed_row(&r, format!("{e:#}")));
+        println!("{v}");
+        return;
+    }
     let bin = match transit_bin() {
         Ok(b) => b,
         Err(e) => {
@@ -107,40 +298,55 @@ fn main() {
         println!("{}", json!({"rows": [], "error": e}));
         std::process::exit(1);
     }
-    let sizes: &[u64] = if quick { &[1] } else { &[1, 4] };
+    // The children find the same binary.
+    std::env::set_var("TRANSIT_BIN", &bin);
+    let all = matrix(quick);
+    // A full label selects that row alone (not its compressed variants).
+    let exact = only.as_deref().is_some_and(|o| all.iter().any(|r| r.label() == o));
     let mut rows = Vec::new();
-    for &ram in sizes {
-        for wl in ["idle", "dirtier", "dirtier-capped"] {
-            for ch in [1u32, 4] {
-                let label = format!("precopy/{wl}/{ram}G/{ch}ch");
-                if only.as_deref().is_some_and(|o| !label.contains(o)) {
-                    continue;
-                }
-                eprintln!("migrate-transit: {label}");
-                let r = row(&bin, wl, ram, ch).unwrap_or_else(|e| {
-                    json!({"system": "transit", "mode": "precopy", "workload": wl, "ram_gib": ram, "channels": ch,
-                           "completed": false, "total_s": null, "downtime_ms": null, "throughput_gbps": null,
-                           "raw_tcp_gbps": null, "error": format!("{e:#}")})
-                });
-                eprintln!("  {r}");
-                rows.push(r);
-            }
+    for r in all {
+        let label = r.label();
+        if only.as_deref().is_some_and(|o| if exact { label != o } else { !label.contains(o) }) {
+            continue;
         }
+        eprintln!("migrate-transit: {label} (limit {} s)", r.limit_s());
+        let t = Instant::now();
+        let mut v = row_in_child(&r, prealloc);
+        v["wall_s"] = json!(t.elapsed().as_secs_f64());
+        eprintln!("  {v}");
+        rows.push(v);
     }
-    println!("{:<32} {:>5} {:>9} {:>11} {:>9} {:>8} {:>6} {:>7}", "row", "done", "total s", "downtime ms", "Gbit/s", "raw", "frac", "thrott");
-    for r in &rows {
+    print_table(&rows);
+    println!("{}", json!({ "rows": rows }));
+}
+
+fn print_table(rows: &[Value]) {
+    println!(
+        "{:<34} {:>5} {:>8} {:>9} {:>7} {:>7} {:>7} {:>5} {:>6} {:>6} {:>6}",
+        "row", "done", "total s", "downtime", "Gbit/s", "RAM", "raw", "frac", "thrott", "cpu_s", "cpu_d"
+    );
+    for r in rows {
         let f = |k: &str, p: usize| r[k].as_f64().map(|v| format!("{v:.p$}")).unwrap_or_else(|| "-".into());
+        let mut label = format!("precopy/{}/{}G/{}ch", r["workload"].as_str().unwrap_or("?"), r["ram_gib"], r["channels"]);
+        if let Some(c) = r["compress"].as_str().filter(|c| *c != "none") {
+            label += &format!("/{c}");
+        }
         println!(
-            "{:<32} {:>5} {:>9} {:>11} {:>9} {:>8} {:>6} {:>7}",
-            format!("precopy/{}/{}G/{}ch", r["workload"].as_str().unwrap_or("?"), r["ram_gib"], r["channels"]),
+            "{:<34} {:>5} {:>8} {:>9} {:>7} {:>7} {:>7} {:>5} {:>6} {:>6} {:>6}",
+            label,
             r["completed"],
             f("total_s", 2),
             f("downtime_ms", 1),
             f("throughput_gbps", 2),
+            f("ram_throughput_gbps", 2),
             f("raw_tcp_gbps", 2),
             f("fraction_of_raw", 2),
-            r["throttle_pct"]
+            r["throttle_pct"],
+            f("cpu_s_source", 1),
+            f("cpu_s_dest", 1),
         );
+        if let Some(e) = r["error"].as_str() {
+            println!("    error: {e}");
+        }
     }
-    println!("{}", json!({ "rows": rows }));
 }

@@ -82,9 +82,15 @@ impl AtomicBitmap {
     pub fn get(&self, i: u64) -> bool {
         self.words[(i / 64) as usize].load(Ordering::Relaxed) & (1 << (i % 64)) != 0
     }
+    /// One atomic OR per 64 pages, not per page.
     pub fn set_range(&self, r: PageRange) {
-        for i in r.first..r.end() {
-            self.set(i);
+        let (mut i, end) = (r.first, r.end());
+        while i < end {
+            let bit = i % 64;
+            let n = (64 - bit).min(end - i);
+            let mask = if n == 64 { u64::MAX } else { ((1u64 << n) - 1) << bit };
+            self.words[(i / 64) as usize].fetch_or(mask, Ordering::Relaxed);
+            i += n;
         }
     }
     pub fn count_ones(&self) -> u64 {
@@ -183,6 +189,11 @@ mod tests {
             normalize(v, 100),
             vec![PageRange { first: 0, count: 3 }, PageRange { first: 10, count: 12 }, PageRange { first: 95, count: 5 }]
         );
+        let b = AtomicBitmap::new(300);
+        b.set_range(PageRange { first: 60, count: 140 });
+        b.set_range(PageRange { first: 5, count: 1 });
+        assert_eq!(b.count_ones(), 141);
+        assert!(b.get(5) && !b.get(59) && b.get(60) && b.get(127) && b.get(199) && !b.get(200));
         let c = complement(&[PageRange { first: 2, count: 3 }], 10);
         assert_eq!(c, vec![PageRange { first: 0, count: 2 }, PageRange { first: 5, count: 5 }]);
     }

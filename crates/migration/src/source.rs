@@ -9,7 +9,7 @@
 
 use crate::compress::{Compress, PageCompressor};
 use crate::cputime::{thread_cpu_s, unix_ns};
-use crate::dirty::{DirtyLog, DirtySource, PAGE_SIZE};
+use crate::dirty::{Armer, DirtyLog, DirtySource, PAGE_SIZE};
 use crate::pages::{complement, count_pages, normalize, PageRange};
 use crate::ratelimit::TokenBucket;
 use crate::postcopy::push::PushQueue;
@@ -41,6 +41,8 @@ struct RoundWork {
     round: u64,
     items: Vec<WorkItem>,
     next: AtomicUsize,
+    /// First pass: write-protect each item just before reading it.
+    arm: Option<Armer>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -168,6 +170,10 @@ impl Channel {
             }
             let i = w.next.fetch_add(1, Ordering::Relaxed);
             let Some(item) = w.items.get(i) else { break };
+            // Holes were armed before they were found to be holes (run_inner).
+            if let (Some(a), false) = (&w.arm, item.known_zero) {
+                a.arm(PageRange { first: item.first, count: item.count }).map_err(|e| anyhow!("dirty tracking: {e}"))?;
+            }
             self.send_item(item, comp, batch, cbuf, &mut sent, false)?;
         }
         self.flush(batch, &mut sent)?;
@@ -211,7 +217,18 @@ impl Channel {
                 // a page is dirty again and is resent next round.
                 let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
                 sent.pages += 1;
-                if is_zero(src) {
+                // Without compression, copy first and check the copy: the
+                // guest page is read once, by the copy, not twice.
+                let zero = if self.compress == Compress::None && !runs {
+                    let z = is_zero(batch.raw_from(pfn, src));
+                    if z {
+                        batch.undo_raw();
+                    }
+                    z
+                } else {
+                    is_zero(src)
+                };
+                if zero {
                     sent.zero += 1;
                     run = match run {
                         Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
@@ -226,7 +243,12 @@ impl Channel {
                 if let Some((f, c)) = run.take() {
                     batch.zero_run(f, c);
                 }
-                if comp.wants_to_try() {
+                if self.compress == Compress::None && !runs {
+                    sent.raw += 1; // already in the batch
+                } else if self.compress == Compress::None {
+                    batch.raw_in_run(pfn).copy_from_slice(src);
+                    sent.raw += 1;
+                } else if comp.wants_to_try() {
                     // Compress a private copy: the codec must not see bytes
                     // change under it.
                     tmp.copy_from_slice(src);
@@ -235,14 +257,14 @@ impl Channel {
                         batch.compressed(pfn, enc, cbuf);
                         sent.compressed += 1;
                     } else {
-                        batch.raw(pfn).copy_from_slice(&tmp[..]);
+                        batch.raw_from(pfn, &tmp[..]);
                         sent.raw += 1;
                     }
                 } else if runs {
                     batch.raw_in_run(pfn).copy_from_slice(src);
                     sent.raw += 1;
                 } else {
-                    batch.raw(pfn).copy_from_slice(src);
+                    batch.raw_from(pfn, src);
                     sent.raw += 1;
                 }
                 if batch.is_full() {
@@ -283,7 +305,7 @@ pub(crate) fn open_channels(
         threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
         job_txs.push(tx);
     }
-    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline })
+    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None })
 }
 
 /// The postcopy urgent connection (page requests and their answers).
@@ -412,14 +434,27 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut channels = open_channels(&addr, session, params.channels, ram, compress, &bucket, ctl, deadline)?;
     let urgent = if mode != Mode::Precopy { Some(open_urgent(&addr, session, ctl)?) } else { None };
 
-    // --- dirty tracking from here on, then the first pass over all RAM ---
     if mode == Mode::Postcopy {
         // Nothing moves before the switch: the destination runs at once.
         ctl.update(|s| s.setup_ms = t0.elapsed().as_secs_f64() * 1e3);
         let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: None, pending: Vec::new(), round: 0 };
         return crate::postcopy::source::run(&mut guard, start);
     }
-    let mut log = DirtyLog::start(&ram, sources)?;
+
+    // --- dirty tracking from here on, then the first pass over all RAM ---
+    // Registered now; each page is write-protected by the first pass just
+    // before it is read, so that walk overlaps with sending.
+    let mut log = DirtyLog::start_unarmed(&ram, sources)?;
+    let armer = log.armer()?;
+    // Holes go as zero runs without being read, so they must be armed
+    // before they are taken for holes: arm the holes seen now, then look
+    // again. A page written in between is data in the second look and is
+    // read (after arming) like any other; a hole in the second look was a
+    // hole when it was armed.
+    for r in complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total) {
+        armer.arm(r).context("arming dirty tracking")?;
+    }
+    channels.arm_next = Some(armer);
     let data = ram.data_ranges().context("finding the memfd's data ranges")?;
     let mut items = Vec::new();
     chunk(&data, CHUNK_PAGES, false, &mut items);
@@ -650,6 +685,8 @@ pub(crate) struct ChannelSet {
     replies: mpsc::Receiver<Reply>,
     ctl: Arc<Control>,
     deadline: Option<Instant>,
+    /// Given to the next round (the first pass).
+    arm_next: Option<Armer>,
 }
 
 impl ChannelSet {
@@ -669,7 +706,7 @@ impl ChannelSet {
 
     fn round(&mut self, round: u64, items: Vec<WorkItem>) -> Result<RoundResult> {
         let t = Instant::now();
-        let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0) });
+        let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take() });
         for tx in &self.job_txs {
             tx.send(Job::Round(work.clone())).map_err(|_| anyhow!("a channel thread died"))?;
         }

@@ -303,6 +303,22 @@ impl BatchWriter {
         self.buf.resize(at + PAGE, 0);
         &mut self.buf[at..]
     }
+    /// Append a raw page copied from `src` (no zero-fill first); returns
+    /// the copy, which the caller may still turn into a zero record with
+    /// [`undo_raw`](Self::undo_raw).
+    pub fn raw_from(&mut self, pfn: u64, src: &[u8]) -> &[u8] {
+        self.head(pfn, Enc::Raw);
+        self.pages += 1;
+        let at = self.buf.len();
+        self.buf.extend_from_slice(&src[..PAGE]);
+        &self.buf[at..]
+    }
+    /// Drop the raw page just appended (it turned out to be zero).
+    pub fn undo_raw(&mut self) {
+        self.buf.truncate(self.buf.len() - PAGE - 8);
+        self.records -= 1;
+        self.pages -= 1;
+    }
     pub fn compressed(&mut self, pfn: u64, enc: Enc, data: &[u8]) {
         self.head(pfn, enc);
         self.pages += 1;
@@ -488,6 +504,9 @@ mod tests {
         for p in [20, 21, 22, 30] {
             b.raw_in_run(p).fill(p as u8);
         }
+        // A page copied in and taken back leaves no trace.
+        b.raw_from(20, &[0u8; PAGE]);
+        b.undo_raw();
         let bytes = b.seal().to_vec();
         let mut rd = DataReader::default();
         let DataItem::Pages { records } = rd.next(&mut bytes.as_slice()).unwrap() else { panic!() };

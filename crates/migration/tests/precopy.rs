@@ -103,3 +103,21 @@ fn bandwidth_cap_is_respected() {
     // Average rate may not beat the cap by more than the 50 ms burst.
     assert!(wire / secs <= cap as f64 * 1.2, "{} B/s over a cap of {cap}", wire / secs);
 }
+
+#[test]
+fn preallocated_destination_receives_byte_exact() {
+    let src = Side::new(64 * MIB, 1);
+    src.vm.fill(16, 12000); // the rest stays zero: zero runs over allocated pages
+    let dst = Side::new(64 * MIB, 1);
+    let r = dst.cmd("migrate-incoming", json!({"uri": "tcp:127.0.0.1:0", "resume": false, "prealloc": true})).unwrap();
+    let port = r["port"].as_u64().unwrap() as u16;
+    let pages = dst.dynvm.ram().pages();
+    wait_until("the destination's RAM is allocated", || {
+        dst.dynvm.ram().data_ranges().unwrap() == vec![migration::pages::PageRange { first: 0, count: pages }]
+    });
+    let (os, od, stats) = migrate(&src, &dst, port, json!({"channels": 2}));
+    assert_eq!(os, Some(Outcome::OutgoingCompleted), "{stats:#}");
+    assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
+    let (a, b) = (src.hashes(), dst.hashes());
+    assert!((0..a.len()).all(|i| a[i] == b[i]), "RAM differs after a preallocated receive");
+}

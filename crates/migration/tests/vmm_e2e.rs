@@ -24,19 +24,21 @@ fn setup() -> Option<std::path::PathBuf> {
 
 struct Pair {
     tb: Testbed,
-    src: VmProc,
-    dst: VmProc,
-    _tmp: TempDir,
+    src: VmProcess,
+    dst: VmProcess,
 }
 
 fn pair(bin: &std::path::Path, workload: &str, args: &str) -> Pair {
-    let tmp = TempDir::new("mig-e2e").unwrap();
+    pair_with(bin, workload, args, Incoming::Uri("tcp:0.0.0.0:4444"))
+}
+
+fn pair_with(bin: &std::path::Path, workload: &str, args: &str, incoming: Incoming) -> Pair {
     let tb = Testbed::create(TestbedOpts::new("mige2e", 2)).unwrap();
     let spec = VmSpec { name: "e2e", memory: MEM, workload, args };
-    let src = start_vm(bin, &tb, 0, &spec, None, &tmp.0).unwrap();
-    let dst = start_vm(bin, &tb, 1, &spec, Some("tcp:0.0.0.0:4444"), &tmp.0).unwrap();
+    let src = start_vm(bin, &tb, 0, &spec, None).unwrap();
+    let dst = start_vm(bin, &tb, 1, &spec, Some(incoming)).unwrap();
     wait_guest_progress(&src, 1, Duration::from_secs(120)).unwrap();
-    Pair { tb, src, dst, _tmp: tmp }
+    Pair { tb, src, dst }
 }
 
 impl Pair {
@@ -45,7 +47,7 @@ impl Pair {
     }
     /// The destination runs, and after a while the dirtier oracle holds.
     fn check_destination_runs(&self, dirtier: bool) {
-        let mut q = self.dst.qmp().unwrap();
+        let mut q = self.dst.client().unwrap();
         let p0 = q.execute("query-status", json!({})).unwrap()["guest_progress"].as_u64().unwrap_or(0);
         assert_eq!(q.execute("query-status", json!({})).unwrap()["status"], "running");
         if dirtier {
@@ -94,17 +96,31 @@ fn idle_and_dirtier_vms_every_channel_and_compression_mode() {
     }
 }
 
+/// The benchmark's destination: started paused, `migrate-incoming` with
+/// `prealloc` (RAM allocated while waiting); RAM byte-exact and the dirtier
+/// oracle holds on the destination.
+#[test]
+fn preallocated_destination_vmm() {
+    let Some(bin) = setup() else { return };
+    let p = pair_with(&bin, "dirtier", "", Incoming::Prealloc("tcp:0.0.0.0:4444"));
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2, "verify_ram": true, "timeout_s": 300})).unwrap();
+    let d = wait_migration(&p.dst, Duration::from_secs(400)).unwrap();
+    assert_eq!(d["status"], "completed", "destination {d:#}");
+    assert_eq!(d["verified_pages"], d["total_pages"], "every page hash compared");
+    p.check_destination_runs(true);
+}
+
 /// After a failure: the source still runs and its dirtier oracle holds; the
 /// destination never ran.
 fn assert_source_survived(p: &mut Pair) {
     let s = wait_migration(&p.src, Duration::from_secs(120)).unwrap();
     assert!(matches!(s["status"].as_str(), Some("failed" | "cancelled")), "{s:#}");
-    let mut q = p.src.qmp().unwrap();
+    let mut q = p.src.client().unwrap();
     assert_eq!(q.execute("query-status", json!({})).unwrap()["status"], "running");
     q.execute("stop", json!({})).unwrap();
     assert_eq!(q.execute("check-dirtier", json!({})).unwrap()["bad_pages"], 0);
     q.execute("cont", json!({})).unwrap();
-    if p.dst.is_alive() {
+    if is_alive(&mut p.dst) {
         let st = p.dst.exec("query-status", json!({})).unwrap();
         assert_ne!(st["status"], "running", "a destination with incomplete state must never run");
     }
@@ -128,7 +144,7 @@ fn destination_killed_mid_migration() {
     p.tb.set_rate(0, 0, Some(50)).unwrap();
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4})).unwrap();
     std::thread::sleep(Duration::from_secs(2));
-    p.dst.child.kill().unwrap();
+    p.dst.kill();
     assert_source_survived(&mut p);
 }
 
