@@ -2,7 +2,7 @@
 //!
 //! For each (workload, RAM size, channels[, compression]): two testbed
 //! hosts, a source vmm running the workload in host 0, an incoming vmm in
-//! host 1, one precopy migration; raw TCP (iperf3, same stream count, same
+//! host 1, one migration (precopy, postcopy or hybrid); raw TCP (iperf3, same stream count, same
 //! link) is measured in the same testbed just before. Prints a table, then
 //! `{"rows": [...]}`.
 //!
@@ -25,8 +25,9 @@ const CAPPED_DIRTY_PAGES_S: u64 = 100 * 256;
 
 const USAGE: &str = "usage: migrate-transit [--quick] [--only SUBSTR] [--no-prealloc] [--list]
   --quick        1 GiB rows of the shared matrix only (no compression rows)
-  --only S       the row labelled S, else rows whose label (precopy/WORKLOAD/NG/Nch[/COMPRESS]) contains S
-  --no-prealloc  destinations allocate RAM as pages arrive (default: while waiting)
+  --only S       the row labelled S, else rows whose label (MODE/WORKLOAD/NG/Nch[/COMPRESS]) contains S
+  --no-prealloc  precopy destinations allocate RAM as pages arrive (default: while waiting;
+                 postcopy and hybrid destinations never preallocate: they catch faults on absent pages)
   --list         print the labels and exit
 workloads: idle (fill, then halt), dirtier, dirtier-capped (dirtier at 100 MiB/s,
 link capped at 1 Gbit/s), idle-capped (fill on the capped link) and dirtier-on-capped
@@ -35,6 +36,7 @@ link capped at 1 Gbit/s), idle-capped (fill on the capped link) and dirtier-on-c
 /// One row of the matrix.
 #[derive(Clone)]
 struct Row {
+    mode: &'static str,
     workload: &'static str,
     ram_gib: u64,
     channels: u32,
@@ -43,7 +45,7 @@ struct Row {
 
 impl Row {
     fn label(&self) -> String {
-        let mut l = format!("precopy/{}/{}G/{}ch", self.workload, self.ram_gib, self.channels);
+        let mut l = format!("{}/{}/{}G/{}ch", self.mode, self.workload, self.ram_gib, self.channels);
         if self.compress != "none" {
             l += &format!("/{}", self.compress);
         }
@@ -75,8 +77,17 @@ fn matrix(quick: bool) -> Vec<Row> {
     for &ram_gib in sizes {
         for workload in ["idle", "dirtier", "dirtier-capped"] {
             for channels in [1, 4] {
-                rows.push(Row { workload, ram_gib, channels, compress: "none" });
+                rows.push(Row { mode: "precopy", workload, ram_gib, channels, compress: "none" });
             }
+        }
+        // bench/migrate-vs-qemu's postcopy and hybrid rows (one channel, as
+        // QEMU's postcopy cannot use multifd here), then Transit's own with
+        // four channels.
+        for mode in ["postcopy", "hybrid"] {
+            for workload in ["dirtier", "dirtier-capped"] {
+                rows.push(Row { mode, workload, ram_gib, channels: 1, compress: "none" });
+            }
+            rows.push(Row { mode, workload: "dirtier", ram_gib, channels: 4, compress: "none" });
         }
     }
     if quick {
@@ -87,15 +98,18 @@ fn matrix(quick: bool) -> Vec<Row> {
     // half random (at most ~2x); the dirtier's pages (a counter byte, the
     // rest zero) are the compressible case.
     for compress in ["none", "lz4", "zstd"] {
-        rows.push(Row { workload: "idle-capped", ram_gib: 1, channels: 4, compress });
+        rows.push(Row { mode: "precopy", workload: "idle-capped", ram_gib: 1, channels: 4, compress });
     }
     for compress in ["none", "lz4"] {
-        rows.push(Row { workload: "dirtier-on-capped", ram_gib: 1, channels: 4, compress });
+        rows.push(Row { mode: "precopy", workload: "dirtier-on-capped", ram_gib: 1, channels: 4, compress });
     }
     rows
 }
 
 fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
+    // Postcopy catches faults on absent pages: its destination cannot
+    // allocate RAM ahead.
+    let prealloc = prealloc && r.mode == "precopy";
     let tb = Testbed::create(TestbedOpts::new("mt", 2))?;
     if r.capped() {
         tb.set_rate(0, 0, Some(CAP_MBIT))?;
@@ -130,7 +144,7 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
     let timeout_s = r.precopy_timeout_s(raw);
     src.exec(
         "migrate",
-        json!({"uri": format!("tcp:{}:4444", tb.host(1).addr(0)), "channels": r.channels, "compress": r.compress,
+        json!({"uri": format!("tcp:{}:4444", tb.host(1).addr(0)), "mode": r.mode, "channels": r.channels, "compress": r.compress,
                "downtime_ms": 300, "timeout_s": timeout_s}),
     )?;
     // The source's own figures are final once it says so; it stays alive
@@ -152,7 +166,7 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
     }
     Ok(json!({
         "system": "transit",
-        "mode": "precopy",
+        "mode": r.mode,
         "workload": r.workload,
         "ram_gib": r.ram_gib,
         "channels": r.channels,
@@ -179,6 +193,16 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
         "error": s["error"].as_str().or(d["error"].as_str()),
         "downtime_steps_source": s["downtime_steps"],
         "downtime_steps_dest": d["downtime_steps"],
+        // Postcopy and hybrid (the destination measures faults).
+        "faults": d["faults"].as_u64().or(s["faults"].as_u64()),
+        "fault_p50_us": d["fault_p50_us"].as_f64().or(s["fault_p50_us"].as_f64()),
+        "fault_p99_us": d["fault_p99_us"].as_f64().or(s["fault_p99_us"].as_f64()),
+        "fault_max_us": d["fault_max_us"].as_f64().or(s["fault_max_us"].as_f64()),
+        "postcopy_ms": s["postcopy_ms"],
+        "pages_pushed": s["pages_pushed"],
+        "pages_requested": s["pages_requested"],
+        // RAM size over the same-run raw TCP rate: the floor for postcopy.
+        "ram_over_raw_s": r.ram_gib as f64 * 8.0 * 1.073_741_824 / raw,
     }))
 }
 
@@ -206,7 +230,7 @@ fn wait_prealloc(dst: &VmProcess, ram_gib: u64, t: Duration) -> Result<()> {
 }
 
 fn failed_row(r: &Row, error: String) -> Value {
-    json!({"system": "transit", "mode": "precopy", "workload": r.workload, "ram_gib": r.ram_gib, "channels": r.channels,
+    json!({"system": "transit", "mode": r.mode, "workload": r.workload, "ram_gib": r.ram_gib, "channels": r.channels,
            "compress": r.compress, "completed": false, "total_s": null, "downtime_ms": null, "throughput_gbps": null,
            "raw_tcp_gbps": null, "error": error})
 }
@@ -327,7 +351,7 @@ fn print_table(rows: &[Value]) {
     );
     for r in rows {
         let f = |k: &str, p: usize| r[k].as_f64().map(|v| format!("{v:.p$}")).unwrap_or_else(|| "-".into());
-        let mut label = format!("precopy/{}/{}G/{}ch", r["workload"].as_str().unwrap_or("?"), r["ram_gib"], r["channels"]);
+        let mut label = format!("{}/{}/{}G/{}ch", r["mode"].as_str().unwrap_or("?"), r["workload"].as_str().unwrap_or("?"), r["ram_gib"], r["channels"]);
         if let Some(c) = r["compress"].as_str().filter(|c| *c != "none") {
             label += &format!("/{c}");
         }
@@ -345,6 +369,17 @@ fn print_table(rows: &[Value]) {
             f("cpu_s_source", 1),
             f("cpu_s_dest", 1),
         );
+        if r["mode"] != "precopy" {
+            println!(
+                "    postcopy {} ms, faults {} (wait p50 {} us, p99 {} us, max {} us), total / (RAM / raw TCP) {}",
+                f("postcopy_ms", 0),
+                r["faults"],
+                f("fault_p50_us", 0),
+                f("fault_p99_us", 0),
+                f("fault_max_us", 0),
+                r["total_s"].as_f64().zip(r["ram_over_raw_s"].as_f64()).map(|(t, f)| format!("{:.2}", t / f)).unwrap_or_else(|| "-".into())
+            );
+        }
         if let Some(e) = r["error"].as_str() {
             println!("    error: {e}");
         }
