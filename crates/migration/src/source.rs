@@ -338,6 +338,30 @@ pub(crate) fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
     Ok(s)
 }
 
+/// The source's pause, where downtime starts: its time and its steps.
+pub(crate) struct Downtime {
+    pub paused_at: u64,
+    pub since: Instant,
+    ctl: Arc<Control>,
+}
+
+impl Downtime {
+    /// Pause the VM for the switch (stop-and-copy or postcopy).
+    pub(crate) fn pause(guard: &mut Outgoing) -> Result<Downtime> {
+        let d = Downtime { paused_at: unix_ns(), since: Instant::now(), ctl: guard.ctl.clone() };
+        guard.vm.pause().context("pausing the VM")?;
+        guard.paused_by_us = true;
+        d.step("paused");
+        d.ctl.update(|s| s.status = Status::Device);
+        Ok(d)
+    }
+    /// Record that `name` ended now (ms since the pause).
+    pub(crate) fn step(&self, name: &str) {
+        let ms = self.since.elapsed().as_secs_f64() * 1e3;
+        self.ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    }
+}
+
 /// Everything the engine holds that must be undone if the migration fails.
 pub(crate) struct Outgoing {
     pub vm: Arc<dyn MigratableVm>,
@@ -545,16 +569,9 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     }
 
     // --- stop-and-copy ---
-    let paused_at = unix_ns();
-    let t_pause = Instant::now();
-    let step = |name: &str| {
-        let ms = t_pause.elapsed().as_secs_f64() * 1e3;
-        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
-    };
-    vm.pause().context("pausing the VM")?;
-    guard.paused_by_us = true;
-    step("paused");
-    ctl.update(|s| s.status = Status::Device);
+    let pause = Downtime::pause(&mut guard)?;
+    let (paused_at, t_pause) = (pause.paused_at, pause.since);
+    let step = |name: &str| pause.step(name);
     pending.extend(log.scan(total)?);
     let pending = normalize(pending, total);
     // Keep the registration until the end: unregistering walks every page
@@ -707,8 +724,31 @@ impl ChannelSet {
     fn round(&mut self, round: u64, items: Vec<WorkItem>) -> Result<RoundResult> {
         let t = Instant::now();
         let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take() });
+        let total = self.run_job(|| Job::Round(work.clone())).map_err(|e| {
+            if self.ctl.is_cancelled() {
+                if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                    return anyhow!("timed out while sending round {round}");
+                }
+                return anyhow!("cancelled");
+            }
+            e
+        })?;
+        Ok(RoundResult { pages: total.pages, zero: total.zero, wire: total.wire, secs: t.elapsed().as_secs_f64() })
+    }
+
+    /// Postcopy: every channel pushes from `q` until it is empty; returns
+    /// the pages sent.
+    pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
+        let total = self.run_job(|| Job::Push(q.clone()))?;
+        self.ctl.update(|s| s.pages_pushed += total.pages);
+        Ok(total.pages)
+    }
+
+    /// Give every channel the job, wait for all, account what they sent.
+    /// The first failure stops the other channels at once.
+    fn run_job(&mut self, job: impl Fn() -> Job) -> Result<Sent> {
         for tx in &self.job_txs {
-            tx.send(Job::Round(work.clone())).map_err(|_| anyhow!("a channel thread died"))?;
+            tx.send(job()).map_err(|_| anyhow!("a channel thread died"))?;
         }
         let mut total = Sent::default();
         let mut first_err = None;
@@ -716,46 +756,7 @@ impl ChannelSet {
             match self.wait()? {
                 Reply::RoundDone(_, Ok(s)) => total.add(&s),
                 Reply::RoundDone(i, Err(e)) | Reply::Finished(i, Err(e)) => {
-                    tracing::debug!("channel {i} failed in round {round}: {e:#}");
-                    if first_err.is_none() {
-                        // Stop the other channels at once.
-                        self.ctl.shutdown_all();
-                        first_err = Some(e);
-                    }
-                }
-                Reply::Finished(..) => {}
-            }
-        }
-        if let Some(e) = first_err {
-            if self.ctl.is_cancelled() {
-                if self.deadline.is_some_and(|d| Instant::now() >= d) {
-                    bail!("timed out while sending round {round}");
-                }
-                bail!("cancelled");
-            }
-            return Err(e);
-        }
-        self.ctl.update(|s| {
-            s.zero_pages += total.zero;
-            s.raw_pages += total.raw;
-            s.compressed_pages += total.compressed;
-            s.ram_transferred_bytes += (total.raw + total.compressed) * PAGE_SIZE;
-        });
-        Ok(RoundResult { pages: total.pages, zero: total.zero, wire: total.wire, secs: t.elapsed().as_secs_f64() })
-    }
-
-    /// Postcopy: every channel pushes from `q` until it is empty; returns
-    /// the pages sent.
-    pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
-        for tx in &self.job_txs {
-            tx.send(Job::Push(q.clone())).map_err(|_| anyhow!("a channel thread died"))?;
-        }
-        let mut total = Sent::default();
-        let mut first_err = None;
-        for _ in 0..self.job_txs.len() {
-            match self.wait()? {
-                Reply::RoundDone(_, Ok(s)) => total.add(&s),
-                Reply::RoundDone(_, Err(e)) | Reply::Finished(_, Err(e)) => {
+                    tracing::debug!("channel {i} failed: {e:#}");
                     if first_err.is_none() {
                         self.ctl.shutdown_all();
                         first_err = Some(e);
@@ -772,9 +773,8 @@ impl ChannelSet {
             s.raw_pages += total.raw;
             s.compressed_pages += total.compressed;
             s.ram_transferred_bytes += (total.raw + total.compressed) * PAGE_SIZE;
-            s.pages_pushed += total.pages;
         });
-        Ok(total.pages)
+        Ok(total)
     }
 
     /// End every data stream; returns pages per channel and their CPU time.

@@ -7,11 +7,10 @@
 
 use super::push::PushQueue;
 use crate::compress::Compress;
-use crate::cputime::unix_ns;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
-use crate::source::{is_zero, open_channels, open_urgent, recv_reply, ChannelSet, Outgoing};
+use crate::source::{is_zero, open_channels, open_urgent, recv_reply, ChannelSet, Downtime, Outgoing};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, Msg};
@@ -80,16 +79,9 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     // All of it is downtime; it blocks only on I/O. (This thread ends with
     // the migration, so an early return needs no reset.)
     super::set_priority(true);
-    let paused_at = unix_ns();
-    let t_pause = Instant::now();
-    let step = |name: &str| {
-        let ms = t_pause.elapsed().as_secs_f64() * 1e3;
-        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
-    };
-    vm.pause().context("pausing the VM")?;
-    guard.paused_by_us = true;
-    step("paused");
-    ctl.update(|s| s.status = Status::Device);
+    let pause = Downtime::pause(guard)?;
+    let (paused_at, t_pause) = (pause.paused_at, pause.since);
+    let step = |name: &str| pause.step(name);
     let (missing, mut log) = match log {
         Some(mut l) => {
             let mut p = pending;
