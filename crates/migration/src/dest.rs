@@ -532,6 +532,8 @@ fn run_inner(
     // The control connection is quiet until the source's End; a failing
     // channel shuts it down, which ends this read too.
     control.set_read_timeout(None)?;
+    // The source's End or Switchover starts the downtime: be there at once.
+    crate::postcopy::set_priority(true);
     let end = wire::recv_msg(&mut control);
     if let Ok(Msg::Switchover { state_bytes, source_paused_unix_ns, dirty_ranges }) = &end {
         let sw = crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };

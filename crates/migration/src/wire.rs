@@ -38,8 +38,9 @@ pub enum WireError {
 
 /// A dead peer or a cut link must show up as an error within seconds, not
 /// after TCP's 15 minutes: keepalives on idle connections (2 s, then every
-/// second, 3 misses) and a 6 s limit on unacknowledged data. Postcopy
-/// relies on it to pause and wait for recovery.
+/// second, 3 misses) and a 20 s limit on unacknowledged data (long enough
+/// for a busy receiver's zero window). Postcopy relies on it to pause and
+/// wait for recovery.
 pub fn tune_socket(s: &std::net::TcpStream) {
     use std::os::fd::AsRawFd;
     let fd = s.as_raw_fd();
@@ -51,7 +52,7 @@ pub fn tune_socket(s: &std::net::TcpStream) {
     set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 2);
     set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1);
     set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
-    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 6000);
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 20_000);
 }
 
 pub fn write_preamble(w: &mut impl Write, version: u32, role: u8) -> io::Result<()> {
