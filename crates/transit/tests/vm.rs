@@ -208,8 +208,10 @@ fn guest_clock_is_whole_monotonic_and_matches_guest_time() {
     // The guest publishes every clock read as progress: it must catch up with
     // what the host saw earlier and get past the first carry (2^32 ns).
     let target = t1.max(5_000_000_000);
-    vm.wait_progress(target, Duration::from_secs(120)).unwrap();
-    let s = vm.status().unwrap();
+    // The VM exits if the guest sees the clock go backwards: show its console.
+    let failed = |e: anyhow::Error| -> ! { panic!("{e:#}; console:\n{}", vm.console()) };
+    vm.wait_progress(target, Duration::from_secs(120)).unwrap_or_else(|e| failed(e));
+    let s = vm.status().unwrap_or_else(|e| failed(e));
     assert!(s["guest_exit_code"].is_null(), "guest saw the clock go backwards: {}", vm.console());
     let seen = s["guest_progress"].as_u64().unwrap();
     let host = s["guest_time_ns"].as_u64().unwrap();
