@@ -5,10 +5,20 @@
 //! | 0x00   | R 64   | guest clock, nanoseconds; runs only while the VM runs, continues across save/restore and migration |
 //! | 0x08   | W 32   | exit: the guest reports it is done with a status (0 = pass) |
 //! | 0x10   | RW 64  | progress: a counter a workload bumps (dirtier passes, verified blocks) |
+//!
+//! 64-bit registers also work as two 32-bit halves, low half first, because
+//! that is how they arrive from the unicorn vCPU: its MMIO regions take at
+//! most 4 bytes per callback, so one 8-byte guest load or store reaches the
+//! device as an access at +0 and then one at +4. Reading the clock's low
+//! half latches the whole value and the high half is served from the latch,
+//! so the pair is one consistent sample (two fresh reads would tear when the
+//! low half wraps, every 4.3 s). Writing progress's low half stages it and
+//! the high half commits both, so the host never sees a half-written value.
 
 use crate::bus::BusDevice;
 use serde::{Deserialize, Serialize};
 use snapshot::{Persist, Result, Section};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -16,6 +26,34 @@ use std::time::Instant;
 pub const REG_CLOCK: u64 = 0x00;
 pub const REG_EXIT: u64 = 0x08;
 pub const REG_PROGRESS: u64 = 0x10;
+const REG_CLOCK_HI: u64 = REG_CLOCK + 4;
+const REG_PROGRESS_HI: u64 = REG_PROGRESS + 4;
+
+thread_local! {
+    /// Per vCPU thread: the clock value latched by the last low-half read and
+    /// the progress low half waiting for its high half. Per thread because
+    /// the two halves of one access come from one vCPU, and another vCPU's
+    /// access may run between them.
+    static HALVES: Cell<Halves> = const { Cell::new(Halves { clock: 0, progress_lo: 0 }) };
+}
+
+#[derive(Clone, Copy)]
+struct Halves {
+    clock: u64,
+    progress_lo: u32,
+}
+
+fn halves() -> Halves {
+    HALVES.with(|h| h.get())
+}
+
+fn set_halves(f: impl FnOnce(&mut Halves)) {
+    HALVES.with(|h| {
+        let mut v = h.get();
+        f(&mut v);
+        h.set(v);
+    })
+}
 
 /// Shared with the vmm: what the guest reported.
 #[derive(Default)]
@@ -117,17 +155,28 @@ fn get(data: &[u8]) -> u64 {
 
 impl BusDevice for Platform {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
-        match offset {
-            REG_CLOCK => put(data, self.clock.now_ns()),
-            REG_PROGRESS => put(data, self.events.progress.load(Ordering::Relaxed)),
+        match (offset, data.len()) {
+            (REG_CLOCK, _) => {
+                let now = self.clock.now_ns();
+                set_halves(|h| h.clock = now);
+                put(data, now)
+            }
+            (REG_CLOCK_HI, 4) => put(data, halves().clock >> 32),
+            (REG_PROGRESS, _) => put(data, self.events.progress.load(Ordering::Relaxed)),
+            (REG_PROGRESS_HI, 4) => put(data, self.events.progress.load(Ordering::Relaxed) >> 32),
             _ => data.fill(0xff),
         }
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
-        match offset {
-            REG_EXIT => self.events.exit_code.store(get(data) as u32 as i64, Ordering::SeqCst),
-            REG_PROGRESS => self.events.progress.store(get(data), Ordering::Relaxed),
+        match (offset, data.len()) {
+            (REG_EXIT, _) => self.events.exit_code.store(get(data) as u32 as i64, Ordering::SeqCst),
+            (REG_PROGRESS, 8) => self.events.progress.store(get(data), Ordering::Relaxed),
+            (REG_PROGRESS, 4) => set_halves(|h| h.progress_lo = get(data) as u32),
+            (REG_PROGRESS_HI, 4) => {
+                let v = get(data) << 32 | halves().progress_lo as u64;
+                self.events.progress.store(v, Ordering::Relaxed)
+            }
             _ => {}
         }
     }
@@ -175,5 +224,42 @@ mod tests {
         assert_eq!(c2.now_ns(), t);
         p.write(REG_EXIT, &3u32.to_le_bytes());
         assert_eq!(p.events().exit_code.load(Ordering::SeqCst), 3);
+    }
+
+    fn read_split(p: &mut Platform, off: u64) -> u64 {
+        let (mut lo, mut hi) = ([0u8; 4], [0u8; 4]);
+        p.read(off, &mut lo);
+        p.read(off + 4, &mut hi);
+        u32::from_le_bytes(lo) as u64 | (u32::from_le_bytes(hi) as u64) << 32
+    }
+
+    /// The unicorn vCPU delivers an 8-byte access as +0 then +4, 4 bytes each.
+    #[test]
+    fn split_64bit_accesses_are_whole_values() {
+        let c = GuestClock::new();
+        // Just below a carry into the high half: fresh reads of each half
+        // would tear here.
+        c.set_ns((5 << 32) - 1_000);
+        c.set_running(true);
+        let mut p = Platform::new(c.clone());
+        let mut prev = 0;
+        for _ in 0..2_000 {
+            let v = read_split(&mut p, REG_CLOCK);
+            assert!(v >= prev, "clock went backwards: {prev:#x} -> {v:#x}");
+            assert!(v >> 32 == 4 || v >> 32 == 5, "torn or garbage clock {v:#x}");
+            prev = v;
+        }
+        assert!(prev <= c.now_ns());
+        let mut whole = [0u8; 8];
+        p.read(REG_CLOCK, &mut whole);
+        assert!(u64::from_le_bytes(whole) >= prev);
+
+        let v: u64 = 0x1234_5678_9abc_def0;
+        p.write(REG_PROGRESS, &(v as u32).to_le_bytes());
+        p.write(REG_PROGRESS + 4, &((v >> 32) as u32).to_le_bytes());
+        assert_eq!(p.events().progress.load(Ordering::Relaxed), v);
+        assert_eq!(read_split(&mut p, REG_PROGRESS), v);
+        p.write(REG_PROGRESS, &7u64.to_le_bytes());
+        assert_eq!(p.events().progress.load(Ordering::Relaxed), 7);
     }
 }

@@ -23,7 +23,7 @@ pub fn run(plat: Platform, start: u64, end: u64, rate: u64) -> ! {
             done += 1;
             if rate != 0 && done % BATCH == 0 {
                 loop {
-                    let allowed = (plat.now_ns() - t0) as u128 * rate as u128 / 1_000_000_000;
+                    let allowed = plat.now_ns().saturating_sub(t0) as u128 * rate as u128 / 1_000_000_000;
                     if done as u128 <= allowed {
                         break;
                     }

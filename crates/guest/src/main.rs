@@ -4,6 +4,7 @@
 //! - `workload=dirtier [start=4M] [end=<ram end>] [rate=<pages/s>]`
 //! - `workload=fill [start=4M] [end=<ram end>]`
 //! - `workload=idle` (halt)
+//! - `workload=clock` (publishes each clock read as progress)
 //! - `workload=selftest` (prints, checks the clock, exits 0)
 //!
 //! vCPUs other than 0 halt.
@@ -14,6 +15,7 @@
 mod args;
 #[allow(dead_code)]
 mod boot;
+mod clockcheck;
 mod dirtier;
 mod fill;
 mod mem;
@@ -61,6 +63,7 @@ extern "C" fn guest_main(boot: &'static BootInfo, cpu: u64) -> ! {
     match args.get("workload").unwrap_or("idle") {
         "dirtier" => dirtier::run(plat, start, end, args.num("rate", 0)),
         "fill" => fill::run(plat, start, end),
+        "clock" => clockcheck::run(plat),
         "nvme-verify" => nvme::verify::run(plat, &args, nvme::region(&args, boot)),
         "nvme-perf" => nvme::perf::run(plat, &args, nvme::region(&args, boot)),
         "selftest" => {

@@ -63,6 +63,10 @@ impl Hypervisor for UnicornHypervisor {
         unsafe { uc.mem_map_ptr(0, ram_size, Prot::ALL, ram_host_addr as *mut _) }
             .map_err(|e| anyhow!("mapping guest RAM into the vCPU: {e:?}"))?;
         let (r, w) = (io.clone(), io.clone());
+        // Unicorn's MMIO regions take at most 4 bytes per callback (QEMU's
+        // default max_access_size, which its API cannot raise), so an 8-byte
+        // guest access arrives as two calls, +0 then +4. Devices with 64-bit
+        // registers handle them as 32-bit halves (devices::platform latches).
         uc.mmio_map(
             MMIO_BASE,
             MMIO_SIZE,
