@@ -125,6 +125,8 @@ impl Cq {
             self.ring.header().error.fetch_or(CQ_ERR_OVERFLOW, Ordering::Release);
         }
         let h = self.ring.header();
+        // Pairs with the fence in the client's arm (store flag, then poll).
+        std::sync::atomic::fence(Ordering::SeqCst);
         let n = h.notify.load(Ordering::Acquire);
         let fire = n == NOTIFY_NEXT || (n == NOTIFY_SOLICITED && (solicited || cqe.status != 0));
         if fire && h.notify.compare_exchange(n, NOTIFY_NONE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
