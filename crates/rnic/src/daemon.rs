@@ -412,6 +412,7 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
     let mut ctlbuf = vec![0u8; proto::MAX_MSG];
     let mut busy = false;
+    let mut rings_polled = false;
     let mut last_activity = Instant::now();
     let spin = std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN);
     loop {
@@ -425,7 +426,23 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
             // SAFETY: plain syscall.
             unsafe { libc::sched_yield() };
         }
-        let timeout = if busy || spinning {
+        // While polling, read the QPs' rings ourselves and let clients skip
+        // the doorbell; before sleeping, say so and look once more.
+        let mut polling = busy || spinning;
+        if polling != rings_polled {
+            let found: usize = nss.values_mut().map(|ns| ns.engine.set_ring_polling(polling)).sum();
+            rings_polled = polling;
+            if found > 0 {
+                polling = true;
+                last_activity = Instant::now();
+            }
+        } else if polling {
+            let found: usize = nss.values_mut().map(|ns| ns.engine.poll_rings()).sum();
+            if found > 0 {
+                last_activity = Instant::now();
+            }
+        }
+        let timeout = if polling {
             0
         } else {
             match nss.values().filter_map(|n| n.engine.next_deadline()).min() {

@@ -840,7 +840,9 @@ impl Qp {
             }
             posted += 1;
         }
-        if posted > 0 {
+        // While rnicd polls our rings (after recent activity) it sees the
+        // WQEs without the doorbell, a syscall and a wakeup saved per post.
+        if posted > 0 && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
         }
         result
@@ -877,7 +879,7 @@ impl Qp {
             }
             posted += 1;
         }
-        if posted > 0 && doorbell {
+        if posted > 0 && doorbell && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
         }
         result
