@@ -413,6 +413,8 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     let mut ctlbuf = vec![0u8; proto::MAX_MSG];
     let mut busy = false;
     let mut rings_polled = false;
+    // RNICD_RING_POLL=0: clients always ring the doorbell (A/B experiments).
+    let ring_poll = std::env::var("RNICD_RING_POLL").map_or(true, |v| v != "0");
     let mut last_activity = Instant::now();
     let spin = std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN);
     loop {
@@ -429,14 +431,14 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
         // While polling, read the QPs' rings ourselves and let clients skip
         // the doorbell; before sleeping, say so and look once more.
         let mut polling = busy || spinning;
-        if polling != rings_polled {
+        if polling != rings_polled && ring_poll {
             let found: usize = nss.values_mut().map(|ns| ns.engine.set_ring_polling(polling)).sum();
             rings_polled = polling;
             if found > 0 {
                 polling = true;
                 last_activity = Instant::now();
             }
-        } else if polling {
+        } else if polling && ring_poll {
             let found: usize = nss.values_mut().map(|ns| ns.engine.poll_rings()).sum();
             if found > 0 {
                 last_activity = Instant::now();
