@@ -453,6 +453,12 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
             }
         };
         let n = ep.wait(&mut evs, timeout);
+        if n == 0 && timeout > 0 && ring_poll {
+            for ns in nss.values_mut() {
+                let late = ns.engine.poll_rings() as u64;
+                ns.engine.stats.late_ring_wqes += late;
+            }
+        }
         let mut udp_ready: Vec<Ipv4Addr> = Vec::new();
         for ev in evs[..n].iter().map(|e| e.u64) {
             match ev {

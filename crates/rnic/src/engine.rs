@@ -447,15 +447,21 @@ impl Engine {
             return 0;
         }
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        self.poll_rings()
+        // Every QP: one may have been flagged before the count passed the limit.
+        self.poll_all_rings()
     }
 
-    /// Reads every QP's rings as a doorbell would; returns how many QPs had work.
+    /// Reads every QP's rings as a doorbell would (none past
+    /// RING_POLL_MAX_QPS QPs); returns how many QPs had work.
     pub fn poll_rings(&mut self) -> usize {
-        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-        if qps.len() > Self::RING_POLL_MAX_QPS {
+        if self.qps.len() > Self::RING_POLL_MAX_QPS {
             return 0;
         }
+        self.poll_all_rings()
+    }
+
+    fn poll_all_rings(&mut self) -> usize {
+        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
         let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
         qps.values_mut().filter_map(|qp| qp.poll_rings(&mut ctx).then_some(())).count()
     }

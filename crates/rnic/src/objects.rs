@@ -165,6 +165,10 @@ pub struct Stats {
     pub send_errors: u64,
     pub clients_connected: u64,
     pub clients_gone: u64,
+    /// QPs whose rings held new WQEs when rnicd woke on a timer (no
+    /// doorbell, no packet): a doorbell the client skipped but should have
+    /// rung. Expected to stay 0 (a diagnostic of ring polling).
+    pub late_ring_wqes: u64,
     /// Packets that reached a suspended QP (requests get an RNR NAK).
     pub rx_while_suspended: u64,
 }
