@@ -412,6 +412,9 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
     let mut ctlbuf = vec![0u8; proto::MAX_MSG];
     let mut busy = false;
+    let mut rings_polled = false;
+    // RNICD_RING_POLL=0: clients always ring the doorbell (A/B experiments).
+    let ring_poll = std::env::var("RNICD_RING_POLL").map_or(true, |v| v != "0");
     let mut last_activity = Instant::now();
     let spin = std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN);
     loop {
@@ -425,7 +428,23 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
             // SAFETY: plain syscall.
             unsafe { libc::sched_yield() };
         }
-        let timeout = if busy || spinning {
+        // While polling, read the QPs' rings ourselves and let clients skip
+        // the doorbell; before sleeping, say so and look once more.
+        let mut polling = busy || spinning;
+        if polling != rings_polled && ring_poll {
+            let found: usize = nss.values_mut().map(|ns| ns.engine.set_ring_polling(polling)).sum();
+            rings_polled = polling;
+            if found > 0 {
+                polling = true;
+                last_activity = Instant::now();
+            }
+        } else if polling && ring_poll {
+            let found: usize = nss.values_mut().map(|ns| ns.engine.poll_rings()).sum();
+            if found > 0 {
+                last_activity = Instant::now();
+            }
+        }
+        let timeout = if polling {
             0
         } else {
             match nss.values().filter_map(|n| n.engine.next_deadline()).min() {
@@ -434,6 +453,12 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
             }
         };
         let n = ep.wait(&mut evs, timeout);
+        if n == 0 && timeout > 0 && ring_poll {
+            for ns in nss.values_mut() {
+                let late = ns.engine.poll_rings() as u64;
+                ns.engine.stats.late_ring_wqes += late;
+            }
+        }
         let mut udp_ready: Vec<Ipv4Addr> = Vec::new();
         for ev in evs[..n].iter().map(|e| e.u64) {
             match ev {

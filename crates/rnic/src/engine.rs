@@ -430,6 +430,42 @@ impl Engine {
         }
     }
 
+    /// While rnicd polls (after activity), it reads the rings of up to this
+    /// many QPs itself each round and their clients skip the doorbell; with
+    /// more QPs a round of ring reads would cost more than it saves.
+    pub const RING_POLL_MAX_QPS: usize = 64;
+
+    /// Starts or stops polling the QPs' rings; stopping returns, after
+    /// one last look at the rings, how many QPs had new WQEs (a client that
+    /// saw the flag still set did not ring).
+    pub fn set_ring_polling(&mut self, on: bool) -> usize {
+        let on = on && self.qps.len() <= Self::RING_POLL_MAX_QPS;
+        for qp in self.qps.values() {
+            qp.set_rings_polled(on);
+        }
+        if on {
+            return 0;
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        // Every QP: one may have been flagged before the count passed the limit.
+        self.poll_all_rings()
+    }
+
+    /// Reads every QP's rings as a doorbell would (none past
+    /// RING_POLL_MAX_QPS QPs); returns how many QPs had work.
+    pub fn poll_rings(&mut self) -> usize {
+        if self.qps.len() > Self::RING_POLL_MAX_QPS {
+            return 0;
+        }
+        self.poll_all_rings()
+    }
+
+    fn poll_all_rings(&mut self) -> usize {
+        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+        qps.values_mut().filter_map(|qp| qp.poll_rings(&mut ctx).then_some(())).count()
+    }
+
     /// One received UDP payload from `src:sport`.
     pub fn on_packet(&mut self, buf: &[u8], src: Ipv4Addr, sport: u16, now: Instant) {
         self.stats.rx_packets += 1;

@@ -125,6 +125,8 @@ impl Cq {
             self.ring.header().error.fetch_or(CQ_ERR_OVERFLOW, Ordering::Release);
         }
         let h = self.ring.header();
+        // Pairs with the fence in the client's arm (store flag, then poll).
+        std::sync::atomic::fence(Ordering::SeqCst);
         let n = h.notify.load(Ordering::Acquire);
         let fire = n == NOTIFY_NEXT || (n == NOTIFY_SOLICITED && (solicited || cqe.status != 0));
         if fire && h.notify.compare_exchange(n, NOTIFY_NONE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
@@ -163,6 +165,10 @@ pub struct Stats {
     pub send_errors: u64,
     pub clients_connected: u64,
     pub clients_gone: u64,
+    /// QPs whose rings held new WQEs when rnicd woke on a timer (no
+    /// doorbell, no packet): a doorbell the client skipped but should have
+    /// rung. Expected to stay 0 (a diagnostic of ring polling).
+    pub late_ring_wqes: u64,
     /// Packets that reached a suspended QP (requests get an RNR NAK).
     pub rx_while_suspended: u64,
 }

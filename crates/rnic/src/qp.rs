@@ -1618,6 +1618,22 @@ impl Qp {
         self.pull_rq(ctx);
     }
 
+    /// Tells the client whether rnicd polls this QP's rings (no doorbell needed).
+    pub fn set_rings_polled(&self, on: bool) {
+        self.sq_ring.set_polled(on);
+        self.rq_ring.set_polled(on);
+    }
+
+    /// Reads the rings as a doorbell would; true if it took any WQE.
+    pub fn poll_rings(&mut self, ctx: &mut Ctx) -> bool {
+        let before = self.sq_ring.ready() + self.rq_ring.ready();
+        if before == 0 {
+            return false;
+        }
+        self.doorbell(ctx);
+        self.sq_ring.ready() + self.rq_ring.ready() < before
+    }
+
     pub fn outstanding_sends(&self) -> usize {
         self.sq.len()
     }

@@ -30,6 +30,10 @@ pub struct RingHeader {
     _p1: [u32; 15],
     pub notify: AtomicU32,
     pub error: AtomicU32,
+    /// SQ/RQ: nonzero while rnicd polls this ring itself; the client may
+    /// then skip the doorbell (an eventfd write per post). rnicd clears it
+    /// and looks at the ring once more before it sleeps.
+    pub rnicd_polling: AtomicU32,
 }
 
 #[repr(C)]
@@ -181,6 +185,20 @@ impl<T: Copy> Ring<T> {
         self.local = self.local.wrapping_add(1);
         self.header().cons.store(self.local, Ordering::Release);
         Some(v)
+    }
+
+    /// Producer: after publishing entries, whether the consumer must be
+    /// woken (false while it polls the ring itself). The fence orders our
+    /// index store before the flag load, against the consumer's flag
+    /// store before its last look at the ring.
+    pub fn needs_doorbell(&self) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.header().rnicd_polling.load(Ordering::Relaxed) == 0
+    }
+
+    /// Consumer: the flag read by `needs_doorbell`.
+    pub fn set_polled(&self, on: bool) {
+        self.header().rnicd_polling.store(on as u32, Ordering::Relaxed);
     }
 
     /// Consumer: whether the producer published an impossible index.

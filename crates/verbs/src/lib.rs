@@ -532,6 +532,41 @@ impl Cq {
     pub fn req_notify(&self, solicited_only: bool) {
         let r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         r.header().notify.store(if solicited_only { NOTIFY_SOLICITED } else { NOTIFY_NEXT }, Ordering::Release);
+        // Store (arm) then load (poll) against rnicd's store (CQE) then load
+        // (arm flag): without a full fence both sides may miss each other.
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Polls for completions, spinning (without yielding) for up to `spin`,
+    /// then arms `channel` and sleeps on it until a completion arrives or
+    /// `timeout` passes (then returns 0). The CQ must have been created with
+    /// `channel`. Spinning catches a completion that is microseconds away
+    /// without a wakeup; sleeping leaves the CPU to rnicd and the peer,
+    /// which on a small host is what a ping-pong waits for.
+    pub fn poll_or_wait(&self, wc: &mut [Wc], channel: &CompChannel, spin: Duration, timeout: Duration) -> anyhow::Result<usize> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let n = self.poll(wc)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            if t0.elapsed() >= spin {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            self.req_notify(false);
+            // A completion that landed before the arm raised no event: poll again.
+            let n = self.poll(wc)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let left = timeout.saturating_sub(t0.elapsed());
+            if left.is_zero() || !channel.get_cq_event(Some(left.max(Duration::from_millis(1))))? {
+                return self.poll(wc);
+            }
+        }
     }
 
     /// Polls until `n` completions arrived or `timeout` passed (tests, tools).
@@ -805,7 +840,9 @@ impl Qp {
             }
             posted += 1;
         }
-        if posted > 0 {
+        // While rnicd polls our rings (after recent activity) it sees the
+        // WQEs without the doorbell, a syscall and a wakeup saved per post.
+        if posted > 0 && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
         }
         result
@@ -842,7 +879,7 @@ impl Qp {
             }
             posted += 1;
         }
-        if posted > 0 && doorbell {
+        if posted > 0 && doorbell && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
         }
         result

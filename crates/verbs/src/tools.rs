@@ -193,6 +193,8 @@ struct Res {
     mr: Mr,
     scq: Cq,
     rcq: Cq,
+    /// Completion channel of `rcq`: latency tests sleep on it after a short spin.
+    rchan: CompChannel,
     _pd: Pd,
     buf: MemBuf,
 }
@@ -200,7 +202,8 @@ struct Res {
 fn resources(ctx: &Context, size: usize, depth: u32) -> anyhow::Result<Res> {
     let pd = ctx.alloc_pd()?;
     let scq = ctx.create_cq(depth * 2 + 64, None)?;
-    let rcq = ctx.create_cq(depth * 2 + 64, None)?;
+    let rchan = ctx.create_comp_channel()?;
+    let rcq = ctx.create_cq(depth * 2 + 64, Some(&rchan))?;
     let mut init = QpInitAttr::new(&scq, &rcq);
     init.cap.max_send_wr = depth.max(16);
     init.cap.max_recv_wr = depth.max(16) * 2;
@@ -211,7 +214,7 @@ fn resources(ctx: &Context, size: usize, depth: u32) -> anyhow::Result<Res> {
     // Two halves: one the peer writes into, one we send from.
     let buf = MemBuf::new(size.max(8) * 2)?;
     let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL)?;
-    Ok(Res { qp, mr, scq, rcq, _pd: pd, buf })
+    Ok(Res { qp, mr, scq, rcq, rchan, _pd: pd, buf })
 }
 
 fn opts(h: &Hello) -> anyhow::Result<ConnectOpts> {
@@ -328,6 +331,25 @@ fn poll_some(cq: &Cq, wcs: &mut [Wc]) -> anyhow::Result<usize> {
     Ok(n)
 }
 
+/// How long a latency test spins on its receive CQ before sleeping on the
+/// completion channel (TRANSIT_POLL_SPIN_US overrides).
+fn lat_spin() -> Duration {
+    let us = std::env::var("TRANSIT_POLL_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(LAT_SPIN_US);
+    Duration::from_micros(us)
+}
+const LAT_SPIN_US: u64 = 2;
+
+/// Waits for one receive completion: spin briefly, then sleep on the channel.
+fn wait_recv(res: &Res, wcs: &mut [Wc], spin: Duration, timeout: Duration) -> anyhow::Result<usize> {
+    let n = res.rcq.poll_or_wait(&mut wcs[..1], &res.rchan, spin, timeout)?;
+    for w in &wcs[..n] {
+        if w.status != WcStatus::Success {
+            bail!("work request {} failed: {:?}", w.wr_id, w.status);
+        }
+    }
+    Ok(n)
+}
+
 fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64) -> anyhow::Result<Report> {
     let size = me.size;
     let mut wcs = [Wc::default(); 64];
@@ -385,6 +407,7 @@ fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64) -> any
             let sg = [res.mr.sge(size.max(8), size)];
             let recv_sg = [res.mr.sge(0, size.max(8))];
             let inline = size <= 256;
+            let spin = lat_spin();
             if test == "send_lat" {
                 for k in 0..16 {
                     res.qp.post_recv(&[RecvWr { wr_id: k, sg_list: &recv_sg }])?;
@@ -395,10 +418,8 @@ fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64) -> any
                 let t0 = Instant::now();
                 if test == "send_lat" {
                     post_small(res, SendWr::send(i, &sg).unsignaled(), size, inline, i)?;
-                    loop {
-                        if poll_some(&res.rcq, &mut wcs[..1])? == 1 {
-                            break;
-                        }
+                    if wait_recv(res, &mut wcs, spin, Duration::from_secs(10))? == 0 {
+                        bail!("peer stopped answering");
                     }
                     res.qp.post_recv(&[RecvWr { wr_id: i, sg_list: &recv_sg }])?;
                 } else {
@@ -515,9 +536,10 @@ fn serve(test: &str, res: &Res, h: &Hello, r: &mut BufReader<TcpStream>) -> anyh
                 res.qp.post_recv(&[RecvWr { wr_id: k, sg_list: &recv_sg }])?;
             }
             let inline = size <= 256;
+            let spin = lat_spin();
             let mut i = 0u64;
             loop {
-                let n = poll_some(&res.rcq, &mut wcs[..1])?;
+                let n = wait_recv(res, &mut wcs, spin, Duration::from_millis(20))?;
                 if n == 1 {
                     i += 1;
                     res.qp.post_recv(&[RecvWr { wr_id: i, sg_list: &recv_sg }])?;

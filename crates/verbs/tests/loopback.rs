@@ -91,3 +91,53 @@ fn big_read_small_mtu() {
     eprintln!("A {}\nB {}", ca.stats().unwrap(), cb.stats().unwrap());
     assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
 }
+
+/// SEND ping-pong where both sides sleep on a completion channel
+/// (`Cq::poll_or_wait`), posting both while rnicd polls the rings (no
+/// doorbell) and after pauses long enough for rnicd to stop polling and
+/// sleep (doorbell needed): every message arrives, in order, intact.
+#[test]
+fn ping_pong_sleeping_and_polling() {
+    let a = nic(Ipv4Addr::new(127, 0, 0, 6));
+    let b = nic(Ipv4Addr::new(127, 0, 0, 7));
+    let ca = Context::open(Some(&a.path)).unwrap();
+    let cb = Context::open(Some(&b.path)).unwrap();
+    let (pa, pb) = (ca.alloc_pd().unwrap(), cb.alloc_pd().unwrap());
+    let (cha, chb) = (ca.create_comp_channel().unwrap(), cb.create_comp_channel().unwrap());
+    let (scqa, scqb) = (ca.create_cq(256, None).unwrap(), cb.create_cq(256, None).unwrap());
+    let (rcqa, rcqb) = (ca.create_cq(64, Some(&cha)).unwrap(), cb.create_cq(64, Some(&chb)).unwrap());
+    let qa = pa.create_qp(&QpInitAttr::new(&scqa, &rcqa)).unwrap();
+    let qb = pb.create_qp(&QpInitAttr::new(&scqb, &rcqb)).unwrap();
+    let (ba, bb) = (MemBuf::new(1 << 16).unwrap(), MemBuf::new(1 << 16).unwrap());
+    let ma = pa.reg_mr(&ba, 0, ba.len(), access::ALL).unwrap();
+    let mb = pb.reg_mr(&bb, 0, bb.len(), access::ALL).unwrap();
+    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
+    qa.connect(&qb.endpoint(7), &ConnectOpts { sq_psn: 9, ..o }).unwrap();
+    qb.connect(&qa.endpoint(9), &ConnectOpts { sq_psn: 7, ..o }).unwrap();
+    let mut wc = [Wc::default(); 4];
+    let spin = Duration::from_micros(2);
+    let recv = |q: &Qp, m: &Mr, i: u64| q.post_recv(&[RecvWr { wr_id: i, sg_list: &[m.sge(0, 64)] }]).unwrap();
+    recv(&qb, &mb, 0);
+    recv(&qa, &ma, 0);
+    for i in 1..=300u64 {
+        if i % 50 == 0 {
+            // Long enough for both rnicds to stop polling and sleep.
+            std::thread::sleep(Duration::from_millis(3));
+        }
+        ba.write(100, &i.to_le_bytes());
+        qa.post_send(&[SendWr::send(i, &[ma.sge(100, 8)]).unsignaled()]).unwrap();
+        assert_eq!(rcqb.poll_or_wait(&mut wc[..1], &chb, spin, Duration::from_secs(10)).unwrap(), 1, "message {i} lost");
+        assert_eq!((wc[0].status, wc[0].byte_len), (WcStatus::Success, 8));
+        assert_eq!(bb.read_u64(0), i);
+        recv(&qb, &mb, i);
+        bb.write(100, &(i * 3).to_le_bytes());
+        qb.post_send(&[SendWr::send(i, &[mb.sge(100, 8)]).unsignaled()]).unwrap();
+        assert_eq!(rcqa.poll_or_wait(&mut wc[..1], &cha, spin, Duration::from_secs(10)).unwrap(), 1, "reply {i} lost");
+        assert_eq!(ba.read_u64(0), i * 3);
+        recv(&qa, &ma, i);
+        if i % 32 == 0 {
+            let _ = scqa.poll(&mut wc);
+            let _ = scqb.poll(&mut wc);
+        }
+    }
+}
