@@ -22,6 +22,10 @@ pub struct DemoArgs {
     /// Move the VM once with save/restore instead of live migration.
     #[arg(long)]
     pub save_restore: bool,
+    /// How each live migration moves RAM: precopy, postcopy (the VM runs on
+    /// the destination at once and fetches pages on fault) or hybrid.
+    #[arg(long, default_value = "precopy", value_parser = ["precopy", "postcopy", "hybrid"])]
+    pub mode: String,
 }
 
 fn step(msg: &str) {
@@ -56,8 +60,8 @@ fn incoming(host: &testbed::Host, me: &std::path::Path, name: &str, memory: &str
 
 /// Migrate `src` to `dst` (listening on `to`), wait for the end, check the
 /// destination: it runs, and the dirtier oracle holds.
-fn hop(src: &mut VmProcess, dst: &VmProcess, to: &str, channels: u32) -> Result<Value> {
-    src.exec("migrate", json!({"uri": format!("tcp:{to}"), "channels": channels}))?;
+fn hop(src: &mut VmProcess, dst: &VmProcess, to: &str, channels: u32, mode: &str) -> Result<Value> {
+    src.exec("migrate", json!({"uri": format!("tcp:{to}"), "channels": channels, "mode": mode}))?;
     let t0 = Instant::now();
     let stats = loop {
         let st = src.exec("query-migrate", json!({}))?;
@@ -77,15 +81,23 @@ fn hop(src: &mut VmProcess, dst: &VmProcess, to: &str, channels: u32) -> Result<
     dst.exec("stop", json!({}))?;
     let check = oracle(dst)?;
     dst.exec("cont", json!({}))?;
+    let faults = if mode == "precopy" {
+        String::new()
+    } else if stats["postcopy_ms"].as_f64().unwrap_or(0.0) == 0.0 {
+        " (converged before switching to postcopy)".to_string()
+    } else {
+        format!(", {} faults served (p99 {:.0} us)", stats["faults"], stats["fault_p99_us"].as_f64().unwrap_or(0.0))
+    };
     eprintln!(
-        "    done in {:.2} s: downtime {:.1} ms, {} rounds, {:.2} Gbit/s; the guest runs on; oracle holds on {} pages",
+        "    done in {:.2} s: downtime {:.1} ms, {} rounds, {:.2} Gbit/s{faults}; the guest runs on; oracle holds on {} pages",
         stats["total_ms"].as_f64().unwrap_or(0.0) / 1000.0,
         stats["downtime_ms"].as_f64().unwrap_or(0.0),
         stats["rounds"],
         stats["throughput_gbps"].as_f64().unwrap_or(0.0),
         check["pages"]
     );
-    Ok(json!({"total_ms": stats["total_ms"], "downtime_ms": stats["downtime_ms"], "rounds": stats["rounds"], "pages": check["pages"]}))
+    Ok(json!({"total_ms": stats["total_ms"], "downtime_ms": stats["downtime_ms"], "rounds": stats["rounds"], "pages": check["pages"],
+              "migration_mode": mode, "faults": stats["faults"]}))
 }
 
 /// What both demos start from: two hosts, and a VM running the dirtier on A.
@@ -121,15 +133,15 @@ fn live(a: DemoArgs) -> Result<()> {
     let (ha, hb) = (tb.host(0), tb.host(1));
     let mut hops = Vec::new();
 
-    step(&format!("live-migrating it to host B over {} TCP channels while it runs", a.channels));
+    step(&format!("live-migrating it ({}) to host B over {} TCP channels while it runs", a.mode, a.channels));
     let mut on_b = incoming(hb, &me, &format!("{name}-b"), &a.memory, 4440)?;
-    hops.push(hop(&mut on_a, &on_b, &format!("{}:4440", hb.addr(0)), a.channels)?);
+    hops.push(hop(&mut on_a, &on_b, &format!("{}:4440", hb.addr(0)), a.channels, &a.mode)?);
     drop(on_a);
     std::thread::sleep(Duration::from_secs(a.run_secs));
 
     step("and back to host A");
     let back = incoming(ha, &me, &format!("{name}-a2"), &a.memory, 4441)?;
-    hops.push(hop(&mut on_b, &back, &format!("{}:4441", ha.addr(0)), a.channels)?);
+    hops.push(hop(&mut on_b, &back, &format!("{}:4441", ha.addr(0)), a.channels, &a.mode)?);
     drop(on_b);
     back.exec("quit", json!({}))?;
     drop(back);
