@@ -525,9 +525,12 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         if est_s <= target_s {
             break (dirty, false);
         }
-        // Hybrid: once a round no longer shrinks the dirty set by a tenth
-        // (or the operator asks), more rounds only cost time: switch.
-        if mode == Mode::Hybrid && (ctl.postcopy_requested() || (round >= 1 && n as f64 >= 0.9 * prev_dirty as f64)) {
+        // Hybrid: precopy converges only if each round at least halves
+        // what is left (the same test as auto-converge's); once a round
+        // does not, or the operator asks, or the timeout would cancel,
+        // more rounds only cost time: switch.
+        let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
+        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || (round >= 1 && n as f64 >= 0.5 * prev_dirty as f64)) {
             break (dirty, true);
         }
         prev_dirty = n;
