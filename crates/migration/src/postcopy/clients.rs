@@ -124,10 +124,6 @@ impl RamClients {
         Ok(me)
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     fn admit(&self, fd: OwnedFd) -> Result<()> {
         set_timeout(fd.as_raw_fd(), Some(CLIENT_TIMEOUT));
         let (hello, _) = recv(fd.as_raw_fd())?.ok_or_else(|| anyhow!("client left before hello"))?;

@@ -42,10 +42,6 @@ pub struct FaultDomain {
 }
 
 impl FaultDomain {
-    fn addr_of(&self, pfn: u64) -> Option<u64> {
-        let off = pfn * PAGE;
-        self.ranges.iter().find(|r| off >= r.1 && off < r.1 + r.2).map(|r| r.0 + off - r.1)
-    }
     fn pfn_of(&self, addr: u64) -> Option<u64> {
         self.ranges.iter().find(|r| addr >= r.0 && addr < r.0 + r.2).map(|r| (r.1 + addr - r.0) / PAGE)
     }
@@ -284,11 +280,6 @@ impl Placer {
         v.sort_by(|a, b| a.total_cmp(b));
         let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
         (Some(at(0.5)), Some(at(0.99)), v.last().copied())
-    }
-
-    /// Address of guest page `pfn` in helper domain `d` (tests).
-    pub fn domain_addr(&self, d: usize, pfn: u64) -> Option<u64> {
-        self.domain(d)?.addr_of(pfn)
     }
 
     /// Every page is in: stop catching faults on the vmm's mapping (holes
