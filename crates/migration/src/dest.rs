@@ -12,6 +12,7 @@ use crate::wire::{self, DataItem, DataReader, Msg, Record, Records, WireError};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use crate::postcopy::clients::RamClients;
 use crate::postcopy::place::{Placer, Via};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -394,7 +395,12 @@ pub(crate) fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) 
                 if timeout.is_some_and(|to| t.elapsed() >= to) {
                     bail!("no connection from the source within {:?}", timeout.unwrap());
                 }
-                std::thread::sleep(Duration::from_millis(5));
+                // Wake on the connection itself (a sleep here added up to
+                // its length to every accept, and so to postcopy's downtime),
+                // and look at cancel and the deadline every 50 ms.
+                let mut pfd = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd.
+                unsafe { libc::poll(&mut pfd, 1, 50) };
             }
             Err(e) => return Err(e.into()),
         }
@@ -529,6 +535,11 @@ fn run_inner(
         })
         .collect::<std::io::Result<_>>()?;
 
+    if mode == Mode::Postcopy {
+        // The source pauses the VM only once we can take the switch at once:
+        // setup here must not count as downtime.
+        wire::send_msg(&mut control, &Msg::Ready)?;
+    }
     // The control connection is quiet until the source's End; a failing
     // channel shuts it down, which ends this read too.
     control.set_read_timeout(None)?;

@@ -459,7 +459,14 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let urgent = if mode != Mode::Precopy { Some(open_urgent(&addr, session, ctl)?) } else { None };
 
     if mode == Mode::Postcopy {
-        // Nothing moves before the switch: the destination runs at once.
+        // Nothing moves before the switch: the destination runs at once,
+        // as soon as it says it is ready.
+        control.set_read_timeout(Some(Duration::from_secs(30)))?;
+        match recv_reply(&mut control)? {
+            Msg::Ready => {}
+            other => bail!("destination answered {other:?} instead of ready"),
+        }
+        control.set_read_timeout(None)?;
         ctl.update(|s| s.setup_ms = t0.elapsed().as_secs_f64() * 1e3);
         let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: None, pending: Vec::new(), round: 0 };
         return crate::postcopy::source::run(&mut guard, start);

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 8] = *b"TRNSTMIG";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 pub const ROLE_CONTROL: u8 = 0;
 pub const ROLE_DATA: u8 = 1;
 /// Postcopy: page requests (destination -> source) and their answers, on a
@@ -86,6 +86,9 @@ pub enum Msg {
     Hello { session: u64, shape: String, ram_bytes: u64, page_size: u64, channels: u32, compress: String, mode: String },
     /// Destination accepts; data connections may follow.
     Welcome,
+    /// Destination -> source, postcopy: every connection is accepted and
+    /// served; the source may pause the VM.
+    Ready,
     /// Either side gives up; the text says why.
     Abort { reason: String },
     /// Source -> destination after the last page batch; the vCPU/device
