@@ -151,34 +151,48 @@ fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
 /// a fault, zeroing and, on a virtualized host, the host's own first-touch
 /// fault (measured here: 1 to 5 s of CPU per GiB, 5x the cost of receiving
 /// the page). Done before the source connects, it leaves the receive path
-/// only copying. Precopy only: postcopy needs the pages absent to catch
-/// faults. Pages it allocates stay zero, so the receiver's zero handling is
-/// unchanged. Dropping it stops the thread within one chunk.
+/// only copying. It fills the memfd through a mapping of its own, so the
+/// vmm's mapping stays empty: postcopy still catches every first touch
+/// (as a minor fault). Pages it allocates stay zero, so the receiver's zero
+/// handling is unchanged. Dropping it stops the thread within one chunk.
 pub struct Prealloc {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Prealloc {
-    const CHUNK: u64 = 16 << 20;
+    /// Populated through a window of this size, mapped and unmapped in
+    /// turn: unmapping a whole-RAM mapping at the end would hold the mm
+    /// lock for ~90 ms per GiB (tearing down its page tables) and stall a
+    /// postcopy switch that needs it.
+    const CHUNK: u64 = 2 << 20;
 
     pub fn start(ram: RamRegion) -> std::io::Result<Prealloc> {
+        let (memfd, len) = (ram.memfd, ram.len);
         let stop = Arc::new(AtomicBool::new(false));
         let st = stop.clone();
         let thread = std::thread::Builder::new().name("migrate-prealloc".into()).spawn(move || {
-            let ram = ram; // the whole region (Send), not its raw pointer field
             let t = Instant::now();
             let mut off = 0;
-            while off < ram.len && !st.load(Ordering::Relaxed) {
-                let n = Self::CHUNK.min(ram.len - off);
-                // SAFETY: inside the mapping, which outlives this thread
-                // (joined on drop). Populating never changes page contents.
-                let r = unsafe { libc::madvise(ram.host_addr.add(off as usize) as *mut libc::c_void, n as usize, libc::MADV_POPULATE_WRITE) };
+            while off < len && !st.load(Ordering::Relaxed) {
+                let n = Self::CHUNK.min(len - off) as usize;
+                // SAFETY: a new shared mapping of the VM's memfd, unmapped
+                // right after; populating never changes page contents.
+                let r = unsafe {
+                    let w = libc::mmap(std::ptr::null_mut(), n, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, memfd, off as i64);
+                    if w == libc::MAP_FAILED {
+                        -1
+                    } else {
+                        let r = libc::madvise(w, n, libc::MADV_POPULATE_WRITE);
+                        libc::munmap(w, n);
+                        r
+                    }
+                };
                 if r != 0 {
                     tracing::debug!("prealloc stopped at {off}: {}", std::io::Error::last_os_error());
-                    return;
+                    break;
                 }
-                off += n;
+                off += n as u64;
             }
             tracing::debug!("prealloc: {off} bytes in {:?}", t.elapsed());
         })?;
@@ -485,9 +499,6 @@ fn run_inner(
             }
             if mode == "recover" {
                 bail!("nothing to recover here: this destination has no paused postcopy migration");
-            }
-            if params.prealloc && mode != "precopy" {
-                bail!("this destination preallocated its RAM, which only precopy allows (mode {mode:?})");
             }
             let mode: Mode = mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
             if !(1..=64).contains(&channels) {

@@ -21,6 +21,9 @@ pub(crate) mod source;
 /// Not a real-time class: under a fault storm those threads never block,
 /// and would starve the push that ends the storm.
 pub(crate) fn urgent_priority() {
+    // Threads started by the switch inherit its real-time class: drop it,
+    // a real-time fault path starves the push under a fault storm.
+    set_priority(false);
     // SAFETY: plain syscalls on the calling thread.
     let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
     if r != 0 {
