@@ -27,6 +27,26 @@ use userfaultfd::Uffd;
 
 const PAGE: u64 = crate::dirty::PAGE_SIZE;
 
+/// Pages asked for per fault: the faulting one and those after it.
+pub const FAULT_WINDOW: u64 = 32;
+
+/// What faults make the fault thread ask for.
+#[derive(Default)]
+pub struct Asks {
+    /// Threads wait on these: ask now.
+    pub now: Vec<u64>,
+    /// Prefetch.
+    pub soon: Vec<u64>,
+    /// Threads wait on these prefetched pages: ask if they do not come
+    /// within [`PUSH_GRACE`].
+    pub later: Vec<u64>,
+}
+
+/// How long a fault on a prefetched page waits for the push before the
+/// page is asked for: a prefetched page the source left to its push is
+/// usually on the wire already, and asking again would send it twice.
+pub const PUSH_GRACE: std::time::Duration = std::time::Duration::from_micros(200);
+
 // linux/userfaultfd.h: the crate's continue() hides how much a failed
 // call mapped, which a run with one page already mapped needs.
 const UFFDIO_CONTINUE: libc::c_ulong = 0xC020_AA07;
@@ -128,6 +148,12 @@ pub struct Placer {
     alias: *mut u8,
     /// Pages some thread writes or wrote (a superset of `seen`).
     claimed: AtomicBitmap,
+    /// Pages asked for on the urgent connection (a fault there waits for
+    /// the answer instead of asking again).
+    asked: AtomicBitmap,
+    /// Pages prefetched (the source may have left them to its push: a
+    /// fault there still asks).
+    prefetched: AtomicBitmap,
     /// The memfd held every page at the switch (preallocated): pages known
     /// to be zero are mapped as they are announced, not on a fault.
     prefilled: bool,
@@ -188,6 +214,8 @@ impl Placer {
             ram,
             alias: alias as *mut u8,
             claimed,
+            asked: AtomicBitmap::new(total),
+            prefetched: AtomicBitmap::new(total),
             prefilled,
             domains: RwLock::new(vec![Arc::new(vmm)]),
             seen,
@@ -350,30 +378,66 @@ impl Placer {
         }
     }
 
-    /// A thread of domain `d` faulted at `addr`. Returns the page to
-    /// request from the source if nobody asked for it yet.
-    pub fn fault(&self, d: usize, addr: u64) -> Option<u64> {
-        let dom = self.domain(d)?;
+    /// A thread of domain `d` faulted at `addr`: remember who waits, and
+    /// say what to ask the source for. A guest that touched page p touches
+    /// p+1 next more often than not, and would otherwise fault on nearly
+    /// every page right behind the push, one round trip each: so the
+    /// [`FAULT_WINDOW`] - 1 pages after a faulting page are prefetched
+    /// (`soon`; the source sends those its push has not sent yet). A fault
+    /// on a page being placed or asked for waits; on a prefetched page it
+    /// waits a little for the push to deliver it (`later`: the fault
+    /// thread asks for it if it has not come by then); else the page goes
+    /// to `ask`.
+    pub fn fault(&self, d: usize, addr: u64, out: &mut Asks) {
+        let Some(dom) = self.domain(d) else { return };
         let Some(pfn) = dom.pfn_of(addr).filter(|&p| p < self.total) else {
             tracing::warn!("{}: fault at {addr:#x} outside guest RAM", dom.name);
-            return None;
+            return;
         };
         let mut w = self.waiters.lock().unwrap();
         if self.seen.get(pfn) {
             drop(w);
             dom.resolve(addr);
-            return None;
+            return;
         }
         match w.entry(pfn) {
             std::collections::hash_map::Entry::Occupied(mut e) => {
                 e.get_mut().who.push((d, addr));
-                None
+                return;
             }
             std::collections::hash_map::Entry::Vacant(e) => {
                 e.insert(Waiter { since: Instant::now(), who: vec![(d, addr)] });
                 self.faults.fetch_add(1, Ordering::Relaxed);
-                Some(pfn)
             }
+        }
+        drop(w);
+        if self.claimed.get(pfn) || self.asked.get(pfn) {
+            return;
+        }
+        if self.prefetched.get(pfn) {
+            out.later.push(pfn);
+            return;
+        }
+        self.ask_now(pfn, out);
+        for p in pfn + 1..(pfn + FAULT_WINDOW).min(self.total) {
+            if !self.claimed.get(p) && !self.asked.get(p) && self.prefetched.test_and_set(p) {
+                out.soon.push(p);
+            }
+        }
+    }
+
+    /// A page deferred by [`fault`](Self::fault) is still not here: ask.
+    pub fn ask_now(&self, pfn: u64, out: &mut Asks) {
+        if !self.seen.get(pfn) && !self.claimed.get(pfn) && self.asked.test_and_set(pfn) {
+            out.now.push(pfn);
+        }
+    }
+
+    /// After a reconnection, requests in flight are lost: ask again.
+    pub fn forget_asked(&self) {
+        for p in 0..self.total {
+            self.asked.clear(p);
+            self.prefetched.clear(p);
         }
     }
 

@@ -340,25 +340,39 @@ fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Con
     let total = ram.pages();
     let mut w = s.try_clone()?;
     let mut batch = BatchWriter::new();
+    let mut runs = Vec::new();
     loop {
-        let (first, count) = wire::read_request(&mut s, total)?;
-        queue.requested(first, count as u64);
-        for pfn in first..first + count as u64 {
-            // SAFETY: read_request checked the range; the VM is paused here.
-            let src = unsafe { std::slice::from_raw_parts(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
-            if is_zero(src) {
-                batch.zero(pfn);
-            } else {
-                batch.raw(pfn).copy_from_slice(src);
+        let (kind, first, count) = wire::read_request(&mut s, total)?;
+        runs.clear();
+        if kind == wire::DATA_PREFETCH {
+            queue.take_queued(first, count as u64, &mut runs);
+        } else {
+            queue.requested(first, count as u64);
+            runs.push(PageRange { first, count: count as u64 });
+        }
+        let mut sent = 0;
+        for r in &runs {
+            for pfn in r.first..r.end() {
+                // SAFETY: read_request checked the range; the VM is paused here.
+                let src = unsafe { std::slice::from_raw_parts(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
+                if is_zero(src) {
+                    batch.zero(pfn);
+                } else {
+                    batch.raw(pfn).copy_from_slice(src);
+                }
             }
+            sent += r.count;
+        }
+        if sent == 0 {
+            continue;
         }
         let bytes = batch.seal();
         w.write_all(bytes)?;
         let n = bytes.len() as u64;
         batch.reset();
         ctl.update(|st| {
-            st.pages_requested += count as u64;
-            st.pages_sent += count as u64;
+            st.pages_requested += sent;
+            st.pages_sent += sent;
             st.wire_bytes += n;
         });
     }
