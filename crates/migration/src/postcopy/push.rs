@@ -67,31 +67,29 @@ impl PushQueue {
     /// A fault asked for `first..first+count`: those go out now on the
     /// urgent connection, so drop them here, and push on from there.
     pub fn requested(&self, first: u64, count: u64) {
-        let mut g = self.inner.lock().unwrap();
-        for p in first..(first + count).min(self.total) {
-            let (w, b) = ((p / 64) as usize, p % 64);
-            if g.bits[w] & (1 << b) != 0 {
-                g.bits[w] &= !(1 << b);
-                g.left -= 1;
-            }
-        }
-        g.cursor = (first + count) % self.total.max(1);
+        self.take(first, count, |_| {});
     }
 
     /// Prefetch of `first..first+count`: take the pages still queued (the
     /// others went out with the push already) into `out` as runs, and push
     /// on from there.
     pub fn take_queued(&self, first: u64, count: u64, out: &mut Vec<PageRange>) {
+        self.take(first, count, |p| match out.last_mut() {
+            Some(r) if r.end() == p => r.count += 1,
+            _ => out.push(PageRange { first: p, count: 1 }),
+        });
+    }
+
+    /// Drop the queued pages of `first..first+count` (calling `taken` on
+    /// each) and move the cursor after the range.
+    fn take(&self, first: u64, count: u64, mut taken: impl FnMut(u64)) {
         let mut g = self.inner.lock().unwrap();
         for p in first..(first + count).min(self.total) {
             let (w, b) = ((p / 64) as usize, p % 64);
             if g.bits[w] & (1 << b) != 0 {
                 g.bits[w] &= !(1 << b);
                 g.left -= 1;
-                match out.last_mut() {
-                    Some(r) if r.end() == p => r.count += 1,
-                    _ => out.push(PageRange { first: p, count: 1 }),
-                }
+                taken(p);
             }
         }
         g.cursor = (first + count) % self.total.max(1);
