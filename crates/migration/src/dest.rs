@@ -266,11 +266,19 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
     let mut rd = DataReader::default();
     let mut zstd = None;
     let mut pages = 0u64;
+    let mut postcopy = false;
     let r = (|| -> Result<u64> {
         loop {
             match rd.next(&mut s)? {
                 DataItem::Pages { records } if sh.placer.get().is_some() => {
                     let placer = sh.placer.get().expect("checked");
+                    if !postcopy {
+                        // The guest waits on these pages (and a fault on a
+                        // page this thread claimed waits for it): go before
+                        // the host's other work, like the fault path.
+                        crate::postcopy::urgent_priority();
+                        postcopy = true;
+                    }
                     let n = place_batch(placer, &rd.payload, records, sh.total, Via::Push, &mut zstd)?;
                     pages += n;
                     let wire = rd.payload.len() as u64 + 17;
