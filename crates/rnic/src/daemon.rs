@@ -208,10 +208,40 @@ pub struct Config {
     pub gso: bool,
 }
 
+/// The MTU of the interface holding `addr` (None if no interface has it yet,
+/// e.g. a namespace opened before its address moved here).
+fn link_mtu(addr: Ipv4Addr) -> Option<usize> {
+    let ifname = nix::ifaddrs::getifaddrs()
+        .ok()?
+        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == addr))?
+        .interface_name;
+    // SAFETY: a throwaway socket for the SIOCGIFMTU ioctl, closed by OwnedFd.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: a zeroed ifreq with a NUL-terminated name is a valid argument.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(ifname.bytes().take(libc::IFNAMSIZ - 1)) {
+        *d = s as libc::c_char;
+    }
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU, &mut req) };
+    // SAFETY: the kernel filled ifru_mtu.
+    (r == 0).then(|| unsafe { req.ifr_ifru.ifru_mtu } as usize).filter(|m| *m >= 576)
+}
+
+/// Link MTU assumed when the address is not on any interface yet.
+const DEFAULT_LINK_MTU: usize = 1500;
+
 /// The sockets that send from QPN-derived source ports.
 struct Senders {
     addr: Ipv4Addr,
     gso: bool,
+    /// Packets whose IP datagram fits go with DF (and GSO); larger ones are
+    /// IP-fragmented. From the interface that holds `addr`: jumbo links
+    /// carry 4096-byte path MTU packets whole, as on real RoCE fabrics.
+    link_mtu: usize,
     socks: HashMap<(u16, bool), SendSock>,
     fallback_df: (OwnedFd, u16),
     fallback_frag: (OwnedFd, u16),
@@ -240,7 +270,9 @@ impl Senders {
         let df = udp_socket(addr, 0, true, false)?;
         let frag = udp_socket(addr, 0, false, false)?;
         let (pdf, pfrag) = (bound_port(&df)?, bound_port(&frag)?);
-        Ok(Senders { addr, gso, socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
+        let link_mtu = link_mtu(addr).unwrap_or(DEFAULT_LINK_MTU);
+        info!("{addr}: link MTU {link_mtu}");
+        Ok(Senders { addr, gso, link_mtu, socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
     }
 
     /// The socket for packets built with source port `sport`, and the port
@@ -265,9 +297,9 @@ impl Senders {
     fn send(&mut self, pkts: &mut [OutPkt], errors: &mut u64) {
         let mut i = 0;
         while i < pkts.len() {
-            let key = (pkts[i].sport, pkts[i].big);
+            let key = (pkts[i].sport, self.is_big(&pkts[i]));
             let mut j = i + 1;
-            while j < pkts.len() && (pkts[j].sport, pkts[j].big) == key && j - i < 256 {
+            while j < pkts.len() && (pkts[j].sport, self.is_big(&pkts[j])) == key && j - i < 256 {
                 j += 1;
             }
             let (fd, port) = self.get(key.0, key.1);
@@ -278,18 +310,23 @@ impl Senders {
                     wire::reseal(&flow, &mut p.buf[..p.len]);
                 }
             }
-            self.send_run(fd, &mut pkts[i..j], errors);
+            self.send_run(fd, &mut pkts[i..j], key.1, errors);
             i = j;
         }
     }
 
-    fn send_run(&mut self, fd: RawFd, run: &mut [OutPkt], errors: &mut u64) {
+    /// Whether the packet's IP datagram is larger than the link (it is then fragmented).
+    fn is_big(&self, p: &OutPkt) -> bool {
+        p.len + 28 > self.link_mtu
+    }
+
+    fn send_run(&mut self, fd: RawFd, run: &mut [OutPkt], big: bool, errors: &mut u64) {
         // Group into messages: [start, end) ranges of the run.
         let mut groups: Vec<(usize, usize)> = Vec::with_capacity(run.len());
         let mut k = 0;
         while k < run.len() {
             let mut e = k + 1;
-            if self.gso && !run[k].big {
+            if self.gso && !big {
                 let mut total = run[k].len;
                 while e < run.len()
                     && e - k < GSO_MAX_SEGS
