@@ -242,6 +242,14 @@ struct Senders {
     /// IP-fragmented. From the interface that holds `addr`: jumbo links
     /// carry 4096-byte path MTU packets whole, as on real RoCE fabrics.
     link_mtu: usize,
+    /// Whether `link_mtu` came from an interface (else it is retried now and then).
+    mtu_known: bool,
+    mtu_checked: Instant,
+    /// A DF send failed with EMSGSIZE: the link (or route) shrank.
+    too_big: bool,
+    /// A GSO send failed with EINVAL, which is also what a segment larger
+    /// than the link gets: look whether the interface shrank.
+    maybe_too_big: bool,
     socks: HashMap<(u16, bool), SendSock>,
     fallback_df: (OwnedFd, u16),
     fallback_frag: (OwnedFd, u16),
@@ -270,9 +278,17 @@ impl Senders {
         let df = udp_socket(addr, 0, true, false)?;
         let frag = udp_socket(addr, 0, false, false)?;
         let (pdf, pfrag) = (bound_port(&df)?, bound_port(&frag)?);
-        let link_mtu = link_mtu(addr).unwrap_or(DEFAULT_LINK_MTU);
-        info!("{addr}: link MTU {link_mtu}");
-        Ok(Senders { addr, gso, link_mtu, socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
+        let mtu = link_mtu(addr);
+        info!("{addr}: link MTU {}", mtu.map_or("unknown, assuming 1500".into(), |m| m.to_string()));
+        Ok(Senders {
+            addr,
+            gso,
+            link_mtu: mtu.unwrap_or(DEFAULT_LINK_MTU),
+            mtu_known: mtu.is_some(),
+            mtu_checked: Instant::now(),
+            too_big: false,
+            maybe_too_big: false,
+            socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
     }
 
     /// The socket for packets built with source port `sport`, and the port
@@ -295,6 +311,7 @@ impl Senders {
     /// Sends the batch with one sendmmsg per run of packets sharing a socket;
     /// with GSO, runs of equal-sized packets to one peer become one message.
     fn send(&mut self, pkts: &mut [OutPkt], errors: &mut u64) {
+        self.refresh_mtu();
         let mut i = 0;
         while i < pkts.len() {
             let key = (pkts[i].sport, self.is_big(&pkts[i]));
@@ -312,6 +329,36 @@ impl Senders {
             }
             self.send_run(fd, &mut pkts[i..j], key.1, errors);
             i = j;
+        }
+    }
+
+    /// The address may reach an interface after we started (a namespace
+    /// opened before its address moved here): look again once a second.
+    /// A DF send refused as too big means the link or route shrank: take
+    /// the interface's new MTU, or 1500 (or less) if it did not change; the
+    /// transport resends the dropped packets, now fragmented.
+    fn refresh_mtu(&mut self) {
+        if self.too_big {
+            self.too_big = false;
+            let old = self.link_mtu;
+            self.link_mtu = match link_mtu(self.addr) {
+                Some(m) if m < old => m,
+                _ if DEFAULT_LINK_MTU < old => DEFAULT_LINK_MTU,
+                _ => 576,
+            };
+            self.mtu_known = true;
+            warn!("{}: a packet was too big for the link; MTU {old} -> {}", self.addr, self.link_mtu);
+        } else if std::mem::take(&mut self.maybe_too_big) {
+            if let Some(m) = link_mtu(self.addr).filter(|m| *m < self.link_mtu) {
+                warn!("{}: the link shrank; MTU {} -> {m}", self.addr, self.link_mtu);
+                self.link_mtu = m;
+            }
+        } else if !self.mtu_known && self.mtu_checked.elapsed() > Duration::from_secs(1) {
+            self.mtu_checked = Instant::now();
+            if let Some(m) = link_mtu(self.addr) {
+                info!("{}: link MTU {m}", self.addr);
+                (self.link_mtu, self.mtu_known) = (m, true);
+            }
         }
     }
 
@@ -390,6 +437,11 @@ impl Senders {
                     continue;
                 }
                 // Unreachable peer, message too long...: drop it, count it.
+                match e.raw_os_error() {
+                    Some(libc::EMSGSIZE) if !big => self.too_big = true,
+                    Some(libc::EINVAL) if !big => self.maybe_too_big = true,
+                    _ => {}
+                }
                 *errors += 1;
                 off += 1;
                 continue;

@@ -108,3 +108,32 @@ fn jumbo_packets_carry_df_and_a_wire_valid_icrc() {
     // 16 KiB each for the WRITE, the READ responses and the SEND: 4 packets of 4 KiB each.
     assert!(full >= 12, "{full} of {n} packets carry 4 KiB");
 }
+
+/// The link shrinks under a running QP (9000 -> 1500 on the sender's side):
+/// DF sends of 4 KiB packets now fail, rnicd notices, and the transport's
+/// resends go out fragmented; WRITEs and SENDs keep arriving intact.
+#[test]
+fn link_mtu_shrinking_under_a_qp_is_survived() {
+    let bed = Bed::with_link_mtu("rnjshr", 2, 9000, &[]);
+    let (a, b) = pair_sized(&bed, 0, 1, ConnectOpts { mtu: Mtu::M4096, ..Default::default() }, 2 << 20, 64);
+    let one_way = |seed: u64| {
+        let size = 1 << 20;
+        let data = pattern(seed, size);
+        a.buf.write(0, &data);
+        a.qp.post_send(&[SendWr::write(1, &[a.mr.sge(0, size)], b.mr.addr, b.mr.rkey)]).unwrap();
+        ok(&a.scq);
+        assert!(b.buf.read(0, size) == data, "WRITE data differs");
+        b.qp.post_recv(&[RecvWr { wr_id: 2, sg_list: &[b.mr.sge(size, size)] }]).unwrap();
+        a.qp.post_send(&[SendWr::send(3, &[a.mr.sge(0, size)])]).unwrap();
+        assert_eq!(ok(&b.rcq).byte_len as usize, size);
+        ok(&a.scq);
+        assert!(b.buf.read(size, size) == data, "SEND data differs");
+    };
+    one_way(1);
+    let st = std::process::Command::new("ip").args(["-n", bed.tb.host(0).name(), "link", "set", "eth0", "mtu", "1500"]).status().unwrap();
+    assert!(st.success());
+    one_way(2);
+    let stats = a.ctx.stats().unwrap();
+    assert!(stats["send_errors"].as_u64().unwrap() > 0, "the first 4 KiB DF sends were refused: {stats}");
+    one_way(3);
+}
