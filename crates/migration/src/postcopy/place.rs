@@ -27,6 +27,9 @@ use userfaultfd::Uffd;
 
 const PAGE: u64 = crate::dirty::PAGE_SIZE;
 
+/// Most pages claimed, written and mapped in one step.
+const CLAIM_RUN: u64 = 16;
+
 /// Pages asked for per fault: the faulting one and those after it.
 pub const FAULT_WINDOW: u64 = 32;
 
@@ -310,7 +313,9 @@ impl Placer {
             }
             let run = p;
             p += 1;
-            while p < end && self.claimed.test_and_set(p) {
+            // Short runs: a fault on a page claimed here waits until the run
+            // is mapped, and this thread may lose its CPU in between.
+            while p < end && p - run < CLAIM_RUN && self.claimed.test_and_set(p) {
                 p += 1;
             }
             f(run, p - run)?;
