@@ -190,6 +190,7 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
         "cpu_s_source": s["cpu_s_source"],
         "cpu_s_dest": d["cpu_s_dest"].as_f64().or(s["cpu_s_dest"].as_f64()),
         "error": s["error"].as_str().or(d["error"].as_str()),
+        "setup_steps": s["setup_steps"],
         "downtime_steps_source": s["downtime_steps"],
         "downtime_steps_dest": d["downtime_steps"],
         // Postcopy and hybrid (the destination measures faults).

@@ -2,12 +2,12 @@
 //! in the same run, with raw TCP (same stream count, same buffer size) as
 //! the baseline measured between them.
 //!
-//! `cargo run --release -p migration --example loopback_precopy -- GIB CHANNELS REPEATS VARIANT...`
-//! VARIANT: `batch` (pages copied into checksummed batches, the path before
-//! direct batches), `write` (direct batches, pages written from guest RAM)
-//! or `sendfile` (direct batches, pages spliced from the memfd).
-//! Each migration moves a filled idle VM into a destination whose RAM is
-//! already allocated (as `prealloc` does), then back the other way.
+//! `cargo run --release -p migration --example loopback_precopy -- GIB CHANNELS REPEATS [VARIANT...]`
+//! VARIANT: `-` (as built) or `KEY=VALUE`, an environment setting the engine
+//! reads, to alternate variants in one run. Each migration moves a filled
+//! idle VM into a destination whose RAM is already allocated (as `prealloc`
+//! does), then back the other way; raw TCP (same streams, 256 KiB writes)
+//! is measured before each migration.
 
 use migration::memvm::MemVm;
 use migration::qmp::{handle, MigrationSlot, Outcome};
@@ -68,7 +68,8 @@ fn migrate_once(src: &Arc<MemVm>, dst: &Arc<MemVm>, channels: u32) -> serde_json
     assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
     let st = handle(&s, &ss, "query-migrate", &json!({})).unwrap();
     let dt = handle(&d, &ds, "query-migrate", &json!({})).unwrap();
-    json!({"total_ms": st["total_ms"], "setup_ms": st["setup_ms"], "pass_ms": st["round_stats"][0]["duration_ms"],
+    json!({"total_ms": st["total_ms"], "setup_ms": st["setup_ms"], "setup_steps": st["setup_steps"], "round_ms": st["round_stats"].as_array().map(|v| v.iter().map(|r| r["duration_ms"].clone()).collect::<Vec<_>>()),
+           "downtime_steps": st["downtime_steps"], "pass_ms": st["round_stats"][0]["duration_ms"],
            "wire": st["wire_bytes"], "cpu_src": st["cpu_s_source"], "cpu_dst": dt["cpu_s_dest"], "downtime_ms": st["downtime_ms"]})
 }
 
@@ -77,7 +78,7 @@ fn main() {
     let gib: u64 = a.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
     let channels: u32 = a.get(2).and_then(|v| v.parse().ok()).unwrap_or(1);
     let repeats: usize = a.get(3).and_then(|v| v.parse().ok()).unwrap_or(3);
-    let variants: Vec<String> = if a.len() > 4 { a[4..].to_vec() } else { vec!["batch".into(), "sendfile".into()] };
+    let variants: Vec<String> = if a.len() > 4 { a[4..].to_vec() } else { vec!["-".into()] };
     let bytes = gib << 30;
     let vms = [MemVm::new(bytes, 0, 0).unwrap(), MemVm::new(bytes, 0, 0).unwrap()];
     vms[0].fill(0, bytes / 4096);
@@ -101,6 +102,7 @@ fn main() {
                 v, t, r["pass_ms"].as_f64().unwrap_or(0.0), g, raw, g / raw, r["downtime_ms"].as_f64().unwrap_or(0.0),
                 r["cpu_src"].as_f64().unwrap_or(0.0), r["cpu_dst"].as_f64().unwrap_or(0.0)
             );
+            println!("          setup {} rounds {}", r["setup_steps"], r["round_ms"]);
             rows.push(json!({"variant": v, "gbps": g, "raw_tcp_gbps": raw, "stats": r}));
         }
     }
