@@ -136,12 +136,14 @@ fn data_ranges_between(fd: RawFd, start: u64, len: u64, page: u64) -> std::io::R
             }
             return Err(e);
         }
+        if data as u64 >= len {
+            // The next data is past the window: do not walk it (SEEK_HOLE
+            // would, page by page, to its end).
+            break;
+        }
         let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
         if hole < 0 {
             return Err(std::io::Error::last_os_error());
-        }
-        if data as u64 >= len {
-            break; // the next data is past the window
         }
         let first = data as u64 / page;
         let end = (hole as u64).min(len).div_ceil(page);
