@@ -26,8 +26,8 @@ const CAPPED_DIRTY_PAGES_S: u64 = 100 * 256;
 const USAGE: &str = "usage: migrate-transit [--quick] [--only SUBSTR] [--no-prealloc] [--list]
   --quick        1 GiB rows of the shared matrix only (no compression rows)
   --only S       the row labelled S, else rows whose label (MODE/WORKLOAD/NG/Nch[/COMPRESS]) contains S
-  --no-prealloc  precopy destinations allocate RAM as pages arrive (default: while waiting;
-                 postcopy and hybrid destinations never preallocate: they catch faults on absent pages)
+  --no-prealloc  destinations allocate RAM as pages arrive (default: while waiting, before
+                 the migration starts, as with QEMU's -mem-prealloc)
   --list         print the labels and exit
 workloads: idle (fill, then halt), dirtier, dirtier-capped (dirtier at 100 MiB/s,
 link capped at 1 Gbit/s) and idle-capped (fill on the capped link); compression rows:
@@ -109,7 +109,6 @@ fn matrix(quick: bool) -> Vec<Row> {
 fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
     // Postcopy catches faults on absent pages: its destination cannot
     // allocate RAM ahead.
-    let prealloc = prealloc && r.mode == "precopy";
     let tb = Testbed::create(TestbedOpts::new("mt", 2))?;
     if r.capped() {
         tb.set_rate(0, 0, Some(CAP_MBIT))?;
@@ -207,20 +206,25 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
 }
 
 /// Wait until the destination's memfd holds all of RAM (its prealloc done).
+/// The prealloc fills the memfd through a mapping of its own, so the vmm's
+/// resident size does not show it: look at the memfd's allocated blocks.
 fn wait_prealloc(dst: &VmProcess, ram_gib: u64, t: Duration) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
     let want = ram_gib << 30;
     let s = Instant::now();
     // `ip netns exec` execs into the vmm: the child's pid is the vmm's.
-    let path = format!("/proc/{}/smaps_rollup", dst.pid());
+    let dir = format!("/proc/{}/fd", dst.pid());
     while s.elapsed() < t {
-        // Resident memory of the vmm, in kB: guest RAM dominates it.
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
-        let kb: u64 = text
-            .lines()
-            .filter(|l| l.starts_with("Rss:"))
-            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            .sum();
-        if kb * 1024 >= want {
+        let allocated: u64 = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:")))
+            .filter_map(|e| std::fs::metadata(e.path()).ok())
+            .map(|m| m.blocks() * 512)
+            .max()
+            .unwrap_or(0);
+        if allocated >= want {
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(200));

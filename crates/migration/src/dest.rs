@@ -12,6 +12,7 @@ use crate::wire::{self, DataItem, DataReader, Msg, Record, Records, WireError};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use crate::postcopy::clients::RamClients;
 use crate::postcopy::place::{Placer, Via};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -150,34 +151,48 @@ fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
 /// a fault, zeroing and, on a virtualized host, the host's own first-touch
 /// fault (measured here: 1 to 5 s of CPU per GiB, 5x the cost of receiving
 /// the page). Done before the source connects, it leaves the receive path
-/// only copying. Precopy only: postcopy needs the pages absent to catch
-/// faults. Pages it allocates stay zero, so the receiver's zero handling is
-/// unchanged. Dropping it stops the thread within one chunk.
+/// only copying. It fills the memfd through a mapping of its own, so the
+/// vmm's mapping stays empty: postcopy still catches every first touch
+/// (as a minor fault). Pages it allocates stay zero, so the receiver's zero
+/// handling is unchanged. Dropping it stops the thread within one chunk.
 pub struct Prealloc {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Prealloc {
-    const CHUNK: u64 = 16 << 20;
+    /// Populated through a window of this size, mapped and unmapped in
+    /// turn: unmapping a whole-RAM mapping at the end would hold the mm
+    /// lock for ~90 ms per GiB (tearing down its page tables) and stall a
+    /// postcopy switch that needs it.
+    const CHUNK: u64 = 2 << 20;
 
     pub fn start(ram: RamRegion) -> std::io::Result<Prealloc> {
+        let (memfd, len) = (ram.memfd, ram.len);
         let stop = Arc::new(AtomicBool::new(false));
         let st = stop.clone();
         let thread = std::thread::Builder::new().name("migrate-prealloc".into()).spawn(move || {
-            let ram = ram; // the whole region (Send), not its raw pointer field
             let t = Instant::now();
             let mut off = 0;
-            while off < ram.len && !st.load(Ordering::Relaxed) {
-                let n = Self::CHUNK.min(ram.len - off);
-                // SAFETY: inside the mapping, which outlives this thread
-                // (joined on drop). Populating never changes page contents.
-                let r = unsafe { libc::madvise(ram.host_addr.add(off as usize) as *mut libc::c_void, n as usize, libc::MADV_POPULATE_WRITE) };
+            while off < len && !st.load(Ordering::Relaxed) {
+                let n = Self::CHUNK.min(len - off) as usize;
+                // SAFETY: a new shared mapping of the VM's memfd, unmapped
+                // right after; populating never changes page contents.
+                let r = unsafe {
+                    let w = libc::mmap(std::ptr::null_mut(), n, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, memfd, off as i64);
+                    if w == libc::MAP_FAILED {
+                        -1
+                    } else {
+                        let r = libc::madvise(w, n, libc::MADV_POPULATE_WRITE);
+                        libc::munmap(w, n);
+                        r
+                    }
+                };
                 if r != 0 {
                     tracing::debug!("prealloc stopped at {off}: {}", std::io::Error::last_os_error());
-                    return;
+                    break;
                 }
-                off += n;
+                off += n as u64;
             }
             tracing::debug!("prealloc: {off} bytes in {:?}", t.elapsed());
         })?;
@@ -251,11 +266,19 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
     let mut rd = DataReader::default();
     let mut zstd = None;
     let mut pages = 0u64;
+    let mut postcopy = false;
     let r = (|| -> Result<u64> {
         loop {
             match rd.next(&mut s)? {
                 DataItem::Pages { records } if sh.placer.get().is_some() => {
                     let placer = sh.placer.get().expect("checked");
+                    if !postcopy {
+                        // The guest waits on these pages (and a fault on a
+                        // page this thread claimed waits for it): go before
+                        // the host's other work, like the fault path.
+                        crate::postcopy::urgent_priority();
+                        postcopy = true;
+                    }
                     let n = place_batch(placer, &rd.payload, records, sh.total, Via::Push, &mut zstd)?;
                     pages += n;
                     let wire = rd.payload.len() as u64 + 17;
@@ -394,10 +417,10 @@ pub(crate) fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) 
                 if timeout.is_some_and(|to| t.elapsed() >= to) {
                     bail!("no connection from the source within {:?}", timeout.unwrap());
                 }
-                // Wake as soon as a connection is there (a sleep here added
-                // up to 5 ms per connection to every migration's setup),
-                // and every 50 ms to check for cancel and timeout.
-                let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(l), events: libc::POLLIN, revents: 0 };
+                // Wake on the connection itself (a sleep here added up to
+                // its length to every accept, and so to postcopy's downtime),
+                // and look at cancel and the deadline every 50 ms.
+                let mut pfd = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
                 // SAFETY: one valid pollfd.
                 unsafe { libc::poll(&mut pfd, 1, 50) };
             }
@@ -485,9 +508,6 @@ fn run_inner(
             if mode == "recover" {
                 bail!("nothing to recover here: this destination has no paused postcopy migration");
             }
-            if params.prealloc && mode != "precopy" {
-                bail!("this destination preallocated its RAM, which only precopy allows (mode {mode:?})");
-            }
             let mode: Mode = mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
             if !(1..=64).contains(&channels) {
                 bail!("{channels} channels is out of range");
@@ -534,6 +554,11 @@ fn run_inner(
         })
         .collect::<std::io::Result<_>>()?;
 
+    if mode == Mode::Postcopy {
+        // The source pauses the VM only once we can take the switch at once:
+        // setup here must not count as downtime.
+        wire::send_msg(&mut control, &Msg::Ready)?;
+    }
     // The control connection is quiet until the source's End; a failing
     // channel shuts it down, which ends this read too.
     control.set_read_timeout(None)?;

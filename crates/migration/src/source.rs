@@ -184,6 +184,9 @@ impl Channel {
     fn push(&mut self, q: &PushQueue, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
         let mut sent = Sent::default();
         let mut claims = Vec::new();
+        // The destination's guest waits on this push: it goes before the
+        // host's other work, like the fault path.
+        crate::postcopy::urgent_priority();
         while q.claim(CHUNK_PAGES, &mut claims) {
             for c in &claims {
                 let item = WorkItem { first: c.first, count: c.count, known_zero: c.known_zero };
@@ -465,7 +468,14 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     setup_step("channels open");
 
     if mode == Mode::Postcopy {
-        // Nothing moves before the switch: the destination runs at once.
+        // Nothing moves before the switch: the destination runs at once,
+        // as soon as it says it is ready.
+        control.set_read_timeout(Some(Duration::from_secs(30)))?;
+        match recv_reply(&mut control)? {
+            Msg::Ready => {}
+            other => bail!("destination answered {other:?} instead of ready"),
+        }
+        control.set_read_timeout(None)?;
         ctl.update(|s| s.setup_ms = t0.elapsed().as_secs_f64() * 1e3);
         let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: None, pending: Vec::new(), round: 0 };
         return crate::postcopy::source::run(&mut guard, start);

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 8] = *b"TRNSTMIG";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 pub const ROLE_CONTROL: u8 = 0;
 pub const ROLE_DATA: u8 = 1;
 /// Postcopy: page requests (destination -> source) and their answers, on a
@@ -86,6 +86,9 @@ pub enum Msg {
     Hello { session: u64, shape: String, ram_bytes: u64, page_size: u64, channels: u32, compress: String, mode: String },
     /// Destination accepts; data connections may follow.
     Welcome,
+    /// Destination -> source, postcopy: every connection is accepted and
+    /// served; the source may pause the VM.
+    Ready,
     /// Either side gives up; the text says why.
     Abort { reason: String },
     /// Source -> destination after the last page batch; the vCPU/device
@@ -177,22 +180,26 @@ pub const DATA_SYNC: u8 = 2;
 pub const DATA_EOS: u8 = 3;
 /// Urgent connection, destination -> source: `u64 first page, u32 count`.
 pub const DATA_REQUEST: u8 = 4;
+/// Like a request, for pages wanted soon: the source sends only those its
+/// push has not sent yet (the rest are on their way already).
+pub const DATA_PREFETCH: u8 = 5;
 /// Most pages one request may ask for.
 pub const MAX_REQUEST_PAGES: u32 = 256;
 
-pub fn write_request(w: &mut impl Write, first: u64, count: u32) -> io::Result<()> {
+pub fn write_request(w: &mut impl Write, kind: u8, first: u64, count: u32) -> io::Result<()> {
     let mut b = [0u8; 13];
-    b[0] = DATA_REQUEST;
+    b[0] = kind;
     b[1..9].copy_from_slice(&first.to_le_bytes());
     b[9..].copy_from_slice(&count.to_le_bytes());
     w.write_all(&b)
 }
 
-/// Read one page request; checks it lies inside `total_pages`.
-pub fn read_request(r: &mut impl Read, total_pages: u64) -> Result<(u64, u32), WireError> {
+/// Read one page request (kind, first, count); checks it lies inside
+/// `total_pages`.
+pub fn read_request(r: &mut impl Read, total_pages: u64) -> Result<(u8, u64, u32), WireError> {
     let mut b = [0u8; 13];
     r.read_exact(&mut b)?;
-    if b[0] != DATA_REQUEST {
+    if b[0] != DATA_REQUEST && b[0] != DATA_PREFETCH {
         return Err(WireError::Corrupt(format!("urgent frame kind {} where a page request was expected", b[0])));
     }
     let first = u64::from_le_bytes(b[1..9].try_into().unwrap());
@@ -200,7 +207,7 @@ pub fn read_request(r: &mut impl Read, total_pages: u64) -> Result<(u64, u32), W
     if count == 0 || count > MAX_REQUEST_PAGES || first.checked_add(count as u64).is_none_or(|e| e > total_pages) {
         return Err(WireError::Corrupt(format!("request for pages {first} (+{count}) outside guest RAM of {total_pages} pages")));
     }
-    Ok((first, count))
+    Ok((b[0], first, count))
 }
 
 /// How one page record is encoded (low 4 bits of its first word).
@@ -539,8 +546,8 @@ mod tests {
         }
         // Preamble: wrong version and wrong magic are clear errors.
         let mut p = Vec::new();
-        write_preamble(&mut p, 2, ROLE_CONTROL).unwrap();
-        assert!(matches!(read_preamble(&mut p.as_slice()), Err(WireError::Version { found: 2 })));
+        write_preamble(&mut p, VERSION + 1, ROLE_CONTROL).unwrap();
+        assert!(matches!(read_preamble(&mut p.as_slice()), Err(WireError::Version { found }) if found == VERSION + 1));
         p[0] = b'X';
         assert!(matches!(read_preamble(&mut p.as_slice()), Err(WireError::Magic(_))));
     }

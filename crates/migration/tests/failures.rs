@@ -131,7 +131,7 @@ fn newer_stream_version_is_refused_by_destination() {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     wire::write_preamble(&mut s, wire::VERSION + 1, wire::ROLE_CONTROL).unwrap();
     let e = assert_dest_never_ran(&dst, "version");
-    assert!(e.contains("version 2 is not supported"), "{e}");
+    assert!(e.contains(&format!("version {} is not supported", wire::VERSION + 1)), "{e}");
     // The reply is our own preamble, so the peer can tell why.
     let mut buf = [0u8; 16];
     s.read_exact(&mut buf).unwrap();

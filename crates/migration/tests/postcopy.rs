@@ -63,14 +63,22 @@ fn postcopy_idle_vm_arrives_byte_exact() {
 }
 
 /// The destination runs the dirtier at once: it faults on pages that have
-/// not arrived, they are fetched, and the oracle holds.
+/// not arrived, they are fetched, and the oracle holds. With a destination
+/// whose memfd is preallocated (all pages there, zero) as well: those are
+/// caught as minor faults.
 #[test]
 fn postcopy_dirtier_runs_on_destination_at_once() {
+    for prealloc in [false, true] {
+        postcopy_dirtier(prealloc);
+    }
+}
+
+fn postcopy_dirtier(prealloc: bool) {
     let src = Side::new(64 * MIB, 2);
     src.vm.resume().unwrap();
     std::thread::sleep(Duration::from_millis(100));
     let dst = Side::new(64 * MIB, 2);
-    let port = dst.incoming(true);
+    let port = dst.incoming_with(true, prealloc);
     // A slow push, so the running guest must fault for most pages.
     src.cmd(
         "migrate",
@@ -92,11 +100,17 @@ fn postcopy_dirtier_runs_on_destination_at_once() {
 /// never fits), then the switch once they stop shrinking.
 #[test]
 fn hybrid_switches_when_rounds_stop_shrinking() {
+    for prealloc in [false, true] {
+        hybrid_no_shrink(prealloc);
+    }
+}
+
+fn hybrid_no_shrink(prealloc: bool) {
     let src = Side::new(64 * MIB, 2);
     src.vm.resume().unwrap();
     std::thread::sleep(Duration::from_millis(100));
     let dst = Side::new(64 * MIB, 2);
-    let port = dst.incoming(true);
+    let port = dst.incoming_with(true, prealloc);
     src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "channels": 2, "downtime_ms": 0})).unwrap();
     let (s, d) = finish(&src, &dst);
     assert_eq!(s["mode"], "hybrid");
@@ -147,11 +161,18 @@ fn postcopy_commands_refused_where_they_make_no_sense() {
 /// arrived: it gets their real bytes, never zeros.
 #[test]
 fn helper_process_reads_missing_pages_correctly() {
+    // Preallocated too: the helper must not read the prealloc's zeros.
+    for prealloc in [false, true] {
+        helper_reads(prealloc);
+    }
+}
+
+fn helper_reads(prealloc: bool) {
     // No dirtier: what the helper reads must be exactly the source's RAM.
     let src = Side::new(64 * MIB, 0);
     src.vm.fill(0, 16384);
     let dst = Side::new(64 * MIB, 0);
-    let sock = std::env::temp_dir().join(format!("transit-ramc-{}.sock", std::process::id()));
+    let sock = std::env::temp_dir().join(format!("transit-ramc-{}-{prealloc}.sock", std::process::id()));
     let clients = RamClients::bind(&sock, dst.dynvm.ram()).unwrap();
     dst.slot.set_ram_clients(clients.clone());
     let mut child = Command::new(env!("CARGO_BIN_EXE_ram-client-probe"))
@@ -176,7 +197,7 @@ fn helper_process_reads_missing_pages_correctly() {
     wait_until("the client joined", || clients.count() == 1);
 
     let want = src.hashes();
-    let port = dst.incoming(true);
+    let port = dst.incoming_with(true, prealloc);
     // 10 MB/s: 64 MiB takes seconds, the reads below come long before.
     src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "max_bandwidth": 10_000_000u64})).unwrap();
     wait_until("postcopy", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-active");

@@ -208,10 +208,48 @@ pub struct Config {
     pub gso: bool,
 }
 
+/// The MTU of the interface holding `addr` (None if no interface has it yet,
+/// e.g. a namespace opened before its address moved here).
+fn link_mtu(addr: Ipv4Addr) -> Option<usize> {
+    let ifname = nix::ifaddrs::getifaddrs()
+        .ok()?
+        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == addr))?
+        .interface_name;
+    // SAFETY: a throwaway socket for the SIOCGIFMTU ioctl, closed by OwnedFd.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: a zeroed ifreq with a NUL-terminated name is a valid argument.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(ifname.bytes().take(libc::IFNAMSIZ - 1)) {
+        *d = s as libc::c_char;
+    }
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU, &mut req) };
+    // SAFETY: the kernel filled ifru_mtu.
+    (r == 0).then(|| unsafe { req.ifr_ifru.ifru_mtu } as usize).filter(|m| *m >= 576)
+}
+
+/// Link MTU assumed when the address is not on any interface yet.
+const DEFAULT_LINK_MTU: usize = 1500;
+
 /// The sockets that send from QPN-derived source ports.
 struct Senders {
     addr: Ipv4Addr,
     gso: bool,
+    /// Packets whose IP datagram fits go with DF (and GSO); larger ones are
+    /// IP-fragmented. From the interface that holds `addr`: jumbo links
+    /// carry 4096-byte path MTU packets whole, as on real RoCE fabrics.
+    link_mtu: usize,
+    /// Whether `link_mtu` came from an interface (else it is retried now and then).
+    mtu_known: bool,
+    mtu_checked: Instant,
+    /// A DF send failed with EMSGSIZE: the link (or route) shrank.
+    too_big: bool,
+    /// A GSO send failed with EINVAL, which is also what a segment larger
+    /// than the link gets: look whether the interface shrank.
+    maybe_too_big: bool,
     socks: HashMap<(u16, bool), SendSock>,
     fallback_df: (OwnedFd, u16),
     fallback_frag: (OwnedFd, u16),
@@ -240,7 +278,17 @@ impl Senders {
         let df = udp_socket(addr, 0, true, false)?;
         let frag = udp_socket(addr, 0, false, false)?;
         let (pdf, pfrag) = (bound_port(&df)?, bound_port(&frag)?);
-        Ok(Senders { addr, gso, socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
+        let mtu = link_mtu(addr);
+        info!("{addr}: link MTU {}", mtu.map_or("unknown, assuming 1500".into(), |m| m.to_string()));
+        Ok(Senders {
+            addr,
+            gso,
+            link_mtu: mtu.unwrap_or(DEFAULT_LINK_MTU),
+            mtu_known: mtu.is_some(),
+            mtu_checked: Instant::now(),
+            too_big: false,
+            maybe_too_big: false,
+            socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
     }
 
     /// The socket for packets built with source port `sport`, and the port
@@ -263,11 +311,12 @@ impl Senders {
     /// Sends the batch with one sendmmsg per run of packets sharing a socket;
     /// with GSO, runs of equal-sized packets to one peer become one message.
     fn send(&mut self, pkts: &mut [OutPkt], errors: &mut u64) {
+        self.refresh_mtu();
         let mut i = 0;
         while i < pkts.len() {
-            let key = (pkts[i].sport, pkts[i].big);
+            let key = (pkts[i].sport, self.is_big(&pkts[i]));
             let mut j = i + 1;
-            while j < pkts.len() && (pkts[j].sport, pkts[j].big) == key && j - i < 256 {
+            while j < pkts.len() && (pkts[j].sport, self.is_big(&pkts[j])) == key && j - i < 256 {
                 j += 1;
             }
             let (fd, port) = self.get(key.0, key.1);
@@ -278,18 +327,53 @@ impl Senders {
                     wire::reseal(&flow, &mut p.buf[..p.len]);
                 }
             }
-            self.send_run(fd, &mut pkts[i..j], errors);
+            self.send_run(fd, &mut pkts[i..j], key.1, errors);
             i = j;
         }
     }
 
-    fn send_run(&mut self, fd: RawFd, run: &mut [OutPkt], errors: &mut u64) {
+    /// The address may reach an interface after we started (a namespace
+    /// opened before its address moved here): look again once a second.
+    /// A DF send refused as too big means the link or route shrank: take
+    /// the interface's new MTU, or 1500 (or less) if it did not change; the
+    /// transport resends the dropped packets, now fragmented.
+    fn refresh_mtu(&mut self) {
+        if self.too_big {
+            self.too_big = false;
+            let old = self.link_mtu;
+            self.link_mtu = match link_mtu(self.addr) {
+                Some(m) if m < old => m,
+                _ if DEFAULT_LINK_MTU < old => DEFAULT_LINK_MTU,
+                _ => 576,
+            };
+            self.mtu_known = true;
+            warn!("{}: a packet was too big for the link; MTU {old} -> {}", self.addr, self.link_mtu);
+        } else if std::mem::take(&mut self.maybe_too_big) {
+            if let Some(m) = link_mtu(self.addr).filter(|m| *m < self.link_mtu) {
+                warn!("{}: the link shrank; MTU {} -> {m}", self.addr, self.link_mtu);
+                self.link_mtu = m;
+            }
+        } else if !self.mtu_known && self.mtu_checked.elapsed() > Duration::from_secs(1) {
+            self.mtu_checked = Instant::now();
+            if let Some(m) = link_mtu(self.addr) {
+                info!("{}: link MTU {m}", self.addr);
+                (self.link_mtu, self.mtu_known) = (m, true);
+            }
+        }
+    }
+
+    /// Whether the packet's IP datagram is larger than the link (it is then fragmented).
+    fn is_big(&self, p: &OutPkt) -> bool {
+        p.len + 28 > self.link_mtu
+    }
+
+    fn send_run(&mut self, fd: RawFd, run: &mut [OutPkt], big: bool, errors: &mut u64) {
         // Group into messages: [start, end) ranges of the run.
         let mut groups: Vec<(usize, usize)> = Vec::with_capacity(run.len());
         let mut k = 0;
         while k < run.len() {
             let mut e = k + 1;
-            if self.gso && !run[k].big {
+            if self.gso && !big {
                 let mut total = run[k].len;
                 while e < run.len()
                     && e - k < GSO_MAX_SEGS
@@ -353,6 +437,11 @@ impl Senders {
                     continue;
                 }
                 // Unreachable peer, message too long...: drop it, count it.
+                match e.raw_os_error() {
+                    Some(libc::EMSGSIZE) if !big => self.too_big = true,
+                    Some(libc::EINVAL) if !big => self.maybe_too_big = true,
+                    _ => {}
+                }
                 *errors += 1;
                 off += 1;
                 continue;

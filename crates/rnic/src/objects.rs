@@ -178,8 +178,6 @@ pub struct OutPkt {
     pub len: usize,
     pub dst: Ipv4Addr,
     pub sport: u16,
-    /// Whether the packet may need IP fragmentation (larger than a 1500-byte link).
-    pub big: bool,
 }
 
 /// Outgoing packets of one loop iteration, with a buffer pool so the hot
@@ -207,7 +205,7 @@ impl Tx {
             return Err(e);
         }
         let len = wire::finish(flow, &mut buf, n + payload_len, payload_len);
-        self.pkts.push(OutPkt { buf, len, dst: flow.dst, sport: flow.sport, big: len + 28 > 1500 });
+        self.pkts.push(OutPkt { buf, len, dst: flow.dst, sport: flow.sport });
         Ok(())
     }
 

@@ -8,26 +8,6 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 use verbs::*;
 
-/// ICRC of a captured IPv4/UDP/RoCE packet per the RoCEv2 annex, from the wire bytes.
-fn wire_icrc_ok(ip: &[u8]) -> bool {
-    let ihl = (ip[0] & 15) as usize * 4;
-    let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
-    let pkt = &ip[..total];
-    let mut hdr = pkt[..ihl + 8 + 12].to_vec();
-    hdr[1] = 0xff; // TOS
-    hdr[8] = 0xff; // TTL
-    hdr[10] = 0xff; // IP checksum
-    hdr[11] = 0xff;
-    hdr[ihl + 6] = 0xff; // UDP checksum
-    hdr[ihl + 7] = 0xff;
-    hdr[ihl + 8 + 4] = 0xff; // BTH resv8a
-    let mut h = crc32fast::Hasher::new();
-    h.update(&[0xff; 8]);
-    h.update(&hdr);
-    h.update(&pkt[ihl + 8 + 12..total - 4]);
-    h.finalize().to_le_bytes() == pkt[total - 4..total]
-}
-
 #[test]
 fn tshark_decodes_capture_with_valid_icrc() {
     // Without UDP GSO: a capture on a veth sees a GSO batch as one super-packet

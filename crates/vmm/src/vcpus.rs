@@ -23,6 +23,8 @@ struct PerVcpu {
     halted: bool,
     error: Option<String>,
     kicker: Option<Arc<dyn Kicker>>,
+    /// Kernel thread id, for lending it the controller's priority.
+    tid: libc::pid_t,
 }
 
 struct Ctl {
@@ -65,7 +67,7 @@ impl VcpuSet {
             ctl: Mutex::new(Ctl {
                 want: Want::Pause,
                 cpus: (0..n)
-                    .map(|_| PerVcpu { paused: false, state: None, pending_set: None, halted: false, error: None, kicker: None })
+                    .map(|_| PerVcpu { paused: false, state: None, pending_set: None, halted: false, error: None, kicker: None, tid: 0 })
                     .collect(),
             }),
             cv: Condvar::new(),
@@ -113,6 +115,7 @@ impl VcpuSet {
             return;
         }
         c.want = Want::Pause;
+        let _loan = PriorityLoan::to(&c.cpus);
         self.shared.cv.notify_all();
         while !c.cpus.iter().all(|p| p.paused) {
             Self::kick_all(&c);
@@ -156,6 +159,7 @@ impl VcpuSet {
             p.pending_set = Some(s.clone());
             p.error = None;
         }
+        let _loan = PriorityLoan::to(&c.cpus);
         self.shared.cv.notify_all();
         while c.cpus.iter().any(|p| p.pending_set.is_some()) {
             c = self.shared.cv.wait(c).unwrap();
@@ -222,6 +226,42 @@ fn throttle_ticker(sh: Arc<Shared>) {
     }
 }
 
+/// A controller running at real-time priority (a migration's switchover)
+/// lends it to the vCPU threads while it waits for them: otherwise, on a
+/// busy host, a vCPU thread waits for a time slice before it acknowledges a
+/// pause or loads its state, and all of it is downtime. Dropping it returns
+/// the vCPU threads to the normal class.
+struct PriorityLoan(Vec<libc::pid_t>);
+
+impl PriorityLoan {
+    fn to(cpus: &[PerVcpu]) -> Option<PriorityLoan> {
+        // SAFETY: plain syscalls; a failure leaves priorities as they were.
+        unsafe {
+            let policy = libc::sched_getscheduler(0);
+            if policy != libc::SCHED_FIFO && policy != libc::SCHED_RR {
+                return None;
+            }
+            let mut p = libc::sched_param { sched_priority: 0 };
+            libc::sched_getparam(0, &mut p);
+            let tids: Vec<_> = cpus.iter().map(|c| c.tid).filter(|&t| t > 0).collect();
+            for &t in &tids {
+                libc::sched_setscheduler(t, policy, &p);
+            }
+            Some(PriorityLoan(tids))
+        }
+    }
+}
+
+impl Drop for PriorityLoan {
+    fn drop(&mut self) {
+        let p = libc::sched_param { sched_priority: 0 };
+        for &t in &self.0 {
+            // SAFETY: plain syscall.
+            unsafe { libc::sched_setscheduler(t, libc::SCHED_OTHER, &p) };
+        }
+    }
+}
+
 fn vcpu_thread(
     i: usize,
     hv: Arc<dyn Hypervisor>,
@@ -242,6 +282,8 @@ fn vcpu_thread(
     {
         let mut c = sh.ctl.lock().unwrap();
         c.cpus[i].kicker = Some(vcpu.kicker());
+        // SAFETY: plain syscall.
+        c.cpus[i].tid = unsafe { libc::gettid() };
     }
     loop {
         // Control point: service state requests, wait while paused/halted.

@@ -8,7 +8,7 @@
 //! | client | `{"op":"hello","name":N}` | – | join |
 //! | vmm | `{"op":"welcome","ram_bytes":B}` | guest RAM memfd | map it if you want |
 //! | vmm | `{"op":"postcopy-advise"}` | – | postcopy starts: register your mappings |
-//! | client | `{"op":"postcopy-listen","ranges":[[addr,offset,len],..]}` | a userfaultfd | registered (missing mode) |
+//! | client | `{"op":"postcopy-listen","ranges":[[addr,offset,len],..]}` | a userfaultfd | registered (missing and minor faults, its page table entries dropped first) |
 //! | client | `{"op":"error","reason":R}` | – | could not; the switchover is refused |
 //! | vmm | `{"op":"postcopy-end"}` | – | every page is in: unregister |
 //! | client | `{"op":"postcopy-ended"}` | – | done |
@@ -222,7 +222,8 @@ impl RamClient {
     }
 
     /// Answer the vmm until it closes: register `ranges` (address here,
-    /// guest offset, length) for missing faults on advise, unregister on end.
+    /// guest offset, length) for missing and minor faults on advise,
+    /// unregister on end.
     pub fn serve(&self, ranges: &[(u64, u64, u64)]) -> Result<()> {
         let fd = self.sock.as_raw_fd();
         let mut uffd: Option<userfaultfd::Uffd> = None;
@@ -232,7 +233,10 @@ impl RamClient {
                     let r = (|| -> Result<userfaultfd::Uffd> {
                         let u = userfaultfd::UffdBuilder::new().close_on_exec(true).non_blocking(true).user_mode_only(true).create()?;
                         for r in ranges {
-                            u.register(r.0 as *mut libc::c_void, r.2 as usize)?;
+                            // Pages this process touched before must fault
+                            // too: what it maps now may be stale or absent.
+                            super::place::zap(r.0 as *mut libc::c_void, r.2 as usize)?;
+                            super::place::register_ram(&u, r.0 as *mut libc::c_void, r.2 as usize)?;
                         }
                         Ok(u)
                     })();

@@ -344,9 +344,10 @@ fn accept_recovery(l: &TcpListener, ctl: &Control, session: u64, sh: &Arc<RxShar
         .collect::<std::io::Result<Vec<_>>>()?;
     let link = Link::start(control, threads, urgent, sh, sink)?;
     // Ask again for what threads wait on: those requests died with the link.
+    placer.forget_asked();
     let mut waiting = placer.waiting();
     if !waiting.is_empty() {
-        sink.request(&mut waiting);
+        sink.request(&mut waiting, &mut []);
     }
     Ok(Some(link))
 }

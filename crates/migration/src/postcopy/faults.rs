@@ -2,7 +2,9 @@
 //! fault domain (the vmm's uffd and each helper's) and asks the source for
 //! pages nobody asked for yet, on the urgent connection.
 
-use super::place::Placer;
+use super::place::{Asks, Placer, PUSH_GRACE};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 use crate::wire;
 use std::io::Write;
 use std::net::TcpStream;
@@ -25,21 +27,24 @@ impl RequestSink {
     pub fn disconnect(&self) {
         *self.conn.lock().unwrap() = None;
     }
-    /// Ask for these pages, in runs; false if there is no connection.
-    pub fn request(&self, pfns: &mut [u64]) -> bool {
-        pfns.sort_unstable();
+    /// Ask for `pages` (threads wait on them) and `soon` (prefetch), in
+    /// runs; false if there is no connection.
+    pub fn request(&self, pages: &mut [u64], soon: &mut [u64]) -> bool {
+        let mut buf = Vec::with_capacity((pages.len() + soon.len()) * 13);
+        for (kind, pfns) in [(wire::DATA_REQUEST, pages), (wire::DATA_PREFETCH, soon)] {
+            pfns.sort_unstable();
+            let mut i = 0;
+            while i < pfns.len() {
+                let mut n = 1;
+                while i + n < pfns.len() && pfns[i + n] == pfns[i] + n as u64 && n < wire::MAX_REQUEST_PAGES as usize {
+                    n += 1;
+                }
+                wire::write_request(&mut buf, kind, pfns[i], n as u32).expect("vec write");
+                i += n;
+            }
+        }
         let mut g = self.conn.lock().unwrap();
         let Some(s) = g.as_mut() else { return false };
-        let mut buf = Vec::with_capacity(pfns.len() * 13);
-        let mut i = 0;
-        while i < pfns.len() {
-            let mut n = 1;
-            while i + n < pfns.len() && pfns[i + n] == pfns[i] + n as u64 && n < wire::MAX_REQUEST_PAGES as usize {
-                n += 1;
-            }
-            wire::write_request(&mut buf, pfns[i], n as u32).expect("vec write");
-            i += n;
-        }
         if let Err(e) = s.write_all(&buf) {
             tracing::debug!("page request not sent: {e}");
             *g = None;
@@ -88,7 +93,9 @@ impl Drop for FaultThread {
 
 fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<OwnedFd>, stop: Arc<AtomicBool>) {
     super::urgent_priority();
-    let mut wanted = Vec::new();
+    let mut asks = Asks::default();
+    // Faults on prefetched pages, oldest first: (ask after, page).
+    let mut deferred: VecDeque<(Instant, u64)> = VecDeque::new();
     while !stop.load(Ordering::SeqCst) {
         // Domains can join while we run (helpers register before resume).
         let doms = placer.fault_fds();
@@ -96,42 +103,47 @@ fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<OwnedFd>, s
             .chain(doms.iter().map(|d| d.1))
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
-        // SAFETY: valid pollfd array. A short timeout picks up new domains.
-        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 100) };
-        if n <= 0 {
-            continue;
-        }
-        for (k, (d, _)) in doms.iter().enumerate() {
-            if pfds[k + 1].revents == 0 {
-                continue;
-            }
-            let Some(dom) = placer.domain(*d) else { continue };
-            if pfds[k + 1].revents & (libc::POLLERR | libc::POLLHUP) != 0 && pfds[k + 1].revents & libc::POLLIN == 0 {
-                tracing::info!("{}: its process is gone, no more faults from it", dom.name);
-                dom.gone.store(true, Ordering::Relaxed);
-                continue;
-            }
-            loop {
-                match dom.uffd.read_event() {
-                    Ok(Some(Event::Pagefault { addr, .. })) => {
-                        if let Some(pfn) = placer.fault(*d, addr as u64) {
-                            wanted.push(pfn);
+        // A short timeout picks up new domains; a deferred page sooner.
+        let timeout = deferred.front().map_or(Duration::from_millis(100), |(at, _)| at.saturating_duration_since(Instant::now()));
+        let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+        // SAFETY: valid pollfd array and timespec.
+        let n = unsafe { libc::ppoll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+        if n > 0 {
+            for (k, (d, _)) in doms.iter().enumerate() {
+                if pfds[k + 1].revents == 0 {
+                    continue;
+                }
+                let Some(dom) = placer.domain(*d) else { continue };
+                if pfds[k + 1].revents & (libc::POLLERR | libc::POLLHUP) != 0 && pfds[k + 1].revents & libc::POLLIN == 0 {
+                    tracing::info!("{}: its process is gone, no more faults from it", dom.name);
+                    dom.gone.store(true, Ordering::Relaxed);
+                    continue;
+                }
+                loop {
+                    match dom.uffd.read_event() {
+                        Ok(Some(Event::Pagefault { addr, .. })) => placer.fault(*d, addr as u64, &mut asks),
+                        Ok(Some(_)) => {}
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::warn!("{}: reading faults: {e}", dom.name);
+                            break;
                         }
-                    }
-                    Ok(Some(_)) => {}
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!("{}: reading faults: {e}", dom.name);
-                        break;
                     }
                 }
             }
         }
-        if !wanted.is_empty() {
+        let now = Instant::now();
+        deferred.extend(asks.later.drain(..).map(|p| (now + PUSH_GRACE, p)));
+        while deferred.front().is_some_and(|(at, _)| *at <= now) {
+            let (_, p) = deferred.pop_front().expect("checked");
+            placer.ask_now(p, &mut asks);
+        }
+        if !asks.now.is_empty() || !asks.soon.is_empty() {
             // Without a connection the waiters are asked for again on
             // reconnection; nothing is lost.
-            sink.request(&mut wanted);
-            wanted.clear();
+            sink.request(&mut asks.now, &mut asks.soon);
+            asks.now.clear();
+            asks.soon.clear();
         }
     }
 }

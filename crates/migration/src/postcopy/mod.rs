@@ -15,12 +15,16 @@ pub mod place;
 pub mod push;
 pub(crate) mod source;
 
-/// The threads on the fault path (fault reader, urgent sender and
-/// receiver) get a larger CPU share (nice -10) so that a fault's round trip
-/// stays short when the host's CPUs are busy with vCPUs and the bulk push.
+/// The threads the running guest waits on (fault reader, both ends of the
+/// urgent connection, and in postcopy the push's senders and receivers)
+/// get a larger CPU share (nice -10) than the vCPUs and the host's other
+/// work, so that a fault's round trip and the push stay quick on busy CPUs.
 /// Not a real-time class: under a fault storm those threads never block,
 /// and would starve the push that ends the storm.
 pub(crate) fn urgent_priority() {
+    // Threads started by the switch inherit its real-time class: drop it,
+    // a real-time fault path starves the push under a fault storm.
+    set_priority(false);
     // SAFETY: plain syscalls on the calling thread.
     let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
     if r != 0 {

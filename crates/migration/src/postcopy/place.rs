@@ -1,12 +1,20 @@
-//! Destination side of postcopy: pages are placed atomically with
-//! `UFFDIO_COPY` (a thread never sees half a page), and every thread that
-//! faulted on a page, in the vmm or in a helper process, is woken once it
-//! is in.
+//! Destination side of postcopy: where pages go and who is woken.
 //!
-//! Guest RAM is a shared memfd, so a page placed through the vmm's mapping
-//! is in the page cache for every other mapping too; a helper's fault only
-//! needs a wake (or, for a page known to be zero, a zero page through its
-//! own uffd).
+//! Guest RAM is a shared memfd. Every process that maps it (the vmm, RAM
+//! clients) registers its mapping for missing *and* minor faults, so that a
+//! thread touching a page that is not here yet blocks, whether the memfd
+//! has no page there (missing) or a stale or preallocated one (minor). A
+//! page is placed by writing it through a private alias mapping of the
+//! memfd, which no uffd watches, and then mapping it into the vmm with
+//! `UFFDIO_CONTINUE`, which also wakes whoever waits on it: a thread never
+//! sees half a page. With the memfd preallocated (the destination's
+//! `prealloc`), placing a page is one copy into memory that is already
+//! there; `UFFDIO_COPY` allocated and first-touched every page on the
+//! critical path, which on this virtualized host cost most of the time.
+//!
+//! A page is written by one thread only (the one that claims it first):
+//! once placed, the guest may change it, and a late duplicate must not
+//! overwrite that.
 
 use crate::pages::AtomicBitmap;
 use crate::vm::RamRegion;
@@ -19,16 +27,70 @@ use userfaultfd::Uffd;
 
 const PAGE: u64 = crate::dirty::PAGE_SIZE;
 
-// linux/userfaultfd.h: the crate's copy() hides how much a failed copy
-// placed, which a run with one page already there needs.
-const UFFDIO_COPY: libc::c_ulong = 0xC028_AA03;
+/// Pages asked for per fault: the faulting one and those after it.
+pub const FAULT_WINDOW: u64 = 32;
+
+/// What faults make the fault thread ask for.
+#[derive(Default)]
+pub struct Asks {
+    /// Threads wait on these: ask now.
+    pub now: Vec<u64>,
+    /// Prefetch.
+    pub soon: Vec<u64>,
+    /// Threads wait on these prefetched pages: ask if they do not come
+    /// within [`PUSH_GRACE`].
+    pub later: Vec<u64>,
+}
+
+/// How long a fault on a prefetched page waits for the push before the
+/// page is asked for: a prefetched page the source left to its push is
+/// usually on the wire already, and asking again would send it twice.
+pub const PUSH_GRACE: std::time::Duration = std::time::Duration::from_micros(200);
+
+// linux/userfaultfd.h: the crate's continue() hides how much a failed
+// call mapped, which a run with one page already mapped needs.
+const UFFDIO_CONTINUE: libc::c_ulong = 0xC020_AA07;
 #[repr(C)]
-struct UffdioCopy {
-    dst: u64,
-    src: u64,
+struct UffdioContinue {
+    start: u64,
     len: u64,
     mode: u64,
-    copy: i64,
+    mapped: i64,
+}
+
+/// Map pages `[addr, addr + len)` of a minor-registered range from the page
+/// cache and wake their waiters. Ok(bytes mapped) or Err(errno, bytes mapped
+/// before the failing page).
+fn uffd_continue(uffd: i32, addr: u64, len: u64) -> Result<u64, (i32, u64)> {
+    let mut c = UffdioContinue { start: addr, len, mode: 0, mapped: 0 };
+    // SAFETY: the ioctl only reads and writes `c`; the range is checked by
+    // the kernel against the uffd's registrations.
+    let r = unsafe { libc::ioctl(uffd, UFFDIO_CONTINUE as _, &mut c as *mut UffdioContinue) };
+    let mapped = c.mapped.max(0) as u64;
+    if r == 0 {
+        Ok(len)
+    } else {
+        Err((std::io::Error::last_os_error().raw_os_error().unwrap_or(0), mapped))
+    }
+}
+
+/// Register `len` bytes at `addr` of a guest RAM mapping for postcopy.
+pub fn register_ram(uffd: &Uffd, addr: *mut libc::c_void, len: usize) -> std::io::Result<()> {
+    use userfaultfd::RegisterMode;
+    uffd.register_with_mode(addr, len, RegisterMode::MISSING | RegisterMode::MINOR)
+        .map(|_| ())
+        .map_err(|e| std::io::Error::other(format!("registering guest RAM for missing and minor faults: {e}")))
+}
+
+/// Drop this process's page table entries for `len` bytes at `addr` of a
+/// shared mapping (the memfd keeps its pages): the next touch faults.
+pub fn zap(addr: *mut libc::c_void, len: usize) -> std::io::Result<()> {
+    // SAFETY: callers pass a range of their own guest RAM mapping; for a
+    // shared mapping this only unmaps, no data is lost.
+    if unsafe { libc::madvise(addr, len, libc::MADV_DONTNEED) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// A process's missing-page userfaultfd over (part of) guest RAM.
@@ -47,13 +109,21 @@ impl FaultDomain {
     }
     /// The page at `addr` is in (or known zero): let the faulting thread go.
     fn resolve(&self, addr: u64) {
-        let a = (addr & !(PAGE - 1)) as *mut libc::c_void;
-        // A zero page where nothing is (a page known to be zero), else
-        // EEXIST: the page is there and the thread only needs waking.
-        // SAFETY: `a` is one registered page of that process's mapping.
-        if unsafe { self.uffd.zeropage(a, PAGE as usize, true) }.is_err() {
-            if let Err(e) = self.uffd.wake(a, PAGE as usize) {
-                tracing::warn!("{}: waking a fault at {addr:#x}: {e}", self.name);
+        let a = addr & !(PAGE - 1);
+        match uffd_continue(self.uffd.as_raw_fd(), a, PAGE) {
+            Ok(_) => {}
+            // No page in the memfd: a page known to be zero, left a hole.
+            Err((libc::EFAULT, _)) => {
+                // SAFETY: `a` is one registered page of that process's mapping.
+                if unsafe { self.uffd.zeropage(a as *mut libc::c_void, PAGE as usize, true) }.is_err() {
+                    let _ = self.uffd.wake(a as *mut libc::c_void, PAGE as usize);
+                }
+            }
+            // Mapped already (a race with another fault): only wake.
+            Err(_) => {
+                if let Err(e) = self.uffd.wake(a as *mut libc::c_void, PAGE as usize) {
+                    tracing::warn!("{}: waking a fault at {addr:#x}: {e}", self.name);
+                }
             }
         }
     }
@@ -73,6 +143,20 @@ pub enum Via {
 
 pub struct Placer {
     ram: RamRegion,
+    /// Our own mapping of the memfd, registered nowhere: pages are written
+    /// here before they are mapped into the guest.
+    alias: *mut u8,
+    /// Pages some thread writes or wrote (a superset of `seen`).
+    claimed: AtomicBitmap,
+    /// Pages asked for on the urgent connection (a fault there waits for
+    /// the answer instead of asking again).
+    asked: AtomicBitmap,
+    /// Pages prefetched (the source may have left them to its push: a
+    /// fault there still asks).
+    prefetched: AtomicBitmap,
+    /// The memfd held every page at the switch (preallocated): pages known
+    /// to be zero are mapped as they are announced, not on a fault.
+    prefilled: bool,
     /// Domain 0 is the vmm's own mapping; helpers follow.
     domains: RwLock<Vec<Arc<FaultDomain>>>,
     /// Pages that are here (placed, or known zero and left as a hole).
@@ -91,18 +175,48 @@ impl Placer {
     /// Register the vmm's RAM mapping for missing-page faults. Pages in
     /// `seen` are already here; every other page must be a hole now.
     pub fn new(ram: RamRegion, seen: Arc<AtomicBitmap>) -> anyhow::Result<Placer> {
+        let total = ram.pages();
+        // Pages not here must not stay mapped in the vmm (a preallocated or
+        // stale page would be read as it is): unmap them, keep the memfd's.
+        let mut p = 0;
+        while p < total {
+            if seen.get(p) {
+                p += 1;
+                continue;
+            }
+            let first = p;
+            while p < total && !seen.get(p) {
+                p += 1;
+            }
+            // SAFETY: inside the guest RAM mapping.
+            let a = unsafe { ram.host_addr.add((first * PAGE) as usize) };
+            zap(a as *mut libc::c_void, ((p - first) * PAGE) as usize).map_err(|e| anyhow::anyhow!("unmapping absent pages: {e}"))?;
+        }
         let uffd = userfaultfd::UffdBuilder::new()
             .close_on_exec(true)
             .non_blocking(true)
             .user_mode_only(true)
             .create()
             .map_err(|e| anyhow::anyhow!("userfaultfd: {e}"))?;
-        uffd.register(ram.host_addr as *mut libc::c_void, ram.len as usize)
-            .map_err(|e| anyhow::anyhow!("registering guest RAM for missing-page faults: {e}"))?;
+        register_ram(&uffd, ram.host_addr as *mut libc::c_void, ram.len as usize)?;
+        // SAFETY: a new shared mapping of our own memfd, unmapped on drop.
+        let alias = unsafe { libc::mmap(std::ptr::null_mut(), ram.len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, ram.memfd, 0) };
+        if alias == libc::MAP_FAILED {
+            anyhow::bail!("mapping guest RAM for placing pages: {}", std::io::Error::last_os_error());
+        }
+        let claimed = AtomicBitmap::from_le_bytes(total, &seen.to_le_bytes()).expect("same size");
+        // SAFETY: fstat of our memfd.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        let prefilled = unsafe { libc::fstat(ram.memfd, &mut st) } == 0 && st.st_blocks as u64 * 512 >= ram.len;
         let vmm = FaultDomain { uffd, ranges: vec![(ram.host_addr as u64, 0, ram.len)], name: "vmm".into(), gone: Default::default() };
         let present = seen.count_ones();
         Ok(Placer {
             ram,
+            alias: alias as *mut u8,
+            claimed,
+            asked: AtomicBitmap::new(total),
+            prefetched: AtomicBitmap::new(total),
+            prefilled,
             domains: RwLock::new(vec![Arc::new(vmm)]),
             seen,
             present: AtomicU64::new(present),
@@ -156,63 +270,88 @@ impl Placer {
 
     /// Place whole pages from `pfn` on (`data` is one or more pages).
     /// Duplicates (the push and a request both answered) are harmless: a
-    /// page already there is skipped.
+    /// page someone else claimed is skipped.
     pub fn place(&self, pfn: u64, data: &[u8], via: Via) -> anyhow::Result<()> {
         let pages = data.len() as u64 / PAGE;
-        let uffd = self.domain(0).expect("vmm domain").uffd.as_raw_fd();
-        let mut done = 0u64;
-        while done < pages {
-            // Pages already here are skipped, not copied: once all are here
-            // the range is unregistered and a copy would fail.
-            if self.seen.get(pfn + done) {
-                done += 1;
+        self.for_claimed_runs(pfn, pages, |first, count| {
+            let off = ((first - pfn) * PAGE) as usize;
+            // SAFETY: [first, first + count) is inside guest RAM (callers
+            // checked pfn + pages), and this thread alone claimed it.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr().add(off), self.alias.add((first * PAGE) as usize), (count * PAGE) as usize);
+            }
+            self.map(first, count, via, false)
+        })
+    }
+
+    /// Pages known to be zero: nothing crosses the network or is written.
+    /// In a preallocated memfd they are zero pages already and are mapped
+    /// now; otherwise they stay holes and a fault maps a zero page.
+    pub fn place_zero(&self, first: u64, count: u64, via: Via) {
+        let _ = self.for_claimed_runs(first, count, |f, c| {
+            if self.prefilled {
+                self.map(f, c, via, true)
+            } else {
+                (f..f + c).for_each(|p| self.arrived(p, via));
+                Ok(())
+            }
+        });
+    }
+
+    /// Call `f` on each run of pages in `[first, first + count)` that this
+    /// thread claims (nobody else wrote or writes them).
+    fn for_claimed_runs(&self, first: u64, count: u64, mut f: impl FnMut(u64, u64) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        let end = first + count;
+        let mut p = first;
+        while p < end {
+            if !self.claimed.test_and_set(p) {
+                p += 1;
                 continue;
             }
-            let mut c = UffdioCopy {
-                dst: self.ram.host_addr as u64 + (pfn + done) * PAGE,
-                src: data.as_ptr() as u64 + done * PAGE,
-                len: (pages - done) * PAGE,
-                mode: 0,
-                copy: 0,
-            };
-            // SAFETY: dst is inside the registered RAM mapping, src inside
-            // `data`, both for `len` bytes.
-            let r = unsafe { libc::ioctl(uffd, UFFDIO_COPY as _, &mut c as *mut UffdioCopy) };
-            // Before anything else can overwrite errno (waking does ioctls).
-            let err = std::io::Error::last_os_error();
-            let copied = if c.copy > 0 { c.copy as u64 / PAGE } else { 0 };
-            for p in pfn + done..pfn + done + copied {
-                self.arrived(p, via);
+            let run = p;
+            p += 1;
+            while p < end && self.claimed.test_and_set(p) {
+                p += 1;
             }
-            done += copied;
-            if r == 0 {
-                // Everything asked was copied.
-                for p in pfn + done..pfn + pages {
-                    self.arrived(p, via);
-                }
-                break;
-            }
-            match err.raw_os_error() {
-                // That page is there already: count it, go on after it.
-                Some(libc::EEXIST) => {
-                    self.arrived(pfn + done, via);
-                    done += 1;
-                }
-                Some(libc::EAGAIN) => {}
-                // Placed by someone else meanwhile (and maybe unregistered).
-                _ if self.seen.get(pfn + done) => done += 1,
-                _ => anyhow::bail!("placing pages {}..{}: {err}", pfn + done, pfn + pages),
-            }
+            f(run, p - run)?;
         }
         Ok(())
     }
 
-    /// Pages known to be zero: they stay holes until touched, then a fault
-    /// maps a zero page (no byte crosses the network or is written).
-    pub fn place_zero(&self, first: u64, count: u64, via: Via) {
-        for pfn in first..first + count {
-            self.arrived(pfn, via);
+    /// Map claimed, written pages into the vmm (waking its waiters) and mark
+    /// them here. `zero_ok`: a page missing from the memfd is a known-zero
+    /// hole, left for a fault to map.
+    fn map(&self, first: u64, count: u64, via: Via, zero_ok: bool) -> anyhow::Result<()> {
+        let uffd = self.domain(0).expect("vmm domain").uffd.as_raw_fd();
+        let base = self.ram.host_addr as u64;
+        let mut done = 0;
+        while done < count {
+            let r = uffd_continue(uffd, base + (first + done) * PAGE, (count - done) * PAGE);
+            let mapped = match r {
+                Ok(n) => n / PAGE,
+                Err((_, n)) => n / PAGE,
+            };
+            for p in first + done..first + done + mapped {
+                self.arrived(p, via);
+            }
+            done += mapped;
+            match r {
+                Ok(_) => {}
+                Err((libc::EAGAIN, _)) => {}
+                // Mapped already (a fault resolved it first); or a hole
+                // that is known zero.
+                Err((libc::EEXIST, _)) => {
+                    self.arrived(first + done, via);
+                    done += 1;
+                }
+                Err((libc::EFAULT, _)) if zero_ok => {
+                    self.arrived(first + done, via);
+                    done += 1;
+                }
+                Err((e, _)) => anyhow::bail!("mapping pages {}..{}: {}", first + done, first + count, std::io::Error::from_raw_os_error(e)),
+            }
         }
+        Ok(())
     }
 
     fn arrived(&self, pfn: u64, via: Via) {
@@ -239,30 +378,66 @@ impl Placer {
         }
     }
 
-    /// A thread of domain `d` faulted at `addr`. Returns the page to
-    /// request from the source if nobody asked for it yet.
-    pub fn fault(&self, d: usize, addr: u64) -> Option<u64> {
-        let dom = self.domain(d)?;
+    /// A thread of domain `d` faulted at `addr`: remember who waits, and
+    /// say what to ask the source for. A guest that touched page p touches
+    /// p+1 next more often than not, and would otherwise fault on nearly
+    /// every page right behind the push, one round trip each: so the
+    /// [`FAULT_WINDOW`] - 1 pages after a faulting page are prefetched
+    /// (`soon`; the source sends those its push has not sent yet). A fault
+    /// on a page being placed or asked for waits; on a prefetched page it
+    /// waits a little for the push to deliver it (`later`: the fault
+    /// thread asks for it if it has not come by then); else the page goes
+    /// to `ask`.
+    pub fn fault(&self, d: usize, addr: u64, out: &mut Asks) {
+        let Some(dom) = self.domain(d) else { return };
         let Some(pfn) = dom.pfn_of(addr).filter(|&p| p < self.total) else {
             tracing::warn!("{}: fault at {addr:#x} outside guest RAM", dom.name);
-            return None;
+            return;
         };
         let mut w = self.waiters.lock().unwrap();
         if self.seen.get(pfn) {
             drop(w);
             dom.resolve(addr);
-            return None;
+            return;
         }
         match w.entry(pfn) {
             std::collections::hash_map::Entry::Occupied(mut e) => {
                 e.get_mut().who.push((d, addr));
-                None
+                return;
             }
             std::collections::hash_map::Entry::Vacant(e) => {
                 e.insert(Waiter { since: Instant::now(), who: vec![(d, addr)] });
                 self.faults.fetch_add(1, Ordering::Relaxed);
-                Some(pfn)
             }
+        }
+        drop(w);
+        if self.claimed.get(pfn) || self.asked.get(pfn) {
+            return;
+        }
+        if self.prefetched.get(pfn) {
+            out.later.push(pfn);
+            return;
+        }
+        self.ask_now(pfn, out);
+        for p in pfn + 1..(pfn + FAULT_WINDOW).min(self.total) {
+            if !self.claimed.get(p) && !self.asked.get(p) && self.prefetched.test_and_set(p) {
+                out.soon.push(p);
+            }
+        }
+    }
+
+    /// A page deferred by [`fault`](Self::fault) is still not here: ask.
+    pub fn ask_now(&self, pfn: u64, out: &mut Asks) {
+        if !self.seen.get(pfn) && !self.claimed.get(pfn) && self.asked.test_and_set(pfn) {
+            out.now.push(pfn);
+        }
+    }
+
+    /// After a reconnection, requests in flight are lost: ask again.
+    pub fn forget_asked(&self) {
+        for p in 0..self.total {
+            self.asked.clear(p);
+            self.prefetched.clear(p);
         }
     }
 
@@ -282,8 +457,9 @@ impl Placer {
         (Some(at(0.5)), Some(at(0.99)), v.last().copied())
     }
 
-    /// Every page is in: stop catching faults on the vmm's mapping (holes
-    /// left are zero pages, which a plain fault now maps by itself).
+    /// Every page is in: stop catching faults on the vmm's mapping (pages
+    /// not mapped yet are in the memfd or are zero holes, which a plain
+    /// fault now maps by itself).
     pub fn unregister_vmm(&self) {
         let vmm = self.domain(0).expect("vmm domain");
         if let Err(e) = vmm.uffd.unregister(self.ram.host_addr as *mut libc::c_void, self.ram.len as usize) {
@@ -291,3 +467,14 @@ impl Placer {
         }
     }
 }
+
+impl Drop for Placer {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping from new(); nothing uses it after drop.
+        unsafe { libc::munmap(self.alias as *mut libc::c_void, self.ram.len as usize) };
+    }
+}
+
+// The alias is only written through claimed pages (see `place`).
+unsafe impl Send for Placer {}
+unsafe impl Sync for Placer {}

@@ -67,12 +67,29 @@ impl PushQueue {
     /// A fault asked for `first..first+count`: those go out now on the
     /// urgent connection, so drop them here, and push on from there.
     pub fn requested(&self, first: u64, count: u64) {
+        self.take(first, count, |_| {});
+    }
+
+    /// Prefetch of `first..first+count`: take the pages still queued (the
+    /// others went out with the push already) into `out` as runs, and push
+    /// on from there.
+    pub fn take_queued(&self, first: u64, count: u64, out: &mut Vec<PageRange>) {
+        self.take(first, count, |p| match out.last_mut() {
+            Some(r) if r.end() == p => r.count += 1,
+            _ => out.push(PageRange { first: p, count: 1 }),
+        });
+    }
+
+    /// Drop the queued pages of `first..first+count` (calling `taken` on
+    /// each) and move the cursor after the range.
+    fn take(&self, first: u64, count: u64, mut taken: impl FnMut(u64)) {
         let mut g = self.inner.lock().unwrap();
         for p in first..(first + count).min(self.total) {
             let (w, b) = ((p / 64) as usize, p % 64);
             if g.bits[w] & (1 << b) != 0 {
                 g.bits[w] &= !(1 << b);
                 g.left -= 1;
+                taken(p);
             }
         }
         g.cursor = (first + count) % self.total.max(1);
@@ -152,5 +169,19 @@ mod tests {
         }
         assert!(seen.iter().all(|&s| s));
         assert_eq!(q.left(), 0);
+    }
+
+    #[test]
+    fn prefetch_takes_only_what_the_push_has_not_sent() {
+        let q = PushQueue::new(100, &[PageRange { first: 0, count: 100 }], Vec::new());
+        let mut out = Vec::new();
+        assert!(q.claim(10, &mut out)); // pages 0..10 are on their way
+        let mut runs = Vec::new();
+        q.take_queued(5, 10, &mut runs);
+        assert_eq!(runs, vec![PageRange { first: 10, count: 5 }]);
+        assert_eq!(q.left(), 85);
+        // The push goes on after the prefetch, without those pages.
+        assert!(q.claim(3, &mut out));
+        assert_eq!(out, vec![Claim { first: 15, count: 3, known_zero: false }]);
     }
 }

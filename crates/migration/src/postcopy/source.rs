@@ -109,21 +109,6 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         wire::send_blob(&mut control, &bytes)?;
     }
     step("switchover sent");
-    // Everything the destination lacks, split into pages to read and memfd
-    // holes (known zero): walking the holes of a large memfd takes
-    // milliseconds, so it happens while the destination loads, not before.
-    // Pages requested meanwhile may go twice; the second copy is dropped.
-    let q2 = queue.clone();
-    let fill = std::thread::spawn(move || {
-        let all = [PageRange { first: 0, count: total }];
-        let pages = missing.as_deref().unwrap_or(&all);
-        let (data, zero) = split_known_zero(&ram, pages).unwrap_or_else(|e| {
-            // Without the holes every page is read and checked for zero.
-            tracing::warn!("{e:#}; pushing every missing page");
-            (pages.to_vec(), Vec::new())
-        });
-        q2.reset(total, &data, zero);
-    });
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
     match recv_reply(&mut control)? {
         Msg::Loaded { .. } => {}
@@ -133,7 +118,6 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     // only serves its memory.
     guard.committed = true;
     step("destination loaded");
-    let unregister = std::thread::spawn(move || drop(log.take()));
     let go = wire::send_msg(&mut control, &Msg::Go);
     match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(&mut control)) {
         Ok(Msg::Resumed { unix_ns, resumed, .. }) => ctl.update(|s| {
@@ -143,6 +127,30 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination did not confirm its start: {e:#}"),
     }
+    // Write-protection off in the background (kernel work that must not
+    // compete with the destination's restart either).
+    let unregister = std::thread::spawn(move || {
+        super::set_priority(false);
+        drop(log.take())
+    });
+    // Everything the destination lacks, split into pages to read and memfd
+    // holes (known zero): walking the holes of a large memfd takes
+    // milliseconds in the kernel, so it happens once the destination runs,
+    // not during the downtime (on two busy CPUs it delayed the
+    // destination's vCPU thread by 10-15 ms).
+    // Pages requested meanwhile may go twice; the second copy is dropped.
+    let q2 = queue.clone();
+    let fill = std::thread::spawn(move || {
+        super::set_priority(false); // not the switch's real-time class
+        let all = [PageRange { first: 0, count: total }];
+        let pages = missing.as_deref().unwrap_or(&all);
+        let (data, zero) = split_known_zero(&ram, pages).unwrap_or_else(|e| {
+            // Without the holes every page is read and checked for zero.
+            tracing::warn!("{e:#}; pushing every missing page");
+            (pages.to_vec(), Vec::new())
+        });
+        q2.reset(total, &data, zero);
+    });
     let _ = unregister.join();
     // The push can only start once it knows what to push.
     fill.join().map_err(|_| anyhow!("the push planner panicked"))?;
@@ -332,25 +340,39 @@ fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Con
     let total = ram.pages();
     let mut w = s.try_clone()?;
     let mut batch = BatchWriter::new();
+    let mut runs = Vec::new();
     loop {
-        let (first, count) = wire::read_request(&mut s, total)?;
-        queue.requested(first, count as u64);
-        for pfn in first..first + count as u64 {
-            // SAFETY: read_request checked the range; the VM is paused here.
-            let src = unsafe { std::slice::from_raw_parts(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
-            if is_zero(src) {
-                batch.zero(pfn);
-            } else {
-                batch.raw(pfn).copy_from_slice(src);
+        let (kind, first, count) = wire::read_request(&mut s, total)?;
+        runs.clear();
+        if kind == wire::DATA_PREFETCH {
+            queue.take_queued(first, count as u64, &mut runs);
+        } else {
+            queue.requested(first, count as u64);
+            runs.push(PageRange { first, count: count as u64 });
+        }
+        let mut sent = 0;
+        for r in &runs {
+            for pfn in r.first..r.end() {
+                // SAFETY: read_request checked the range; the VM is paused here.
+                let src = unsafe { std::slice::from_raw_parts(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
+                if is_zero(src) {
+                    batch.zero(pfn);
+                } else {
+                    batch.raw(pfn).copy_from_slice(src);
+                }
             }
+            sent += r.count;
+        }
+        if sent == 0 {
+            continue;
         }
         let bytes = batch.seal();
         w.write_all(bytes)?;
         let n = bytes.len() as u64;
         batch.reset();
         ctl.update(|st| {
-            st.pages_requested += count as u64;
-            st.pages_sent += count as u64;
+            st.pages_requested += sent;
+            st.pages_sent += sent;
             st.wire_bytes += n;
         });
     }

@@ -34,6 +34,20 @@ impl Side {
         let r = self.cmd("migrate-incoming", json!({"uri": "tcp:127.0.0.1:0", "resume": resume})).unwrap();
         r["port"].as_u64().unwrap() as u16
     }
+    /// Listen with `prealloc` (or not), and once preallocated, wait until
+    /// the memfd holds every page: the migration then meets a full memfd.
+    pub fn incoming_with(&self, resume: bool, prealloc: bool) -> u16 {
+        let r = self.cmd("migrate-incoming", json!({"uri": "tcp:127.0.0.1:0", "resume": resume, "prealloc": prealloc})).unwrap();
+        if prealloc {
+            let ram = self.dynvm.ram();
+            wait_until("the prealloc", || {
+                let mut st: libc::stat = unsafe { std::mem::zeroed() };
+                let ok = unsafe { libc::fstat(ram.memfd, &mut st) } == 0;
+                ok && st.st_blocks as u64 * 512 >= ram.len
+            });
+        }
+        r["port"].as_u64().unwrap() as u16
+    }
     pub fn hashes(&self) -> Vec<u64> {
         page_hashes(&self.dynvm.ram())
     }

@@ -37,6 +37,28 @@ impl Bed {
     /// With extra rnicd arguments (e.g. `--no-gso`).
     pub fn with_args(prefix: &str, hosts: usize, extra: &[&str]) -> Bed {
         let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
+        Bed::start(tb, extra)
+    }
+
+    /// With every link (both veth ends of each host, and the bridge) at
+    /// `mtu`, set before rnicd starts (it reads its interface's MTU).
+    pub fn with_link_mtu(prefix: &str, hosts: usize, mtu: u32, extra: &[&str]) -> Bed {
+        let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
+        let fab = tb.fabric();
+        let ip = |args: &[&str]| {
+            let st = std::process::Command::new("ip").args(args).status().expect("ip");
+            assert!(st.success(), "ip {args:?}");
+        };
+        for h in tb.hosts() {
+            ip(&["-n", &fab, "link", "set", &format!("h{}e0", h.index()), "mtu", &mtu.to_string()]);
+            ip(&["-n", h.name(), "link", "set", "eth0", "mtu", &mtu.to_string()]);
+        }
+        ip(&["-n", &fab, "link", "set", "br0", "mtu", &mtu.to_string()]);
+        Bed::start(tb, extra)
+    }
+
+    fn start(tb: Testbed, extra: &[&str]) -> Bed {
+        let hosts = tb.hosts().len();
         let mut nics = Vec::new();
         for i in 0..hosts {
             let h = tb.host(i);
@@ -139,4 +161,24 @@ pub fn ok(cq: &Cq) -> Wc {
     let w = one(cq);
     assert_eq!(w.status, WcStatus::Success, "{w:?}");
     w
+}
+
+/// ICRC of a captured IPv4/UDP/RoCE packet per the RoCEv2 annex, from the wire bytes.
+pub fn wire_icrc_ok(ip: &[u8]) -> bool {
+    let ihl = (ip[0] & 15) as usize * 4;
+    let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    let pkt = &ip[..total];
+    let mut hdr = pkt[..ihl + 8 + 12].to_vec();
+    hdr[1] = 0xff; // TOS
+    hdr[8] = 0xff; // TTL
+    hdr[10] = 0xff; // IP checksum
+    hdr[11] = 0xff;
+    hdr[ihl + 6] = 0xff; // UDP checksum
+    hdr[ihl + 7] = 0xff;
+    hdr[ihl + 8 + 4] = 0xff; // BTH resv8a
+    let mut h = crc32fast::Hasher::new();
+    h.update(&[0xff; 8]);
+    h.update(&hdr);
+    h.update(&pkt[ihl + 8 + 12..total - 4]);
+    h.finalize().to_le_bytes() == pkt[total - 4..total]
 }
