@@ -436,6 +436,10 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut guard = Outgoing { vm: vm.clone(), ctl: ctl.clone(), paused_by_us: false, committed: false };
 
     // --- setup: control connection, handshake, data connections ---
+    let setup_step = |name: &str| {
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        ctl.update(|s| s.setup_steps.push((name.to_string(), ms)));
+    };
     let session = unix_ns() ^ (std::process::id() as u64) << 32;
     let mut control = connect(&addr, ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
@@ -457,9 +461,11 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         other => bail!("destination answered {other:?} to hello"),
     }
     control.set_read_timeout(None)?;
+    setup_step("welcomed");
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
     let mut channels = open_channels(&addr, session, params.channels, ram, compress, &bucket, ctl, deadline)?;
     let urgent = if mode != Mode::Precopy { Some(open_urgent(&addr, session, ctl)?) } else { None };
+    setup_step("channels open");
 
     if mode == Mode::Postcopy {
         // Nothing moves before the switch: the destination runs at once,
@@ -480,16 +486,23 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // before it is read, so that walk overlaps with sending.
     let mut log = DirtyLog::start_unarmed(&ram, sources)?;
     let armer = log.armer()?;
+    setup_step("tracking registered");
     // Holes go as zero runs without being read, so they must be armed
     // before they are taken for holes: arm the holes seen now, then look
     // again. A page written in between is data in the second look and is
     // read (after arming) like any other; a hole in the second look was a
     // hole when it was armed.
-    for r in complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total) {
-        armer.arm(r).context("arming dirty tracking")?;
+    let seen_data = ram.data_ranges().context("finding the memfd's data ranges")?;
+    let holes = complement(&seen_data, total);
+    for r in &holes {
+        armer.arm(*r).context("arming dirty tracking")?;
     }
+    setup_step("holes armed");
     channels.arm_next = Some(armer);
-    let data = ram.data_ranges().context("finding the memfd's data ranges")?;
+    // The second look needs only the holes: data stays data.
+    let mut data = seen_data;
+    data.extend(crate::pages::data_ranges_within(ram.memfd, &holes, PAGE_SIZE).context("finding the memfd's data ranges")?);
+    let data = normalize(data, total);
     let mut items = Vec::new();
     chunk(&data, CHUNK_PAGES, false, &mut items);
     chunk(&complement(&data, total), ZERO_CHUNK_PAGES, true, &mut items);

@@ -185,6 +185,8 @@ pub struct Stats {
     pub verified_pages: u64,
     /// Where the downtime went: (step, ms since the pause began) on this side.
     pub downtime_steps: Vec<(String, f64)>,
+    /// Where setup went: (step, ms since the migration started) (source).
+    pub setup_steps: Vec<(String, f64)>,
     /// precopy | postcopy | hybrid
     pub mode: String,
     /// Postcopy: page faults on pages not yet here (destination's count).
