@@ -525,7 +525,9 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = last.wire as f64 / last.secs.max(1e-6);
     let mut page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
-    let mut prev_dirty = u64::MAX;
+    // What the first pass had to send: for hybrid's test below, a guest
+    // that dirtied half of RAM during the first pass will not converge.
+    let mut prev_dirty = last.pages;
     let (mut pending, switch) = loop {
         let dirty = log.scan(total)?;
         let n = count_pages(&dirty);
@@ -549,11 +551,12 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             break (dirty, false);
         }
         // Hybrid: precopy converges only if each round at least halves
-        // what is left (the same test as auto-converge's); once a round
-        // does not, or the operator asks, or the timeout would cancel,
-        // more rounds only cost time: switch.
+        // what is left (the same test as auto-converge's; the first pass
+        // counts as a round over all of RAM); once a round does not, or
+        // the operator asks, or the timeout would cancel, more rounds only
+        // cost time: switch.
         let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
-        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || (round >= 1 && n as f64 >= 0.5 * prev_dirty as f64)) {
+        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || n as f64 >= 0.5 * prev_dirty as f64) {
             break (dirty, true);
         }
         prev_dirty = n;
