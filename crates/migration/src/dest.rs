@@ -14,7 +14,7 @@ use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use crate::postcopy::clients::RamClients;
-use crate::postcopy::place::{Placer, Via};
+use crate::postcopy::place::{Alias, Placer, Via};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -81,7 +81,13 @@ pub(crate) struct RxShared {
     pub ram: RamRegion,
     pub total: u64,
     /// Pages that may hold non-zero bytes here (memfd data, or we wrote them).
-    maybe_nonzero: AtomicBitmap,
+    pub maybe_nonzero: Arc<AtomicBitmap>,
+    /// Where received pages are written: the vmm's mapping, or for a
+    /// migration that may switch to postcopy, an alias the vmm's page
+    /// tables never see, so that at the switch a stale page only needs
+    /// forgetting (no unmapping or punching while the VM is paused).
+    write_at: *mut u8,
+    pub alias: Option<Arc<Alias>>,
     /// Pages received at least once.
     pub seen: Arc<AtomicBitmap>,
     barrier: RoundBarrier,
@@ -93,12 +99,16 @@ pub(crate) struct RxShared {
     pub placer: OnceLock<Arc<Placer>>,
 }
 
+// `write_at` points into a mapping that lives as long as the migration.
+unsafe impl Send for RxShared {}
+unsafe impl Sync for RxShared {}
+
 // Guest RAM is shared memory reached through a raw mapping, like DMA.
 #[allow(clippy::mut_from_ref)]
-fn page_mut(ram: &RamRegion, pfn: u64) -> &mut [u8] {
+fn page_mut(sh: &RxShared, pfn: u64) -> &mut [u8] {
     // SAFETY: callers checked pfn < total pages (Records does); only one
     // channel writes a given page per round, and rounds are barriers apart.
-    unsafe { std::slice::from_raw_parts_mut(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) }
+    unsafe { std::slice::from_raw_parts_mut(sh.write_at.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) }
 }
 
 /// Allocate, in one call per run, the pages of this batch that arrive for
@@ -112,7 +122,7 @@ fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
         // SAFETY: the range lies inside guest RAM (Records checked it).
         unsafe {
             libc::madvise(
-                sh.ram.host_addr.add((r.0 * PAGE_SIZE) as usize) as *mut libc::c_void,
+                sh.write_at.add((r.0 * PAGE_SIZE) as usize) as *mut libc::c_void,
                 (r.1 * PAGE_SIZE) as usize,
                 libc::MADV_POPULATE_WRITE,
             )
@@ -299,27 +309,27 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                             Record::Zero { pfn, count } => {
                                 for p in pfn..pfn + count {
                                     if sh.maybe_nonzero.get(p) {
-                                        page_mut(&sh.ram, p).fill(0);
+                                        page_mut(&sh, p).fill(0);
                                     }
                                 }
                                 sh.seen.set_range(PageRange { first: pfn, count });
                                 n += count;
                             }
                             Record::Raw { pfn, data } => {
-                                page_mut(&sh.ram, pfn).copy_from_slice(data);
+                                page_mut(&sh, pfn).copy_from_slice(data);
                                 written.add(pfn, &sh);
                                 n += 1;
                             }
                             Record::RawRun { pfn, data } => {
                                 for (i, page) in data.chunks(PAGE_SIZE as usize).enumerate() {
                                     let p = pfn + i as u64;
-                                    page_mut(&sh.ram, p).copy_from_slice(page);
+                                    page_mut(&sh, p).copy_from_slice(page);
                                     written.add(p, &sh);
                                     n += 1;
                                 }
                             }
                             Record::Compressed { pfn, kind, data } => {
-                                decompress(kind, data, page_mut(&sh.ram, pfn), &mut zstd)
+                                decompress(kind, data, page_mut(&sh, pfn), &mut zstd)
                                     .map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
                                 written.add(pfn, &sh);
                                 n += 1;
@@ -535,10 +545,13 @@ fn run_inner(
     for r in ram.data_ranges()? {
         maybe_nonzero.set_range(r);
     }
+    let alias = if mode == Mode::Hybrid { Some(Arc::new(Alias::map(&ram).context("mapping guest RAM for receiving")?)) } else { None };
     let sh = Arc::new(RxShared {
         ram,
         total,
-        maybe_nonzero,
+        maybe_nonzero: Arc::new(maybe_nonzero),
+        write_at: alias.as_ref().map_or(ram.host_addr, |a| a.base),
+        alias,
         seen: Arc::new(AtomicBitmap::new(total)),
         placer: OnceLock::new(),
         barrier: RoundBarrier { n: channels, st: Mutex::new((0, 0, false)), cv: Condvar::new() },

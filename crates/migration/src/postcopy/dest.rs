@@ -10,7 +10,6 @@ use super::faults::{FaultThread, RequestSink};
 use super::place::{Placer, Via};
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dest::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
-use crate::dirty::PAGE_SIZE;
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::MigratableVm;
 use crate::wire::{self, DataItem, DataReader, Msg};
@@ -116,6 +115,10 @@ fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) 
 }
 
 /// Stale pages (sent before, changed since): the source sends them again.
+/// They were written through the alias, never mapped into the vmm, so
+/// forgetting them is enough: the memfd keeps their old bytes, unmapped,
+/// until the new ones replace them (RAM clients drop their mappings when
+/// they register).
 fn drop_pages(sh: &RxShared, blob: &[u8]) -> Result<()> {
     if !blob.len().is_multiple_of(16) {
         bail!("stale page list of {} bytes", blob.len());
@@ -125,18 +128,6 @@ fn drop_pages(sh: &RxShared, blob: &[u8]) -> Result<()> {
         let count = u64::from_le_bytes(c[8..].try_into().unwrap());
         if count == 0 || first.checked_add(count).is_none_or(|e| e > sh.total) {
             bail!("stale pages {first} (+{count}) outside guest RAM");
-        }
-        // SAFETY: plain syscall on our memfd, range checked above.
-        let r = unsafe {
-            libc::fallocate(
-                sh.ram.memfd,
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                (first * PAGE_SIZE) as i64,
-                (count * PAGE_SIZE) as i64,
-            )
-        };
-        if r < 0 {
-            bail!("dropping stale pages: {}", std::io::Error::last_os_error());
         }
         for p in first..first + count {
             sh.seen.clear(p);
@@ -179,7 +170,11 @@ pub(crate) fn run(
         drop_pages(&sh, &stale)?;
     }
     step("state received");
-    let placer = Arc::new(Placer::new(sh.ram, sh.seen.clone())?);
+    let alias = match &sh.alias {
+        Some(a) => a.clone(),
+        None => Arc::new(super::place::Alias::map(&sh.ram).context("mapping guest RAM for placing pages")?),
+    };
+    let placer = Arc::new(Placer::new(sh.ram, sh.seen.clone(), alias, sh.maybe_nonzero.clone())?);
     let mut n_clients = 0;
     if let Some(c) = &clients {
         for d in c.advise().context("RAM clients")? {
@@ -207,6 +202,15 @@ pub(crate) fn run(
     let t = unix_ns();
     let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: thread_cpu_s() - cpu0 });
     super::set_priority(false);
+    // Pages that came before the switch (a hybrid's precopy rounds) are not
+    // mapped into the vmm yet: map them in the background.
+    let premap = match sh.alias.is_some() {
+        true => Some(std::thread::Builder::new().name("postcopy-premap".into()).spawn({
+            let p = placer.clone();
+            move || p.premap()
+        })?),
+        false => None,
+    };
     let t_post = Instant::now();
     ctl.update(|s| {
         if resumed {
@@ -271,6 +275,9 @@ pub(crate) fn run(
 
     // --- every page is in ---
     faults.stop();
+    if let Some(t) = premap {
+        let _ = t.join();
+    }
     placer.unregister_vmm();
     if let Some(c) = &clients {
         c.end();

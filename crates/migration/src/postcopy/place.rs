@@ -77,6 +77,37 @@ fn uffd_continue(uffd: i32, addr: u64, len: u64) -> Result<u64, (i32, u64)> {
     }
 }
 
+/// A mapping of guest RAM's memfd that no userfaultfd watches: pages are
+/// written here, where the guest cannot see them, before they are mapped
+/// into the vmm. Unmapped on drop.
+pub struct Alias {
+    pub base: *mut u8,
+    len: usize,
+}
+
+impl Alias {
+    pub fn map(ram: &RamRegion) -> std::io::Result<Alias> {
+        // SAFETY: a new shared mapping of the VM's own memfd.
+        let a = unsafe { libc::mmap(std::ptr::null_mut(), ram.len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, ram.memfd, 0) };
+        if a == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Alias { base: a as *mut u8, len: ram.len as usize })
+    }
+}
+
+impl Drop for Alias {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping; nothing uses it after its last owner.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
+}
+
+// Written only through claimed pages (see `Placer::place`) or, before a
+// switch, by the receive channels (one writer per page per round).
+unsafe impl Send for Alias {}
+unsafe impl Sync for Alias {}
+
 /// Register `len` bytes at `addr` of a guest RAM mapping for postcopy.
 pub fn register_ram(uffd: &Uffd, addr: *mut libc::c_void, len: usize) -> std::io::Result<()> {
     use userfaultfd::RegisterMode;
@@ -146,9 +177,11 @@ pub enum Via {
 
 pub struct Placer {
     ram: RamRegion,
-    /// Our own mapping of the memfd, registered nowhere: pages are written
-    /// here before they are mapped into the guest.
-    alias: *mut u8,
+    /// Pages are written here before they are mapped into the guest.
+    alias: Arc<Alias>,
+    /// Pages whose memfd copy may hold non-zero bytes (written before the
+    /// switch, perhaps stale): a zero record must clear them.
+    maybe_nonzero: Arc<AtomicBitmap>,
     /// Pages some thread writes or wrote (a superset of `seen`).
     claimed: AtomicBitmap,
     /// Pages asked for on the urgent connection (a fault there waits for
@@ -177,24 +210,14 @@ pub struct Placer {
 impl Placer {
     /// Register the vmm's RAM mapping for missing-page faults. Pages in
     /// `seen` are already here; every other page must be a hole now.
-    pub fn new(ram: RamRegion, seen: Arc<AtomicBitmap>) -> anyhow::Result<Placer> {
+    pub fn new(ram: RamRegion, seen: Arc<AtomicBitmap>, alias: Arc<Alias>, maybe_nonzero: Arc<AtomicBitmap>) -> anyhow::Result<Placer> {
         let total = ram.pages();
-        // Pages not here must not stay mapped in the vmm (a preallocated or
-        // stale page would be read as it is): unmap them, keep the memfd's.
-        let mut p = 0;
-        while p < total {
-            if seen.get(p) {
-                p += 1;
-                continue;
-            }
-            let first = p;
-            while p < total && !seen.get(p) {
-                p += 1;
-            }
-            // SAFETY: inside the guest RAM mapping.
-            let a = unsafe { ram.host_addr.add((first * PAGE) as usize) };
-            zap(a as *mut libc::c_void, ((p - first) * PAGE) as usize).map_err(|e| anyhow::anyhow!("unmapping absent pages: {e}"))?;
-        }
+        // Nothing here was written through the vmm's mapping (precopy
+        // rounds of a hybrid write through the alias), so it has nothing
+        // worth keeping mapped; what it maps must fault: drop it all (one
+        // call, cheap on empty page tables). A stale page keeps its old
+        // bytes in the memfd until replaced, unmapped everywhere.
+        zap(ram.host_addr as *mut libc::c_void, ram.len as usize).map_err(|e| anyhow::anyhow!("unmapping guest RAM: {e}"))?;
         let uffd = userfaultfd::UffdBuilder::new()
             .close_on_exec(true)
             .non_blocking(true)
@@ -202,11 +225,6 @@ impl Placer {
             .create()
             .map_err(|e| anyhow::anyhow!("userfaultfd: {e}"))?;
         register_ram(&uffd, ram.host_addr as *mut libc::c_void, ram.len as usize)?;
-        // SAFETY: a new shared mapping of our own memfd, unmapped on drop.
-        let alias = unsafe { libc::mmap(std::ptr::null_mut(), ram.len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, ram.memfd, 0) };
-        if alias == libc::MAP_FAILED {
-            anyhow::bail!("mapping guest RAM for placing pages: {}", std::io::Error::last_os_error());
-        }
         let claimed = AtomicBitmap::from_le_bytes(total, &seen.to_le_bytes()).expect("same size");
         // SAFETY: fstat of our memfd.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -215,7 +233,8 @@ impl Placer {
         let present = seen.count_ones();
         Ok(Placer {
             ram,
-            alias: alias as *mut u8,
+            alias,
+            maybe_nonzero,
             claimed,
             asked: AtomicBitmap::new(total),
             prefetched: AtomicBitmap::new(total),
@@ -281,7 +300,7 @@ impl Placer {
             // SAFETY: [first, first + count) is inside guest RAM (callers
             // checked pfn + pages), and this thread alone claimed it.
             unsafe {
-                std::ptr::copy_nonoverlapping(data.as_ptr().add(off), self.alias.add((first * PAGE) as usize), (count * PAGE) as usize);
+                std::ptr::copy_nonoverlapping(data.as_ptr().add(off), self.alias.base.add((first * PAGE) as usize), (count * PAGE) as usize);
             }
             self.map(first, count, via, false)
         })
@@ -292,7 +311,15 @@ impl Placer {
     /// now; otherwise they stay holes and a fault maps a zero page.
     pub fn place_zero(&self, first: u64, count: u64, via: Via) {
         let _ = self.for_claimed_runs(first, count, |f, c| {
-            if self.prefilled {
+            let mut written = false;
+            for p in f..f + c {
+                if self.maybe_nonzero.get(p) {
+                    // SAFETY: a claimed page inside guest RAM.
+                    unsafe { std::ptr::write_bytes(self.alias.base.add((p * PAGE) as usize), 0, PAGE as usize) };
+                    written = true;
+                }
+            }
+            if self.prefilled || written {
                 self.map(f, c, via, true)
             } else {
                 (f..f + c).for_each(|p| self.arrived(p, via));
@@ -462,6 +489,40 @@ impl Placer {
         (Some(at(0.5)), Some(at(0.99)), v.last().copied())
     }
 
+    /// Map into the vmm the pages that arrived before the switch (written
+    /// through the alias, so not mapped yet): a background job after the
+    /// VM runs, so that the guest does not fault on each of them. Pages
+    /// without data stay for the fault path.
+    pub fn premap(&self) {
+        let uffd = self.domain(0).expect("vmm domain").uffd.as_raw_fd();
+        let base = self.ram.host_addr as u64;
+        let wanted = |p: u64| self.seen.get(p) && self.maybe_nonzero.get(p);
+        let mut p = 0;
+        while p < self.total && !self.is_complete() {
+            if !wanted(p) {
+                p += 1;
+                continue;
+            }
+            let first = p;
+            while p < self.total && p - first < 512 && wanted(p) {
+                p += 1;
+            }
+            let mut at = first;
+            while at < p {
+                match uffd_continue(uffd, base + at * PAGE, (p - at) * PAGE) {
+                    Ok(_) => break,
+                    // Mapped already (placed, or a fault came first): skip it.
+                    Err((libc::EEXIST, n)) => at += n / PAGE + 1,
+                    Err((libc::EAGAIN, n)) => at += n / PAGE,
+                    Err((e, _)) => {
+                        tracing::debug!("premapping pages from {at}: {}", std::io::Error::from_raw_os_error(e));
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
     /// Every page is in: stop catching faults on the vmm's mapping (pages
     /// not mapped yet are in the memfd or are zero holes, which a plain
     /// fault now maps by itself).
@@ -473,13 +534,6 @@ impl Placer {
     }
 }
 
-impl Drop for Placer {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping from new(); nothing uses it after drop.
-        unsafe { libc::munmap(self.alias as *mut libc::c_void, self.ram.len as usize) };
-    }
-}
-
-// The alias is only written through claimed pages (see `place`).
+// RamRegion's raw pointer: the mapping lives as long as the VM.
 unsafe impl Send for Placer {}
 unsafe impl Sync for Placer {}
