@@ -567,11 +567,15 @@ fn run_inner(
         })
         .collect::<std::io::Result<_>>()?;
 
-    if mode == Mode::Postcopy {
-        // The source pauses the VM only once we can take the switch at once:
-        // setup here must not count as downtime.
+    // The source pauses the VM only once we can take the switch at once:
+    // setup here must not count as downtime.
+    let armed = if mode == Mode::Postcopy {
+        let a = crate::postcopy::dest::arm(&sh)?;
         wire::send_msg(&mut control, &Msg::Ready)?;
-    }
+        Some(a)
+    } else {
+        None
+    };
     // The control connection is quiet until the source's End; a failing
     // channel shuts it down, which ends this read too.
     control.set_read_timeout(None)?;
@@ -581,7 +585,7 @@ fn run_inner(
     if let Ok(Msg::Switchover { state_bytes, source_paused_unix_ns, dirty_ranges }) = &end {
         let sw = crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
         let urgent = urgent.ok_or_else(|| anyhow!("postcopy without an urgent connection"))?;
-        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, session, sw, clients);
+        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, session, sw, clients, armed);
     }
     let t_end = Instant::now();
     let step = |name: &str| {

@@ -61,6 +61,10 @@ pub struct MigrateIncomingArgs {
     /// Keep the VM paused after it arrived (start it with `transit vm cont`).
     #[arg(long)]
     pub no_resume: bool,
+    /// Allocate all of guest RAM while waiting (as QEMU's -mem-prealloc),
+    /// so that receiving a page is only a copy.
+    #[arg(long)]
+    pub prealloc: bool,
     /// Wait until the migration ends and print its report.
     #[arg(long)]
     pub wait: bool,
@@ -126,7 +130,7 @@ pub fn start_postcopy(t: Target) -> Result<()> {
 
 pub fn migrate_incoming(a: MigrateIncomingArgs) -> Result<()> {
     let mut c = a.target.client()?;
-    let r = c.execute("migrate-incoming", json!({"uri": format!("tcp:{}", a.listen), "resume": !a.no_resume}))?;
+    let r = c.execute("migrate-incoming", json!({"uri": format!("tcp:{}", a.listen), "resume": !a.no_resume, "prealloc": a.prealloc}))?;
     if !a.json {
         eprintln!("listening on port {}", r["port"]);
     }

@@ -126,6 +126,10 @@ pub struct RunArgs {
     /// (with --paused the VM stays paused after it arrived).
     #[arg(long, value_name = "URI")]
     pub incoming: Option<String>,
+    /// With --incoming: allocate all of guest RAM while waiting (as QEMU's
+    /// -mem-prealloc), so that receiving a page is only a copy.
+    #[arg(long, requires = "incoming")]
+    pub prealloc: bool,
     /// After migrating away, stay alive in the postmigrate state until
     /// `quit` (default: exit two seconds after completion).
     #[arg(long)]
@@ -222,7 +226,7 @@ fn run_vm(a: RunArgs) -> Result<()> {
     let config = VmConfig { name: a.name.clone(), memory, vcpus: a.vcpus, firmware, cmdline, nvme: a.nvme };
     let vm = Vm::build(config, console_sink(a.console_log)?)?;
     let socket = a.control.unwrap_or_else(|| default_socket(&a.name));
-    let opts = ServeOpts { start: !a.paused, incoming: a.incoming, keep_after_migrate: a.keep_after_migrate, ram_socket: a.ram_socket };
+    let opts = ServeOpts { start: !a.paused, incoming: a.incoming, prealloc: a.prealloc, keep_after_migrate: a.keep_after_migrate, ram_socket: a.ram_socket };
     if opts.incoming.is_none() {
         vm.boot()?;
     }
@@ -237,13 +241,14 @@ fn restore_vm(a: RestoreArgs) -> Result<()> {
     reader.read_ram(vm.ram())?;
     vm.restore_state(&state)?;
     let socket = a.control.unwrap_or_else(|| default_socket(&vm.config.name));
-    serve(vm, &socket, ServeOpts { start: !a.paused, incoming: None, keep_after_migrate: false, ram_socket: None })
+    serve(vm, &socket, ServeOpts { start: !a.paused, incoming: None, prealloc: false, keep_after_migrate: false, ram_socket: None })
 }
 
 struct ServeOpts {
     /// Start the vCPUs (or, with `incoming`, resume once the VM arrived).
     start: bool,
     incoming: Option<String>,
+    prealloc: bool,
     keep_after_migrate: bool,
     ram_socket: Option<PathBuf>,
 }
@@ -298,7 +303,7 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
     };
     tracing::info!(name = %vm.config.name, socket = %socket.display(), "VM ready");
     if let Some(uri) = &opts.incoming {
-        migration::qmp::handle(&vm_dyn, &slot, "migrate-incoming", &json!({"uri": uri, "resume": opts.start}))
+        migration::qmp::handle(&vm_dyn, &slot, "migrate-incoming", &json!({"uri": uri, "resume": opts.start, "prealloc": opts.prealloc}))
             .map_err(|e| anyhow::anyhow!("migrate-incoming {uri}: {}", e.desc))?;
         tracing::info!(%uri, "waiting for an incoming migration");
     } else if opts.start {

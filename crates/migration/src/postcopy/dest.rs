@@ -136,6 +136,28 @@ fn drop_pages(sh: &RxShared, blob: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// The fault machinery of a destination: the placer (guest RAM registered
+/// with a userfaultfd) and the fault thread. A pure postcopy sets it up
+/// before it tells the source it is ready, so that none of it is downtime;
+/// a hybrid at the switch (what it has must be known first).
+pub(crate) struct Armed {
+    placer: Arc<Placer>,
+    sink: Arc<RequestSink>,
+    faults: FaultThread,
+}
+
+pub(crate) fn arm(sh: &RxShared) -> Result<Armed> {
+    let alias = match &sh.alias {
+        Some(a) => a.clone(),
+        None => Arc::new(super::place::Alias::map(&sh.ram).context("mapping guest RAM for placing pages")?),
+    };
+    let placer = Arc::new(Placer::new(sh.ram, sh.seen.clone(), alias, sh.maybe_nonzero.clone())?);
+    let _ = sh.placer.set(placer.clone());
+    let sink = Arc::new(RequestSink::default());
+    let faults = FaultThread::start(placer.clone(), sink.clone())?;
+    Ok(Armed { placer, sink, faults })
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     vm: &Arc<dyn MigratableVm>,
@@ -149,6 +171,7 @@ pub(crate) fn run(
     session: u64,
     sw: Switch,
     clients: Option<Arc<super::clients::RamClients>>,
+    armed: Option<Armed>,
 ) -> Result<bool> {
     let cpu0 = thread_cpu_s();
     let t_sw = Instant::now();
@@ -170,11 +193,10 @@ pub(crate) fn run(
         drop_pages(&sh, &stale)?;
     }
     step("state received");
-    let alias = match &sh.alias {
-        Some(a) => a.clone(),
-        None => Arc::new(super::place::Alias::map(&sh.ram).context("mapping guest RAM for placing pages")?),
+    let Armed { placer, sink, mut faults } = match armed {
+        Some(a) => a,
+        None => arm(&sh)?,
     };
-    let placer = Arc::new(Placer::new(sh.ram, sh.seen.clone(), alias, sh.maybe_nonzero.clone())?);
     let mut n_clients = 0;
     if let Some(c) = &clients {
         for d in c.advise().context("RAM clients")? {
@@ -182,9 +204,6 @@ pub(crate) fn run(
             n_clients += 1;
         }
     }
-    let _ = sh.placer.set(placer.clone());
-    let sink = Arc::new(RequestSink::default());
-    let mut faults = FaultThread::start(placer.clone(), sink.clone())?;
     let mut link = Some(Link::start(control.try_clone()?, channels, urgent, &sh, &sink)?);
     step("faults armed");
     vm.restore_state(&state).context("loading vCPU and device state")?;
