@@ -4,8 +4,7 @@
 //! rnicd's code, since tshark 4.0 shows the ICRC but does not verify it).
 mod common;
 use common::*;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use verbs::*;
 
 #[test]
@@ -13,24 +12,7 @@ fn tshark_decodes_capture_with_valid_icrc() {
     // Without UDP GSO: a capture on a veth sees a GSO batch as one super-packet
     // (as tcpdump sees TSO), not the wire packets the kernel cuts it into.
     let bed = Bed::with_args("rncap", 2, &["--no-gso"]);
-    let pcap = std::env::temp_dir().join(format!("{}.pcap", bed.tb.name()));
-    let _ = std::fs::remove_file(&pcap);
-    let mut cap = bed
-        .tb
-        .host(0)
-        .command("tshark")
-        .args(["-i", "eth0", "-f", "udp port 4791", "-F", "pcap", "-w"])
-        .arg(&pcap)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("tshark");
-    let t0 = Instant::now();
-    while std::fs::metadata(&pcap).map(|m| m.len()).unwrap_or(0) < 24 {
-        assert!(t0.elapsed() < Duration::from_secs(20), "tshark did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(500));
+    let mut cap = Capture::start(&bed, 0);
 
     let (a, b) = pair(&bed, 0, 1, ConnectOpts { mtu: Mtu::M1024, ..Default::default() });
     a.buf.write(0, &pattern(9, 8192));
@@ -46,12 +28,11 @@ fn tshark_decodes_capture_with_valid_icrc() {
     a.qp.post_send(&[SendWr::fetch_add(5, &[a.mr.sge(32776, 8)], b.mr.addr + 64, b.mr.rkey, 1)]).unwrap();
     a.scq.wait(2, T).unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    unsafe { libc::kill(cap.id() as i32, libc::SIGINT) };
-    let _ = cap.wait();
+    let data = cap.stop();
 
     let out = std::process::Command::new("tshark")
         .arg("-r")
-        .arg(&pcap)
+        .arg(&cap.path)
         .args(["-T", "fields", "-E", "separator=,", "-e", "ip.src", "-e", "udp.srcport", "-e", "infiniband.bth.opcode",
             "-e", "infiniband.bth.destqp", "-e", "infiniband.bth.psn", "-e", "infiniband.invariant.crc"])
         .output()
@@ -80,7 +61,6 @@ fn tshark_decodes_capture_with_valid_icrc() {
     }
 
     // Every captured packet's ICRC is right for the headers on the wire.
-    let data = std::fs::read(&pcap).unwrap();
     assert_eq!(&data[..4], &0xa1b2c3d4u32.to_le_bytes(), "classic pcap");
     let mut off = 24;
     let mut n = 0;
@@ -95,5 +75,4 @@ fn tshark_decodes_capture_with_valid_icrc() {
     }
     assert_eq!(n, rows.len());
     assert!(n >= 15);
-    let _ = std::fs::remove_file(&pcap);
 }

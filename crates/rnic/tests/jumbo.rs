@@ -6,8 +6,7 @@
 //! rnicd decides by its interface's MTU.
 mod common;
 use common::*;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use verbs::*;
 
 /// The IP fragmentation counters of a host's network namespace:
@@ -64,32 +63,11 @@ fn path_mtu_4096_on_a_jumbo_link_is_not_fragmented() {
 fn jumbo_packets_carry_df_and_a_wire_valid_icrc() {
     // Without GSO, so that the capture sees the wire packets (see capture.rs).
     let bed = Bed::with_link_mtu("rnjcap", 2, 9000, &["--no-gso"]);
-    let pcap = std::env::temp_dir().join(format!("{}.pcap", bed.tb.name()));
-    let _ = std::fs::remove_file(&pcap);
-    let mut cap = bed
-        .tb
-        .host(0)
-        .command("tshark")
-        .args(["-i", "eth0", "-f", "udp port 4791", "-F", "pcap", "-w"])
-        .arg(&pcap)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("tshark");
-    let t0 = Instant::now();
-    while std::fs::metadata(&pcap).map(|m| m.len()).unwrap_or(0) < 24 {
-        assert!(t0.elapsed() < Duration::from_secs(20), "tshark did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(500));
+    let mut cap = Capture::start(&bed, 0);
     let (a, b) = pair(&bed, 0, 1, ConnectOpts { mtu: Mtu::M4096, ..Default::default() });
     exchange(&a, &b, 16384, 3);
     std::thread::sleep(Duration::from_millis(500));
-    unsafe { libc::kill(cap.id() as i32, libc::SIGINT) };
-    let _ = cap.wait();
-
-    let data = std::fs::read(&pcap).unwrap();
-    let _ = std::fs::remove_file(&pcap);
+    let data = cap.stop();
     assert_eq!(&data[..4], &0xa1b2c3d4u32.to_le_bytes(), "classic pcap");
     let (mut off, mut n, mut full) = (24, 0, 0);
     while off + 16 <= data.len() {

@@ -182,3 +182,52 @@ pub fn wire_icrc_ok(ip: &[u8]) -> bool {
     h.update(&pkt[ihl + 8 + 12..total - 4]);
     h.finalize().to_le_bytes() == pkt[total - 4..total]
 }
+
+/// tshark capturing RoCE (UDP 4791) on host `h`'s eth0 into a pcap file,
+/// started and writing before `start` returns. `stop` ends it (SIGINT, so
+/// the file is complete) and returns the file's bytes; the file goes away
+/// with the value.
+pub struct Capture {
+    child: std::process::Child,
+    pub path: PathBuf,
+}
+
+impl Capture {
+    pub fn start(bed: &Bed, h: usize) -> Capture {
+        let path = std::env::temp_dir().join(format!("{}.pcap", bed.tb.name()));
+        let _ = std::fs::remove_file(&path);
+        let child = bed
+            .tb
+            .host(h)
+            .command("tshark")
+            .args(["-i", "eth0", "-f", "udp port 4791", "-F", "pcap", "-w"])
+            .arg(&path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("tshark");
+        let t0 = Instant::now();
+        while std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) < 24 {
+            assert!(t0.elapsed() < Duration::from_secs(20), "tshark did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        Capture { child, path }
+    }
+
+    pub fn stop(&mut self) -> Vec<u8> {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let _ = self.child.wait();
+        std::fs::read(&self.path).unwrap_or_default()
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
