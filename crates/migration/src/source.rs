@@ -518,6 +518,14 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut throttle: u8 = 0;
     let mut hits = 0;
     let mut round = 0u64;
+    // Hybrid sends its first pass in two rounds, the first eighth of RAM,
+    // then the rest: a guest that re-dirties half of that eighth meanwhile
+    // will not converge, and switches before the rest is sent twice.
+    let mut rest = Vec::new();
+    if mode == Mode::Hybrid {
+        let at = items.partition_point(|w| w.first < total / 8);
+        rest = items.split_off(at);
+    }
     let t_round = Instant::now();
     let mut last = channels.round(round, items)?;
     wait_round_done(&mut control, round, ctl, deadline)?;
@@ -529,7 +537,15 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // that dirtied half of RAM during the first pass will not converge.
     let mut prev_dirty = last.pages;
     let (mut pending, switch) = loop {
-        let dirty = log.scan(total)?;
+        let mut dirty = log.scan(total)?;
+        if let Some(cut) = rest.first().map(|w| w.first) {
+            // Pages not sent yet read as written (never protected); this
+            // scan protects them, and they go with the rest anyway.
+            dirty.retain_mut(|r| {
+                r.count = r.count.min(cut.saturating_sub(r.first));
+                r.count > 0
+            });
+        }
         let n = count_pages(&dirty);
         let rate = n as f64 / last.secs.max(1e-6);
         let est_s = (n as f64 * page_cost + state_estimate as f64) / bw.max(1.0);
@@ -547,7 +563,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             s.remaining_pages = n;
             s.expected_downtime_ms = est_s * 1e3;
         });
-        if est_s <= target_s {
+        if est_s <= target_s && rest.is_empty() {
             break (dirty, false);
         }
         // Hybrid: precopy converges only if each round at least halves
@@ -557,9 +573,12 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         // cost time: switch.
         let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
         if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || n as f64 >= 0.5 * prev_dirty as f64) {
-            break (dirty, true);
+            let mut missing = dirty;
+            missing.extend(rest.iter().map(|w| PageRange { first: w.first, count: w.count }));
+            break (missing, true);
         }
-        prev_dirty = n;
+        // What the next round sends: the test above compares with it.
+        prev_dirty = n + rest.iter().map(|w| w.count).sum::<u64>();
         if deadline.is_some_and(|d| Instant::now() >= d) {
             ctl.cancel();
             bail!("did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)", params.timeout_s, est_s * 1e3, throttle);
@@ -578,7 +597,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             }
         }
         round += 1;
-        let mut items = Vec::new();
+        let mut items = std::mem::take(&mut rest);
         chunk(&dirty, CHUNK_PAGES, false, &mut items);
         let t_round = Instant::now();
         last = channels.round(round, items)?;

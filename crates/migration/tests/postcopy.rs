@@ -62,6 +62,22 @@ fn postcopy_idle_vm_arrives_byte_exact() {
     }
 }
 
+/// Hybrid of a VM that does not write: its first pass goes in two rounds
+/// (an eighth of RAM, then the rest), nothing is dirtied, so it ends as a
+/// plain precopy, byte-exact.
+#[test]
+fn hybrid_of_an_idle_vm_ends_as_precopy() {
+    let src = Side::new(64 * MIB, 1);
+    src.vm.fill(16, 12000);
+    let dst = Side::new(64 * MIB, 1);
+    let port = dst.incoming(false);
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "channels": 2})).unwrap();
+    let (s, _) = finish(&src, &dst);
+    assert_eq!(s["postcopy_ms"].as_f64().unwrap_or(0.0), 0.0, "switched: {s:#}");
+    assert!(s["rounds"].as_u64().unwrap() >= 2, "{s:#}");
+    assert_same(&src.hashes(), &dst.hashes());
+}
+
 /// The destination runs the dirtier at once: it faults on pages that have
 /// not arrived, they are fetched, and the oracle holds. With a destination
 /// whose memfd is preallocated (all pages there, zero) as well: those are
