@@ -127,12 +127,12 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination did not confirm its start: {e:#}"),
     }
+    // The downtime is over: back to the normal class (the threads below
+    // inherit it).
+    super::set_priority(false);
     // Write-protection off in the background (kernel work that must not
     // compete with the destination's restart either).
-    let unregister = std::thread::spawn(move || {
-        super::set_priority(false);
-        drop(log.take())
-    });
+    let unregister = std::thread::spawn(move || drop(log.take()));
     // Everything the destination lacks, split into pages to read and memfd
     // holes (known zero): walking the holes of a large memfd takes
     // milliseconds in the kernel, so it happens once the destination runs,
@@ -141,7 +141,6 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     // Pages requested meanwhile may go twice; the second copy is dropped.
     let q2 = queue.clone();
     let fill = std::thread::spawn(move || {
-        super::set_priority(false); // not the switch's real-time class
         let all = [PageRange { first: 0, count: total }];
         let pages = missing.as_deref().unwrap_or(&all);
         let (data, zero) = split_known_zero(&ram, pages).unwrap_or_else(|e| {
@@ -154,7 +153,6 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     let _ = unregister.join();
     // The push can only start once it knows what to push.
     fill.join().map_err(|_| anyhow!("the push planner panicked"))?;
-    super::set_priority(false);
     let t_post = Instant::now();
     ctl.update(|s| {
         s.status = Status::PostcopyActive;
