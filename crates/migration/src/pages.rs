@@ -61,6 +61,9 @@ impl AtomicBitmap {
     pub fn clear(&self, i: u64) {
         self.words[(i / 64) as usize].fetch_and(!(1 << (i % 64)), Ordering::Relaxed);
     }
+    pub fn clear_all(&self) {
+        self.words.iter().for_each(|w| w.store(0, Ordering::Relaxed));
+    }
     /// The bits as little-endian words (for the wire).
     pub fn to_le_bytes(&self) -> Vec<u8> {
         self.words.iter().flat_map(|w| w.load(Ordering::Acquire).to_le_bytes()).collect()

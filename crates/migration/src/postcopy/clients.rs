@@ -235,7 +235,8 @@ impl RamClient {
                         for r in ranges {
                             // Pages this process touched before must fault
                             // too: what it maps now may be stale or absent.
-                            super::place::zap(r.0 as *mut libc::c_void, r.2 as usize)?;
+                            // SAFETY: the client's own shared mapping of guest RAM.
+                            unsafe { super::place::zap(r.0 as *mut libc::c_void, r.2 as usize) }?;
                             super::place::register_ram(&u, r.0 as *mut libc::c_void, r.2 as usize)?;
                         }
                         Ok(u)

@@ -1,16 +1,16 @@
-//! The destination's fault thread: reads missing-page faults from every
-//! fault domain (the vmm's uffd and each helper's) and asks the source for
-//! pages nobody asked for yet, on the urgent connection.
+//! The destination's fault thread: reads page faults from every fault
+//! domain (the vmm's uffd and each helper's) and asks the source for pages
+//! nobody asked for yet, on the urgent connection.
 
 use super::place::{Asks, Placer, PUSH_GRACE};
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
 use crate::wire;
+use std::collections::VecDeque;
 use std::io::Write;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use userfaultfd::Event;
 
 /// The write side of the urgent connection; absent while reconnecting

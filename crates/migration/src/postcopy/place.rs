@@ -118,16 +118,20 @@ pub fn register_ram(uffd: &Uffd, addr: *mut libc::c_void, len: usize) -> std::io
 
 /// Drop this process's page table entries for `len` bytes at `addr` of a
 /// shared mapping (the memfd keeps its pages): the next touch faults.
-pub fn zap(addr: *mut libc::c_void, len: usize) -> std::io::Result<()> {
-    // SAFETY: callers pass a range of their own guest RAM mapping; for a
-    // shared mapping this only unmaps, no data is lost.
+///
+/// # Safety
+/// `addr..addr + len` must be (part of) a shared mapping of guest RAM: for
+/// a private mapping this would throw data away.
+pub unsafe fn zap(addr: *mut libc::c_void, len: usize) -> std::io::Result<()> {
+    // SAFETY: the caller's promise; for a shared mapping this only unmaps.
     if unsafe { libc::madvise(addr, len, libc::MADV_DONTNEED) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }
 
-/// A process's missing-page userfaultfd over (part of) guest RAM.
+/// A process's userfaultfd over (part of) guest RAM (missing and minor
+/// faults).
 pub struct FaultDomain {
     pub uffd: Uffd,
     /// (address in that process, guest RAM offset, bytes), page aligned.
@@ -208,8 +212,9 @@ pub struct Placer {
 }
 
 impl Placer {
-    /// Register the vmm's RAM mapping for missing-page faults. Pages in
-    /// `seen` are already here; every other page must be a hole now.
+    /// Register the vmm's RAM mapping for missing and minor faults. Pages
+    /// in `seen` are already here (in the memfd, not necessarily mapped);
+    /// the vmm's mapping must not have been written through.
     pub fn new(ram: RamRegion, seen: Arc<AtomicBitmap>, alias: Arc<Alias>, maybe_nonzero: Arc<AtomicBitmap>) -> anyhow::Result<Placer> {
         let total = ram.pages();
         // Nothing here was written through the vmm's mapping (precopy
@@ -217,7 +222,8 @@ impl Placer {
         // worth keeping mapped; what it maps must fault: drop it all (one
         // call, cheap on empty page tables). A stale page keeps its old
         // bytes in the memfd until replaced, unmapped everywhere.
-        zap(ram.host_addr as *mut libc::c_void, ram.len as usize).map_err(|e| anyhow::anyhow!("unmapping guest RAM: {e}"))?;
+        // SAFETY: the vmm's shared mapping of guest RAM.
+        unsafe { zap(ram.host_addr as *mut libc::c_void, ram.len as usize) }.map_err(|e| anyhow::anyhow!("unmapping guest RAM: {e}"))?;
         let uffd = userfaultfd::UffdBuilder::new()
             .close_on_exec(true)
             .non_blocking(true)
@@ -242,13 +248,13 @@ impl Placer {
             domains: RwLock::new(vec![Arc::new(vmm)]),
             seen,
             present: AtomicU64::new(present),
-            total: ram.pages(),
+            total,
             waiters: Mutex::new(HashMap::new()),
             latencies_us: Mutex::new(Vec::new()),
             faults: AtomicU64::new(0),
             pushed: AtomicU64::new(0),
             requested: AtomicU64::new(0),
-            done: (Mutex::new(present == ram.pages()), Condvar::new()),
+            done: (Mutex::new(present == total), Condvar::new()),
         })
     }
 
@@ -350,40 +356,52 @@ impl Placer {
         Ok(())
     }
 
-    /// Map claimed, written pages into the vmm (waking its waiters) and mark
-    /// them here. `zero_ok`: a page missing from the memfd is a known-zero
-    /// hole, left for a fault to map.
-    fn map(&self, first: u64, count: u64, via: Via, zero_ok: bool) -> anyhow::Result<()> {
+    /// Map pages `[first, first + count)` into the vmm with
+    /// `UFFDIO_CONTINUE` (waking its waiters), run by run. `each` hears of
+    /// every page: `None` once mapped, `Some(errno)` for a page the kernel
+    /// refused (`EAGAIN` is retried); that page is skipped unless `each`
+    /// returns an error, which ends the walk.
+    fn continue_pages(&self, first: u64, count: u64, mut each: impl FnMut(u64, Option<i32>) -> anyhow::Result<()>) -> anyhow::Result<()> {
         let uffd = self.domain(0).expect("vmm domain").uffd.as_raw_fd();
         let base = self.ram.host_addr as u64;
         let mut done = 0;
         while done < count {
             let r = uffd_continue(uffd, base + (first + done) * PAGE, (count - done) * PAGE);
             let mapped = match r {
-                Ok(n) => n / PAGE,
-                Err((_, n)) => n / PAGE,
+                Ok(n) | Err((_, n)) => n / PAGE,
             };
             for p in first + done..first + done + mapped {
-                self.arrived(p, via);
+                each(p, None)?;
             }
             done += mapped;
             match r {
-                Ok(_) => {}
-                Err((libc::EAGAIN, _)) => {}
-                // Mapped already (a fault resolved it first); or a hole
-                // that is known zero.
-                Err((libc::EEXIST, _)) => {
-                    self.arrived(first + done, via);
+                Ok(_) | Err((libc::EAGAIN, _)) => {}
+                Err((e, _)) => {
+                    each(first + done, Some(e))?;
                     done += 1;
                 }
-                Err((libc::EFAULT, _)) if zero_ok => {
-                    self.arrived(first + done, via);
-                    done += 1;
-                }
-                Err((e, _)) => anyhow::bail!("mapping pages {}..{}: {}", first + done, first + count, std::io::Error::from_raw_os_error(e)),
             }
         }
         Ok(())
+    }
+
+    /// Map claimed, written pages into the vmm (waking its waiters) and mark
+    /// them here. `zero_ok`: a page missing from the memfd is a known-zero
+    /// hole, left for a fault to map.
+    fn map(&self, first: u64, count: u64, via: Via, zero_ok: bool) -> anyhow::Result<()> {
+        self.continue_pages(first, count, |p, err| match err {
+            // Mapped now, or already (a fault resolved it first), or a
+            // hole that is known zero.
+            None | Some(libc::EEXIST) => {
+                self.arrived(p, via);
+                Ok(())
+            }
+            Some(libc::EFAULT) if zero_ok => {
+                self.arrived(p, via);
+                Ok(())
+            }
+            Some(e) => anyhow::bail!("mapping page {p} (of {first}..{}): {}", first + count, std::io::Error::from_raw_os_error(e)),
+        })
     }
 
     fn arrived(&self, pfn: u64, via: Via) {
@@ -467,10 +485,8 @@ impl Placer {
 
     /// After a reconnection, requests in flight are lost: ask again.
     pub fn forget_asked(&self) {
-        for p in 0..self.total {
-            self.asked.clear(p);
-            self.prefetched.clear(p);
-        }
+        self.asked.clear_all();
+        self.prefetched.clear_all();
     }
 
     /// Pages threads wait for (asked again after a reconnection).
@@ -494,8 +510,6 @@ impl Placer {
     /// VM runs, so that the guest does not fault on each of them. Pages
     /// without data stay for the fault path.
     pub fn premap(&self) {
-        let uffd = self.domain(0).expect("vmm domain").uffd.as_raw_fd();
-        let base = self.ram.host_addr as u64;
         let wanted = |p: u64| self.seen.get(p) && self.maybe_nonzero.get(p);
         let mut p = 0;
         while p < self.total && !self.is_complete() {
@@ -507,18 +521,14 @@ impl Placer {
             while p < self.total && p - first < 512 && wanted(p) {
                 p += 1;
             }
-            let mut at = first;
-            while at < p {
-                match uffd_continue(uffd, base + at * PAGE, (p - at) * PAGE) {
-                    Ok(_) => break,
-                    // Mapped already (placed, or a fault came first): skip it.
-                    Err((libc::EEXIST, n)) => at += n / PAGE + 1,
-                    Err((libc::EAGAIN, n)) => at += n / PAGE,
-                    Err((e, _)) => {
-                        tracing::debug!("premapping pages from {at}: {}", std::io::Error::from_raw_os_error(e));
-                        return;
-                    }
-                }
+            let r = self.continue_pages(first, p - first, |at, err| match err {
+                // Mapped now, or already (placed, or a fault came first).
+                None | Some(libc::EEXIST) => Ok(()),
+                Some(e) => anyhow::bail!("premapping page {at}: {}", std::io::Error::from_raw_os_error(e)),
+            });
+            if let Err(e) = r {
+                tracing::debug!("{e:#}");
+                return;
             }
         }
     }
