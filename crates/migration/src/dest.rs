@@ -6,6 +6,8 @@ use crate::compress::{decompress, Compress};
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
+use crate::postcopy::clients::RamClients;
+use crate::postcopy::place::{Alias, Placer, Via};
 use crate::stats::{Control, Mode, Status};
 use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, DataItem, DataReader, Msg, Record, Records, WireError};
@@ -13,8 +15,6 @@ use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use crate::postcopy::clients::RamClients;
-use crate::postcopy::place::{Alias, Placer, Via};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -30,8 +30,8 @@ pub struct IncomingParams {
     pub resume: bool,
     /// Give up if no source connects within this many seconds (0 = wait).
     pub accept_timeout_s: u64,
-    /// Allocate all of guest RAM while waiting for the source (precopy
-    /// only; see [`Prealloc`]).
+    /// Allocate all of guest RAM while waiting for the source (see
+    /// [`Prealloc`]).
     pub prealloc: bool,
 }
 
@@ -243,8 +243,19 @@ impl Runs {
 }
 
 
-/// Postcopy: place a batch's pages through the placer.
-pub(crate) fn place_batch(placer: &Placer, payload: &[u8], records: u32, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
+/// Postcopy: place a batch's pages through the placer and count them (and
+/// the batch's wire bytes) in the stats.
+pub(crate) fn place_batch(placer: &Placer, ctl: &Control, payload: &[u8], records: u32, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
+    let n = place_records(placer, payload, records, total, via, zstd)?;
+    let wire = payload.len() as u64 + 17;
+    ctl.update(|st| {
+        st.pages_sent += n;
+        st.wire_bytes += wire;
+    });
+    Ok(n)
+}
+
+fn place_records(placer: &Placer, payload: &[u8], records: u32, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
     let mut it = Records::new(payload, records, total);
     let mut n = 0;
     let mut page = [0u8; PAGE_SIZE as usize];
@@ -289,13 +300,7 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                         crate::postcopy::urgent_priority();
                         postcopy = true;
                     }
-                    let n = place_batch(placer, &rd.payload, records, sh.total, Via::Push, &mut zstd)?;
-                    pages += n;
-                    let wire = rd.payload.len() as u64 + 17;
-                    sh.ctl.update(|st| {
-                        st.pages_sent += n;
-                        st.wire_bytes += wire;
-                    });
+                    pages += place_batch(placer, &sh.ctl, &rd.payload, records, sh.total, Via::Push, &mut zstd)?;
                 }
                 DataItem::Pages { records } => {
                     populate_new_pages(&sh, &rd.payload, records);

@@ -102,12 +102,7 @@ fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) 
     loop {
         match rd.next(&mut s)? {
             DataItem::Pages { records } => {
-                let n = place_batch(placer, &rd.payload, records, total, Via::Request, &mut zstd)?;
-                let w = rd.payload.len() as u64 + 17;
-                ctl.update(|st| {
-                    st.pages_sent += n;
-                    st.wire_bytes += w;
-                });
+                place_batch(placer, ctl, &rd.payload, records, total, Via::Request, &mut zstd)?;
             }
             _ => bail!("unexpected frame on the urgent connection"),
         }
