@@ -30,6 +30,27 @@ fn assert_same(a: &[u64], b: &[u64]) {
     assert!(diff.is_empty(), "{} pages differ, first {:?}", diff.len(), &diff[..diff.len().min(8)]);
 }
 
+/// A source running the dirtier, and a destination listening (with
+/// `prealloc` or not) on the returned port.
+fn dirtier_pair(prealloc: bool) -> (Side, Side, u16) {
+    let src = Side::new(64 * MIB, 2);
+    src.vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let dst = Side::new(64 * MIB, 2);
+    let port = dst.incoming_with(true, prealloc);
+    (src, dst, port)
+}
+
+/// The destination, paused, holds what the source stopped with (but for
+/// the dirtier's counters, which the oracle checks), and keeps holding the
+/// oracle while it runs on.
+fn oracle_holds_on_destination(src: &Side, dst: &Side) {
+    dst.vm.pause().unwrap();
+    assert_same(&tail_hashes(src), &tail_hashes(dst));
+    dst.vm.check_oracle().unwrap();
+    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+}
+
 fn finish(src: &Side, dst: &Side) -> (Value, Value) {
     let o_src = src.slot.wait();
     let o_dst = dst.slot.wait();
@@ -90,11 +111,7 @@ fn postcopy_dirtier_runs_on_destination_at_once() {
 }
 
 fn postcopy_dirtier(prealloc: bool) {
-    let src = Side::new(64 * MIB, 2);
-    src.vm.resume().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    let dst = Side::new(64 * MIB, 2);
-    let port = dst.incoming_with(true, prealloc);
+    let (src, dst, port) = dirtier_pair(prealloc);
     // A slow push, so the running guest must fault for most pages.
     src.cmd(
         "migrate",
@@ -106,10 +123,7 @@ fn postcopy_dirtier(prealloc: bool) {
     assert!(s["pages_requested"].as_u64().unwrap() > 0, "{s:#}");
     assert!(d["fault_p50_us"].as_f64().is_some() && d["fault_p99_us"].as_f64().is_some());
     assert_eq!(s["faults"], d["faults"], "the source reports the destination's faults");
-    dst.vm.pause().unwrap();
-    assert_same(&tail_hashes(&src), &tail_hashes(&dst));
-    dst.vm.check_oracle().unwrap();
-    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+    oracle_holds_on_destination(&src, &dst);
 }
 
 /// Hybrid: precopy rounds that cannot converge (a zero downtime target
@@ -122,22 +136,14 @@ fn hybrid_switches_when_rounds_stop_shrinking() {
 }
 
 fn hybrid_no_shrink(prealloc: bool) {
-    let src = Side::new(64 * MIB, 2);
-    src.vm.resume().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    let dst = Side::new(64 * MIB, 2);
-    let port = dst.incoming_with(true, prealloc);
+    let (src, dst, port) = dirtier_pair(prealloc);
     src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "channels": 2, "downtime_ms": 0})).unwrap();
-    let (s, d) = finish(&src, &dst);
+    let (s, _) = finish(&src, &dst);
     assert_eq!(s["mode"], "hybrid");
     assert!(s["rounds"].as_u64().unwrap() >= 2, "{s:#}");
     assert!(s["postcopy_ms"].as_f64().unwrap() > 0.0, "never switched: {s:#}");
     assert_eq!(s["throttle_steps"], 0, "hybrid switches instead of throttling");
-    let _ = d;
-    dst.vm.pause().unwrap();
-    assert_same(&tail_hashes(&src), &tail_hashes(&dst));
-    dst.vm.check_oracle().unwrap();
-    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+    oracle_holds_on_destination(&src, &dst);
 }
 
 #[test]
@@ -274,8 +280,5 @@ fn postcopy_recovers_after_the_connections_break() {
     assert_eq!(s["recoveries"], 1, "{s:#}");
     assert_eq!(d["recoveries"], 1, "{d:#}");
     assert!(d["paused_ms"].as_f64().unwrap() > 0.0);
-    dst.vm.pause().unwrap();
-    assert_same(&tail_hashes(&src), &tail_hashes(&dst));
-    dst.vm.check_oracle().unwrap();
-    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+    oracle_holds_on_destination(&src, &dst);
 }
