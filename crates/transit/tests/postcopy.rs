@@ -122,14 +122,21 @@ fn postcopy_survives_a_cut_link() {
     dirtier_ok(&p.dst);
 }
 
+/// A dirtier VM in a slow (20 MB/s) postcopy between two testbed hosts,
+/// returned once the destination runs it.
+fn slow_postcopy(name: &str) -> Pair {
+    let p = pair(name, "dirtier", "128M", false);
+    p.src.wait_progress(1, Duration::from_secs(60)).unwrap();
+    p.migrate(json!({"mode": "postcopy", "max_bandwidth": 20_000_000u64}));
+    wait_for("postcopy", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-active");
+    p
+}
+
 #[test]
 fn killed_processes_during_postcopy_are_reported() {
     // Destination killed: the source says so and keeps its memory (alive,
     // paused, refusing to run).
-    let mut p = pair("pckd", "dirtier", "128M", false);
-    p.src.wait_progress(1, Duration::from_secs(60)).unwrap();
-    p.migrate(json!({"mode": "postcopy", "max_bandwidth": 20_000_000u64}));
-    wait_for("postcopy", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-active");
+    let mut p = slow_postcopy("pckd");
     p.dst.kill();
     wait_for("the source to pause", Duration::from_secs(60), || status(&p.src)["status"] == "postcopy-paused");
     let s = status(&p.src);
@@ -138,10 +145,7 @@ fn killed_processes_during_postcopy_are_reported() {
     assert_eq!(p.src.status().unwrap()["status"], "paused");
 
     // Source killed: the destination reports the pages that are lost.
-    let mut p = pair("pcks", "dirtier", "128M", false);
-    p.src.wait_progress(1, Duration::from_secs(60)).unwrap();
-    p.migrate(json!({"mode": "postcopy", "max_bandwidth": 20_000_000u64}));
-    wait_for("postcopy", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-active");
+    let mut p = slow_postcopy("pcks");
     p.src.kill();
     wait_for("the destination to pause", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-paused");
     let d = status(&p.dst);
