@@ -10,7 +10,7 @@ use crate::postcopy::clients::RamClients;
 use crate::postcopy::place::{Alias, Placer, Via};
 use crate::stats::{Control, Mode, Status};
 use crate::vm::{MigratableVm, RamRegion};
-use crate::wire::{self, DataItem, DataReader, Msg, Record, Records, WireError};
+use crate::wire::{self, DataItem, DataReader, Entry, Msg, Record, WireError};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
@@ -88,8 +88,13 @@ pub(crate) struct RxShared {
     /// forgetting (no unmapping or punching while the VM is paused).
     write_at: *mut u8,
     pub alias: Option<Arc<Alias>>,
+    /// A hybrid: pages may arrive before a postcopy switch (through the
+    /// alias, so not mapped into the vmm).
+    pub precopy_rounds: bool,
     /// Pages received at least once.
     pub seen: Arc<AtomicBitmap>,
+    /// Pages received torn or damaged, waiting to come again.
+    pub suspect: Suspects,
     barrier: RoundBarrier,
     /// The control connection's write side, for round acknowledgements.
     acks: Mutex<TcpStream>,
@@ -115,44 +120,177 @@ fn page_mut(sh: &RxShared, pfn: u64) -> &mut [u8] {
 /// the first time: one MADV_POPULATE_WRITE instead of a page fault per page
 /// (the destination's memfd starts empty). Errors are ignored: the copy
 /// faults the pages in anyway.
-fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
-    let mut it = Records::new(payload, records, sh.total);
-    let mut run: Option<(u64, u64)> = None;
-    let flush = |r: (u64, u64)| {
-        // SAFETY: the range lies inside guest RAM (Records checked it).
-        unsafe {
-            libc::madvise(
-                sh.write_at.add((r.0 * PAGE_SIZE) as usize) as *mut libc::c_void,
-                (r.1 * PAGE_SIZE) as usize,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-    };
-    while let Ok(Some(rec)) = it.next_record() {
-        let pfn = match rec {
-            Record::Raw { pfn, .. } | Record::Compressed { pfn, .. } if !sh.maybe_nonzero.get(pfn) => pfn,
-            Record::RawRun { pfn, data } => {
-                // Rare in precopy; populate the whole run.
-                let c = data.len() as u64 / PAGE_SIZE;
-                if let Some(r) = run.take() {
-                    flush(r);
-                }
-                flush((pfn, c));
-                continue;
-            }
+fn populate_new_pages(sh: &RxShared, rd: &DataReader) {
+    let mut t = rd.entries(sh.total);
+    while let Ok(Some(e)) = t.next_entry() {
+        let (pfn, count) = match e {
+            Entry::Raw { pfn, count, .. } if !(pfn..pfn + count).all(|p| sh.maybe_nonzero.get(p)) => (pfn, count),
+            Entry::Compressed { pfn, .. } if !sh.maybe_nonzero.get(pfn) => (pfn, 1),
             _ => continue,
         };
-        run = match run {
-            Some((f, c)) if f + c == pfn => Some((f, c + 1)),
-            Some(r) => {
-                flush(r);
-                Some((pfn, 1))
-            }
-            None => Some((pfn, 1)),
+        // SAFETY: the range lies inside guest RAM (Table checked it).
+        unsafe {
+            libc::madvise(sh.write_at.add((pfn * PAGE_SIZE) as usize) as *mut libc::c_void, (count * PAGE_SIZE) as usize, libc::MADV_POPULATE_WRITE)
         };
     }
-    if let Some(r) = run {
-        flush(r);
+}
+
+/// Read a batch's data straight into guest RAM: raw pages land where they
+/// belong (the kernel's copy is the only one), compressed bytes in
+/// `scratch`. Nothing is trusted yet: [`apply_batch`] checks every page.
+fn read_batch_into_ram(s: &mut TcpStream, rd: &DataReader, sh: &RxShared, data_len: usize, scratch: &mut Vec<u8>) -> Result<()> {
+    let (mut sum, mut compressed) = (0, 0);
+    let mut t = rd.entries(sh.total);
+    while let Some(e) = t.next_entry()? {
+        sum += e.data_len();
+        if let Entry::Compressed { len, .. } = e {
+            compressed += len;
+        }
+    }
+    if sum != data_len {
+        return Err(WireError::Corrupt(format!("page batch with {data_len} data bytes for records of {sum}")).into());
+    }
+    scratch.resize(compressed, 0);
+    let mut pieces: Vec<(*mut u8, usize)> = Vec::new();
+    let mut off = 0;
+    let mut t = rd.entries(sh.total);
+    while let Some(e) = t.next_entry()? {
+        let (at, len) = match e {
+            Entry::Raw { pfn, count, .. } => (page_mut(sh, pfn).as_mut_ptr(), (count * PAGE_SIZE) as usize),
+            Entry::Compressed { len, .. } => {
+                off += len;
+                (scratch[off - len..].as_mut_ptr(), len)
+            }
+            Entry::Zero { .. } => continue,
+        };
+        match pieces.last_mut() {
+            Some((p, l)) if p.wrapping_add(*l) == at => *l += len,
+            _ => pieces.push((at, len)),
+        }
+    }
+    wait_for_bytes(s, data_len);
+    // SAFETY: disjoint ranges of guest RAM (checked page numbers; this
+    // channel alone writes them this round) and of `scratch`.
+    let mut bufs: Vec<std::io::IoSliceMut> = pieces.iter().map(|&(p, l)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, l) })).collect();
+    let mut bufs = &mut bufs[..];
+    while !bufs.is_empty() {
+        match std::io::Read::read_vectored(s, bufs) {
+            Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()),
+            Ok(n) => std::io::IoSliceMut::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(WireError::Io(e).into()),
+        }
+    }
+    Ok(())
+}
+
+/// Sleep until `n` bytes (at most half the receive buffer) are queued on
+/// `s`: the sender's kernel then wakes this thread once per batch instead
+/// of once per segment (a cross-CPU wakeup costs the sender more than the
+/// segment's copy on this VM). The low-water mark goes back to one byte
+/// before reading, so that no read can wait for bytes that never come.
+/// Errors only cost the optimisation.
+fn wait_for_bytes(s: &TcpStream, n: usize) {
+    let fd = s.as_raw_fd();
+    let set = |v: i32| {
+        // SAFETY: an int option on our own socket.
+        unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v as *const i32 as *const libc::c_void, 4) }
+    };
+    if n < 64 << 10 || set(n as i32) != 0 {
+        return;
+    }
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd on the stack. The socket's read timeout bounds
+    // the wait for a silent peer.
+    unsafe { libc::poll(&mut pfd, 1, DATA_IDLE_TIMEOUT.as_millis() as i32) };
+    set(1);
+}
+
+/// Check and account the pages of a batch that [`read_batch_into_ram`]
+/// read: decompress, zero, and mark each page good or suspect. Returns the
+/// pages it held.
+fn apply_batch(rd: &DataReader, sh: &RxShared, scratch: &[u8], zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
+    let mut t = rd.entries(sh.total);
+    let (mut n, mut off) = (0u64, 0);
+    // Bitmap updates go per run of pages, after the copies: an atomic per
+    // page would stall on each page's stores.
+    let mut written = Runs::default();
+    while let Some(e) = t.next_entry()? {
+        match e {
+            Entry::Zero { pfn, count } => {
+                for p in pfn..pfn + count {
+                    if sh.maybe_nonzero.get(p) {
+                        page_mut(sh, p).fill(0);
+                    }
+                }
+                sh.seen.set_range(PageRange { first: pfn, count });
+                sh.suspect.clear_range(pfn, count);
+                n += count;
+            }
+            Entry::Raw { pfn, count, hashes } => {
+                for i in 0..count {
+                    let p = pfn + i;
+                    sh.suspect.check(p, wire::page_hash(p, page_mut(sh, p)) == wire::run_hash(hashes, i as usize));
+                    written.add(p, sh);
+                }
+                n += count;
+            }
+            Entry::Compressed { pfn, kind, len, hash } => {
+                off += len;
+                let page = page_mut(sh, pfn);
+                decompress(kind, &scratch[off - len..off], page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
+                sh.suspect.check(pfn, wire::page_hash(pfn, page) == hash);
+                written.add(pfn, sh);
+                n += 1;
+            }
+        }
+    }
+    written.flush(sh);
+    Ok(n)
+}
+
+/// Pages whose bytes did not match their hash. During precopy rounds the
+/// source sends pages straight from the running guest's RAM, so a page the
+/// guest wrote while it was sent arrives torn; it is dirty, so a later
+/// round (or the postcopy switch's stale list) replaces it. A page still
+/// suspect when the stream ends was damaged on the way: the migration
+/// fails and the VM never runs here.
+pub(crate) struct Suspects {
+    pages: AtomicBitmap,
+    count: std::sync::atomic::AtomicU64,
+}
+
+impl Suspects {
+    fn new(total: u64) -> Self {
+        Suspects { pages: AtomicBitmap::new(total), count: Default::default() }
+    }
+    /// Record the outcome of page `p`'s hash check.
+    fn check(&self, p: u64, ok: bool) {
+        if !ok {
+            if self.pages.test_and_set(p) {
+                self.count.fetch_add(1, Ordering::Relaxed);
+            }
+        } else if self.count.load(Ordering::Relaxed) > 0 && self.pages.get(p) {
+            self.clear_range(p, 1);
+        }
+    }
+    /// These pages were replaced (or dropped as stale): no longer suspect.
+    pub fn clear_range(&self, first: u64, count: u64) {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        for p in first..first + count {
+            if self.pages.test_and_clear(p) {
+                self.count.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+    /// An error if any page is still suspect.
+    pub fn verify(&self) -> Result<()> {
+        match self.count.load(Ordering::Relaxed) {
+            0 => Ok(()),
+            n => Err(WireError::Corrupt(format!("{n} pages arrived damaged (checksum mismatch) and were not sent again")).into()),
+        }
     }
 }
 
@@ -160,45 +298,36 @@ fn populate_new_pages(sh: &RxShared, payload: &[u8], records: u32) {
 /// moment it starts listening: the first write to a fresh memfd page costs
 /// a fault, zeroing and, on a virtualized host, the host's own first-touch
 /// fault (measured here: 1 to 5 s of CPU per GiB, 5x the cost of receiving
-/// the page). Done before the source connects, it leaves the receive path
-/// only copying. It fills the memfd through a mapping of its own, so the
-/// vmm's mapping stays empty: postcopy still catches every first touch
-/// (as a minor fault). Pages it allocates stay zero, so the receiver's zero
-/// handling is unchanged. Dropping it stops the thread within one chunk.
+/// the page). It populates an alias mapping of the memfd ([`Alias`]) that
+/// the receivers then write through: page tables filled here in one call
+/// per chunk spare the receive path a write fault per page (a third of the
+/// destination's CPU on an idle 4 GiB VM). The vmm's own mapping stays
+/// empty, so postcopy still catches every first touch (as a minor fault).
+/// Pages it allocates stay zero, so the receiver's zero handling is
+/// unchanged. Dropping it stops the thread within one chunk.
 pub struct Prealloc {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    alias: Arc<Alias>,
 }
 
 impl Prealloc {
-    /// Populated through a window of this size, mapped and unmapped in
-    /// turn: unmapping a whole-RAM mapping at the end would hold the mm
-    /// lock for ~90 ms per GiB (tearing down its page tables) and stall a
-    /// postcopy switch that needs it.
+    /// Populated a chunk at a time, so that stopping is quick.
     const CHUNK: u64 = 2 << 20;
 
     pub fn start(ram: RamRegion) -> std::io::Result<Prealloc> {
-        let (memfd, len) = (ram.memfd, ram.len);
+        let len = ram.len;
+        let alias = Arc::new(Alias::map(&ram)?);
         let stop = Arc::new(AtomicBool::new(false));
-        let st = stop.clone();
+        let (st, a) = (stop.clone(), alias.clone());
         let thread = std::thread::Builder::new().name("migrate-prealloc".into()).spawn(move || {
             let t = Instant::now();
             let mut off = 0;
             while off < len && !st.load(Ordering::Relaxed) {
                 let n = Self::CHUNK.min(len - off) as usize;
-                // SAFETY: a new shared mapping of the VM's memfd, unmapped
-                // right after; populating never changes page contents.
-                let r = unsafe {
-                    let w = libc::mmap(std::ptr::null_mut(), n, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, memfd, off as i64);
-                    if w == libc::MAP_FAILED {
-                        -1
-                    } else {
-                        let r = libc::madvise(w, n, libc::MADV_POPULATE_WRITE);
-                        libc::munmap(w, n);
-                        r
-                    }
-                };
-                if r != 0 {
+                // SAFETY: inside the alias mapping; populating never
+                // changes page contents (receivers may write meanwhile).
+                if unsafe { libc::madvise(a.base.add(off as usize) as *mut libc::c_void, n, libc::MADV_POPULATE_WRITE) } != 0 {
                     tracing::debug!("prealloc stopped at {off}: {}", std::io::Error::last_os_error());
                     break;
                 }
@@ -206,7 +335,12 @@ impl Prealloc {
             }
             tracing::debug!("prealloc: {off} bytes in {:?}", t.elapsed());
         })?;
-        Ok(Prealloc { stop, thread: Some(thread) })
+        Ok(Prealloc { stop, thread: Some(thread), alias })
+    }
+
+    /// The mapping it populates (receive through it).
+    pub fn alias(&self) -> Arc<Alias> {
+        self.alias.clone()
     }
 }
 
@@ -243,11 +377,12 @@ impl Runs {
 }
 
 
-/// Postcopy: place a batch's pages through the placer and count them (and
-/// the batch's wire bytes) in the stats.
-pub(crate) fn place_batch(placer: &Placer, ctl: &Control, payload: &[u8], records: u32, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
-    let n = place_records(placer, payload, records, total, via, zstd)?;
-    let wire = payload.len() as u64 + 17;
+/// Postcopy: place a batch's pages (read whole by `rd.next`) through the
+/// placer and count them (and the batch's wire bytes) in the stats. The
+/// source is paused by now, so a page that fails its hash is damage.
+pub(crate) fn place_batch(placer: &Placer, ctl: &Control, rd: &DataReader, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
+    let n = place_records(placer, rd, total, via, zstd)?;
+    let wire = rd.batch_wire_len(rd.data.len());
     ctl.update(|st| {
         st.pages_sent += n;
         st.wire_bytes += wire;
@@ -255,8 +390,8 @@ pub(crate) fn place_batch(placer: &Placer, ctl: &Control, payload: &[u8], record
     Ok(n)
 }
 
-fn place_records(placer: &Placer, payload: &[u8], records: u32, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
-    let mut it = Records::new(payload, records, total);
+fn place_records(placer: &Placer, rd: &DataReader, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
+    let mut it = rd.records(total);
     let mut n = 0;
     let mut page = [0u8; PAGE_SIZE as usize];
     while let Some(rec) = it.next_record()? {
@@ -265,16 +400,16 @@ fn place_records(placer: &Placer, payload: &[u8], records: u32, total: u64, via:
                 placer.place_zero(pfn, count, via);
                 n += count;
             }
-            Record::Raw { pfn, data } => {
-                placer.place(pfn, data, via)?;
-                n += 1;
-            }
-            Record::RawRun { pfn, data } => {
+            Record::Raw { pfn, data, hashes } => {
+                wire::check_run(pfn, data, hashes)?;
                 placer.place(pfn, data, via)?;
                 n += (data.len() as u64) / PAGE_SIZE;
             }
-            Record::Compressed { pfn, kind, data } => {
+            Record::Compressed { pfn, kind, data, hash } => {
                 decompress(kind, data, &mut page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
+                if wire::page_hash(pfn, &page) != hash {
+                    return Err(WireError::Corrupt(format!("page {pfn} checksum mismatch")).into());
+                }
                 placer.place(pfn, &page, via)?;
                 n += 1;
             }
@@ -286,12 +421,13 @@ fn place_records(placer: &Placer, payload: &[u8], records: u32, total: u64, via:
 pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
     let mut rd = DataReader::default();
     let mut zstd = None;
+    let mut scratch = Vec::new();
     let mut pages = 0u64;
     let mut postcopy = false;
     let r = (|| -> Result<u64> {
         loop {
-            match rd.next(&mut s)? {
-                DataItem::Pages { records } if sh.placer.get().is_some() => {
+            match rd.next_head(&mut s)? {
+                DataItem::Pages { data_len, .. } if sh.placer.get().is_some() => {
                     let placer = sh.placer.get().expect("checked");
                     if !postcopy {
                         // The guest waits on these pages (and a fault on a
@@ -300,48 +436,14 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                         crate::postcopy::urgent_priority();
                         postcopy = true;
                     }
-                    pages += place_batch(placer, &sh.ctl, &rd.payload, records, sh.total, Via::Push, &mut zstd)?;
+                    rd.read_data(&mut s, data_len)?;
+                    pages += place_batch(placer, &sh.ctl, &rd, sh.total, Via::Push, &mut zstd)?;
                 }
-                DataItem::Pages { records } => {
-                    populate_new_pages(&sh, &rd.payload, records);
-                    let mut it = Records::new(&rd.payload, records, sh.total);
-                    let (mut n, wire) = (0u64, rd.payload.len() as u64 + 17);
-                    // Bitmap updates go per run of pages, after the copies:
-                    // an atomic per page would stall on each page's stores.
-                    let mut written = Runs::default();
-                    while let Some(rec) = it.next_record()? {
-                        match rec {
-                            Record::Zero { pfn, count } => {
-                                for p in pfn..pfn + count {
-                                    if sh.maybe_nonzero.get(p) {
-                                        page_mut(&sh, p).fill(0);
-                                    }
-                                }
-                                sh.seen.set_range(PageRange { first: pfn, count });
-                                n += count;
-                            }
-                            Record::Raw { pfn, data } => {
-                                page_mut(&sh, pfn).copy_from_slice(data);
-                                written.add(pfn, &sh);
-                                n += 1;
-                            }
-                            Record::RawRun { pfn, data } => {
-                                for (i, page) in data.chunks(PAGE_SIZE as usize).enumerate() {
-                                    let p = pfn + i as u64;
-                                    page_mut(&sh, p).copy_from_slice(page);
-                                    written.add(p, &sh);
-                                    n += 1;
-                                }
-                            }
-                            Record::Compressed { pfn, kind, data } => {
-                                decompress(kind, data, page_mut(&sh, pfn), &mut zstd)
-                                    .map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
-                                written.add(pfn, &sh);
-                                n += 1;
-                            }
-                        }
-                    }
-                    written.flush(&sh);
+                DataItem::Pages { data_len, .. } => {
+                    populate_new_pages(&sh, &rd);
+                    read_batch_into_ram(&mut s, &rd, &sh, data_len, &mut scratch)?;
+                    let n = apply_batch(&rd, &sh, &scratch, &mut zstd)?;
+                    let wire = rd.batch_wire_len(data_len);
                     pages += n;
                     sh.ctl.update(|st| {
                         st.pages_sent += n;
@@ -455,8 +557,9 @@ pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingPa
     });
     let mut control: Option<TcpStream> = None;
     let mut started = t0;
-    let _prealloc = if params.prealloc { Some(Prealloc::start(vm.ram())?) } else { None };
-    let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started, clients);
+    let prealloc = if params.prealloc { Some(Prealloc::start(vm.ram())?) } else { None };
+    let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started, clients, prealloc.as_ref().map(Prealloc::alias));
+    drop(prealloc);
     if let Err(e) = &r {
         if let Some(c) = control.as_mut() {
             let _ = wire::send_msg(c, &Msg::Abort { reason: format!("{e:#}") });
@@ -491,6 +594,7 @@ fn run_inner(
     control_out: &mut Option<TcpStream>,
     t0: &mut Instant,
     clients: Option<Arc<RamClients>>,
+    populated: Option<Arc<Alias>>,
 ) -> Result<bool> {
     let ram = vm.ram();
     let total = ram.pages();
@@ -550,14 +654,22 @@ fn run_inner(
     for r in ram.data_ranges()? {
         maybe_nonzero.set_range(r);
     }
-    let alias = if mode == Mode::Hybrid { Some(Arc::new(Alias::map(&ram).context("mapping guest RAM for receiving")?)) } else { None };
+    // A hybrid receives its precopy rounds through an alias (see RxShared);
+    // a preallocated destination receives through its populated one.
+    let alias = match populated {
+        Some(a) => Some(a),
+        None if mode == Mode::Hybrid => Some(Arc::new(Alias::map(&ram).context("mapping guest RAM for receiving")?)),
+        None => None,
+    };
     let sh = Arc::new(RxShared {
         ram,
         total,
         maybe_nonzero: Arc::new(maybe_nonzero),
         write_at: alias.as_ref().map_or(ram.host_addr, |a| a.base),
         alias,
+        precopy_rounds: mode == Mode::Hybrid,
         seen: Arc::new(AtomicBitmap::new(total)),
+        suspect: Suspects::new(total),
         placer: OnceLock::new(),
         barrier: RoundBarrier { n: channels, st: Mutex::new((0, 0, false)), cv: Condvar::new() },
         acks: Mutex::new(control.try_clone()?),
@@ -625,6 +737,7 @@ fn run_inner(
     if seen != total {
         bail!("incomplete stream: {} of {total} pages never arrived", total - seen);
     }
+    sh.suspect.verify()?;
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
     let blob = wire::recv_blob(&mut control).map_err(|e| anyhow!("state: {e}"))?;
     if blob.len() as u64 != state_bytes {

@@ -58,6 +58,11 @@ impl AtomicBitmap {
         let m = 1 << (i % 64);
         self.words[(i / 64) as usize].fetch_or(m, Ordering::AcqRel) & m == 0
     }
+    /// Clear bit `i`; true if it was set.
+    pub fn test_and_clear(&self, i: u64) -> bool {
+        let m = 1 << (i % 64);
+        self.words[(i / 64) as usize].fetch_and(!m, Ordering::AcqRel) & m != 0
+    }
     pub fn clear(&self, i: u64) {
         self.words[(i / 64) as usize].fetch_and(!(1 << (i % 64)), Ordering::Relaxed);
     }
@@ -183,7 +188,7 @@ pub fn page_hashes(ram: &crate::vm::RamRegion) -> Vec<u64> {
             is_data[p as usize] = true;
         }
     }
-    let zero = xxhash_rust::xxh3::xxh3_64(&[0u8; crate::dirty::PAGE_SIZE as usize]);
+    let zero = crate::wire::xxh3(&[0u8; crate::dirty::PAGE_SIZE as usize]);
     (0..ram.len / crate::dirty::PAGE_SIZE)
         .map(|p| {
             if !is_data[p as usize] {
@@ -191,7 +196,7 @@ pub fn page_hashes(ram: &crate::vm::RamRegion) -> Vec<u64> {
             }
             // SAFETY: within the mapping.
             let s = unsafe { std::slice::from_raw_parts(ram.host_addr.add((p * crate::dirty::PAGE_SIZE) as usize), crate::dirty::PAGE_SIZE as usize) };
-            xxhash_rust::xxh3::xxh3_64(s)
+            crate::wire::xxh3(s)
         })
         .collect()
 }

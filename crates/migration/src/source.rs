@@ -148,16 +148,13 @@ impl Channel {
             return Ok(());
         }
         let pages = batch.pages;
-        let bytes = batch.seal();
-        self.bucket.take(bytes.len());
-        self.stream.write_all(bytes).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
-        sent.wire += bytes.len() as u64;
+        self.bucket.take(batch.wire_len());
+        let w = batch.write_to(&mut self.stream).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))? as u64;
+        sent.wire += w;
         self.total_pages_sent += pages;
-        let (w, p) = (bytes.len() as u64, pages);
-        batch.reset();
         self.ctl.update(|s| {
             s.wire_bytes += w;
-            s.pages_sent += p;
+            s.pages_sent += pages;
         });
         Ok(())
     }
@@ -174,7 +171,7 @@ impl Channel {
             if let (Some(a), false) = (&w.arm, item.known_zero) {
                 a.arm(PageRange { first: item.first, count: item.count }).map_err(|e| anyhow!("dirty tracking: {e}"))?;
             }
-            self.send_item(item, comp, batch, cbuf, &mut sent, false)?;
+            self.send_item(item, comp, batch, cbuf, &mut sent)?;
         }
         self.flush(batch, &mut sent)?;
         wire::write_sync(&mut self.stream, w.round).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
@@ -190,7 +187,7 @@ impl Channel {
         while q.claim(CHUNK_PAGES, &mut claims) {
             for c in &claims {
                 let item = WorkItem { first: c.first, count: c.count, known_zero: c.known_zero };
-                self.send_item(&item, comp, batch, cbuf, &mut sent, true)?;
+                self.send_item(&item, comp, batch, cbuf, &mut sent)?;
             }
             // Flush per chunk: the pages near a fault should not wait for
             // a full batch.
@@ -200,83 +197,65 @@ impl Channel {
         Ok(sent)
     }
 
-    /// `runs`: raw pages go as runs (postcopy: one placement per run).
-    fn send_item(&mut self, item: &WorkItem, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>, sent: &mut Sent, runs: bool) -> Result<()> {
+    fn send_item(&mut self, item: &WorkItem, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>, sent: &mut Sent) -> Result<()> {
+        if item.known_zero {
+            batch.zero_run(item.first, item.count as u32);
+            sent.pages += item.count;
+            sent.zero += item.count;
+            if batch.is_full() {
+                self.flush(batch, sent)?;
+            }
+            return Ok(());
+        }
         let mut tmp = [0u8; PAGE_SIZE as usize];
-        {
-            if item.known_zero {
-                batch.zero_run(item.first, item.count as u32);
-                sent.pages += item.count;
-                sent.zero += item.count;
-                if batch.is_full() {
-                    self.flush(batch, sent)?;
-                }
-                return Ok(());
-            }
-            let mut run: Option<(u64, u32)> = None;
-            for pfn in item.first..item.first + item.count {
-                // SAFETY: pfn < pages of the live mapping (checked by the
-                // range math). Guest writes may race with these reads; such
-                // a page is dirty again and is resent next round.
-                let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
-                sent.pages += 1;
-                // Without compression, copy first and check the copy: the
-                // guest page is read once, by the copy, not twice.
-                let zero = if self.compress == Compress::None && !runs {
-                    let z = is_zero(batch.raw_from(pfn, src));
-                    if z {
-                        batch.undo_raw();
+        let mut run: Option<(u64, u32)> = None;
+        for pfn in item.first..item.first + item.count {
+            // SAFETY: pfn < pages of the live mapping (checked by the range
+            // math), which outlives the migration. Guest writes may race
+            // with these reads; such a page is dirty again and is resent
+            // next round.
+            let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
+            sent.pages += 1;
+            // One pass over the page: the hash it is sent with also says
+            // whether it may be all zeros.
+            let h = wire::xxh3(src);
+            if h == wire::zero_page_xxh3() && is_zero(src) {
+                sent.zero += 1;
+                run = match run {
+                    Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
+                    Some((f, c)) => {
+                        batch.zero_run(f, c);
+                        Some((pfn, 1))
                     }
-                    z
-                } else {
-                    is_zero(src)
+                    None => Some((pfn, 1)),
                 };
-                if zero {
-                    sent.zero += 1;
-                    run = match run {
-                        Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
-                        Some((f, c)) => {
-                            batch.zero_run(f, c);
-                            Some((pfn, 1))
-                        }
-                        None => Some((pfn, 1)),
-                    };
-                    continue;
-                }
-                if let Some((f, c)) = run.take() {
-                    batch.zero_run(f, c);
-                }
-                if self.compress == Compress::None && !runs {
-                    sent.raw += 1; // already in the batch
-                } else if self.compress == Compress::None {
-                    batch.raw_in_run(pfn).copy_from_slice(src);
-                    sent.raw += 1;
-                } else if comp.wants_to_try() {
-                    // Compress a private copy: the codec must not see bytes
-                    // change under it.
-                    tmp.copy_from_slice(src);
-                    if comp.compress(&tmp[..], cbuf) {
-                        let enc = if self.compress == Compress::Lz4 { Enc::Lz4 } else { Enc::Zstd };
-                        batch.compressed(pfn, enc, cbuf);
-                        sent.compressed += 1;
-                    } else {
-                        batch.raw_from(pfn, &tmp[..]);
-                        sent.raw += 1;
-                    }
-                } else if runs {
-                    batch.raw_in_run(pfn).copy_from_slice(src);
-                    sent.raw += 1;
-                } else {
-                    batch.raw_from(pfn, src);
-                    sent.raw += 1;
-                }
-                if batch.is_full() {
-                    self.flush(batch, sent)?;
-                }
+                continue;
             }
-            if let Some((f, c)) = run {
+            if let Some((f, c)) = run.take() {
                 batch.zero_run(f, c);
             }
+            if self.compress != Compress::None && comp.wants_to_try() {
+                // Compress a private copy: the codec must not see bytes
+                // change under it.
+                tmp.copy_from_slice(src);
+                if comp.compress(&tmp[..], cbuf) {
+                    let enc = if self.compress == Compress::Lz4 { Enc::Lz4 } else { Enc::Zstd };
+                    batch.compressed(pfn, enc, cbuf, wire::page_hash(pfn, &tmp));
+                    sent.compressed += 1;
+                } else {
+                    batch.raw_copy(pfn, &tmp[..]);
+                    sent.raw += 1;
+                }
+            } else {
+                batch.raw_hashed(pfn, src, h);
+                sent.raw += 1;
+            }
+            if batch.is_full() {
+                self.flush(batch, sent)?;
+            }
+        }
+        if let Some((f, c)) = run {
+            batch.zero_run(f, c);
         }
         Ok(())
     }

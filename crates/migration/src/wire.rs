@@ -1,4 +1,4 @@
-//! The migration stream format (version 1). See docs/migration.md.
+//! The migration stream format (see [`VERSION`]). See docs/migration.md.
 //!
 //! Every TCP connection starts with a 16-byte preamble: magic, stream
 //! version, role. The control connection then carries checksummed frames
@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 8] = *b"TRNSTMIG";
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 pub const ROLE_CONTROL: u8 = 0;
 pub const ROLE_DATA: u8 = 1;
 /// Postcopy: page requests (destination -> source) and their answers, on a
@@ -131,7 +131,7 @@ fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> io::Result<()> {
     buf.push(kind);
     buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     buf.extend_from_slice(payload);
-    buf.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(payload).to_le_bytes());
+    buf.extend_from_slice(&xxh3(payload).to_le_bytes());
     w.write_all(&buf)?;
     w.flush()
 }
@@ -150,7 +150,7 @@ fn read_frame(r: &mut impl Read, want: u8) -> Result<Vec<u8>, WireError> {
     r.read_exact(&mut payload)?;
     let mut sum = [0u8; 8];
     r.read_exact(&mut sum)?;
-    if u64::from_le_bytes(sum) != xxhash_rust::xxh3::xxh3_64(&payload) {
+    if u64::from_le_bytes(sum) != xxh3(&payload) {
         return Err(WireError::Corrupt("control frame checksum mismatch".into()));
     }
     Ok(payload)
@@ -214,18 +214,17 @@ pub fn read_request(r: &mut impl Read, total_pages: u64) -> Result<(u8, u64, u32
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Enc {
-    /// All-zero page, no bytes follow.
+    /// All-zero page.
     Zero = 0,
-    /// 4096 raw bytes follow.
-    Raw = 1,
-    /// u16 length + LZ4 block.
+    // 1 was a single raw page with its bytes inline (version 2).
+    /// u16 length + u64 page hash; an LZ4 block in the data.
     Lz4 = 2,
-    /// u16 length + zstd frame.
+    /// u16 length + u64 page hash; a zstd frame in the data.
     Zstd = 3,
     /// u32 count: `count` zero pages from this one on.
     ZeroRun = 4,
-    /// u32 count, then `count` raw pages from this one on (placed with one
-    /// copy on a postcopy destination).
+    /// u32 count, then `count` u64 page hashes; `count` pages of 4096 raw
+    /// bytes from this one on in the data.
     RawRun = 5,
 }
 
@@ -233,7 +232,6 @@ impl Enc {
     fn from_u8(v: u8) -> Option<Enc> {
         Some(match v {
             0 => Enc::Zero,
-            1 => Enc::Raw,
             2 => Enc::Lz4,
             3 => Enc::Zstd,
             4 => Enc::ZeroRun,
@@ -243,13 +241,27 @@ impl Enc {
     }
 }
 
-/// Builds one page batch: `[kind][u32 len][u32 records][payload][xxh3]`.
-pub struct BatchWriter {
-    buf: Vec<u8>,
-    records: u32,
-    pub pages: u64,
-    /// The open raw run: where its count is and the page that would extend it.
-    run: Option<(usize, u64)>,
+/// xxh3 of `b`, with the widest SIMD this CPU has.
+pub fn xxh3(b: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(b)
+}
+
+/// The [`xxh3`] of an all-zero page: a sender hashes each page first and
+/// checks for zeros only when the hash says so (one pass over the page).
+pub fn zero_page_xxh3() -> u64 {
+    static H: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| xxh3(&[0u8; PAGE]));
+    *H
+}
+
+/// The hash a batch table carries for a page: its [`xxh3`] mixed with the
+/// page number, so that bytes that land on another page never pass.
+pub fn page_hash(pfn: u64, page: &[u8]) -> u64 {
+    page_hash_of(pfn, xxh3(page))
+}
+
+/// [`page_hash`] from the page's [`xxh3`].
+pub fn page_hash_of(pfn: u64, xxh3: u64) -> u64 {
+    xxh3 ^ pfn.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// Longest raw run: 256 KiB, one batch.
@@ -257,21 +269,56 @@ pub const MAX_RAW_RUN: u32 = 64;
 
 pub const BATCH_BYTES: usize = 256 << 10;
 
-impl Default for BatchWriter {
+/// `[kind][u32 table bytes][u32 records][u32 data bytes]`
+const BATCH_HEAD: usize = 13;
+
+/// One piece of a batch's data section: guest RAM, or bytes of the
+/// writer's own buffer (compressed pages, private copies).
+enum Piece {
+    Ram(*const u8, usize),
+    Own(usize, usize),
+}
+
+/// Builds one page batch:
+/// `[kind][u32 table bytes][u32 records][u32 data bytes][table][u64 xxh3 of
+/// the table][data]`. The table holds the records (page number and
+/// encoding, run or compressed length, and the [`page_hash`] of each page);
+/// the data holds the raw and compressed bytes in table order.
+///
+/// Raw pages are not copied: they go from guest RAM to the socket in one
+/// vectored write (the kernel's copy is the only one). A page the guest
+/// writes meanwhile may leave with other bytes than its hash: the
+/// destination then holds it as suspect until it comes again, which it
+/// does because it is dirty (see `dest`). The table itself is built here
+/// and checked whole: a damaged table is never used.
+pub struct BatchWriter<'a> {
+    table: Vec<u8>,
+    records: u32,
+    pub pages: u64,
+    pieces: Vec<Piece>,
+    data_len: usize,
+    own: Vec<u8>,
+    /// The open raw run: where its count is in the table and the page that
+    /// would extend it.
+    run: Option<(usize, u64)>,
+    _ram: std::marker::PhantomData<&'a [u8]>,
+}
+
+impl Default for BatchWriter<'_> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl BatchWriter {
+impl<'a> BatchWriter<'a> {
     pub fn new() -> Self {
-        let mut buf = Vec::with_capacity(BATCH_BYTES + 2 * PAGE);
-        buf.extend_from_slice(&[0u8; 9]);
-        BatchWriter { buf, records: 0, pages: 0, run: None }
+        let mut table = Vec::with_capacity(4096);
+        table.extend_from_slice(&[0u8; BATCH_HEAD]);
+        BatchWriter { table, records: 0, pages: 0, pieces: Vec::new(), data_len: 0, own: Vec::new(), run: None, _ram: std::marker::PhantomData }
     }
     fn head(&mut self, pfn: u64, enc: Enc) {
         self.run = None;
-        self.buf.extend_from_slice(&((pfn << 4) | enc as u64).to_le_bytes());
+        self.table.extend_from_slice(&((pfn << 4) | enc as u64).to_le_bytes());
         self.records += 1;
     }
     pub fn zero(&mut self, pfn: u64) {
@@ -280,82 +327,121 @@ impl BatchWriter {
     }
     pub fn zero_run(&mut self, pfn: u64, count: u32) {
         self.head(pfn, Enc::ZeroRun);
-        self.buf.extend_from_slice(&count.to_le_bytes());
+        self.table.extend_from_slice(&count.to_le_bytes());
         self.pages += count as u64;
     }
-    /// Append room for a raw page and return it to be filled.
-    pub fn raw(&mut self, pfn: u64) -> &mut [u8] {
-        self.head(pfn, Enc::Raw);
-        self.pages += 1;
-        let at = self.buf.len();
-        self.buf.resize(at + PAGE, 0);
-        &mut self.buf[at..]
+    /// Raw page `pfn`, its hash taken now and its bytes sent from `page`
+    /// when the batch is written (the mapping must outlive the batch).
+    pub fn raw(&mut self, pfn: u64, page: &'a [u8]) {
+        self.raw_hashed(pfn, page, xxh3(&page[..PAGE]));
     }
-    /// Room for raw page `pfn`, appended to the open run if it follows it.
-    pub fn raw_in_run(&mut self, pfn: u64) -> &mut [u8] {
+    /// [`raw`](Self::raw) with the page's [`xxh3`] taken by the caller.
+    pub fn raw_hashed(&mut self, pfn: u64, page: &'a [u8], xxh3: u64) {
+        self.raw_entry(pfn, page_hash_of(pfn, xxh3));
+        match self.pieces.last_mut() {
+            // Next to the last page in memory: one iovec for both.
+            Some(Piece::Ram(at, len)) if at.wrapping_add(*len) == page.as_ptr() => *len += PAGE,
+            _ => self.pieces.push(Piece::Ram(page.as_ptr(), PAGE)),
+        }
+        self.data_len += PAGE;
+    }
+    /// Raw page `pfn` from a private copy (copied into the batch).
+    pub fn raw_copy(&mut self, pfn: u64, page: &[u8]) {
+        self.raw_entry(pfn, page_hash(pfn, &page[..PAGE]));
+        self.push_own(&page[..PAGE]);
+    }
+    /// The table side of a raw page: a new run, or one more page of the
+    /// open run (which is the table's last record, so its hashes end it).
+    fn raw_entry(&mut self, pfn: u64, hash: u64) {
         match self.run {
             Some((at, next)) if next == pfn => {
-                let n = u32::from_le_bytes(self.buf[at..at + 4].try_into().unwrap()) + 1;
-                self.buf[at..at + 4].copy_from_slice(&n.to_le_bytes());
+                let n = u32::from_le_bytes(self.table[at..at + 4].try_into().unwrap()) + 1;
+                self.table[at..at + 4].copy_from_slice(&n.to_le_bytes());
                 self.run = (n < MAX_RAW_RUN).then_some((at, pfn + 1));
             }
             _ => {
                 self.head(pfn, Enc::RawRun);
-                let at = self.buf.len();
-                self.buf.extend_from_slice(&1u32.to_le_bytes());
+                let at = self.table.len();
+                self.table.extend_from_slice(&1u32.to_le_bytes());
                 self.run = Some((at, pfn + 1));
             }
         }
+        self.table.extend_from_slice(&hash.to_le_bytes());
         self.pages += 1;
-        let at = self.buf.len();
-        self.buf.resize(at + PAGE, 0);
-        &mut self.buf[at..]
     }
-    /// Append a raw page copied from `src` (no zero-fill first); returns
-    /// the copy, which the caller may still turn into a zero record with
-    /// [`undo_raw`](Self::undo_raw).
-    pub fn raw_from(&mut self, pfn: u64, src: &[u8]) -> &[u8] {
-        self.head(pfn, Enc::Raw);
-        self.pages += 1;
-        let at = self.buf.len();
-        self.buf.extend_from_slice(&src[..PAGE]);
-        &self.buf[at..]
+    fn push_own(&mut self, b: &[u8]) {
+        let at = self.own.len();
+        self.own.extend_from_slice(b);
+        match self.pieces.last_mut() {
+            Some(Piece::Own(o, len)) if *o + *len == at => *len += b.len(),
+            _ => self.pieces.push(Piece::Own(at, b.len())),
+        }
+        self.data_len += b.len();
     }
-    /// Drop the raw page just appended (it turned out to be zero).
-    pub fn undo_raw(&mut self) {
-        self.buf.truncate(self.buf.len() - PAGE - 8);
-        self.records -= 1;
-        self.pages -= 1;
-    }
-    pub fn compressed(&mut self, pfn: u64, enc: Enc, data: &[u8]) {
+    /// A compressed page; `hash` is the [`page_hash`] of its bytes.
+    pub fn compressed(&mut self, pfn: u64, enc: Enc, data: &[u8], hash: u64) {
         self.head(pfn, enc);
         self.pages += 1;
-        self.buf.extend_from_slice(&(data.len() as u16).to_le_bytes());
-        self.buf.extend_from_slice(data);
+        self.table.extend_from_slice(&(data.len() as u16).to_le_bytes());
+        self.table.extend_from_slice(&hash.to_le_bytes());
+        self.push_own(data);
     }
     pub fn is_full(&self) -> bool {
-        self.buf.len() >= BATCH_BYTES
+        self.data_len + self.table.len() >= BATCH_BYTES
     }
     pub fn is_empty(&self) -> bool {
         self.records == 0
     }
-    /// Seal the batch and return its wire bytes; the writer is reset after
-    /// the caller sent them (see [`reset`](Self::reset)).
-    pub fn seal(&mut self) -> &[u8] {
-        let payload_len = (self.buf.len() - 9) as u32;
-        self.buf[0] = DATA_PAGES;
-        self.buf[1..5].copy_from_slice(&payload_len.to_le_bytes());
-        self.buf[5..9].copy_from_slice(&self.records.to_le_bytes());
-        let sum = xxhash_rust::xxh3::xxh3_64(&self.buf[9..]);
-        self.buf.extend_from_slice(&sum.to_le_bytes());
-        &self.buf
+    /// Bytes the batch takes on the wire.
+    pub fn wire_len(&self) -> usize {
+        self.table.len() + 8 + self.data_len
+    }
+    /// Write the batch to `w` (vectored: guest pages straight from RAM)
+    /// and start a new one; returns the bytes written.
+    pub fn write_to(&mut self, w: &mut impl Write) -> io::Result<usize> {
+        let n = self.wire_len();
+        let table_len = (self.table.len() - BATCH_HEAD) as u32;
+        self.table[0] = DATA_PAGES;
+        self.table[1..5].copy_from_slice(&table_len.to_le_bytes());
+        self.table[5..9].copy_from_slice(&self.records.to_le_bytes());
+        self.table[9..13].copy_from_slice(&(self.data_len as u32).to_le_bytes());
+        let sum = xxh3(&self.table[BATCH_HEAD..]);
+        self.table.extend_from_slice(&sum.to_le_bytes());
+        let mut iov: Vec<io::IoSlice> = Vec::with_capacity(self.pieces.len() + 1);
+        iov.push(io::IoSlice::new(&self.table));
+        for p in &self.pieces {
+            iov.push(io::IoSlice::new(match *p {
+                // SAFETY: pages handed to `raw`, in a mapping that outlives
+                // the batch ('a).
+                Piece::Ram(at, len) => unsafe { std::slice::from_raw_parts(at, len) },
+                Piece::Own(at, len) => &self.own[at..at + len],
+            }));
+        }
+        let r = write_all_vectored(w, &mut iov);
+        self.reset();
+        r.map(|_| n)
     }
     pub fn reset(&mut self) {
-        self.buf.truncate(9);
+        self.table.truncate(BATCH_HEAD);
         self.records = 0;
         self.pages = 0;
+        self.pieces.clear();
+        self.data_len = 0;
+        self.own.clear();
         self.run = None;
     }
+}
+
+fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [io::IoSlice<'_>]) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 pub fn write_sync(w: &mut impl Write, round: u64) -> io::Result<()> {
@@ -374,44 +460,47 @@ pub fn write_eos(w: &mut impl Write, pages: u64) -> io::Result<()> {
 
 /// One item read from a data connection.
 pub enum DataItem {
-    /// A verified batch payload and its record count.
-    Pages { records: u32 },
+    /// A batch: its table is read and verified; `data_len` bytes of data
+    /// follow (see [`DataReader::read_data`]).
+    Pages { records: u32, data_len: usize },
     Sync(u64),
     Eos(u64),
 }
 
-/// Reads data frames into an internal buffer.
+/// Reads data frames: a batch's table into `table`, its data into `data`
+/// (or, for a caller that places the bytes itself, not at all).
+#[derive(Default)]
 pub struct DataReader {
-    pub payload: Vec<u8>,
-}
-
-impl Default for DataReader {
-    fn default() -> Self {
-        DataReader { payload: Vec::with_capacity(BATCH_BYTES + 2 * PAGE) }
-    }
+    table: Vec<u8>,
+    records: u32,
+    pub data: Vec<u8>,
 }
 
 impl DataReader {
-    pub fn next(&mut self, r: &mut impl Read) -> Result<DataItem, WireError> {
+    /// The next item; of a batch only the table is read.
+    pub fn next_head(&mut self, r: &mut impl Read) -> Result<DataItem, WireError> {
         let mut kind = [0u8; 1];
         r.read_exact(&mut kind)?;
         match kind[0] {
             DATA_PAGES => {
-                let mut h = [0u8; 8];
+                let mut h = [0u8; BATCH_HEAD - 1];
                 r.read_exact(&mut h)?;
-                let len = u32::from_le_bytes(h[..4].try_into().unwrap()) as usize;
-                let records = u32::from_le_bytes(h[4..].try_into().unwrap());
-                if len > MAX_FRAME {
-                    return Err(WireError::Corrupt(format!("page batch of {len} bytes")));
+                let table_len = u32::from_le_bytes(h[..4].try_into().unwrap()) as usize;
+                let records = u32::from_le_bytes(h[4..8].try_into().unwrap());
+                let data_len = u32::from_le_bytes(h[8..].try_into().unwrap()) as usize;
+                if table_len > MAX_FRAME || data_len > MAX_FRAME {
+                    return Err(WireError::Corrupt(format!("page batch of {table_len} + {data_len} bytes")));
                 }
-                self.payload.resize(len, 0);
-                r.read_exact(&mut self.payload)?;
+                self.table.resize(table_len, 0);
+                r.read_exact(&mut self.table)?;
                 let mut sum = [0u8; 8];
                 r.read_exact(&mut sum)?;
-                if u64::from_le_bytes(sum) != xxhash_rust::xxh3::xxh3_64(&self.payload) {
-                    return Err(WireError::Corrupt("page batch checksum mismatch".into()));
+                if u64::from_le_bytes(sum) != xxh3(&self.table) {
+                    return Err(WireError::Corrupt("page batch table checksum mismatch".into()));
                 }
-                Ok(DataItem::Pages { records })
+                self.records = records;
+                self.data.clear();
+                Ok(DataItem::Pages { records, data_len })
             }
             DATA_SYNC | DATA_EOS => {
                 let mut v = [0u8; 8];
@@ -422,37 +511,75 @@ impl DataReader {
             k => Err(WireError::Corrupt(format!("unknown data frame kind {k}"))),
         }
     }
+    /// The data of the batch whose table was just read, into `data`.
+    pub fn read_data(&mut self, r: &mut impl Read, data_len: usize) -> Result<(), WireError> {
+        self.data.resize(data_len, 0);
+        r.read_exact(&mut self.data)?;
+        Ok(())
+    }
+    /// The next item, a batch with its data.
+    pub fn next(&mut self, r: &mut impl Read) -> Result<DataItem, WireError> {
+        let item = self.next_head(r)?;
+        if let DataItem::Pages { data_len, .. } = item {
+            self.read_data(r, data_len)?;
+        }
+        Ok(item)
+    }
+    /// The records of the last batch, without their data.
+    pub fn entries(&self, total_pages: u64) -> Table<'_> {
+        Table { p: &self.table, left: self.records, total_pages }
+    }
+    /// The records of the last batch with the data read by `read_data`.
+    pub fn records(&self, total_pages: u64) -> Records<'_> {
+        Records { t: self.entries(total_pages), data: &self.data }
+    }
+    /// Bytes the last batch took on the wire.
+    pub fn batch_wire_len(&self, data_len: usize) -> u64 {
+        (BATCH_HEAD + self.table.len() + 8 + data_len) as u64
+    }
 }
 
-/// A decoded page record, borrowing its bytes from the batch payload.
-pub enum Record<'a> {
+/// A record of a batch table.
+pub enum Entry<'a> {
     Zero { pfn: u64, count: u64 },
-    Raw { pfn: u64, data: &'a [u8] },
-    /// `data.len() / 4096` raw pages from `pfn` on.
-    RawRun { pfn: u64, data: &'a [u8] },
-    Compressed { pfn: u64, kind: Compress, data: &'a [u8] },
+    /// `count` raw pages from `pfn` on; `hashes` holds their page hashes.
+    Raw { pfn: u64, count: u64, hashes: &'a [u8] },
+    Compressed { pfn: u64, kind: Compress, len: usize, hash: u64 },
 }
 
-/// Walks the records of a verified batch, checking every bound.
-pub struct Records<'a> {
+impl Entry<'_> {
+    /// Bytes of this record in the batch's data.
+    pub fn data_len(&self) -> usize {
+        match self {
+            Entry::Zero { .. } => 0,
+            Entry::Raw { count, .. } => *count as usize * PAGE,
+            Entry::Compressed { len, .. } => *len,
+        }
+    }
+}
+
+/// The `i`th page hash of a raw run.
+pub fn run_hash(hashes: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(hashes[i * 8..i * 8 + 8].try_into().unwrap())
+}
+
+/// Walks the records of a verified batch table, checking every bound.
+pub struct Table<'a> {
     p: &'a [u8],
     left: u32,
     total_pages: u64,
 }
 
-impl<'a> Records<'a> {
-    pub fn new(payload: &'a [u8], records: u32, total_pages: u64) -> Self {
-        Records { p: payload, left: records, total_pages }
-    }
+impl<'a> Table<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
         if self.p.len() < n {
-            return Err(WireError::Corrupt("page record runs past its batch".into()));
+            return Err(WireError::Corrupt("page record runs past its batch table".into()));
         }
         let (a, b) = self.p.split_at(n);
         self.p = b;
         Ok(a)
     }
-    pub fn next_record(&mut self) -> Result<Option<Record<'a>>, WireError> {
+    pub fn next_entry(&mut self) -> Result<Option<Entry<'a>>, WireError> {
         if self.left == 0 {
             if !self.p.is_empty() {
                 return Err(WireError::Corrupt("trailing bytes after the last page record".into()));
@@ -463,39 +590,82 @@ impl<'a> Records<'a> {
         let w = u64::from_le_bytes(self.take(8)?.try_into().unwrap());
         let pfn = w >> 4;
         let enc = Enc::from_u8((w & 0xf) as u8).ok_or_else(|| WireError::Corrupt(format!("unknown page encoding {}", w & 0xf)))?;
-        let rec = match enc {
-            Enc::Zero => Record::Zero { pfn, count: 1 },
-            Enc::ZeroRun => {
-                let c = u32::from_le_bytes(self.take(4)?.try_into().unwrap()) as u64;
-                Record::Zero { pfn, count: c }
-            }
-            Enc::Raw => Record::Raw { pfn, data: self.take(PAGE)? },
+        let e = match enc {
+            Enc::Zero => Entry::Zero { pfn, count: 1 },
+            Enc::ZeroRun => Entry::Zero { pfn, count: u32::from_le_bytes(self.take(4)?.try_into().unwrap()) as u64 },
             Enc::RawRun => {
                 let c = u32::from_le_bytes(self.take(4)?.try_into().unwrap());
                 if c == 0 || c > MAX_RAW_RUN {
                     return Err(WireError::Corrupt(format!("raw run of {c} pages")));
                 }
-                Record::RawRun { pfn, data: self.take(c as usize * PAGE)? }
+                Entry::Raw { pfn, count: c as u64, hashes: self.take(c as usize * 8)? }
             }
             Enc::Lz4 | Enc::Zstd => {
-                let n = u16::from_le_bytes(self.take(2)?.try_into().unwrap()) as usize;
-                if n > PAGE {
-                    return Err(WireError::Corrupt(format!("compressed page of {n} bytes")));
+                let len = u16::from_le_bytes(self.take(2)?.try_into().unwrap()) as usize;
+                if len > PAGE {
+                    return Err(WireError::Corrupt(format!("compressed page of {len} bytes")));
                 }
+                let hash = u64::from_le_bytes(self.take(8)?.try_into().unwrap());
                 let kind = if enc == Enc::Lz4 { Compress::Lz4 } else { Compress::Zstd(0) };
-                Record::Compressed { pfn, kind, data: self.take(n)? }
+                Entry::Compressed { pfn, kind, len, hash }
             }
         };
-        let (first, count) = match &rec {
-            Record::Zero { pfn, count } => (*pfn, *count),
-            Record::RawRun { pfn, data } => (*pfn, (data.len() / PAGE) as u64),
-            Record::Raw { pfn, .. } | Record::Compressed { pfn, .. } => (*pfn, 1),
+        let (first, count) = match &e {
+            Entry::Zero { pfn, count } | Entry::Raw { pfn, count, .. } => (*pfn, *count),
+            Entry::Compressed { pfn, .. } => (*pfn, 1),
         };
         if count == 0 || first.checked_add(count).is_none_or(|e| e > self.total_pages) {
             return Err(WireError::Corrupt(format!("page {first} (+{count}) is outside guest RAM of {} pages", self.total_pages)));
         }
-        Ok(Some(rec))
+        Ok(Some(e))
     }
+}
+
+/// A decoded page record, borrowing its bytes from the batch data.
+pub enum Record<'a> {
+    Zero { pfn: u64, count: u64 },
+    /// `data.len() / 4096` raw pages from `pfn` on, with their hashes.
+    Raw { pfn: u64, data: &'a [u8], hashes: &'a [u8] },
+    Compressed { pfn: u64, kind: Compress, data: &'a [u8], hash: u64 },
+}
+
+/// Walks the records of a batch with its data, checking every bound.
+pub struct Records<'a> {
+    t: Table<'a>,
+    data: &'a [u8],
+}
+
+impl<'a> Records<'a> {
+    pub fn next_record(&mut self) -> Result<Option<Record<'a>>, WireError> {
+        let Some(e) = self.t.next_entry()? else {
+            if !self.data.is_empty() {
+                return Err(WireError::Corrupt("trailing bytes after the last page's data".into()));
+            }
+            return Ok(None);
+        };
+        let n = e.data_len();
+        if self.data.len() < n {
+            return Err(WireError::Corrupt("page data runs past its batch".into()));
+        }
+        let (d, rest) = self.data.split_at(n);
+        self.data = rest;
+        Ok(Some(match e {
+            Entry::Zero { pfn, count } => Record::Zero { pfn, count },
+            Entry::Raw { pfn, hashes, .. } => Record::Raw { pfn, data: d, hashes },
+            Entry::Compressed { pfn, kind, hash, .. } => Record::Compressed { pfn, kind, data: d, hash },
+        }))
+    }
+}
+
+/// Check raw pages against their hashes (`data` holds whole pages).
+pub fn check_run(pfn: u64, data: &[u8], hashes: &[u8]) -> Result<(), WireError> {
+    for (i, page) in data.chunks(PAGE).enumerate() {
+        let p = pfn + i as u64;
+        if page_hash(p, page) != run_hash(hashes, i) {
+            return Err(WireError::Corrupt(format!("page {p} checksum mismatch")));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -504,46 +674,61 @@ mod tests {
 
     #[test]
     fn batch_roundtrip_and_damage() {
+        let ram: Vec<u8> = (0..40 * PAGE).map(|i| (i / PAGE) as u8).collect();
+        let page = |p: usize| &ram[p * PAGE..(p + 1) * PAGE];
         let mut b = BatchWriter::new();
         b.zero(3);
         b.zero_run(10, 5);
-        b.raw(7).fill(0xab);
-        b.compressed(8, Enc::Lz4, &[1, 2, 3]);
+        b.raw(7, page(7));
+        b.compressed(8, Enc::Lz4, &[1, 2, 3], 0x1234);
         for p in [20, 21, 22, 30] {
-            b.raw_in_run(p).fill(p as u8);
+            b.raw(p, page(p as usize));
         }
-        // A page copied in and taken back leaves no trace.
-        b.raw_from(20, &[0u8; PAGE]);
-        b.undo_raw();
-        let bytes = b.seal().to_vec();
+        b.raw_copy(31, page(31));
+        let mut bytes = Vec::new();
+        let n = b.write_to(&mut bytes).unwrap();
+        assert_eq!(n, bytes.len());
+        assert!(b.is_empty(), "written batches start over");
         let mut rd = DataReader::default();
-        let DataItem::Pages { records } = rd.next(&mut bytes.as_slice()).unwrap() else { panic!() };
-        let mut it = Records::new(&rd.payload, records, 100);
-        let mut n = 0;
+        assert!(matches!(rd.next(&mut bytes.as_slice()).unwrap(), DataItem::Pages { records: 6, .. }));
+        let mut it = rd.records(100);
+        let mut runs = Vec::new();
         while let Some(r) = it.next_record().unwrap() {
-            if let Record::Raw { pfn, data } = r {
-                assert_eq!(pfn, 7);
-                assert!(data.iter().all(|&x| x == 0xab));
+            match r {
+                Record::Raw { pfn, data, hashes } => {
+                    check_run(pfn, data, hashes).unwrap();
+                    runs.push((pfn, data.chunks(PAGE).map(|c| c[0]).collect::<Vec<u8>>()));
+                }
+                Record::Compressed { pfn, data, hash, .. } => assert_eq!((pfn, data, hash), (8, &[1u8, 2, 3][..], 0x1234)),
+                Record::Zero { pfn, count } => assert!((pfn, count) == (3, 1) || (pfn, count) == (10, 5)),
             }
-            if let Record::RawRun { pfn, data } = r {
-                let pages: Vec<u8> = data.chunks(PAGE).map(|c| c[0]).collect();
-                assert!(pfn == 20 && pages == [20, 21, 22] || pfn == 30 && pages == [30], "run at {pfn}: {pages:?}");
-            }
-            n += 1;
         }
-        assert_eq!(n, 6);
+        assert_eq!(runs, vec![(7, vec![7]), (20, vec![20, 21, 22]), (30, vec![30, 31])]);
         // A page number beyond RAM is refused, never written.
-        let mut it = Records::new(&rd.payload, records, 12);
+        let mut it = rd.records(12);
         assert!((0..6).any(|_| it.next_record().is_err()));
         // A run reaching past RAM is refused too.
-        let mut it = Records::new(&rd.payload, records, 22);
+        let mut it = rd.records(22);
         assert!((0..6).any(|_| it.next_record().is_err()));
-        // Any flipped byte is caught by the checksum.
-        for i in [0usize, 3, 9, 20, bytes.len() - 1] {
+        // A flipped byte in the header or table is caught by the table
+        // checksum; one in the data by the page hash.
+        let table_end = bytes.len() - (6 * PAGE + 3);
+        for i in [0usize, 3, 9, 20, table_end - 1] {
             let mut bad = bytes.clone();
             bad[i] ^= 0x10;
             assert!(rd.next(&mut bad.as_slice()).is_err(), "flip at {i}");
         }
+        let mut bad = bytes.clone();
+        *bad.last_mut().unwrap() ^= 0x10;
+        rd.next(&mut bad.as_slice()).unwrap();
+        let mut it = rd.records(100);
+        let mut caught = false;
+        while let Some(r) = it.next_record().unwrap() {
+            if let Record::Raw { pfn, data, hashes } = r {
+                caught |= check_run(pfn, data, hashes).is_err();
+            }
+        }
+        assert!(caught, "a damaged page passed its hash");
         // Preamble: wrong version and wrong magic are clear errors.
         let mut p = Vec::new();
         write_preamble(&mut p, VERSION + 1, ROLE_CONTROL).unwrap();

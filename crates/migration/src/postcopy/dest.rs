@@ -101,8 +101,8 @@ fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) 
     let mut zstd = None;
     loop {
         match rd.next(&mut s)? {
-            DataItem::Pages { records } => {
-                place_batch(placer, ctl, &rd.payload, records, total, Via::Request, &mut zstd)?;
+            DataItem::Pages { .. } => {
+                place_batch(placer, ctl, &rd, total, Via::Request, &mut zstd)?;
             }
             _ => bail!("unexpected frame on the urgent connection"),
         }
@@ -127,8 +127,11 @@ fn drop_pages(sh: &RxShared, blob: &[u8]) -> Result<()> {
         for p in first..first + count {
             sh.seen.clear(p);
         }
+        sh.suspect.clear_range(first, count);
     }
-    Ok(())
+    // Every torn page of the precopy rounds is stale: one that is not was
+    // damaged on the way.
+    sh.suspect.verify()
 }
 
 /// The fault machinery of a destination: the placer (guest RAM registered
@@ -218,7 +221,7 @@ pub(crate) fn run(
     super::set_priority(false);
     // Pages that came before the switch (a hybrid's precopy rounds) are not
     // mapped into the vmm yet: map them in the background.
-    let premap = match sh.alias.is_some() {
+    let premap = match sh.precopy_rounds {
         true => Some(std::thread::Builder::new().name("postcopy-premap".into()).spawn({
             let p = placer.clone();
             move || p.premap()

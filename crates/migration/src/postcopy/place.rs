@@ -98,8 +98,24 @@ impl Alias {
 
 impl Drop for Alias {
     fn drop(&mut self) {
-        // SAFETY: our own mapping; nothing uses it after its last owner.
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+        // Tearing down the page tables of a populated whole-RAM mapping
+        // takes ~90 ms per GiB: do it off the caller's path (the end of a
+        // migration), 2 MiB per munmap so that the mm lock is never held
+        // for long.
+        let (base, len) = (self.base as usize, self.len);
+        let unmap = move || {
+            let mut off = 0;
+            while off < len {
+                let n = (2usize << 20).min(len - off);
+                // SAFETY: our own mapping; nothing uses it after its last owner.
+                unsafe { libc::munmap((base + off) as *mut libc::c_void, n) };
+                off += n;
+            }
+        };
+        if let Err(e) = std::thread::Builder::new().name("alias-unmap".into()).spawn(unmap) {
+            tracing::debug!("unmapping the alias in place: {e}");
+            unmap();
+        }
     }
 }
 

@@ -15,7 +15,6 @@ use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, Msg};
 use anyhow::{anyhow, bail, Context, Result};
-use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -356,7 +355,7 @@ fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Con
                 if is_zero(src) {
                     batch.zero(pfn);
                 } else {
-                    batch.raw(pfn).copy_from_slice(src);
+                    batch.raw(pfn, src);
                 }
             }
             sent += r.count;
@@ -364,10 +363,7 @@ fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Con
         if sent == 0 {
             continue;
         }
-        let bytes = batch.seal();
-        w.write_all(bytes)?;
-        let n = bytes.len() as u64;
-        batch.reset();
+        let n = batch.write_to(&mut w)? as u64;
         ctl.update(|st| {
             st.pages_requested += sent;
             st.pages_sent += sent;
