@@ -363,10 +363,12 @@ impl Placer {
             let run = p;
             p += 1;
             // Short runs: a fault on a page claimed here waits until the run
-            // is mapped, and this thread may lose its CPU in between.
+            // is mapped.
             while p < end && p - run < CLAIM_RUN && self.claimed.test_and_set(p) {
                 p += 1;
             }
+            // Nor may this thread lose its CPU to ordinary work meanwhile.
+            let _rt = super::RealtimeSection::enter();
             f(run, p - run)?;
         }
         Ok(())
