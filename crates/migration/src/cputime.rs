@@ -7,6 +7,19 @@ pub fn thread_cpu_s() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// Adds the calling thread's CPU time to one side's figure in the stats
+/// when dropped: held by postcopy's threads for their whole life.
+pub struct CpuTally<'a> {
+    pub ctl: &'a crate::stats::Control,
+    pub dest: bool,
+}
+
+impl Drop for CpuTally<'_> {
+    fn drop(&mut self) {
+        self.ctl.add_cpu(self.dest, thread_cpu_s());
+    }
+}
+
 pub fn unix_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
 }

@@ -472,6 +472,10 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
         sh.barrier.break_all();
         sh.ctl.shutdown_all();
     }
+    if postcopy {
+        // Postcopy drops channel results: count this thread here.
+        sh.ctl.add_cpu(true, thread_cpu_s());
+    }
     r.map(|p| (p, thread_cpu_s()))
 }
 

@@ -280,6 +280,13 @@ impl Control {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
+    /// Add `secs` of CPU to the source's or the destination's figure.
+    pub fn add_cpu(&self, dest: bool, secs: f64) {
+        self.update(|s| {
+            let f = if dest { &mut s.cpu_s_dest } else { &mut s.cpu_s_source };
+            *f = Some(f.unwrap_or(0.0) + secs);
+        })
+    }
     pub fn update(&self, f: impl FnOnce(&mut Stats)) {
         f(&mut self.stats.lock().unwrap())
     }

@@ -8,7 +8,7 @@
 
 use super::faults::{FaultThread, RequestSink};
 use super::place::{Placer, Via};
-use crate::cputime::{thread_cpu_s, unix_ns};
+use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
 use crate::dest::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::MigratableVm;
@@ -96,6 +96,7 @@ impl Link {
 }
 
 fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) -> Result<()> {
+    let _cpu = CpuTally { ctl, dest: true };
     super::urgent_priority();
     let mut rd = DataReader::default();
     let mut zstd = None;
@@ -152,7 +153,7 @@ pub(crate) fn arm(sh: &RxShared) -> Result<Armed> {
     let placer = Arc::new(Placer::new(sh.ram, sh.seen.clone(), alias, sh.maybe_nonzero.clone())?);
     let _ = sh.placer.set(placer.clone());
     let sink = Arc::new(RequestSink::default());
-    let faults = FaultThread::start(placer.clone(), sink.clone())?;
+    let faults = FaultThread::start(placer.clone(), sink.clone(), sh.ctl.clone())?;
     Ok(Armed { placer, sink, faults })
 }
 
@@ -223,8 +224,11 @@ pub(crate) fn run(
     // mapped into the vmm yet: map them in the background.
     let premap = match sh.precopy_rounds {
         true => Some(std::thread::Builder::new().name("postcopy-premap".into()).spawn({
-            let p = placer.clone();
-            move || p.premap()
+            let (p, ctl) = (placer.clone(), ctl.clone());
+            move || {
+                let _cpu = CpuTally { ctl: &ctl, dest: true };
+                p.premap()
+            }
         })?),
         false => None,
     };
@@ -300,7 +304,9 @@ pub(crate) fn run(
         c.end();
     }
     let (p50, p99, max) = placer.latency_percentiles();
-    let cpu = thread_cpu_s() - cpu0;
+    // This thread's own CPU is counted by `dest::run`, which it runs in
+    // (the source hears the total so far).
+    let cpu = ctl.snapshot().cpu_s_dest.unwrap_or(0.0) + thread_cpu_s();
     let faults_n = placer.faults.load(std::sync::atomic::Ordering::Relaxed);
     ctl.update(|s| {
         s.faults = faults_n;
@@ -311,7 +317,6 @@ pub(crate) fn run(
         s.pages_requested = placer.requested.load(std::sync::atomic::Ordering::Relaxed);
         s.postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
         s.remaining_pages = 0;
-        s.cpu_s_dest = Some(s.cpu_s_dest.unwrap_or(0.0) + cpu);
     });
     if let Some(mut l) = link.take() {
         let complete = Msg::Complete { faults: faults_n, fault_p50_us: p50, fault_p99_us: p99, fault_max_us: max, cpu_s: cpu, ram_clients: n_clients };

@@ -62,7 +62,7 @@ pub struct FaultThread {
 }
 
 impl FaultThread {
-    pub fn start(placer: Arc<Placer>, sink: Arc<RequestSink>) -> std::io::Result<FaultThread> {
+    pub fn start(placer: Arc<Placer>, sink: Arc<RequestSink>, ctl: Arc<crate::stats::Control>) -> std::io::Result<FaultThread> {
         // SAFETY: plain syscall, owned right after.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if efd < 0 {
@@ -71,7 +71,10 @@ impl FaultThread {
         let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
         let stop = Arc::new(AtomicBool::new(false));
         let (w2, s2) = (wake.clone(), stop.clone());
-        let thread = std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || fault_loop(placer, sink, w2, s2))?;
+        let thread = std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || {
+            let _cpu = crate::cputime::CpuTally { ctl: &ctl, dest: true };
+            fault_loop(placer, sink, w2, s2)
+        })?;
         Ok(FaultThread { stop, wake, thread: Some(thread) })
     }
     pub fn stop(&mut self) {

@@ -7,6 +7,7 @@
 
 use super::push::PushQueue;
 use crate::compress::Compress;
+use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
@@ -239,7 +240,7 @@ fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQue
             }
         }
     })?;
-    let pushed = channels.push(queue).and_then(|_| channels.finish().map(|_| ()));
+    let pushed = channels.push(queue).and_then(|_| channels.finish().map(|(_, cpu)| ctl.add_cpu(false, cpu)));
     if pushed.is_err() {
         // Wakes the reader if the connection is only half dead.
         ctl.shutdown_all();
@@ -333,6 +334,7 @@ impl UrgentServer {
 }
 
 fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Control) -> Result<()> {
+    let _cpu = CpuTally { ctl, dest: false };
     super::urgent_priority();
     let total = ram.pages();
     let mut w = s.try_clone()?;
