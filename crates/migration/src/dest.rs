@@ -169,16 +169,125 @@ fn read_batch_into_ram(s: &mut TcpStream, rd: &DataReader, sh: &RxShared, data_l
         }
     }
     wait_for_bytes(s, data_len);
-    // SAFETY: disjoint ranges of guest RAM (checked page numbers; this
-    // channel alone writes them this round) and of `scratch`.
+    // Disjoint ranges of guest RAM (checked page numbers; this channel
+    // alone writes them this round) and of `scratch`.
+    read_pieces(s, &pieces)?;
+    Ok(())
+}
+
+/// Postcopy: a pushed batch whose raw pages go straight into the alias.
+/// Once the whole batch is queued on the socket, the pages nobody claimed
+/// yet are claimed and read into place (the others into `scratch`, to be
+/// dropped), checked, and mapped, at real-time priority: a fault on a
+/// claimed page waits for this thread, which must neither wait for the
+/// network nor lose its CPU meanwhile. Claims are given back if the bytes
+/// do not arrive or fail their check.
+#[allow(clippy::too_many_arguments)]
+fn place_batch_direct(
+    s: &mut TcpStream,
+    rd: &DataReader,
+    data_len: usize,
+    placer: &Placer,
+    sh: &RxShared,
+    scratch: &mut Vec<u8>,
+    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
+) -> Result<u64> {
+    wait_for_bytes(s, data_len);
+    let _rt = crate::postcopy::RealtimeSection::enter();
+    // Unclaimed pages and compressed bytes land in `scratch` at their data
+    // offset.
+    scratch.resize(data_len, 0);
+    let (mut pieces, mut mine): (Vec<(*mut u8, usize)>, Vec<PageRange>) = (Vec::new(), Vec::new());
+    // Claimed pages and the hash each must have.
+    let mut checks: Vec<(u64, u64)> = Vec::new();
+    let mut add = |at: *mut u8, len: usize| match pieces.last_mut() {
+        Some((p, l)) if p.wrapping_add(*l) == at => *l += len,
+        _ => pieces.push((at, len)),
+    };
+    let (mut off, mut t) = (0, rd.entries(sh.total));
+    while let Some(e) = t.next_entry()? {
+        if let Entry::Raw { pfn, count, hashes } = e {
+            let from = mine.len();
+            placer.claim_runs(pfn, count, &mut mine);
+            let mut runs = mine[from..].iter().peekable();
+            for p in pfn..pfn + count {
+                while runs.peek().is_some_and(|r| r.end() <= p) {
+                    runs.next();
+                }
+                let claimed = runs.peek().is_some_and(|r| r.first <= p);
+                if claimed {
+                    checks.push((p, wire::run_hash(hashes, (p - pfn) as usize)));
+                }
+                let o = off + ((p - pfn) * PAGE_SIZE) as usize;
+                add(if claimed { placer.alias_page(p) } else { scratch[o..].as_mut_ptr() }, PAGE_SIZE as usize);
+            }
+        } else if e.data_len() > 0 {
+            add(scratch[off..].as_mut_ptr(), e.data_len());
+        }
+        off += e.data_len();
+    }
+    if off != data_len {
+        mine.iter().for_each(|r| placer.unclaim(*r));
+        return Err(WireError::Corrupt(format!("page batch with {data_len} data bytes for records of {off}")).into());
+    }
+    let read = read_pieces(s, &pieces).map_err(anyhow::Error::from).and_then(|_| {
+        // Only claimed pages are checked: the others are dropped.
+        for &(p, hash) in &checks {
+            // SAFETY: a claimed page inside the alias.
+            let page = unsafe { std::slice::from_raw_parts(placer.alias_page(p), PAGE_SIZE as usize) };
+            if wire::page_hash(p, page) != hash {
+                return Err(WireError::Corrupt(format!("page {p} checksum mismatch")).into());
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = read {
+        mine.iter().for_each(|r| placer.unclaim(*r));
+        return Err(e);
+    }
+    for r in &mine {
+        placer.map_claimed(*r, Via::Push)?;
+    }
+    // Zero and compressed records, through the placer as usual.
+    let (mut n, mut off, mut t) = (0, 0, rd.entries(sh.total));
+    let mut page = [0u8; PAGE_SIZE as usize];
+    while let Some(e) = t.next_entry()? {
+        match e {
+            Entry::Zero { pfn, count } => placer.place_zero(pfn, count, Via::Push),
+            Entry::Compressed { pfn, kind, len, hash } => {
+                decompress(kind, &scratch[off..off + len], &mut page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
+                if wire::page_hash(pfn, &page) != hash {
+                    return Err(WireError::Corrupt(format!("page {pfn} checksum mismatch")).into());
+                }
+                placer.place(pfn, &page, Via::Push)?;
+            }
+            Entry::Raw { .. } => {}
+        }
+        n += match e {
+            Entry::Zero { count, .. } | Entry::Raw { count, .. } => count,
+            Entry::Compressed { .. } => 1,
+        };
+        off += e.data_len();
+    }
+    let wire = rd.batch_wire_len(data_len);
+    sh.ctl.update(|st| {
+        st.pages_sent += n;
+        st.wire_bytes += wire;
+    });
+    Ok(n)
+}
+
+/// Read exactly the bytes of `pieces` (disjoint buffers), in order.
+fn read_pieces(s: &mut TcpStream, pieces: &[(*mut u8, usize)]) -> Result<(), WireError> {
+    // SAFETY: the callers' pieces are disjoint, writable and live.
     let mut bufs: Vec<std::io::IoSliceMut> = pieces.iter().map(|&(p, l)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, l) })).collect();
     let mut bufs = &mut bufs[..];
     while !bufs.is_empty() {
         match std::io::Read::read_vectored(s, bufs) {
-            Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()),
+            Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into())),
             Ok(n) => std::io::IoSliceMut::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(WireError::Io(e).into()),
+            Err(e) => return Err(WireError::Io(e)),
         }
     }
     Ok(())
@@ -436,8 +545,7 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                         crate::postcopy::urgent_priority();
                         postcopy = true;
                     }
-                    rd.read_data(&mut s, data_len)?;
-                    pages += place_batch(placer, &sh.ctl, &rd, sh.total, Via::Push, &mut zstd)?;
+                    pages += place_batch_direct(&mut s, &rd, data_len, placer, &sh, &mut scratch, &mut zstd)?;
                 }
                 DataItem::Pages { data_len, .. } => {
                     populate_new_pages(&sh, &rd);

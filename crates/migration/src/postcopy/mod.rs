@@ -41,7 +41,14 @@ pub(crate) fn set_priority(realtime: bool) {
     let r = unsafe { libc::sched_setscheduler(0, policy, &p) };
     if r != 0 {
         tracing::debug!("thread priority unchanged: {}", std::io::Error::last_os_error());
+    } else {
+        REALTIME.set(realtime);
     }
+}
+
+std::thread_local! {
+    /// This thread runs real-time (set by [`set_priority`]).
+    static REALTIME: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Real-time priority for a short critical section. A thread that claimed
@@ -55,12 +62,15 @@ pub(crate) struct RealtimeSection(bool);
 
 impl RealtimeSection {
     pub(crate) fn enter() -> Self {
-        // SAFETY: plain syscalls on the calling thread.
-        if unsafe { libc::sched_getscheduler(0) } != libc::SCHED_OTHER {
+        if REALTIME.get() {
             return RealtimeSection(false);
         }
         let p = libc::sched_param { sched_priority: 1 };
-        RealtimeSection(unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) } == 0)
+        // SAFETY: plain syscall on the calling thread.
+        let entered = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) } == 0;
+        // Sections nest: an inner one leaves the class to the outer.
+        REALTIME.set(entered);
+        RealtimeSection(entered)
     }
 }
 

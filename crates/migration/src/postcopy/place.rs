@@ -16,7 +16,7 @@
 //! once placed, the guest may change it, and a late duplicate must not
 //! overwrite that.
 
-use crate::pages::AtomicBitmap;
+use crate::pages::{AtomicBitmap, PageRange};
 use crate::vm::RamRegion;
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -27,8 +27,10 @@ use userfaultfd::Uffd;
 
 const PAGE: u64 = crate::dirty::PAGE_SIZE;
 
-/// Most pages claimed, written and mapped in one step.
-const CLAIM_RUN: u64 = 16;
+/// Most pages claimed, written and mapped in one step (a whole raw run:
+/// the step runs real-time, so a fault on one of them waits for a 256 KiB
+/// copy at most, and each step costs two scheduler calls and an ioctl).
+const CLAIM_RUN: u64 = crate::wire::MAX_RAW_RUN as u64;
 
 /// Pages asked for per fault: the faulting one and those after it.
 pub const FAULT_WINDOW: u64 = 32;
@@ -326,6 +328,42 @@ impl Placer {
             }
             self.map(first, count, via, false)
         })
+    }
+
+    /// Claim the pages of `first..first + count` nobody claimed yet, as
+    /// runs into `out`: the caller writes them through [`alias_page`]
+    /// (Self::alias_page) and then maps them ([`map_claimed`]
+    /// (Self::map_claimed)) or gives them back ([`unclaim`](Self::unclaim)).
+    pub fn claim_runs(&self, first: u64, count: u64, out: &mut Vec<PageRange>) {
+        for p in first..first + count {
+            if self.claimed.test_and_set(p) {
+                match out.last_mut() {
+                    Some(r) if r.end() == p => r.count += 1,
+                    _ => out.push(PageRange { first: p, count: 1 }),
+                }
+            }
+        }
+    }
+
+    /// Claimed pages that were not written after all (their bytes did not
+    /// arrive, or failed their check): someone else may place them.
+    pub fn unclaim(&self, r: PageRange) {
+        for p in r.first..r.end() {
+            self.claimed.clear(p);
+        }
+    }
+
+    /// Where claimed page `pfn` is written (never mapped into the guest
+    /// until [`map_claimed`](Self::map_claimed)).
+    pub fn alias_page(&self, pfn: u64) -> *mut u8 {
+        debug_assert!(pfn < self.total);
+        // SAFETY: pfn < total pages of the alias mapping (callers checked).
+        unsafe { self.alias.base.add((pfn * PAGE) as usize) }
+    }
+
+    /// Map claimed pages written through the alias (and wake their waiters).
+    pub fn map_claimed(&self, r: PageRange, via: Via) -> anyhow::Result<()> {
+        self.map(r.first, r.count, via, false)
     }
 
     /// Pages known to be zero: nothing crosses the network or is written.
