@@ -504,6 +504,8 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     let mut rings_polled = false;
     // RNICD_RING_POLL=0: clients always ring the doorbell (A/B experiments).
     let ring_poll = std::env::var("RNICD_RING_POLL").map_or(true, |v| v != "0");
+    // RNICD_LEAN_LOOP=0: loop again at once after any packet (A/B experiments).
+    let lean_loop = std::env::var("RNICD_LEAN_LOOP").map_or(true, |v| v != "0");
     let mut last_activity = Instant::now();
     let spin = std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN);
     loop {
@@ -608,8 +610,14 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
             sent += t;
             more |= m;
         }
-        busy = more || got > 0 || sent > 0;
-        if busy || n > 0 {
+        // Busy (loop again at once, without yielding) only while there is
+        // more to send or the socket had more than a batch. After an ordinary
+        // receive or send the next packet cannot come before someone else
+        // ran (the peer, or the client we woke): yield first, and let epoll
+        // (level-triggered) say whether the socket has more, instead of an
+        // empty recvmmsg per round.
+        busy = more || (!lean_loop && (got > 0 || sent > 0)) || got >= RX_BATCH;
+        if more || got > 0 || sent > 0 || n > 0 {
             last_activity = Instant::now();
         }
     }
