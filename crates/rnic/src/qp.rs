@@ -538,6 +538,7 @@ impl Qp {
         self.retrans_deadline = None;
         self.probe_deadline = None;
         self.rnr_until = None;
+        self.ack_due = None;
         self.rt.resp_queue.clear();
         self.flush(ctx);
     }
