@@ -30,6 +30,10 @@ const UDP_GRO: i32 = 104;
 /// ids below wire::MAX_GSO_SEGS).
 const GSO_MAX_SEGS: usize = 60;
 const TOKEN_LISTEN: u64 = 1;
+/// While polling, epoll_wait runs every this many rounds; the UDP sockets
+/// of up to DIRECT_RX_MAX_NS namespaces are read directly in the others.
+const EPOLL_EVERY: u32 = 8;
+const DIRECT_RX_MAX_NS: usize = 4;
 
 /// Default control socket of the rnicd serving `addr`.
 pub fn default_socket_path(addr: Ipv4Addr) -> PathBuf {
@@ -504,6 +508,11 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     let mut rings_polled = false;
     // RNICD_RING_POLL=0: clients always ring the doorbell (A/B experiments).
     let ring_poll = std::env::var("RNICD_RING_POLL").map_or(true, |v| v != "0");
+    // RNICD_DIRECT_RX=0: epoll every round while polling (A/B experiments).
+    let direct_rx_ok = std::env::var("RNICD_DIRECT_RX").map_or(true, |v| v != "0");
+    let mut rounds_without_epoll = 0;
+    // RNICD_LEAN_LOOP=0: loop again at once after any packet (A/B experiments).
+    let lean_loop = std::env::var("RNICD_LEAN_LOOP").map_or(true, |v| v != "0");
     let mut last_activity = Instant::now();
     let spin = std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN);
     loop {
@@ -541,7 +550,18 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
                 None => 100,
             }
         };
-        let n = ep.wait(&mut evs, timeout);
+        // While we poll, epoll is needed only for control sockets, new
+        // clients and doorbells (which clients skip meanwhile): look every
+        // EPOLL_EVERY-th round, and in between read the UDP sockets of a few
+        // namespaces directly: one syscall per received packet, not two.
+        let direct_rx = polling && direct_rx_ok && nss.len() <= DIRECT_RX_MAX_NS && rounds_without_epoll < EPOLL_EVERY;
+        let n = if direct_rx {
+            rounds_without_epoll += 1;
+            0
+        } else {
+            rounds_without_epoll = 0;
+            ep.wait(&mut evs, timeout)
+        };
         if n == 0 && timeout > 0 && ring_poll {
             for ns in nss.values_mut() {
                 let late = ns.engine.poll_rings() as u64;
@@ -603,13 +623,19 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
         }
         let (mut got, mut sent, mut more) = (0, 0, false);
         for (gid, ns) in nss.iter_mut() {
-            let (g, t, m) = ns.pump(busy || udp_ready.contains(gid), &mut rxbufs);
+            let (g, t, m) = ns.pump(busy || direct_rx || udp_ready.contains(gid), &mut rxbufs);
             got += g;
             sent += t;
             more |= m;
         }
-        busy = more || got > 0 || sent > 0;
-        if busy || n > 0 {
+        // Busy (loop again at once, without yielding) only while there is
+        // more to send or the socket had more than a batch. After an ordinary
+        // receive or send the next packet cannot come before someone else
+        // ran (the peer, or the client we woke): yield first, and let epoll
+        // (level-triggered) say whether the socket has more, instead of an
+        // empty recvmmsg per round.
+        busy = more || (!lean_loop && (got > 0 || sent > 0)) || got >= RX_BATCH;
+        if more || got > 0 || sent > 0 || n > 0 {
             last_activity = Instant::now();
         }
     }

@@ -132,6 +132,7 @@ impl Cq {
         if fire && h.notify.compare_exchange(n, NOTIFY_NONE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
             if let Some(ch) = &self.channel {
                 eventfd_signal(&**ch);
+                stats.cq_events += 1;
             }
         }
     }
@@ -160,6 +161,8 @@ pub struct Stats {
     pub loss_probes: u64,
     pub timeouts: u64,
     pub cq_overflows: u64,
+    /// Completion channel events raised (each may wake a sleeping client).
+    pub cq_events: u64,
     pub bad_client_requests: u64,
     pub bad_wqes: u64,
     pub send_errors: u64,

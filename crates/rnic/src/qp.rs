@@ -36,6 +36,11 @@ pub const WINDOW_BYTES: usize = 2 << 20;
 const MIN_CWND: u32 = 16;
 /// Set the AckReq bit at least every this many packets of a long message.
 const ACK_EVERY: u32 = 64;
+/// A responder acknowledges requests that did not ask for it (AckReq clear)
+/// within this time (µs): it coalesces their ACKs, and a requester that
+/// stops sending still hears about its last messages long before its loss
+/// probe (MIN_PROBE_US).
+const ACK_DELAY_US: u64 = 100;
 /// Shortest loss-probe time (µs), and the one used before any RTT sample.
 /// Not shorter: with 1,000 QPs a busy responder answers late, and spurious
 /// probes (each a resend) then add to its load.
@@ -206,6 +211,10 @@ pub struct Qp {
     /// Requests received ahead of the expected PSN, by PSN (see `hold`).
     held: VecDeque<(u32, Packet<'static>, Vec<u8>)>,
     held_bytes: usize,
+    /// Requester: messages sent since the last one that asked for an ACK.
+    unasked_msgs: u32,
+    /// Responder: requests were executed without an ACK; one goes out by then.
+    ack_due: Option<Instant>,
 }
 
 impl Qp {
@@ -253,6 +262,8 @@ impl Qp {
             suspended_nak_at: None,
             held: VecDeque::new(),
             held_bytes: 0,
+            unasked_msgs: 0,
+            ack_due: None,
         }
     }
 
@@ -271,6 +282,9 @@ impl Qp {
             return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
         }
         if !self.suspended {
+            if self.ack_due.is_some() {
+                self.queue_ack(psn_add(self.rt.epsn, wire::PSN_MASK));
+            }
             while matches!(self.rt.resp_queue.front(), Some(RespJob::Ack { .. } | RespJob::AtomicAck { .. })) {
                 let mut one = 1;
                 self.responder_tx(ctx, &mut one);
@@ -510,6 +524,8 @@ impl Qp {
         self.probe_deadline = None;
         self.rnr_until = None;
         self.last_rewind = None;
+        self.unasked_msgs = 0;
+        self.ack_due = None;
         let keep = (self.attr.port_num, self.attr.path_mtu);
         self.attr = QpAttr::default();
         (self.attr.port_num, self.attr.path_mtu) = keep;
@@ -522,6 +538,7 @@ impl Qp {
         self.retrans_deadline = None;
         self.probe_deadline = None;
         self.rnr_until = None;
+        self.ack_due = None;
         self.rt.resp_queue.clear();
         self.flush(ctx);
     }
@@ -687,7 +704,7 @@ impl Qp {
         if self.suspended {
             return None;
         }
-        [self.retrans_deadline, self.rnr_until, self.probe_deadline].into_iter().flatten().min()
+        [self.retrans_deadline, self.rnr_until, self.probe_deadline, self.ack_due].into_iter().flatten().min()
     }
 
     // ---------------------------------------------------------- requester
@@ -734,13 +751,17 @@ impl Qp {
                     break;
                 }
             }
-            if let Err(status) = self.build_request(ctx, self.tx_idx, psn) {
+            let ask = self.asks_ack(new);
+            if let Err(status) = self.build_request(ctx, self.tx_idx, psn, ask) {
                 // Local protection/length error: fail this WQE, QP to error.
                 self.fail_wqe_at(ctx, self.tx_idx, status);
                 return;
             }
             *budget -= 1;
             let e = &self.sq[self.tx_idx];
+            if new && !e.op.is_read_or_atomic() && psn == e.last_psn() {
+                self.unasked_msgs = if ask { 0 } else { self.unasked_msgs + 1 };
+            }
             if e.op.is_read_or_atomic() {
                 self.rt.tx_psn = psn_add(e.last_psn(), 1);
                 self.rd_outstanding += 1;
@@ -761,6 +782,23 @@ impl Qp {
                 self.arm_timer(ctx.now);
             }
         }
+    }
+
+    /// Whether the last packet of the WQE at `tx_idx` asks for an ACK
+    /// (AckReq). A signaled WQE completes on its ACK, so it always asks;
+    /// so does a resend, and every ack_every()-th message (several times per
+    /// window, so the window never waits for the responder's ACK timer), and
+    /// any message once half the send queue waits for ACKs. The others are
+    /// acknowledged with a later one (ACK coalescing) or by the responder's
+    /// ACK timer: in a ping-pong of unsignaled messages most ACK packets,
+    /// each a send and a receive through the kernel, are not needed.
+    fn asks_ack(&self, new: bool) -> bool {
+        let Some(e) = self.sq.get(self.tx_idx) else { return true };
+        !new
+            || e.signaled
+            || self.unasked_msgs + 1 >= self.ack_every()
+            || self.sq.len() * 2 >= self.cap.max_send_wr as usize
+            || self.attr.qp_state == QpState::Sqd
     }
 
     fn max_window(&self) -> i32 {
@@ -800,7 +838,7 @@ impl Qp {
         }
     }
 
-    fn build_request(&self, ctx: &mut Ctx, idx: usize, psn: u32) -> Result<(), WcStatus> {
+    fn build_request(&self, ctx: &mut Ctx, idx: usize, psn: u32, ask_ack: bool) -> Result<(), WcStatus> {
         let e = &self.sq[idx];
         let flow = self.flow(ctx.gid);
         let dq = self.attr.dest_qp_num;
@@ -844,7 +882,7 @@ impl Qp {
                 };
                 let mut h = Headers::new(opc, dq, psn);
                 // Ask for ACKs often enough that the window never stalls.
-                h.bth.ack_req = last || (i + 1) % self.ack_every() == 0;
+                h.bth.ack_req = (last && ask_ack) || (i + 1) % self.ack_every() == 0;
                 h.bth.solicited = last && w.flags & send_flags::SOLICITED != 0;
                 if is_write && first {
                     h.reth = Some(Reth { va: w.remote_addr, rkey: w.rkey, len: e.len as u32 });
@@ -891,6 +929,9 @@ impl Qp {
     pub fn on_timer(&mut self, ctx: &mut Ctx) {
         if self.suspended {
             return;
+        }
+        if self.ack_due.is_some_and(|t| ctx.now >= t) {
+            self.queue_ack(psn_add(self.rt.epsn, wire::PSN_MASK));
         }
         self.on_probe(ctx);
         let Some(d) = self.retrans_deadline else { return };
@@ -1197,6 +1238,8 @@ impl Qp {
     // ---------------------------------------------------------- responder
 
     fn queue_ack(&mut self, psn: u32) {
+        // Acknowledges everything before it, the coalesced ones too.
+        self.ack_due = None;
         if let Some(RespJob::Ack { psn: p, syndrome }) = self.rt.resp_queue.back_mut() {
             if Syndrome::from_u8(*syndrome) == Syndrome::Ack(0x1f) {
                 *p = psn;
@@ -1207,6 +1250,7 @@ impl Qp {
     }
 
     fn queue_nak(&mut self, psn: u32, s: Syndrome) {
+        self.ack_due = None;
         self.rt.resp_queue.push_back(RespJob::Ack { psn, syndrome: s.to_u8() });
     }
 
@@ -1506,6 +1550,8 @@ impl Qp {
         self.rt.nak_sent = false;
         if p.bth.ack_req {
             self.queue_ack(psn);
+        } else if self.ack_due.is_none() {
+            self.ack_due = Some(ctx.now + Duration::from_micros(ACK_DELAY_US));
         }
     }
 

@@ -217,7 +217,7 @@ impl Context {
     pub fn create_comp_channel(&self) -> anyhow::Result<CompChannel> {
         let efd = proto::eventfd(false)?;
         match self.inner.call(&Request::CreateCompChannel, &[efd.as_raw_fd()])? {
-            Reply::Channel(h) => Ok(CompChannel { ctx: self.clone(), handle: h, efd }),
+            Reply::Channel(h) => Ok(CompChannel { ctx: self.clone(), handle: h, efd, edge: std::sync::OnceLock::new() }),
             r => bail!("unexpected reply {r:?}"),
         }
     }
@@ -447,6 +447,8 @@ pub struct CompChannel {
     ctx: Context,
     handle: u32,
     efd: OwnedFd,
+    /// An epoll instance watching `efd` edge-triggered, for `Cq::poll_or_wait`.
+    edge: std::sync::OnceLock<OwnedFd>,
 }
 
 impl CompChannel {
@@ -467,6 +469,39 @@ impl CompChannel {
     }
     pub fn fd(&self) -> RawFd {
         self.efd.as_raw_fd()
+    }
+
+    /// Waits for the next channel event without reading the eventfd: an
+    /// edge-triggered epoll reports every write rnicd makes after the last
+    /// wait, whatever the count, so a wakeup costs one syscall, not a poll
+    /// and a read. May report an event that an earlier arm raised: callers
+    /// poll their CQ after it anyway. False on timeout.
+    fn wait_edge(&self, timeout: Duration) -> anyhow::Result<bool> {
+        let ep = match self.edge.get() {
+            Some(ep) => ep,
+            None => {
+                // SAFETY: plain syscalls; the result is owned.
+                let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error()).context("epoll_create1");
+                }
+                let ep = unsafe { OwnedFd::from_raw_fd(fd) };
+                let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLET) as u32, u64: 0 };
+                if unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, self.efd.as_raw_fd(), &mut ev) } < 0 {
+                    return Err(std::io::Error::last_os_error()).context("epoll_ctl");
+                }
+                let _ = self.edge.set(ep);
+                self.edge.get().expect("just set")
+            }
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: one event buffer.
+        let n = unsafe { libc::epoll_wait(ep.as_raw_fd(), &mut ev, 1, ms) };
+        if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return Err(std::io::Error::last_os_error()).context("epoll_wait");
+        }
+        Ok(n > 0)
     }
 }
 
@@ -563,7 +598,7 @@ impl Cq {
                 return Ok(n);
             }
             let left = timeout.saturating_sub(t0.elapsed());
-            if left.is_zero() || !channel.get_cq_event(Some(left.max(Duration::from_millis(1))))? {
+            if left.is_zero() || !channel.wait_edge(left.max(Duration::from_millis(1)))? {
                 return self.poll(wc);
             }
         }

@@ -337,7 +337,7 @@ fn lat_spin() -> Duration {
     let us = std::env::var("TRANSIT_POLL_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(LAT_SPIN_US);
     Duration::from_micros(us)
 }
-const LAT_SPIN_US: u64 = 2;
+const LAT_SPIN_US: u64 = 0;
 
 /// Waits for one receive completion: spin briefly, then sleep on the channel.
 fn wait_recv(res: &Res, wcs: &mut [Wc], spin: Duration, timeout: Duration) -> anyhow::Result<usize> {

@@ -1,0 +1,65 @@
+//! ACK coalescing between two testbed hosts: unsignaled messages ask for an
+//! ACK only now and then (signaled ones always do), and the responder
+//! acknowledges the rest by its ACK timer, so a requester that stops after
+//! unsignaled messages hears about them without resending anything.
+mod common;
+use common::*;
+use std::time::Instant;
+use verbs::*;
+
+fn stat(ctx: &Context, key: &str) -> u64 {
+    ctx.stats().unwrap()[key].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn unsignaled_stream_needs_few_acks_and_nothing_is_resent() {
+    let bed = Bed::new("rnack", 2);
+    let (a, b) = pair(&bed, 0, 1, ConnectOpts::default());
+    let data = pattern(3, 64 * 1000);
+    a.buf.write(0, &data);
+    let acks0 = stat(&b.ctx, "tx_packets");
+
+    // 1,000 unsignaled one-packet WRITEs, then one signaled: when it
+    // completes, every earlier one was acknowledged (in order).
+    let n = 1000u64;
+    for i in 0..=n {
+        let off = (i.min(n - 1) * 64) as usize;
+        let sg = [a.mr.sge(off, 64)];
+        let mut wr = SendWr::write(i, &sg, b.mr.addr + off as u64, b.mr.rkey);
+        if i < n {
+            wr = wr.unsignaled();
+        }
+        while a.qp.post_send(&[wr]).is_err() {
+            std::thread::yield_now();
+        }
+    }
+    let w = ok(&a.scq);
+    assert_eq!(w.wr_id, n);
+    assert_eq!(b.buf.read(0, data.len()), data);
+    let acks = stat(&b.ctx, "tx_packets") - acks0;
+    assert!(acks < n / 2, "{acks} ACK packets for {n} unsignaled messages: not coalesced");
+    for (ctx, key) in [(&a.ctx, "retransmit_rewinds"), (&a.ctx, "timeouts"), (&b.ctx, "dup_requests")] {
+        assert_eq!(stat(ctx, key), 0, "{key}");
+    }
+}
+
+#[test]
+fn lone_unsignaled_message_is_acknowledged_by_the_responder_timer() {
+    let bed = Bed::new("rnackt", 2);
+    let (a, b) = pair(&bed, 0, 1, ConnectOpts::default());
+    for round in 0..3u64 {
+        let acks0 = stat(&b.ctx, "tx_packets");
+        a.buf.write(0, &round.to_le_bytes());
+        a.qp.post_send(&[SendWr::write(round, &[a.mr.sge(0, 8)], b.mr.addr, b.mr.rkey).unsignaled()]).unwrap();
+        // Nothing else is posted: only the responder's ACK timer (or, had
+        // it none, the requester's loss probe and a resend) can answer.
+        let t0 = Instant::now();
+        while stat(&b.ctx, "tx_packets") == acks0 {
+            assert!(t0.elapsed() < T, "no ACK for a lone unsignaled WRITE");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(b.buf.read_u64(0), round);
+        assert_eq!(stat(&b.ctx, "dup_requests"), 0, "the WRITE was resent before it was acknowledged");
+        assert_eq!(stat(&a.ctx, "retransmit_rewinds"), 0);
+    }
+}
