@@ -176,12 +176,12 @@ fn read_batch_into_ram(s: &mut TcpStream, rd: &DataReader, sh: &RxShared, data_l
 }
 
 /// Postcopy: a pushed batch whose raw pages go straight into the alias.
-/// Once the whole batch is queued on the socket, the pages nobody claimed
-/// yet are claimed and read into place (the others into `scratch`, to be
-/// dropped), checked, and mapped, at real-time priority: a fault on a
-/// claimed page waits for this thread, which must neither wait for the
-/// network nor lose its CPU meanwhile. Claims are given back if the bytes
-/// do not arrive or fail their check.
+/// The whole batch must be queued on the socket already: the pages nobody
+/// claimed yet are claimed and read into place (the others into
+/// `scratch`, to be dropped), checked, and mapped, at real-time priority:
+/// a fault on a claimed page waits for this thread, which must neither
+/// wait for the network nor lose its CPU meanwhile. Claims are given back
+/// if the bytes do not arrive or fail their check.
 #[allow(clippy::too_many_arguments)]
 fn place_batch_direct(
     s: &mut TcpStream,
@@ -192,7 +192,6 @@ fn place_batch_direct(
     scratch: &mut Vec<u8>,
     zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
 ) -> Result<u64> {
-    wait_for_bytes(s, data_len);
     let _rt = crate::postcopy::RealtimeSection::enter();
     // Unclaimed pages and compressed bytes land in `scratch` at their data
     // offset.
@@ -291,6 +290,16 @@ fn read_pieces(s: &mut TcpStream, pieces: &[(*mut u8, usize)]) -> Result<(), Wir
         }
     }
     Ok(())
+}
+
+/// Bytes queued for reading on `s` (0 if unknown).
+fn queued_bytes(s: &TcpStream) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    match unsafe { libc::ioctl(s.as_raw_fd(), libc::FIONREAD, &mut n) } {
+        0 => n.max(0) as usize,
+        _ => 0,
+    }
 }
 
 /// Sleep until `n` bytes (at most half the receive buffer) are queued on
@@ -545,7 +554,15 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                         crate::postcopy::urgent_priority();
                         postcopy = true;
                     }
-                    pages += place_batch_direct(&mut s, &rd, data_len, placer, &sh, &mut scratch, &mut zstd)?;
+                    wait_for_bytes(&s, data_len);
+                    if queued_bytes(&s) >= data_len {
+                        pages += place_batch_direct(&mut s, &rd, data_len, placer, &sh, &mut scratch, &mut zstd)?;
+                    } else {
+                        // Claims must never wait on the network: read the
+                        // batch first, then place it.
+                        rd.read_data(&mut s, data_len)?;
+                        pages += place_batch(placer, &sh.ctl, &rd, sh.total, Via::Push, &mut zstd)?;
+                    }
                 }
                 DataItem::Pages { data_len, .. } => {
                     populate_new_pages(&sh, &rd);
