@@ -82,11 +82,11 @@ pub(crate) struct RxShared {
     pub total: u64,
     /// Pages that may hold non-zero bytes here (memfd data, or we wrote them).
     pub maybe_nonzero: Arc<AtomicBitmap>,
-    /// Where received pages are written: the vmm's mapping, or for a
+    /// Where received pages are written, if not the vmm's mapping: for a
     /// migration that may switch to postcopy, an alias the vmm's page
     /// tables never see, so that at the switch a stale page only needs
-    /// forgetting (no unmapping or punching while the VM is paused).
-    write_at: *mut u8,
+    /// forgetting (no unmapping or punching while the VM is paused); for a
+    /// preallocated destination, the alias its page tables were filled in.
     pub alias: Option<Arc<Alias>>,
     /// A hybrid: pages may arrive before a postcopy switch (through the
     /// alias, so not mapped into the vmm).
@@ -104,16 +104,18 @@ pub(crate) struct RxShared {
     pub placer: OnceLock<Arc<Placer>>,
 }
 
-// `write_at` points into a mapping that lives as long as the migration.
-unsafe impl Send for RxShared {}
-unsafe impl Sync for RxShared {}
+impl RxShared {
+    fn write_at(&self) -> *mut u8 {
+        self.alias.as_ref().map_or(self.ram.host_addr, |a| a.base)
+    }
+}
 
 // Guest RAM is shared memory reached through a raw mapping, like DMA.
 #[allow(clippy::mut_from_ref)]
 fn page_mut(sh: &RxShared, pfn: u64) -> &mut [u8] {
     // SAFETY: callers checked pfn < total pages (Records does); only one
     // channel writes a given page per round, and rounds are barriers apart.
-    unsafe { std::slice::from_raw_parts_mut(sh.write_at.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) }
+    unsafe { std::slice::from_raw_parts_mut(sh.write_at().add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) }
 }
 
 /// Allocate, in one call per run, the pages of this batch that arrive for
@@ -130,47 +132,59 @@ fn populate_new_pages(sh: &RxShared, rd: &DataReader) {
         };
         // SAFETY: the range lies inside guest RAM (Table checked it).
         unsafe {
-            libc::madvise(sh.write_at.add((pfn * PAGE_SIZE) as usize) as *mut libc::c_void, (count * PAGE_SIZE) as usize, libc::MADV_POPULATE_WRITE)
+            libc::madvise(sh.write_at().add((pfn * PAGE_SIZE) as usize) as *mut libc::c_void, (count * PAGE_SIZE) as usize, libc::MADV_POPULATE_WRITE)
         };
     }
+}
+
+/// Where each byte of a batch's data goes, in wire order, as buffers to
+/// read into: raw page `p` where `raw_target(p, its hash)` says, or (None)
+/// into `scratch` at its data offset, to be dropped; compressed bytes into
+/// `scratch` at their data offset. Checks that the records account for
+/// exactly `data_len` bytes.
+fn plan_batch(
+    rd: &DataReader,
+    total: u64,
+    data_len: usize,
+    scratch: &mut Vec<u8>,
+    mut raw_target: impl FnMut(u64, u64) -> Option<*mut u8>,
+) -> Result<Vec<(*mut u8, usize)>> {
+    scratch.resize(data_len, 0);
+    let mut pieces: Vec<(*mut u8, usize)> = Vec::new();
+    let mut add = |at: *mut u8, len: usize| match pieces.last_mut() {
+        Some((p, l)) if p.wrapping_add(*l) == at => *l += len,
+        _ => pieces.push((at, len)),
+    };
+    let (mut off, mut t) = (0, rd.entries(total));
+    while let Some(e) = t.next_entry()? {
+        let len = e.data_len();
+        // Past `data_len` nothing is planned: an error below.
+        if off + len <= data_len {
+            if let Entry::Raw { pfn, count, hashes } = e {
+                for i in 0..count {
+                    let o = off + (i * PAGE_SIZE) as usize;
+                    add(raw_target(pfn + i, wire::run_hash(hashes, i as usize)).unwrap_or(scratch[o..].as_mut_ptr()), PAGE_SIZE as usize);
+                }
+            } else if len > 0 {
+                add(scratch[off..].as_mut_ptr(), len);
+            }
+        }
+        off += len;
+    }
+    if off != data_len {
+        return Err(WireError::Corrupt(format!("page batch with {data_len} data bytes for records of {off}")).into());
+    }
+    Ok(pieces)
 }
 
 /// Read a batch's data straight into guest RAM: raw pages land where they
 /// belong (the kernel's copy is the only one), compressed bytes in
 /// `scratch`. Nothing is trusted yet: [`apply_batch`] checks every page.
 fn read_batch_into_ram(s: &mut TcpStream, rd: &DataReader, sh: &RxShared, data_len: usize, scratch: &mut Vec<u8>) -> Result<()> {
-    let (mut sum, mut compressed) = (0, 0);
-    let mut t = rd.entries(sh.total);
-    while let Some(e) = t.next_entry()? {
-        sum += e.data_len();
-        if let Entry::Compressed { len, .. } = e {
-            compressed += len;
-        }
-    }
-    if sum != data_len {
-        return Err(WireError::Corrupt(format!("page batch with {data_len} data bytes for records of {sum}")).into());
-    }
-    scratch.resize(compressed, 0);
-    let mut pieces: Vec<(*mut u8, usize)> = Vec::new();
-    let mut off = 0;
-    let mut t = rd.entries(sh.total);
-    while let Some(e) = t.next_entry()? {
-        let (at, len) = match e {
-            Entry::Raw { pfn, count, .. } => (page_mut(sh, pfn).as_mut_ptr(), (count * PAGE_SIZE) as usize),
-            Entry::Compressed { len, .. } => {
-                off += len;
-                (scratch[off - len..].as_mut_ptr(), len)
-            }
-            Entry::Zero { .. } => continue,
-        };
-        match pieces.last_mut() {
-            Some((p, l)) if p.wrapping_add(*l) == at => *l += len,
-            _ => pieces.push((at, len)),
-        }
-    }
-    wait_for_bytes(s, data_len);
     // Disjoint ranges of guest RAM (checked page numbers; this channel
     // alone writes them this round) and of `scratch`.
+    let pieces = plan_batch(rd, sh.total, data_len, scratch, |p, _| Some(page_mut(sh, p).as_mut_ptr()))?;
+    wait_for_bytes(s, data_len);
     read_pieces(s, &pieces)?;
     Ok(())
 }
@@ -193,52 +207,26 @@ fn place_batch_direct(
     zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
 ) -> Result<u64> {
     let _rt = crate::postcopy::RealtimeSection::enter();
-    // Unclaimed pages and compressed bytes land in `scratch` at their data
-    // offset.
-    scratch.resize(data_len, 0);
-    let (mut pieces, mut mine): (Vec<(*mut u8, usize)>, Vec<PageRange>) = (Vec::new(), Vec::new());
-    // Claimed pages and the hash each must have.
-    let mut checks: Vec<(u64, u64)> = Vec::new();
-    let mut add = |at: *mut u8, len: usize| match pieces.last_mut() {
-        Some((p, l)) if p.wrapping_add(*l) == at => *l += len,
-        _ => pieces.push((at, len)),
-    };
-    let (mut off, mut t) = (0, rd.entries(sh.total));
-    while let Some(e) = t.next_entry()? {
-        if let Entry::Raw { pfn, count, hashes } = e {
-            let from = mine.len();
-            placer.claim_runs(pfn, count, &mut mine);
-            let mut runs = mine[from..].iter().peekable();
-            for p in pfn..pfn + count {
-                while runs.peek().is_some_and(|r| r.end() <= p) {
-                    runs.next();
-                }
-                let claimed = runs.peek().is_some_and(|r| r.first <= p);
-                if claimed {
-                    checks.push((p, wire::run_hash(hashes, (p - pfn) as usize)));
-                }
-                let o = off + ((p - pfn) * PAGE_SIZE) as usize;
-                add(if claimed { placer.alias_page(p) } else { scratch[o..].as_mut_ptr() }, PAGE_SIZE as usize);
+    // The pages claimed here, as runs, and the hash each must have.
+    let (mut mine, mut checks): (Vec<PageRange>, Vec<(u64, u64)>) = (Vec::new(), Vec::new());
+    let read = plan_batch(rd, sh.total, data_len, scratch, |p, hash| {
+        placer.claim(p).then(|| {
+            match mine.last_mut() {
+                Some(r) if r.end() == p => r.count += 1,
+                _ => mine.push(PageRange { first: p, count: 1 }),
             }
-        } else if e.data_len() > 0 {
-            add(scratch[off..].as_mut_ptr(), e.data_len());
-        }
-        off += e.data_len();
-    }
-    if off != data_len {
-        mine.iter().for_each(|r| placer.unclaim(*r));
-        return Err(WireError::Corrupt(format!("page batch with {data_len} data bytes for records of {off}")).into());
-    }
-    let read = read_pieces(s, &pieces).map_err(anyhow::Error::from).and_then(|_| {
+            checks.push((p, hash));
+            placer.alias_page(p)
+        })
+    })
+    .and_then(|pieces| Ok(read_pieces(s, &pieces)?))
+    .and_then(|_| {
         // Only claimed pages are checked: the others are dropped.
-        for &(p, hash) in &checks {
+        checks.iter().try_for_each(|&(p, hash)| {
             // SAFETY: a claimed page inside the alias.
             let page = unsafe { std::slice::from_raw_parts(placer.alias_page(p), PAGE_SIZE as usize) };
-            if wire::page_hash(p, page) != hash {
-                return Err(WireError::Corrupt(format!("page {p} checksum mismatch")).into());
-            }
-        }
-        Ok(())
+            Ok(wire::check_page(p, page, hash)?)
+        })
     });
     if let Err(e) = read {
         mine.iter().for_each(|r| placer.unclaim(*r));
@@ -247,32 +235,11 @@ fn place_batch_direct(
     for r in &mine {
         placer.map_claimed(*r, Via::Push)?;
     }
-    // Zero and compressed records, through the placer as usual.
-    let (mut n, mut off, mut t) = (0, 0, rd.entries(sh.total));
-    let mut page = [0u8; PAGE_SIZE as usize];
-    while let Some(e) = t.next_entry()? {
-        match e {
-            Entry::Zero { pfn, count } => placer.place_zero(pfn, count, Via::Push),
-            Entry::Compressed { pfn, kind, len, hash } => {
-                decompress(kind, &scratch[off..off + len], &mut page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
-                if wire::page_hash(pfn, &page) != hash {
-                    return Err(WireError::Corrupt(format!("page {pfn} checksum mismatch")).into());
-                }
-                placer.place(pfn, &page, Via::Push)?;
-            }
-            Entry::Raw { .. } => {}
-        }
-        n += match e {
-            Entry::Zero { count, .. } | Entry::Raw { count, .. } => count,
-            Entry::Compressed { .. } => 1,
-        };
-        off += e.data_len();
-    }
-    let wire = rd.batch_wire_len(data_len);
-    sh.ctl.update(|st| {
-        st.pages_sent += n;
-        st.wire_bytes += wire;
-    });
+    // Zero and compressed records through the placer as usual: `scratch`
+    // holds the data as laid out on the wire, but for the raw pages placed
+    // above.
+    let n = place_records(placer, rd.records_in(scratch, sh.total), Via::Push, zstd, true)?;
+    count_batch(&sh.ctl, n, rd.batch_wire_len(data_len));
     Ok(n)
 }
 
@@ -334,6 +301,8 @@ fn apply_batch(rd: &DataReader, sh: &RxShared, scratch: &[u8], zstd: &mut Option
     // page would stall on each page's stores.
     let mut written = Runs::default();
     while let Some(e) = t.next_entry()? {
+        let at = off;
+        off += e.data_len();
         match e {
             Entry::Zero { pfn, count } => {
                 for p in pfn..pfn + count {
@@ -354,9 +323,8 @@ fn apply_batch(rd: &DataReader, sh: &RxShared, scratch: &[u8], zstd: &mut Option
                 n += count;
             }
             Entry::Compressed { pfn, kind, len, hash } => {
-                off += len;
                 let page = page_mut(sh, pfn);
-                decompress(kind, &scratch[off - len..off], page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
+                unpack(pfn, kind, &scratch[at..at + len], page, zstd)?;
                 sh.suspect.check(pfn, wire::page_hash(pfn, page) == hash);
                 written.add(pfn, sh);
                 n += 1;
@@ -499,17 +467,14 @@ impl Runs {
 /// placer and count them (and the batch's wire bytes) in the stats. The
 /// source is paused by now, so a page that fails its hash is damage.
 pub(crate) fn place_batch(placer: &Placer, ctl: &Control, rd: &DataReader, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
-    let n = place_records(placer, rd, total, via, zstd)?;
-    let wire = rd.batch_wire_len(rd.data.len());
-    ctl.update(|st| {
-        st.pages_sent += n;
-        st.wire_bytes += wire;
-    });
+    let n = place_records(placer, rd.records(total), via, zstd, false)?;
+    count_batch(ctl, n, rd.batch_wire_len(rd.data.len()));
     Ok(n)
 }
 
-fn place_records(placer: &Placer, rd: &DataReader, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
-    let mut it = rd.records(total);
+/// Place the records of a batch; `raw_placed`: its raw pages were placed
+/// already (only counted here).
+fn place_records(placer: &Placer, mut it: wire::Records, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>, raw_placed: bool) -> Result<u64> {
     let mut n = 0;
     let mut page = [0u8; PAGE_SIZE as usize];
     while let Some(rec) = it.next_record()? {
@@ -519,21 +484,34 @@ fn place_records(placer: &Placer, rd: &DataReader, total: u64, via: Via, zstd: &
                 n += count;
             }
             Record::Raw { pfn, data, hashes } => {
-                wire::check_run(pfn, data, hashes)?;
-                placer.place(pfn, data, via)?;
+                if !raw_placed {
+                    wire::check_run(pfn, data, hashes)?;
+                    placer.place(pfn, data, via)?;
+                }
                 n += (data.len() as u64) / PAGE_SIZE;
             }
             Record::Compressed { pfn, kind, data, hash } => {
-                decompress(kind, data, &mut page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))?;
-                if wire::page_hash(pfn, &page) != hash {
-                    return Err(WireError::Corrupt(format!("page {pfn} checksum mismatch")).into());
-                }
+                unpack(pfn, kind, data, &mut page, zstd)?;
+                wire::check_page(pfn, &page, hash)?;
                 placer.place(pfn, &page, via)?;
                 n += 1;
             }
         }
     }
     Ok(n)
+}
+
+/// Decompress page `pfn` into `page`; a failure is damage.
+fn unpack(pfn: u64, kind: Compress, data: &[u8], page: &mut [u8], zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<(), WireError> {
+    decompress(kind, data, page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))
+}
+
+/// A batch arrived: its pages and wire bytes count in the stats.
+fn count_batch(ctl: &Control, pages: u64, wire: u64) {
+    ctl.update(|st| {
+        st.pages_sent += pages;
+        st.wire_bytes += wire;
+    });
 }
 
 pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
@@ -568,12 +546,8 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                     populate_new_pages(&sh, &rd);
                     read_batch_into_ram(&mut s, &rd, &sh, data_len, &mut scratch)?;
                     let n = apply_batch(&rd, &sh, &scratch, &mut zstd)?;
-                    let wire = rd.batch_wire_len(data_len);
                     pages += n;
-                    sh.ctl.update(|st| {
-                        st.pages_sent += n;
-                        st.wire_bytes += wire;
-                    });
+                    count_batch(&sh.ctl, n, rd.batch_wire_len(data_len));
                 }
                 DataItem::Sync(round) => {
                     // Every channel applied the round: tell the source, so
@@ -686,9 +660,7 @@ pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingPa
     });
     let mut control: Option<TcpStream> = None;
     let mut started = t0;
-    let prealloc = if params.prealloc { Some(Prealloc::start(vm.ram())?) } else { None };
-    let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started, clients, prealloc.as_ref().map(Prealloc::alias));
-    drop(prealloc);
+    let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started, clients);
     if let Err(e) = &r {
         if let Some(c) = control.as_mut() {
             let _ = wire::send_msg(c, &Msg::Abort { reason: format!("{e:#}") });
@@ -723,10 +695,11 @@ fn run_inner(
     control_out: &mut Option<TcpStream>,
     t0: &mut Instant,
     clients: Option<Arc<RamClients>>,
-    populated: Option<Arc<Alias>>,
 ) -> Result<bool> {
     let ram = vm.ram();
     let total = ram.pages();
+    // From the moment we listen; stopped when the migration ends.
+    let prealloc = if params.prealloc { Some(Prealloc::start(ram)?) } else { None };
     let timeout = (params.accept_timeout_s > 0).then(|| Duration::from_secs(params.accept_timeout_s));
     let mut control = accept(listener, ctl, timeout)?;
     *t0 = Instant::now();
@@ -785,7 +758,7 @@ fn run_inner(
     }
     // A hybrid receives its precopy rounds through an alias (see RxShared);
     // a preallocated destination receives through its populated one.
-    let alias = match populated {
+    let alias = match prealloc.as_ref().map(Prealloc::alias) {
         Some(a) => Some(a),
         None if mode == Mode::Hybrid => Some(Arc::new(Alias::map(&ram).context("mapping guest RAM for receiving")?)),
         None => None,
@@ -794,7 +767,6 @@ fn run_inner(
         ram,
         total,
         maybe_nonzero: Arc::new(maybe_nonzero),
-        write_at: alias.as_ref().map_or(ram.host_addr, |a| a.base),
         alias,
         precopy_rounds: mode == Mode::Hybrid,
         seen: Arc::new(AtomicBitmap::new(total)),

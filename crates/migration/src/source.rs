@@ -96,6 +96,13 @@ pub fn is_zero(p: &[u8]) -> bool {
     })
 }
 
+/// A page's xxh3 (what it is sent with), or `None` if it is all zeros:
+/// one pass over the page, the zeros checked only when the hash says so.
+pub fn nonzero_xxh3(page: &[u8]) -> Option<u64> {
+    let h = wire::xxh3(page);
+    (h != wire::zero_page_xxh3() || !is_zero(page)).then_some(h)
+}
+
 struct Channel {
     index: usize,
     stream: TcpStream,
@@ -216,10 +223,7 @@ impl Channel {
             // next round.
             let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
             sent.pages += 1;
-            // One pass over the page: the hash it is sent with also says
-            // whether it may be all zeros.
-            let h = wire::xxh3(src);
-            if h == wire::zero_page_xxh3() && is_zero(src) {
+            let Some(h) = nonzero_xxh3(src) else {
                 sent.zero += 1;
                 run = match run {
                     Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
@@ -230,7 +234,7 @@ impl Channel {
                     None => Some((pfn, 1)),
                 };
                 continue;
-            }
+            };
             if let Some((f, c)) = run.take() {
                 batch.zero_run(f, c);
             }

@@ -531,7 +531,12 @@ impl DataReader {
     }
     /// The records of the last batch with the data read by `read_data`.
     pub fn records(&self, total_pages: u64) -> Records<'_> {
-        Records { t: self.entries(total_pages), data: &self.data }
+        self.records_in(&self.data, total_pages)
+    }
+    /// The records of the last batch with its data in `data` (laid out as
+    /// on the wire).
+    pub fn records_in<'a>(&'a self, data: &'a [u8], total_pages: u64) -> Records<'a> {
+        Records { t: self.entries(total_pages), data }
     }
     /// Bytes the last batch took on the wire.
     pub fn batch_wire_len(&self, data_len: usize) -> u64 {
@@ -657,15 +662,17 @@ impl<'a> Records<'a> {
     }
 }
 
+/// Check page `pfn`'s bytes against its hash.
+pub fn check_page(pfn: u64, page: &[u8], hash: u64) -> Result<(), WireError> {
+    match page_hash(pfn, page) == hash {
+        true => Ok(()),
+        false => Err(WireError::Corrupt(format!("page {pfn} checksum mismatch"))),
+    }
+}
+
 /// Check raw pages against their hashes (`data` holds whole pages).
 pub fn check_run(pfn: u64, data: &[u8], hashes: &[u8]) -> Result<(), WireError> {
-    for (i, page) in data.chunks(PAGE).enumerate() {
-        let p = pfn + i as u64;
-        if page_hash(p, page) != run_hash(hashes, i) {
-            return Err(WireError::Corrupt(format!("page {p} checksum mismatch")));
-        }
-    }
-    Ok(())
+    data.chunks(PAGE).enumerate().try_for_each(|(i, page)| check_page(pfn + i as u64, page, run_hash(hashes, i)))
 }
 
 #[cfg(test)]

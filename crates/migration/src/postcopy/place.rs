@@ -324,25 +324,17 @@ impl Placer {
             // SAFETY: [first, first + count) is inside guest RAM (callers
             // checked pfn + pages), and this thread alone claimed it.
             unsafe {
-                std::ptr::copy_nonoverlapping(data.as_ptr().add(off), self.alias.base.add((first * PAGE) as usize), (count * PAGE) as usize);
+                std::ptr::copy_nonoverlapping(data.as_ptr().add(off), self.alias_page(first), (count * PAGE) as usize);
             }
             self.map(first, count, via, false)
         })
     }
 
-    /// Claim the pages of `first..first + count` nobody claimed yet, as
-    /// runs into `out`: the caller writes them through [`alias_page`]
-    /// (Self::alias_page) and then maps them ([`map_claimed`]
-    /// (Self::map_claimed)) or gives them back ([`unclaim`](Self::unclaim)).
-    pub fn claim_runs(&self, first: u64, count: u64, out: &mut Vec<PageRange>) {
-        for p in first..first + count {
-            if self.claimed.test_and_set(p) {
-                match out.last_mut() {
-                    Some(r) if r.end() == p => r.count += 1,
-                    _ => out.push(PageRange { first: p, count: 1 }),
-                }
-            }
-        }
+    /// Claim page `pfn` if nobody has yet: the caller then writes it
+    /// through [`alias_page`](Self::alias_page) and maps it ([`map_claimed`]
+    /// (Self::map_claimed)) or gives it back ([`unclaim`](Self::unclaim)).
+    pub fn claim(&self, pfn: u64) -> bool {
+        self.claimed.test_and_set(pfn)
     }
 
     /// Claimed pages that were not written after all (their bytes did not
@@ -375,7 +367,7 @@ impl Placer {
             for p in f..f + c {
                 if self.maybe_nonzero.get(p) {
                     // SAFETY: a claimed page inside guest RAM.
-                    unsafe { std::ptr::write_bytes(self.alias.base.add((p * PAGE) as usize), 0, PAGE as usize) };
+                    unsafe { std::ptr::write_bytes(self.alias_page(p), 0, PAGE as usize) };
                     written = true;
                 }
             }

@@ -11,7 +11,7 @@ use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
-use crate::source::{is_zero, open_channels, open_urgent, recv_reply, ChannelSet, Downtime, Outgoing};
+use crate::source::{nonzero_xxh3, open_channels, open_urgent, recv_reply, ChannelSet, Downtime, Outgoing};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, Msg};
@@ -354,10 +354,10 @@ fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Con
             for pfn in r.first..r.end() {
                 // SAFETY: read_request checked the range; the VM is paused here.
                 let src = unsafe { std::slice::from_raw_parts(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
-                if is_zero(src) {
-                    batch.zero(pfn);
-                } else {
-                    batch.raw(pfn, src);
+                // One pass over the page (the VM is paused: no race).
+                match nonzero_xxh3(src) {
+                    Some(h) => batch.raw_hashed(pfn, src, h),
+                    None => batch.zero(pfn),
                 }
             }
             sent += r.count;
