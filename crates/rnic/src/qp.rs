@@ -283,7 +283,7 @@ impl Qp {
         }
         if !self.suspended {
             if self.ack_due.is_some() {
-                self.queue_ack(psn_add(self.rt.epsn, wire::PSN_MASK));
+                self.ack_last_executed();
             }
             while matches!(self.rt.resp_queue.front(), Some(RespJob::Ack { .. } | RespJob::AtomicAck { .. })) {
                 let mut one = 1;
@@ -931,7 +931,7 @@ impl Qp {
             return;
         }
         if self.ack_due.is_some_and(|t| ctx.now >= t) {
-            self.queue_ack(psn_add(self.rt.epsn, wire::PSN_MASK));
+            self.ack_last_executed();
         }
         self.on_probe(ctx);
         let Some(d) = self.retrans_deadline else { return };
@@ -1236,6 +1236,12 @@ impl Qp {
     }
 
     // ---------------------------------------------------------- responder
+
+    /// Acknowledge everything executed so far (the PSN before the next
+    /// expected one).
+    fn ack_last_executed(&mut self) {
+        self.queue_ack(psn_add(self.rt.epsn, wire::PSN_MASK));
+    }
 
     fn queue_ack(&mut self, psn: u32) {
         // Acknowledges everything before it, the coalesced ones too.
@@ -1591,7 +1597,7 @@ impl Qp {
             _ => {
                 // C9-105: acknowledge again, with the last PSN we executed.
                 if p.bth.ack_req || p.bth.opcode.ends_message() {
-                    self.queue_ack(psn_add(self.rt.epsn, wire::PSN_MASK));
+                    self.ack_last_executed();
                 }
             }
         }
