@@ -452,15 +452,20 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
 
     if mode == Mode::Postcopy {
         // Nothing moves before the switch: the destination runs at once,
-        // as soon as it says it is ready.
+        // as soon as it says it is ready. Meanwhile the memfd's holes are
+        // found (a walk of every page, not to be done once the destination
+        // runs and faults).
+        let walk = std::thread::spawn(move || ram.data_ranges());
         control.set_read_timeout(Some(Duration::from_secs(30)))?;
         match recv_reply(&mut control)? {
             Msg::Ready => {}
             other => bail!("destination answered {other:?} instead of ready"),
         }
         control.set_read_timeout(None)?;
+        let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
+        let holes = complement(&data, total);
         ctl.update(|s| s.setup_ms = t0.elapsed().as_secs_f64() * 1e3);
-        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: None, pending: Vec::new(), round: 0 };
+        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: None, holes, pending: Vec::new(), round: 0 };
         return crate::postcopy::source::run(&mut guard, start);
     }
 
@@ -486,9 +491,10 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut data = seen_data;
     data.extend(crate::pages::data_ranges_within(ram.memfd, &holes, PAGE_SIZE).context("finding the memfd's data ranges")?);
     let data = normalize(data, total);
+    let holes = complement(&data, total);
     let mut items = Vec::new();
     chunk(&data, CHUNK_PAGES, false, &mut items);
-    chunk(&complement(&data, total), ZERO_CHUNK_PAGES, true, &mut items);
+    chunk(&holes, ZERO_CHUNK_PAGES, true, &mut items);
     items.sort_by_key(|w| w.first);
     ctl.update(|s| {
         s.status = Status::Active;
@@ -595,7 +601,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     };
 
     if switch {
-        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some(log), pending, round: round + 1 };
+        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some(log), holes, pending, round: round + 1 };
         return crate::postcopy::source::run(&mut guard, start);
     }
 
