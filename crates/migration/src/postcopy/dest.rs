@@ -97,7 +97,7 @@ impl Link {
 
 fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) -> Result<()> {
     let _cpu = CpuTally { ctl, dest: true };
-    super::urgent_priority();
+    super::fault_path_priority();
     let mut rd = DataReader::default();
     let mut zstd = None;
     loop {

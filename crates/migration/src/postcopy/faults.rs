@@ -95,7 +95,7 @@ impl Drop for FaultThread {
 }
 
 fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<OwnedFd>, stop: Arc<AtomicBool>) {
-    super::urgent_priority();
+    super::fault_path_priority();
     let mut asks = Asks::default();
     // Faults on prefetched pages, oldest first: (ask after, page).
     let mut deferred: VecDeque<(Instant, u64)> = VecDeque::new();

@@ -354,7 +354,7 @@ impl UrgentServer {
 
 fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Control) -> Result<()> {
     let _cpu = CpuTally { ctl, dest: false };
-    super::urgent_priority();
+    super::fault_path_priority();
     let total = ram.pages();
     let mut w = s.try_clone()?;
     let mut batch = BatchWriter::new();
