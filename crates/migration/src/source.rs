@@ -508,8 +508,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut hits = 0;
     let mut round = 0u64;
     // Hybrid sends its first pass in two rounds, the first eighth of RAM,
-    // then the rest: a guest that re-dirties half of that eighth meanwhile
-    // will not converge, and switches before the rest is sent twice.
+    // then the rest, and may switch in between (below).
     let mut rest = Vec::new();
     if mode == Mode::Hybrid {
         let at = items.partition_point(|w| w.first < total / 8);
@@ -522,9 +521,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = last.wire as f64 / last.secs.max(1e-6);
     let mut page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
-    // What the first pass had to send: for hybrid's test below, a guest
-    // that dirtied half of RAM during the first pass will not converge.
-    let mut prev_dirty = last.pages;
+    // What the first round sent (for hybrid, the first eighth of RAM).
+    let first_round_pages = last.pages;
     let (mut pending, switch) = loop {
         let mut dirty = log.scan(total)?;
         if let Some(cut) = rest.first().map(|w| w.first) {
@@ -555,19 +553,21 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         if est_s <= target_s && rest.is_empty() {
             break (dirty, false);
         }
-        // Hybrid: precopy converges only if each round at least halves
-        // what is left (the same test as auto-converge's; the first pass
-        // counts as a round over all of RAM); once a round does not, or
-        // the operator asks, or the timeout would cancel, more rounds only
-        // cost time: switch.
+        // Hybrid switches once the first pass is over and what is left
+        // does not fit the downtime: another round would send what the
+        // push sends and leave behind what the guest dirties meanwhile.
+        // It switches sooner, after the first eighth of the pass, if the
+        // guest re-dirtied half of that eighth meanwhile (the test of
+        // auto-converge): such a guest never converges, and the rest of
+        // RAM would go twice. And when the operator asks, or the timeout
+        // would cancel.
         let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
-        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || n as f64 >= 0.5 * prev_dirty as f64) {
+        let redirtied = !rest.is_empty() && n * 2 >= first_round_pages;
+        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || rest.is_empty() || redirtied) {
             let mut missing = dirty;
             missing.extend(rest.iter().map(|w| PageRange { first: w.first, count: w.count }));
             break (missing, true);
         }
-        // What the next round sends: the test above compares with it.
-        prev_dirty = n + rest.iter().map(|w| w.count).sum::<u64>();
         if deadline.is_some_and(|d| Instant::now() >= d) {
             ctl.cancel();
             bail!("did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)", params.timeout_s, est_s * 1e3, throttle);

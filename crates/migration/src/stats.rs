@@ -27,8 +27,8 @@ pub struct Params {
     /// compares them with its own and refuses to run on any difference.
     /// Costs a read of all RAM inside the downtime: for tests and audits.
     pub verify_ram: bool,
-    /// precopy | postcopy | hybrid (precopy rounds, then postcopy once the
-    /// rounds stop shrinking or on `migrate-start-postcopy`).
+    /// precopy | postcopy | hybrid (a precopy pass, then postcopy unless the
+    /// rest fits the downtime, or on `migrate-start-postcopy`).
     pub mode: String,
 }
 

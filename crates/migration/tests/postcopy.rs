@@ -126,10 +126,10 @@ fn postcopy_dirtier(prealloc: bool) {
     oracle_holds_on_destination(&src, &dst);
 }
 
-/// Hybrid: precopy rounds that cannot converge (a zero downtime target
-/// never fits), then the switch once they stop shrinking.
+/// Hybrid: a precopy pass whose rest cannot fit the downtime (a zero
+/// target never fits), then the switch.
 #[test]
-fn hybrid_switches_when_rounds_stop_shrinking() {
+fn hybrid_switches_when_the_rest_cannot_fit() {
     for prealloc in [false, true] {
         hybrid_no_shrink(prealloc);
     }

@@ -34,8 +34,9 @@ pub struct MigrateArgs {
     #[arg(long)]
     pub no_auto_converge: bool,
     /// precopy: rounds until the rest fits the downtime; postcopy: switch at
-    /// once, the destination fetches what it touches; hybrid: precopy rounds,
-    /// then postcopy once they stop shrinking (or on `migrate-start-postcopy`).
+    /// once, the destination fetches what it touches; hybrid: a precopy pass
+    /// over RAM, then postcopy unless the rest fits the downtime (or on
+    /// `migrate-start-postcopy`).
     #[arg(long, default_value = "precopy", value_parser = ["precopy", "postcopy", "hybrid"])]
     pub mode: String,
     /// Go on with a postcopy migration paused by a broken connection, to
