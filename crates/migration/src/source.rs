@@ -482,11 +482,19 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // hole when it was armed.
     let seen_data = ram.data_ranges().context("finding the memfd's data ranges")?;
     let holes = complement(&seen_data, total);
-    for r in &holes {
-        armer.arm(*r).context("arming dirty tracking")?;
+    if mode == Mode::Hybrid {
+        // Hybrid arms all of RAM now: the scan after the first eighth of
+        // the pass then sees the guest's writes everywhere, which is its
+        // dirty rate (below).
+        armer.arm(PageRange { first: 0, count: total }).context("arming dirty tracking")?;
+        setup_step("RAM armed");
+    } else {
+        for r in &holes {
+            armer.arm(*r).context("arming dirty tracking")?;
+        }
+        setup_step("holes armed");
+        channels.arm_next = Some(armer);
     }
-    setup_step("holes armed");
-    channels.arm_next = Some(armer);
     // The second look needs only the holes: data stays data.
     let mut data = seen_data;
     data.extend(crate::pages::data_ranges_within(ram.memfd, &holes, PAGE_SIZE).context("finding the memfd's data ranges")?);
@@ -525,9 +533,11 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let first_round_pages = last.pages;
     let (mut pending, switch) = loop {
         let mut dirty = log.scan(total)?;
+        // Hybrid, after the first eighth: pages written anywhere since all
+        // of RAM was armed, against the pages sent meanwhile.
+        let written = count_pages(&dirty);
         if let Some(cut) = rest.first().map(|w| w.first) {
-            // Pages not sent yet read as written (never protected); this
-            // scan protects them, and they go with the rest anyway.
+            // Pages not sent yet go with the rest anyway.
             dirty.retain_mut(|r| {
                 r.count = r.count.min(cut.saturating_sub(r.first));
                 r.count > 0
@@ -557,13 +567,13 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         // does not fit the downtime: another round would send what the
         // push sends and leave behind what the guest dirties meanwhile.
         // It switches sooner, after the first eighth of the pass, if the
-        // guest re-dirtied half of that eighth meanwhile (the test of
-        // auto-converge): such a guest never converges, and the rest of
-        // RAM would go twice. And when the operator asks, or the timeout
-        // would cancel.
+        // guest wrote pages at a quarter of the rate the link sent them or
+        // more: precopy rounds would then send another third of RAM or
+        // more before they converge, while the push sends each page once.
+        // And when the operator asks, or the timeout would cancel.
         let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
-        let redirtied = !rest.is_empty() && n * 2 >= first_round_pages;
-        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || rest.is_empty() || redirtied) {
+        let dirtying = !rest.is_empty() && written * 4 >= first_round_pages;
+        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || rest.is_empty() || dirtying) {
             let mut missing = dirty;
             missing.extend(rest.iter().map(|w| PageRange { first: w.first, count: w.count }));
             break (missing, true);

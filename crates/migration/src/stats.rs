@@ -28,7 +28,8 @@ pub struct Params {
     /// Costs a read of all RAM inside the downtime: for tests and audits.
     pub verify_ram: bool,
     /// precopy | postcopy | hybrid (a precopy pass, then postcopy unless the
-    /// rest fits the downtime, or on `migrate-start-postcopy`).
+    /// rest fits the downtime; sooner if the guest dirties RAM fast, or on
+    /// `migrate-start-postcopy`).
     pub mode: String,
 }
 

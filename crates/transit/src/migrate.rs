@@ -35,8 +35,8 @@ pub struct MigrateArgs {
     pub no_auto_converge: bool,
     /// precopy: rounds until the rest fits the downtime; postcopy: switch at
     /// once, the destination fetches what it touches; hybrid: a precopy pass
-    /// over RAM, then postcopy unless the rest fits the downtime (or on
-    /// `migrate-start-postcopy`).
+    /// over RAM, then postcopy unless the rest fits the downtime (sooner if
+    /// the guest dirties RAM fast, or on `migrate-start-postcopy`).
     #[arg(long, default_value = "precopy", value_parser = ["precopy", "postcopy", "hybrid"])]
     pub mode: String,
     /// Go on with a postcopy migration paused by a broken connection, to
