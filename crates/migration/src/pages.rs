@@ -188,7 +188,7 @@ pub fn page_hashes(ram: &crate::vm::RamRegion) -> Vec<u64> {
             is_data[p as usize] = true;
         }
     }
-    let zero = crate::wire::xxh3(&[0u8; crate::dirty::PAGE_SIZE as usize]);
+    let zero = crate::wire::zero_page_xxh3();
     (0..ram.len / crate::dirty::PAGE_SIZE)
         .map(|p| {
             if !is_data[p as usize] {

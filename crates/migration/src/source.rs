@@ -495,10 +495,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         setup_step("holes armed");
         channels.arm_next = Some(armer);
     }
-    // The second look needs only the holes: data stays data.
-    let mut data = seen_data;
-    data.extend(crate::pages::data_ranges_within(ram.memfd, &holes, PAGE_SIZE).context("finding the memfd's data ranges")?);
-    let data = normalize(data, total);
+    let data = ram.data_ranges_since(seen_data).context("finding the memfd's data ranges")?;
     let holes = complement(&data, total);
     let mut items = Vec::new();
     chunk(&data, CHUNK_PAGES, false, &mut items);

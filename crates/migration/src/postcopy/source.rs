@@ -38,16 +38,14 @@ pub(crate) struct Start {
 }
 
 /// The memfd's holes now, from `before`, its holes seen while the VM still
-/// ran: only those are looked at again, and SEEK_DATA skips a hole at once.
-/// A full walk after the switch (SEEK_HOLE steps through every data page:
-/// about 50 ms for 4 GiB, in the kernel) held up the fault path for as
-/// long. A page punched out since the first look is pushed as data, which
-/// reads as zeros: right, only slower.
+/// ran ([`RamRegion::data_ranges_since`]): a full walk after the switch
+/// held up the fault path for as long as it took (about 50 ms for 4 GiB,
+/// in the kernel). A page punched out since is pushed as data, which reads
+/// as zeros: right, only slower.
 fn holes_now(ram: &RamRegion, before: &[PageRange]) -> Result<Vec<PageRange>> {
     let total = ram.pages();
-    let mut data = complement(before, total);
-    data.extend(crate::pages::data_ranges_within(ram.memfd, before, PAGE_SIZE).context("finding the memfd's data ranges")?);
-    Ok(complement(&normalize(data, total), total))
+    let data = ram.data_ranges_since(complement(before, total)).context("finding the memfd's data ranges")?;
+    Ok(complement(&data, total))
 }
 
 /// Split sorted, disjoint `pages` into (pages with data here, pages that
