@@ -8,7 +8,7 @@
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use testbed::Testbed;
 pub use vmm::control::Client;
@@ -122,7 +122,9 @@ pub fn wait_migration(vm: &VmProcess, t: Duration) -> Result<Value> {
 /// (iperf3), Gbit/s. Bounded in time whatever the link does.
 pub fn raw_tcp_gbps(tb: &Testbed, streams: u32, secs: u32) -> Result<f64> {
     let port = 5201;
-    let _srv = tb.host(1).spawn("iperf3", ["-s", "-1", "-p", &port.to_string()])?;
+    let _srv = testbed::HostChild::new(
+        tb.host(1).command("iperf3").args(["-s", "-1", "-p", &port.to_string()]).stdin(Stdio::null()).stdout(Stdio::null()).spawn()?,
+    );
     std::thread::sleep(Duration::from_millis(300));
     let out = tb.host(0).sh(&format!(
         "timeout {} iperf3 -c {} -p {port} -P {streams} -t {secs} --connect-timeout 3000 -J",
@@ -132,4 +134,109 @@ pub fn raw_tcp_gbps(tb: &Testbed, streams: u32, secs: u32) -> Result<f64> {
     let v: Value = serde_json::from_str(&out).context("iperf3 JSON")?;
     let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().ok_or_else(|| anyhow!("iperf3 gave no throughput"))?;
     Ok(bps / 1e9)
+}
+
+/// RAM-to-RAM TCP throughput host 0 -> host 1, Gbit/s: `bytes` of a
+/// filled shared-memory mapping (like guest RAM) sent over `streams`
+/// connections into a populated one (like a preallocated destination),
+/// with plain writes and reads of 256 KiB (the receiver woken once per
+/// read, as Transit's receiver is) and nothing else. iperf3 sends from and
+/// into a small buffer that stays in cache; moving RAM also pays the
+/// memory traffic of both ends, which on a host with few CPUs is a large
+/// part of the cost: this is the reference for what a migration over TCP
+/// can reach here.
+pub fn ram_tcp_gbps(tb: &Testbed, streams: u32, bytes: u64) -> Result<f64> {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    const CHUNK: usize = 256 << 10;
+    let streams = streams.max(1) as usize;
+    let per = (bytes / streams as u64 / CHUNK as u64 * CHUNK as u64) as usize;
+    let (mut src, mut dst) = (SharedRam::new(per * streams)?, SharedRam::new(per * streams)?);
+    src.fill();
+    let port = 5202;
+    let listener = tb.host(1).in_netns(|| TcpListener::bind(("0.0.0.0", port)))??;
+    let to = (tb.host(1).addr(0), port);
+    let senders: Vec<TcpStream> = tb.host(0).in_netns(|| (0..streams).map(|_| TcpStream::connect(to)).collect::<std::io::Result<_>>())??;
+    let receivers: Vec<TcpStream> = (0..streams).map(|_| listener.accept().map(|(s, _)| s)).collect::<std::io::Result<_>>()?;
+    let t0 = Instant::now();
+    std::thread::scope(|sc| -> Result<f64> {
+        // Which part a stream carries does not matter: all are the same size.
+        let sends: Vec<_> = senders
+            .into_iter()
+            .zip(src.bytes().chunks(per))
+            .map(|(mut s, part)| sc.spawn(move || part.chunks(CHUNK).try_for_each(|c| s.write_all(c))))
+            .collect();
+        let recvs: Vec<_> = receivers
+            .into_iter()
+            .zip(dst.bytes_mut().chunks_mut(per))
+            .map(|(mut s, part)| {
+                set_rcvlowat(&s, CHUNK / 2);
+                sc.spawn(move || part.chunks_mut(CHUNK).try_for_each(|c| s.read_exact(c)))
+            })
+            .collect();
+        for h in sends {
+            h.join().map_err(|_| anyhow!("RAM-to-RAM sender panicked"))?.context("RAM-to-RAM send")?;
+        }
+        for h in recvs {
+            h.join().map_err(|_| anyhow!("RAM-to-RAM receiver panicked"))?.context("RAM-to-RAM receive")?;
+        }
+        Ok((per * streams) as f64 * 8.0 / t0.elapsed().as_secs_f64() / 1e9)
+    })
+}
+
+/// Wake a reader only once `n` bytes are queued (or the stream ends).
+fn set_rcvlowat(s: &std::net::TcpStream, n: usize) {
+    use std::os::fd::AsRawFd;
+    let v = n as i32;
+    // SAFETY: an int option on our own socket; failing only costs wakeups.
+    unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v as *const i32 as *const libc::c_void, 4) };
+}
+
+/// A populated shared-memory mapping, as guest RAM is (a memfd).
+struct SharedRam {
+    at: *mut u8,
+    len: usize,
+}
+
+impl SharedRam {
+    fn new(len: usize) -> Result<SharedRam> {
+        // SAFETY: a fresh memfd, mapped whole; closing the fd keeps the mapping.
+        unsafe {
+            let fd = libc::memfd_create(c"ram-tcp".as_ptr(), libc::MFD_CLOEXEC);
+            if fd < 0 || libc::ftruncate(fd, len as i64) != 0 {
+                bail!("memfd of {len} bytes: {}", std::io::Error::last_os_error());
+            }
+            let at = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_POPULATE, fd, 0);
+            libc::close(fd);
+            if at == libc::MAP_FAILED {
+                bail!("mmap of {len} bytes: {}", std::io::Error::last_os_error());
+            }
+            Ok(SharedRam { at: at as *mut u8, len })
+        }
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: our mapping, alive as long as self.
+        unsafe { std::slice::from_raw_parts(self.at, self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, borrowed mutably through self.
+        unsafe { std::slice::from_raw_parts_mut(self.at, self.len) }
+    }
+    /// Non-zero bytes that do not repeat (a counter and a xorshift).
+    fn fill(&mut self) {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for (i, w) in self.bytes_mut().chunks_exact_mut(8).enumerate() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            w.copy_from_slice(&(if i % 2 == 0 { x } else { i as u64 | 1 }).to_le_bytes());
+        }
+    }
+}
+
+impl Drop for SharedRam {
+    fn drop(&mut self) {
+        // SAFETY: unmaps what new() mapped.
+        unsafe { libc::munmap(self.at as *mut libc::c_void, self.len) };
+    }
 }

@@ -3,8 +3,9 @@
 //! For each (workload, RAM size, channels[, compression]): two testbed
 //! hosts, a source vmm running the workload in host 0, an incoming vmm in
 //! host 1, one migration (precopy, postcopy or hybrid); raw TCP (iperf3, same stream count, same
-//! link) is measured in the same testbed just before. Prints a table, then
-//! `{"rows": [...]}`.
+//! link) and, on uncapped links, RAM-to-RAM TCP (the row's RAM size from one shared mapping
+//! into another, same stream count; column `r2r`) are measured in the same testbed just
+//! before. Prints a table, then `{"rows": [...]}`.
 //!
 //! Every row runs in a child process of its own (`--row LABEL`) in its own
 //! process group, with a time limit: a row that hangs is killed with its
@@ -24,11 +25,14 @@ const CAP_MBIT: u32 = 1000;
 const CAPPED_DIRTY_PAGES_S: u64 = 100 * 256;
 
 const USAGE: &str = "usage: migrate-transit [--quick] [--only SUBSTR] [--no-prealloc] [--list]
+       migrate-transit --baselines STREAMS GIB [REPEATS]
   --quick        1 GiB rows of the shared matrix only (no compression rows)
   --only S       the row labelled S, else rows whose label (MODE/WORKLOAD/NG/Nch[/COMPRESS]) contains S
   --no-prealloc  destinations allocate RAM as pages arrive (default: while waiting, before
                  the migration starts, as with QEMU's -mem-prealloc)
   --list         print the labels and exit
+  --baselines    only the two references of the rows, REPEATS times (default 3): raw TCP
+                 (iperf3) and RAM-to-RAM TCP (GIB of shared memory into another)
 workloads: idle (fill, then halt), dirtier, dirtier-capped (dirtier at 100 MiB/s,
 link capped at 1 Gbit/s) and idle-capped (fill on the capped link); compression rows:
 idle-capped/1G/4ch with none, lz4, zstd and dirtier-capped/1G/4ch/lz4 (its uncompressed
@@ -114,6 +118,9 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
         tb.set_rate(0, 0, Some(CAP_MBIT))?;
     }
     let raw = raw_tcp_gbps(&tb, r.channels, 3)?;
+    // On the capped link the cap is the limit; elsewhere, also what moving
+    // RAM over TCP costs here, before the VMs take their memory.
+    let ram_tcp = if r.capped() { None } else { Some(ram_tcp_gbps(&tb, r.channels, r.ram_gib << 30)?) };
     let (wl, args) = match r.workload {
         "idle" | "idle-capped" => ("fill", String::new()),
         "dirtier" => ("dirtier", String::new()),
@@ -177,6 +184,8 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
         "ram_throughput_gbps": eff,
         "raw_tcp_gbps": raw,
         "fraction_of_raw": tput.map(|t| t / raw),
+        "ram_tcp_gbps": ram_tcp,
+        "fraction_of_ram_tcp": tput.zip(ram_tcp).map(|(t, m)| t / m),
         "timeout_s": timeout_s,
         "setup_ms": s["setup_ms"],
         "round_ms": s["round_stats"].as_array().map(|v| v.iter().map(|r| r["duration_ms"].clone()).collect::<Vec<_>>()),
@@ -202,6 +211,7 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
         "pages_requested": s["pages_requested"],
         // RAM size over the same-run raw TCP rate: the floor for postcopy.
         "ram_over_raw_s": r.ram_gib as f64 * 8.0 * 1.073_741_824 / raw,
+        "ram_over_ram_tcp_s": ram_tcp.map(|m| r.ram_gib as f64 * 8.0 * 1.073_741_824 / m),
     }))
 }
 
@@ -302,6 +312,18 @@ fn main() {
         }
         return;
     }
+    if let Some(i) = args.iter().position(|a| a == "--baselines") {
+        let num = |k: usize, d: u64| args.get(i + k).map(|v| v.parse::<u64>()).unwrap_or(Ok(d));
+        let (Ok(streams), Ok(gib), Ok(repeats)) = (num(1, 1), num(2, 1), num(3, 3)) else {
+            eprintln!("{USAGE}");
+            std::process::exit(2);
+        };
+        if let Err(e) = print_baselines(streams as u32, gib, repeats) {
+            eprintln!("migrate-transit: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if let Some(label) = arg("--row") {
         // Child mode: one row, its JSON as the last line.
         let Some(r) = matrix(false).into_iter().find(|r| r.label() == label) else {
@@ -349,6 +371,20 @@ fn main() {
     println!("{}", json!({ "rows": rows }));
 }
 
+/// Both references of the rows, alternating, on one testbed; the last line
+/// is JSON.
+fn print_baselines(streams: u32, gib: u64, repeats: u64) -> Result<()> {
+    let tb = Testbed::create(TestbedOpts::new("mt", 2))?;
+    let (mut raw, mut ram) = (Vec::new(), Vec::new());
+    for _ in 0..repeats {
+        raw.push(raw_tcp_gbps(&tb, streams, 3)?);
+        ram.push(ram_tcp_gbps(&tb, streams, gib << 30)?);
+        println!("{streams} stream(s): raw TCP (iperf3) {:6.2} Gbit/s, RAM-to-RAM TCP ({gib} GiB) {:6.2} Gbit/s", raw.last().unwrap(), ram.last().unwrap());
+    }
+    println!("{}", json!({"streams": streams, "ram_gib": gib, "raw_tcp_gbps": raw, "ram_tcp_gbps": ram}));
+    Ok(())
+}
+
 /// `ram_throughput_vs_uncompressed` on every compressed row whose
 /// uncompressed twin (same mode, workload, size, channels) ran too: what
 /// compression multiplied the effective throughput by, in the same run.
@@ -366,8 +402,8 @@ fn add_compression_gains(rows: &mut [Value]) {
 
 fn print_table(rows: &[Value]) {
     println!(
-        "{:<34} {:>5} {:>8} {:>9} {:>7} {:>7} {:>7} {:>5} {:>6} {:>6} {:>6}",
-        "row", "done", "total s", "downtime", "Gbit/s", "RAM", "raw", "frac", "thrott", "cpu_s", "cpu_d"
+        "{:<34} {:>5} {:>8} {:>9} {:>7} {:>7} {:>7} {:>5} {:>7} {:>5} {:>6} {:>6} {:>6}",
+        "row", "done", "total s", "downtime", "Gbit/s", "RAM", "raw", "frac", "r2r", "frac", "thrott", "cpu_s", "cpu_d"
     );
     for r in rows {
         let f = |k: &str, p: usize| r[k].as_f64().map(|v| format!("{v:.p$}")).unwrap_or_else(|| "-".into());
@@ -376,7 +412,7 @@ fn print_table(rows: &[Value]) {
             label += &format!("/{c}");
         }
         println!(
-            "{:<34} {:>5} {:>8} {:>9} {:>7} {:>7} {:>7} {:>5} {:>6} {:>6} {:>6}",
+            "{:<34} {:>5} {:>8} {:>9} {:>7} {:>7} {:>7} {:>5} {:>7} {:>5} {:>6} {:>6} {:>6}",
             label,
             r["completed"],
             f("total_s", 2),
@@ -385,19 +421,23 @@ fn print_table(rows: &[Value]) {
             f("ram_throughput_gbps", 2),
             f("raw_tcp_gbps", 2),
             f("fraction_of_raw", 2),
+            f("ram_tcp_gbps", 2),
+            f("fraction_of_ram_tcp", 2),
             r["throttle_pct"],
             f("cpu_s_source", 1),
             f("cpu_s_dest", 1),
         );
+        let ratio = |k: &str| r["total_s"].as_f64().zip(r[k].as_f64()).map(|(t, f)| format!("{:.2}", t / f)).unwrap_or_else(|| "-".into());
         if r["mode"] != "precopy" {
             println!(
-                "    postcopy {} ms, faults {} (wait p50 {} us, p99 {} us, max {} us), total / (RAM / raw TCP) {}",
+                "    postcopy {} ms, faults {} (wait p50 {} us, p99 {} us, max {} us), total / (RAM / raw TCP) {}, / (RAM / RAM-to-RAM TCP) {}",
                 f("postcopy_ms", 0),
                 r["faults"],
                 f("fault_p50_us", 0),
                 f("fault_p99_us", 0),
                 f("fault_max_us", 0),
-                r["total_s"].as_f64().zip(r["ram_over_raw_s"].as_f64()).map(|(t, f)| format!("{:.2}", t / f)).unwrap_or_else(|| "-".into())
+                ratio("ram_over_raw_s"),
+                ratio("ram_over_ram_tcp_s"),
             );
         }
         if let Some(g) = r["ram_throughput_vs_uncompressed"].as_f64() {
