@@ -61,7 +61,7 @@ impl PciConfig {
 
     /// Declare a 64-bit memory BAR (uses BAR slots `index` and `index+1`).
     pub fn set_bar64(&mut self, index: usize, bar: Bar) {
-        assert!(index < 5 && bar.size.is_power_of_two() && bar.addr % bar.size == 0);
+        assert!(index < 5 && bar.size.is_power_of_two() && bar.addr.is_multiple_of(bar.size));
         self.bars[index] = Some(bar);
     }
 

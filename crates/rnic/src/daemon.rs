@@ -232,7 +232,7 @@ fn link_mtu(addr: Ipv4Addr) -> Option<usize> {
     }
     let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU, &mut req) };
     // SAFETY: the kernel filled ifru_mtu.
-    (r == 0).then(|| unsafe { req.ifr_ifru.ifru_mtu } as usize).filter(|m| *m >= 576)
+    (r == 0).then_some(unsafe { req.ifr_ifru.ifru_mtu } as usize).filter(|m| *m >= 576)
 }
 
 /// Link MTU assumed when the address is not on any interface yet.

@@ -351,7 +351,7 @@ impl Engine {
                 Reply::Ok
             }
             Request::DestroyQp { qpn } => {
-                if !self.qps.get(&qpn).is_some_and(|q| q.owner == client) {
+                if self.qps.get(&qpn).is_none_or(|q| q.owner != client) {
                     bail!("no QP {qpn:#x}");
                 }
                 self.qps.remove(&qpn);
@@ -365,7 +365,7 @@ impl Engine {
     /// A caller-chosen QPN must be a valid, free QPN of this namespace
     /// (0 and 1 are the special QPs of IB).
     fn check_free_qpn(&self, q: u32) -> anyhow::Result<()> {
-        if q < 2 || q > wire::QPN_MASK {
+        if !(2..=wire::QPN_MASK).contains(&q) {
             bail!("QPN {q:#x} is outside 0x2..={:#x}", wire::QPN_MASK);
         }
         if self.qps.contains_key(&q) {
@@ -385,7 +385,7 @@ impl Engine {
             bail!("at most {max} QPs per request");
         }
         for q in qpns {
-            if !self.qps.get(q).is_some_and(|x| x.owner == client) {
+            if self.qps.get(q).is_none_or(|x| x.owner != client) {
                 bail!("no QP {q:#x}");
             }
         }

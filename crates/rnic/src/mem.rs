@@ -24,7 +24,7 @@ impl Mapping {
         if len == 0 {
             return Ok(Mapping { ptr: std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8, len: 0 });
         }
-        if offset % 4096 != 0 {
+        if !offset.is_multiple_of(4096) {
             bail!("mapping offset {offset} is not page aligned");
         }
         // SAFETY: mmap of a file descriptor we own; result checked.

@@ -882,7 +882,7 @@ impl Qp {
                 };
                 let mut h = Headers::new(opc, dq, psn);
                 // Ask for ACKs often enough that the window never stalls.
-                h.bth.ack_req = (last && ask_ack) || (i + 1) % self.ack_every() == 0;
+                h.bth.ack_req = (last && ask_ack) || (i + 1).is_multiple_of(self.ack_every());
                 h.bth.solicited = last && w.flags & send_flags::SOLICITED != 0;
                 if is_write && first {
                     h.reth = Some(Reth { va: w.remote_addr, rkey: w.rkey, len: e.len as u32 });
@@ -1530,7 +1530,7 @@ impl Qp {
             }
             // SAFETY: 8-byte aligned (iova and mapping are page aligned alike is
             // not guaranteed, so check the host pointer too) and inside the MR.
-            if ptr as usize % 8 != 0 {
+            if !(ptr as usize).is_multiple_of(8) {
                 self.responder_error(ctx, psn, NakCode::InvalidRequest);
                 return;
             }

@@ -124,7 +124,7 @@ impl<T: Copy> Ring<T> {
     /// # Safety
     /// `base` must point to a mapping of at least `len` bytes that outlives the ring.
     pub unsafe fn new(base: *mut u8, len: usize, cap: u32) -> Option<Ring<T>> {
-        if cap == 0 || !cap.is_power_of_two() || len < ring_bytes::<T>(cap) || base as usize % 64 != 0 {
+        if cap == 0 || !cap.is_power_of_two() || len < ring_bytes::<T>(cap) || !(base as usize).is_multiple_of(64) {
             return None;
         }
         Some(Ring { base, cap, local: 0, _t: PhantomData })

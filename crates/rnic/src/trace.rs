@@ -95,7 +95,7 @@ impl TraceSlot {
         let mut b = 0u64;
         while b < nblocks {
             let w = bm.words[(b / 64) as usize];
-            if w == 0 && b % 64 == 0 {
+            if w == 0 && b.is_multiple_of(64) {
                 b += 64;
                 continue;
             }

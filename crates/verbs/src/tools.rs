@@ -526,7 +526,7 @@ fn serve(test: &str, res: &Res, h: &Hello, r: &mut BufReader<TcpStream>) -> anyh
                     res.qp.post_recv(&[RecvWr { wr_id: w.wr_id, sg_list: &recv_sg }])?;
                 }
                 k += 1;
-                if n == 0 && k % 64 == 0 && done(r) {
+                if n == 0 && k.is_multiple_of(64) && done(r) {
                     break;
                 }
             }
@@ -544,7 +544,7 @@ fn serve(test: &str, res: &Res, h: &Hello, r: &mut BufReader<TcpStream>) -> anyh
                     i += 1;
                     res.qp.post_recv(&[RecvWr { wr_id: i, sg_list: &recv_sg }])?;
                     post_small(res, SendWr::send(i, &sg).unsignaled(), size, inline, i)?;
-                    if i % 64 == 0 {
+                    if i.is_multiple_of(64) {
                         let _ = res.scq.poll(&mut wcs);
                     }
                 } else if i as usize >= h.iters && done(r) {

@@ -194,7 +194,7 @@ impl Control {
                 let ram = paused_ram(vm)?;
                 let start = args.get("start").and_then(Value::as_u64).unwrap_or(4 << 20);
                 let end = args.get("end").and_then(Value::as_u64).unwrap_or(ram.len() as u64);
-                if start >= end || end > ram.len() as u64 || start % 4096 != 0 {
+                if start >= end || end > ram.len() as u64 || !start.is_multiple_of(4096) {
                     return Err(CmdError::generic("start/end must be page aligned with start < end <= RAM size"));
                 }
                 Ok(serde_json::to_value(oracle::check_dirtier(ram, start, end)).unwrap())

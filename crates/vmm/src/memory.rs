@@ -34,7 +34,7 @@ impl GuestRam {
         if size < devices::layout::MIN_RAM {
             bail!("guest RAM of {size} bytes is below the minimum of 16 MiB");
         }
-        if size % (2 << 20) != 0 {
+        if !size.is_multiple_of(2 << 20) {
             bail!("guest RAM size must be a multiple of 2 MiB (got {size} bytes)");
         }
         let host = host_memory_bytes()?;

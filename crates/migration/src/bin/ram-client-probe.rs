@@ -45,7 +45,7 @@ fn main() -> anyhow::Result<()> {
                 let zero = page.iter().all(|&b| b == 0) as u8;
                 out.push_str(&format!("{pfn} {} {zero}\n", xxhash_rust::xxh3::xxh3_64(page)));
             }
-            print!("{out}done\n");
+            println!("{out}done");
             std::io::stdout().flush()?;
         } else {
             println!("error: unknown command {line:?}");
