@@ -150,9 +150,14 @@ pub fn ram_tcp_gbps(tb: &Testbed, streams: u32, bytes: u64) -> Result<f64> {
     use std::net::{TcpListener, TcpStream};
     const CHUNK: usize = 256 << 10;
     let streams = streams.max(1) as usize;
-    let per = (bytes / streams as u64 / CHUNK as u64 * CHUNK as u64) as usize;
-    let (mut src, mut dst) = (SharedRam::new(per * streams)?, SharedRam::new(per * streams)?);
-    src.fill();
+    // Guest RAM comes in 2 MiB multiples.
+    const UNIT: u64 = 2 << 20;
+    let per = (bytes / streams as u64 / UNIT * UNIT) as usize;
+    let (src_ram, dst_ram) = (populated_ram(per * streams)?, populated_ram(per * streams)?);
+    // SAFETY: both mappings are ours alone, and each is used through this
+    // one slice.
+    let (src, dst) = unsafe { (src_ram.as_mut_slice(), dst_ram.as_mut_slice()) };
+    fill(src);
     let port = 5202;
     let listener = tb.host(1).in_netns(|| TcpListener::bind(("0.0.0.0", port)))??;
     let to = (tb.host(1).addr(0), port);
@@ -163,12 +168,12 @@ pub fn ram_tcp_gbps(tb: &Testbed, streams: u32, bytes: u64) -> Result<f64> {
         // Which part a stream carries does not matter: all are the same size.
         let sends: Vec<_> = senders
             .into_iter()
-            .zip(src.bytes().chunks(per))
+            .zip(src.chunks(per))
             .map(|(mut s, part)| sc.spawn(move || part.chunks(CHUNK).try_for_each(|c| s.write_all(c))))
             .collect();
         let recvs: Vec<_> = receivers
             .into_iter()
-            .zip(dst.bytes_mut().chunks_mut(per))
+            .zip(dst.chunks_mut(per))
             .map(|(mut s, part)| {
                 set_rcvlowat(&s, CHUNK / 2);
                 sc.spawn(move || part.chunks_mut(CHUNK).try_for_each(|c| s.read_exact(c)))
@@ -192,51 +197,24 @@ fn set_rcvlowat(s: &std::net::TcpStream, n: usize) {
     unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v as *const i32 as *const libc::c_void, 4) };
 }
 
-/// A populated shared-memory mapping, as guest RAM is (a memfd).
-struct SharedRam {
-    at: *mut u8,
-    len: usize,
+/// Memory like a destination's preallocated guest RAM: the vmm's own
+/// (a memfd mapped shared), every page allocated.
+fn populated_ram(len: usize) -> Result<vmm::memory::GuestRam> {
+    let ram = vmm::memory::GuestRam::new("ram-tcp", len as u64)?;
+    // SAFETY: the whole mapping; populating does not change its contents.
+    if unsafe { libc::madvise(ram.host_addr() as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) } != 0 {
+        bail!("allocating {len} bytes: {}", std::io::Error::last_os_error());
+    }
+    Ok(ram)
 }
 
-impl SharedRam {
-    fn new(len: usize) -> Result<SharedRam> {
-        // SAFETY: a fresh memfd, mapped whole; closing the fd keeps the mapping.
-        unsafe {
-            let fd = libc::memfd_create(c"ram-tcp".as_ptr(), libc::MFD_CLOEXEC);
-            if fd < 0 || libc::ftruncate(fd, len as i64) != 0 {
-                bail!("memfd of {len} bytes: {}", std::io::Error::last_os_error());
-            }
-            let at = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_POPULATE, fd, 0);
-            libc::close(fd);
-            if at == libc::MAP_FAILED {
-                bail!("mmap of {len} bytes: {}", std::io::Error::last_os_error());
-            }
-            Ok(SharedRam { at: at as *mut u8, len })
-        }
-    }
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: our mapping, alive as long as self.
-        unsafe { std::slice::from_raw_parts(self.at, self.len) }
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, borrowed mutably through self.
-        unsafe { std::slice::from_raw_parts_mut(self.at, self.len) }
-    }
-    /// Non-zero bytes that do not repeat (a counter and a xorshift).
-    fn fill(&mut self) {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        for (i, w) in self.bytes_mut().chunks_exact_mut(8).enumerate() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&(if i % 2 == 0 { x } else { i as u64 | 1 }).to_le_bytes());
-        }
-    }
-}
-
-impl Drop for SharedRam {
-    fn drop(&mut self) {
-        // SAFETY: unmaps what new() mapped.
-        unsafe { libc::munmap(self.at as *mut libc::c_void, self.len) };
+/// Non-zero bytes that do not repeat (a counter and a xorshift).
+fn fill(b: &mut [u8]) {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for (i, w) in b.chunks_exact_mut(8).enumerate() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&(if i % 2 == 0 { x } else { i as u64 | 1 }).to_le_bytes());
     }
 }

@@ -170,6 +170,8 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
     // multiplies.
     let ram_bytes = s["ram_transferred_bytes"].as_f64();
     let eff = secs.zip(ram_bytes).map(|(t, b)| b * 8.0 / t / 1e9);
+    // The guest's RAM in Gbit, over a rate in Gbit/s: the time to move it.
+    let ram_gbit = r.ram_gib as f64 * 8.0 * 1.073_741_824;
     if completed && secs.is_none() {
         bail!("completed without a total time: {s}");
     }
@@ -214,8 +216,8 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
         "pages_pushed": s["pages_pushed"],
         "pages_requested": s["pages_requested"],
         // RAM size over the same-run raw TCP rate: the floor for postcopy.
-        "ram_over_raw_s": r.ram_gib as f64 * 8.0 * 1.073_741_824 / raw,
-        "ram_over_ram_tcp_s": ram_tcp.map(|m| r.ram_gib as f64 * 8.0 * 1.073_741_824 / m),
+        "ram_over_raw_s": ram_gbit / raw,
+        "ram_over_ram_tcp_s": ram_tcp.map(|m| ram_gbit / m),
     }))
 }
 
