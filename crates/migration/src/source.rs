@@ -480,8 +480,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // again. A page written in between is data in the second look and is
     // read (after arming) like any other; a hole in the second look was a
     // hole when it was armed.
-    let seen_data = ram.data_ranges().context("finding the memfd's data ranges")?;
-    let holes = complement(&seen_data, total);
+    let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
     if mode == Mode::Hybrid {
         // Hybrid arms all of RAM now: the scan after the first eighth of
         // the pass then sees the guest's writes everywhere, which is its
@@ -495,8 +494,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         setup_step("holes armed");
         channels.arm_next = Some(armer);
     }
-    let data = ram.data_ranges_since(seen_data).context("finding the memfd's data ranges")?;
-    let holes = complement(&data, total);
+    let holes = ram.holes_since(&holes).context("finding the memfd's data ranges")?;
+    let data = complement(&holes, total);
     let mut items = Vec::new();
     chunk(&data, CHUNK_PAGES, false, &mut items);
     chunk(&holes, ZERO_CHUNK_PAGES, true, &mut items);

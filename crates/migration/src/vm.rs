@@ -31,17 +31,17 @@ impl RamRegion {
     pub fn data_ranges(&self) -> std::io::Result<Vec<crate::pages::PageRange>> {
         crate::pages::data_ranges(self.memfd, self.len, crate::dirty::PAGE_SIZE)
     }
-    /// [`data_ranges`](Self::data_ranges) now, from an earlier look
-    /// (`before`): only that look's holes are looked at again, since
-    /// `SEEK_HOLE` walks every page of a data range (about 50 ms for 4 GiB)
-    /// while `SEEK_DATA` skips a hole at once. Data stays data: a page
-    /// punched out since still counts as data (it reads as zeros).
-    pub fn data_ranges_since(&self, before: Vec<crate::pages::PageRange>) -> std::io::Result<Vec<crate::pages::PageRange>> {
+    /// The memfd's holes now, from an earlier look's `holes`: only those
+    /// are looked at again, since `SEEK_HOLE` walks every page of a data
+    /// range (about 50 ms for 4 GiB) while `SEEK_DATA` skips a hole at
+    /// once. Data stays data: a page punched out since is not taken for a
+    /// hole (it reads as zeros either way).
+    pub fn holes_since(&self, holes: &[crate::pages::PageRange]) -> std::io::Result<Vec<crate::pages::PageRange>> {
         use crate::pages::{complement, data_ranges_within, normalize};
-        let holes = complement(&before, self.pages());
-        let mut data = before;
-        data.extend(data_ranges_within(self.memfd, &holes, crate::dirty::PAGE_SIZE)?);
-        Ok(normalize(data, self.pages()))
+        let total = self.pages();
+        let mut data = complement(holes, total);
+        data.extend(data_ranges_within(self.memfd, holes, crate::dirty::PAGE_SIZE)?);
+        Ok(complement(&normalize(data, total), total))
     }
 }
 

@@ -37,17 +37,6 @@ pub(crate) struct Start {
     pub round: u64,
 }
 
-/// The memfd's holes now, from `before`, its holes seen while the VM still
-/// ran ([`RamRegion::data_ranges_since`]): a full walk after the switch
-/// held up the fault path for as long as it took (about 50 ms for 4 GiB,
-/// in the kernel). A page punched out since is pushed as data, which reads
-/// as zeros: right, only slower.
-fn holes_now(ram: &RamRegion, before: &[PageRange]) -> Result<Vec<PageRange>> {
-    let total = ram.pages();
-    let data = ram.data_ranges_since(complement(before, total)).context("finding the memfd's data ranges")?;
-    Ok(complement(&data, total))
-}
-
 /// Split sorted, disjoint `pages` into (pages with data here, pages that
 /// are in `holes`).
 fn split_known_zero(holes: &[PageRange], pages: &[PageRange]) -> (Vec<PageRange>, Vec<PageRange>) {
@@ -155,7 +144,10 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     let fill = std::thread::spawn(move || {
         let all = [PageRange { first: 0, count: total }];
         let pages = missing.as_deref().unwrap_or(&all);
-        let (data, zero) = match holes_now(&ram, &holes) {
+        // Holes seen while the VM still ran, looked at again: a full walk
+        // here held up the fault path for as long as it took (about 50 ms
+        // for 4 GiB, in the kernel).
+        let (data, zero) = match ram.holes_since(&holes).context("finding the memfd's holes") {
             Ok(h) => split_known_zero(&h, pages),
             Err(e) => {
                 // Without the holes every page is read and checked for zero.
@@ -410,7 +402,7 @@ mod tests {
         write(63);
         // SAFETY: a page of our own memfd.
         assert_eq!(unsafe { libc::fallocate(r.memfd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 3 * PAGE_SIZE as i64, PAGE_SIZE as i64) }, 0);
-        let holes = holes_now(&r, &before).unwrap();
+        let holes = r.holes_since(&before).unwrap();
         let all = [PageRange { first: 0, count: 64 }];
         let (data, zero) = split_known_zero(&holes, &all);
         let is_zero = |p: u64| zero.iter().any(|z| z.first <= p && p < z.end());
