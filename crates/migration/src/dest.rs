@@ -3,7 +3,7 @@
 //! page of RAM arrived at least once, and the state loaded.
 
 use crate::compress::{decompress, Compress};
-use crate::cputime::{thread_cpu_s, unix_ns};
+use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
 use crate::postcopy::clients::RamClients;
@@ -519,18 +519,20 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
     let mut zstd = None;
     let mut scratch = Vec::new();
     let mut pages = 0u64;
-    let mut postcopy = false;
+    // Postcopy drops channel results: from the switch on, this thread
+    // counts its CPU itself (all of it, precopy rounds included).
+    let mut postcopy: Option<CpuTally> = None;
     let r = (|| -> Result<u64> {
         loop {
             match rd.next_head(&mut s)? {
                 DataItem::Pages { data_len, .. } if sh.placer.get().is_some() => {
                     let placer = sh.placer.get().expect("checked");
-                    if !postcopy {
+                    if postcopy.is_none() {
                         // The guest waits on these pages (and a fault on a
                         // page this thread claimed waits for it): go before
                         // the host's other work, like the fault path.
                         crate::postcopy::urgent_priority();
-                        postcopy = true;
+                        postcopy = Some(CpuTally::new(&sh.ctl, true));
                     }
                     wait_for_bytes(&s, data_len);
                     if queued_bytes(&s) >= data_len {
@@ -571,10 +573,7 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
         sh.barrier.break_all();
         sh.ctl.shutdown_all();
     }
-    if postcopy {
-        // Postcopy drops channel results: count this thread here.
-        sh.ctl.add_cpu(true, thread_cpu_s());
-    }
+    drop(postcopy);
     r.map(|p| (p, thread_cpu_s()))
 }
 

@@ -218,6 +218,9 @@ pub struct Control {
     /// `migrate-recover` / `migrate resume`: the address to go on with.
     recover: Mutex<Option<RecoverRequest>>,
     recover_cv: std::sync::Condvar,
+    /// CPU clocks of engine threads still running (see
+    /// [`CpuTally`](crate::cputime::CpuTally)): (destination side, clock).
+    live_cpu: Mutex<Vec<(bool, libc::clockid_t)>>,
 }
 
 /// Where a paused postcopy goes on.
@@ -287,6 +290,28 @@ impl Control {
             let f = if dest { &mut s.cpu_s_dest } else { &mut s.cpu_s_source };
             *f = Some(f.unwrap_or(0.0) + secs);
         })
+    }
+    /// A thread whose CPU counts on one side while it runs: see
+    /// [`cpu_s_now`](Self::cpu_s_now).
+    pub(crate) fn track_cpu(&self, dest: bool, clock: libc::clockid_t) {
+        self.live_cpu.lock().unwrap().push((dest, clock));
+    }
+    /// That thread ends with `secs` of CPU: from now on the figure holds it.
+    pub(crate) fn untrack_cpu(&self, clock: libc::clockid_t, dest: bool, secs: f64) {
+        let mut live = self.live_cpu.lock().unwrap();
+        live.retain(|&(_, c)| c != clock);
+        self.add_cpu(dest, secs);
+    }
+    /// One side's CPU so far: threads that ended plus those still running.
+    /// A postcopy destination reports it while its receivers still drain
+    /// their streams; their CPU would otherwise be missing from the report.
+    pub fn cpu_s_now(&self, dest: bool) -> f64 {
+        // The lock keeps a thread from moving its CPU from the live list to
+        // the figure between the two reads.
+        let live = self.live_cpu.lock().unwrap();
+        let s = self.snapshot();
+        let ended = if dest { s.cpu_s_dest } else { s.cpu_s_source };
+        ended.unwrap_or(0.0) + live.iter().filter(|l| l.0 == dest).map(|l| crate::cputime::clock_s(l.1)).sum::<f64>()
     }
     pub fn update(&self, f: impl FnOnce(&mut Stats)) {
         f(&mut self.stats.lock().unwrap())

@@ -96,7 +96,7 @@ impl Link {
 }
 
 fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) -> Result<()> {
-    let _cpu = CpuTally { ctl, dest: true };
+    let _cpu = CpuTally::new(ctl, true);
     super::fault_path_priority();
     let mut rd = DataReader::default();
     let mut zstd = None;
@@ -226,7 +226,7 @@ pub(crate) fn run(
         true => Some(std::thread::Builder::new().name("postcopy-premap".into()).spawn({
             let (p, ctl) = (placer.clone(), ctl.clone());
             move || {
-                let _cpu = CpuTally { ctl: &ctl, dest: true };
+                let _cpu = CpuTally::new(&ctl, true);
                 p.premap()
             }
         })?),
@@ -305,8 +305,9 @@ pub(crate) fn run(
     }
     let (p50, p99, max) = placer.latency_percentiles();
     // This thread's own CPU is counted by `dest::run`, which it runs in
-    // (the source hears the total so far).
-    let cpu = ctl.snapshot().cpu_s_dest.unwrap_or(0.0) + thread_cpu_s();
+    // (the source hears the total so far, receivers that still drain
+    // their streams included).
+    let cpu = ctl.cpu_s_now(true) + thread_cpu_s();
     let faults_n = placer.faults.load(std::sync::atomic::Ordering::Relaxed);
     ctl.update(|s| {
         s.faults = faults_n;

@@ -343,7 +343,7 @@ impl UrgentServer {
 }
 
 fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Control) -> Result<()> {
-    let _cpu = CpuTally { ctl, dest: false };
+    let _cpu = CpuTally::new(ctl, false);
     super::fault_path_priority();
     let total = ram.pages();
     let mut w = s.try_clone()?;
