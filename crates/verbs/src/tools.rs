@@ -547,9 +547,7 @@ fn serve(test: &str, res: &Res, h: &Hello, r: &mut BufReader<TcpStream>) -> anyh
                     if i.is_multiple_of(64) {
                         let _ = res.scq.poll(&mut wcs);
                     }
-                } else if i as usize >= h.iters && done(r) {
-                    break;
-                } else if i == 0 && done(r) {
+                } else if (i == 0 || i as usize >= h.iters) && done(r) {
                     break;
                 }
             }

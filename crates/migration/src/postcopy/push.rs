@@ -156,9 +156,7 @@ mod tests {
         let mut seen = vec![false; 1000];
         seen[700] = true;
         seen[701] = true;
-        for p in 702..802 {
-            seen[p] = true;
-        }
+        seen[702..802].fill(true);
         while q.claim(64, &mut out) {
             for c in &out {
                 for p in c.first..c.first + c.count {
