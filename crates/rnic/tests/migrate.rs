@@ -195,8 +195,13 @@ fn counter(h: &testbed::Host, name: &str) -> u64 {
 /// Waits until nft counter `name` exceeds `seen`; meanwhile, if the counter
 /// stays put for 2 s (a packet lost on the veth: the QP has no retransmission
 /// timer in this phase), suspends and resumes the QP in place, which sends
-/// again from `una`. Returns the counter and the number of such kicks.
-fn wait_counter(h: &testbed::Host, name: &str, seen: u64, qp: &Qp) -> (u64, usize) {
+/// again from `una`. A kick that finds the suspended QP `reached` where the
+/// caller waits for it to be returns at once and leaves it suspended: an ACK
+/// the counter counted before the caller's last suspend may reach the QP
+/// only after its resume, and then the QP resends nothing it acknowledges,
+/// so nothing makes the peer send that ACK again. Returns the counter and
+/// the number of kicks.
+fn wait_counter(h: &testbed::Host, name: &str, seen: u64, qp: &Qp, reached: impl Fn(&QpSnapshot) -> bool) -> (u64, usize) {
     let (mut kicks, mut since) = (0, Instant::now());
     loop {
         let c = counter(h, name);
@@ -205,13 +210,17 @@ fn wait_counter(h: &testbed::Host, name: &str, seen: u64, qp: &Qp) -> (u64, usiz
         }
         if since.elapsed() > Duration::from_secs(2) {
             if kicks >= 30 {
-                // A rare failure (once in some hundred runs): say where M was.
+                // Say where M was (the full suite stalled here once, before
+                // `reached`).
                 let state = qp.query_state().map(|s| format!("{:?}", s.runtime));
                 panic!("nft counter {name} never moved; M's transport state: {state:?}; rules: {}", h.sh("nft list table inet rnmig").unwrap_or_default());
             }
             qp.suspend().unwrap();
-            qp.resume().unwrap();
             kicks += 1;
+            if reached(&qp.query_state().unwrap()) {
+                return (counter(h, name), kicks);
+            }
+            qp.resume().unwrap();
             since = Instant::now();
         }
         std::thread::sleep(Duration::from_millis(2));
@@ -313,7 +322,7 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     }
     let (mut seen, mut kicks) = (0, 0);
     loop {
-        let (c, k) = wait_counter(h_old, "half_ack", seen, &m.qp);
+        let (c, k) = wait_counter(h_old, "half_ack", seen, &m.qp, |s| s.runtime.una == W_HALF);
         (seen, kicks) = (c, kicks + k);
         // Suspended in place: if the ACK is not processed yet, resume (which
         // resends from una, and the peer acknowledges W_HALF - 1 again).
@@ -340,14 +349,14 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
         ),
     );
     m.qp.resume().unwrap();
-    let (fa, k) = wait_counter(h_old, "fa_held", 0, &m.qp);
+    let (fa, k) = wait_counter(h_old, "fa_held", 0, &m.qp, |_| false);
     kicks += k;
     // Once more in place: the resume resends everything from W_HALF; the peer
     // answers the duplicate atomics from its replay table (they must not
     // execute again: checked at the end), and re-executes the READ.
     m.qp.suspend().unwrap();
     m.qp.resume().unwrap();
-    let (_, k) = wait_counter(h_old, "fa_held", fa, &m.qp);
+    let (_, k) = wait_counter(h_old, "fa_held", fa, &m.qp, |_| false);
     kicks += k;
 
     // 1. Suspend.
