@@ -23,10 +23,12 @@ const CAP_MBIT: u32 = 1000;
 /// 100 MiB/s of dirtied pages for the dirtier-capped rows.
 const CAPPED_DIRTY_PAGES_S: u64 = 100 * 256;
 
-const USAGE: &str = "usage: migrate-transit [--quick] [--only SUBSTR] [--no-prealloc] [--list]
+const USAGE: &str = "usage: migrate-transit [--quick] [--only SUBSTR] [--repeat N] [--no-prealloc] [--list]
        migrate-transit --baselines STREAMS GIB [REPEATS]
   --quick        1 GiB rows of the shared matrix only (no compression rows)
   --only S       the row labelled S, else rows whose label (MODE/WORKLOAD/NG/Nch[/COMPRESS]) contains S
+  --repeat N     run the rows N times, in turn (each run on a fresh testbed with its own
+                 iperf3), then print the median, least and most of each row's figures
   --no-prealloc  destinations allocate RAM as pages arrive (default: while waiting, before
                  the migration starts, as with QEMU's -mem-prealloc)
   --list         print the labels and exit
@@ -312,6 +314,14 @@ fn main() {
     let prealloc = !args.iter().any(|a| a == "--no-prealloc");
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     let only = arg("--only");
+    let repeat = match arg("--repeat").map(|v| v.parse::<usize>()) {
+        None => 1,
+        Some(Ok(n)) if n >= 1 => n,
+        Some(_) => {
+            eprintln!("migrate-transit: --repeat takes a count of at least 1\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
     if args.iter().any(|a| a == "--list") {
         for r in matrix(quick) {
             println!("{}", r.label());
@@ -359,22 +369,67 @@ fn main() {
     let all = matrix(quick);
     // A full label selects that row alone (not its compressed variants).
     let exact = only.as_deref().is_some_and(|o| all.iter().any(|r| r.label() == o));
+    let selected: Vec<Row> =
+        all.into_iter().filter(|r| only.as_deref().is_none_or(|o| if exact { r.label() == o } else { r.label().contains(o) })).collect();
     let mut rows = Vec::new();
-    for r in all {
-        let label = r.label();
-        if only.as_deref().is_some_and(|o| if exact { label != o } else { !label.contains(o) }) {
-            continue;
+    // Rows in turn, not one row N times: a drift of the machine then
+    // spreads over all of them.
+    for k in 0..repeat {
+        let mut run = Vec::new();
+        for r in &selected {
+            let label = r.label();
+            eprintln!("migrate-transit: {label} (limit {} s){}", r.limit_s(), if repeat > 1 { format!(", run {} of {repeat}", k + 1) } else { String::new() });
+            let t = Instant::now();
+            let mut v = row_in_child(r, prealloc);
+            v["wall_s"] = json!(t.elapsed().as_secs_f64());
+            if repeat > 1 {
+                v["run"] = json!(k + 1);
+            }
+            eprintln!("  {v}");
+            run.push(v);
         }
-        eprintln!("migrate-transit: {label} (limit {} s)", r.limit_s());
-        let t = Instant::now();
-        let mut v = row_in_child(&r, prealloc);
-        v["wall_s"] = json!(t.elapsed().as_secs_f64());
-        eprintln!("  {v}");
-        rows.push(v);
+        add_compression_gains(&mut run);
+        rows.extend(run);
     }
-    add_compression_gains(&mut rows);
     print_table(&rows);
+    if repeat > 1 {
+        print_spread(&selected, &rows);
+    }
     println!("{}", json!({ "rows": rows }));
+}
+
+/// With `--repeat`: per row, the median, least and most of the figures
+/// whose spread decides whether a target is met.
+fn print_spread(selected: &[Row], rows: &[Value]) {
+    println!("\nover the runs of each row: median (least-most)");
+    for r in selected {
+        let runs: Vec<&Value> = rows.iter().filter(|v| row_label(v) == r.label()).collect();
+        let spread = |f: &dyn Fn(&Value) -> Option<f64>, p: usize| {
+            let mut x: Vec<f64> = runs.iter().filter_map(|v| f(v)).collect();
+            if x.is_empty() {
+                return "-".to_string();
+            }
+            x.sort_by(|a, b| a.total_cmp(b));
+            let mid = if x.len() % 2 == 1 { x[x.len() / 2] } else { (x[x.len() / 2 - 1] + x[x.len() / 2]) / 2.0 };
+            format!("{mid:.p$} ({:.p$}-{:.p$})", x[0], x[x.len() - 1])
+        };
+        let done = runs.iter().filter(|v| v["completed"] == true).count();
+        let over = |k: &'static str| move |v: &Value| v["total_s"].as_f64().zip(v[k].as_f64()).map(|(t, f)| t / f);
+        let mut line = format!("{:<34} completed {done}/{}, total s {}, of raw TCP {}", r.label(), runs.len(), spread(&|v| v["total_s"].as_f64(), 2), spread(&|v| v["fraction_of_raw"].as_f64(), 2));
+        if r.mode != "precopy" {
+            line += &format!(", total / (RAM / raw TCP) {}, fault p99 us {}", spread(&over("ram_over_raw_s"), 2), spread(&|v| v["fault_p99_us"].as_f64(), 0));
+        }
+        println!("{line}");
+    }
+}
+
+/// A result row's label, as [`Row::label`] spells it.
+fn row_label(v: &Value) -> String {
+    let mut label = format!("{}/{}/{}G/{}ch", v["mode"].as_str().unwrap_or("?"), v["workload"].as_str().unwrap_or("?"), v["ram_gib"], v["channels"]);
+    if let Some(c) = v["compress"].as_str().filter(|c| *c != "none") {
+        label += &format!("/{c}");
+    }
+    label
 }
 
 /// Both references of the rows, alternating, on one testbed; the last line
@@ -413,10 +468,7 @@ fn print_table(rows: &[Value]) {
     );
     for r in rows {
         let f = |k: &str, p: usize| r[k].as_f64().map(|v| format!("{v:.p$}")).unwrap_or_else(|| "-".into());
-        let mut label = format!("{}/{}/{}G/{}ch", r["mode"].as_str().unwrap_or("?"), r["workload"].as_str().unwrap_or("?"), r["ram_gib"], r["channels"]);
-        if let Some(c) = r["compress"].as_str().filter(|c| *c != "none") {
-            label += &format!("/{c}");
-        }
+        let label = row_label(r);
         println!(
             "{:<34} {:>5} {:>8} {:>9} {:>7} {:>7} {:>7} {:>5} {:>7} {:>5} {:>6} {:>6} {:>6}",
             label,
