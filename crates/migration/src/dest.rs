@@ -533,6 +533,7 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                         // the host's other work, like the fault path.
                         crate::postcopy::urgent_priority();
                         postcopy = Some(CpuTally::new(&sh.ctl, true));
+                        crate::postcopy::bound_push_buffer(&s, sh.barrier.n, false);
                     }
                     wait_for_bytes(&s, data_len);
                     if queued_bytes(&s) >= data_len {

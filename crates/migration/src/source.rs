@@ -66,8 +66,9 @@ impl Sent {
 
 enum Job {
     Round(Arc<RoundWork>),
-    /// Postcopy: send what the queue hands out until it is empty.
-    Push(Arc<PushQueue>),
+    /// Postcopy: send what the queue hands out until it is empty (on one
+    /// of this many channels).
+    Push(Arc<PushQueue>, usize),
     Finish,
 }
 
@@ -132,7 +133,8 @@ impl Channel {
                         return;
                     }
                 }
-                Job::Push(q) => {
+                Job::Push(q, channels) => {
+                    crate::postcopy::bound_push_buffer(&self.stream, channels, true);
                     let r = self.push(&q, &mut comp, &mut batch, &mut cbuf);
                     if replies.send(Reply::RoundDone(self.index, r)).is_err() {
                         return;
@@ -782,7 +784,8 @@ impl ChannelSet {
     /// Postcopy: every channel pushes from `q` until it is empty; returns
     /// the pages sent.
     pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
-        let total = self.run_job(|| Job::Push(q.clone()))?;
+        let channels = self.job_txs.len();
+        let total = self.run_job(|| Job::Push(q.clone(), channels))?;
         self.ctl.update(|s| s.pages_pushed += total.pages);
         Ok(total.pages)
     }

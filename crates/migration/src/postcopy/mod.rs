@@ -15,6 +15,36 @@ pub mod place;
 pub mod push;
 pub(crate) mod source;
 
+/// Socket buffer of each push channel when there are several (the kernel
+/// doubles it). A page the push has taken is asked for again only once a
+/// fault on it has waited [`place::PUSH_GRACE`], and meanwhile it may sit
+/// behind everything in the socket buffers: autotuned, they grow to 17-19
+/// MiB per socket here, tens of milliseconds of a channel's data. With four
+/// channels, 1 MiB halved the fault p99 (eight runs each: median about 500
+/// against 1040 us, under 1 ms in 7 against 3) for 3-5% more total time.
+/// One channel keeps autotuning: bounded, it lost a quarter of its
+/// throughput (docs/bench-migrate.md, "Bounded push buffers").
+const PUSH_SOCKET_BUF: libc::c_int = 1 << 20;
+
+/// Bound the send (`send`) or receive buffer of a push channel that is one
+/// of `channels`. The forced option passes the host's `wmem_max`/`rmem_max`;
+/// without the privilege the plain one is capped by them. Errors only cost
+/// the bound.
+pub(crate) fn bound_push_buffer(s: &std::net::TcpStream, channels: usize, send: bool) {
+    use std::os::fd::AsRawFd;
+    if channels < 2 {
+        return;
+    }
+    let set = |opt: libc::c_int| {
+        // SAFETY: an int option on our own socket.
+        unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, &PUSH_SOCKET_BUF as *const libc::c_int as *const libc::c_void, 4) == 0 }
+    };
+    let (forced, plain) = if send { (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF) } else { (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF) };
+    if !set(forced) && !set(plain) {
+        tracing::debug!("push channel buffer not bounded: {}", std::io::Error::last_os_error());
+    }
+}
+
 /// The postcopy push's senders and receivers (and, without the privilege
 /// for [`fault_path_priority`], the fault path) get a larger CPU share
 /// (nice -10) than the vCPUs and the host's other work, so that the push
