@@ -39,7 +39,7 @@ impl<'a> CpuTally<'a> {
 impl Drop for CpuTally<'_> {
     fn drop(&mut self) {
         match self.clock {
-            Some(c) => self.ctl.untrack_cpu(c, self.dest, thread_cpu_s()),
+            Some(c) => self.ctl.untrack_cpu(self.dest, c, thread_cpu_s()),
             None => self.ctl.add_cpu(self.dest, thread_cpu_s()),
         }
     }

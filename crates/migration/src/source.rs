@@ -496,7 +496,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         setup_step("holes armed");
         channels.arm_next = Some(armer);
     }
-    let holes = ram.holes_since(&holes).context("finding the memfd's data ranges")?;
+    let holes = ram.holes_since(&holes).context("finding the memfd's holes")?;
     let data = complement(&holes, total);
     let mut items = Vec::new();
     chunk(&data, CHUNK_PAGES, false, &mut items);

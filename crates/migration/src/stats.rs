@@ -297,7 +297,7 @@ impl Control {
         self.live_cpu.lock().unwrap().push((dest, clock));
     }
     /// That thread ends with `secs` of CPU: from now on the figure holds it.
-    pub(crate) fn untrack_cpu(&self, clock: libc::clockid_t, dest: bool, secs: f64) {
+    pub(crate) fn untrack_cpu(&self, dest: bool, clock: libc::clockid_t, secs: f64) {
         let mut live = self.live_cpu.lock().unwrap();
         live.retain(|&(_, c)| c != clock);
         self.add_cpu(dest, secs);
@@ -309,7 +309,7 @@ impl Control {
         // The lock keeps a thread from moving its CPU from the live list to
         // the figure between the two reads.
         let live = self.live_cpu.lock().unwrap();
-        let s = self.snapshot();
+        let s = self.stats.lock().unwrap();
         let ended = if dest { s.cpu_s_dest } else { s.cpu_s_source };
         ended.unwrap_or(0.0) + live.iter().filter(|l| l.0 == dest).map(|l| crate::cputime::clock_s(l.1)).sum::<f64>()
     }
