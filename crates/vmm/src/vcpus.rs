@@ -6,7 +6,7 @@ use anyhow::{anyhow, Result};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Want {
@@ -39,7 +39,7 @@ struct Shared {
 }
 
 /// Throttle period: vCPUs are kicked this often while throttled and then
-/// sleep for their share (as QEMU's cpu-throttle does).
+/// sleep in proportion to the time they ran (as QEMU's cpu-throttle does).
 const THROTTLE_SLICE: Duration = Duration::from_millis(10);
 
 pub struct VcpuSet {
@@ -171,7 +171,11 @@ impl VcpuSet {
     }
 
     pub fn set_throttle(&self, pct: u8) {
+        let _c = self.shared.ctl.lock().unwrap();
         self.shared.throttle_pct.store(pct.min(99), Ordering::Relaxed);
+        // A vCPU asleep for its share of the old level (up to a second at
+        // 99 %) starts over with the new one at once.
+        self.shared.cv.notify_all();
     }
 
     pub fn throttle(&self) -> u8 {
@@ -322,11 +326,17 @@ fn vcpu_thread(
                 }
             }
         }
+        let started = Instant::now();
         match vcpu.run() {
             VcpuExit::Kicked => {
                 let pct = sh.throttle_pct.load(Ordering::Relaxed) as u32;
                 if pct > 0 {
-                    let sleep = THROTTLE_SLICE * pct / (100 - pct);
+                    // The sleep is a share of the time the vCPU ran, not of
+                    // the tick: a tick that lands while it sleeps stays
+                    // pending and ends its next run at once, and a sleep of
+                    // fixed length would starve it from 50 % on. A run
+                    // longer than a tick began before the throttle did.
+                    let sleep = started.elapsed().min(THROTTLE_SLICE) * pct / (100 - pct);
                     let c = sh.ctl.lock().unwrap();
                     if c.want == Want::Run {
                         let _ = sh.cv.wait_timeout(c, sleep);
