@@ -511,7 +511,6 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let state_estimate = vm.state_size_estimate();
     let target_s = params.downtime_ms as f64 / 1e3;
     let mut throttle: u8 = 0;
-    let mut hits = 0;
     let mut round = 0u64;
     // Hybrid sends its first pass in two rounds, the first eighth of RAM,
     // then the rest, and may switch in between (below).
@@ -580,12 +579,10 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             ctl.cancel();
             bail!("did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)", params.timeout_s, est_s * 1e3, throttle);
         }
-        // Auto-converge (as QEMU): if the guest dirtied more than half of
-        // what we sent in a round, twice, slow the vCPUs a step further.
-        if params.auto_converge && mode == Mode::Precopy && round >= 1 && n as f64 > 0.5 * last.pages as f64 {
-            hits += 1;
-            if hits >= 2 && throttle < 99 {
-                throttle = if throttle == 0 { params.throttle_initial } else { (throttle + params.throttle_increment).min(99) };
+        if params.auto_converge && mode == Mode::Precopy {
+            let next_s = n as f64 * page_cost / bw.max(1.0);
+            if let Some(t) = converge_step(throttle, next_s / last.secs.max(1e-6), params) {
+                throttle = t;
                 vm.set_cpu_throttle(throttle);
                 ctl.update(|s| {
                     s.throttle_pct = throttle;
@@ -691,6 +688,25 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     }
     let _ = unregister.join();
     Ok(())
+}
+
+/// Auto-converge: the throttle after a round, if it must rise. `ratio` is
+/// how long the next round would take (the pages dirtied meanwhile) against
+/// the round just sent. Above 1/2 the rounds shrink too slowly, or grow:
+/// the vCPUs slow a step (`throttle_initial`, then `throttle_increment`
+/// more, as QEMU's cpu-throttle), or at once to the level at which the
+/// guest's dirtying, scaled by the vCPU share it keeps, would make the
+/// ratio 1/2 (as VMware's SDPS matches the guest to the link), whichever
+/// is more. One round decides: each is measured, and the first pass, the
+/// longest, counts too (QEMU waits for two rounds after it).
+fn converge_step(throttle: u8, ratio: f64, params: &Params) -> Option<u8> {
+    if ratio <= 0.5 || throttle >= 99 {
+        return None;
+    }
+    let step = if throttle == 0 { params.throttle_initial } else { throttle.saturating_add(params.throttle_increment) };
+    let share = f64::from(100 - throttle) / 100.0;
+    let matched = (100.0 * (1.0 - 0.5 * share / ratio)).ceil() as u8;
+    Some(step.max(matched).min(99))
 }
 
 /// Wait for the destination to have applied `round` on every channel.
@@ -851,5 +867,29 @@ impl Drop for ChannelSet {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn converge_steps_and_matches_the_dirty_rate() {
+        let p = Params::default();
+        // Rounds that halve, or better, need no throttle.
+        assert_eq!(converge_step(0, 0.5, &p), None);
+        assert_eq!(converge_step(30, 0.2, &p), None);
+        // Slightly too fast: the first step.
+        assert_eq!(converge_step(0, 0.55, &p), Some(p.throttle_initial));
+        // The next round as long as this one: half the vCPU makes it half.
+        assert_eq!(converge_step(0, 1.0, &p), Some(50));
+        // Already at 50 %, still as long: the guest keeps a quarter.
+        assert_eq!(converge_step(50, 1.0, &p), Some(75));
+        // Close to matched: one increment.
+        assert_eq!(converge_step(40, 0.6, &p), Some(50));
+        // Never past 99 %, and no step from there.
+        assert_eq!(converge_step(90, 40.0, &p), Some(99));
+        assert_eq!(converge_step(99, 40.0, &p), None);
     }
 }
