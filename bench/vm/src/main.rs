@@ -1,6 +1,8 @@
 //! bench/vm: how fast the emulated vCPU dirties memory, and what save and
 //! restore cost per GiB, each beside this machine's memcpy bandwidth
-//! measured in the same run. Prints a table and, last, one JSON line.
+//! measured in the same run; and the share of its speed a throttled vCPU
+//! keeps, beside its unthrottled speed in the same run. Prints a table and,
+//! last, one JSON line.
 //!
 //! Run: `bench/vm/run` (or `cargo run --release -p vm-bench -- [--gib N]`).
 
@@ -55,6 +57,31 @@ fn dirty_rate(secs: u64) -> Result<(f64, f64)> {
     Ok((rate, rate * 4096.0 / GIB))
 }
 
+/// The auto-converge throttle: the dirtier's passes per second (wall
+/// clock) at each level, as a fraction of its unthrottled rate measured
+/// just before, beside the share the level promises (1 - pct/100).
+fn throttle_shares(secs: f64) -> Result<Vec<(u8, f64)>> {
+    let v = vm("bench-throttle", 16 << 20, "workload=dirtier")?;
+    v.boot()?;
+    v.resume()?;
+    std::thread::sleep(Duration::from_millis(500));
+    let rate = || {
+        let (p0, t0) = (v.guest_progress(), Instant::now());
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        (v.guest_progress() - p0) as f64 / t0.elapsed().as_secs_f64()
+    };
+    let free = rate();
+    let mut out = Vec::new();
+    for pct in [20u8, 50, 80, 95] {
+        v.set_cpu_throttle(pct);
+        out.push((pct, rate() / free.max(1e-9)));
+    }
+    v.set_cpu_throttle(0);
+    v.pause();
+    v.shutdown();
+    Ok(out)
+}
+
 fn save_restore(gib: u64, dir: &str) -> Result<(f64, f64, u64)> {
     let mem = gib << 30;
     let v = vm("bench-save", mem, "workload=fill")?;
@@ -91,6 +118,7 @@ fn main() -> Result<()> {
     let gib = args.iter().position(|a| a == "--gib").and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(1u64);
     let memcpy = memcpy_gib_per_s(1 << 30);
     let (pages_s, dirty_gib_s) = dirty_rate(5)?;
+    let shares = throttle_shares(2.0)?;
     let (save, restore, bytes) = save_restore(gib, "/var/tmp")?;
     let (save_shm, restore_shm, _) = save_restore(gib, "/dev/shm")?;
     println!("bench/vm ({gib} GiB VM filled by the firmware's fill workload)");
@@ -102,6 +130,10 @@ fn main() -> Result<()> {
     println!("{:<34} {:>12.2} {:>14.3}", "save GiB/s to /dev/shm", save_shm, save_shm / memcpy);
     println!("{:<34} {:>12.2} {:>14.3}", "restore GiB/s from /dev/shm", restore_shm, restore_shm / memcpy);
     println!("save file: {} MiB for {} GiB of RAM", bytes >> 20, gib);
+    println!("{:<34} {:>12} {:>14}", "throttle: guest's share of its speed", "measured", "promised");
+    for (pct, share) in &shares {
+        println!("{:<34} {:>12.3} {:>14.3}", format!("  at {pct} %"), share, 1.0 - f64::from(*pct) / 100.0);
+    }
     println!(
         "{}",
         json!({
@@ -115,6 +147,7 @@ fn main() -> Result<()> {
             "save_shm_gib_per_s": save_shm,
             "restore_shm_gib_per_s": restore_shm,
             "ram_gib": gib,
+            "throttle_share": shares.iter().map(|(p, s)| json!({"pct": p, "measured": s, "promised": 1.0 - f64::from(*p) / 100.0})).collect::<Vec<_>>(),
         })
     );
     Ok(())
