@@ -132,7 +132,8 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     // inherit it).
     super::set_priority(false);
     // Write-protection off in the background (kernel work that must not
-    // compete with the destination's restart either).
+    // compete with the destination's restart either), beside the push:
+    // nothing writes this RAM any more, and the push only reads it.
     let unregister = std::thread::spawn(move || drop(log.take()));
     // Everything the destination lacks, split into pages to read and memfd
     // holes (known zero): looking at the old holes again takes a few
@@ -157,7 +158,6 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         };
         q2.reset(total, &data, zero);
     });
-    let _ = unregister.join();
     // The push can only start once it knows what to push.
     fill.join().map_err(|_| anyhow!("the push planner panicked"))?;
     let t_post = Instant::now();
@@ -220,6 +220,7 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         }
     }
     server.stop();
+    let _ = unregister.join();
     ctl.update(|s| {
         s.postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
         s.remaining_pages = 0;
