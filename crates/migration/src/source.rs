@@ -528,8 +528,12 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
     // What the first round sent (for hybrid, the first eighth of RAM).
     let first_round_pages = last.pages;
+    let mut scanned_at = t_round;
     let (mut pending, switch) = loop {
         let mut dirty = log.scan(total)?;
+        // The pages found dirty were written from scan to scan: the round,
+        // and the scan and planning around it.
+        let window = std::mem::replace(&mut scanned_at, Instant::now()).elapsed().as_secs_f64().max(1e-6);
         // Hybrid, after the first eighth: pages written anywhere since all
         // of RAM was armed, against the pages sent meanwhile.
         let written = count_pages(&dirty);
@@ -541,7 +545,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             });
         }
         let n = count_pages(&dirty);
-        let rate = n as f64 / last.secs.max(1e-6);
+        let rate = n as f64 / window;
         let est_s = (n as f64 * page_cost + state_estimate as f64) / bw.max(1.0);
         ctl.update(|s| {
             s.rounds = round + 1;
@@ -581,7 +585,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         }
         if params.auto_converge && mode == Mode::Precopy {
             let next_s = n as f64 * page_cost / bw.max(1.0);
-            if let Some(t) = converge_step(throttle, next_s / last.secs.max(1e-6), params) {
+            if let Some(t) = converge_step(throttle, next_s / window, params) {
                 throttle = t;
                 vm.set_cpu_throttle(throttle);
                 ctl.update(|s| {
@@ -691,8 +695,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
 }
 
 /// Auto-converge: the throttle after a round, if it must rise. `ratio` is
-/// how long the next round would take (the pages dirtied meanwhile) against
-/// the round just sent. Above 1/2 the rounds shrink too slowly, or grow:
+/// how long the next round would take (the pages dirtied meanwhile)
+/// against the time they were dirtied in (the round just sent). Above 1/2 the rounds shrink too slowly, or grow:
 /// the vCPUs slow a step (`throttle_initial`, then `throttle_increment`
 /// more, as QEMU's cpu-throttle), or at once to the level at which the
 /// guest's dirtying, scaled by the vCPU share it keeps, would make the

@@ -134,6 +134,7 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     // Write-protection off in the background (kernel work that must not
     // compete with the destination's restart either), beside the push:
     // nothing writes this RAM any more, and the push only reads it.
+    // (An early return below leaves the thread to finish on its own.)
     let unregister = std::thread::spawn(move || drop(log.take()));
     // Everything the destination lacks, split into pages to read and memfd
     // holes (known zero): looking at the old holes again takes a few
@@ -220,9 +221,10 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         }
     }
     server.stop();
+    let postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
     let _ = unregister.join();
     ctl.update(|s| {
-        s.postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
+        s.postcopy_ms = postcopy_ms;
         s.remaining_pages = 0;
     });
     Ok(())
