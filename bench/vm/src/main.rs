@@ -60,7 +60,7 @@ fn dirty_rate(secs: u64) -> Result<(f64, f64)> {
 /// The auto-converge throttle: the dirtier's passes per second (wall
 /// clock) at each level, as a fraction of its unthrottled rate measured
 /// just before, beside the share the level promises (1 - pct/100).
-fn throttle_shares(secs: f64) -> Result<Vec<(u8, f64)>> {
+fn throttle_shares(secs: f64) -> Result<Vec<(u8, f64, f64)>> {
     let v = vm("bench-throttle", 16 << 20, "workload=dirtier")?;
     v.boot()?;
     v.resume()?;
@@ -74,7 +74,7 @@ fn throttle_shares(secs: f64) -> Result<Vec<(u8, f64)>> {
     let mut out = Vec::new();
     for pct in [20u8, 50, 80, 95] {
         v.set_cpu_throttle(pct);
-        out.push((pct, rate() / free.max(1e-9)));
+        out.push((pct, rate() / free.max(1e-9), 1.0 - f64::from(pct) / 100.0));
     }
     v.set_cpu_throttle(0);
     v.pause();
@@ -131,8 +131,8 @@ fn main() -> Result<()> {
     println!("{:<34} {:>12.2} {:>14.3}", "restore GiB/s from /dev/shm", restore_shm, restore_shm / memcpy);
     println!("save file: {} MiB for {} GiB of RAM", bytes >> 20, gib);
     println!("{:<34} {:>12} {:>14}", "throttle: guest's share of its speed", "measured", "promised");
-    for (pct, share) in &shares {
-        println!("{:<34} {:>12.3} {:>14.3}", format!("  at {pct} %"), share, 1.0 - f64::from(*pct) / 100.0);
+    for (pct, measured, promised) in &shares {
+        println!("{:<34} {:>12.3} {:>14.3}", format!("  at {pct} %"), measured, promised);
     }
     println!(
         "{}",
@@ -147,7 +147,7 @@ fn main() -> Result<()> {
             "save_shm_gib_per_s": save_shm,
             "restore_shm_gib_per_s": restore_shm,
             "ram_gib": gib,
-            "throttle_share": shares.iter().map(|(p, s)| json!({"pct": p, "measured": s, "promised": 1.0 - f64::from(*p) / 100.0})).collect::<Vec<_>>(),
+            "throttle_share": shares.iter().map(|(p, m, pr)| json!({"pct": p, "measured": m, "promised": pr})).collect::<Vec<_>>(),
         })
     );
     Ok(())

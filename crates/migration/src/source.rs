@@ -546,7 +546,9 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         }
         let n = count_pages(&dirty);
         let rate = n as f64 / window;
-        let est_s = (n as f64 * page_cost + state_estimate as f64) / bw.max(1.0);
+        // Sending the dirty pages alone, then with the state (the pause).
+        let dirty_s = n as f64 * page_cost / bw.max(1.0);
+        let est_s = dirty_s + state_estimate as f64 / bw.max(1.0);
         ctl.update(|s| {
             s.rounds = round + 1;
             s.round_stats.push(RoundStat {
@@ -584,8 +586,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             bail!("did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)", params.timeout_s, est_s * 1e3, throttle);
         }
         if params.auto_converge && mode == Mode::Precopy {
-            let next_s = n as f64 * page_cost / bw.max(1.0);
-            if let Some(t) = converge_step(throttle, next_s / window, params) {
+            if let Some(t) = converge_step(throttle, dirty_s / window, params) {
                 throttle = t;
                 vm.set_cpu_throttle(throttle);
                 ctl.update(|s| {
@@ -696,12 +697,12 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
 
 /// Auto-converge: the throttle after a round, if it must rise. `ratio` is
 /// how long the next round would take (the pages dirtied meanwhile)
-/// against the time they were dirtied in (the round just sent). Above 1/2 the rounds shrink too slowly, or grow:
-/// the vCPUs slow a step (`throttle_initial`, then `throttle_increment`
-/// more, as QEMU's cpu-throttle), or at once to the level at which the
-/// guest's dirtying, scaled by the vCPU share it keeps, would make the
-/// ratio 1/2 (as VMware's SDPS matches the guest to the link), whichever
-/// is more. One round decides: each is measured, and the first pass, the
+/// against the time they were dirtied in (scan to scan, the round just
+/// sent). Above 1/2 the rounds shrink too slowly, or grow: the vCPUs slow
+/// a step (`throttle_initial`, then `throttle_increment` more, as QEMU's
+/// cpu-throttle), or at once to the level at which the guest's dirtying,
+/// scaled by the vCPU share it keeps, would make the ratio 1/2 (as
+/// VMware's SDPS matches the guest to the link), whichever is more. One round decides: each is measured, and the first pass, the
 /// longest, counts too (QEMU waits for two rounds after it).
 fn converge_step(throttle: u8, ratio: f64, params: &Params) -> Option<u8> {
     if ratio <= 0.5 || throttle >= 99 {
