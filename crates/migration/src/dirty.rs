@@ -196,6 +196,29 @@ impl UffdWpTracker {
         Ok(out)
     }
 
+    /// Like [`scan`](Self::scan), but only over `ranges` (sorted, disjoint):
+    /// a page never armed counts as written, and the walk would arm it.
+    pub fn scan_ranges(&mut self, ranges: &[PageRange]) -> io::Result<Vec<PageRange>> {
+        let mut buf = std::mem::take(&mut self.regions);
+        let mut out: Vec<PageRange> = Vec::new();
+        let mut res = Ok(());
+        for r in ranges {
+            if r.end() * PAGE_SIZE > self.len {
+                res = Err(io::Error::other(format!("scanning pages {}+{} outside the tracked range", r.first, r.count)));
+                break;
+            }
+            match self.scan_range(self.start + r.first * PAGE_SIZE, self.start + r.end() * PAGE_SIZE, &mut buf) {
+                Ok(v) => out.extend(v),
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            }
+        }
+        self.regions = buf;
+        res.map(|()| out)
+    }
+
     fn scan_range(&self, start: u64, end: u64, regions: &mut [PageRegion]) -> io::Result<Vec<PageRange>> {
         let mut out: Vec<PageRange> = Vec::new();
         let mut cur = start;
@@ -295,8 +318,13 @@ impl DirtyLog {
         Ok(self.uffd.armer()?)
     }
 
-    pub fn scan(&mut self, total_pages: u64) -> anyhow::Result<Vec<PageRange>> {
-        let mut v = self.uffd.scan()?;
+    /// Pages written since the previous scan. `within`: only those of our
+    /// own mapping in these ranges (all that is armed yet); none: all RAM.
+    pub fn scan(&mut self, total_pages: u64, within: Option<&[PageRange]>) -> anyhow::Result<Vec<PageRange>> {
+        let mut v = match within {
+            Some(r) => self.uffd.scan_ranges(r)?,
+            None => self.uffd.scan()?,
+        };
         for o in &self.others {
             v.extend(o.take_dirty()?);
         }

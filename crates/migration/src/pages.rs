@@ -179,6 +179,21 @@ pub fn complement(ranges: &[PageRange], total: u64) -> Vec<PageRange> {
     out
 }
 
+/// How many pages two sorted, disjoint range lists have in common.
+pub fn overlap(a: &[PageRange], b: &[PageRange]) -> u64 {
+    let (mut i, mut j, mut n) = (0, 0, 0);
+    while i < a.len() && j < b.len() {
+        let (lo, hi) = (a[i].first.max(b[j].first), a[i].end().min(b[j].end()));
+        n += hi.saturating_sub(lo);
+        if a[i].end() <= b[j].end() {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    n
+}
+
 /// Per-page xxh3 hashes of guest RAM (the byte-exact check of tests).
 pub fn page_hashes(ram: &crate::vm::RamRegion) -> Vec<u64> {
     let data = ram.data_ranges().unwrap_or_default();
@@ -204,6 +219,16 @@ pub fn page_hashes(ram: &crate::vm::RamRegion) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlap_counts_common_pages() {
+        let r = |first, count| PageRange { first, count };
+        assert_eq!(overlap(&[r(0, 10), r(20, 10)], &[r(5, 20)]), 10);
+        assert_eq!(overlap(&[r(5, 20)], &[r(0, 10), r(20, 10)]), 10);
+        assert_eq!(overlap(&[r(0, 4)], &[r(4, 4)]), 0);
+        assert_eq!(overlap(&[], &[r(0, 4)]), 0);
+        assert_eq!(overlap(&[r(0, 100)], &[r(1, 1), r(3, 2), r(99, 5)]), 4);
+    }
 
     #[test]
     fn normalize_merges_and_clips() {

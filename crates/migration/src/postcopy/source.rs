@@ -28,9 +28,10 @@ pub(crate) struct Start {
     pub control: TcpStream,
     pub urgent: TcpStream,
     pub channels: ChannelSet,
-    /// Hybrid: the dirty log still armed, and pages found dirty but not
-    /// sent yet. Pure postcopy: none, nothing was sent.
-    pub log: Option<DirtyLog>,
+    /// Hybrid: the dirty log and, before all of RAM was sent, the part of
+    /// it that is armed (what was sent lies within; the rest is pending).
+    /// Pure postcopy: none, nothing was sent.
+    pub log: Option<(DirtyLog, Option<Vec<PageRange>>)>,
     /// The memfd's holes, seen while the VM still ran.
     pub holes: Vec<PageRange>,
     pub pending: Vec<PageRange>,
@@ -84,9 +85,9 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     let (paused_at, t_pause) = (pause.paused_at, pause.since);
     let step = |name: &str| pause.step(name);
     let (missing, mut log) = match log {
-        Some(mut l) => {
+        Some((mut l, armed)) => {
             let mut p = pending;
-            p.extend(l.scan(total)?);
+            p.extend(l.scan(total, armed.as_deref())?);
             (Some(normalize(p, total)), Some(l))
         }
         None => (None, None),
