@@ -46,6 +46,19 @@ struct RoundWork {
     next: AtomicUsize,
     /// First pass: write-protect each item just before reading it.
     arm: Option<Armer>,
+    /// Where hybrid's timeout cut the round: no item from here on was
+    /// sent. `usize::MAX` while uncut.
+    cut: AtomicUsize,
+}
+
+impl RoundWork {
+    /// No channel takes another item; those taken are sent.
+    fn cut_off(&self) {
+        if self.cut.load(Ordering::SeqCst) == usize::MAX {
+            let n = self.next.swap(usize::MAX / 2, Ordering::SeqCst);
+            self.cut.store(n.min(self.items.len()), Ordering::SeqCst);
+        }
+    }
 }
 
 #[derive(Default, Clone, Copy)]
@@ -296,7 +309,7 @@ pub(crate) fn open_channels(
         threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
         job_txs.push(tx);
     }
-    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None })
+    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None, cut_at_deadline: false, current: None })
 }
 
 /// The postcopy urgent connection (page requests and their answers).
@@ -528,9 +541,13 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let target_s = params.downtime_ms as f64 / 1e3;
     let mut throttle: u8 = 0;
     let mut round = 0u64;
+    // Hybrid's timeout ends the round in flight early and switches
+    // (below): the destination can run at once and fetch the rest.
+    channels.cut_at_deadline = mode == Mode::Hybrid;
+    let round_deadline = if mode == Mode::Hybrid { None } else { deadline };
     let t_round = Instant::now();
     let mut last = channels.round(round, items)?;
-    wait_round_done(&mut control, round, ctl, deadline)?;
+    wait_round_done(&mut control, round, ctl, round_deadline)?;
     last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = last.wire as f64 / last.secs.max(1e-6);
@@ -540,6 +557,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut scanned_at = t_round;
     let (mut pending, switch) = loop {
         let mut dirty = log.scan(total, armed.as_deref())?;
+        let unsent = std::mem::take(&mut last.unsent);
         // The pages found dirty were written from scan to scan: the round,
         // and the scan and planning around it.
         let window = std::mem::replace(&mut scanned_at, Instant::now()).elapsed().as_secs_f64().max(1e-6);
@@ -573,7 +591,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             s.remaining_pages = n;
             s.expected_downtime_ms = est_s * 1e3;
         });
-        if est_s <= target_s && rest.is_empty() {
+        if est_s <= target_s && rest.is_empty() && unsent.is_empty() {
             break (dirty, false);
         }
         // Hybrid switches once the first pass is over and what is left
@@ -584,11 +602,11 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         // more: precopy rounds would then send another third of RAM or
         // more before they converge, while the push sends each page once.
         // And when the operator asks, or the timeout would cancel.
-        let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
+        let timed_out = !unsent.is_empty() || deadline.is_some_and(|d| Instant::now() >= d);
         let dirtying = !rest.is_empty() && written * 4 >= first_round_pages;
         if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || rest.is_empty() || dirtying) {
             let mut missing = dirty;
-            missing.extend(rest.iter().map(|w| PageRange { first: w.first, count: w.count }));
+            missing.extend(rest.iter().chain(&unsent).map(|w| PageRange { first: w.first, count: w.count }));
             break (missing, true);
         }
         if !rest.is_empty() {
@@ -617,7 +635,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         chunk(&dirty, CHUNK_PAGES, false, &mut items);
         let t_round = Instant::now();
         last = channels.round(round, items)?;
-        wait_round_done(&mut control, round, ctl, deadline)?;
+        wait_round_done(&mut control, round, ctl, round_deadline)?;
         last.secs = t_round.elapsed().as_secs_f64();
         // Small rounds are dominated by fixed costs (scan, round barrier)
         // and would understate the link: only big rounds update it.
@@ -806,6 +824,8 @@ struct RoundResult {
     zero: u64,
     wire: u64,
     secs: f64,
+    /// Cut off by hybrid's timeout: not sent.
+    unsent: Vec<WorkItem>,
 }
 
 pub(crate) struct ChannelSet {
@@ -816,6 +836,10 @@ pub(crate) struct ChannelSet {
     deadline: Option<Instant>,
     /// Given to the next round (the first pass).
     arm_next: Option<Armer>,
+    /// Hybrid: the deadline cuts the round in flight (the rest goes by
+    /// postcopy) instead of cancelling the migration.
+    cut_at_deadline: bool,
+    current: Option<Arc<RoundWork>>,
 }
 
 impl ChannelSet {
@@ -824,8 +848,12 @@ impl ChannelSet {
             match self.replies.recv_timeout(Duration::from_millis(50)) {
                 Ok(r) => return Ok(r),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if self.deadline.is_some_and(|d| Instant::now() >= d) && !self.ctl.is_cancelled() {
-                        self.ctl.cancel();
+                    if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                        match (&self.current, self.cut_at_deadline) {
+                            (Some(w), true) => w.cut_off(),
+                            _ if !self.ctl.is_cancelled() => self.ctl.cancel(),
+                            _ => {}
+                        }
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("a channel thread died"),
@@ -835,8 +863,11 @@ impl ChannelSet {
 
     fn round(&mut self, round: u64, items: Vec<WorkItem>) -> Result<RoundResult> {
         let t = Instant::now();
-        let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take() });
-        let total = self.run_job(|| Job::Round(work.clone())).map_err(|e| {
+        let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take(), cut: AtomicUsize::new(usize::MAX) });
+        self.current = Some(work.clone());
+        let total = self.run_job(|| Job::Round(work.clone()));
+        self.current = None;
+        let total = total.map_err(|e| {
             if self.ctl.is_cancelled() {
                 if self.deadline.is_some_and(|d| Instant::now() >= d) {
                     return anyhow!("timed out while sending round {round}");
@@ -845,7 +876,16 @@ impl ChannelSet {
             }
             e
         })?;
-        Ok(RoundResult { pages: total.pages, zero: total.zero, wire: total.wire, secs: t.elapsed().as_secs_f64() })
+        let unsent = match work.cut.load(Ordering::SeqCst) {
+            usize::MAX => Vec::new(),
+            c => work.items[c..].to_vec(),
+        };
+        Ok(RoundResult { pages: total.pages, zero: total.zero, wire: total.wire, secs: t.elapsed().as_secs_f64(), unsent })
+    }
+
+    /// From now on nothing times out (postcopy's push).
+    pub(crate) fn clear_deadline(&mut self) {
+        self.deadline = None;
     }
 
     /// Postcopy: every channel pushes from `q` until it is empty; returns

@@ -72,7 +72,10 @@ fn split_known_zero(holes: &[PageRange], pages: &[PageRange]) -> (Vec<PageRange>
 }
 
 pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
-    let Start { session, compress, bucket, mut control, urgent, channels, log, holes, pending, round } = st;
+    let Start { session, compress, bucket, mut control, urgent, mut channels, log, holes, pending, round } = st;
+    // The timeout bounds the precopy part only: from the switch on, the
+    // destination runs and needs every page, however long the push takes.
+    channels.clear_deadline();
     let (vm, ctl) = (guard.vm.clone(), guard.ctl.clone());
     let ram = vm.ram();
     let total = ram.pages();
