@@ -457,10 +457,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
-    match recv_reply(&mut control)? {
-        Msg::Welcome => {}
-        other => bail!("destination answered {other:?} to hello"),
-    }
+    recv_welcome(&mut control, "hello")?;
     control.set_read_timeout(None)?;
     setup_step("welcomed");
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
@@ -805,6 +802,16 @@ fn wait_round_done(control: &mut TcpStream, round: u64, ctl: &Control, deadline:
         if t.elapsed() > Duration::from_secs(120) {
             bail!("destination did not confirm round {round} within 120 s");
         }
+    }
+}
+
+/// The destination's answer to our hello: welcome, a refusal, or (when it
+/// speaks another stream version) its own preamble.
+pub(crate) fn recv_welcome(control: &mut TcpStream, hello: &str) -> Result<()> {
+    match wire::recv_answer(control).map_err(|e| anyhow!("destination: {e}"))? {
+        Msg::Welcome => Ok(()),
+        Msg::Abort { reason } => bail!("destination refused: {reason}"),
+        other => bail!("destination answered {other:?} to the {hello}"),
     }
 }
 

@@ -165,6 +165,24 @@ pub fn recv_msg(r: &mut impl Read) -> Result<Msg, WireError> {
     serde_json::from_slice(&p).map_err(|e| WireError::Corrupt(format!("bad control message: {e}")))
 }
 
+/// The destination's answer to a hello. A destination that refuses the
+/// stream version answers with its own preamble instead of a frame; frame
+/// kinds are small numbers, so the magic's first byte tells them apart.
+pub fn recv_answer(r: &mut impl Read) -> Result<Msg, WireError> {
+    let mut first = [0u8; 1];
+    r.read_exact(&mut first)?;
+    if first[0] != MAGIC[0] {
+        let p = read_frame(&mut first.as_slice().chain(&mut *r), FRAME_MSG)?;
+        return serde_json::from_slice(&p).map_err(|e| WireError::Corrupt(format!("bad control message: {e}")));
+    }
+    let mut rest = [0u8; 15];
+    r.read_exact(&mut rest)?;
+    let mut b = first.to_vec();
+    b.extend_from_slice(&rest);
+    read_preamble(&mut b.as_slice())?;
+    Err(WireError::Corrupt("the destination answered with a preamble of this very version".into()))
+}
+
 pub fn send_blob(w: &mut impl Write, b: &[u8]) -> io::Result<()> {
     write_frame(w, FRAME_BLOB, b)
 }
@@ -740,6 +758,12 @@ mod tests {
         let mut p = Vec::new();
         write_preamble(&mut p, VERSION + 1, ROLE_CONTROL).unwrap();
         assert!(matches!(read_preamble(&mut p.as_slice()), Err(WireError::Version { found }) if found == VERSION + 1));
+        // A destination's answer: a message, or its preamble when it
+        // refuses our version.
+        assert!(matches!(recv_answer(&mut p.as_slice()), Err(WireError::Version { found }) if found == VERSION + 1));
+        let mut m = Vec::new();
+        send_msg(&mut m, &Msg::Welcome).unwrap();
+        assert!(matches!(recv_answer(&mut m.as_slice()), Ok(Msg::Welcome)));
         p[0] = b'X';
         assert!(matches!(read_preamble(&mut p.as_slice()), Err(WireError::Magic(_))));
     }

@@ -11,7 +11,7 @@ use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
-use crate::source::{nonzero_xxh3, open_channels, open_urgent, recv_reply, ChannelSet, Downtime, Outgoing};
+use crate::source::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, Msg};
@@ -307,10 +307,7 @@ fn reconnect(
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
-    match recv_reply(&mut control)? {
-        Msg::Welcome => {}
-        other => bail!("destination answered {other:?} to the recovery hello"),
-    }
+    recv_welcome(&mut control, "recovery hello")?;
     let have = wire::recv_blob(&mut control).map_err(|e| anyhow!("received-pages bitmap: {e}"))?;
     let have = AtomicBitmap::from_le_bytes(total, &have).ok_or_else(|| anyhow!("received-pages bitmap of {} bytes for {total} pages", have.len()))?;
     control.set_read_timeout(None)?;
