@@ -27,7 +27,9 @@ pub struct MigrateArgs {
     /// Largest pause of the VM to aim for.
     #[arg(long, default_value_t = 300)]
     pub downtime_ms: u64,
-    /// Give up after this many seconds (the VM keeps running here); 0 = never.
+    /// Give up after this many seconds (the VM keeps running here); 0 =
+    /// never. It bounds the part before the switch: hybrid switches to
+    /// postcopy then, and a postcopy push runs until every page is there.
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
     /// Do not slow the vCPUs when the guest dirties faster than the link.

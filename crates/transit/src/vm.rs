@@ -18,7 +18,7 @@ use vmm::{RunState, Vm, VmConfig};
 /// Control commands served by the migration engine.
 const MIGRATION_COMMANDS: &[&str] = &[
     "migrate", "migrate-incoming", "query-migrate", "migrate-cancel", "migrate-set-parameters",
-    "query-migrate-parameters", "migrate-start-postcopy", "migrate-recover", "migrate-pause",
+    "query-migrate-parameters", "migrate-start-postcopy", "migrate-recover",
 ];
 
 #[derive(Subcommand)]
