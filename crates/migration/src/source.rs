@@ -309,7 +309,7 @@ pub(crate) fn open_channels(
         threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
         job_txs.push(tx);
     }
-    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None, cut_at_deadline: false, current: None })
+    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None, current: None })
 }
 
 /// The postcopy urgent connection (page requests and their answers).
@@ -538,12 +538,13 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let target_s = params.downtime_ms as f64 / 1e3;
     let mut throttle: u8 = 0;
     let mut round = 0u64;
-    // Hybrid's timeout ends the round in flight early and switches
-    // (below): the destination can run at once and fetch the rest.
-    channels.cut_at_deadline = mode == Mode::Hybrid;
+    // Hybrid's timeout and `migrate-start-postcopy` end its rounds early,
+    // and it switches (below): the destination can run at once and fetch
+    // the rest.
+    let cuttable = mode == Mode::Hybrid;
     let round_deadline = if mode == Mode::Hybrid { None } else { deadline };
     let t_round = Instant::now();
-    let mut last = channels.round(round, items)?;
+    let mut last = channels.round(round, items, cuttable)?;
     wait_round_done(&mut control, round, ctl, round_deadline)?;
     last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
@@ -599,9 +600,10 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         // more: precopy rounds would then send another third of RAM or
         // more before they converge, while the push sends each page once.
         // And when the operator asks, or the timeout would cancel.
-        let timed_out = !unsent.is_empty() || deadline.is_some_and(|d| Instant::now() >= d);
+        let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
         let dirtying = !rest.is_empty() && written * 4 >= first_round_pages;
-        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || rest.is_empty() || dirtying) {
+        let cut = !unsent.is_empty();
+        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || cut || rest.is_empty() || dirtying) {
             let mut missing = dirty;
             missing.extend(rest.iter().chain(&unsent).map(|w| PageRange { first: w.first, count: w.count }));
             break (missing, true);
@@ -631,7 +633,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         let mut items = std::mem::take(&mut rest);
         chunk(&dirty, CHUNK_PAGES, false, &mut items);
         let t_round = Instant::now();
-        last = channels.round(round, items)?;
+        last = channels.round(round, items, cuttable)?;
         wait_round_done(&mut control, round, ctl, round_deadline)?;
         last.secs = t_round.elapsed().as_secs_f64();
         // Small rounds are dominated by fixed costs (scan, round barrier)
@@ -659,7 +661,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     round += 1;
     let mut items = Vec::new();
     chunk(&pending, CHUNK_PAGES, false, &mut items);
-    let fin = channels.round(round, items)?;
+    let fin = channels.round(round, items, false)?;
     step("last pages sent");
     let state = vm.save_state().context("saving vCPU and device state")?;
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
@@ -843,10 +845,10 @@ pub(crate) struct ChannelSet {
     deadline: Option<Instant>,
     /// Given to the next round (the first pass).
     arm_next: Option<Armer>,
-    /// Hybrid: the deadline cuts the round in flight (the rest goes by
-    /// postcopy) instead of cancelling the migration.
-    cut_at_deadline: bool,
-    current: Option<Arc<RoundWork>>,
+    /// The round in flight, and whether the deadline or the operator's
+    /// request to switch may cut it short (hybrid's rounds before the
+    /// switch: what they leave goes by postcopy) rather than cancel.
+    current: Option<(Arc<RoundWork>, bool)>,
 }
 
 impl ChannelSet {
@@ -855,12 +857,15 @@ impl ChannelSet {
             match self.replies.recv_timeout(Duration::from_millis(50)) {
                 Ok(r) => return Ok(r),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if self.deadline.is_some_and(|d| Instant::now() >= d) {
-                        match (&self.current, self.cut_at_deadline) {
-                            (Some(w), true) => w.cut_off(),
-                            _ if !self.ctl.is_cancelled() => self.ctl.cancel(),
-                            _ => {}
+                    let late = self.deadline.is_some_and(|d| Instant::now() >= d);
+                    match &self.current {
+                        Some((w, true)) => {
+                            if late || self.ctl.postcopy_requested() {
+                                w.cut_off();
+                            }
                         }
+                        _ if late && !self.ctl.is_cancelled() => self.ctl.cancel(),
+                        _ => {}
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("a channel thread died"),
@@ -868,10 +873,10 @@ impl ChannelSet {
         }
     }
 
-    fn round(&mut self, round: u64, items: Vec<WorkItem>) -> Result<RoundResult> {
+    fn round(&mut self, round: u64, items: Vec<WorkItem>, cuttable: bool) -> Result<RoundResult> {
         let t = Instant::now();
         let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take(), cut: AtomicUsize::new(usize::MAX) });
-        self.current = Some(work.clone());
+        self.current = Some((work.clone(), cuttable));
         let total = self.run_job(|| Job::Round(work.clone()));
         self.current = None;
         let total = total.map_err(|e| {
