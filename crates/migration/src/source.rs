@@ -859,11 +859,8 @@ impl ChannelSet {
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     let late = self.deadline.is_some_and(|d| Instant::now() >= d);
                     match &self.current {
-                        Some((w, true)) => {
-                            if late || self.ctl.postcopy_requested() {
-                                w.cut_off();
-                            }
-                        }
+                        Some((w, true)) if late || self.ctl.postcopy_requested() => w.cut_off(),
+                        Some((_, true)) => {}
                         _ if late && !self.ctl.is_cancelled() => self.ctl.cancel(),
                         _ => {}
                     }
