@@ -548,7 +548,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     wait_round_done(&mut control, round, ctl, round_deadline)?;
     last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
-    let mut bw = last.wire as f64 / last.secs.max(1e-6);
+    let mut bw = link_rate(last.wire, last.secs, params.max_bandwidth);
     let mut page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
     // What the first round sent (for hybrid, the first eighth of RAM).
     let first_round_pages = last.pages;
@@ -636,10 +636,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         last = channels.round(round, items, cuttable)?;
         wait_round_done(&mut control, round, ctl, round_deadline)?;
         last.secs = t_round.elapsed().as_secs_f64();
-        // Small rounds are dominated by fixed costs (scan, round barrier)
-        // and would understate the link: only big rounds update it.
-        if last.secs > 0.0 && last.wire >= 1 << 20 {
-            bw = last.wire as f64 / last.secs;
+        if last.wire >= RATE_MIN_BYTES {
+            bw = link_rate(last.wire, last.secs, params.max_bandwidth);
             page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
         }
     };
@@ -727,6 +725,29 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     }
     let _ = unregister.join();
     Ok(())
+}
+
+/// A round that moved fewer bytes is dominated by fixed costs (scan, round
+/// barrier, the destination's bookkeeping) and would understate the link.
+const RATE_MIN_BYTES: u64 = 1 << 20;
+/// The link rate assumed until a round moved enough to measure it: 1
+/// Gbit/s, or the cap if lower.
+const ASSUMED_RATE: f64 = 125e6;
+
+/// The link's rate in bytes/s, from a round that moved `wire` bytes in
+/// `secs`. A first pass over mostly-zero RAM moves little (zero runs are a
+/// few bytes each) in the time the destination takes to apply it; taken
+/// as the link's rate, it made even the vCPU state look seconds long, and
+/// such a VM never converged.
+fn link_rate(wire: u64, secs: f64, cap: u64) -> f64 {
+    if wire >= RATE_MIN_BYTES && secs > 0.0 {
+        return wire as f64 / secs;
+    }
+    if cap > 0 {
+        ASSUMED_RATE.min(cap as f64)
+    } else {
+        ASSUMED_RATE
+    }
 }
 
 /// Hybrid's sample of RAM: one data item in each eight, at a different
@@ -973,6 +994,15 @@ impl Drop for ChannelSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn link_rate_needs_a_round_that_moved_enough() {
+        assert_eq!(link_rate(100 << 20, 0.5, 0), (200 << 20) as f64);
+        // Zero runs only: a few KiB in seconds say nothing about the link.
+        assert_eq!(link_rate(4096, 2.0, 0), ASSUMED_RATE);
+        assert_eq!(link_rate(4096, 2.0, 10_000_000), 10e6);
+        assert_eq!(link_rate(0, 0.0, 0), ASSUMED_RATE);
+    }
 
     #[test]
     fn rate_sample_takes_an_item_in_eight_and_scales_to_ram() {
