@@ -698,6 +698,9 @@ fn run_inner(
 ) -> Result<bool> {
     let ram = vm.ram();
     let total = ram.pages();
+    // Pages that may hold non-zero bytes: what has data before prealloc
+    // allocates the rest, zero-filled (a zero record needs no write there).
+    let data_before = ram.data_ranges()?;
     // From the moment we listen; stopped when the migration ends.
     let prealloc = if params.prealloc { Some(Prealloc::start(ram)?) } else { None };
     let timeout = (params.accept_timeout_s > 0).then(|| Duration::from_secs(params.accept_timeout_s));
@@ -753,7 +756,7 @@ fn run_inner(
         s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     });
     let maybe_nonzero = AtomicBitmap::new(total);
-    for r in ram.data_ranges()? {
+    for r in data_before {
         maybe_nonzero.set_range(r);
     }
     // A hybrid receives its precopy rounds through an alias (see RxShared);
