@@ -46,8 +46,9 @@ struct RoundWork {
     next: AtomicUsize,
     /// First pass: write-protect each item just before reading it.
     arm: Option<Armer>,
-    /// Where hybrid's timeout cut the round: no item from here on was
-    /// sent. `usize::MAX` while uncut.
+    /// Where the round was cut short (hybrid: timeout or
+    /// `migrate-start-postcopy`): no item from here on was sent.
+    /// `usize::MAX` while uncut.
     cut: AtomicUsize,
 }
 
@@ -192,7 +193,8 @@ impl Channel {
             }
             let i = w.next.fetch_add(1, Ordering::Relaxed);
             let Some(item) = w.items.get(i) else { break };
-            // Holes were armed before they were found to be holes (run_inner).
+            // Holes were armed before they were found to be holes, and
+            // hybrid's sample items before the first round (run_inner).
             if let (Some(a), false) = (&w.arm, item.known_zero || item.armed) {
                 a.arm(PageRange { first: item.first, count: item.count }).map_err(|e| anyhow!("dirty tracking: {e}"))?;
             }
@@ -508,8 +510,9 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     items.sort_by_key(|w| w.first);
     // Hybrid sends its first pass in two rounds, the first eighth of RAM,
     // then the rest, and may switch in between (below). Until the rest is
-    // sent, only the first eighth and a sample of all RAM are armed, and
-    // the scans look at nothing else.
+    // sent, the scans look only at the first eighth (armed chunk by chunk
+    // as it is sent) and at a sample of all RAM (armed now); the rest is
+    // unarmed but for its holes, and is sent or missing anyway.
     let mut rest = Vec::new();
     let mut sample = Vec::new();
     let mut armed: Option<Vec<PageRange>> = None;
@@ -589,7 +592,11 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             s.remaining_pages = n;
             s.expected_downtime_ms = est_s * 1e3;
         });
-        if est_s <= target_s && rest.is_empty() && unsent.is_empty() {
+        let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
+        let was_cut = !unsent.is_empty();
+        // A hybrid past its deadline switches even if the rest fits: its
+        // stop-and-copy would be cancelled at the deadline.
+        if est_s <= target_s && rest.is_empty() && !was_cut && !(mode == Mode::Hybrid && timed_out) {
             break (dirty, false);
         }
         // Hybrid switches once the first pass is over and what is left
@@ -599,11 +606,10 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         // guest wrote pages at a quarter of the rate the link sent them or
         // more: precopy rounds would then send another third of RAM or
         // more before they converge, while the push sends each page once.
-        // And when the operator asks, or the timeout would cancel.
-        let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
+        // And when the operator asks or the timeout passes (either may have
+        // cut the round short).
         let dirtying = !rest.is_empty() && written * 4 >= first_round_pages;
-        let cut = !unsent.is_empty();
-        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || cut || rest.is_empty() || dirtying) {
+        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || was_cut || rest.is_empty() || dirtying) {
             let mut missing = dirty;
             missing.extend(rest.iter().chain(&unsent).map(|w| PageRange { first: w.first, count: w.count }));
             break (missing, true);
@@ -854,7 +860,7 @@ struct RoundResult {
     zero: u64,
     wire: u64,
     secs: f64,
-    /// Cut off by hybrid's timeout: not sent.
+    /// Cut off (hybrid's timeout or `migrate-start-postcopy`): not sent.
     unsent: Vec<WorkItem>,
 }
 

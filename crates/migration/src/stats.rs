@@ -241,7 +241,8 @@ impl Control {
         self.cancelled.store(true, Ordering::SeqCst);
         self.shutdown_all();
     }
-    /// `migrate-start-postcopy`: a hybrid migration switches at its next round.
+    /// `migrate-start-postcopy`: a hybrid migration cuts its round in
+    /// flight short and switches.
     pub fn request_postcopy(&self) {
         self.start_postcopy.store(true, Ordering::SeqCst);
     }

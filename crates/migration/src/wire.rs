@@ -30,6 +30,8 @@ pub enum WireError {
     Magic([u8; 8]),
     #[error("stream version {found} is not supported (this build speaks version {VERSION})")]
     Version { found: u32 },
+    #[error("the peer speaks stream version {found}; this build speaks version {VERSION}")]
+    PeerVersion { found: u32 },
     #[error("corrupted stream: {0}")]
     Corrupt(String),
     #[error("connection: {0}")]
@@ -179,8 +181,11 @@ pub fn recv_answer(r: &mut impl Read) -> Result<Msg, WireError> {
     r.read_exact(&mut rest)?;
     let mut b = first.to_vec();
     b.extend_from_slice(&rest);
-    read_preamble(&mut b.as_slice())?;
-    Err(WireError::Corrupt("the destination answered with a preamble of this very version".into()))
+    match read_preamble(&mut b.as_slice()) {
+        Err(WireError::Version { found }) => Err(WireError::PeerVersion { found }),
+        Err(e) => Err(e),
+        Ok(_) => Err(WireError::Corrupt("the destination answered with a preamble of this very version".into())),
+    }
 }
 
 pub fn send_blob(w: &mut impl Write, b: &[u8]) -> io::Result<()> {
@@ -760,7 +765,7 @@ mod tests {
         assert!(matches!(read_preamble(&mut p.as_slice()), Err(WireError::Version { found }) if found == VERSION + 1));
         // A destination's answer: a message, or its preamble when it
         // refuses our version.
-        assert!(matches!(recv_answer(&mut p.as_slice()), Err(WireError::Version { found }) if found == VERSION + 1));
+        assert!(matches!(recv_answer(&mut p.as_slice()), Err(WireError::PeerVersion { found }) if found == VERSION + 1));
         let mut m = Vec::new();
         send_msg(&mut m, &Msg::Welcome).unwrap();
         assert!(matches!(recv_answer(&mut m.as_slice()), Ok(Msg::Welcome)));
