@@ -269,19 +269,33 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
     let vm_dyn: Arc<dyn MigratableVm> = vm.clone();
     {
         let (slot, vm_dyn) = (slot.clone(), vm_dyn.clone());
-        control.extend(Box::new(move |_vm, cmd, args| {
+        let refuse = |desc: &str| Some(Err(vmm::control::CmdError { class: "GenericError", desc: desc.into() }));
+        control.extend(Box::new(move |vm, cmd, args| {
             if cmd == "cont" {
                 // A source whose state went to the destination must never
                 // run again: from the pause of stop-and-copy or the
                 // postcopy switch on, `cont` would split the VM in two.
-                let st = slot.stats().filter(|s| s.role == "outgoing").map(|s| s.status);
-                if matches!(st, Some(Status::Device | Status::PostcopyActive | Status::PostcopyPaused | Status::Completed)) {
-                    return Some(Err(vmm::control::CmdError {
-                        class: "GenericError",
-                        desc: "the VM is being handed over to the migration destination; it cannot run here".into(),
-                    }));
+                let st = slot.stats().map(|s| (s.role, s.status));
+                match st {
+                    Some((role, Status::Device | Status::PostcopyActive | Status::PostcopyPaused | Status::Completed)) if role == "outgoing" => {
+                        return refuse("the VM is being handed over to the migration destination; it cannot run here");
+                    }
+                    // A destination runs once all of its state is here,
+                    // and never on what a failed migration left.
+                    Some((role, Status::Setup | Status::Active | Status::Device)) if role == "incoming" => {
+                        return refuse("the VM is receiving a migration; it runs when the migration completes");
+                    }
+                    Some((role, Status::Failed | Status::Cancelled)) if role == "incoming" => {
+                        return refuse("the incoming migration failed: this VM holds part of a state and cannot run");
+                    }
+                    _ => return None,
                 }
-                return None;
+            }
+            // Pages the guest writes while a migration comes in would mix
+            // with the pages that arrive (and a page that was a hole when
+            // it began listening is taken for zero).
+            if cmd == "migrate-incoming" && vm.run_state() == RunState::Running {
+                return refuse("the VM is running; receive a migration into a VM started with --paused or --incoming");
             }
             if !MIGRATION_COMMANDS.contains(&cmd) {
                 return None;

@@ -114,6 +114,21 @@ fn bad_control_input_gets_json_errors() {
     assert!(c.execute("query-status", json!({})).is_ok());
 }
 
+/// A running VM cannot receive a migration, and a VM receiving one cannot
+/// be started before it has all of its state.
+#[test]
+fn migrate_incoming_and_cont_refused_where_they_would_mix_two_vms() {
+    let running = VmProcess::run_local(&unique_name("inrun"), &["--memory", "16M"]).unwrap();
+    let e = running.client().unwrap().execute("migrate-incoming", json!({"uri": "tcp:127.0.0.1:0"})).unwrap_err();
+    assert!(e.to_string().contains("the VM is running"), "{e}");
+
+    let waiting = VmProcess::run_local(&unique_name("inwait"), &["--memory", "16M", "--incoming", "tcp:127.0.0.1:0"]).unwrap();
+    let mut c = waiting.client().unwrap();
+    let e = c.execute("cont", json!({})).unwrap_err();
+    assert!(e.to_string().contains("receiving a migration"), "{e}");
+    assert!(c.execute("query-status", json!({})).is_ok());
+}
+
 fn run_fails(args: &[&str]) -> String {
     let out = Command::new(transit_bin()).args(args).output().unwrap();
     assert!(!out.status.success(), "expected failure for {args:?}");
