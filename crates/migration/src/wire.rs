@@ -173,15 +173,11 @@ pub fn recv_msg(r: &mut impl Read) -> Result<Msg, WireError> {
 pub fn recv_answer(r: &mut impl Read) -> Result<Msg, WireError> {
     let mut first = [0u8; 1];
     r.read_exact(&mut first)?;
+    let mut whole = first.as_slice().chain(&mut *r);
     if first[0] != MAGIC[0] {
-        let p = read_frame(&mut first.as_slice().chain(&mut *r), FRAME_MSG)?;
-        return serde_json::from_slice(&p).map_err(|e| WireError::Corrupt(format!("bad control message: {e}")));
+        return recv_msg(&mut whole);
     }
-    let mut rest = [0u8; 15];
-    r.read_exact(&mut rest)?;
-    let mut b = first.to_vec();
-    b.extend_from_slice(&rest);
-    match read_preamble(&mut b.as_slice()) {
+    match read_preamble(&mut whole) {
         Err(WireError::Version { found }) => Err(WireError::PeerVersion { found }),
         Err(e) => Err(e),
         Ok(_) => Err(WireError::Corrupt("the destination answered with a preamble of this very version".into())),
