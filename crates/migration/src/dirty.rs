@@ -200,23 +200,15 @@ impl UffdWpTracker {
     /// a page never armed counts as written, and the walk would arm it.
     pub fn scan_ranges(&mut self, ranges: &[PageRange]) -> io::Result<Vec<PageRange>> {
         let mut buf = std::mem::take(&mut self.regions);
-        let mut out: Vec<PageRange> = Vec::new();
-        let mut res = Ok(());
-        for r in ranges {
+        let out = ranges.iter().try_fold(Vec::new(), |mut out, r| {
             if r.end() * PAGE_SIZE > self.len {
-                res = Err(io::Error::other(format!("scanning pages {}+{} outside the tracked range", r.first, r.count)));
-                break;
+                return Err(io::Error::other(format!("scanning pages {}+{} outside the tracked range", r.first, r.count)));
             }
-            match self.scan_range(self.start + r.first * PAGE_SIZE, self.start + r.end() * PAGE_SIZE, &mut buf) {
-                Ok(v) => out.extend(v),
-                Err(e) => {
-                    res = Err(e);
-                    break;
-                }
-            }
-        }
+            out.extend(self.scan_range(self.start + r.first * PAGE_SIZE, self.start + r.end() * PAGE_SIZE, &mut buf)?);
+            Ok(out)
+        });
         self.regions = buf;
-        res.map(|()| out)
+        out
     }
 
     fn scan_range(&self, start: u64, end: u64, regions: &mut [PageRegion]) -> io::Result<Vec<PageRange>> {
