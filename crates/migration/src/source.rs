@@ -515,7 +515,6 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // unarmed but for its holes, and is sent or missing anyway.
     let mut rest = Vec::new();
     let mut sample = Vec::new();
-    let mut armed: Option<Vec<PageRange>> = None;
     if mode == Mode::Hybrid {
         sample = mark_rate_sample(&mut items);
         for r in &sample {
@@ -524,11 +523,6 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         setup_step("sample armed");
         let at = items.partition_point(|w| w.first < total / 8);
         rest = items.split_off(at);
-        if let Some(cut) = rest.first().map(|w| w.first) {
-            let mut a = sample.clone();
-            a.push(PageRange { first: 0, count: cut });
-            armed = Some(normalize(a, total));
-        }
     }
     channels.arm_next = Some(armer);
     ctl.update(|s| {
@@ -552,12 +546,12 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = link_rate(last.wire, last.secs, params.max_bandwidth);
-    let mut page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
+    let mut page_cost = last.page_cost();
     // What the first round sent (for hybrid, the first eighth of RAM).
     let first_round_pages = last.pages;
     let mut scanned_at = t_round;
     let (mut pending, switch) = loop {
-        let mut dirty = log.scan(total, armed.as_deref())?;
+        let mut dirty = log.scan(total, armed_before_rest(&rest, &sample, total).as_deref())?;
         let unsent = std::mem::take(&mut last.unsent);
         // The pages found dirty were written from scan to scan: the round,
         // and the scan and planning around it.
@@ -618,10 +612,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
             // The rest is armed as it is sent, as precopy's first pass is;
             // from then on all of RAM is armed.
             channels.arm_next = Some(log.armer()?);
-            armed = None;
-            sample.clear();
         }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
+        if timed_out {
             ctl.cancel();
             bail!("did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)", params.timeout_s, est_s * 1e3, throttle);
         }
@@ -644,12 +636,12 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         last.secs = t_round.elapsed().as_secs_f64();
         if last.wire >= RATE_MIN_BYTES {
             bw = link_rate(last.wire, last.secs, params.max_bandwidth);
-            page_cost = (last.wire as f64 / (last.pages - last.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0);
+            page_cost = last.page_cost();
         }
     };
 
     if switch {
-        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some((log, armed)), holes, pending, round: round + 1 };
+        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some((log, armed_before_rest(&rest, &sample, total))), holes, pending, round: round + 1 };
         return crate::postcopy::source::run(&mut guard, start);
     }
 
@@ -754,6 +746,16 @@ fn link_rate(wire: u64, secs: f64, cap: u64) -> f64 {
     } else {
         ASSUMED_RATE
     }
+}
+
+/// What a hybrid's scans look at while `rest` (the first pass after its
+/// first eighth) is not sent yet: the eighth, armed as it was sent, and
+/// the sample, armed before; none once all of RAM is armed.
+fn armed_before_rest(rest: &[WorkItem], sample: &[PageRange], total: u64) -> Option<Vec<PageRange>> {
+    let cut = rest.first()?.first;
+    let mut a = sample.to_vec();
+    a.push(PageRange { first: 0, count: cut });
+    Some(normalize(a, total))
 }
 
 /// Hybrid's sample of RAM: one data item in each eight, at a different
@@ -862,6 +864,13 @@ struct RoundResult {
     secs: f64,
     /// Cut off (hybrid's timeout or `migrate-start-postcopy`): not sent.
     unsent: Vec<WorkItem>,
+}
+
+impl RoundResult {
+    /// Wire bytes per non-zero page.
+    fn page_cost(&self) -> f64 {
+        (self.wire as f64 / (self.pages - self.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0)
+    }
 }
 
 pub(crate) struct ChannelSet {
