@@ -275,21 +275,20 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
                 // A source whose state went to the destination must never
                 // run again: from the pause of stop-and-copy or the
                 // postcopy switch on, `cont` would split the VM in two.
-                let st = slot.stats().map(|s| (s.role, s.status));
-                match st {
+                return match slot.stats().map(|s| (s.role, s.status)) {
                     Some((role, Status::Device | Status::PostcopyActive | Status::PostcopyPaused | Status::Completed)) if role == "outgoing" => {
-                        return refuse("the VM is being handed over to the migration destination; it cannot run here");
+                        refuse("the VM is being handed over to the migration destination; it cannot run here")
                     }
                     // A destination runs once all of its state is here,
                     // and never on what a failed migration left.
                     Some((role, Status::Setup | Status::Active | Status::Device)) if role == "incoming" => {
-                        return refuse("the VM is receiving a migration; it runs when the migration completes");
+                        refuse("the VM is receiving a migration; it runs when the migration completes")
                     }
                     Some((role, Status::Failed | Status::Cancelled)) if role == "incoming" => {
-                        return refuse("the incoming migration failed: this VM holds part of a state and cannot run");
+                        refuse("the incoming migration failed: this VM holds part of a state and cannot run")
                     }
-                    _ => return None,
-                }
+                    _ => None,
+                };
             }
             // Pages the guest writes while a migration comes in would mix
             // with the pages that arrive (and a page that was a hole when
