@@ -322,6 +322,13 @@ impl DirtyLog {
         }
         Ok(crate::pages::normalize(v, total_pages))
     }
+
+    /// The VM migrated away and never runs here again: the other sources
+    /// end now; our own mapping's tracker is returned still registered,
+    /// for the VM to keep ([`MigratableVm::retire`](crate::vm::MigratableVm::retire)).
+    pub fn into_tracker(self) -> UffdWpTracker {
+        self.uffd
+    }
 }
 
 #[cfg(test)]

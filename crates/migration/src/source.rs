@@ -704,7 +704,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // Commit point: from here the destination owns the VM.
     guard.committed = true;
     step("destination loaded");
-    let unregister = std::thread::spawn(move || drop(log));
+    // The VM never runs here again.
+    vm.retire(Box::new(log.into_tracker()));
     ctl.update(|s| s.cpu_s_dest = Some(dest_cpu));
     let go = wire::send_msg(&mut control, &Msg::Go);
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -721,7 +722,6 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination loaded the VM but did not confirm its start: {e:#}"),
     }
-    let _ = unregister.join();
     Ok(())
 }
 

@@ -73,4 +73,14 @@ pub trait MigratableVm: Send + Sync {
     fn state_size_estimate(&self) -> u64 {
         256 << 10
     }
+
+    /// Keep `what` for as long as the VM's RAM stays mapped. A source that
+    /// migrated away hands over its dirty tracking: the write protection
+    /// no longer matters, and ending it while RAM is mapped makes the
+    /// kernel walk every page-table entry of RAM (80 ms for 4 GiB) as the
+    /// migration ends, where an exiting process drops its mappings first
+    /// and skips the walk. By default it ends at once.
+    fn retire(&self, what: Box<dyn Send>) {
+        drop(what);
+    }
 }

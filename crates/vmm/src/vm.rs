@@ -47,6 +47,9 @@ pub struct Vm {
     events: Arc<PlatformEvents>,
     console_history: Arc<Mutex<Vec<String>>>,
     state: Mutex<RunState>,
+    /// What must live as long as RAM is mapped (a migrated-away source's
+    /// dirty tracking); last, so dropped after RAM.
+    retired: Mutex<Vec<Box<dyn Send>>>,
 }
 
 /// Where console lines go.
@@ -107,6 +110,7 @@ impl Vm {
             events,
             console_history,
             state: Mutex::new(RunState::Inmigrate),
+            retired: Mutex::default(),
         }))
     }
 
@@ -339,6 +343,9 @@ impl migration::vm::MigratableVm for Vm {
     }
     fn shape(&self) -> String {
         self.config.shape()
+    }
+    fn retire(&self, what: Box<dyn Send>) {
+        self.retired.lock().unwrap().push(what);
     }
     /// Small for vCPUs and devices, except memory-backed NVMe namespaces:
     /// their bytes travel in the state, and the downtime estimate must see them.

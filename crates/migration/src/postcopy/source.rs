@@ -87,7 +87,7 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     let pause = Downtime::pause(guard)?;
     let (paused_at, t_pause) = (pause.paused_at, pause.since);
     let step = |name: &str| pause.step(name);
-    let (missing, mut log) = match log {
+    let (missing, log) = match log {
         Some((mut l, armed)) => {
             let mut p = pending;
             p.extend(l.scan(total, armed.as_deref())?);
@@ -135,11 +135,10 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     // The downtime is over: back to the normal class (the threads below
     // inherit it).
     super::set_priority(false);
-    // Write-protection off in the background (kernel work that must not
-    // compete with the destination's restart either), beside the push:
-    // nothing writes this RAM any more, and the push only reads it.
-    // (An early return below leaves the thread to finish on its own.)
-    let unregister = std::thread::spawn(move || drop(log.take()));
+    // Nothing writes this RAM any more, and the push only reads it.
+    if let Some(log) = log {
+        vm.retire(Box::new(log.into_tracker()));
+    }
     // Everything the destination lacks, split into pages to read and memfd
     // holes (known zero): looking at the old holes again takes a few
     // kernel milliseconds at most, so it happens once the destination
@@ -226,7 +225,6 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     }
     server.stop();
     let postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
-    let _ = unregister.join();
     ctl.update(|s| {
         s.postcopy_ms = postcopy_ms;
         s.remaining_pages = 0;
