@@ -130,6 +130,50 @@ pub fn data_ranges_within(fd: RawFd, within: &[PageRange], page: u64) -> std::io
     Ok(out)
 }
 
+/// [`data_ranges`] of `fd` mapped shared at `addr`, faster where most of
+/// the file holds data: SEEK_HOLE walks every data page (40 ms for 4 GiB),
+/// while mincore reads page tables (2 ms for 4 GiB mapped). Pages resident
+/// in memory are data; the rest are looked at with SEEK_DATA, which skips
+/// holes at once (a page swapped out is data, not resident). Mostly holes
+/// go by `data_ranges` alone: mincore looks up each unmapped page (50 ms
+/// for 4 GiB).
+pub fn data_ranges_mapped(addr: *const u8, fd: RawFd, len: u64, page: u64) -> std::io::Result<Vec<PageRange>> {
+    let pages = len / page;
+    // SAFETY: fstat into a zeroed struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let allocated = st.st_blocks as u64 * 512 / page;
+    if allocated * 4 < pages * 3 {
+        return data_ranges(fd, len, page);
+    }
+    let mut resident = vec![0u8; pages as usize];
+    // SAFETY: `addr` maps `len` bytes (the caller's mapping); one byte per page out.
+    if unsafe { libc::mincore(addr as *mut libc::c_void, len as usize, resident.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut data = Vec::new();
+    let mut p = 0;
+    while p < pages {
+        let start = p;
+        let on = resident[p as usize] & 1 != 0;
+        while p < pages && (resident[p as usize] & 1 != 0) == on {
+            p += 1;
+        }
+        if on {
+            data.push(PageRange { first: start, count: p - start });
+        }
+    }
+    let others = complement(&data, pages);
+    // Many scattered gaps cost two lseeks each: walk the file instead.
+    if others.len() > 4096 {
+        return data_ranges(fd, len, page);
+    }
+    data.extend(data_ranges_within(fd, &others, page)?);
+    Ok(normalize(data, pages))
+}
+
 /// Data page ranges of `fd` in bytes [start, end) (page-aligned).
 fn data_ranges_between(fd: RawFd, start: u64, len: u64, page: u64) -> std::io::Result<Vec<PageRange>> {
     let mut out = Vec::new();
@@ -265,5 +309,32 @@ mod tests {
         unsafe { libc::close(fd) };
         let c = complement(&[PageRange { first: 2, count: 3 }], 10);
         assert_eq!(c, vec![PageRange { first: 0, count: 2 }, PageRange { first: 5, count: 5 }]);
+    }
+
+    #[test]
+    fn data_ranges_mapped_agrees_with_the_file_walk() {
+        const PAGES: u64 = 20480;
+        let ram = crate::memvm::GuestRam::new(PAGES * 4096).unwrap();
+        let r = ram.region();
+        let check = |what: &str| {
+            let walked = data_ranges(r.memfd, r.len, 4096).unwrap();
+            assert_eq!(data_ranges_mapped(r.host_addr, r.memfd, r.len, 4096).unwrap(), walked, "{what}");
+        };
+        check("empty (the file walk alone)");
+        // Mostly data with a few holes: mincore, then SEEK_DATA in the gaps.
+        // Some pages go in with pwrite (in the file, not mapped here).
+        for p in (0..PAGES).filter(|p| !(100..110).contains(p) && ![7, 5000, PAGES - 1].contains(p)) {
+            if p % 3 == 0 {
+                assert_eq!(unsafe { libc::pwrite(r.memfd, [1u8].as_ptr() as *const libc::c_void, 1, (p * 4096) as i64) }, 1);
+            } else {
+                unsafe { *ram.byte_ptr(p * 4096) = 1 };
+            }
+        }
+        check("mostly data");
+        // A hole in every fourth page: too many gaps to look at one by one.
+        for p in (0..PAGES).step_by(4) {
+            assert_eq!(unsafe { libc::fallocate(r.memfd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, (p * 4096) as i64, 4096) }, 0);
+        }
+        check("scattered holes");
     }
 }

@@ -29,7 +29,7 @@ impl RamRegion {
     }
     /// Pages of the memfd that hold data (all others are holes: zero).
     pub fn data_ranges(&self) -> std::io::Result<Vec<crate::pages::PageRange>> {
-        crate::pages::data_ranges(self.memfd, self.len, crate::dirty::PAGE_SIZE)
+        crate::pages::data_ranges_mapped(self.host_addr, self.memfd, self.len, crate::dirty::PAGE_SIZE)
     }
     /// The memfd's holes now, from an earlier look's `holes`: only those
     /// are looked at again, since `SEEK_HOLE` walks every page of a data
