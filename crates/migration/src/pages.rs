@@ -313,7 +313,7 @@ mod tests {
 
     #[test]
     fn data_ranges_mapped_agrees_with_the_file_walk() {
-        const PAGES: u64 = 20480;
+        const PAGES: u64 = 24576;
         let ram = crate::memvm::GuestRam::new(PAGES * 4096).unwrap();
         let r = ram.region();
         let check = |what: &str| {
@@ -322,7 +322,8 @@ mod tests {
         };
         check("empty (the file walk alone)");
         // Mostly data with a few holes: mincore, then SEEK_DATA in the gaps.
-        // Some pages go in with pwrite (in the file, not mapped here).
+        // Some pages go in with pwrite (in the page cache, not mapped here:
+        // mincore counts them all the same).
         for p in (0..PAGES).filter(|p| !(100..110).contains(p) && ![7, 5000, PAGES - 1].contains(p)) {
             if p % 3 == 0 {
                 assert_eq!(unsafe { libc::pwrite(r.memfd, [1u8].as_ptr() as *const libc::c_void, 1, (p * 4096) as i64) }, 1);
@@ -331,8 +332,9 @@ mod tests {
             }
         }
         check("mostly data");
-        // A hole in every fourth page: too many gaps to look at one by one.
-        for p in (0..PAGES).step_by(4) {
+        // A hole in every fifth page: still mostly data, but too many gaps
+        // to look at one by one.
+        for p in (0..PAGES).step_by(5) {
             assert_eq!(unsafe { libc::fallocate(r.memfd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, (p * 4096) as i64, 4096) }, 0);
         }
         check("scattered holes");

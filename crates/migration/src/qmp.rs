@@ -126,7 +126,7 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
             if MigrationSlot::busy(&g) {
                 return Err(QmpError::generic("a migration is already running"));
             }
-            if matches!(g.job.as_ref().and_then(|j| j.outcome.lock().unwrap().clone()), Some(Outcome::OutgoingCompleted)) {
+            if g.job.as_ref().is_some_and(|j| !j.incoming && j.ctl.snapshot().committed) {
                 return Err(QmpError::generic("this VM already migrated away"));
             }
             let params = g.params.clone().unwrap_or_default().merged(args).map_err(QmpError::generic)?;

@@ -376,6 +376,14 @@ pub(crate) struct Outgoing {
     pub committed: bool,
 }
 
+impl Outgoing {
+    /// The destination owns the VM from here: this side never runs it again.
+    pub fn commit(&mut self) {
+        self.committed = true;
+        self.ctl.update(|s| s.committed = true);
+    }
+}
+
 impl Drop for Outgoing {
     fn drop(&mut self) {
         // Failure or cancel before commit: the VM runs on here, full speed.
@@ -702,10 +710,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         other => bail!("destination answered {other:?} to the end of the stream"),
     };
     // Commit point: from here the destination owns the VM.
-    guard.committed = true;
+    guard.commit();
     step("destination loaded");
-    // The VM never runs here again.
-    vm.retire(Box::new(log.into_tracker()));
     ctl.update(|s| s.cpu_s_dest = Some(dest_cpu));
     let go = wire::send_msg(&mut control, &Msg::Go);
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -722,6 +728,9 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination loaded the VM but did not confirm its start: {e:#}"),
     }
+    // The VM never runs here again (after the downtime: a VM that does
+    // not keep it unregisters now).
+    vm.retire(Box::new(log.into_tracker()));
     Ok(())
 }
 

@@ -151,6 +151,9 @@ pub struct Stats {
     pub status: Status,
     /// "outgoing" or "incoming"
     pub role: String,
+    /// Outgoing: the destination took the VM over; it never runs here
+    /// again, whatever the status (a postcopy may fail after this).
+    pub committed: bool,
     pub error: Option<String>,
     pub peer: String,
     pub channels: u32,

@@ -30,6 +30,7 @@ fn assert_source_intact(src: &Side) {
     let port = dst.incoming(true);
     let (os, od, st) = migrate(src, &dst, port, json!({"downtime_ms": 100}));
     assert_eq!(os, Some(Outcome::OutgoingCompleted), "{st:#}");
+    assert_eq!(st["committed"], true);
     assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: true }));
     dst.vm.pause().unwrap();
     dst.vm.check_oracle().unwrap();
@@ -54,6 +55,7 @@ fn expect_failure(fault: Fault, params: serde_json::Value) -> (String, String) {
     assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the fault was never injected");
     let Some(Outcome::OutgoingFailed(se)) = os else { panic!("source outcome {os:?}: {st:#}") };
     assert_eq!(st["status"], "failed");
+    assert_eq!(st["committed"], false, "a failure before the destination took over");
     let de = assert_dest_never_ran(&dst, "fault");
     assert_source_intact(&src);
     (se, de)

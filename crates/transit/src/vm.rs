@@ -275,16 +275,16 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
                 // A source whose state went to the destination must never
                 // run again: from the pause of stop-and-copy or the
                 // postcopy switch on, `cont` would split the VM in two.
-                return match slot.stats().map(|s| (s.role, s.status)) {
-                    Some((role, Status::Device | Status::PostcopyActive | Status::PostcopyPaused | Status::Completed)) if role == "outgoing" => {
+                return match slot.stats().map(|s| (s.role, s.status, s.committed)) {
+                    Some((role, Status::Device | Status::PostcopyActive | Status::PostcopyPaused | Status::Completed, _) | (role, _, true)) if role == "outgoing" => {
                         refuse("the VM is being handed over to the migration destination; it cannot run here")
                     }
                     // A destination runs once all of its state is here,
                     // and never on what a failed migration left.
-                    Some((role, Status::Setup | Status::Active | Status::Device)) if role == "incoming" => {
+                    Some((role, Status::Setup | Status::Active | Status::Device, _)) if role == "incoming" => {
                         refuse("the VM is receiving a migration; it runs when the migration completes")
                     }
-                    Some((role, Status::Failed | Status::Cancelled)) if role == "incoming" => {
+                    Some((role, Status::Failed | Status::Cancelled, _)) if role == "incoming" => {
                         refuse("the incoming migration failed: this VM holds part of a state and cannot run")
                     }
                     _ => None,
@@ -329,6 +329,11 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
                 vm.set_run_state(RunState::Postmigrate);
                 tracing::info!("migrated away; this VM is now stopped for good");
                 migrated_at = Some(std::time::Instant::now());
+            }
+            // Failed after the destination took the VM over (postcopy):
+            // it never runs here again, and this process stays up.
+            Some(Outcome::OutgoingFailed(_)) if vm.run_state() != RunState::Postmigrate && slot.stats().is_some_and(|s| s.committed) => {
+                vm.set_run_state(RunState::Postmigrate);
             }
             Some(Outcome::IncomingFailed(why)) if opts.incoming.is_some() => {
                 break Err(anyhow::anyhow!("incoming migration failed, the VM never ran: {why}"));

@@ -141,6 +141,7 @@ fn killed_processes_during_postcopy_are_reported() {
     wait_for("the source to pause", Duration::from_secs(60), || status(&p.src)["status"] == "postcopy-paused");
     let s = status(&p.src);
     assert!(s["error"].as_str().unwrap().contains("still holds its missing pages"), "{s:#}");
+    assert_eq!(s["committed"], true, "{s:#}");
     assert!(p.src.exec("cont", json!({})).is_err(), "the source must not run again");
     assert_eq!(p.src.status().unwrap()["status"], "paused");
 

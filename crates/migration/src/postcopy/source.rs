@@ -121,7 +121,7 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     }
     // Commit point: from here the destination owns the VM and this side
     // only serves its memory.
-    guard.committed = true;
+    guard.commit();
     step("destination loaded");
     let go = wire::send_msg(&mut control, &Msg::Go);
     match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(&mut control)) {
@@ -201,9 +201,14 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
                     }
                 };
                 ctl.forget_connections();
-                match reconnect(&target, session, &ram, compress, &bucket, &ctl, &queue) {
-                    Ok((c, ch, u)) => {
-                        server = UrgentServer::start(u, ram, queue.clone(), ctl.clone())?;
+                // A failure here leaves the source paused and holding its
+                // pages, as a failed reconnection does: returning an error
+                // would end the migration with the pages unreachable.
+                let resumed = reconnect(&target, session, &ram, compress, &bucket, &ctl, &queue)
+                    .and_then(|(c, ch, u)| Ok((c, ch, UrgentServer::start(u, ram, queue.clone(), ctl.clone())?)));
+                match resumed {
+                    Ok((c, ch, s)) => {
+                        server = s;
                         conn = Some((c, ch));
                         ctl.update(|s| {
                             s.status = Status::PostcopyActive;
