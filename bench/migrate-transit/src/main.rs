@@ -257,6 +257,14 @@ fn failed_row(r: &Row, error: String) -> Value {
            "raw_tcp_gbps": null, "error": error})
 }
 
+/// Set by SIGINT or SIGTERM: the running row is killed with its vmm
+/// processes, its testbed swept, and the run ends.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
 /// Run one row in a child process (own process group) within its limit.
 fn row_in_child(r: &Row, prealloc: bool) -> Value {
     let exe = match std::env::current_exe() {
@@ -265,6 +273,9 @@ fn row_in_child(r: &Row, prealloc: bool) -> Value {
     };
     let mut c = Command::new(exe);
     c.args(["--row", &r.label()]).stdout(Stdio::piped()).stderr(Stdio::inherit()).process_group(0);
+    // Its own group keeps a terminal's Ctrl-C from it (handled here); if
+    // this process is killed outright, the row goes too.
+    vmm::testing::die_with_parent(&mut c);
     if !prealloc {
         c.arg("--no-prealloc");
     }
@@ -284,11 +295,16 @@ fn row_in_child(r: &Row, prealloc: bool) -> Value {
         if let Ok(Some(st)) = child.try_wait() {
             break Some(st);
         }
-        if t.elapsed() > limit {
+        let interrupted = INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst);
+        if interrupted || t.elapsed() > limit {
             // The whole group: the vmm processes too.
             unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
             let _ = child.wait();
             let _ = testbed::sweep();
+            if interrupted {
+                eprintln!("migrate-transit: interrupted; row {} killed with its vmm processes, testbed swept", r.label());
+                std::process::exit(130);
+            }
             break None;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -349,6 +365,11 @@ fn main() {
         let v = transit_bin().and_then(|bin| run_row(&bin, &r, prealloc)).unwrap_or_else(|e| failed_row(&r, format!("{e:#}")));
         println!("{v}");
         return;
+    }
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_interrupt as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_interrupt as *const () as libc::sighandler_t);
     }
     let bin = match transit_bin() {
         Ok(b) => b,

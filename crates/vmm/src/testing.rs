@@ -3,7 +3,8 @@
 //! A [`VmProcess`] is a `transit vm run ...` (or `restore`) child process,
 //! optionally inside a testbed host, with its control socket; dropping it
 //! kills the process and removes the socket, so a failing test leaves
-//! nothing running.
+//! nothing running; a harness killed before it can drop it takes the
+//! process with it ([`die_with_parent`]).
 
 use crate::control::Client;
 use anyhow::{bail, Context, Result};
@@ -12,6 +13,28 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+/// Make `cmd`'s process get SIGKILL when the thread that starts it ends
+/// (`PR_SET_PDEATHSIG`): a test or benchmark killed by a signal runs no
+/// destructor, and its VMs would run on.
+pub fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl and getppid are async-signal-safe; nothing else runs
+    // between fork and exec.
+    unsafe {
+        let parent = libc::getpid();
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before the prctl.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+}
 
 /// The `transit` binary next to the running test executable
 /// (target/<profile>/transit), or `TRANSIT_BIN`.
@@ -57,6 +80,7 @@ impl VmProcess {
             .arg("--console-log")
             .arg(&console_log)
             .stdin(Stdio::null());
+        die_with_parent(&mut cmd);
         let child = cmd.spawn().context("starting transit")?;
         let mut p = VmProcess { child: Some(child), socket, name: name.into(), console_log };
         p.wait_ready(Duration::from_secs(60))?;
