@@ -547,7 +547,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // and it switches (below): the destination can run at once and fetch
     // the rest.
     let cuttable = mode == Mode::Hybrid;
-    let round_deadline = if mode == Mode::Hybrid { None } else { deadline };
+    // A cut round still waits for what is in flight, but not for good.
+    let round_deadline = if mode == Mode::Hybrid { deadline.map(|d| d + CUT_GRACE) } else { deadline };
     let t_round = Instant::now();
     let mut last = channels.round(round, items, cuttable)?;
     wait_round_done(&mut control, round, ctl, round_deadline)?;
@@ -734,6 +735,11 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     Ok(())
 }
 
+/// How long a round cut at the deadline (hybrid's, before its switch) may
+/// take to finish the batches it has in flight and be confirmed: longer
+/// means the destination or the link hangs, and the migration is cancelled.
+const CUT_GRACE: Duration = Duration::from_secs(10);
+
 /// A round that moved fewer bytes is dominated by fixed costs (scan, round
 /// barrier, the destination's bookkeeping) and would understate the link.
 const RATE_MIN_BYTES: u64 = 1 << 20;
@@ -902,8 +908,12 @@ impl ChannelSet {
             match self.replies.recv_timeout(Duration::from_millis(50)) {
                 Ok(r) => return Ok(r),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    let late = self.deadline.is_some_and(|d| Instant::now() >= d);
+                    let now = Instant::now();
+                    let late = self.deadline.is_some_and(|d| now >= d);
                     match &self.current {
+                        // Cut, and the batches in flight still do not
+                        // drain: a destination or link that hangs.
+                        Some((_, true)) if self.deadline.is_some_and(|d| now >= d + CUT_GRACE) && !self.ctl.is_cancelled() => self.ctl.cancel(),
                         Some((w, true)) if late || self.ctl.postcopy_requested() => w.cut_off(),
                         Some((_, true)) => {}
                         _ if late && !self.ctl.is_cancelled() => self.ctl.cancel(),

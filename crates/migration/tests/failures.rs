@@ -67,7 +67,7 @@ fn expect_failure(fault: Fault, params: serde_json::Value) -> (String, String) {
 
 #[test]
 fn corrupted_batch_table_is_detected() {
-    let (_se, de) = expect_failure(Fault { conn: 1, flip_at: Some(300), cut_after: None }, json!({"channels": 1}));
+    let (_se, de) = expect_failure(Fault { conn: 1, flip_at: Some(300), ..Default::default() }, json!({"channels": 1}));
     assert!(de.contains("corrupted stream") && de.contains("table"), "{de}");
 }
 
@@ -75,7 +75,7 @@ fn corrupted_batch_table_is_detected() {
 fn corrupted_page_that_is_never_sent_again_fails_the_migration() {
     // Inside page 4 (bytes ~17k-21k), which the guest never writes again:
     // no later round replaces it.
-    let (_se, de) = expect_failure(Fault { conn: 1, flip_at: Some(20_000), cut_after: None }, json!({"channels": 1}));
+    let (_se, de) = expect_failure(Fault { conn: 1, flip_at: Some(20_000), ..Default::default() }, json!({"channels": 1}));
     assert!(de.contains("corrupted stream") && de.contains("1 pages arrived damaged"), "{de}");
 }
 
@@ -83,7 +83,7 @@ fn corrupted_page_that_is_never_sent_again_fails_the_migration() {
 fn corrupted_state_on_control_connection_is_detected() {
     // The control connection carries hello (~200 bytes) then, at the end,
     // the state blob; flip a byte inside the blob.
-    let (_se, de) = expect_failure(Fault { conn: 0, flip_at: Some(2000), cut_after: None }, json!({"channels": 1}));
+    let (_se, de) = expect_failure(Fault { conn: 0, flip_at: Some(2000), ..Default::default() }, json!({"channels": 1}));
     assert!(de.contains("checksum") || de.contains("corrupt"), "{de}");
 }
 
@@ -91,7 +91,7 @@ fn corrupted_state_on_control_connection_is_detected() {
 fn dropped_data_connection_mid_migration() {
     // Cut the first data channel early: it always carries pages, however the
     // others share the work, so the fault fires whatever the machine's speed.
-    let (se, de) = expect_failure(Fault { conn: 1, flip_at: None, cut_after: Some(256 << 10) }, json!({"channels": 4}));
+    let (se, de) = expect_failure(Fault { conn: 1, cut_after: Some(256 << 10), ..Default::default() }, json!({"channels": 4}));
     assert!(!se.is_empty() && !de.is_empty());
 }
 
@@ -101,7 +101,7 @@ fn destination_gone_mid_migration() {
     let src = running_source();
     let dst = Side::new(32 * MIB, 1);
     let port = dst.incoming(true);
-    let proxy = Proxy::start(port, Fault { conn: 1, flip_at: None, cut_after: Some(1 << 20) });
+    let proxy = Proxy::start(port, Fault { conn: 1, cut_after: Some(1 << 20), ..Default::default() });
     src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "channels": 1})).unwrap();
     wait_until("the fault", || proxy.fired.load(std::sync::atomic::Ordering::SeqCst));
     dst.cmd("migrate-cancel", json!({})).unwrap(); // the destination gives up too
@@ -122,6 +122,26 @@ fn timeout_cancels_cleanly() {
     assert_eq!(st["status"], "cancelled", "{st:#}");
     assert!(st["error"].as_str().unwrap().contains("time"), "{st:#}");
     assert_dest_never_ran(&dst, "timeout");
+    assert_source_intact(&src);
+}
+
+#[test]
+fn hybrid_with_a_stalled_destination_is_cancelled_after_its_timeout() {
+    // The destination stops reading a data connection: hybrid's timeout
+    // cuts its round short, but the stalled batch never drains and the
+    // round is never confirmed, so switching to postcopy is no way out.
+    // It must end (cancelled), not wait for the connection for good.
+    let src = running_source();
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(true);
+    let proxy = Proxy::start(port, Fault { conn: 1, stall_after: Some(1 << 20), ..Default::default() });
+    let (os, _, st) = migrate(&src, &dst, proxy.port, json!({"mode": "hybrid", "channels": 1, "timeout_s": 2}));
+    assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the stall was never injected");
+    assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{os:?}");
+    assert_eq!(st["status"], "cancelled", "{st:#}");
+    assert!(st["error"].as_str().unwrap().contains("timed out"), "{st:#}");
+    assert_eq!(st["committed"], false);
+    assert_dest_never_ran(&dst, "stalled destination");
     assert_source_intact(&src);
 }
 

@@ -93,6 +93,9 @@ pub struct Fault {
     pub flip_at: Option<u64>,
     /// Close both directions after this many source->dest bytes.
     pub cut_after: Option<u64>,
+    /// Stop forwarding (and reading) after this many source->dest bytes,
+    /// the connection left open: a destination or link that hangs.
+    pub stall_after: Option<u64>,
 }
 
 /// A TCP proxy in front of `target` that injects one fault.
@@ -168,6 +171,12 @@ fn pump(mut from: TcpStream, mut to: TcpStream, f: Fault, fired: Arc<AtomicBool>
                 fired.store(true, Ordering::SeqCst);
                 break;
             }
+        }
+        if f.stall_after.is_some_and(|s| off + n as u64 > s) {
+            fired.store(true, Ordering::SeqCst);
+            // Long enough for any test that uses it; the sockets stay open.
+            std::thread::sleep(Duration::from_secs(60));
+            break;
         }
         off += n as u64;
         if to.write_all(&buf[..n]).is_err() {
