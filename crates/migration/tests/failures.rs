@@ -32,6 +32,9 @@ fn assert_source_intact(src: &Side) {
     assert_eq!(os, Some(Outcome::OutgoingCompleted), "{st:#}");
     assert_eq!(st["committed"], true);
     assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: true }));
+    // Migrated away: this VM is not sent anywhere again.
+    let again = src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}")})).unwrap_err();
+    assert!(again.desc.contains("already migrated away"), "{}", again.desc);
     dst.vm.pause().unwrap();
     dst.vm.check_oracle().unwrap();
 }
