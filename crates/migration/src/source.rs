@@ -547,8 +547,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // and it switches (below): the destination can run at once and fetch
     // the rest.
     let cuttable = mode == Mode::Hybrid;
-    // A cut round still waits for what is in flight, but not for good.
-    let round_deadline = if mode == Mode::Hybrid { deadline.map(|d| d + CUT_GRACE) } else { deadline };
+    let round_deadline = give_up_at(deadline, cuttable);
     let t_round = Instant::now();
     let mut last = channels.round(round, items, cuttable)?;
     wait_round_done(&mut control, round, ctl, round_deadline)?;
@@ -740,6 +739,13 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
 /// means the destination or the link hangs, and the migration is cancelled.
 const CUT_GRACE: Duration = Duration::from_secs(10);
 
+/// When waiting on a round (its channels, then its confirmation) cancels
+/// the migration: at the deadline, or [`CUT_GRACE`] after it for a round
+/// the deadline only cuts short.
+fn give_up_at(deadline: Option<Instant>, cuttable: bool) -> Option<Instant> {
+    deadline.map(|d| if cuttable { d + CUT_GRACE } else { d })
+}
+
 /// A round that moved fewer bytes is dominated by fixed costs (scan, round
 /// barrier, the destination's bookkeeping) and would understate the link.
 const RATE_MIN_BYTES: u64 = 1 << 20;
@@ -909,15 +915,15 @@ impl ChannelSet {
                 Ok(r) => return Ok(r),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     let now = Instant::now();
-                    let late = self.deadline.is_some_and(|d| now >= d);
-                    match &self.current {
-                        // Cut, and the batches in flight still do not
-                        // drain: a destination or link that hangs.
-                        Some((_, true)) if self.deadline.is_some_and(|d| now >= d + CUT_GRACE) && !self.ctl.is_cancelled() => self.ctl.cancel(),
-                        Some((w, true)) if late || self.ctl.postcopy_requested() => w.cut_off(),
-                        Some((_, true)) => {}
-                        _ if late && !self.ctl.is_cancelled() => self.ctl.cancel(),
-                        _ => {}
+                    let cuttable = self.current.as_ref().filter(|c| c.1).map(|c| &c.0);
+                    if give_up_at(self.deadline, cuttable.is_some()).is_some_and(|d| now >= d) {
+                        if !self.ctl.is_cancelled() {
+                            self.ctl.cancel();
+                        }
+                    } else if let Some(w) = cuttable {
+                        if self.deadline.is_some_and(|d| now >= d) || self.ctl.postcopy_requested() {
+                            w.cut_off();
+                        }
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("a channel thread died"),
