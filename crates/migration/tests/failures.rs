@@ -46,14 +46,20 @@ fn assert_dest_never_ran(dst: &Side, what: &str) -> String {
     e
 }
 
-fn expect_failure(fault: Fault, params: serde_json::Value) -> (String, String) {
+/// A running source, a destination listening, and between them a proxy
+/// that injects `fault`.
+fn pair_through(fault: Fault) -> (Side, Side, Proxy) {
     let src = running_source();
+    let dst = Side::new(32 * MIB, 1);
+    let proxy = Proxy::start(dst.incoming(true), fault);
+    (src, dst, proxy)
+}
+
+fn expect_failure(fault: Fault, params: serde_json::Value) -> (String, String) {
+    let (src, dst, proxy) = pair_through(fault);
     // Pages below the dirtier's slice (16) hold data it never changes: sent
     // once, in the first batch of the first channel.
     src.vm.fill(0, 16);
-    let dst = Side::new(32 * MIB, 1);
-    let port = dst.incoming(true);
-    let proxy = Proxy::start(port, fault);
     let (os, _, st) = migrate(&src, &dst, proxy.port, params);
     assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the fault was never injected");
     let Some(Outcome::OutgoingFailed(se)) = os else { panic!("source outcome {os:?}: {st:#}") };
@@ -101,10 +107,7 @@ fn dropped_data_connection_mid_migration() {
 #[test]
 fn destination_gone_mid_migration() {
     // All of the destination disappears: the source sees resets everywhere.
-    let src = running_source();
-    let dst = Side::new(32 * MIB, 1);
-    let port = dst.incoming(true);
-    let proxy = Proxy::start(port, Fault { conn: 1, cut_after: Some(1 << 20), ..Default::default() });
+    let (src, dst, proxy) = pair_through(Fault { conn: 1, cut_after: Some(1 << 20), ..Default::default() });
     src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "channels": 1})).unwrap();
     wait_until("the fault", || proxy.fired.load(std::sync::atomic::Ordering::SeqCst));
     dst.cmd("migrate-cancel", json!({})).unwrap(); // the destination gives up too
@@ -134,10 +137,7 @@ fn hybrid_with_a_stalled_destination_is_cancelled_after_its_timeout() {
     // cuts its round short, but the stalled batch never drains and the
     // round is never confirmed, so switching to postcopy is no way out.
     // It must end (cancelled), not wait for the connection for good.
-    let src = running_source();
-    let dst = Side::new(32 * MIB, 1);
-    let port = dst.incoming(true);
-    let proxy = Proxy::start(port, Fault { conn: 1, stall_after: Some(1 << 20), ..Default::default() });
+    let (src, dst, proxy) = pair_through(Fault { conn: 1, stall_after: Some(1 << 20), ..Default::default() });
     let (os, _, st) = migrate(&src, &dst, proxy.port, json!({"mode": "hybrid", "channels": 1, "timeout_s": 2}));
     assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the stall was never injected");
     assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{os:?}");
