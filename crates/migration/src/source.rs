@@ -558,9 +558,13 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // What the first round sent (for hybrid, the first eighth of RAM).
     let first_round_pages = last.pages;
     let mut scanned_at = t_round;
+    // Hybrid: the first page of the first pass not sent yet, while there
+    // is one (what is armed: see `armed_part`).
+    let mut sent_to = None;
     let (mut pending, switch) = loop {
-        let mut dirty = log.scan(total, armed_before_rest(&rest, &sample, total).as_deref())?;
         let unsent = std::mem::take(&mut last.unsent);
+        sent_to = rest.first().map(|w| unsent.first().map_or(w.first, |u| u.first.min(w.first)));
+        let mut dirty = log.scan(total, armed_part(sent_to, &sample, total).as_deref())?;
         // The pages found dirty were written from scan to scan: the round,
         // and the scan and planning around it.
         let window = std::mem::replace(&mut scanned_at, Instant::now()).elapsed().as_secs_f64().max(1e-6);
@@ -649,7 +653,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     };
 
     if switch {
-        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some((log, armed_before_rest(&rest, &sample, total))), holes, pending, round: round + 1 };
+        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some((log, armed_part(sent_to, &sample, total))), holes, pending, round: round + 1 };
         return crate::postcopy::source::run(&mut guard, start);
     }
 
@@ -769,13 +773,15 @@ fn link_rate(wire: u64, secs: f64, cap: u64) -> f64 {
     }
 }
 
-/// What a hybrid's scans look at while `rest` (the first pass after its
-/// first eighth) is not sent yet: the eighth, armed as it was sent, and
-/// the sample, armed before; none once all of RAM is armed.
-fn armed_before_rest(rest: &[WorkItem], sample: &[PageRange], total: u64) -> Option<Vec<PageRange>> {
-    let cut = rest.first()?.first;
+/// What a hybrid's scans look at while its first pass is not all sent
+/// (`sent_to`: its first page not sent): the pass up to there, armed as it
+/// was sent, and the sample, armed before; none once all of RAM is armed.
+/// A page never armed would count as written and the walk would arm it:
+/// kernel time, in the downtime for the switch's scan, for pages that go
+/// as missing anyway (the eighth cut short by `migrate-start-postcopy`).
+fn armed_part(sent_to: Option<u64>, sample: &[PageRange], total: u64) -> Option<Vec<PageRange>> {
     let mut a = sample.to_vec();
-    a.push(PageRange { first: 0, count: cut });
+    a.push(PageRange { first: 0, count: sent_to? });
     Some(normalize(a, total))
 }
 
