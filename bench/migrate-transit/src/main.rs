@@ -416,6 +416,7 @@ fn main() {
     if repeat > 1 {
         print_spread(&selected, &rows);
     }
+    print_hybrid_verdicts(&selected, &rows);
     println!("{}", json!({ "rows": rows }));
 }
 
@@ -430,8 +431,7 @@ fn print_spread(selected: &[Row], rows: &[Value]) {
             if x.is_empty() {
                 return "-".to_string();
             }
-            x.sort_by(|a, b| a.total_cmp(b));
-            let mid = if x.len() % 2 == 1 { x[x.len() / 2] } else { (x[x.len() / 2 - 1] + x[x.len() / 2]) / 2.0 };
+            let mid = median(&mut x);
             format!("{mid:.p$} ({:.p$}-{:.p$})", x[0], x[x.len() - 1])
         };
         let done = runs.iter().filter(|v| v["completed"] == true).count();
@@ -442,6 +442,38 @@ fn print_spread(selected: &[Row], rows: &[Value]) {
         }
         println!("{line}");
     }
+}
+
+/// Issue 6's target, hybrid never slower than both pure modes, for each
+/// hybrid row whose precopy and postcopy twins ran too: run by run (the
+/// rows of a run ran one after another) and on the medians. A run that did
+/// not complete counts as slower than any that did.
+fn print_hybrid_verdicts(selected: &[Row], rows: &[Value]) {
+    let totals = |label: &str| -> Vec<f64> {
+        rows.iter().filter(|v| row_label(v) == label).map(|v| if v["completed"] == true { v["total_s"].as_f64().unwrap_or(f64::INFINITY) } else { f64::INFINITY }).collect()
+    };
+    let verdict = |h: f64, pre: f64, post: f64| ["ahead", "between", "behind both"][usize::from(h > pre) + usize::from(h > post)];
+    let mut header = false;
+    for h in selected.iter().filter(|r| r.mode == "hybrid") {
+        let twin = |mode: &'static str| Row { mode, ..h.clone() }.label();
+        let (th, tpre, tpost) = (totals(&h.label()), totals(&twin("precopy")), totals(&twin("postcopy")));
+        if th.is_empty() || tpre.len() != th.len() || tpost.len() != th.len() {
+            continue;
+        }
+        if !header {
+            println!("\nhybrid against the pure modes, total s (inf: did not complete)");
+            header = true;
+        }
+        let runs: Vec<String> = (0..th.len()).map(|k| format!("{:.2}/{:.2}/{:.2} {}", th[k], tpre[k], tpost[k], verdict(th[k], tpre[k], tpost[k]))).collect();
+        let (mh, mpre, mpost) = (median(&mut th.clone()), median(&mut tpre.clone()), median(&mut tpost.clone()));
+        println!("{:<34} hybrid/precopy/postcopy: {}; medians {mh:.2}/{mpre:.2}/{mpost:.2} {}", h.label(), runs.join(", "), verdict(mh, mpre, mpost));
+    }
+}
+
+/// Sorts `x` (not empty) and returns its median.
+fn median(x: &mut [f64]) -> f64 {
+    x.sort_by(|a, b| a.total_cmp(b));
+    if x.len() % 2 == 1 { x[x.len() / 2] } else { (x[x.len() / 2 - 1] + x[x.len() / 2]) / 2.0 }
 }
 
 /// A result row's label, as [`Row::label`] spells it.

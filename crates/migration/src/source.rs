@@ -560,7 +560,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     let mut scanned_at = t_round;
     // Hybrid: the first page of the first pass not sent yet, while there
     // is one (what is armed: see `armed_part`).
-    let mut sent_to = None;
+    let mut sent_to;
     let (mut pending, switch) = loop {
         let unsent = std::mem::take(&mut last.unsent);
         sent_to = rest.first().map(|w| unsent.first().map_or(w.first, |u| u.first.min(w.first)));
