@@ -5,6 +5,7 @@ import glob
 import os
 import stat
 import subprocess
+import sys
 
 
 def find_kernel():
@@ -18,8 +19,10 @@ def ensure_kernel():
     if k:
         return k
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "linux-image-amd64"], check=True, env=env)
+    # apt's chatter goes to stderr: a bench's stdout is its table and JSON.
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, stdout=sys.stderr)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "linux-image-amd64"], check=True, env=env,
+                   stdout=sys.stderr)
     k = find_kernel()
     if not k:
         raise RuntimeError("linux-image-amd64 installed but no /boot/vmlinuz-* found")
