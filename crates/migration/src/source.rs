@@ -558,13 +558,18 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     // What the first round sent (for hybrid, the first eighth of RAM).
     let first_round_pages = last.pages;
     let mut scanned_at = t_round;
-    // Hybrid: the first page of the first pass not sent yet, while there
-    // is one (what is armed: see `armed_part`).
-    let mut sent_to;
+    // Hybrid: where the first pass's pages not sent yet begin. They run to
+    // the end of RAM and were never armed (see `armed_part`); none once
+    // the pass is all sent. A round cut short leaves its tail unsent: the
+    // eighth's, or the rest's in the round after.
+    let mut unarmed_from = (mode == Mode::Hybrid).then_some(0);
     let (mut pending, switch) = loop {
         let unsent = std::mem::take(&mut last.unsent);
-        sent_to = rest.first().map(|w| unsent.first().map_or(w.first, |u| u.first.min(w.first)));
-        let mut dirty = log.scan(total, armed_part(sent_to, &sample, total).as_deref())?;
+        unarmed_from = unarmed_from.and_then(|from| {
+            let cut = unsent.iter().map(|w| w.first).filter(|&f| f >= from).min();
+            cut.or(rest.first().map(|w| w.first))
+        });
+        let mut dirty = log.scan(total, armed_part(unarmed_from, &sample, total).as_deref())?;
         // The pages found dirty were written from scan to scan: the round,
         // and the scan and planning around it.
         let window = std::mem::replace(&mut scanned_at, Instant::now()).elapsed().as_secs_f64().max(1e-6);
@@ -653,7 +658,7 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     };
 
     if switch {
-        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some((log, armed_part(sent_to, &sample, total))), holes, pending, round: round + 1 };
+        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some((log, armed_part(unarmed_from, &sample, total))), holes, pending, round: round + 1 };
         return crate::postcopy::source::run(&mut guard, start);
     }
 
@@ -774,14 +779,15 @@ fn link_rate(wire: u64, secs: f64, cap: u64) -> f64 {
 }
 
 /// What a hybrid's scans look at while its first pass is not all sent
-/// (`sent_to`: its first page not sent): the pass up to there, armed as it
+/// (`unarmed_from`: its first page not sent): RAM up to there, armed as it
 /// was sent, and the sample, armed before; none once all of RAM is armed.
 /// A page never armed would count as written and the walk would arm it:
 /// kernel time, in the downtime for the switch's scan, for pages that go
-/// as missing anyway (the eighth cut short by `migrate-start-postcopy`).
-fn armed_part(sent_to: Option<u64>, sample: &[PageRange], total: u64) -> Option<Vec<PageRange>> {
+/// as missing anyway (a pass cut short by the timeout or
+/// `migrate-start-postcopy`).
+fn armed_part(unarmed_from: Option<u64>, sample: &[PageRange], total: u64) -> Option<Vec<PageRange>> {
     let mut a = sample.to_vec();
-    a.push(PageRange { first: 0, count: sent_to? });
+    a.push(PageRange { first: 0, count: unarmed_from? });
     Some(normalize(a, total))
 }
 
