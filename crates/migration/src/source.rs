@@ -35,8 +35,9 @@ pub(crate) struct WorkItem {
     pub count: u64,
     /// A memfd hole: zero without reading it.
     pub known_zero: bool,
-    /// Armed before the round (hybrid's rate sample): not armed again when
-    /// sent, so that it keeps recording writes since then.
+    /// Armed before the round (hybrid's rate sample, or by the scan that
+    /// found it dirty): not armed again when sent. A sample item so keeps
+    /// recording writes since it was armed.
     pub armed: bool,
 }
 
@@ -193,8 +194,9 @@ impl Channel {
             }
             let i = w.next.fetch_add(1, Ordering::Relaxed);
             let Some(item) = w.items.get(i) else { break };
-            // Holes were armed before they were found to be holes, and
-            // hybrid's sample items before the first round (run_inner).
+            // Holes were armed before they were found to be holes,
+            // hybrid's sample items before the first round, and pages a
+            // scan found dirty by that scan (run_inner).
             if let (Some(a), false) = (&w.arm, item.known_zero || item.armed) {
                 a.arm(PageRange { first: item.first, count: item.count }).map_err(|e| anyhow!("dirty tracking: {e}"))?;
             }
@@ -646,7 +648,11 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         }
         round += 1;
         let mut items = std::mem::take(&mut rest);
+        let from = items.len();
         chunk(&dirty, CHUNK_PAGES, false, &mut items);
+        // The scan armed the dirty pages again: a round that arms (hybrid's
+        // rest of the pass) skips them.
+        items[from..].iter_mut().for_each(|w| w.armed = true);
         let t_round = Instant::now();
         last = channels.round(round, items, cuttable)?;
         wait_round_done(&mut control, round, ctl, round_deadline)?;
