@@ -579,8 +579,9 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         // sample was armed, extrapolated to all of RAM, against the pages
         // sent meanwhile.
         let written = written_estimate(&dirty, &sample, total);
-        if let Some(cut) = rest.first().map(|w| w.first) {
-            // Pages not sent yet go with the rest anyway.
+        if let Some(cut) = unarmed_from {
+            // The first pass's pages not sent yet go anyway (with the rest,
+            // or as missing).
             dirty.retain_mut(|r| {
                 r.count = r.count.min(cut.saturating_sub(r.first));
                 r.count > 0
