@@ -452,7 +452,17 @@ fn print_hybrid_verdicts(selected: &[Row], rows: &[Value]) {
     let totals = |label: &str| -> Vec<f64> {
         rows.iter().filter(|v| row_label(v) == label).map(|v| if v["completed"] == true { v["total_s"].as_f64().unwrap_or(f64::INFINITY) } else { f64::INFINITY }).collect()
     };
-    let verdict = |h: f64, pre: f64, post: f64| ["ahead", "between", "behind both"][usize::from(h > pre) + usize::from(h > post)];
+    // As bench/migrate-vs-qemu's `hybrid_verdicts`: a hybrid that did not
+    // complete is behind both only if both did.
+    let verdict = |h: f64, pre: f64, post: f64| {
+        if h.is_finite() {
+            ["ahead", "between", "behind both"][usize::from(h > pre) + usize::from(h > post)]
+        } else if pre.is_finite() && post.is_finite() {
+            "behind both"
+        } else {
+            "did not complete"
+        }
+    };
     let mut header = false;
     for h in selected.iter().filter(|r| r.mode == "hybrid") {
         let twin = |mode: &'static str| Row { mode, ..h.clone() }.label();
