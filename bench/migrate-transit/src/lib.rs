@@ -161,7 +161,8 @@ pub fn ram_tcp_gbps(tb: &Testbed, streams: u32, bytes: u64) -> Result<f64> {
     let port = 5202;
     let listener = tb.host(1).in_netns(|| TcpListener::bind(("0.0.0.0", port)))??;
     let to = (tb.host(1).addr(0), port);
-    let senders: Vec<TcpStream> = tb.host(0).in_netns(|| (0..streams).map(|_| TcpStream::connect(to)).collect::<std::io::Result<_>>())??;
+    let senders: Vec<TcpStream> =
+        tb.host(0).in_netns(|| (0..streams).map(|_| TcpStream::connect(to)).collect::<std::io::Result<_>>())??;
     let receivers: Vec<TcpStream> = (0..streams).map(|_| listener.accept().map(|(s, _)| s)).collect::<std::io::Result<_>>()?;
     let t0 = Instant::now();
     std::thread::scope(|sc| -> Result<f64> {

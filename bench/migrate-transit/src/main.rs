@@ -399,7 +399,11 @@ fn main() {
         let mut run = Vec::new();
         for r in &selected {
             let label = r.label();
-            eprintln!("migrate-transit: {label} (limit {} s){}", r.limit_s(), if repeat > 1 { format!(", run {} of {repeat}", k + 1) } else { String::new() });
+            eprintln!(
+                "migrate-transit: {label} (limit {} s){}",
+                r.limit_s(),
+                if repeat > 1 { format!(", run {} of {repeat}", k + 1) } else { String::new() }
+            );
             let t = Instant::now();
             let mut v = row_in_child(r, prealloc);
             v["wall_s"] = json!(t.elapsed().as_secs_f64());
@@ -436,9 +440,19 @@ fn print_spread(selected: &[Row], rows: &[Value]) {
         };
         let done = runs.iter().filter(|v| v["completed"] == true).count();
         let over = |k: &'static str| move |v: &Value| v["total_s"].as_f64().zip(v[k].as_f64()).map(|(t, f)| t / f);
-        let mut line = format!("{:<34} completed {done}/{}, total s {}, of raw TCP {}", r.label(), runs.len(), spread(&|v| v["total_s"].as_f64(), 2), spread(&|v| v["fraction_of_raw"].as_f64(), 2));
+        let mut line = format!(
+            "{:<34} completed {done}/{}, total s {}, of raw TCP {}",
+            r.label(),
+            runs.len(),
+            spread(&|v| v["total_s"].as_f64(), 2),
+            spread(&|v| v["fraction_of_raw"].as_f64(), 2)
+        );
         if r.mode != "precopy" {
-            line += &format!(", total / (RAM / raw TCP) {}, fault p99 us {}", spread(&over("ram_over_raw_s"), 2), spread(&|v| v["fault_p99_us"].as_f64(), 0));
+            line += &format!(
+                ", total / (RAM / raw TCP) {}, fault p99 us {}",
+                spread(&over("ram_over_raw_s"), 2),
+                spread(&|v| v["fault_p99_us"].as_f64(), 0)
+            );
         }
         println!("{line}");
     }
@@ -450,7 +464,10 @@ fn print_spread(selected: &[Row], rows: &[Value]) {
 /// not complete counts as slower than any that did.
 fn print_hybrid_verdicts(selected: &[Row], rows: &[Value]) {
     let totals = |label: &str| -> Vec<f64> {
-        rows.iter().filter(|v| row_label(v) == label).map(|v| if v["completed"] == true { v["total_s"].as_f64().unwrap_or(f64::INFINITY) } else { f64::INFINITY }).collect()
+        rows.iter()
+            .filter(|v| row_label(v) == label)
+            .map(|v| if v["completed"] == true { v["total_s"].as_f64().unwrap_or(f64::INFINITY) } else { f64::INFINITY })
+            .collect()
     };
     // As bench/migrate-vs-qemu's `hybrid_verdicts`: a hybrid that did not
     // complete is behind both only if both did.
@@ -474,21 +491,32 @@ fn print_hybrid_verdicts(selected: &[Row], rows: &[Value]) {
             println!("\nhybrid against the pure modes, total s (inf: did not complete)");
             header = true;
         }
-        let runs: Vec<String> = (0..th.len()).map(|k| format!("{:.2}/{:.2}/{:.2} {}", th[k], tpre[k], tpost[k], verdict(th[k], tpre[k], tpost[k]))).collect();
+        let runs: Vec<String> =
+            (0..th.len()).map(|k| format!("{:.2}/{:.2}/{:.2} {}", th[k], tpre[k], tpost[k], verdict(th[k], tpre[k], tpost[k]))).collect();
         let (mh, mpre, mpost) = (median(&mut th.clone()), median(&mut tpre.clone()), median(&mut tpost.clone()));
-        println!("{:<34} hybrid/precopy/postcopy: {}; medians {mh:.2}/{mpre:.2}/{mpost:.2} {}", h.label(), runs.join(", "), verdict(mh, mpre, mpost));
+        println!(
+            "{:<34} hybrid/precopy/postcopy: {}; medians {mh:.2}/{mpre:.2}/{mpost:.2} {}",
+            h.label(),
+            runs.join(", "),
+            verdict(mh, mpre, mpost)
+        );
     }
 }
 
 /// Sorts `x` (not empty) and returns its median.
 fn median(x: &mut [f64]) -> f64 {
     x.sort_by(|a, b| a.total_cmp(b));
-    if x.len() % 2 == 1 { x[x.len() / 2] } else { (x[x.len() / 2 - 1] + x[x.len() / 2]) / 2.0 }
+    if x.len() % 2 == 1 {
+        x[x.len() / 2]
+    } else {
+        (x[x.len() / 2 - 1] + x[x.len() / 2]) / 2.0
+    }
 }
 
 /// A result row's label, as [`Row::label`] spells it.
 fn row_label(v: &Value) -> String {
-    let mut label = format!("{}/{}/{}G/{}ch", v["mode"].as_str().unwrap_or("?"), v["workload"].as_str().unwrap_or("?"), v["ram_gib"], v["channels"]);
+    let mut label =
+        format!("{}/{}/{}G/{}ch", v["mode"].as_str().unwrap_or("?"), v["workload"].as_str().unwrap_or("?"), v["ram_gib"], v["channels"]);
     if let Some(c) = v["compress"].as_str().filter(|c| *c != "none") {
         label += &format!("/{c}");
     }
@@ -503,7 +531,11 @@ fn print_baselines(streams: u32, gib: u64, repeats: u64) -> Result<()> {
     for _ in 0..repeats {
         raw.push(raw_tcp_gbps(&tb, streams, 3)?);
         ram.push(ram_tcp_gbps(&tb, streams, gib << 30)?);
-        println!("{streams} stream(s): raw TCP (iperf3) {:6.2} Gbit/s, RAM-to-RAM TCP ({gib} GiB) {:6.2} Gbit/s", raw.last().unwrap(), ram.last().unwrap());
+        println!(
+            "{streams} stream(s): raw TCP (iperf3) {:6.2} Gbit/s, RAM-to-RAM TCP ({gib} GiB) {:6.2} Gbit/s",
+            raw.last().unwrap(),
+            ram.last().unwrap()
+        );
     }
     println!("{}", json!({"streams": streams, "ram_gib": gib, "raw_tcp_gbps": raw, "ram_tcp_gbps": ram}));
     Ok(())
@@ -514,8 +546,7 @@ fn print_baselines(streams: u32, gib: u64, repeats: u64) -> Result<()> {
 /// compression multiplied the effective throughput by, in the same run.
 fn add_compression_gains(rows: &mut [Value]) {
     let twin = |r: &Value| (r["mode"].clone(), r["workload"].clone(), r["ram_gib"].clone(), r["channels"].clone());
-    let plain: Vec<_> =
-        rows.iter().filter(|r| r["compress"] == "none").map(|r| (twin(r), r["ram_throughput_gbps"].as_f64())).collect();
+    let plain: Vec<_> = rows.iter().filter(|r| r["compress"] == "none").map(|r| (twin(r), r["ram_throughput_gbps"].as_f64())).collect();
     for r in rows.iter_mut().filter(|r| r["compress"] != "none" && r["compress"].is_string()) {
         let base = plain.iter().find(|(k, _)| *k == twin(r)).and_then(|(_, v)| *v);
         if let (Some(b), Some(e)) = (base, r["ram_throughput_gbps"].as_f64()) {

@@ -112,7 +112,12 @@ fn file_pair(disk: &std::path::Path, load: Load) -> (Row, Row) {
     let ratio = Ratio::paired(&td, &tu);
     if std::env::var_os("NVME_BENCH_DEBUG").is_some() {
         tail_report(&load, &[("device", &td), ("io_uring", &tu)]);
-        let pairs: Vec<String> = td.slices.iter().zip(&tu.slices).map(|(d, b)| format!("{:.2}", (d.0 as f64 / d.2 as f64) / (b.0 as f64 / b.2.max(1) as f64))).collect();
+        let pairs: Vec<String> = td
+            .slices
+            .iter()
+            .zip(&tu.slices)
+            .map(|(d, b)| format!("{:.2}", (d.0 as f64 / d.2 as f64) / (b.0 as f64 / b.2.max(1) as f64)))
+            .collect();
         eprintln!("  per-CPU ratio of each pair: {}", pairs.join(" "));
         for (name, t) in [("device", &td), ("io_uring", &tu)] {
             let s: Vec<String> = t.slices.iter().map(|s| format!("{}/{}/{}", s.0, s.1 / 1_000_000, s.2 / 1_000_000)).collect();
@@ -223,7 +228,10 @@ fn main() -> anyhow::Result<()> {
         "side", "backend", "pattern", "qd", "queues", "IOPS", "IOPS/CPU-s", "p50 us", "p99 us"
     );
     for r in &rows {
-        let ratio = r.vs_uring.map(|q| format!("{:.2}x / {:.2}x  ({:.2}x / {:.2}x)", q.iops, q.cpu_iops, q.iops_total, q.cpu_iops_total)).unwrap_or_default();
+        let ratio = r
+            .vs_uring
+            .map(|q| format!("{:.2}x / {:.2}x  ({:.2}x / {:.2}x)", q.iops, q.cpu_iops, q.iops_total, q.cpu_iops_total))
+            .unwrap_or_default();
         println!(
             "{:<9} {:<7} {:<10} {:>3} {:>6} {:>10.0} {:>12.0} {:>9.2} {:>9.2}  {}",
             r.side, r.backend, r.pattern, r.qd, r.queues, r.iops, r.cpu_iops, r.p50_us, r.p99_us, ratio

@@ -101,14 +101,8 @@ mod tests {
         let bus = Bus::new();
         bus.insert(Arc::new(Mutex::new(Reg(1))), 0x100, 0x10).unwrap();
         bus.insert(Arc::new(Mutex::new(Reg(9))), 0x110, 0x10).unwrap();
-        assert_eq!(
-            bus.insert(Arc::new(Mutex::new(Reg(0))), 0x10f, 2),
-            Err(BusError::Overlap { base: 0x10f, len: 2 })
-        );
-        assert_eq!(
-            bus.insert(Arc::new(Mutex::new(Reg(0))), 0xf8, 0x10),
-            Err(BusError::Overlap { base: 0xf8, len: 0x10 })
-        );
+        assert_eq!(bus.insert(Arc::new(Mutex::new(Reg(0))), 0x10f, 2), Err(BusError::Overlap { base: 0x10f, len: 2 }));
+        assert_eq!(bus.insert(Arc::new(Mutex::new(Reg(0))), 0xf8, 0x10), Err(BusError::Overlap { base: 0xf8, len: 0x10 }));
         let mut b = [0u8; 1];
         assert!(bus.read(0x102, &mut b));
         assert_eq!(b[0], 3);

@@ -78,10 +78,7 @@ struct ClockInner {
 
 impl GuestClock {
     pub fn new() -> Arc<Self> {
-        Arc::new(GuestClock {
-            origin: Instant::now(),
-            inner: Mutex::new(ClockInner { base_ns: 0, since: 0, running: false }),
-        })
+        Arc::new(GuestClock { origin: Instant::now(), inner: Mutex::new(ClockInner { base_ns: 0, since: 0, running: false }) })
     }
 
     fn host_ns(&self) -> u64 {
@@ -187,10 +184,7 @@ impl Persist for Platform {
         "platform".into()
     }
     fn save(&self) -> Result<Section> {
-        let st = PlatformState {
-            clock_ns: self.clock.now_ns(),
-            progress: self.events.progress.load(Ordering::Relaxed),
-        };
+        let st = PlatformState { clock_ns: self.clock.now_ns(), progress: self.events.progress.load(Ordering::Relaxed) };
         Ok(Section::encode("platform", 1, &st))
     }
     fn restore(&mut self, s: &Section) -> Result<()> {

@@ -287,7 +287,13 @@ fn features_get_set() {
     assert_eq!(get(&mut d, FEAT_VWC, 0, 0).dw0, 0);
     assert_eq!(get(&mut d, FEAT_VWC, 1, 0).dw0, 1, "default");
     assert_eq!(get(&mut d, FEAT_VWC, 3, 0).dw0, 0x4, "capabilities: changeable");
-    for (fid, v) in [(FEAT_ARBITRATION, 0x0302_0103u32), (FEAT_IRQ_COALESCING, 0x0a05), (FEAT_ASYNC_EVENT_CONFIG, 0x1ff), (FEAT_WRITE_ATOMICITY, 1), (FEAT_SW_PROGRESS, 9)] {
+    for (fid, v) in [
+        (FEAT_ARBITRATION, 0x0302_0103u32),
+        (FEAT_IRQ_COALESCING, 0x0a05),
+        (FEAT_ASYNC_EVENT_CONFIG, 0x1ff),
+        (FEAT_WRITE_ATOMICITY, 1),
+        (FEAT_SW_PROGRESS, 9),
+    ] {
         assert_eq!(set(&mut d, fid, v).status, Status::SUCCESS, "set {fid:#x}");
         assert_eq!(get(&mut d, fid, 0, 0).dw0, v, "get {fid:#x}");
     }
@@ -512,7 +518,10 @@ fn malformed_io_commands_get_the_right_status() {
     // Admin side.
     assert_eq!(d.admin_cmd(Command { opcode: 0x7d, ..Default::default() }).status, Status::INVALID_OPCODE);
     assert_eq!(d.admin_cmd(Command { opcode: NVM_READ | 0x80, ..Default::default() }).status, Status::INVALID_OPCODE);
-    assert_eq!(d.admin_cmd(Command { opcode: ADM_IDENTIFY, cdw10: 1, prp1: 1 << 40, ..Default::default() }).status, Status::DATA_TRANSFER_ERROR);
+    assert_eq!(
+        d.admin_cmd(Command { opcode: ADM_IDENTIFY, cdw10: 1, prp1: 1 << 40, ..Default::default() }).status,
+        Status::DATA_TRANSFER_ERROR
+    );
     // The controller is still fine.
     assert_eq!(d.csts() & (CSTS_RDY | CSTS_CFS), CSTS_RDY);
     let st = d.dev.lock().unwrap().stats();
@@ -757,7 +766,8 @@ fn restore_refuses_mismatched_or_damaged_state() {
     let d = io_ready("ns=mem:1M,queues=4", 2, 16);
     let section = d.dev.lock().unwrap().save().unwrap();
     let mem = d.mem.clone();
-    let mut other = NvmeController::new(NvmeConfig::parse("ns=mem:1M,queues=8").unwrap(), mem.clone(), devices::layout::PCI_BAR_BASE).unwrap();
+    let mut other =
+        NvmeController::new(NvmeConfig::parse("ns=mem:1M,queues=8").unwrap(), mem.clone(), devices::layout::PCI_BAR_BASE).unwrap();
     assert!(matches!(other.restore(&section), Err(snapshot::StateError::Mismatch { .. })));
     let mut same = NvmeController::new(NvmeConfig::parse("ns=mem:1M,queues=4").unwrap(), mem, devices::layout::PCI_BAR_BASE).unwrap();
     let mut bad = section.clone();

@@ -23,10 +23,6 @@ pub fn parse_size(s: &str) -> Option<u64> {
         b'G' | b'g' => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    let v = if let Some(h) = digits.strip_prefix("0x") {
-        u64::from_str_radix(h, 16).ok()?
-    } else {
-        digits.parse::<u64>().ok()?
-    };
+    let v = if let Some(h) = digits.strip_prefix("0x") { u64::from_str_radix(h, 16).ok()? } else { digits.parse::<u64>().ok()? };
     v.checked_mul(mult)
 }

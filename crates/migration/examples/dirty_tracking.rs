@@ -100,7 +100,16 @@ fn bench_soft_dirty(ram: &GuestRam, n: u64, stride: u64) -> Row {
     clear(); // re-arm (for the whole process)
     let collect_ms = t.elapsed().as_secs_f64() * 1e3;
     let (exact, missed, extra) = compare(&got, n, stride);
-    Row { method: "soft-dirty", arm_ms, write_ns, collect_ms, exact, missed, extra, note: "clear_refs is process-wide; no atomic read+clear" }
+    Row {
+        method: "soft-dirty",
+        arm_ms,
+        write_ns,
+        collect_ms,
+        exact,
+        missed,
+        extra,
+        note: "clear_refs is process-wide; no atomic read+clear",
+    }
 }
 
 static SEGV_BASE: AtomicUsize = AtomicUsize::new(0);
@@ -184,15 +193,22 @@ fn main() {
         unsafe { ram.byte_ptr(p * PAGE).write_volatile(1) };
     }
     let baseline_ns = dirty_pages(&ram, n, stride, 9);
-    let rows = [bench_uffd(&ram, n, stride), bench_soft_dirty(&ram, n, stride), bench_mprotect(&ram, n, stride), bench_hash(&ram, n, stride)];
+    let rows =
+        [bench_uffd(&ram, n, stride), bench_soft_dirty(&ram, n, stride), bench_mprotect(&ram, n, stride), bench_hash(&ram, n, stride)];
     // Cost with tracking off again (uffd unregistered, nothing armed).
     let after_ns = dirty_pages(&ram, n, stride, 10);
 
     println!("dirty tracking, {mib} MiB memfd RAM, {n} pages written (every {stride}th) by a second thread");
     println!("baseline write (tracking off): {baseline_ns:.0} ns/page; after all trackers stopped: {after_ns:.0} ns/page");
-    println!("{:<11} {:>9} {:>14} {:>12} {:>7} {:>7} {:>7}  note", "method", "arm ms", "write ns/page", "collect ms", "exact", "missed", "extra");
+    println!(
+        "{:<11} {:>9} {:>14} {:>12} {:>7} {:>7} {:>7}  note",
+        "method", "arm ms", "write ns/page", "collect ms", "exact", "missed", "extra"
+    );
     for r in &rows {
-        println!("{:<11} {:>9.2} {:>14.0} {:>12.2} {:>7} {:>7} {:>7}  {}", r.method, r.arm_ms, r.write_ns, r.collect_ms, r.exact, r.missed, r.extra, r.note);
+        println!(
+            "{:<11} {:>9.2} {:>14.0} {:>12.2} {:>7} {:>7} {:>7}  {}",
+            r.method, r.arm_ms, r.write_ns, r.collect_ms, r.exact, r.missed, r.extra, r.note
+        );
     }
     let j = json!({
         "ram_mib": mib,

@@ -84,7 +84,10 @@ fn main() {
     vms[0].fill(0, bytes / 4096);
     vms[1].fill(0, bytes / 4096);
     let mut dir = 0;
-    println!("{:<9} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6}", "variant", "total ms", "pass ms", "Gbit/s", "raw", "frac", "down ms", "cpu_s", "cpu_d");
+    println!(
+        "{:<9} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>6} {:>6}",
+        "variant", "total ms", "pass ms", "Gbit/s", "raw", "frac", "down ms", "cpu_s", "cpu_d"
+    );
     let mut rows = Vec::new();
     for _ in 0..repeats {
         for v in &variants {
@@ -99,8 +102,15 @@ fn main() {
             let g = r["wire"].as_f64().unwrap() * 8.0 / t / 1e6;
             println!(
                 "{:<9} {:>8.0} {:>8.0} {:>8.2} {:>7.2} {:>7.2} {:>7.1} {:>6.2} {:>6.2}",
-                v, t, r["pass_ms"].as_f64().unwrap_or(0.0), g, raw, g / raw, r["downtime_ms"].as_f64().unwrap_or(0.0),
-                r["cpu_src"].as_f64().unwrap_or(0.0), r["cpu_dst"].as_f64().unwrap_or(0.0)
+                v,
+                t,
+                r["pass_ms"].as_f64().unwrap_or(0.0),
+                g,
+                raw,
+                g / raw,
+                r["downtime_ms"].as_f64().unwrap_or(0.0),
+                r["cpu_src"].as_f64().unwrap_or(0.0),
+                r["cpu_dst"].as_f64().unwrap_or(0.0)
             );
             println!("          setup {} rounds {}", r["setup_steps"], r["round_ms"]);
             rows.push(json!({"variant": v, "gbps": g, "raw_tcp_gbps": raw, "stats": r}));

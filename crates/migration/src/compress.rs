@@ -151,7 +151,12 @@ mod tests {
             assert_eq!(back, page);
             // Random bytes do not shrink: sent raw.
             let mut x = 1u64;
-            let rnd: Vec<u8> = (0..4096).map(|_| { x = x.wrapping_mul(6364136223846793005).wrapping_add(1); (x >> 56) as u8 }).collect();
+            let rnd: Vec<u8> = (0..4096)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    (x >> 56) as u8
+                })
+                .collect();
             assert!(!c.compress(&rnd, &mut out));
             // Garbage never decodes into a page silently.
             assert!(decompress(k, &out[..out.len().min(10)], &mut back, &mut None).is_err());

@@ -132,7 +132,11 @@ fn populate_new_pages(sh: &RxShared, rd: &DataReader) {
         };
         // SAFETY: the range lies inside guest RAM (Table checked it).
         unsafe {
-            libc::madvise(sh.write_at().add((pfn * PAGE_SIZE) as usize) as *mut libc::c_void, (count * PAGE_SIZE) as usize, libc::MADV_POPULATE_WRITE)
+            libc::madvise(
+                sh.write_at().add((pfn * PAGE_SIZE) as usize) as *mut libc::c_void,
+                (count * PAGE_SIZE) as usize,
+                libc::MADV_POPULATE_WRITE,
+            )
         };
     }
 }
@@ -246,7 +250,8 @@ fn place_batch_direct(
 /// Read exactly the bytes of `pieces` (disjoint buffers), in order.
 fn read_pieces(s: &mut TcpStream, pieces: &[(*mut u8, usize)]) -> Result<(), WireError> {
     // SAFETY: the callers' pieces are disjoint, writable and live.
-    let mut bufs: Vec<std::io::IoSliceMut> = pieces.iter().map(|&(p, l)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, l) })).collect();
+    let mut bufs: Vec<std::io::IoSliceMut> =
+        pieces.iter().map(|&(p, l)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, l) })).collect();
     let mut bufs = &mut bufs[..];
     while !bufs.is_empty() {
         match std::io::Read::read_vectored(s, bufs) {
@@ -462,11 +467,17 @@ impl Runs {
     }
 }
 
-
 /// Postcopy: place a batch's pages (read whole by `rd.next`) through the
 /// placer and count them (and the batch's wire bytes) in the stats. The
 /// source is paused by now, so a page that fails its hash is damage.
-pub(crate) fn place_batch(placer: &Placer, ctl: &Control, rd: &DataReader, total: u64, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
+pub(crate) fn place_batch(
+    placer: &Placer,
+    ctl: &Control,
+    rd: &DataReader,
+    total: u64,
+    via: Via,
+    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
+) -> Result<u64> {
     let n = place_records(placer, rd.records(total), via, zstd, false)?;
     count_batch(ctl, n, rd.batch_wire_len(rd.data.len()));
     Ok(n)
@@ -474,7 +485,13 @@ pub(crate) fn place_batch(placer: &Placer, ctl: &Control, rd: &DataReader, total
 
 /// Place the records of a batch; `raw_placed`: its raw pages were placed
 /// already (only counted here).
-fn place_records(placer: &Placer, mut it: wire::Records, via: Via, zstd: &mut Option<zstd::bulk::Decompressor<'static>>, raw_placed: bool) -> Result<u64> {
+fn place_records(
+    placer: &Placer,
+    mut it: wire::Records,
+    via: Via,
+    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
+    raw_placed: bool,
+) -> Result<u64> {
     let mut n = 0;
     let mut page = [0u8; PAGE_SIZE as usize];
     while let Some(rec) = it.next_record()? {
@@ -502,7 +519,13 @@ fn place_records(placer: &Placer, mut it: wire::Records, via: Via, zstd: &mut Op
 }
 
 /// Decompress page `pfn` into `page`; a failure is damage.
-fn unpack(pfn: u64, kind: Compress, data: &[u8], page: &mut [u8], zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<(), WireError> {
+fn unpack(
+    pfn: u64,
+    kind: Compress,
+    data: &[u8],
+    page: &mut [u8],
+    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
+) -> Result<(), WireError> {
     decompress(kind, data, page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))
 }
 
@@ -595,7 +618,9 @@ pub(crate) fn accept_channels(
         let role = wire::read_preamble(&mut s)?;
         let greeting = wire::recv_msg(&mut s)?;
         match (role, greeting) {
-            (wire::ROLE_DATA, Msg::Channel { session: ss, index }) if ss == session && (index as usize) < channels && streams[index as usize].is_none() => {
+            (wire::ROLE_DATA, Msg::Channel { session: ss, index })
+                if ss == session && (index as usize) < channels && streams[index as usize].is_none() =>
+            {
                 // A source that vanishes without a FIN (link cut) must not
                 // leave us waiting forever.
                 s.set_read_timeout(Some(DATA_IDLE_TIMEOUT))?;
@@ -650,7 +675,13 @@ pub(crate) fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) 
 }
 
 /// Receive one migration on `listener` into the paused `vm`.
-pub fn run(vm: Arc<dyn MigratableVm>, listener: TcpListener, params: &IncomingParams, ctl: Arc<Control>, clients: Option<Arc<RamClients>>) -> Result<bool> {
+pub fn run(
+    vm: Arc<dyn MigratableVm>,
+    listener: TcpListener,
+    params: &IncomingParams,
+    ctl: Arc<Control>,
+    clients: Option<Arc<RamClients>>,
+) -> Result<bool> {
     let t0 = Instant::now();
     let cpu0 = thread_cpu_s();
     ctl.update(|s| {
@@ -732,7 +763,8 @@ fn run_inner(
             if mode == "recover" {
                 bail!("nothing to recover here: this destination has no paused postcopy migration");
             }
-            let mode: Mode = mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
+            let mode: Mode =
+                mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
             if !(1..=64).contains(&channels) {
                 bail!("{channels} channels is out of range");
             }
@@ -804,7 +836,8 @@ fn run_inner(
     crate::postcopy::set_priority(true);
     let end = wire::recv_msg(&mut control);
     if let Ok(Msg::Switchover { state_bytes, source_paused_unix_ns, dirty_ranges }) = &end {
-        let sw = crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
+        let sw =
+            crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
         let urgent = urgent.ok_or_else(|| anyhow!("postcopy without an urgent connection"))?;
         return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, session, sw, clients, armed);
     }

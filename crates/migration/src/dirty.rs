@@ -137,9 +137,8 @@ impl UffdWpTracker {
             features: UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_HUGETLBFS_SHMEM | UFFD_FEATURE_WP_UNPOPULATED,
             ioctls: 0,
         };
-        ioctl(&uffd, UFFDIO_API, &mut api).map_err(|e| {
-            io::Error::other(format!("UFFDIO_API with WP_ASYNC: {e} (needs Linux 6.7 or later)"))
-        })?;
+        ioctl(&uffd, UFFDIO_API, &mut api)
+            .map_err(|e| io::Error::other(format!("UFFDIO_API with WP_ASYNC: {e} (needs Linux 6.7 or later)")))?;
         let start = ram.host_addr as u64;
         let mut reg = UffdioRegister { range: UffdioRange { start, len: ram.len }, mode: UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
         ioctl(&uffd, UFFDIO_REGISTER, &mut reg).map_err(|e| io::Error::other(format!("UFFDIO_REGISTER (wp): {e}")))?;
@@ -229,8 +228,7 @@ impl UffdWpTracker {
                 category_anyof_mask: 0,
                 return_mask: PAGE_IS_WRITTEN,
             };
-            let n = ioctl(&self.pagemap, PAGEMAP_SCAN, &mut arg)
-                .map_err(|e| io::Error::other(format!("PAGEMAP_SCAN: {e}")))? as usize;
+            let n = ioctl(&self.pagemap, PAGEMAP_SCAN, &mut arg).map_err(|e| io::Error::other(format!("PAGEMAP_SCAN: {e}")))? as usize;
             for r in &regions[..n] {
                 let first = (r.start - self.start) / PAGE_SIZE;
                 let count = (r.end - r.start) / PAGE_SIZE;
@@ -351,10 +349,7 @@ mod tests {
         let p = ram.byte_ptr(9000 * PAGE_SIZE) as usize;
         std::thread::spawn(move || unsafe { *(p as *mut u8) = 4 }).join().unwrap();
         let d = t.scan().unwrap();
-        assert_eq!(
-            d,
-            vec![PageRange { first: 5, count: 1 }, PageRange { first: 1000, count: 1 }, PageRange { first: 9000, count: 1 }]
-        );
+        assert_eq!(d, vec![PageRange { first: 5, count: 1 }, PageRange { first: 1000, count: 1 }, PageRange { first: 9000, count: 1 }]);
         // Re-armed: nothing new until the next write.
         assert_eq!(t.scan().unwrap(), vec![]);
         unsafe { *ram.byte_ptr(1000 * PAGE_SIZE + 1) = 5 };

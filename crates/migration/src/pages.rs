@@ -254,7 +254,9 @@ pub fn page_hashes(ram: &crate::vm::RamRegion) -> Vec<u64> {
                 return zero;
             }
             // SAFETY: within the mapping.
-            let s = unsafe { std::slice::from_raw_parts(ram.host_addr.add((p * crate::dirty::PAGE_SIZE) as usize), crate::dirty::PAGE_SIZE as usize) };
+            let s = unsafe {
+                std::slice::from_raw_parts(ram.host_addr.add((p * crate::dirty::PAGE_SIZE) as usize), crate::dirty::PAGE_SIZE as usize)
+            };
             crate::wire::xxh3(s)
         })
         .collect()
@@ -335,7 +337,10 @@ mod tests {
         // A hole in every fifth page: still mostly data, but too many gaps
         // to look at one by one.
         for p in (0..PAGES).step_by(5) {
-            assert_eq!(unsafe { libc::fallocate(r.memfd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, (p * 4096) as i64, 4096) }, 0);
+            assert_eq!(
+                unsafe { libc::fallocate(r.memfd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, (p * 4096) as i64, 4096) },
+                0
+            );
         }
         check("scattered holes");
     }

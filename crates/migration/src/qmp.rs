@@ -155,7 +155,8 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
         }
         "migrate-incoming" => {
             let uri = str_arg(args, "uri")?;
-            let params: IncomingParams = serde_json::from_value(args.clone()).map_err(|e| QmpError::generic(format!("bad argument: {e}")))?;
+            let params: IncomingParams =
+                serde_json::from_value(args.clone()).map_err(|e| QmpError::generic(format!("bad argument: {e}")))?;
             let mut g = slot.inner.lock().unwrap();
             if MigrationSlot::busy(&g) {
                 return Err(QmpError::generic("a migration is already running"));
@@ -230,7 +231,10 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
             };
             let st = j.ctl.snapshot();
             if st.mode != "hybrid" {
-                return Err(QmpError::generic(format!("migrate-start-postcopy: this migration runs in mode {:?}; start it with mode \"hybrid\"", st.mode)));
+                return Err(QmpError::generic(format!(
+                    "migrate-start-postcopy: this migration runs in mode {:?}; start it with mode \"hybrid\"",
+                    st.mode
+                )));
             }
             j.ctl.request_postcopy();
             Ok(json!({}))

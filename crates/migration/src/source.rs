@@ -11,8 +11,8 @@ use crate::compress::{Compress, PageCompressor};
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::{Armer, DirtyLog, DirtySource, PAGE_SIZE};
 use crate::pages::{complement, count_pages, normalize, overlap, PageRange};
-use crate::ratelimit::TokenBucket;
 use crate::postcopy::push::PushQueue;
+use crate::ratelimit::TokenBucket;
 use crate::stats::{Control, Mode, Params, RoundStat, Status};
 use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, BatchWriter, Enc, Msg};
@@ -226,7 +226,14 @@ impl Channel {
         Ok(sent)
     }
 
-    fn send_item(&mut self, item: &WorkItem, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>, sent: &mut Sent) -> Result<()> {
+    fn send_item(
+        &mut self,
+        item: &WorkItem,
+        comp: &mut PageCompressor,
+        batch: &mut BatchWriter,
+        cbuf: &mut Vec<u8>,
+        sent: &mut Sent,
+    ) -> Result<()> {
         if item.known_zero {
             batch.zero_run(item.first, item.count as u32);
             sent.pages += item.count;
@@ -334,11 +341,8 @@ pub(crate) fn parse_tcp_uri(uri: &str) -> Result<String> {
 }
 
 pub(crate) fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
-    let sa = addr
-        .to_socket_addrs()
-        .with_context(|| format!("resolving {addr}"))?
-        .next()
-        .ok_or_else(|| anyhow!("{addr} resolves to nothing"))?;
+    let sa =
+        addr.to_socket_addrs().with_context(|| format!("resolving {addr}"))?.next().ok_or_else(|| anyhow!("{addr} resolves to nothing"))?;
     let s = TcpStream::connect_timeout(&sa, Duration::from_secs(10)).with_context(|| format!("connecting to {addr}"))?;
     s.set_nodelay(true)?;
     wire::tune_socket(&s);
@@ -428,7 +432,14 @@ pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<A
     r
 }
 
-fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<Arc<dyn DirtySource>>, ctl: &Arc<Control>, t0: Instant) -> Result<()> {
+fn run_inner(
+    vm: Arc<dyn MigratableVm>,
+    uri: &str,
+    params: &Params,
+    sources: Vec<Arc<dyn DirtySource>>,
+    ctl: &Arc<Control>,
+    t0: Instant,
+) -> Result<()> {
     params.validate().map_err(|e| anyhow!(e))?;
     let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
     let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
@@ -492,7 +503,18 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
         let holes = complement(&data, total);
         ctl.update(|s| s.setup_ms = t0.elapsed().as_secs_f64() * 1e3);
-        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: None, holes, pending: Vec::new(), round: 0 };
+        let start = crate::postcopy::source::Start {
+            session,
+            compress,
+            bucket,
+            control,
+            urgent: urgent.expect("urgent connection"),
+            channels,
+            log: None,
+            holes,
+            pending: Vec::new(),
+            round: 0,
+        };
         return crate::postcopy::source::run(&mut guard, start);
     }
 
@@ -635,7 +657,12 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         }
         if timed_out {
             ctl.cancel();
-            bail!("did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)", params.timeout_s, est_s * 1e3, throttle);
+            bail!(
+                "did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)",
+                params.timeout_s,
+                est_s * 1e3,
+                throttle
+            );
         }
         if params.auto_converge && mode == Mode::Precopy {
             if let Some(t) = converge_step(throttle, dirty_s / window, params) {
@@ -665,7 +692,18 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
     };
 
     if switch {
-        let start = crate::postcopy::source::Start { session, compress, bucket, control, urgent: urgent.expect("urgent connection"), channels, log: Some((log, armed_part(unarmed_from, &sample, total))), holes, pending, round: round + 1 };
+        let start = crate::postcopy::source::Start {
+            session,
+            compress,
+            bucket,
+            control,
+            urgent: urgent.expect("urgent connection"),
+            channels,
+            log: Some((log, armed_part(unarmed_from, &sample, total))),
+            holes,
+            pending,
+            round: round + 1,
+        };
         return crate::postcopy::source::run(&mut guard, start);
     }
 
@@ -735,11 +773,8 @@ fn run_inner(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec
         Ok(Msg::Resumed { unix_ns, resumed, cpu_s }) => ctl.update(|s| {
             s.downtime_steps.push(("destination resumed (reply)".into(), t_pause.elapsed().as_secs_f64() * 1e3));
             s.cpu_s_dest = Some(cpu_s);
-            s.downtime_ms = Some(if resumed {
-                unix_ns.saturating_sub(paused_at) as f64 / 1e6
-            } else {
-                t_pause.elapsed().as_secs_f64() * 1e3
-            });
+            s.downtime_ms =
+                Some(if resumed { unix_ns.saturating_sub(paused_at) as f64 / 1e6 } else { t_pause.elapsed().as_secs_f64() * 1e3 });
         }),
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination loaded the VM but did not confirm its start: {e:#}"),
@@ -952,7 +987,8 @@ impl ChannelSet {
 
     fn round(&mut self, round: u64, items: Vec<WorkItem>, cuttable: bool) -> Result<RoundResult> {
         let t = Instant::now();
-        let work = Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take(), cut: AtomicUsize::new(usize::MAX) });
+        let work =
+            Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take(), cut: AtomicUsize::new(usize::MAX) });
         self.current = Some((work.clone(), cuttable));
         let total = self.run_job(|| Job::Round(work.clone()));
         self.current = None;

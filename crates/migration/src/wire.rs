@@ -333,7 +333,16 @@ impl<'a> BatchWriter<'a> {
     pub fn new() -> Self {
         let mut table = Vec::with_capacity(4096);
         table.extend_from_slice(&[0u8; BATCH_HEAD]);
-        BatchWriter { table, records: 0, pages: 0, pieces: Vec::new(), data_len: 0, own: Vec::new(), run: None, _ram: std::marker::PhantomData }
+        BatchWriter {
+            table,
+            records: 0,
+            pages: 0,
+            pieces: Vec::new(),
+            data_len: 0,
+            own: Vec::new(),
+            run: None,
+            _ram: std::marker::PhantomData,
+        }
     }
     fn head(&mut self, pfn: u64, enc: Enc) {
         self.run = None;
@@ -481,7 +490,10 @@ pub fn write_eos(w: &mut impl Write, pages: u64) -> io::Result<()> {
 pub enum DataItem {
     /// A batch: its table is read and verified; `data_len` bytes of data
     /// follow (see [`DataReader::read_data`]).
-    Pages { records: u32, data_len: usize },
+    Pages {
+        records: u32,
+        data_len: usize,
+    },
     Sync(u64),
     Eos(u64),
 }
@@ -565,10 +577,22 @@ impl DataReader {
 
 /// A record of a batch table.
 pub enum Entry<'a> {
-    Zero { pfn: u64, count: u64 },
+    Zero {
+        pfn: u64,
+        count: u64,
+    },
     /// `count` raw pages from `pfn` on; `hashes` holds their page hashes.
-    Raw { pfn: u64, count: u64, hashes: &'a [u8] },
-    Compressed { pfn: u64, kind: Compress, len: usize, hash: u64 },
+    Raw {
+        pfn: u64,
+        count: u64,
+        hashes: &'a [u8],
+    },
+    Compressed {
+        pfn: u64,
+        kind: Compress,
+        len: usize,
+        hash: u64,
+    },
 }
 
 impl Entry<'_> {
@@ -647,10 +671,22 @@ impl<'a> Table<'a> {
 
 /// A decoded page record, borrowing its bytes from the batch data.
 pub enum Record<'a> {
-    Zero { pfn: u64, count: u64 },
+    Zero {
+        pfn: u64,
+        count: u64,
+    },
     /// `data.len() / 4096` raw pages from `pfn` on, with their hashes.
-    Raw { pfn: u64, data: &'a [u8], hashes: &'a [u8] },
-    Compressed { pfn: u64, kind: Compress, data: &'a [u8], hash: u64 },
+    Raw {
+        pfn: u64,
+        data: &'a [u8],
+        hashes: &'a [u8],
+    },
+    Compressed {
+        pfn: u64,
+        kind: Compress,
+        data: &'a [u8],
+        hash: u64,
+    },
 }
 
 /// Walks the records of a batch with its data, checking every bound.

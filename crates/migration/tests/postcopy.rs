@@ -113,11 +113,8 @@ fn postcopy_dirtier_runs_on_destination_at_once() {
 fn postcopy_dirtier(prealloc: bool) {
     let (src, dst, port) = dirtier_pair(prealloc);
     // A slow push, so the running guest must fault for most pages.
-    src.cmd(
-        "migrate",
-        json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "channels": 2, "max_bandwidth": 40_000_000u64}),
-    )
-    .unwrap();
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "channels": 2, "max_bandwidth": 40_000_000u64}))
+        .unwrap();
     let (s, d) = finish(&src, &dst);
     assert!(d["faults"].as_u64().unwrap() > 0, "the guest never waited for a page: {d:#}");
     assert!(s["pages_requested"].as_u64().unwrap() > 0, "{s:#}");
@@ -157,11 +154,8 @@ fn hybrid_switches_on_migrate_start_postcopy() {
     let port = dst.incoming(true);
     // Capped so that the first eighth (8 MiB) takes 0.4 s, and a
     // downtime it cannot reach.
-    src.cmd(
-        "migrate",
-        json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "downtime_ms": 1, "max_bandwidth": 20_000_000u64}),
-    )
-    .unwrap();
+    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "downtime_ms": 1, "max_bandwidth": 20_000_000u64}))
+        .unwrap();
     wait_until("the first round", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
     src.cmd("migrate-start-postcopy", json!({})).unwrap();
     let (s, _) = finish(&src, &dst);
@@ -236,12 +230,8 @@ fn helper_reads(prealloc: bool) {
     let sock = std::env::temp_dir().join(format!("transit-ramc-{}-{prealloc}.sock", std::process::id()));
     let clients = RamClients::bind(&sock, dst.dynvm.ram()).unwrap();
     dst.slot.set_ram_clients(clients.clone());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ram-client-probe"))
-        .arg(&sock)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child =
+        Command::new(env!("CARGO_BIN_EXE_ram-client-probe")).arg(&sock).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     struct Kill(std::process::Child);
     impl Drop for Kill {
         fn drop(&mut self) {

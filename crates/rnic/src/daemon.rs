@@ -133,7 +133,8 @@ const MAX_NAMESPACES: usize = 1024;
 
 impl Namespace {
     fn open(gid: Ipv4Addr, gso: bool) -> anyhow::Result<Namespace> {
-        let udp = udp_socket(gid, ROCE_PORT, true, false).with_context(|| format!("UDP {gid}:{ROCE_PORT} (is another rnicd serving it?)"))?;
+        let udp =
+            udp_socket(gid, ROCE_PORT, true, false).with_context(|| format!("UDP {gid}:{ROCE_PORT} (is another rnicd serving it?)"))?;
         if gso {
             setsockopt_int(udp.as_raw_fd(), SOL_UDP, UDP_GRO, 1).context("UDP_GRO")?;
         }
@@ -292,7 +293,10 @@ impl Senders {
             mtu_checked: Instant::now(),
             too_big: false,
             maybe_too_big: false,
-            socks: HashMap::new(), fallback_df: (df, pdf), fallback_frag: (frag, pfrag) })
+            socks: HashMap::new(),
+            fallback_df: (df, pdf),
+            fallback_frag: (frag, pfrag),
+        })
     }
 
     /// The socket for packets built with source port `sport`, and the port
@@ -469,10 +473,8 @@ fn bind_control(path: &Path) -> anyhow::Result<OwnedFd> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
     // SAFETY: socket() result checked and owned.
-    let fd = cvt(
-        unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) },
-        "unix socket",
-    )?;
+    let fd =
+        cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) }, "unix socket")?;
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let ua = nix::sys::socket::UnixAddr::new(&tmp)?;
     nix::sys::socket::bind(fd.as_raw_fd(), &ua).with_context(|| format!("bind {}", tmp.display()))?;
@@ -575,7 +577,12 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
                 TOKEN_LISTEN => loop {
                     // SAFETY: accept4 on our listener.
                     let fd = unsafe {
-                        libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK)
+                        libc::accept4(
+                            listener.as_raw_fd(),
+                            std::ptr::null_mut(),
+                            std::ptr::null_mut(),
+                            libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                        )
                     };
                     if fd < 0 {
                         break;
@@ -712,9 +719,7 @@ fn serve_client(
             Ok(Some(x)) => x,
             Ok(None) => return false,
             Err(e) => {
-                let again = e
-                    .downcast_ref::<nix::Error>()
-                    .is_some_and(|e| *e == nix::Error::EAGAIN);
+                let again = e.downcast_ref::<nix::Error>().is_some_and(|e| *e == nix::Error::EAGAIN);
                 if again {
                     return true;
                 }

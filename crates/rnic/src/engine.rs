@@ -163,7 +163,17 @@ impl Engine {
                 };
                 self.mrs.insert(
                     key,
-                    Arc::new(Mr { owner: client, pd, key, iova, len, access, map, invalidated: AtomicBool::new(false), trace: Default::default() }),
+                    Arc::new(Mr {
+                        owner: client,
+                        pd,
+                        key,
+                        iova,
+                        len,
+                        access,
+                        map,
+                        invalidated: AtomicBool::new(false),
+                        trace: Default::default(),
+                    }),
                 );
                 Reply::Mr { lkey: key, rkey: key }
             }

@@ -33,10 +33,17 @@ pub enum Request {
         namespace: Option<std::net::Ipv4Addr>,
     },
     QueryDevice,
-    QueryPort { port: u8 },
-    QueryGid { port: u8, index: u32 },
+    QueryPort {
+        port: u8,
+    },
+    QueryGid {
+        port: u8,
+        index: u32,
+    },
     AllocPd,
-    DeallocPd { pd: u32 },
+    DeallocPd {
+        pd: u32,
+    },
     /// Carries the memfd; `fd_offset` is where `iova` lives in it.
     /// `key`: the lkey/rkey the caller wants (refused if taken in the namespace).
     RegMr {
@@ -48,18 +55,32 @@ pub enum Request {
         #[serde(default)]
         key: Option<u32>,
     },
-    DeregMr { lkey: u32 },
+    DeregMr {
+        lkey: u32,
+    },
     /// Starts (clearing) a write trace of the MR with blocks of `granularity`
     /// bytes (a power of two >= 512); 0 stops it.
-    TraceMr { lkey: u32, granularity: u64 },
+    TraceMr {
+        lkey: u32,
+        granularity: u64,
+    },
     /// Returns the MR's dirty blocks since the last fetch and clears them.
-    FetchTrace { lkey: u32 },
+    FetchTrace {
+        lkey: u32,
+    },
     /// Carries the channel's eventfd.
     CreateCompChannel,
-    DestroyCompChannel { channel: u32 },
+    DestroyCompChannel {
+        channel: u32,
+    },
     /// Carries the CQ ring memfd.
-    CreateCq { cap: u32, channel: Option<u32> },
-    DestroyCq { cq: u32 },
+    CreateCq {
+        cap: u32,
+        channel: Option<u32>,
+    },
+    DestroyCq {
+        cq: u32,
+    },
     /// Carries the SQ ring memfd then the RQ ring memfd.
     /// `qpn`: the QPN the caller wants (refused if taken in the namespace).
     CreateQp {
@@ -77,24 +98,46 @@ pub enum Request {
         #[serde(default)]
         restore: Option<Box<crate::qp::QpSnapshot>>,
     },
-    ModifyQp { qpn: u32, attr: QpAttr, mask: u32 },
-    QueryQp { qpn: u32 },
-    DestroyQp { qpn: u32 },
+    ModifyQp {
+        qpn: u32,
+        attr: QpAttr,
+        mask: u32,
+    },
+    QueryQp {
+        qpn: u32,
+    },
+    DestroyQp {
+        qpn: u32,
+    },
     /// Stop all processing and host memory access; the peer sees RNR NAKs.
-    SuspendQp { qpn: u32 },
+    SuspendQp {
+        qpn: u32,
+    },
     /// The runtime state of a suspended QP.
-    QueryQpState { qpn: u32 },
-    ResumeQp { qpn: u32 },
+    QueryQpState {
+        qpn: u32,
+    },
+    ResumeQp {
+        qpn: u32,
+    },
     /// Batched forms for moving many QPs at once (all checked first, then
     /// applied; at most MAX_BATCH QPNs; query replies are one message, so
     /// clients ask for at most MAX_QUERY_BATCH states at a time).
-    SuspendQps { qpns: Vec<u32> },
-    QueryQpStates { qpns: Vec<u32> },
-    ResumeQps { qpns: Vec<u32> },
+    SuspendQps {
+        qpns: Vec<u32>,
+    },
+    QueryQpStates {
+        qpns: Vec<u32>,
+    },
+    ResumeQps {
+        qpns: Vec<u32>,
+    },
     /// Create-suspended in two steps, for many QPs: QPs created ahead (with
     /// the QPNs of the states, still in RESET) take these states and become
     /// suspended. At most MAX_QUERY_BATCH states per request.
-    RestoreQps { states: Vec<crate::qp::QpSnapshot> },
+    RestoreQps {
+        states: Vec<crate::qp::QpSnapshot>,
+    },
     Stats,
 }
 
@@ -136,8 +179,7 @@ pub fn send_msg<T: Serialize>(sock: RawFd, msg: &T, fds: &[RawFd]) -> anyhow::Re
 pub fn recv_msg(sock: RawFd, buf: &mut [u8]) -> anyhow::Result<Option<(usize, Vec<OwnedFd>)>> {
     let mut cbuf = nix::cmsg_space!([RawFd; MAX_FDS]);
     let mut iov = [IoSliceMut::new(buf)];
-    let msg = recvmsg::<()>(sock, &mut iov, Some(&mut cbuf), MsgFlags::MSG_CMSG_CLOEXEC)
-        .context("receive control message")?;
+    let msg = recvmsg::<()>(sock, &mut iov, Some(&mut cbuf), MsgFlags::MSG_CMSG_CLOEXEC).context("receive control message")?;
     let mut fds = Vec::new();
     for c in msg.cmsgs().context("control data")? {
         if let ControlMessageOwned::ScmRights(v) = c {

@@ -23,9 +23,7 @@ use crate::mem::Mapping;
 use crate::objects::{gather, scatter, ClientId, Cq, Mr, MrTable, Stats, Tx};
 use crate::ring::{Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
 use crate::types::{access, send_flags, wc_flags, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode};
-use crate::wire::{
-    self, psn_add, psn_diff, Aeth, AtomicEth, Flow, Headers, NakCode, Opcode, Packet, Reth, Syndrome, ROCE_PORT,
-};
+use crate::wire::{self, psn_add, psn_diff, Aeth, AtomicEth, Flow, Headers, NakCode, Opcode, Packet, Reth, Syndrome, ROCE_PORT};
 
 /// Most request packets in flight per QP (a PSN window, well under 2^23).
 pub const WINDOW: i32 = 4096;
@@ -794,8 +792,7 @@ impl Qp {
     /// each a send and a receive through the kernel, are not needed.
     fn asks_ack(&self, new: bool) -> bool {
         let Some(e) = self.sq.get(self.tx_idx) else { return true };
-        !new
-            || e.signaled
+        !new || e.signaled
             || self.unasked_msgs + 1 >= self.ack_every()
             || self.sq.len() * 2 >= self.cap.max_send_wr as usize
             || self.attr.qp_state == QpState::Sqd
@@ -871,14 +868,34 @@ impl Qp {
                 let imm = matches!(op, WrOpcode::RdmaWriteImm | WrOpcode::SendImm);
                 use Opcode::*;
                 let opc = match (is_write, first, last) {
-                    (true, true, true) => if imm { WriteOnlyImm } else { WriteOnly },
+                    (true, true, true) => {
+                        if imm {
+                            WriteOnlyImm
+                        } else {
+                            WriteOnly
+                        }
+                    }
                     (true, true, false) => WriteFirst,
                     (true, false, false) => WriteMiddle,
-                    (true, false, true) => if imm { WriteLastImm } else { WriteLast },
-                    (false, true, true) => match op { WrOpcode::SendImm => SendOnlyImm, WrOpcode::SendInv => SendOnlyInv, _ => SendOnly },
+                    (true, false, true) => {
+                        if imm {
+                            WriteLastImm
+                        } else {
+                            WriteLast
+                        }
+                    }
+                    (false, true, true) => match op {
+                        WrOpcode::SendImm => SendOnlyImm,
+                        WrOpcode::SendInv => SendOnlyInv,
+                        _ => SendOnly,
+                    },
                     (false, true, false) => SendFirst,
                     (false, false, false) => SendMiddle,
-                    (false, false, true) => match op { WrOpcode::SendImm => SendLastImm, WrOpcode::SendInv => SendLastInv, _ => SendLast },
+                    (false, false, true) => match op {
+                        WrOpcode::SendImm => SendLastImm,
+                        WrOpcode::SendInv => SendLastInv,
+                        _ => SendLast,
+                    },
                 };
                 let mut h = Headers::new(opc, dq, psn);
                 // Ask for ACKs often enough that the window never stalls.
@@ -1213,8 +1230,7 @@ impl Qp {
                     (false, true) => p.bth.opcode == ReadRespLast,
                 };
                 // A re-requested READ restarts with FIRST/ONLY at a middle PSN.
-                let restart_ok = i > 0 && matches!(p.bth.opcode, ReadRespFirst | ReadRespOnly)
-                    && (p.bth.opcode == ReadRespOnly) == last;
+                let restart_ok = i > 0 && matches!(p.bth.opcode, ReadRespFirst | ReadRespOnly) && (p.bth.opcode == ReadRespOnly) == last;
                 if !(op_ok || restart_ok) || p.payload.len() != want {
                     ctx.stats.rx_bad_response += 1;
                     self.fail_wqe_at(ctx, 0, WcStatus::BadRespErr);
@@ -1279,7 +1295,16 @@ impl Qp {
 
     // One argument per field of the receive CQE it writes.
     #[allow(clippy::too_many_arguments)]
-    fn complete_recv(&mut self, ctx: &mut Ctx, status: WcStatus, opcode: WcOpcode, byte_len: u32, imm: Option<u32>, inv: Option<u32>, solicited: bool) {
+    fn complete_recv(
+        &mut self,
+        ctx: &mut Ctx,
+        status: WcStatus,
+        opcode: WcOpcode,
+        byte_len: u32,
+        imm: Option<u32>,
+        inv: Option<u32>,
+        solicited: bool,
+    ) {
         let Some(r) = self.rq.pop_front() else { return };
         self.rt.rq_retired += 1;
         let mut flags = 0;

@@ -109,17 +109,11 @@ impl Opcode {
     }
     pub fn is_response(self) -> bool {
         use Opcode::*;
-        matches!(
-            self,
-            ReadRespFirst | ReadRespMiddle | ReadRespLast | ReadRespOnly | Ack | AtomicAck
-        )
+        matches!(self, ReadRespFirst | ReadRespMiddle | ReadRespLast | ReadRespOnly | Ack | AtomicAck)
     }
     pub fn is_send(self) -> bool {
         use Opcode::*;
-        matches!(
-            self,
-            SendFirst | SendMiddle | SendLast | SendLastImm | SendOnly | SendOnlyImm | SendLastInv | SendOnlyInv
-        )
+        matches!(self, SendFirst | SendMiddle | SendLast | SendLastImm | SendOnly | SendOnlyImm | SendLastInv | SendOnlyInv)
     }
     pub fn is_write(self) -> bool {
         use Opcode::*;
@@ -130,8 +124,7 @@ impl Opcode {
         use Opcode::*;
         matches!(
             self,
-            SendFirst | SendOnly | SendOnlyImm | SendOnlyInv | WriteFirst | WriteOnly | WriteOnlyImm
-                | ReadRequest | CompareSwap | FetchAdd
+            SendFirst | SendOnly | SendOnlyImm | SendOnlyInv | WriteFirst | WriteOnly | WriteOnlyImm | ReadRequest | CompareSwap | FetchAdd
         )
     }
     /// Last packet of a message (or only).
@@ -254,9 +247,8 @@ pub struct Aeth {
 /// IB RNR timer table (code -> microseconds), IBTA table 45.
 pub fn rnr_timer_us(code: u8) -> u64 {
     const T: [u64; 32] = [
-        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
-        5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
-        245_760, 327_680, 491_520,
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840, 5120, 7680, 10_240, 15_360, 20_480,
+        30_720, 40_960, 61_440, 81_920, 122_880, 163_840, 245_760, 327_680, 491_520,
     ];
     T[(code & 31) as usize]
 }
@@ -438,16 +430,7 @@ pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, Parse
         ack_req: body[8] & 0x80 != 0,
         psn: be24(&body[9..12]),
     };
-    let mut p = Packet {
-        bth,
-        reth: None,
-        imm: None,
-        aeth: None,
-        atomic: None,
-        atomic_ack: None,
-        ieth: None,
-        payload: &[],
-    };
+    let mut p = Packet { bth, reth: None, imm: None, aeth: None, atomic: None, atomic_ack: None, ieth: None, payload: &[] };
     let mut off = BTH_LEN;
     let need = |off: usize, n: usize| if body.len() < off + n { Err(ParseError::Short) } else { Ok(()) };
     if opcode.has_reth() {
@@ -513,16 +496,7 @@ pub struct Headers {
 impl Headers {
     pub fn new(opcode: Opcode, dest_qpn: u32, psn: u32) -> Headers {
         Headers {
-            bth: Bth {
-                opcode,
-                solicited: false,
-                mig_req: false,
-                pad: 0,
-                pkey: DEFAULT_PKEY,
-                dest_qpn,
-                ack_req: false,
-                psn,
-            },
+            bth: Bth { opcode, solicited: false, mig_req: false, pad: 0, pkey: DEFAULT_PKEY, dest_qpn, ack_req: false, psn },
             reth: None,
             imm: None,
             aeth: None,

@@ -33,8 +33,24 @@ fn tshark_decodes_capture_with_valid_icrc() {
     let out = std::process::Command::new("tshark")
         .arg("-r")
         .arg(&cap.path)
-        .args(["-T", "fields", "-E", "separator=,", "-e", "ip.src", "-e", "udp.srcport", "-e", "infiniband.bth.opcode",
-            "-e", "infiniband.bth.destqp", "-e", "infiniband.bth.psn", "-e", "infiniband.invariant.crc"])
+        .args([
+            "-T",
+            "fields",
+            "-E",
+            "separator=,",
+            "-e",
+            "ip.src",
+            "-e",
+            "udp.srcport",
+            "-e",
+            "infiniband.bth.opcode",
+            "-e",
+            "infiniband.bth.destqp",
+            "-e",
+            "infiniband.bth.psn",
+            "-e",
+            "infiniband.invariant.crc",
+        ])
         .output()
         .expect("tshark -r");
     let text = String::from_utf8_lossy(&out.stdout);

@@ -41,7 +41,11 @@ fn rig() -> Rig {
     unsafe { std::ptr::write_bytes(mem.ptr(), 0xaa, 3 * PAGE) };
     let iova = 0x7000_0000_0000u64;
     let Reply::Mr { rkey, .. } = e
-        .control(c, Request::RegMr { pd, iova, len: PAGE as u64, access: access::ALL, fd_offset: PAGE as u64, key: None }, vec![dup(&memfd)])
+        .control(
+            c,
+            Request::RegMr { pd, iova, len: PAGE as u64, access: access::ALL, fd_offset: PAGE as u64, key: None },
+            vec![dup(&memfd)],
+        )
         .unwrap()
     else {
         panic!()
@@ -51,10 +55,12 @@ fn rig() -> Rig {
     let sq = sealed_memfd("sq", ring_bytes::<SendWqe>(16)).unwrap();
     let rq = sealed_memfd("rq", ring_bytes::<RecvWqe>(16)).unwrap();
     let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 64 };
-    let req = Request::CreateQp { pd, send_cq: cq, recv_cq: cq, cap, sq_sig_all: false, sq_slots: 16, rq_slots: 16, qpn: None, restore: None };
+    let req =
+        Request::CreateQp { pd, send_cq: cq, recv_cq: cq, cap, sq_sig_all: false, sq_slots: 16, rq_slots: 16, qpn: None, restore: None };
     let Reply::Qp { qpn, .. } = e.control(c, req, vec![dup(&sq), dup(&rq)]).unwrap() else { panic!() };
     let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: access::ALL, port_num: 1, ..Default::default() };
-    e.control(c, Request::ModifyQp { qpn, attr: a, mask: mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS }, vec![]).unwrap();
+    e.control(c, Request::ModifyQp { qpn, attr: a, mask: mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS }, vec![])
+        .unwrap();
     a.qp_state = QpState::Rtr;
     a.path_mtu = Mtu::M256;
     a.dest_gid = PEER;
@@ -153,12 +159,24 @@ fn responder_and_completer_survive_hostile_packets() {
             h.bth.ack_req = syn & 1 != 0;
             let va = (rig.iova as i64 + off) as u64;
             let rkey = if good_rkey { rig.rkey } else { rig.rkey ^ 4 };
-            if op.has_reth() { h.reth = Some(Reth { va, rkey, len }); }
-            if op.has_imm() { h.imm = Some(len); }
-            if op.has_ieth() { h.ieth = Some(rkey ^ 1); }
-            if op.is_atomic() { h.atomic = Some(AtomicEth { va: va & !7, rkey, swap_add: 1, compare: 0 }); }
-            if op.has_aeth() { h.aeth = Some(wire::Aeth { syndrome: wire::Syndrome::from_u8(syn), msn: 0 }); }
-            if op == Opcode::AtomicAck { h.atomic_ack = Some(9); }
+            if op.has_reth() {
+                h.reth = Some(Reth { va, rkey, len });
+            }
+            if op.has_imm() {
+                h.imm = Some(len);
+            }
+            if op.has_ieth() {
+                h.ieth = Some(rkey ^ 1);
+            }
+            if op.is_atomic() {
+                h.atomic = Some(AtomicEth { va: va & !7, rkey, swap_add: 1, compare: 0 });
+            }
+            if op.has_aeth() {
+                h.aeth = Some(wire::Aeth { syndrome: wire::Syndrome::from_u8(syn), msn: 0 });
+            }
+            if op == Opcode::AtomicAck {
+                h.atomic_ack = Some(9);
+            }
             let pl: &[u8] = if op.has_payload() { &payload } else { &[] };
             let b = wire::build(&flow(), &h, pl);
             rig.feed(&b);

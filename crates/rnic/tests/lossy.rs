@@ -45,8 +45,15 @@ pub fn mixed_stream(bed: &Bed, ops: usize, seed: u64) {
             for w in &wcs[..n] {
                 let (id, exp) = pending.pop_front().expect("completion without a WR");
                 assert_eq!(w.wr_id, id, "send completions out of order");
-                assert_eq!(w.status, WcStatus::Success, "{w:?}\nA {}\nB {}\n{}\n{}", a.ctx.stats().unwrap(), b.ctx.stats().unwrap(),
-                    bed.tb.host(0).sh("grep Udp: /proc/net/snmp; grep -i reasm /proc/net/snmp").unwrap(), bed.tb.host(1).sh("grep Udp: /proc/net/snmp").unwrap());
+                assert_eq!(
+                    w.status,
+                    WcStatus::Success,
+                    "{w:?}\nA {}\nB {}\n{}\n{}",
+                    a.ctx.stats().unwrap(),
+                    b.ctx.stats().unwrap(),
+                    bed.tb.host(0).sh("grep Udp: /proc/net/snmp; grep -i reasm /proc/net/snmp").unwrap(),
+                    bed.tb.host(1).sh("grep Udp: /proc/net/snmp").unwrap()
+                );
                 match exp {
                     Expect::None => {}
                     Expect::Read { slot, data } => assert!(a.buf.read(slot * SLOT, data.len()) == data, "READ {id} returned wrong data"),

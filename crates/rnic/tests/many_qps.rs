@@ -72,7 +72,9 @@ fn peer_loop(p: &Peer, released: &AtomicUsize, stop: &AtomicBool, tl: &Mutex<Tim
             while w_posted - w_done < 4 {
                 let slot = (w_posted % 64) as usize;
                 let id = 1 << 40 | w_posted;
-                p.qps[0].post_send(&[SendWr::write(id, &[p.mr.sge(MB, WRITE_LEN)], IOVA + (M_WRITES + slot * WRITE_LEN) as u64, KEY)]).unwrap();
+                p.qps[0]
+                    .post_send(&[SendWr::write(id, &[p.mr.sge(MB, WRITE_LEN)], IOVA + (M_WRITES + slot * WRITE_LEN) as u64, KEY)])
+                    .unwrap();
                 w_posted += 1;
                 if w_posted % 8 == 0 && fa_posted == fa_done {
                     let id = 2 << 40 | fa_posted;
@@ -281,7 +283,10 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     phases.push(("address moved + announced", t_suspend.elapsed()));
     ctx2.resume_qps(&qps2.iter().collect::<Vec<_>>()).unwrap();
     phases.push(("resumed", t_suspend.elapsed()));
-    eprintln!("{n} QPs, {copied} bytes copied after suspend; ms since suspend: {}", phases.iter().map(|(k, d)| format!("{k} {:.2}", d.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(", "));
+    eprintln!(
+        "{n} QPs, {copied} bytes copied after suspend; ms since suspend: {}",
+        phases.iter().map(|(k, d)| format!("{k} {:.2}", d.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(", ")
+    );
     let t_resumed = Instant::now();
 
     // After: the rest arrives on the new host; then rounds 4-5.
@@ -348,7 +353,11 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
     // (A gap that began before the window counts from the window's start:
     // on a loaded machine the peer may already be waiting when the suspend comes.)
     let longest_gap = |from: Instant| {
-        times.windows(2).filter(|w| w[1] > from && w[0] < from + window).map(|w| (w[0].max(from), w[1])).max_by_key(|w| w.1.duration_since(w.0))
+        times
+            .windows(2)
+            .filter(|w| w[1] > from && w[0] < from + window)
+            .map(|w| (w[0].max(from), w[1]))
+            .max_by_key(|w| w.1.duration_since(w.0))
     };
     let gap = longest_gap(t_suspend);
     let blackout = gap.map(|(a, b)| b.duration_since(a)).unwrap_or_default();
@@ -357,7 +366,10 @@ fn move_namespace(prefix: &str, n: usize, settle: Duration) -> MoveReport {
         let ms = |x: Instant| if x >= t_suspend { (x - t_suspend).as_secs_f64() * 1e3 } else { -(t_suspend - x).as_secs_f64() * 1e3 };
         eprintln!(
             "{n} QPs: longest gap from {:.2} to {:.2} ms after the suspend; resumed at {:.2} ms; baseline gap {:.2} ms",
-            ms(a), ms(b), ms(t_resumed), baseline.as_secs_f64() * 1e3
+            ms(a),
+            ms(b),
+            ms(t_resumed),
+            baseline.as_secs_f64() * 1e3
         );
     }
     let before_from = t_start.max(t_suspend - settle);

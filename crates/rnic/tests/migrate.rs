@@ -76,8 +76,12 @@ enum MWr {
 
 fn post_m(qp: &Qp, mr: &Mr, w: MWr) {
     let r = match w {
-        MWr::Write { id } => qp.post_send(&[SendWr::write(id, &[mr.sge(M_WSRC, W_LEN)], P_ADDR.with(|a| a.get()) + P_WDST as u64, P_RKEY.with(|k| k.get()))]),
-        MWr::Read { id } => qp.post_send(&[SendWr::read(id, &[mr.sge(M_RDST, R_LEN)], P_ADDR.with(|a| a.get()) + P_RSRC as u64, P_RKEY.with(|k| k.get()))]),
+        MWr::Write { id } => {
+            qp.post_send(&[SendWr::write(id, &[mr.sge(M_WSRC, W_LEN)], P_ADDR.with(|a| a.get()) + P_WDST as u64, P_RKEY.with(|k| k.get()))])
+        }
+        MWr::Read { id } => {
+            qp.post_send(&[SendWr::read(id, &[mr.sge(M_RDST, R_LEN)], P_ADDR.with(|a| a.get()) + P_RSRC as u64, P_RKEY.with(|k| k.get()))])
+        }
         MWr::FetchAdd { id, slot } => qp.post_send(&[SendWr::fetch_add(
             id,
             &[mr.sge(M_FA_RES + slot * 8, 8)],
@@ -149,8 +153,18 @@ fn peer_loop(p: &End, progress: &AtomicU64, allowed: &AtomicUsize) {
                     p.buf.write(off, &msg);
                     p.qp.post_send(&[SendWr::send(id, &[p.mr.sge(off, 64)])])
                 }
-                1 => p.qp.post_send(&[SendWr::write(id, &[p.mr.sge(P_WSRC + (round % 32) * WSLOT, WSLOT)], IOVA + (M_W + (round % 64) * WSLOT) as u64, KEY)]),
-                2 => p.qp.post_send(&[SendWr::read(id, &[p.mr.sge(P_RDST + (round % 64) * RSLOT, RSLOT)], IOVA + (M_R + (round % 32) * RSLOT) as u64, KEY)]),
+                1 => p.qp.post_send(&[SendWr::write(
+                    id,
+                    &[p.mr.sge(P_WSRC + (round % 32) * WSLOT, WSLOT)],
+                    IOVA + (M_W + (round % 64) * WSLOT) as u64,
+                    KEY,
+                )]),
+                2 => p.qp.post_send(&[SendWr::read(
+                    id,
+                    &[p.mr.sge(P_RDST + (round % 64) * RSLOT, RSLOT)],
+                    IOVA + (M_R + (round % 32) * RSLOT) as u64,
+                    KEY,
+                )]),
                 _ => p.qp.post_send(&[SendWr::fetch_add(id, &[p.mr.sge(P_FA_RES + (round % 128) * 8, 8)], IOVA + M_CNT as u64, KEY, 1)]),
             };
             wr.unwrap();
@@ -166,7 +180,11 @@ fn peer_loop(p: &End, progress: &AtomicU64, allowed: &AtomicUsize) {
                 assert!(got[..] == read_src[(round % 32) * RSLOT..][..RSLOT], "peer READ {round} data");
             }
             if kind == 3 {
-                assert_eq!(p.buf.read_u64(P_FA_RES + (round % 128) * 8), round as u64, "fetch-and-add {round} executed exactly once, in order");
+                assert_eq!(
+                    p.buf.read_u64(P_FA_RES + (round % 128) * 8),
+                    round as u64,
+                    "fetch-and-add {round} executed exactly once, in order"
+                );
             }
             done += 1;
         }
@@ -213,7 +231,10 @@ fn wait_counter(h: &testbed::Host, name: &str, seen: u64, qp: &Qp, reached: impl
                 // Say where M was (the full suite stalled here once, before
                 // `reached`).
                 let state = qp.query_state().map(|s| format!("{:?}", s.runtime));
-                panic!("nft counter {name} never moved; M's transport state: {state:?}; rules: {}", h.sh("nft list table inet rnmig").unwrap_or_default());
+                panic!(
+                    "nft counter {name} never moved; M's transport state: {state:?}; rules: {}",
+                    h.sh("nft list table inet rnmig").unwrap_or_default()
+                );
             }
             qp.suspend().unwrap();
             kicks += 1;
@@ -430,7 +451,8 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
         assert!(t0.elapsed() < Duration::from_secs(120), "moved QP stalled: {} sends, {} recvs", m_swc.len(), m_rwc.len());
         std::thread::sleep(Duration::from_millis(1));
     }
-    let more: Vec<MWr> = (M_SENDS..60).map(|s| MWr::Send { id: 100 + s as u64, seq: s }).chain([MWr::FetchAdd { id: 200, slot: 2 }]).collect();
+    let more: Vec<MWr> =
+        (M_SENDS..60).map(|s| MWr::Send { id: 100 + s as u64, seq: s }).chain([MWr::FetchAdd { id: 200, slot: 2 }]).collect();
     for &w in &more {
         post_m(&m.qp, &m.mr, w);
     }
@@ -440,9 +462,13 @@ fn qp_moves_between_hosts_while_peer_keeps_sending() {
     assert_eq!(p.qp.state().unwrap(), QpState::Rts, "the peer never left RTS");
 
     // Migrating side's sends: all succeeded, in order.
-    let ids: Vec<u64> = send_log.iter().chain(&more).map(|w| match *w {
-        MWr::Write { id } | MWr::Read { id } | MWr::FetchAdd { id, .. } | MWr::Send { id, .. } => id,
-    }).collect();
+    let ids: Vec<u64> = send_log
+        .iter()
+        .chain(&more)
+        .map(|w| match *w {
+            MWr::Write { id } | MWr::Read { id } | MWr::FetchAdd { id, .. } | MWr::Send { id, .. } => id,
+        })
+        .collect();
     assert!(m_swc.iter().all(|w| w.status == WcStatus::Success), "{m_swc:?}");
     assert_eq!(m_swc.iter().map(|w| w.wr_id).collect::<Vec<_>>(), ids);
     assert_eq!(p.buf.read(P_WDST, W_LEN), pattern(7, W_LEN), "M's WRITE landed whole");

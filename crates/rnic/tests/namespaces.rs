@@ -64,11 +64,7 @@ fn namespaces_isolate_same_ids_and_refuse_duplicates() {
         let data = pattern(i as u64 + 1, 100_000);
         p.buf.write(0, &data);
         n.qp.post_recv(&[RecvWr { wr_id: 7, sg_list: &[n.mr.sge(500_000, 4096)] }]).unwrap();
-        p.qp.post_send(&[
-            SendWr::write(1, &[p.mr.sge(0, 100_000)], n.mr.addr, KEY),
-            SendWr::send(2, &[p.mr.sge(0, 3000)]),
-        ])
-        .unwrap();
+        p.qp.post_send(&[SendWr::write(1, &[p.mr.sge(0, 100_000)], n.mr.addr, KEY), SendWr::send(2, &[p.mr.sge(0, 3000)])]).unwrap();
         let ws = p.scq.wait(2, T).unwrap();
         assert!(ws.iter().all(|w| w.status == WcStatus::Success), "{ws:?}");
         let w = ok(&n.rcq);

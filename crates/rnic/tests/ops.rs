@@ -38,7 +38,8 @@ fn every_operation_byte_exact() {
     ok(&a.scq);
 
     // Inline SEND, zero-length SEND.
-    b.qp.post_recv(&[RecvWr { wr_id: 11, sg_list: &[b.mr.sge(7 << 20, 4096)] }, RecvWr { wr_id: 12, sg_list: &[b.mr.sge(7 << 20, 16)] }]).unwrap();
+    b.qp.post_recv(&[RecvWr { wr_id: 11, sg_list: &[b.mr.sge(7 << 20, 4096)] }, RecvWr { wr_id: 12, sg_list: &[b.mr.sge(7 << 20, 16)] }])
+        .unwrap();
     let inl = pattern(7, 200);
     a.qp.post_send(&[SendWr::send(4, &[]).with_inline(&inl), SendWr::send(5, &[])]).unwrap();
     let ws = b.rcq.wait(2, T).unwrap();
@@ -184,7 +185,11 @@ fn remote_access_errors() {
     for i in 0..3 {
         let (a, b) = pair(&bed, 0, 1, o);
         let lbuf = MemBuf::new(4096).unwrap();
-        let perm = [access::LOCAL_WRITE | access::REMOTE_READ, access::LOCAL_WRITE | access::REMOTE_WRITE, access::LOCAL_WRITE | access::REMOTE_WRITE][i];
+        let perm = [
+            access::LOCAL_WRITE | access::REMOTE_READ,
+            access::LOCAL_WRITE | access::REMOTE_WRITE,
+            access::LOCAL_WRITE | access::REMOTE_WRITE,
+        ][i];
         let lmr = b.pd.reg_mr(&lbuf, 0, 4096, perm).unwrap();
         let sg = [a.mr.sge(0, 64)];
         let sg8 = [a.mr.sge(0, 8)];
@@ -241,7 +246,11 @@ fn rnr_retry_until_receive_posted() {
     let (a, b) = pair(&bed, 0, 1, o);
     let data = pattern(3, 5000);
     a.buf.write(0, &data);
-    a.qp.post_send(&[SendWr::send(1, &[a.mr.sge(0, 5000)]), SendWr::write(2, &[a.mr.sge(0, 10)], b.mr.addr + 100_000, b.mr.rkey).with_imm(9)]).unwrap();
+    a.qp.post_send(&[
+        SendWr::send(1, &[a.mr.sge(0, 5000)]),
+        SendWr::write(2, &[a.mr.sge(0, 10)], b.mr.addr + 100_000, b.mr.rkey).with_imm(9),
+    ])
+    .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(a.scq.poll(&mut [Wc::default(); 2]).unwrap(), 0, "nothing completes without a RECV");
     let st = b.ctx.stats().unwrap();
@@ -359,7 +368,14 @@ fn hostile_packets_and_requests_are_counted_and_dropped() {
         nix::sys::socket::connect(sock.as_raw_fd(), &ua).unwrap();
         let iov = [std::io::IoSlice::new(bytes)];
         let cm = [nix::sys::socket::ControlMessage::ScmRights(fds)];
-        nix::sys::socket::sendmsg::<()>(sock.as_raw_fd(), &iov, if fds.is_empty() { &[] } else { &cm }, nix::sys::socket::MsgFlags::empty(), None).unwrap();
+        nix::sys::socket::sendmsg::<()>(
+            sock.as_raw_fd(),
+            &iov,
+            if fds.is_empty() { &[] } else { &cm },
+            nix::sys::socket::MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
         let mut buf = vec![0u8; 65536];
         let n = nix::sys::socket::recv(sock.as_raw_fd(), &mut buf, nix::sys::socket::MsgFlags::empty()).unwrap_or(0);
         String::from_utf8_lossy(&buf[..n]).into_owned()

@@ -76,7 +76,8 @@ fn trace_never_misses_a_written_page() {
                     // Atomic result written into the traced MR by b's own CAS on a.
                     let (at, res) = (rng.below(bl / 8) * 8, rng.below(bl / 8) * 8);
                     let cmp = a.buf.read_u64(at as usize);
-                    b.qp.post_send(&[SendWr::cmp_swap(id, &[b.mr.sge(res as usize, 8)], a.mr.addr + at, a.mr.rkey, cmp, rng.next())]).unwrap();
+                    b.qp.post_send(&[SendWr::cmp_swap(id, &[b.mr.sge(res as usize, 8)], a.mr.addr + at, a.mr.rkey, cmp, rng.next())])
+                        .unwrap();
                     ok(&b.scq);
                     written += G;
                 }

@@ -53,16 +53,9 @@ impl Section {
     /// Decode a serde state struct, checking the version first.
     pub fn decode<T: DeserializeOwned>(&self, expected_version: u32) -> Result<T> {
         if self.version != expected_version {
-            return Err(StateError::Version {
-                name: self.name.clone(),
-                found: self.version,
-                expected: expected_version,
-            });
+            return Err(StateError::Version { name: self.name.clone(), found: self.version, expected: expected_version });
         }
-        serde_json::from_slice(&self.data).map_err(|e| StateError::Decode {
-            name: self.name.clone(),
-            why: e.to_string(),
-        })
+        serde_json::from_slice(&self.data).map_err(|e| StateError::Decode { name: self.name.clone(), why: e.to_string() })
     }
 
     /// Wire form: name length, name, version, data length, data, CRC32 of all before.
@@ -110,8 +103,7 @@ impl Section {
         if h.finalize() != u32::from_le_bytes(four) {
             return Err(StateError::Damaged("section checksum mismatch".into()));
         }
-        let name = String::from_utf8(name)
-            .map_err(|_| StateError::Damaged("section name is not UTF-8".into()))?;
+        let name = String::from_utf8(name).map_err(|_| StateError::Damaged("section name is not UTF-8".into()))?;
         Ok(Section { name, version, data })
     }
 }
@@ -142,10 +134,7 @@ impl StateSet {
     }
 
     pub fn get(&self, name: &str) -> Result<&Section> {
-        self.sections
-            .iter()
-            .find(|s| s.name == name)
-            .ok_or_else(|| StateError::Missing(name.to_string()))
+        self.sections.iter().find(|s| s.name == name).ok_or_else(|| StateError::Missing(name.to_string()))
     }
 
     /// Total encoded size, used by downtime estimates.

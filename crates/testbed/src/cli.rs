@@ -114,11 +114,7 @@ pub fn run(cmd: TestbedCmd) -> Result<()> {
         TestbedCmd::Exec { name, host, cmd } => {
             let tb = Testbed::open(&name)?;
             let h = tb.try_host(parse_host(&name, &host)?)?;
-            let status = h
-                .command(&cmd[0])
-                .args(&cmd[1..])
-                .status()
-                .with_context(|| format!("cannot run {:?} in {}", cmd[0], h.name()))?;
+            let status = h.command(&cmd[0]).args(&cmd[1..]).status().with_context(|| format!("cannot run {:?} in {}", cmd[0], h.name()))?;
             if !status.success() {
                 use std::os::unix::process::ExitStatusExt;
                 std::process::exit(status.code().unwrap_or(128 + status.signal().unwrap_or(0)));

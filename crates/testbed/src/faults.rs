@@ -45,8 +45,23 @@ impl Testbed {
                     // The bucket holds 10 ms of traffic (at least a few full frames) so the
                     // rate holds at any timer resolution; the queue holds 100 ms.
                     let burst = (bytes_per_s / 100).max(32 * 1024);
-                    sys::tc(ns, &["qdisc", "replace", "dev", dev, "root", "tbf", "rate", &format!("{rate}mbit"),
-                        "burst", &burst.to_string(), "latency", "100ms"])?;
+                    sys::tc(
+                        ns,
+                        &[
+                            "qdisc",
+                            "replace",
+                            "dev",
+                            dev,
+                            "root",
+                            "tbf",
+                            "rate",
+                            &format!("{rate}mbit"),
+                            "burst",
+                            &burst.to_string(),
+                            "latency",
+                            "100ms",
+                        ],
+                    )?;
                 }
                 None => {
                     // Deleting an absent root qdisc fails; that is fine.

@@ -63,8 +63,7 @@ impl Host {
     /// Runs `sh -c script` in this host and returns its stdout; a non-zero exit is an
     /// error that carries stderr.
     pub fn sh(&self, script: &str) -> Result<String> {
-        crate::sys::run(self.command("sh").args(["-c", script]), None)
-            .with_context(|| format!("in host {}", self.netns))
+        crate::sys::run(self.command("sh").args(["-c", script]), None).with_context(|| format!("in host {}", self.netns))
     }
 
     /// Runs `f` on a fresh thread that has entered this host's network namespace, so

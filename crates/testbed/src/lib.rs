@@ -59,15 +59,7 @@ pub struct TestbedOpts {
 
 impl TestbedOpts {
     pub fn new(prefix: &str, hosts: usize) -> TestbedOpts {
-        TestbedOpts {
-            prefix: prefix.into(),
-            exact_name: false,
-            hosts,
-            nics: 1,
-            rate_mbit: None,
-            host_rates: Vec::new(),
-            persistent: false,
-        }
+        TestbedOpts { prefix: prefix.into(), exact_name: false, hosts, nics: 1, rate_mbit: None, host_rates: Vec::new(), persistent: false }
     }
     pub fn nics(mut self, nics: usize) -> Self {
         self.nics = nics;
@@ -196,11 +188,7 @@ impl Testbed {
         };
         Ok(Testbed {
             hosts: (0..st.hosts)
-                .map(|i| Host {
-                    index: i,
-                    netns: host_netns(name, i),
-                    addrs: (0..st.nics).map(|k| host_addr(st.index, k, i)).collect(),
-                })
+                .map(|i| Host { index: i, netns: host_netns(name, i), addrs: (0..st.nics).map(|k| host_addr(st.index, k, i)).collect() })
                 .collect(),
             name: st.name,
             index: st.index,
@@ -237,9 +225,7 @@ impl Testbed {
             let mut script = String::from("link set lo up\n");
             for (k, addr) in h.addrs.iter().enumerate() {
                 // No IPv6 link-local either: only the traffic a test makes crosses the links.
-                script += &format!(
-                    "link set eth{k} addrgenmode none\naddr add {addr}/24 dev eth{k}\nlink set eth{k} up\n"
-                );
+                script += &format!("link set eth{k} addrgenmode none\naddr add {addr}/24 dev eth{k}\nlink set eth{k} up\n");
             }
             sys::ip_batch(&h.netns, &script)?;
         }
@@ -268,8 +254,8 @@ impl Testbed {
                         continue;
                     }
                     let port = format!("h{}e{k}", h.index);
-                    let port_ok = line_of(&fab, &port)
-                        .is_some_and(|l| l.contains(" state UP ") && l.contains("bridge_slave state forwarding"));
+                    let port_ok =
+                        line_of(&fab, &port).is_some_and(|l| l.contains(" state UP ") && l.contains("bridge_slave state forwarding"));
                     let eth_ok = line_of(&links, &format!("eth{k}")).is_some_and(|l| l.contains(" state UP "));
                     if !(port_ok && eth_ok) {
                         waiting.push(port);

@@ -76,9 +76,7 @@ impl Delayer {
         let delayed = Arc::new(AtomicU64::new(0));
         let thread = {
             let (stop, delayed) = (stop.clone(), delayed.clone());
-            std::thread::Builder::new()
-                .name(format!("tb-delay-{netns}-{nic}"))
-                .spawn(move || relay(tun, raw, delay, &stop, &delayed))?
+            std::thread::Builder::new().name(format!("tb-delay-{netns}-{nic}")).spawn(move || relay(tun, raw, delay, &stop, &delayed))?
         };
         Ok(Delayer { netns: netns.into(), nic, stop, delayed, thread: Some(thread) })
     }
@@ -146,8 +144,13 @@ fn open_in_netns(netns: &str, nic: usize) -> Result<(File, OwnedFd)> {
         let mark: libc::c_int = RESENT_MARK as libc::c_int;
         // SAFETY: setsockopt reads one c_int.
         let r = unsafe {
-            libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_MARK, &mark as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_MARK,
+                &mark as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
         };
         if r != 0 {
             bail!("SO_MARK: {}", std::io::Error::last_os_error());
@@ -206,8 +209,14 @@ fn send_raw(raw: &OwnedFd, pkt: &[u8]) {
     };
     // SAFETY: sendto reads pkt and sa, both valid for the call. A failed send is a lost packet.
     unsafe {
-        libc::sendto(raw.as_raw_fd(), pkt.as_ptr().cast(), pkt.len(), 0, &sa as *const _ as *const libc::sockaddr,
-            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t);
+        libc::sendto(
+            raw.as_raw_fd(),
+            pkt.as_ptr().cast(),
+            pkt.len(),
+            0,
+            &sa as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
     }
 }
 

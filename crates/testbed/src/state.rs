@@ -57,9 +57,7 @@ pub fn ensure_dir() -> Result<()> {
 pub fn read(name: &str) -> Result<Option<State>> {
     let path = state_path(name);
     match fs::read_to_string(&path) {
-        Ok(text) => Ok(Some(
-            serde_json::from_str(&text).with_context(|| format!("damaged state file {}", path.display()))?,
-        )),
+        Ok(text) => Ok(Some(serde_json::from_str(&text).with_context(|| format!("damaged state file {}", path.display()))?)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
     }
@@ -103,7 +101,11 @@ impl DirLock {
     pub fn acquire() -> Result<DirLock> {
         ensure_dir()?;
         let path = PathBuf::from(STATE_DIR).join("lock");
-        let file = OpenOptions::new().create(true).truncate(false).write(true).open(&path)
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
         loop {
             // SAFETY: flock on a descriptor we own; the lock is released when the file closes.

@@ -88,8 +88,7 @@ fn host_child_guard_kills_on_drop() {
 #[test]
 fn parallel_testbeds_do_not_collide() {
     let tbs: Vec<Testbed> = std::thread::scope(|s| {
-        let handles: Vec<_> =
-            (0..4).map(|_| s.spawn(|| Testbed::create(TestbedOpts::new("tb-par", 2)).unwrap())).collect();
+        let handles: Vec<_> = (0..4).map(|_| s.spawn(|| Testbed::create(TestbedOpts::new("tb-par", 2)).unwrap())).collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (i, a) in tbs.iter().enumerate() {

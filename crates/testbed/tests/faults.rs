@@ -163,7 +163,12 @@ fn reordering_keeps_tcp_working() {
     let mut s = tb.host(0).in_netns(|| std::net::TcpStream::connect((a, 7002)).unwrap()).unwrap();
     let (mut c, _) = l.accept().unwrap();
     let data: Vec<u8> = (0..4_000_000u32).map(|i| (i % 251) as u8).collect();
-    let sender = { let d = data.clone(); std::thread::spawn(move || { s.write_all(&d).unwrap(); }) };
+    let sender = {
+        let d = data.clone();
+        std::thread::spawn(move || {
+            s.write_all(&d).unwrap();
+        })
+    };
     let mut got = vec![0u8; data.len()];
     c.read_exact(&mut got).unwrap();
     sender.join().unwrap();

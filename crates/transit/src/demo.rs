@@ -51,11 +51,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
 /// Start a VM on `host` waiting for an incoming migration on port `port`.
 fn incoming(host: &testbed::Host, me: &std::path::Path, name: &str, memory: &str, port: u16) -> Result<VmProcess> {
     let uri = format!("tcp:0.0.0.0:{port}");
-    VmProcess::start(
-        host.command(me),
-        name,
-        &["--log", "warn", "vm", "run", "--name", name, "--memory", memory, "--incoming", &uri],
-    )
+    VmProcess::start(host.command(me), name, &["--log", "warn", "vm", "run", "--name", name, "--memory", memory, "--incoming", &uri])
 }
 
 /// Migrate `src` to `dst` (listening on `to`), wait for the end, check the
@@ -177,11 +173,7 @@ fn save_restore(a: DemoArgs) -> Result<()> {
 
     step("restoring it on host B");
     let name_b = format!("{name}-b");
-    let vm_b = VmProcess::start(
-        hb.command(&me),
-        &name_b,
-        &["--log", "warn", "vm", "restore", file.path().to_str().unwrap(), "--paused"],
-    )?;
+    let vm_b = VmProcess::start(hb.command(&me), &name_b, &["--log", "warn", "vm", "restore", file.path().to_str().unwrap(), "--paused"])?;
     let digest_b = vm_b.exec("query-ram-digest", json!({}))?;
     if digest_a != digest_b {
         bail!("RAM on host B differs from host A: {digest_a} vs {digest_b}");

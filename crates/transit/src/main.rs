@@ -36,10 +36,7 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     let filter = std::env::var("RUST_LOG").unwrap_or(cli.log.clone());
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .init();
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(filter)).with_writer(std::io::stderr).init();
     let r = match cli.cmd {
         Cmd::Vm(c) => vm::run(c),
         Cmd::Testbed(c) => testbed::cli::run(c),

@@ -205,7 +205,13 @@ fn report(st: &Value, as_json: bool) -> Result<()> {
         println!("total time        {} ms (setup {} ms)", f("total_ms"), f("setup_ms"));
         println!("downtime          {} ms (target estimate {} ms)", f("downtime_ms"), f("expected_downtime_ms"));
         println!("RAM               {} bytes, {} pages", u("ram_bytes"), u("total_pages"));
-        println!("pages sent        {} (zero {}, raw {}, compressed {})", u("pages_sent"), u("zero_pages"), u("raw_pages"), u("compressed_pages"));
+        println!(
+            "pages sent        {} (zero {}, raw {}, compressed {})",
+            u("pages_sent"),
+            u("zero_pages"),
+            u("raw_pages"),
+            u("compressed_pages")
+        );
         println!("transferred       {} bytes of RAM, {} bytes on the wire", u("ram_transferred_bytes"), u("wire_bytes"));
         println!("throughput        {} Gbit/s on the wire, {} Gbit/s of RAM", f("throughput_gbps"), f("ram_throughput_gbps"));
         println!("rounds            {} (throttle {}%, {} steps)", u("rounds"), u("throttle_pct"), u("throttle_steps"));
@@ -213,14 +219,24 @@ fn report(st: &Value, as_json: bool) -> Result<()> {
             for r in rs {
                 println!(
                     "  round {:>3}: {:>9} pages {:>9.1} ms  dirty {:>10.0} pages/s  throttle {}%",
-                    r["round"], r["pages"], r["duration_ms"].as_f64().unwrap_or(0.0), r["dirty_pages_per_s"].as_f64().unwrap_or(0.0), r["throttle_pct"]
+                    r["round"],
+                    r["pages"],
+                    r["duration_ms"].as_f64().unwrap_or(0.0),
+                    r["dirty_pages_per_s"].as_f64().unwrap_or(0.0),
+                    r["throttle_pct"]
                 );
             }
         }
         if st["mode"].as_str().is_some_and(|m| m != "precopy") {
             println!("mode              {}", st["mode"].as_str().unwrap_or("?"));
             println!("postcopy          {} ms, pages pushed {} / requested {}", f("postcopy_ms"), u("pages_pushed"), u("pages_requested"));
-            println!("faults            {} (wait p50 {} us, p99 {} us, max {} us)", u("faults"), f("fault_p50_us"), f("fault_p99_us"), f("fault_max_us"));
+            println!(
+                "faults            {} (wait p50 {} us, p99 {} us, max {} us)",
+                u("faults"),
+                f("fault_p50_us"),
+                f("fault_p99_us"),
+                f("fault_max_us")
+            );
             println!("recoveries        {} ({} ms paused)", u("recoveries"), f("paused_ms"));
         }
         println!("CPU               source {} s, destination {} s", f("cpu_s_source"), f("cpu_s_dest"));

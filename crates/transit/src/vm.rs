@@ -2,6 +2,9 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
+use migration::qmp::{MigrationSlot, Outcome};
+use migration::stats::Status;
+use migration::vm::MigratableVm;
 use serde_json::{json, Value};
 use std::io::Write;
 use std::path::PathBuf;
@@ -10,15 +13,18 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 use vmm::control::{Client, Control, ProcessRequest};
-use migration::qmp::{MigrationSlot, Outcome};
-use migration::stats::Status;
-use migration::vm::MigratableVm;
 use vmm::{RunState, Vm, VmConfig};
 
 /// Control commands served by the migration engine.
 const MIGRATION_COMMANDS: &[&str] = &[
-    "migrate", "migrate-incoming", "query-migrate", "migrate-cancel", "migrate-set-parameters",
-    "query-migrate-parameters", "migrate-start-postcopy", "migrate-recover",
+    "migrate",
+    "migrate-incoming",
+    "query-migrate",
+    "migrate-cancel",
+    "migrate-set-parameters",
+    "query-migrate-parameters",
+    "migrate-start-postcopy",
+    "migrate-recover",
 ];
 
 #[derive(Subcommand)]
@@ -193,7 +199,10 @@ fn print(v: Value) -> Result<()> {
 fn console_sink(log: Option<PathBuf>) -> Result<vmm::vm::ConsoleSink> {
     Ok(match log {
         Some(p) => {
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&p)
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&p)
                 .with_context(|| format!("opening console log {}", p.display()))?;
             Box::new(move |l: &str| {
                 let _ = writeln!(f, "{l}");
@@ -226,7 +235,13 @@ fn run_vm(a: RunArgs) -> Result<()> {
     let config = VmConfig { name: a.name.clone(), memory, vcpus: a.vcpus, firmware, cmdline, nvme: a.nvme };
     let vm = Vm::build(config, console_sink(a.console_log)?)?;
     let socket = a.control.unwrap_or_else(|| default_socket(&a.name));
-    let opts = ServeOpts { start: !a.paused, incoming: a.incoming, prealloc: a.prealloc, keep_after_migrate: a.keep_after_migrate, ram_socket: a.ram_socket };
+    let opts = ServeOpts {
+        start: !a.paused,
+        incoming: a.incoming,
+        prealloc: a.prealloc,
+        keep_after_migrate: a.keep_after_migrate,
+        ram_socket: a.ram_socket,
+    };
     if opts.incoming.is_none() {
         vm.boot()?;
     }
@@ -276,9 +291,9 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
                 // run again: from the pause of stop-and-copy or the
                 // postcopy switch on, `cont` would split the VM in two.
                 return match slot.stats().map(|s| (s.role, s.status, s.committed)) {
-                    Some((role, Status::Device | Status::PostcopyActive | Status::PostcopyPaused | Status::Completed, _) | (role, _, true)) if role == "outgoing" => {
-                        refuse("the VM is being handed over to the migration destination; it cannot run here")
-                    }
+                    Some(
+                        (role, Status::Device | Status::PostcopyActive | Status::PostcopyPaused | Status::Completed, _) | (role, _, true),
+                    ) if role == "outgoing" => refuse("the VM is being handed over to the migration destination; it cannot run here"),
                     // A destination runs once all of its state is here,
                     // and never on what a failed migration left.
                     Some((role, Status::Setup | Status::Active | Status::Device, _)) if role == "incoming" => {

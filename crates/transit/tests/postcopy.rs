@@ -36,7 +36,8 @@ fn pair(tag: &str, workload: &str, memory: &str, paused: bool) -> Pair {
     )
     .unwrap();
     let dname = format!("{name}-d");
-    let mut args = vec!["vm", "run", "--name", &dname, "--memory", memory, "--vcpus", "2", "--workload", workload, "--incoming", "tcp:0.0.0.0:4444"];
+    let mut args =
+        vec!["vm", "run", "--name", &dname, "--memory", memory, "--vcpus", "2", "--workload", workload, "--incoming", "tcp:0.0.0.0:4444"];
     if paused {
         args.push("--paused");
     }

@@ -63,12 +63,8 @@ fn save_on_host_a_restore_on_host_b_continues() {
     a.kill();
 
     let bname = format!("{name}-b");
-    let b = VmProcess::start(
-        tb.host(1).command(transit_bin()),
-        &bname,
-        &["vm", "restore", file.path().to_str().unwrap(), "--paused"],
-    )
-    .unwrap();
+    let b =
+        VmProcess::start(tb.host(1).command(transit_bin()), &bname, &["vm", "restore", file.path().to_str().unwrap(), "--paused"]).unwrap();
     assert_eq!(b.exec("query-ram-digest", json!({})).unwrap(), digest_a, "RAM differs after restore");
     assert_eq!(b.exec("query-vcpus", json!({})).unwrap(), cpus_a, "vCPU state differs after restore");
     let status_b = b.status().unwrap();
@@ -202,12 +198,7 @@ fn nvme_controller_from_the_command_line_and_control_socket() {
     vm.exec("save", json!({"filename": file.path()})).unwrap();
     let p = vm.status().unwrap()["guest_progress"].as_u64().unwrap();
     drop(vm);
-    let b = VmProcess::start(
-        Command::new(transit_bin()),
-        &format!("{name}-r"),
-        &["vm", "restore", file.path().to_str().unwrap()],
-    )
-    .unwrap();
+    let b = VmProcess::start(Command::new(transit_bin()), &format!("{name}-r"), &["vm", "restore", file.path().to_str().unwrap()]).unwrap();
     b.wait_progress(p + 100, Duration::from_secs(120)).unwrap();
     assert!(!b.console().contains("FAIL"), "{}", b.console());
 }

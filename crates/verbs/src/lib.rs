@@ -31,8 +31,7 @@ pub use rnic::qp::{QpRuntime, QpSnapshot, QP_SNAPSHOT_VERSION};
 pub use rnic::ring::Sge;
 pub use rnic::trace::TraceReport;
 pub use rnic::types::{
-    access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, WcOpcode, WcStatus,
-    WrOpcode,
+    access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode,
 };
 
 pub mod tools;
@@ -81,7 +80,11 @@ pub fn find_socket() -> anyhow::Result<PathBuf> {
         }
     }
     found.sort();
-    found.into_iter().next().map(|x| x.1).context("no rnicd found in this network namespace (start `transit rnicd`, or set TRANSIT_RNICD_SOCK)")
+    found
+        .into_iter()
+        .next()
+        .map(|x| x.1)
+        .context("no rnicd found in this network namespace (start `transit rnicd`, or set TRANSIT_RNICD_SOCK)")
 }
 
 impl Context {
@@ -377,14 +380,7 @@ impl Pd {
             restore,
         };
         match self.ctx.inner.call(&req, &[sqfd.as_raw_fd(), rqfd.as_raw_fd()])? {
-            Reply::Qp { qpn, cap } => Ok(Qp {
-                ctx: self.ctx.clone(),
-                qpn,
-                cap,
-                sq: Mutex::new(sq),
-                rq: Mutex::new(rq),
-                _maps: (sqm, rqm),
-            }),
+            Reply::Qp { qpn, cap } => Ok(Qp { ctx: self.ctx.clone(), qpn, cap, sq: Mutex::new(sq), rq: Mutex::new(rq), _maps: (sqm, rqm) }),
             r => bail!("unexpected reply {r:?}"),
         }
     }
@@ -673,7 +669,18 @@ pub struct SendWr<'a> {
 
 impl<'a> SendWr<'a> {
     pub fn new(wr_id: u64, opcode: WrOpcode, sg_list: &'a [Sge]) -> SendWr<'a> {
-        SendWr { wr_id, opcode, flags: send_flags::SIGNALED, sg_list, inline: None, imm: 0, remote_addr: 0, rkey: 0, compare_add: 0, swap: 0 }
+        SendWr {
+            wr_id,
+            opcode,
+            flags: send_flags::SIGNALED,
+            sg_list,
+            inline: None,
+            imm: 0,
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+        }
     }
     pub fn send(wr_id: u64, sg: &'a [Sge]) -> Self {
         Self::new(wr_id, WrOpcode::Send, sg)
@@ -851,7 +858,17 @@ impl Qp {
         let mut posted = 0;
         let mut result = Ok(());
         for wr in wrs {
-            let mut w = SendWqe { wr_id: wr.wr_id, opcode: wr.opcode as u8, flags: wr.flags, imm: wr.imm, remote_addr: wr.remote_addr, rkey: wr.rkey, compare_add: wr.compare_add, swap: wr.swap, ..Default::default() };
+            let mut w = SendWqe {
+                wr_id: wr.wr_id,
+                opcode: wr.opcode as u8,
+                flags: wr.flags,
+                imm: wr.imm,
+                remote_addr: wr.remote_addr,
+                rkey: wr.rkey,
+                compare_add: wr.compare_add,
+                swap: wr.swap,
+                ..Default::default()
+            };
             if let Some(d) = wr.inline {
                 if d.len() > self.cap.max_inline_data as usize || wr.opcode.is_read_or_atomic() {
                     result = Err(anyhow!("inline data of {} bytes exceeds max_inline_data {}", d.len(), self.cap.max_inline_data));

@@ -140,7 +140,13 @@ fn devinfo(sock: Option<PathBuf>, json: bool) -> anyhow::Result<()> {
     println!("\ttransport:\t\t\tInfiniBand (0), RoCE v2 over UDP 4791");
     println!("\tcontrol socket:\t\t\t{}", ctx.socket_path().display());
     println!("\tfw_ver:\t\t\t\t{}", d.fw_ver);
-    println!("\tnode_guid:\t\t\t{:04x}:{:04x}:{:04x}:{:04x}", d.node_guid >> 48, (d.node_guid >> 32) & 0xffff, (d.node_guid >> 16) & 0xffff, d.node_guid & 0xffff);
+    println!(
+        "\tnode_guid:\t\t\t{:04x}:{:04x}:{:04x}:{:04x}",
+        d.node_guid >> 48,
+        (d.node_guid >> 32) & 0xffff,
+        (d.node_guid >> 16) & 0xffff,
+        d.node_guid & 0xffff
+    );
     println!("\tvendor_id:\t\t\t{:#06x}", d.vendor_id);
     println!("\tvendor_part_id:\t\t\t{}", d.vendor_part_id);
     println!("\tmax_mr_size:\t\t\t{:#x}", d.max_mr_size);

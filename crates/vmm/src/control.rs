@@ -50,9 +50,22 @@ pub struct Control {
 }
 
 pub const COMMANDS: &[&str] = &[
-    "qmp_capabilities", "query-commands", "query-status", "query-vm", "stop", "cont", "quit",
-    "query-console", "query-vcpus", "pmemsave", "query-ram-digest", "check-dirtier", "save",
-    "query-nvme", "nvme-ns-add", "nvme-ns-remove",
+    "qmp_capabilities",
+    "query-commands",
+    "query-status",
+    "query-vm",
+    "stop",
+    "cont",
+    "quit",
+    "query-console",
+    "query-vcpus",
+    "pmemsave",
+    "query-ram-digest",
+    "check-dirtier",
+    "save",
+    "query-nvme",
+    "nvme-ns-add",
+    "nvme-ns-remove",
 ];
 
 impl Control {
@@ -76,8 +89,7 @@ impl Control {
         if let Some(d) = path.parent() {
             std::fs::create_dir_all(d)?;
         }
-        let listener = UnixListener::bind(path)
-            .map_err(|e| anyhow::anyhow!("binding control socket {}: {e}", path.display()))?;
+        let listener = UnixListener::bind(path).map_err(|e| anyhow::anyhow!("binding control socket {}: {e}", path.display()))?;
         let me = Arc::new(self);
         std::thread::Builder::new().name("control".into()).spawn(move || {
             for conn in listener.incoming().flatten() {
@@ -174,9 +186,10 @@ impl Control {
                 let size = arg_u64(args, "size")?;
                 let file = arg_path(args, "filename")?;
                 let ram = paused_ram(vm)?;
-                let end = addr.checked_add(size).filter(|&e| e <= ram.len() as u64).ok_or_else(|| {
-                    CmdError::generic(format!("range {addr:#x}+{size:#x} is outside guest RAM ({:#x} bytes)", ram.len()))
-                })?;
+                let end = addr
+                    .checked_add(size)
+                    .filter(|&e| e <= ram.len() as u64)
+                    .ok_or_else(|| CmdError::generic(format!("range {addr:#x}+{size:#x} is outside guest RAM ({:#x} bytes)", ram.len())))?;
                 std::fs::write(&file, &ram[addr as usize..end as usize])
                     .map_err(|e| CmdError::generic(format!("writing {}: {e}", file.display())))?;
                 Ok(json!({}))
@@ -215,7 +228,10 @@ impl Control {
                 })
                 .collect::<Vec<_>>())),
             "nvme-ns-add" => {
-                let spec = args.get("spec").and_then(Value::as_str).ok_or_else(|| CmdError::generic("argument \"spec\" (e.g. \"mem:64M\") is required"))?;
+                let spec = args
+                    .get("spec")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| CmdError::generic("argument \"spec\" (e.g. \"mem:64M\") is required"))?;
                 let ctrl = nvme_arg(vm, args)?;
                 let nsid = ctrl.lock().unwrap().attach_namespace(spec).map_err(CmdError::generic)?;
                 Ok(json!({"nsid": nsid}))
@@ -283,8 +299,7 @@ pub struct Client {
 
 impl Client {
     pub fn connect(path: &Path) -> anyhow::Result<Client> {
-        let s = UnixStream::connect(path)
-            .map_err(|e| anyhow::anyhow!("connecting to VM control socket {}: {e}", path.display()))?;
+        let s = UnixStream::connect(path).map_err(|e| anyhow::anyhow!("connecting to VM control socket {}: {e}", path.display()))?;
         let mut c = Client { reader: BufReader::new(s.try_clone()?), writer: s };
         let g = c.read()?;
         if g.get("QMP").is_none() {

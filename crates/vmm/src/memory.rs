@@ -39,11 +39,7 @@ impl GuestRam {
         }
         let host = host_memory_bytes()?;
         if size > host {
-            bail!(
-                "guest RAM of {} MiB is more than this machine has ({} MiB)",
-                size >> 20,
-                host >> 20
-            );
+            bail!("guest RAM of {} MiB is more than this machine has ({} MiB)", size >> 20, host >> 20);
         }
         let cname = std::ffi::CString::new(format!("transit-ram-{name}"))?;
         // SAFETY: plain syscall; the fd is owned by the File below.
@@ -53,14 +49,9 @@ impl GuestRam {
         }
         let memfd = unsafe { File::from_raw_fd(fd) };
         memfd.set_len(size).context("sizing the guest RAM memfd")?;
-        let region = GuestRegionMmap::from_range(
-            GuestAddress(0),
-            size as usize,
-            Some(FileOffset::new(memfd.try_clone()?, 0)),
-        )
-        .map_err(|e| anyhow::anyhow!("mapping guest RAM: {e}"))?;
-        let mem = GuestMemory::from_regions(vec![region])
-            .map_err(|e| anyhow::anyhow!("guest memory: {e}"))?;
+        let region = GuestRegionMmap::from_range(GuestAddress(0), size as usize, Some(FileOffset::new(memfd.try_clone()?, 0)))
+            .map_err(|e| anyhow::anyhow!("mapping guest RAM: {e}"))?;
+        let mem = GuestMemory::from_regions(vec![region]).map_err(|e| anyhow::anyhow!("guest memory: {e}"))?;
         Ok(GuestRam { memfd, mem, size })
     }
 

@@ -74,12 +74,7 @@ impl VmProcess {
         let console_log = std::env::temp_dir().join(format!("transit-{name}.console"));
         let _ = std::fs::remove_file(&console_log);
         std::fs::create_dir_all(socket.parent().unwrap())?;
-        cmd.args(args)
-            .arg("--control")
-            .arg(&socket)
-            .arg("--console-log")
-            .arg(&console_log)
-            .stdin(Stdio::null());
+        cmd.args(args).arg("--control").arg(&socket).arg("--console-log").arg(&console_log).stdin(Stdio::null());
         die_with_parent(&mut cmd);
         let child = cmd.spawn().context("starting transit")?;
         let mut p = VmProcess { child: Some(child), socket, name: name.into(), console_log };

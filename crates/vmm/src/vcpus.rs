@@ -56,13 +56,7 @@ pub struct VcpuStatus {
 
 impl VcpuSet {
     /// Create `n` vCPU threads, all paused in their reset state.
-    pub fn start(
-        hv: Arc<dyn Hypervisor>,
-        n: u32,
-        ram_addr: *mut u8,
-        ram_size: u64,
-        io: Arc<dyn IoHandler>,
-    ) -> Result<VcpuSet> {
+    pub fn start(hv: Arc<dyn Hypervisor>, n: u32, ram_addr: *mut u8, ram_size: u64, io: Arc<dyn IoHandler>) -> Result<VcpuSet> {
         let shared = Arc::new(Shared {
             ctl: Mutex::new(Ctl {
                 want: Want::Pause,
@@ -266,14 +260,7 @@ impl Drop for PriorityLoan {
     }
 }
 
-fn vcpu_thread(
-    i: usize,
-    hv: Arc<dyn Hypervisor>,
-    ram_addr: *mut u8,
-    ram_size: u64,
-    io: Arc<dyn IoHandler>,
-    sh: Arc<Shared>,
-) {
+fn vcpu_thread(i: usize, hv: Arc<dyn Hypervisor>, ram_addr: *mut u8, ram_size: u64, io: Arc<dyn IoHandler>, sh: Arc<Shared>) {
     let mut vcpu = match hv.create_vcpu(i as u32, ram_addr, ram_size, io) {
         Ok(v) => v,
         Err(e) => {

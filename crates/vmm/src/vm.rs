@@ -117,16 +117,10 @@ impl Vm {
     /// Load the firmware and point the vCPUs at it; the VM stays paused.
     pub fn boot(&self) -> Result<()> {
         let fw = &self.config.firmware;
-        let mut f = std::fs::File::open(fw)
-            .with_context(|| format!("opening firmware {}", fw.display()))?;
+        let mut f = std::fs::File::open(fw).with_context(|| format!("opening firmware {}", fw.display()))?;
         use linux_loader::loader::KernelLoader;
-        let loaded = linux_loader::loader::Elf::load(
-            self.ram.memory(),
-            None,
-            &mut f,
-            Some(GuestAddress(FIRMWARE_ADDR)),
-        )
-        .map_err(|e| anyhow!("loading firmware {}: {e}", fw.display()))?;
+        let loaded = linux_loader::loader::Elf::load(self.ram.memory(), None, &mut f, Some(GuestAddress(FIRMWARE_ADDR)))
+            .map_err(|e| anyhow!("loading firmware {}: {e}", fw.display()))?;
         let firmware_end = (loaded.kernel_end + 0xfff) & !0xfff;
         if firmware_end > self.ram.size() {
             bail!("firmware does not fit in {} MiB of RAM", self.ram.size() >> 20);

@@ -143,12 +143,7 @@ fn save_file_and_restore_in_a_new_process() {
     src.exec("save", json!({ "filename": save })).unwrap();
     src.kill();
     let name = unique_name("nvrestore");
-    let mut dst = VmProcess::start(
-        Command::new(transit()),
-        &name,
-        &["vm", "restore", save.to_str().unwrap()],
-    )
-    .unwrap();
+    let mut dst = VmProcess::start(Command::new(transit()), &name, &["vm", "restore", save.to_str().unwrap()]).unwrap();
     let code = dst.wait_exit(Duration::from_secs(600)).unwrap();
     let console = dst.console();
     assert_eq!(code, Some(0), "verifier failed after restore:\n{console}");

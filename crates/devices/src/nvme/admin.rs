@@ -1,7 +1,7 @@
 //! Admin command set.
 
-use super::ctrl::{Ctrl, Outcome, AER_LIMIT, ERROR_LOG_ENTRIES, MDTS, TEMPERATURE_K};
 use super::config::MAX_NAMESPACES;
+use super::ctrl::{Ctrl, Outcome, AER_LIMIT, ERROR_LOG_ENTRIES, MDTS, TEMPERATURE_K};
 use super::dma;
 use super::queues::{Cq, Sq};
 use super::spec::*;
@@ -216,7 +216,7 @@ impl Ctrl {
         b[26] = 0; // FLBAS: format 0
         b[32] = 0x1 | 0x1 << 3; // DLFEAT: deallocated reads zeros; Write Zeroes may deallocate
         b[104..120].copy_from_slice(&ns.uuid); // NGUID
-        // LBA format 0: LBADS, no metadata, best performance.
+                                               // LBA format 0: LBADS, no metadata, best performance.
         let lbads = self.cfg.block_size.trailing_zeros();
         put32(b, 128, lbads << 16);
         Ok(())
@@ -379,9 +379,17 @@ impl Ctrl {
             3 => {
                 // Supported capabilities: changeable, not saveable, not per namespace.
                 return match fid {
-                    FEAT_ARBITRATION | FEAT_POWER_MGMT | FEAT_TEMP_THRESHOLD | FEAT_ERROR_RECOVERY | FEAT_VWC
-                    | FEAT_NUM_QUEUES | FEAT_IRQ_COALESCING | FEAT_IRQ_CONFIG | FEAT_WRITE_ATOMICITY
-                    | FEAT_ASYNC_EVENT_CONFIG | FEAT_SW_PROGRESS => Ok(0x4),
+                    FEAT_ARBITRATION
+                    | FEAT_POWER_MGMT
+                    | FEAT_TEMP_THRESHOLD
+                    | FEAT_ERROR_RECOVERY
+                    | FEAT_VWC
+                    | FEAT_NUM_QUEUES
+                    | FEAT_IRQ_COALESCING
+                    | FEAT_IRQ_CONFIG
+                    | FEAT_WRITE_ATOMICITY
+                    | FEAT_ASYNC_EVENT_CONFIG
+                    | FEAT_SW_PROGRESS => Ok(0x4),
                     _ => Err(Status::INVALID_FIELD),
                 };
             }
@@ -455,7 +463,18 @@ impl Ctrl {
             }
             LOG_CMD_EFFECTS => {
                 let mut b = vec![0u8; 4096];
-                for op in [ADM_DELETE_SQ, ADM_CREATE_SQ, ADM_GET_LOG_PAGE, ADM_DELETE_CQ, ADM_CREATE_CQ, ADM_IDENTIFY, ADM_ABORT, ADM_SET_FEATURES, ADM_GET_FEATURES, ADM_ASYNC_EVENT] {
+                for op in [
+                    ADM_DELETE_SQ,
+                    ADM_CREATE_SQ,
+                    ADM_GET_LOG_PAGE,
+                    ADM_DELETE_CQ,
+                    ADM_CREATE_CQ,
+                    ADM_IDENTIFY,
+                    ADM_ABORT,
+                    ADM_SET_FEATURES,
+                    ADM_GET_FEATURES,
+                    ADM_ASYNC_EVENT,
+                ] {
                     put32(&mut b, op as usize * 4, 1);
                 }
                 for op in [NVM_FLUSH, NVM_WRITE, NVM_READ, NVM_COMPARE, NVM_WRITE_ZEROES, NVM_DSM] {

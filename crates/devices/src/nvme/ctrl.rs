@@ -5,9 +5,9 @@
 use super::backend::Storage;
 use super::config::{NamespaceSpec, NvmeConfig};
 use super::dma::{self, Seg};
+use super::jobs::{self, WriteJobs};
 use super::queues::{Cq, Sq};
 use super::spec::*;
-use super::jobs::{self, WriteJobs};
 use super::uring::{Uring, STOP_TAG, WAKE_TAG};
 use crate::GuestMemory;
 use serde::{Deserialize, Serialize};

@@ -142,9 +142,7 @@ impl NvmeController {
         let mut c = lock(&self.shared);
         let nsid = match fixed {
             Some((id, _)) => id,
-            None => (1..=config::MAX_NAMESPACES)
-                .find(|id| !c.namespaces.contains_key(id))
-                .ok_or("every namespace ID is in use")?,
+            None => (1..=config::MAX_NAMESPACES).find(|id| !c.namespaces.contains_key(id)).ok_or("every namespace ID is in use")?,
         };
         let uuid = match fixed {
             Some((_, u)) => u,

@@ -86,8 +86,7 @@ impl Persist for NvmeController {
         data.extend_from_slice(&json);
         for ns in c.namespaces.values() {
             if let Storage::Memory(v) = &ns.storage {
-                let chunks: Vec<(usize, &[u8])> =
-                    v.chunks(CHUNK).enumerate().filter(|(_, c)| c.iter().any(|&b| b != 0)).collect();
+                let chunks: Vec<(usize, &[u8])> = v.chunks(CHUNK).enumerate().filter(|(_, c)| c.iter().any(|&b| b != 0)).collect();
                 data.extend_from_slice(&(chunks.len() as u64).to_le_bytes());
                 for (i, chunk) in chunks {
                     data.extend_from_slice(&((i * CHUNK) as u64).to_le_bytes());
@@ -130,8 +129,9 @@ impl Persist for NvmeController {
                 ));
             }
             let n = c.sqs.len();
-            let bad_q = saved.sqs.iter().any(|q| q.qid as usize >= n || q.cqid as usize >= n || q.size < 2 || q.head >= q.size || q.tail >= q.size)
-                || saved.cqs.iter().any(|q| q.qid as usize >= n || q.size < 2 || q.head >= q.size || q.tail >= q.size);
+            let bad_q =
+                saved.sqs.iter().any(|q| q.qid as usize >= n || q.cqid as usize >= n || q.size < 2 || q.head >= q.size || q.tail >= q.size)
+                    || saved.cqs.iter().any(|q| q.qid as usize >= n || q.size < 2 || q.head >= q.size || q.tail >= q.size);
             if bad_q {
                 return Err(damaged("queue state out of range"));
             }
@@ -150,7 +150,8 @@ impl Persist for NvmeController {
                     let off = take_u64(&mut rest).ok_or_else(|| damaged("truncated namespace data"))? as usize;
                     let len = take_u32(&mut rest).ok_or_else(|| damaged("truncated namespace data"))? as usize;
                     let src = rest.get(..len).ok_or_else(|| damaged("truncated namespace data"))?;
-                    let dst = off.checked_add(len).and_then(|e| v.get_mut(off..e)).ok_or_else(|| damaged("namespace chunk out of range"))?;
+                    let dst =
+                        off.checked_add(len).and_then(|e| v.get_mut(off..e)).ok_or_else(|| damaged("namespace chunk out of range"))?;
                     dst.copy_from_slice(src);
                     rest = &rest[len..];
                 }

@@ -30,7 +30,9 @@ impl Uring {
         let flags = if dsync { libc::RWF_DSYNC } else { 0 };
         // One segment (the common 4 KiB case) skips the kernel's iovec import.
         let e = match (write, n) {
-            (true, 1) => opcode::Write::new(types::Fd(fd), (*iov).iov_base as *const u8, (*iov).iov_len as u32).offset(off).rw_flags(flags).build(),
+            (true, 1) => {
+                opcode::Write::new(types::Fd(fd), (*iov).iov_base as *const u8, (*iov).iov_len as u32).offset(off).rw_flags(flags).build()
+            }
             (false, 1) => opcode::Read::new(types::Fd(fd), (*iov).iov_base as *mut u8, (*iov).iov_len as u32).offset(off).build(),
             (true, _) => opcode::Writev::new(types::Fd(fd), iov, n).offset(off).rw_flags(flags).build(),
             (false, _) => opcode::Readv::new(types::Fd(fd), iov, n).offset(off).build(),

@@ -94,7 +94,13 @@ pub fn run(n: &mut Nvme, region: &mut Region) -> (u32, u32) {
     k.admin("set unknown feature", Sqe { opcode: 0x09, cdw10: 0x7e, ..Default::default() }, INVALID_FIELD);
     k.admin("save unsaveable feature", Sqe { opcode: 0x09, cdw10: 0x06 | 1 << 31, cdw11: 1, ..Default::default() }, 0x10d);
     // Log pages (RAE set: do not disturb event reporting).
-    for (lid, want, what) in [(0x01u32, OK, "error log"), (0x02, OK, "SMART log"), (0x03, OK, "firmware slot log"), (0x04, OK, "changed namespace log"), (0x70, INVALID_LOG, "unknown log")] {
+    for (lid, want, what) in [
+        (0x01u32, OK, "error log"),
+        (0x02, OK, "SMART log"),
+        (0x03, OK, "firmware slot log"),
+        (0x04, OK, "changed namespace log"),
+        (0x70, INVALID_LOG, "unknown log"),
+    ] {
         k.admin(what, Sqe { opcode: 0x02, nsid: 0xffff_ffff, prp1: log, cdw10: lid | 1 << 15 | 127 << 16, ..Default::default() }, want);
     }
     let c = k.admin("abort", Sqe { opcode: 0x08, cdw10: 1 | 0x1234 << 16, ..Default::default() }, OK);
@@ -152,6 +158,10 @@ pub fn run(n: &mut Nvme, region: &mut Region) -> (u32, u32) {
     k.io("PRP offset not dword aligned", Sqe { prp1: buf + 2, ..rw(k.n, false, 0, 1) }, PRP_OFFSET);
     k.io("SGL requested", Sqe { flags: 0x40, ..rw(k.n, false, 0, 1) }, INVALID_FIELD);
     k.io("fused command", Sqe { flags: 0x01, ..rw(k.n, false, 0, 1) }, INVALID_FIELD);
-    k.io("transfer above MDTS", Sqe { cdw12: 0xffff, ..rw(k.n, false, 0, 1) }, if k.n.ns_blocks >= 0x10000 { INVALID_FIELD } else { LBA_RANGE });
+    k.io(
+        "transfer above MDTS",
+        Sqe { cdw12: 0xffff, ..rw(k.n, false, 0, 1) },
+        if k.n.ns_blocks >= 0x10000 { INVALID_FIELD } else { LBA_RANGE },
+    );
     (k.passed, k.failed)
 }

@@ -173,7 +173,14 @@ impl Nvme {
         }
         println!(
             "nvme: {} at {:#x}: {} namespaces, ns{} {} blocks of {} bytes, max transfer {} KiB, queues up to {} entries",
-            model, bar, nn, nsid, n.ns_blocks, n.block, n.max_transfer >> 10, max_entries
+            model,
+            bar,
+            nn,
+            nsid,
+            n.ns_blocks,
+            n.block,
+            n.max_transfer >> 10,
+            max_entries
         );
         Ok(n)
     }
@@ -188,7 +195,9 @@ impl Nvme {
         let count = count.clamp(1, MAX_QUEUES);
         let entries = entries.clamp(2, self.max_entries);
         let want = (count - 1) as u32;
-        let c = self.admin_cmd(Sqe { opcode: 0x09, cdw10: 0x07, cdw11: want | want << 16, ..Default::default() }).map_err(|_| "set number of queues failed")?;
+        let c = self
+            .admin_cmd(Sqe { opcode: 0x09, cdw10: 0x07, cdw11: want | want << 16, ..Default::default() })
+            .map_err(|_| "set number of queues failed")?;
         let got = ((c.dw0 & 0xffff).min(c.dw0 >> 16) + 1) as usize;
         let count = count.min(got);
         for i in 0..count {
@@ -197,8 +206,14 @@ impl Nvme {
             let sq = region.alloc(entries as u64 * 64).ok_or("out of memory for I/O SQs")?;
             self.admin_cmd(Sqe { opcode: 0x05, prp1: cq, cdw10: qid as u32 | (entries - 1) << 16, cdw11: 1, ..Default::default() })
                 .map_err(|_| "create I/O CQ failed")?;
-            self.admin_cmd(Sqe { opcode: 0x01, prp1: sq, cdw10: qid as u32 | (entries - 1) << 16, cdw11: 1 | (qid as u32) << 16, ..Default::default() })
-                .map_err(|_| "create I/O SQ failed")?;
+            self.admin_cmd(Sqe {
+                opcode: 0x01,
+                prp1: sq,
+                cdw10: qid as u32 | (entries - 1) << 16,
+                cdw11: 1 | (qid as u32) << 16,
+                ..Default::default()
+            })
+            .map_err(|_| "create I/O SQ failed")?;
             self.io[i] = Queue { qid, sq, cq, size: entries, sq_tail: 0, cq_head: 0, phase: true };
         }
         self.nio = count;
@@ -279,7 +294,8 @@ impl Nvme {
         println!("nvme: async event type={} info={:#x} log={:#x}", ty, info, log);
         if log != 0 {
             let numd = 1024 - 1;
-            let r = self.admin_cmd(Sqe { opcode: 0x02, nsid: 0xffff_ffff, prp1: self.scratch, cdw10: log | numd << 16, ..Default::default() });
+            let r =
+                self.admin_cmd(Sqe { opcode: 0x02, nsid: 0xffff_ffff, prp1: self.scratch, cdw10: log | numd << 16, ..Default::default() });
             if ty == 2 && info == 0 && r.is_ok() {
                 let ids = unsafe { core::slice::from_raw_parts(self.scratch as *const u32, 1024) };
                 let mut n = 0;

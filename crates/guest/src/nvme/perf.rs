@@ -2,7 +2,7 @@
 //! [queues=1] [secs=5] [ns=1]`: fio-like load; prints IOPS and latency
 //! percentiles (guest clock) and exits 0.
 
-use super::{Nvme, Rng, Region, PAGE};
+use super::{Nvme, Region, Rng, PAGE};
 use crate::args::Args;
 use crate::hw::Platform;
 
@@ -153,7 +153,16 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
     let p99 = percentile(hist, ios, 99);
     println!(
         "nvme-perf: rw={} bs={} qd={} queues={} ios={} iops={} lat_p50_us={}.{:02} lat_p99_us={}.{:02}",
-        rw, bs, qd, queues, ios, iops, p50 / 1000, (p50 % 1000) / 10, p99 / 1000, (p99 % 1000) / 10
+        rw,
+        bs,
+        qd,
+        queues,
+        ios,
+        iops,
+        p50 / 1000,
+        (p50 % 1000) / 10,
+        p99 / 1000,
+        (p99 % 1000) / 10
     );
     plat.exit(0)
 }

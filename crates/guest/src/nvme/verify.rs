@@ -85,7 +85,9 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
     // Book-keeping lives in the region too: sequence per block, busy bits, slots.
     let Some(exp) = region.alloc(units * 4) else { fail(plat, format_args!("out of memory for {} blocks", units)) };
     let Some(busy) = region.alloc(units.div_ceil(64) * 8) else { fail(plat, format_args!("out of memory")) };
-    let Some(slots_mem) = region.alloc((total_slots * core::mem::size_of::<Slot>()) as u64) else { fail(plat, format_args!("out of memory")) };
+    let Some(slots_mem) = region.alloc((total_slots * core::mem::size_of::<Slot>()) as u64) else {
+        fail(plat, format_args!("out of memory"))
+    };
     let expected = unsafe { core::slice::from_raw_parts_mut(exp as *mut u32, units as usize) };
     let busy = unsafe { core::slice::from_raw_parts_mut(busy as *mut u64, units.div_ceil(64) as usize) };
     let slots = unsafe { core::slice::from_raw_parts_mut(slots_mem as *mut Slot, total_slots) };
@@ -103,7 +105,12 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
     let max_ops = args.num("ops", 0);
     println!(
         "nvme-verify: ns{} {} blocks of {} bytes, {} queue(s) x qd {}, {}",
-        nsid, units, bs, queues, qd, if max_ops == 0 { "forever" } else { "bounded" }
+        nsid,
+        units,
+        bs,
+        queues,
+        qd,
+        if max_ops == 0 { "forever" } else { "bounded" }
     );
 
     let mut rng = Rng(plat.now_ns() | 1);
@@ -136,7 +143,15 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
                 last_completion = now;
                 progressed = false;
             } else if now.saturating_sub(last_completion) > stall_ns {
-                fail(plat, format_args!("no completion for {} s with {} commands outstanding ({} blocks verified)", stall_ns / 1_000_000_000, total_slots, verified));
+                fail(
+                    plat,
+                    format_args!(
+                        "no completion for {} s with {} commands outstanding ({} blocks verified)",
+                        stall_ns / 1_000_000_000,
+                        total_slots,
+                        verified
+                    ),
+                );
             }
         }
         for q in 0..queues {
@@ -165,10 +180,13 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
                             let p = s.buf as *const u64;
                             let hdr = unsafe { (p.read_volatile(), p.add(1).read_volatile()) };
                             let what = if s.state == State::ReadBack { "just written" } else { "re-read" };
-                            fail(plat, format_args!(
-                                "block {} expected seq {} ({}), word {} = {:#x}; block header says block {} seq {}",
-                                s.unit, s.seq, what, i, got, hdr.0, hdr.1
-                            ));
+                            fail(
+                                plat,
+                                format_args!(
+                                    "block {} expected seq {} ({}), word {} = {:#x}; block header says block {} seq {}",
+                                    s.unit, s.seq, what, i, got, hdr.0, hdr.1
+                                ),
+                            );
                         }
                         verified += 1;
                         busy[(s.unit / 64) as usize] &= !(1 << (s.unit % 64));

@@ -16,9 +16,7 @@ fn main() -> anyhow::Result<()> {
     let client = RamClient::connect(std::path::Path::new(&path), "ram-client-probe")?;
     let len = client.ram_bytes as usize;
     // SAFETY: a shared mapping of the memfd the vmm passed, whole size.
-    let base = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, client.memfd.as_raw_fd(), 0)
-    };
+    let base = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, client.memfd.as_raw_fd(), 0) };
     anyhow::ensure!(base != libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
     let base = base as usize;
     let ranges = vec![(base as u64, 0u64, len as u64)];

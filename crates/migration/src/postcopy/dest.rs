@@ -320,7 +320,8 @@ pub(crate) fn run(
         s.remaining_pages = 0;
     });
     if let Some(mut l) = link.take() {
-        let complete = Msg::Complete { faults: faults_n, fault_p50_us: p50, fault_p99_us: p99, fault_max_us: max, cpu_s: cpu, ram_clients: n_clients };
+        let complete =
+            Msg::Complete { faults: faults_n, fault_p50_us: p50, fault_p99_us: p99, fault_max_us: max, cpu_s: cpu, ram_clients: n_clients };
         if let Err(e) = wire::send_msg(&mut l.control, &complete) {
             tracing::warn!("could not tell the source that postcopy completed: {e}");
         }
@@ -337,7 +338,14 @@ pub(crate) fn run(
 
 /// One recovery attempt: a source that comes back with our session gets
 /// our received-pages bitmap and reconnects its channels.
-fn accept_recovery(l: &TcpListener, ctl: &Control, session: u64, sh: &Arc<RxShared>, placer: &Placer, sink: &RequestSink) -> Result<Option<Link>> {
+fn accept_recovery(
+    l: &TcpListener,
+    ctl: &Control,
+    session: u64,
+    sh: &Arc<RxShared>,
+    placer: &Placer,
+    sink: &RequestSink,
+) -> Result<Option<Link>> {
     let mut control = match accept(l, ctl, Some(Duration::from_millis(200))) {
         Ok(c) => c,
         Err(_) => return Ok(None),
@@ -347,7 +355,9 @@ fn accept_recovery(l: &TcpListener, ctl: &Control, session: u64, sh: &Arc<RxShar
         bail!("first connection is not a control connection");
     }
     let channels = match wire::recv_msg(&mut control)? {
-        Msg::Hello { session: s, mode, channels, .. } if mode == "recover" && s == session && (1..=64).contains(&channels) => channels as usize,
+        Msg::Hello { session: s, mode, channels, .. } if mode == "recover" && s == session && (1..=64).contains(&channels) => {
+            channels as usize
+        }
         Msg::Hello { mode, session: s, .. } => {
             let why = if mode != "recover" {
                 format!("this destination is in a paused postcopy migration and takes only its recovery (got mode {mode:?})")

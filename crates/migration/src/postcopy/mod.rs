@@ -37,7 +37,9 @@ pub(crate) fn bound_push_buffer(s: &std::net::TcpStream, channels: usize, send: 
     }
     let set = |opt: libc::c_int| {
         // SAFETY: an int option on our own socket.
-        unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, &PUSH_SOCKET_BUF as *const libc::c_int as *const libc::c_void, 4) == 0 }
+        unsafe {
+            libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, &PUSH_SOCKET_BUF as *const libc::c_int as *const libc::c_void, 4) == 0
+        }
     };
     let (forced, plain) = if send { (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF) } else { (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF) };
     if !set(forced) && !set(plain) {

@@ -90,7 +90,9 @@ pub struct Alias {
 impl Alias {
     pub fn map(ram: &RamRegion) -> std::io::Result<Alias> {
         // SAFETY: a new shared mapping of the VM's own memfd.
-        let a = unsafe { libc::mmap(std::ptr::null_mut(), ram.len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, ram.memfd, 0) };
+        let a = unsafe {
+            libc::mmap(std::ptr::null_mut(), ram.len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, ram.memfd, 0)
+        };
         if a == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }

@@ -127,7 +127,8 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(&mut control)) {
         Ok(Msg::Resumed { unix_ns, resumed, .. }) => ctl.update(|s| {
             s.downtime_steps.push(("destination resumed (reply)".into(), t_pause.elapsed().as_secs_f64() * 1e3));
-            s.downtime_ms = Some(if resumed { unix_ns.saturating_sub(paused_at) as f64 / 1e6 } else { t_pause.elapsed().as_secs_f64() * 1e3 });
+            s.downtime_ms =
+                Some(if resumed { unix_ns.saturating_sub(paused_at) as f64 / 1e6 } else { t_pause.elapsed().as_secs_f64() * 1e3 });
         }),
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination did not confirm its start: {e:#}"),
@@ -312,7 +313,8 @@ fn reconnect(
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     recv_welcome(&mut control, "recovery hello")?;
     let have = wire::recv_blob(&mut control).map_err(|e| anyhow!("received-pages bitmap: {e}"))?;
-    let have = AtomicBitmap::from_le_bytes(total, &have).ok_or_else(|| anyhow!("received-pages bitmap of {} bytes for {total} pages", have.len()))?;
+    let have = AtomicBitmap::from_le_bytes(total, &have)
+        .ok_or_else(|| anyhow!("received-pages bitmap of {} bytes for {total} pages", have.len()))?;
     control.set_read_timeout(None)?;
     let missing: Vec<PageRange> = (0..total).filter(|&p| !have.get(p)).map(|p| PageRange { first: p, count: 1 }).collect();
     let missing = normalize(missing, total);
@@ -408,7 +410,12 @@ mod tests {
         write(20);
         write(63);
         // SAFETY: a page of our own memfd.
-        assert_eq!(unsafe { libc::fallocate(r.memfd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 3 * PAGE_SIZE as i64, PAGE_SIZE as i64) }, 0);
+        assert_eq!(
+            unsafe {
+                libc::fallocate(r.memfd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 3 * PAGE_SIZE as i64, PAGE_SIZE as i64)
+            },
+            0
+        );
         let holes = r.holes_since(&before).unwrap();
         let all = [PageRange { first: 0, count: 64 }];
         let (data, zero) = split_known_zero(&holes, &all);

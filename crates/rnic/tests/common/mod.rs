@@ -65,7 +65,10 @@ impl Bed {
             let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
             let _ = std::fs::remove_file(&sock);
             let child = h
-                .spawn(env!("CARGO_BIN_EXE_rnicd"), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()].into_iter().chain(extra.iter().copied()))
+                .spawn(
+                    env!("CARGO_BIN_EXE_rnicd"),
+                    ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()].into_iter().chain(extra.iter().copied()),
+                )
                 .expect("start rnicd");
             let mut nic = Nic { child: Some(child), sock, addr: h.addr(0) };
             wait_for(&mut nic);
@@ -230,4 +233,3 @@ impl Drop for Capture {
         let _ = std::fs::remove_file(&self.path);
     }
 }
-

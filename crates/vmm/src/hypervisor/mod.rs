@@ -74,11 +74,5 @@ pub trait Vcpu {
 /// Creates vCPUs. `create_vcpu` is called on the thread that will run the
 /// vCPU (the unicorn engine is not thread-safe).
 pub trait Hypervisor: Send + Sync {
-    fn create_vcpu(
-        &self,
-        index: u32,
-        ram_host_addr: *mut u8,
-        ram_size: u64,
-        io: Arc<dyn IoHandler>,
-    ) -> anyhow::Result<Box<dyn Vcpu>>;
+    fn create_vcpu(&self, index: u32, ram_host_addr: *mut u8, ram_size: u64, io: Arc<dyn IoHandler>) -> anyhow::Result<Box<dyn Vcpu>>;
 }

@@ -50,13 +50,7 @@ pub struct UnicornVcpu {
 }
 
 impl Hypervisor for UnicornHypervisor {
-    fn create_vcpu(
-        &self,
-        _index: u32,
-        ram_host_addr: *mut u8,
-        ram_size: u64,
-        io: Arc<dyn IoHandler>,
-    ) -> Result<Box<dyn Vcpu>> {
+    fn create_vcpu(&self, _index: u32, ram_host_addr: *mut u8, ram_size: u64, io: Arc<dyn IoHandler>) -> Result<Box<dyn Vcpu>> {
         let mut uc = Unicorn::new(Arch::X86, Mode::MODE_64).map_err(|e| anyhow!("unicorn: {e:?}"))?;
         // SAFETY: the RAM mapping outlives the vCPU (the VM owns both and
         // joins vCPU threads before unmapping).
@@ -117,14 +111,24 @@ impl Hypervisor for UnicornHypervisor {
 }
 
 const GPRS: [RegisterX86; 16] = [
-    RegisterX86::RAX, RegisterX86::RBX, RegisterX86::RCX, RegisterX86::RDX,
-    RegisterX86::RSI, RegisterX86::RDI, RegisterX86::RBP, RegisterX86::RSP,
-    RegisterX86::R8, RegisterX86::R9, RegisterX86::R10, RegisterX86::R11,
-    RegisterX86::R12, RegisterX86::R13, RegisterX86::R14, RegisterX86::R15,
+    RegisterX86::RAX,
+    RegisterX86::RBX,
+    RegisterX86::RCX,
+    RegisterX86::RDX,
+    RegisterX86::RSI,
+    RegisterX86::RDI,
+    RegisterX86::RBP,
+    RegisterX86::RSP,
+    RegisterX86::R8,
+    RegisterX86::R9,
+    RegisterX86::R10,
+    RegisterX86::R11,
+    RegisterX86::R12,
+    RegisterX86::R13,
+    RegisterX86::R14,
+    RegisterX86::R15,
 ];
-const SEGS: [RegisterX86; 6] = [
-    RegisterX86::CS, RegisterX86::DS, RegisterX86::ES, RegisterX86::FS, RegisterX86::GS, RegisterX86::SS,
-];
+const SEGS: [RegisterX86; 6] = [RegisterX86::CS, RegisterX86::DS, RegisterX86::ES, RegisterX86::FS, RegisterX86::GS, RegisterX86::SS];
 const MSR_EFER: u32 = 0xC000_0080;
 
 fn uerr(what: &str) -> impl Fn(uc_error) -> anyhow::Error + '_ {
