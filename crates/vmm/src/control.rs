@@ -190,8 +190,7 @@ impl Control {
                     .checked_add(size)
                     .filter(|&e| e <= ram.len() as u64)
                     .ok_or_else(|| CmdError::generic(format!("range {addr:#x}+{size:#x} is outside guest RAM ({:#x} bytes)", ram.len())))?;
-                std::fs::write(&file, &ram[addr as usize..end as usize])
-                    .map_err(|e| CmdError::generic(format!("writing {}: {e}", file.display())))?;
+                crate::output::write_bytes(&file, &ram[addr as usize..end as usize])?;
                 Ok(json!({}))
             }
             "query-ram-digest" => {
@@ -199,7 +198,7 @@ impl Control {
                 let pages = oracle::page_digests(ram);
                 if let Some(f) = args.get("filename").and_then(Value::as_str) {
                     let text: String = pages.iter().map(|d| format!("{d:016x}\n")).collect();
-                    std::fs::write(f, text).map_err(|e| CmdError::generic(format!("writing {f}: {e}")))?;
+                    crate::output::write_bytes(Path::new(f), text.as_bytes())?;
                 }
                 Ok(json!({"pages": pages.len(), "digest": format!("{:016x}", oracle::ram_digest(ram))}))
             }
