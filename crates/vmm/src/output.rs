@@ -40,7 +40,9 @@ pub fn write_file<T>(path: &Path, fill: impl FnOnce(&mut BufWriter<File>) -> Res
         .tempfile_in(&dir)
         .with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
     if let Some(mode) = old_mode {
-        tmp.as_file().set_permissions(Permissions::from_mode(mode)).with_context(|| format!("setting the mode of {}", tmp.path().display()))?;
+        tmp.as_file()
+            .set_permissions(Permissions::from_mode(mode))
+            .with_context(|| format!("setting the mode of {}", tmp.path().display()))?;
     }
     let what = || format!("writing {}", target.display());
     let mut w = BufWriter::with_capacity(256 << 10, tmp.as_file().try_clone().with_context(what)?);
