@@ -138,12 +138,24 @@ pub fn share(addr: u64, len: u64) -> Result<(), i32> {
     if at < hi {
         return Err(libc::EFAULT);
     }
-    for v in maps.iter().filter(|v| !v.ours) {
-        let (s, e) = (v.start.max(lo), v.end.min(hi));
-        move_to_memfd(sh.fd.as_raw_fd(), s, e, v.prot)?;
-    }
+    let fd = sh.fd.as_raw_fd();
+    off_stack(|| {
+        for v in maps.iter().filter(|v| !v.ours) {
+            move_to_memfd(fd, v.start.max(lo), v.end.min(hi), v.prot)?;
+        }
+        Ok::<(), i32>(())
+    })?;
     regs.push((lo, hi));
     Ok(())
+}
+
+/// Runs a move of pages on a helper thread while the calling thread waits.
+/// The range may hold the caller's own stack (a registered stack buffer):
+/// a store into a live frame between the copy and the remap would be lost,
+/// and the caller's own calls make such stores. Blocked in the join, the
+/// caller writes nothing to its stack until the move is over.
+fn off_stack<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    std::thread::scope(|s| s.spawn(f).join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
 }
 
 fn move_to_memfd(fd: RawFd, s: u64, e: u64, prot: i32) -> Result<(), i32> {
@@ -225,9 +237,11 @@ pub fn unshare(addr: u64, len: u64) {
     }
     for (a, b) in free {
         if let Ok(maps) = vmas(a, b) {
-            for v in maps.iter().filter(|v| v.ours) {
-                let _ = move_to_private(v.start.max(a), v.end.min(b), v.prot);
-            }
+            off_stack(|| {
+                for v in maps.iter().filter(|v| v.ours) {
+                    let _ = move_to_private(v.start.max(a), v.end.min(b), v.prot);
+                }
+            });
         }
         // SAFETY: drops file pages nobody maps any more (the program's view
         // is private again, rnicd unmapped the MR before we got here).
@@ -253,9 +267,11 @@ extern "C" fn after_fork_in_child() {
     };
     for (lo, hi) in regs {
         if let Ok(maps) = vmas(lo, hi) {
-            for v in maps.iter().filter(|v| v.ours && v.offset == v.start) {
-                let _ = move_to_private(v.start.max(lo), v.end.min(hi), v.prot);
-            }
+            off_stack(|| {
+                for v in maps.iter().filter(|v| v.ours && v.offset == v.start) {
+                    let _ = move_to_private(v.start.max(lo), v.end.min(hi), v.prot);
+                }
+            });
         }
     }
 }
