@@ -27,6 +27,8 @@ pub struct Cq {
     pub users: std::sync::atomic::AtomicUsize,
     /// ibv_poll_cq calls in a row that found nothing.
     empty_polls: std::sync::atomic::AtomicU32,
+    /// The completion ibv_start_poll/ibv_next_poll stand on (ibv_cq_ex).
+    current: std::cell::Cell<verbs::Wc>,
 }
 
 /// Empty polls in a row after which ibv_poll_cq yields the CPU. A program
@@ -86,8 +88,122 @@ pub unsafe extern "C" fn ibv_create_cq(
     cqe: c_int,
     cq_context: *mut c_void,
     ch: *mut ibv_comp_channel,
-    _vector: c_int,
+    vector: c_int,
 ) -> *mut ibv_cq {
+    create(c, cqe, cq_context, ch, vector) as *mut ibv_cq
+}
+
+/// Completion fields an ibv_cq_ex can report here.
+const WC_EX_FLAGS: u64 = (IBV_WC_EX_WITH_BYTE_LEN
+    | IBV_WC_EX_WITH_IMM
+    | IBV_WC_EX_WITH_QP_NUM
+    | IBV_WC_EX_WITH_SRC_QP
+    | IBV_WC_EX_WITH_SLID
+    | IBV_WC_EX_WITH_SL
+    | IBV_WC_EX_WITH_DLID_PATH_BITS) as u64;
+
+/// verbs_context.create_cq_ex (ibv_create_cq_ex).
+pub unsafe extern "C" fn create_cq_ex(c: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> *mut ibv_cq_ex {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let a = &*attr;
+    let flags_ok = a.comp_mask & !IBV_CQ_INIT_ATTR_MASK_FLAGS == 0 && (a.comp_mask & IBV_CQ_INIT_ATTR_MASK_FLAGS == 0 || a.flags == 0);
+    if a.wc_flags & !WC_EX_FLAGS != 0 || !flags_ok {
+        set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    if a.cqe > i32::MAX as u32 {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let q = create(c, a.cqe as c_int, a.cq_context, a.channel, a.comp_vector as c_int);
+    if !q.is_null() {
+        let x = &mut (*q).cq;
+        x.start_poll = Some(start_poll);
+        x.next_poll = Some(next_poll);
+        x.end_poll = Some(end_poll);
+        x.read_opcode = Some(read_opcode);
+        x.read_vendor_err = Some(read_zero_u32);
+        x.read_byte_len = Some(read_byte_len);
+        x.read_imm_data = Some(read_imm_data);
+        x.read_qp_num = Some(read_qp_num);
+        x.read_src_qp = Some(read_src_qp);
+        x.read_wc_flags = Some(read_wc_flags);
+        x.read_slid = Some(read_zero_u32);
+        x.read_sl = Some(read_zero_u8);
+        x.read_dlid_path_bits = Some(read_zero_u8);
+    }
+    q as *mut ibv_cq_ex
+}
+
+unsafe fn current<'a>(x: *mut ibv_cq_ex) -> &'a Cq {
+    &*(x as *const Cq)
+}
+
+/// Takes the next completion into `current`; ENOENT when there is none.
+unsafe fn advance(x: *mut ibv_cq_ex) -> c_int {
+    let mut wc: ibv_wc = Default::default();
+    match poll_cq(x as *mut ibv_cq, 1, &mut wc) {
+        1 => {
+            let q = current(x);
+            q.current.set(verbs::Wc {
+                wr_id: wc.wr_id,
+                status: verbs::WcStatus::from_u8(wc.status as u8),
+                opcode: verbs::WcOpcode::from_u8(wc.opcode as u8),
+                byte_len: wc.byte_len,
+                imm_data: wc.__bindgen_anon_1.imm_data,
+                qp_num: wc.qp_num,
+                src_qp: wc.src_qp,
+                wc_flags: wc.wc_flags as u8,
+            });
+            (*x).status = wc.status;
+            (*x).wr_id = wc.wr_id;
+            0
+        }
+        0 => libc::ENOENT,
+        _ => libc::EINVAL,
+    }
+}
+
+unsafe extern "C" fn start_poll(x: *mut ibv_cq_ex, attr: *mut ibv_poll_cq_attr) -> c_int {
+    if !attr.is_null() && (*attr).comp_mask != 0 {
+        return libc::EINVAL;
+    }
+    advance(x)
+}
+unsafe extern "C" fn next_poll(x: *mut ibv_cq_ex) -> c_int {
+    advance(x)
+}
+unsafe extern "C" fn end_poll(_x: *mut ibv_cq_ex) {}
+unsafe extern "C" fn read_opcode(x: *mut ibv_cq_ex) -> ibv_wc_opcode {
+    current(x).current.get().opcode as ibv_wc_opcode
+}
+unsafe extern "C" fn read_byte_len(x: *mut ibv_cq_ex) -> u32 {
+    current(x).current.get().byte_len
+}
+/// Already in network order (as poll_cq's imm_data).
+unsafe extern "C" fn read_imm_data(x: *mut ibv_cq_ex) -> __be32 {
+    current(x).current.get().imm_data
+}
+unsafe extern "C" fn read_qp_num(x: *mut ibv_cq_ex) -> u32 {
+    current(x).current.get().qp_num
+}
+unsafe extern "C" fn read_src_qp(x: *mut ibv_cq_ex) -> u32 {
+    current(x).current.get().src_qp
+}
+unsafe extern "C" fn read_wc_flags(x: *mut ibv_cq_ex) -> std::ffi::c_uint {
+    current(x).current.get().wc_flags as std::ffi::c_uint
+}
+unsafe extern "C" fn read_zero_u32(_x: *mut ibv_cq_ex) -> u32 {
+    0
+}
+unsafe extern "C" fn read_zero_u8(_x: *mut ibv_cq_ex) -> u8 {
+    0
+}
+
+unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *mut ibv_comp_channel, _vector: c_int) -> *mut Cq {
     let Some(cx) = ctx(c) else {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
@@ -108,12 +224,20 @@ pub unsafe extern "C" fn ibv_create_cq(
     let mut x = ibv_cq_ex { context: c, channel: ch, cq_context, cqe: inner.cap as c_int, ..Default::default() };
     libc::pthread_mutex_init(&mut x.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
     libc::pthread_cond_init(&mut x.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
-    let b = Box::into_raw(Box::new(Cq { cq: x, inner, armed: AtomicBool::new(false), chan, users: 0.into(), empty_polls: 0.into() }));
+    let b = Box::into_raw(Box::new(Cq {
+        cq: x,
+        inner,
+        armed: AtomicBool::new(false),
+        chan,
+        users: 0.into(),
+        empty_polls: 0.into(),
+        current: Default::default(),
+    }));
     if !chan.is_null() {
         (*chan).ch.refcnt += 1;
         (*chan).cqs.lock().unwrap_or_else(|e| e.into_inner()).push(b as usize);
     }
-    b as *mut ibv_cq
+    b
 }
 
 #[no_mangle]

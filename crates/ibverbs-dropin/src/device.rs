@@ -152,6 +152,7 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     v.query_port = Some(query_port_ex);
     v.query_device_ex = Some(query_device_ex);
     v.create_qp_ex = Some(qp::create_qp_ex);
+    v.create_cq_ex = Some(cq::create_cq_ex);
     v.context.device = dev;
     v.context.cmd_fd = -1;
     v.context.async_fd = c.async_fd.as_raw_fd();

@@ -25,6 +25,29 @@ pub struct Qp {
     pd: *const Pd,
     /// Whether the QP was made with send_ops_flags (ibv_qp_to_qp_ex).
     extended: bool,
+    /// WRs built by ibv_wr_* since ibv_wr_start, posted by ibv_wr_complete.
+    batch: std::sync::Mutex<Batch>,
+}
+
+/// One WR built through the ibv_qp_ex builders.
+struct PendingWr {
+    wr_id: u64,
+    opcode: verbs::WrOpcode,
+    flags: u8,
+    remote_addr: u64,
+    rkey: u32,
+    compare_add: u64,
+    swap: u64,
+    imm: u32,
+    sges: Vec<verbs::Sge>,
+    inline: Option<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct Batch {
+    wrs: Vec<PendingWr>,
+    /// The first error of the batch (reported by ibv_wr_complete).
+    err: c_int,
 }
 
 unsafe fn qp<'a>(q: *mut ibv_qp) -> Option<&'a Qp> {
@@ -96,12 +119,29 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     libc::pthread_cond_init(&mut base.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
     let extended = a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
     if extended {
-        x.comp_mask = 0;
+        if a.send_ops_flags & !SEND_OPS != 0 {
+            return fail(libc::EOPNOTSUPP);
+        }
+        x.wr_start = Some(wr_start);
+        x.wr_complete = Some(wr_complete);
+        x.wr_abort = Some(wr_abort);
+        x.wr_rdma_write = Some(wr_rdma_write);
+        x.wr_rdma_write_imm = Some(wr_rdma_write_imm);
+        x.wr_rdma_read = Some(wr_rdma_read);
+        x.wr_send = Some(wr_send);
+        x.wr_send_imm = Some(wr_send_imm);
+        x.wr_send_inv = Some(wr_send_inv);
+        x.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp);
+        x.wr_atomic_fetch_add = Some(wr_atomic_fetch_add);
+        x.wr_set_sge = Some(wr_set_sge);
+        x.wr_set_sge_list = Some(wr_set_sge_list);
+        x.wr_set_inline_data = Some(wr_set_inline_data);
+        x.wr_set_inline_data_list = Some(wr_set_inline_data_list);
     }
     scq.users.fetch_add(1, Ordering::AcqRel);
     rcq.users.fetch_add(1, Ordering::AcqRel);
     pdr.users.fetch_add(1, Ordering::AcqRel);
-    let b = Box::into_raw(Box::new(Qp { qpx: x, inner, send_cq: scq, recv_cq: rcq, pd: pdr, extended }));
+    let b = Box::into_raw(Box::new(Qp { qpx: x, inner, send_cq: scq, recv_cq: rcq, pd: pdr, extended, batch: Default::default() }));
     b as *mut ibv_qp
 }
 
@@ -136,12 +176,6 @@ pub unsafe extern "C" fn create_qp_ex(c: *mut ibv_context, attr: *mut ibv_qp_ini
     }
     let known = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
     if (*attr).comp_mask & !known != 0 || (*attr).comp_mask & IBV_QP_INIT_ATTR_PD == 0 {
-        set_errno(libc::EOPNOTSUPP);
-        return std::ptr::null_mut();
-    }
-    if (*attr).comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0 {
-        // The ibv_wr_* builders are not provided: a driver without them
-        // refuses the flags rather than handing out NULL function pointers.
         set_errno(libc::EOPNOTSUPP);
         return std::ptr::null_mut();
     }
@@ -496,4 +530,140 @@ pub unsafe extern "C" fn dealloc_mw(_mw: *mut ibv_mw) -> c_int {
 
 pub unsafe extern "C" fn bind_mw(_q: *mut ibv_qp, _mw: *mut ibv_mw, _b: *mut ibv_mw_bind) -> c_int {
     libc::EOPNOTSUPP
+}
+
+/// The ibv_wr_* operations this device builds (send_ops_flags).
+const SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
+    | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    | IBV_QP_EX_WITH_SEND
+    | IBV_QP_EX_WITH_SEND_WITH_IMM
+    | IBV_QP_EX_WITH_RDMA_READ
+    | IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
+    | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
+    | IBV_QP_EX_WITH_SEND_WITH_INV) as u64;
+
+unsafe fn batch<'a>(q: *mut ibv_qp_ex) -> std::sync::MutexGuard<'a, Batch> {
+    (*(q as *const Qp)).batch.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+unsafe extern "C" fn wr_start(q: *mut ibv_qp_ex) {
+    *batch(q) = Batch::default();
+}
+
+unsafe extern "C" fn wr_abort(q: *mut ibv_qp_ex) {
+    *batch(q) = Batch::default();
+}
+
+/// Posts the batch; all or nothing, as the builders of kernel drivers.
+unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
+    let b = std::mem::take(&mut *batch(q));
+    if b.err != 0 {
+        return b.err;
+    }
+    let x = &*(q as *const Qp);
+    if b.wrs.len() > x.inner.send_slots() as usize {
+        return libc::ENOMEM;
+    }
+    let cap = x.inner.cap;
+    let mut wrs = Vec::with_capacity(b.wrs.len());
+    for p in &b.wrs {
+        let mut s = verbs::SendWr::new(p.wr_id, p.opcode, &p.sges);
+        s.flags = p.flags & !verbs::send_flags::INLINE;
+        s.remote_addr = p.remote_addr;
+        s.rkey = p.rkey;
+        s.compare_add = p.compare_add;
+        s.swap = p.swap;
+        s.imm = p.imm;
+        if let Some(d) = &p.inline {
+            if d.len() > cap.max_inline_data as usize {
+                return libc::EINVAL;
+            }
+            s = s.with_inline(d);
+        } else if p.sges.len() > cap.max_send_sge as usize || (p.opcode.is_atomic() && p.sges.len() != 1) {
+            return libc::EINVAL;
+        }
+        wrs.push(s);
+    }
+    match x.inner.post_send(&wrs) {
+        Ok(()) => 0,
+        Err(_) => libc::ENOMEM,
+    }
+}
+
+/// Starts the next WR of the batch with the QP's wr_id and wr_flags.
+unsafe fn push(q: *mut ibv_qp_ex, opcode: verbs::WrOpcode, rkey: u32, remote_addr: u64) -> std::sync::MutexGuard<'static, Batch> {
+    let mut b = batch(q);
+    b.wrs.push(PendingWr {
+        wr_id: (*q).wr_id,
+        opcode,
+        flags: ((*q).wr_flags & 0xf) as u8,
+        remote_addr,
+        rkey,
+        compare_add: 0,
+        swap: 0,
+        imm: 0,
+        sges: Vec::new(),
+        inline: None,
+    });
+    b
+}
+
+unsafe extern "C" fn wr_rdma_write(q: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    drop(push(q, verbs::WrOpcode::RdmaWrite, rkey, addr));
+}
+unsafe extern "C" fn wr_rdma_write_imm(q: *mut ibv_qp_ex, rkey: u32, addr: u64, imm: __be32) {
+    push(q, verbs::WrOpcode::RdmaWriteImm, rkey, addr).wrs.last_mut().unwrap().imm = u32::from_be(imm);
+}
+unsafe extern "C" fn wr_rdma_read(q: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    drop(push(q, verbs::WrOpcode::RdmaRead, rkey, addr));
+}
+unsafe extern "C" fn wr_send(q: *mut ibv_qp_ex) {
+    drop(push(q, verbs::WrOpcode::Send, 0, 0));
+}
+unsafe extern "C" fn wr_send_imm(q: *mut ibv_qp_ex, imm: __be32) {
+    push(q, verbs::WrOpcode::SendImm, 0, 0).wrs.last_mut().unwrap().imm = u32::from_be(imm);
+}
+unsafe extern "C" fn wr_send_inv(q: *mut ibv_qp_ex, invalidate_rkey: u32) {
+    push(q, verbs::WrOpcode::SendInv, 0, 0).wrs.last_mut().unwrap().imm = invalidate_rkey;
+}
+unsafe extern "C" fn wr_atomic_cmp_swp(q: *mut ibv_qp_ex, rkey: u32, addr: u64, compare: u64, swap: u64) {
+    let mut b = push(q, verbs::WrOpcode::AtomicCmpSwp, rkey, addr);
+    let w = b.wrs.last_mut().unwrap();
+    w.compare_add = compare;
+    w.swap = swap;
+}
+unsafe extern "C" fn wr_atomic_fetch_add(q: *mut ibv_qp_ex, rkey: u32, addr: u64, add: u64) {
+    push(q, verbs::WrOpcode::AtomicFetchAdd, rkey, addr).wrs.last_mut().unwrap().compare_add = add;
+}
+
+/// Applies `f` to the WR being built; a setter without a WR is an error of
+/// the batch.
+unsafe fn with_last(q: *mut ibv_qp_ex, f: impl FnOnce(&mut PendingWr)) {
+    let mut b = batch(q);
+    match b.wrs.last_mut() {
+        Some(w) => f(w),
+        None => b.err = libc::EINVAL,
+    }
+}
+
+unsafe extern "C" fn wr_set_sge(q: *mut ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
+    with_last(q, |w| w.sges = vec![verbs::Sge { addr, length, lkey }]);
+}
+unsafe extern "C" fn wr_set_sge_list(q: *mut ibv_qp_ex, n: usize, list: *const ibv_sge) {
+    let sges = if n == 0 || list.is_null() { &[][..] } else { std::slice::from_raw_parts(list as *const verbs::Sge, n) };
+    with_last(q, |w| w.sges = sges.to_vec());
+}
+unsafe extern "C" fn wr_set_inline_data(q: *mut ibv_qp_ex, addr: *mut std::ffi::c_void, length: usize) {
+    let d = if length == 0 { Vec::new() } else { std::slice::from_raw_parts(addr as *const u8, length).to_vec() };
+    with_last(q, |w| w.inline = Some(d));
+}
+unsafe extern "C" fn wr_set_inline_data_list(q: *mut ibv_qp_ex, n: usize, list: *const ibv_data_buf) {
+    let mut d = Vec::new();
+    for i in 0..n {
+        let b = &*list.add(i);
+        if b.length > 0 {
+            d.extend_from_slice(std::slice::from_raw_parts(b.addr as *const u8, b.length));
+        }
+    }
+    with_last(q, |w| w.inline = Some(d));
 }

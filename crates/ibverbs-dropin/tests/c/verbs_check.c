@@ -248,6 +248,72 @@ int main(void)
 		ibv_dereg_mr(lm);
 	}
 
+	/* The extended API: ibv_cq_ex polling and the ibv_wr_* builders. */
+	{
+		struct ibv_cq_init_attr_ex ca = { .cqe = 64, .wc_flags = IBV_WC_EX_WITH_BYTE_LEN | IBV_WC_EX_WITH_IMM |
+									 IBV_WC_EX_WITH_QP_NUM };
+		struct ibv_cq_ex *cqx = ibv_create_cq_ex(ctx, &ca);
+		CHECK("create_cq_ex", cqx, "errno %d", errno);
+		struct ibv_cq_init_attr_ex bad_ca = { .cqe = 64, .wc_flags = IBV_WC_EX_WITH_COMPLETION_TIMESTAMP };
+		CHECK("cq_ex timestamps", !ibv_create_cq_ex(ctx, &bad_ca) && errno == EOPNOTSUPP, "errno %d", errno);
+		struct ibv_qp_init_attr_ex qa_ex = {
+			.send_cq = ibv_cq_ex_to_cq(cqx), .recv_cq = ibv_cq_ex_to_cq(cqx), .qp_type = IBV_QPT_RC,
+			.cap = { 16, 16, 2, 2, 64 }, .comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
+			.pd = pd, .send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_SEND_WITH_IMM,
+		};
+		struct ibv_qp *p = ibv_create_qp_ex(ctx, &qa_ex), *q = ibv_create_qp_ex(ctx, &qa_ex);
+		CHECK("create_qp_ex", p && q, "errno %d", errno);
+		qa_ex.send_ops_flags = IBV_QP_EX_WITH_TSO;
+		CHECK("qp_ex TSO", !ibv_create_qp_ex(ctx, &qa_ex) && errno == EOPNOTSUPP, "errno %d", errno);
+		connect_qp(p, q->qp_num);
+		connect_qp(q, p->qp_num);
+		struct ibv_qp_ex *px = ibv_qp_to_qp_ex(p);
+		CHECK("qp_to_qp_ex", px && !ibv_qp_to_qp_ex(a), "qp_ex");
+		char *src = malloc(8192), *dst = malloc(8192), *rbuf = malloc(64);
+		memset(src, 0x5a, 8192);
+		memset(dst, 0, 8192);
+		struct ibv_mr *sm = ibv_reg_mr(pd, src, 8192, IBV_ACCESS_LOCAL_WRITE);
+		struct ibv_mr *dm = ibv_reg_mr(pd, dst, 8192, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+		struct ibv_mr *rm = ibv_reg_mr(pd, rbuf, 64, IBV_ACCESS_LOCAL_WRITE);
+		struct ibv_sge rs = { (uintptr_t)rbuf, 64, rm->lkey };
+		struct ibv_recv_wr rw = { .wr_id = 21, .sg_list = &rs, .num_sge = 1 }, *rbad;
+		CHECK("qp_ex post_recv", ibv_post_recv(q, &rw, &rbad) == 0, "post_recv");
+		ibv_wr_start(px);
+		px->wr_id = 20;
+		px->wr_flags = IBV_SEND_SIGNALED;
+		ibv_wr_rdma_write(px, dm->rkey, (uintptr_t)dst);
+		ibv_wr_set_sge(px, sm->lkey, (uintptr_t)src, 8192);
+		px->wr_id = 22;
+		ibv_wr_send_imm(px, htobe32(77));
+		ibv_wr_set_inline_data(px, "inline!", 8);
+		CHECK("wr_complete", ibv_wr_complete(px) == 0, "complete");
+		int seen = 0, tries = 0;
+		while (seen < 3 && tries++ < 100000000) {
+			struct ibv_poll_cq_attr pa2 = {};
+			if (ibv_start_poll(cqx, &pa2) != 0)
+				continue;
+			do {
+				CHECK("cq_ex status", cqx->status == IBV_WC_SUCCESS, "status %d", cqx->status);
+				if (cqx->wr_id == 21)
+					CHECK("cq_ex recv", ibv_wc_read_opcode(cqx) == IBV_WC_RECV &&
+								    ibv_wc_read_byte_len(cqx) == 8 &&
+								    be32toh(ibv_wc_read_imm_data(cqx)) == 77 &&
+								    ibv_wc_read_qp_num(cqx) == q->qp_num && !strcmp(rbuf, "inline!"),
+					      "opcode %d", ibv_wc_read_opcode(cqx));
+				seen++;
+			} while (ibv_next_poll(cqx) == 0);
+			ibv_end_poll(cqx);
+		}
+		CHECK("cq_ex completions", seen == 3, "saw %d", seen);
+		CHECK("wr write data", memcmp(src, dst, 8192) == 0, "data");
+		CHECK("qp_ex teardown", ibv_destroy_qp(p) == 0 && ibv_destroy_qp(q) == 0 &&
+						ibv_destroy_cq(ibv_cq_ex_to_cq(cqx)) == 0, "destroy");
+		ibv_dereg_mr(sm);
+		ibv_dereg_mr(dm);
+		ibv_dereg_mr(rm);
+		OK("ibv_qp_ex builders and ibv_cq_ex polling");
+	}
+
 	/* Bad calls. */
 	{
 		errno = 0;
