@@ -136,6 +136,19 @@ fn devinfo_shows_rnic0() {
     ] {
         assert!(text.contains(&want), "ibv_devinfo lacks {want:?}:\n{text}");
     }
+    // The same through `transit rdma exec` (here its standalone binary),
+    // which sets LD_LIBRARY_PATH itself.
+    lib_dir();
+    let out = bed
+        .tb
+        .host(0)
+        .command(profile_dir().join("transit-rdma"))
+        .args(["exec", "--sock", bed.nics[0].sock.to_str().unwrap(), "--", "ibv_devinfo", "-l"])
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("transit-rdma exec");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("1 HCA found") && text.contains("rnic0"), "{text}");
 }
 
 #[test]
