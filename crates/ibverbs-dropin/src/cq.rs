@@ -203,11 +203,16 @@ unsafe extern "C" fn read_zero_u8(_x: *mut ibv_cq_ex) -> u8 {
     0
 }
 
-unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *mut ibv_comp_channel, _vector: c_int) -> *mut Cq {
+unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *mut ibv_comp_channel, vector: c_int) -> *mut Cq {
     let Some(cx) = ctx(c) else {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     };
+    // One completion vector (num_comp_vectors is 1).
+    if vector < 0 || vector >= (*c).num_comp_vectors {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
     let max = cx.inner.query_device().map(|d| d.max_cqe).unwrap_or(1 << 16);
     if cqe < 1 || cqe as u32 > max {
         set_errno(libc::EINVAL);

@@ -34,6 +34,10 @@ pub struct Context {
     /// Never signalled: rnicd reports no asynchronous events yet, and a
     /// program waiting for one sleeps as on a quiet real device.
     pub async_fd: OwnedFd,
+    /// Stands for the kernel command fd: some programs dup it (to import
+    /// the context elsewhere, which this device refuses), so it must be a
+    /// real descriptor.
+    pub cmd_fd: OwnedFd,
     pub port: ibv_port_attr,
 }
 
@@ -143,10 +147,12 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
         }
     };
     let efd = libc::eventfd(0, libc::EFD_CLOEXEC);
-    if efd < 0 {
+    let cfd = libc::eventfd(0, libc::EFD_CLOEXEC);
+    if efd < 0 || cfd < 0 {
         return std::ptr::null_mut();
     }
-    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd: OwnedFd::from_raw_fd(efd), port });
+    let (async_fd, cmd_fd) = (OwnedFd::from_raw_fd(efd), OwnedFd::from_raw_fd(cfd));
+    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, port });
     let v = &mut c.vctx;
     v.sz = std::mem::size_of::<verbs_context>();
     v.query_port = Some(query_port_ex);
@@ -154,7 +160,7 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     v.create_qp_ex = Some(qp::create_qp_ex);
     v.create_cq_ex = Some(cq::create_cq_ex);
     v.context.device = dev;
-    v.context.cmd_fd = -1;
+    v.context.cmd_fd = c.cmd_fd.as_raw_fd();
     v.context.async_fd = c.async_fd.as_raw_fd();
     v.context.num_comp_vectors = 1;
     // Tells the inline functions of verbs.h that the verbs_context before
@@ -346,7 +352,11 @@ pub unsafe extern "C" fn _ibv_query_gid_table(
     size: usize,
 ) -> isize {
     let Some(cx) = ctx(c) else { return -(libc::EINVAL as isize) };
-    let n = (cx.port.gid_tbl_len as usize).min(max);
+    // As the kernel: a buffer too small for the whole table is an error.
+    let n = cx.port.gid_tbl_len as usize;
+    if max < n {
+        return -(libc::EINVAL as isize);
+    }
     for i in 0..n {
         let r = _ibv_query_gid_ex(c, 1, i as u32, entries.add(i), flags, size);
         if r != 0 {

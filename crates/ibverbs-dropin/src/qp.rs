@@ -174,8 +174,11 @@ pub unsafe extern "C" fn create_qp_ex(c: *mut ibv_context, attr: *mut ibv_qp_ini
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }
-    let known = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
-    if (*attr).comp_mask & !known != 0 || (*attr).comp_mask & IBV_QP_INIT_ATTR_PD == 0 {
+    // Creation flags are accepted when there are none (all of them ask for
+    // hardware features: scatter FCS, CVLAN stripping, source QPN...).
+    let known = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS | IBV_QP_INIT_ATTR_CREATE_FLAGS;
+    let flags = if (*attr).comp_mask & IBV_QP_INIT_ATTR_CREATE_FLAGS != 0 { (*attr).create_flags } else { 0 };
+    if (*attr).comp_mask & !known != 0 || (*attr).comp_mask & IBV_QP_INIT_ATTR_PD == 0 || flags != 0 {
         set_errno(libc::EOPNOTSUPP);
         return std::ptr::null_mut();
     }

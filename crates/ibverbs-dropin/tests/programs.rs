@@ -249,3 +249,47 @@ fn exports_match_rdma_core() {
     assert_eq!(theirs.len(), 146, "rdma-core 44 exports 146 names");
     assert_eq!(ours, theirs);
 }
+
+/// Passed cases of rdma-core's pyverbs suite on rnic0 (Debian's copy, all
+/// 273 cases; the rest skip: mlx5/EFA, UD, DM, ODP, MW, XRC...). A run
+/// passing fewer, or failing any, fails this test.
+const PYVERBS_PASSED: usize = 47;
+
+#[test]
+fn pyverbs_suite() {
+    let tests = Path::new("/usr/share/doc/rdma-core/tests");
+    assert!(tests.join("run_tests.py").exists(), "python3-pyverbs is missing (scripts/setup installs it)");
+    let bed = Bed::new("ibvpy", 1);
+    // The package gzips most modules: work on an unpacked copy.
+    let dir = std::env::temp_dir().join(format!("pyverbs-tests-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let st = Command::new("sh")
+        .arg("-c")
+        .arg(format!("mkdir -p {d} && cp -r {t}/. {d}/ && gunzip -f {d}/*.gz", d = dir.display(), t = tests.display()))
+        .status()
+        .unwrap();
+    assert!(st.success(), "copying the pyverbs tests");
+    let runner = dir.join("run_tests.py");
+    let out = bed.run(0, "/usr/bin/python3", &[runner.to_str().unwrap(), "--dev", "rnic0", "--port", "1", "--gid", "0", "-v"]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let ran: usize = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Ran ").and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()))
+        .unwrap_or_else(|| panic!("no summary:\n{text}"));
+    let count = |key: &str| -> usize {
+        let last = text.lines().rev().find(|l| l.starts_with("OK") || l.starts_with("FAILED")).unwrap_or("");
+        last.split(&format!("{key}="))
+            .nth(1)
+            .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let (failed, errors, skipped) = (count("failures"), count("errors"), count("skipped"));
+    let passed = ran - failed - errors - skipped;
+    eprintln!("pyverbs: ran {ran}, passed {passed}, failed {failed}, errors {errors}, skipped {skipped}");
+    assert!(
+        failed == 0 && errors == 0 && passed >= PYVERBS_PASSED,
+        "pyverbs: passed {passed} (want >= {PYVERBS_PASSED}), failed {failed}, errors {errors}\n{text}"
+    );
+}
