@@ -29,6 +29,9 @@ pub struct Cq {
     empty_polls: std::sync::atomic::AtomicU32,
     /// The completion ibv_start_poll/ibv_next_poll stand on (ibv_cq_ex).
     current: std::cell::Cell<verbs::Wc>,
+    /// The context's idle channel's eventfd for a CQ made without a
+    /// channel (else -1): what an idle ibv_poll_cq sleeps on.
+    idle_fd: c_int,
 }
 
 /// Empty polls in a row after which ibv_poll_cq yields the CPU. A program
@@ -37,6 +40,15 @@ pub struct Cq {
 /// loaded 2-CPU host a spinning ping-pong took 30 ms per round trip, and
 /// 90 us when it yielded. A poll that finds completions never yields.
 const SPINS_BEFORE_YIELD: u32 = 16;
+
+/// Empty polls in a row after which ibv_poll_cq of a CQ without a
+/// completion channel sleeps on the context's idle channel (rnicd signals
+/// it when a completion lands in an armed CQ) for at most IDLE_NAP_MS, and
+/// then returns what it finds. A program spinning on its CQ then costs the
+/// CPU rnicd needs no more than one sleeping on a channel; a program whose
+/// completions come in a steady stream never gets this far.
+const SPINS_BEFORE_SLEEP: u32 = 4;
+const IDLE_NAP_MS: c_int = 1;
 
 #[repr(C)]
 pub struct Channel {
@@ -219,7 +231,10 @@ unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *
         return std::ptr::null_mut();
     }
     let chan = ch as *mut Channel;
-    let inner = match cx.inner.create_cq(cqe as u32, if chan.is_null() { None } else { Some(&(*chan).inner) }) {
+    // A CQ without a channel of the program's gets the context's idle
+    // channel: the program never arms such a CQ itself.
+    let (channel, idle_fd) = if chan.is_null() { (&cx.idle, cx.idle.fd()) } else { (&(*chan).inner, -1) };
+    let inner = match cx.inner.create_cq(cqe as u32, Some(channel)) {
         Ok(q) => q,
         Err(_) => {
             set_errno(libc::ENOMEM);
@@ -237,6 +252,7 @@ unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *
         users: 0.into(),
         empty_polls: 0.into(),
         current: Default::default(),
+        idle_fd,
     }));
     if !chan.is_null() {
         (*chan).ch.refcnt += 1;
@@ -271,14 +287,47 @@ pub unsafe extern "C" fn poll_cq(c: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c
     if n < 0 || (n > 0 && wc.is_null()) {
         return -libc::EINVAL;
     }
+    let done = match take(q, n as usize, wc) {
+        Ok(k) => k,
+        Err(e) => return e,
+    };
+    if done > 0 || n == 0 {
+        q.empty_polls.store(0, Ordering::Relaxed);
+        return done as c_int;
+    }
+    let empty = q.empty_polls.fetch_add(1, Ordering::Relaxed) + 1;
+    if q.idle_fd >= 0 && empty >= SPINS_BEFORE_SLEEP {
+        // Arm, look once more (a completion may have landed before the
+        // arm), then sleep until rnicd signals or the nap ends.
+        q.inner.req_notify(false);
+        match take(q, n as usize, wc) {
+            Ok(0) => {}
+            Ok(k) => return k as c_int,
+            Err(e) => return e,
+        }
+        let mut p = libc::pollfd { fd: q.idle_fd, events: libc::POLLIN, revents: 0 };
+        if libc::poll(&mut p, 1, IDLE_NAP_MS) > 0 {
+            let mut v = 0u64;
+            libc::read(q.idle_fd, &mut v as *mut u64 as *mut c_void, 8);
+        }
+        return match take(q, n as usize, wc) {
+            Ok(k) => k as c_int,
+            Err(e) => e,
+        };
+    }
+    if empty >= SPINS_BEFORE_YIELD {
+        libc::sched_yield();
+    }
+    0
+}
+
+/// Moves up to `n` completions from the ring into `wc`.
+unsafe fn take(q: &Cq, n: usize, wc: *mut ibv_wc) -> Result<usize, c_int> {
     let mut buf = [verbs::Wc::default(); 32];
     let mut done = 0usize;
-    while done < n as usize {
-        let want = (n as usize - done).min(buf.len());
-        let k = match q.inner.poll(&mut buf[..want]) {
-            Ok(k) => k,
-            Err(_) => return -libc::EOVERFLOW,
-        };
+    while done < n {
+        let want = (n - done).min(buf.len());
+        let k = q.inner.poll(&mut buf[..want]).map_err(|_| -libc::EOVERFLOW)?;
         for (i, w) in buf[..k].iter().enumerate() {
             let out = &mut *wc.add(done + i);
             *out = ibv_wc {
@@ -298,14 +347,7 @@ pub unsafe extern "C" fn poll_cq(c: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c
             break;
         }
     }
-    if done == 0 && n > 0 {
-        if q.empty_polls.fetch_add(1, Ordering::Relaxed) >= SPINS_BEFORE_YIELD {
-            libc::sched_yield();
-        }
-    } else {
-        q.empty_polls.store(0, Ordering::Relaxed);
-    }
-    done as c_int
+    Ok(done)
 }
 
 pub unsafe extern "C" fn req_notify_cq(c: *mut ibv_cq, solicited_only: c_int) -> c_int {

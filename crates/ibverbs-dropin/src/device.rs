@@ -38,6 +38,9 @@ pub struct Context {
     /// the context elsewhere, which this device refuses), so it must be a
     /// real descriptor.
     pub cmd_fd: OwnedFd,
+    /// The channel of every CQ made without one: ibv_poll_cq sleeps on it
+    /// when a program spins on an empty CQ (cq.rs).
+    pub idle: verbs::CompChannel,
     pub port: ibv_port_attr,
 }
 
@@ -152,7 +155,11 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
         return std::ptr::null_mut();
     }
     let (async_fd, cmd_fd) = (OwnedFd::from_raw_fd(efd), OwnedFd::from_raw_fd(cfd));
-    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, port });
+    let Ok(idle) = inner.create_comp_channel() else {
+        set_errno(libc::EMFILE);
+        return std::ptr::null_mut();
+    };
+    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, idle, port });
     let v = &mut c.vctx;
     v.sz = std::mem::size_of::<verbs_context>();
     v.query_port = Some(query_port_ex);
