@@ -34,6 +34,9 @@ const MEMFD_NAME: &str = "transit-ibverbs-mr";
 
 struct Shared {
     fd: OwnedFd,
+    /// The process that made the memfd: a forked child shares the file with
+    /// it and must never punch its pages.
+    owner: libc::pid_t,
     /// Live registrations as page ranges [start, end).
     regs: Mutex<Vec<(u64, u64)>>,
 }
@@ -58,7 +61,7 @@ fn shared() -> Result<&'static Shared, i32> {
                 return Err(errno());
             }
             unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-            Ok(Shared { fd, regs: Mutex::new(Vec::new()) })
+            Ok(Shared { fd, owner: unsafe { libc::getpid() }, regs: Mutex::new(Vec::new()) })
         })
         .as_ref()
         .map_err(|e| *e)
@@ -221,6 +224,12 @@ pub fn unshare(addr: u64, len: u64) {
     let mut regs = sh.regs.lock().unwrap_or_else(|e| e.into_inner());
     let Some(i) = regs.iter().position(|r| *r == (lo, hi)) else { return };
     regs.swap_remove(i);
+    // SAFETY: getpid cannot fail.
+    if unsafe { libc::getpid() } != sh.owner {
+        // A forked child's registered pages are already private copies
+        // (after_fork_in_child); the file's pages are its parent's.
+        return;
+    }
     // The pages of [lo, hi) that no remaining registration covers.
     let mut free = vec![(lo, hi)];
     for &(s, e) in regs.iter() {

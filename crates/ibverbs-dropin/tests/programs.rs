@@ -6,6 +6,7 @@
 //! <infiniband/verbs.h>, and the exported symbol set against rdma-core's.
 //! Needs root (network namespaces) and scripts/setup's packages.
 
+use std::io::Read;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -76,16 +77,17 @@ impl Bed {
     }
 
     /// `program args` in host `i`, on the drop-in and that host's rnicd.
+    /// `ip netns exec` execs the program, so killing the child kills it.
     fn command(&self, i: usize, program: &str, args: &[&str]) -> Command {
-        let mut c = self.tb.host(i).command("timeout");
-        c.arg("120").arg(program).args(args);
+        let mut c = self.tb.host(i).command(program);
+        c.args(args);
         c.env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &self.nics[i].sock);
         c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         c
     }
 
     fn run(&self, i: usize, program: &str, args: &[&str]) -> Output {
-        self.command(i, program, args).output().expect("run program")
+        finish(HostChild::new(self.command(i, program, args).spawn().expect("run program")))
     }
 
     /// Waits until something listens on TCP `port` in host `i`.
@@ -113,7 +115,7 @@ impl Bed {
         let mut cargs = args.to_vec();
         cargs.push(&addr);
         let client = self.run(1, program, &cargs);
-        let server = server.into_inner().wait_with_output().expect("server output");
+        let server = finish(server);
         let text = |o: &Output| String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
         let (s, c) = (text(&server), text(&client));
         assert!(server.status.success() && client.status.success(), "{program} {args:?} failed\n--- server\n{s}\n--- client\n{c}");
@@ -164,6 +166,61 @@ fn rc_pingpong_between_hosts() {
             assert!(out.contains(&format!("GID ::ffff:{}", bed.nics[0].addr)), "{out}");
         }
     }
+}
+
+/// Waits for a program (at most two minutes, then kills it) and returns
+/// its output. A test that fails leaves nothing running: the HostChild
+/// kills the program when dropped.
+fn finish(mut child: HostChild) -> Output {
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let readers = (
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = out.read_to_end(&mut v);
+            v
+        }),
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = err.read_to_end(&mut v);
+            v
+        }),
+    );
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "program still running after 2 minutes");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Output { status, stdout: readers.0.join().unwrap(), stderr: readers.1.join().unwrap() }
+}
+
+/// rnicd's clients still connected (the stats query's own connection included).
+fn live_clients(bed: &Bed, i: usize) -> i64 {
+    let ctx = verbs::Context::open(Some(&bed.nics[i].sock)).expect("open rnicd");
+    let st = ctx.stats().expect("stats");
+    st["clients_connected"].as_i64().unwrap() - st["clients_gone"].as_i64().unwrap()
+}
+
+#[test]
+fn a_killed_program_loses_only_its_own_objects() {
+    let bed = Bed::new("ibvkill", 2);
+    // A pingpong server holds a PD, an MR, a CQ and a QP while it waits for
+    // its client; SIGKILL it there.
+    let args = ["-d", "rnic0", "-g", "0", "-n", "100", "--chk"];
+    let mut server = HostChild::new(bed.command(0, "ibv_rc_pingpong", &args).spawn().expect("server"));
+    bed.wait_listen(0, 18515, &mut server);
+    assert_eq!(live_clients(&bed, 0), 2, "the server and this query");
+    drop(server);
+    let t0 = Instant::now();
+    while live_clients(&bed, 0) != 1 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "rnicd kept the killed program's connection");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The device serves the next programs as before.
+    let (s, c) = bed.pair("ibv_rc_pingpong", &args, 18515);
+    assert!(s.contains("100 iters in") && c.contains("100 iters in"), "{s}\n{c}");
 }
 
 /// The result row of a perftest report: the numbers after the "#bytes" header.
