@@ -302,9 +302,10 @@ unsafe extern "C" fn query_port_ex(c: *mut ibv_context, port: u8, attr: *mut ibv
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_query_port(c: *mut ibv_context, port: u8, attr: *mut ibv_port_attr) -> c_int {
-    // The exported function serves binaries built against the old, shorter
-    // struct (the compat layout): copy only up to the old size's fields.
-    query_port_ex(c, port, attr, std::mem::offset_of!(ibv_port_attr, flags))
+    // The exported function takes rdma-core's `struct _compat_ibv_port_attr`
+    // (binaries built before port_cap_flags2): the fields up to and
+    // including `flags`, 48 bytes; the rest is not the caller's memory.
+    query_port_ex(c, port, attr, std::mem::offset_of!(ibv_port_attr, port_cap_flags2))
 }
 
 fn v4_mapped(ip: Ipv4Addr) -> [u8; 16] {
