@@ -138,6 +138,10 @@ fn devinfo_shows_rnic0() {
     ] {
         assert!(text.contains(&want), "ibv_devinfo lacks {want:?}:\n{text}");
     }
+    // In an RDMA namespace of rnicd's (TRANSIT_IBV_NAMESPACE): its GID.
+    let out = bed.command(0, "ibv_devinfo", &["-v"]).env("TRANSIT_IBV_NAMESPACE", "10.99.0.7").output().expect("ibv_devinfo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("GID[  0]:\t\t::ffff:10.99.0.7, RoCE v2"), "{text}");
     // The same through `transit rdma exec` (here its standalone binary),
     // which sets LD_LIBRARY_PATH itself.
     lib_dir();
