@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_int, c_void};
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::Mutex;
 
 use crate::sys::*;
 use crate::{cq, qp, set_errno};
@@ -44,9 +44,10 @@ pub struct Context {
     pub port: ibv_port_attr,
 }
 
-/// The device found at the first ibv_get_device_list (devices live as long
-/// as the process, as libibverbs' do while listed).
-static DEVICE: OnceLock<Option<Box<Device>>> = OnceLock::new();
+/// The device, once found (it lives as long as the process, as a device
+/// of libibverbs does while listed). Until rnicd is found, every
+/// ibv_get_device_list looks again.
+static DEVICE: Mutex<Option<&'static Device>> = Mutex::new(None);
 
 fn copy_str(dst: &mut [c_char], s: &str) {
     for (d, b) in dst.iter_mut().zip(s.bytes().chain(std::iter::once(0))) {
@@ -81,7 +82,11 @@ fn discover() -> Option<Box<Device>> {
 }
 
 fn device() -> Option<&'static Device> {
-    DEVICE.get_or_init(discover).as_deref()
+    let mut d = DEVICE.lock().unwrap_or_else(|e| e.into_inner());
+    if d.is_none() {
+        *d = discover().map(|b| &*Box::leak(b));
+    }
+    *d
 }
 
 #[no_mangle]
