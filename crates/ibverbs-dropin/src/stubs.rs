@@ -132,8 +132,14 @@ null_stubs!(
     _verbs_init_and_alloc_context,
     verbs_open_device,
 );
-// sysfs: the device has no sysfs directory.
-minus_one_stubs!(ibv_get_sysfs_path, ibv_read_sysfs_file, ibv_read_ibdev_sysfs_file);
+// sysfs: the device has no sysfs directory, so reading its files fails.
+minus_one_stubs!(ibv_read_sysfs_file, ibv_read_ibdev_sysfs_file);
+
+/// Where sysfs is mounted (a string, as rdma-core returns).
+#[no_mangle]
+pub extern "C" fn ibv_get_sysfs_path() -> *const std::ffi::c_char {
+    c"/sys".as_ptr()
+}
 void_stubs!(
     ibv_unimport_dm,
     ibv_unimport_mr,

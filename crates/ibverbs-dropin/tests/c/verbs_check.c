@@ -18,6 +18,9 @@
 #include <unistd.h>
 #include <infiniband/verbs.h>
 
+/* Exported by libibverbs, declared only in rdma-core's driver headers. */
+const char *ibv_get_sysfs_path(void);
+
 #define CHECK(name, cond, ...)                                                                                         \
 	do {                                                                                                           \
 		if (!(cond)) {                                                                                         \
@@ -355,6 +358,11 @@ int main(void)
 		CHECK("UD QP", !ibv_create_qp(pd, &ud) && errno == EOPNOTSUPP, "errno %d", errno);
 		CHECK("srq", !ibv_create_srq(pd, &(struct ibv_srq_init_attr){ .attr = { 1, 1, 0 } }) &&
 				     errno == EOPNOTSUPP, "errno %d", errno);
+		union ibv_gid mgid = {};
+		CHECK("multicast", ibv_attach_mcast(c, &mgid, 0) == EOPNOTSUPP, "mcast");
+		struct ibv_ah_attr aha = { .is_global = 1, .port_num = 1 };
+		CHECK("address handle", !ibv_create_ah(pd, &aha) && errno == EOPNOTSUPP, "errno %d", errno);
+		CHECK("sysfs path", !strcmp(ibv_get_sysfs_path(), "/sys"), "path");
 		CHECK("destroy qp", ibv_destroy_qp(c) == 0, "destroy");
 		ibv_dereg_mr(hm);
 		OK("bad calls");
