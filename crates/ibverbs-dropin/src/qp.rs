@@ -300,6 +300,11 @@ pub unsafe extern "C" fn ibv_modify_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, m
         if a.ah_attr.is_global == 0 {
             return libc::EINVAL;
         }
+        // The source GID must be one of the port's.
+        let gids = crate::device::ctx(x.qpx.qp_base.context).map(|c| c.port.gid_tbl_len).unwrap_or(0);
+        if i32::from(a.ah_attr.grh.sgid_index) >= gids {
+            return libc::EINVAL;
+        }
         let g = a.ah_attr.grh.dgid.raw;
         if g[..10] != [0; 10] || g[10] != 0xff || g[11] != 0xff {
             return libc::EINVAL;

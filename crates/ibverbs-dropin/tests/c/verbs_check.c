@@ -331,6 +331,24 @@ int main(void)
 		CHECK("state kept", ibv_query_qp(a, &rtr, IBV_QP_STATE, &qi) == 0 && rtr.qp_state == IBV_QPS_RTS, "%d",
 		      rtr.qp_state);
 		struct ibv_qp *c = make_qp(4);
+		{
+			struct ibv_qp_attr ia = { .qp_state = IBV_QPS_INIT, .port_num = 1 };
+			CHECK("init", ibv_modify_qp(c, &ia, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+								   IBV_QP_ACCESS_FLAGS) == 0, "init");
+			struct ibv_qp_attr ra = { .qp_state = IBV_QPS_RTR, .path_mtu = IBV_MTU_1024, .dest_qp_num = 1,
+						  .max_dest_rd_atomic = 1, .min_rnr_timer = 1 };
+			ra.ah_attr.is_global = 1;
+			ra.ah_attr.grh.dgid = gid;
+			ra.ah_attr.grh.sgid_index = 5;
+			ra.ah_attr.port_num = 1;
+			int rtr_mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+				       IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
+			CHECK("bad sgid index", ibv_modify_qp(c, &ra, rtr_mask) == EINVAL, "sgid");
+			ra.ah_attr.grh.sgid_index = 0;
+			ra.ah_attr.is_global = 0;
+			CHECK("no GRH on RoCE", ibv_modify_qp(c, &ra, rtr_mask) == EINVAL, "grh");
+			CHECK("missing RTR attributes", ibv_modify_qp(c, &ra, IBV_QP_STATE) == EINVAL, "mask");
+		}
 		struct ibv_mr *hm = ibv_reg_mr(pd, heap, 4096, IBV_ACCESS_LOCAL_WRITE);
 		struct ibv_sge s = { (uintptr_t)heap, 8, hm->lkey };
 		struct ibv_recv_wr r[9], *rbad = NULL;
