@@ -139,6 +139,11 @@ impl Drv {
     /// A device on `sock`'s rnicd in namespace `gid`, not yet brought up.
     pub fn new(sock: &std::path::Path, gid: Ipv4Addr) -> Drv {
         let (mem, fd) = guest_ram();
+        Drv::with_ram(sock, gid, mem, fd)
+    }
+
+    /// A device on existing guest RAM (a restore target).
+    pub fn with_ram(sock: &std::path::Path, gid: Ipv4Addr, mem: GuestMemory, fd: OwnedFd) -> Drv {
         let cfg = PvrdmaConfig::parse(&format!("gid={gid},rnicd={}", sock.display())).unwrap();
         let dev = Pvrdma::new(cfg, mem.clone(), fd, 0x80_0010_0000).expect("device");
         let bars = dev.bars();
