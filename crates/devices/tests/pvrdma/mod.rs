@@ -142,6 +142,18 @@ impl Drv {
         Drv::with_ram(sock, gid, mem, fd)
     }
 
+    /// A device on another rnicd takes this one's place over the same guest
+    /// RAM (a restore target); the old device is dropped.
+    pub fn replace_device(&mut self, sock: &std::path::Path, gid: Ipv4Addr, fd: OwnedFd) {
+        let cfg = PvrdmaConfig::parse(&format!("gid={gid},rnicd={}", sock.display())).unwrap();
+        let dev = Pvrdma::new(cfg, self.mem.clone(), fd, 0x80_0010_0000).expect("device");
+        let bars = dev.bars();
+        self.msix = bars[0].0.clone();
+        self.reg = bars[1].0.clone();
+        self.uar = bars[2].0.clone();
+        self.dev = Arc::new(Mutex::new(dev));
+    }
+
     /// A device on existing guest RAM (a restore target).
     pub fn with_ram(sock: &std::path::Path, gid: Ipv4Addr, mem: GuestMemory, fd: OwnedFd) -> Drv {
         let cfg = PvrdmaConfig::parse(&format!("gid={gid},rnicd={}", sock.display())).unwrap();
