@@ -54,7 +54,7 @@ impl Persist for Pvrdma {
     fn save(&self) -> Result<Section> {
         let d = lock(&self.shared);
         let err = |why: String| StateError::Mismatch { name: self.name.clone(), why };
-        if !d.paused && !d.qps.iter().next().is_none() {
+        if !d.paused && d.qps.len() > 0 {
             return Err(err("the device must be paused (QPs suspended) before its state is taken".into()));
         }
         let mut qps = Vec::new();
