@@ -41,6 +41,10 @@ pub enum RdmaCmd {
     WriteLat(PerfArgs),
     /// Baseline: UDP ping-pong latency between the same hosts, no RDMA.
     UdpLat(PerfArgs),
+    /// The bare-metal side of a guest's RDMA workloads (stream, ring,
+    /// table, atomic): learns the guest's IDs once, prints its own as the
+    /// first line, verifies everything and prints a JSON report last.
+    Peer(crate::peer::PeerArgs),
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -123,6 +127,7 @@ pub fn run(c: RdmaCmd) -> anyhow::Result<()> {
         RdmaCmd::SendLat(a) => perf("send_lat", a),
         RdmaCmd::WriteLat(a) => perf("write_lat", a),
         RdmaCmd::UdpLat(a) => udp_lat(a),
+        RdmaCmd::Peer(a) => crate::peer::run(a),
     }
 }
 
