@@ -255,6 +255,27 @@ impl MemBuf {
         let map = Mapping::map(&fd, 0, len)?;
         Ok(MemBuf { fd, map })
     }
+    /// Wraps an existing memfd, mapped whole: memory another part of this
+    /// process owns (a VM's guest RAM) that rnicd then reaches directly, with
+    /// no copy. rnicd maps only memfds that cannot shrink, so the memfd must
+    /// carry F_SEAL_SHRINK (checked here too, for a clear error).
+    pub fn from_memfd(fd: OwnedFd) -> anyhow::Result<MemBuf> {
+        // SAFETY: fcntl/fstat on an fd we own.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            bail!("the memfd must be sealed with F_SEAL_SHRINK for rnicd to map it");
+        }
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+            return Err(std::io::Error::last_os_error()).context("fstat");
+        }
+        let len = st.st_size as usize;
+        if len == 0 || !len.is_multiple_of(4096) {
+            bail!("the memfd's size {len} is not a positive number of pages");
+        }
+        let map = Mapping::map(&fd, 0, len)?;
+        Ok(MemBuf { fd, map })
+    }
     pub fn len(&self) -> usize {
         self.map.len()
     }
