@@ -19,7 +19,7 @@ use crate::hw::{mmio_read32, mmio_write32, Platform};
 use crate::nvme::Region;
 use core::ptr::{read_volatile, write_volatile};
 use core::sync::atomic::{fence, Ordering};
-use pvrdma_abi::ib::{gid_type, mtu, qp_attr_mask as mask, qp_state, qp_type, wr_opcode};
+use pvrdma_abi::ib::{mtu, qp_attr_mask as mask, qp_state, qp_type, wr_opcode};
 use pvrdma_abi::*;
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -120,7 +120,7 @@ impl Device {
         let (cq_pdir, _) = page_list(region, EVENT_RING_PAGES)?;
         let dsr = Dsr {
             driver_version: VERSION_QPHANDLE,
-            gos_info: GosInfo::new(GOS_BITS_64, GOS_TYPE_UNK, 0, 0),
+            gos_info: GosInfo::new(GOS_BITS_64, GOS_TYPE_LINUX, 1, 0),
             cmd_slot_dma: cmd_slot,
             resp_slot_dma: resp_slot,
             async_ring_pages: RingPageInfo { num_pages: EVENT_RING_PAGES, reserved: 0, pdir_dma: async_pdir },
@@ -143,10 +143,12 @@ impl Device {
             return Err(Error::ActivateFailed(err));
         }
         let mut d = Device { regs, uar, cmd_slot, resp_slot, version, caps, plat, next_response: 1 };
-        let gid_type = if caps.gid_types & GID_TYPE_FLAG_ROCE_V2 != 0 { gid_type::ROCE_UDP_ENCAP } else { gid_type::ROCE };
+        // As pvrdma_add_gid_at_index: the MTU in bytes, no VLAN, and the
+        // GID type as a GID_TYPE_FLAG_* value (ib_gid_type_to_pvrdma).
+        let gid_type = if caps.gid_types & GID_TYPE_FLAG_ROCE_V2 != 0 { GID_TYPE_FLAG_ROCE_V2 } else { GID_TYPE_FLAG_ROCE_V1 };
         let bind = CmdCreateBind {
             hdr: CmdHdr { cmd: CMD_CREATE_BIND, ..Default::default() },
-            mtu: mtu::MTU_1024,
+            mtu: 1024,
             vlan: 0xfff,
             index: 0,
             new_gid: Gid::from_ipv4(gid).raw,
