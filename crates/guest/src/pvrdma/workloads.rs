@@ -9,8 +9,9 @@
 //! its IDs in the mailbox, waits for the peer's, connects, says hello on
 //! every QP and runs every workload at once: `count` of each (0: without
 //! end). Progress (everything checked so far) goes to the platform page,
-//! violations to the console; with a count it ends with PASS (exit 0) or
-//! FAIL (exit 1).
+//! violations to the console; with a count it ends with a `pvrdma: PASS`
+//! or `FAIL` line on the console and in the mailbox, and keeps the device
+//! up for the peer (`exit=1`: ends the VM with exit status 0 or 1).
 
 use super::{Cq, Device, Op, Qp, Remote};
 use crate::args::Args;
@@ -379,17 +380,40 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
             }
         }
     }
-    // Let the last credit and count writes complete.
-    let t0 = plat.now_ns();
-    while plat.now_ns() - t0 < 200_000_000 {
+    // The result goes to the console and the mailbox. The device stays up
+    // (the peer may still be finishing: its last ACKs and table reads need
+    // this side), unless `exit=1` asks the firmware to end the VM.
+    let ok = r.violations == 0;
+    let mut res = TextBuf::<256>::new();
+    let _ = write!(
+        res,
+        "pvrdma: {} checked={} violations={} stream={} ring={} table={} atomic={}",
+        if ok { "PASS" } else { "FAIL" },
+        r.checked,
+        r.violations,
+        rx_expect,
+        ring_expect,
+        table_updates,
+        atomic_i
+    );
+    println!("{}", core::str::from_utf8(res.as_bytes()).unwrap_or(""));
+    mb.publish(res.as_bytes());
+    if args.get("exit") == Some("1") {
+        let t0 = plat.now_ns();
+        while plat.now_ns() - t0 < 500_000_000 {
+            for c in chans.iter().flatten() {
+                let _ = c.cq.poll();
+            }
+        }
+        plat.exit(if ok { 0 } else { 1 })
+    }
+    loop {
         for c in chans.iter().flatten() {
-            let _ = c.cq.poll();
+            while let Ok(Some(w)) = c.cq.poll() {
+                if w.status != wc_status::SUCCESS {
+                    println!("pvrdma: after the run, {} completion {:#x} status {}", c.name, w.wr_id, w.status);
+                }
+            }
         }
     }
-    if r.violations == 0 {
-        println!("pvrdma: PASS checked {} (stream {} ring {} table {} atomic {})", r.checked, rx_expect, ring_expect, table_updates, atomic_i);
-        plat.exit(0)
-    }
-    println!("pvrdma: FAIL {} violations", r.violations);
-    plat.exit(1)
 }
