@@ -103,14 +103,34 @@ fn find_pci(vendor: u16, device: u16) -> Option<u8> {
     (0..32u8).find(|&d| crate::pci::read32(d, 0) == (device as u32) << 16 | vendor as u32)
 }
 
+/// The function's first three memory BARs in order (MSI-X, registers,
+/// UAR), whether each takes one BAR register (32-bit) or two (64-bit):
+/// Linux's resource numbers count registers, so a 64-bit BAR 0 moves the
+/// register BAR to resource 2; counting BARs works for either layout.
+fn memory_bars(dev: u8) -> [u64; 3] {
+    let mut out = [0u64; 3];
+    let (mut reg, mut n) = (0x10u8, 0usize);
+    while reg <= 0x24 && n < 3 {
+        let lo = crate::pci::read32(dev, reg);
+        if lo & 1 == 1 {
+            reg += 4; // an I/O BAR
+            continue;
+        }
+        out[n] = crate::pci::bar64(dev, reg);
+        n += 1;
+        reg += if lo & 0x6 == 0x4 { 8 } else { 4 };
+    }
+    out
+}
+
 impl Device {
     /// Finds and brings up the device, and binds `gid` (an IPv4 address) at
     /// GID index 0.
     pub fn init(plat: Platform, region: &mut Region, gid: [u8; 4]) -> Result<Device> {
         let dev = find_pci(PCI_VENDOR_ID_VMWARE, PCI_DEVICE_ID_VMWARE_PVRDMA).ok_or(Error::NoDevice)?;
         crate::pci::enable_bus_master(dev);
-        let bar = |n: u8| crate::pci::bar64(dev, 0x10 + 4 * n);
-        let (regs, uar) = (bar(BAR_REG), bar(BAR_UAR));
+        let bars = memory_bars(dev);
+        let (regs, uar) = (bars[BAR_REG as usize], bars[BAR_UAR as usize]);
         let version = mmio_read32(regs + REG_VERSION);
 
         let dsr_addr = region.alloc(PAGE).ok_or(Error::NoMemory)?;
