@@ -11,6 +11,7 @@ pub mod mailbox;
 pub mod nvme;
 pub mod pci;
 pub mod platform;
+pub mod pvrdma;
 
 /// Guest physical memory as every device sees it (shared memfd mappings).
 pub type GuestMemory = vm_memory::GuestMemoryMmap<()>;

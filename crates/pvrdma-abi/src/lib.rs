@@ -73,6 +73,12 @@ pub unsafe trait Pod: Copy + Sized + 'static {
     }
 }
 
+// SAFETY: integers are plain old data.
+unsafe impl Pod for u8 {}
+unsafe impl Pod for u16 {}
+unsafe impl Pod for u32 {}
+unsafe impl Pod for u64 {}
+
 /// Declares interface structures `Pod` and asserts their sizes against the
 /// Linux layout at compile time.
 macro_rules! pod {

@@ -111,3 +111,13 @@ pub const fn driver_supports(version: u32, mode: u8, gid_types: u8) -> bool {
     let v18 = version >= VERSION_ROCEV2 && (gid_types == GID_TYPE_FLAG_ROCE_V1 || gid_types == GID_TYPE_FLAG_ROCE_V2);
     mode == DEVICE_MODE_ROCE && (v17 || v18)
 }
+
+/// Where Transit's PCI function puts the three regions. Linux's driver finds
+/// them at BARs 0 and 1 (32-bit) and 2 (64-bit); Transit's MMIO window lies
+/// above 4 GiB, which a 32-bit BAR cannot reach, so each region is a 64-bit
+/// BAR (two BAR registers each): MSI-X at 0, registers at 2, UARs at 4.
+pub mod transit {
+    pub const BAR_SLOT_MSIX: usize = 0;
+    pub const BAR_SLOT_REG: usize = 2;
+    pub const BAR_SLOT_UAR: usize = 4;
+}
