@@ -134,8 +134,8 @@ pub struct PeerArgs {
     /// Give up if nothing completes for this many seconds.
     #[arg(long, default_value_t = 60.0)]
     pub stall: f64,
-    /// Path MTU in bytes.
-    #[arg(long, default_value_t = 4096)]
+    /// Path MTU in bytes (the guest firmware's QPs use 1024).
+    #[arg(long, default_value_t = 1024)]
     pub mtu: usize,
     /// Local ACK timeout (4.096 us * 2^t). Retries are 7 of these: use 20 or
     /// more when the guest may be away for seconds (save on one host,
