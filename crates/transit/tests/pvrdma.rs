@@ -28,7 +28,9 @@ impl Bed {
             let h = tb.host(i);
             let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
             let _ = std::fs::remove_file(&sock);
-            let child = h.spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).unwrap();
+            let child = h
+                .spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
+                .unwrap();
             let t0 = Instant::now();
             while !sock.exists() {
                 assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
@@ -136,7 +138,11 @@ fn guest_result(vm: &VmProcess) -> String {
 
 fn assert_all_verified(rep: &Value, count: u64) {
     assert_eq!(rep["ok"], true, "{rep:#}");
-    assert_eq!((rep["lost"].as_u64(), rep["duplicated"].as_u64(), rep["error_completions"].as_u64()), (Some(0), Some(0), Some(0)), "{rep:#}");
+    assert_eq!(
+        (rep["lost"].as_u64(), rep["duplicated"].as_u64(), rep["error_completions"].as_u64()),
+        (Some(0), Some(0), Some(0)),
+        "{rep:#}"
+    );
     assert_eq!(rep["workloads"]["stream"]["verified"], count, "{rep:#}");
     assert_eq!(rep["workloads"]["ring"]["verified"], count, "{rep:#}");
     assert_eq!(rep["workloads"]["atomic"]["detail"]["counter"], count, "{rep:#}");

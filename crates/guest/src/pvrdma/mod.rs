@@ -33,15 +33,30 @@ pub type Result<T> = core::result::Result<T, Error>;
 #[derive(Debug, Clone, Copy)]
 pub enum Error {
     NoDevice,
-    Unsupported { version: u32, mode: u8, gid_types: u8 },
+    Unsupported {
+        version: u32,
+        mode: u8,
+        gid_types: u8,
+    },
     ActivateFailed(u32),
     NoMemory,
     /// REG_ERR after REQUEST: the device rejected the command.
-    Rejected { cmd: u32, err: u32 },
+    Rejected {
+        cmd: u32,
+        err: u32,
+    },
     /// The response's `err` byte.
-    Failed { cmd: u32, err: u8 },
-    WrongAck { cmd: u32, ack: u32 },
-    Timeout { cmd: u32 },
+    Failed {
+        cmd: u32,
+        err: u8,
+    },
+    WrongAck {
+        cmd: u32,
+        ack: u32,
+    },
+    Timeout {
+        cmd: u32,
+    },
     QueueFull,
     BadRing,
 }
@@ -258,7 +273,8 @@ impl Device {
         let entries = entries.max(1).next_power_of_two();
         let npages = cq_pages(entries);
         let (dir, pages) = page_list(region, npages)?;
-        let req = CmdCreateCq { hdr: hdr(CMD_CREATE_CQ), pdir_dma: dir, ctx_handle: 0, cqe: entries, nchunks: npages, ..Default::default() };
+        let req =
+            CmdCreateCq { hdr: hdr(CMD_CREATE_CQ), pdir_dma: dir, ctx_handle: 0, cqe: entries, nchunks: npages, ..Default::default() };
         let r: CmdCreateCqResp = self.command(&req)?;
         Ok(Cq { handle: r.cq_handle, ring: pages + CQ_RING_OFFSET, cqes: pages + CQ_FIRST_CQE_OFFSET, entries, uar: self.uar })
     }

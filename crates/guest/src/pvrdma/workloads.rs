@@ -290,8 +290,7 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
                     r.violation(format_args!("stream: message {} arrived, expected {}", seq, rx_expect));
                 } else if let Some(j) = check(at, seq, seq | STREAM_TO_GUEST, lay.size) {
                     r.violation(format_args!("stream: message {} word {} differs", seq, j));
-                } else if (seq % 2 == 1) != (w.wc_flags & wc_flags::WITH_IMM != 0)
-                    || seq % 2 == 1 && u32::from_be(w.imm_data) != seq as u32
+                } else if (seq % 2 == 1) != (w.wc_flags & wc_flags::WITH_IMM != 0) || seq % 2 == 1 && u32::from_be(w.imm_data) != seq as u32
                 {
                     r.violation(format_args!("stream: message {} immediate {:#x}", seq, w.imm_data));
                 } else {
