@@ -1,9 +1,12 @@
 //! A VM with a PVRDMA device on testbed host 0 and `transit rdma peer` on
 //! host 2, real rnicd processes on both: the guest firmware's workloads
 //! (stream, ring, table, atomic) checked on both sides; two VMs with the
-//! same QPNs and keys (different GIDs) against one peer host; 1% loss.
-//! The IDs go through the VM's mailbox once, as a guest agent would carry
-//! them.
+//! same QPNs and keys (different GIDs) against one peer host; 1% loss; a
+//! save on host 0 and a restore on host 1 in the middle of everything. The
+//! IDs go through the VM's mailbox once, as a guest agent would carry them;
+//! the peer is never told about the move. rnicd serves its default socket
+//! (`/run/transit/rnicd-ADDR.sock`), so a VM finds the rnicd of whatever
+//! host it runs on.
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
@@ -50,7 +53,7 @@ impl Bed {
 
     fn vm(&self, h: usize, gid: Ipv4Addr, args: &str) -> VmProcess {
         let name = unique_name("pvrdma");
-        let spec = format!("gid={gid},rnicd={}", self.nics[h].1.display());
+        let spec = format!("gid={gid}");
         let fw_args = format!("gid={gid} {args}");
         VmProcess::start(
             self.tb.host(h).command(transit_bin()),
@@ -190,4 +193,38 @@ fn exactly_once_at_one_percent_loss() {
     let rep = peer.report();
     assert!(guest_result(&vm).starts_with("pvrdma: PASS"), "{}", vm.console());
     assert_all_verified(&rep, 300);
+}
+
+#[test]
+fn save_on_one_host_restore_on_another_mid_stream() {
+    let bed = Bed::new("pvg-move");
+    let gid = bed.vm_gid(0, 1);
+    let mut vm = bed.vm(0, gid, "count=0");
+    // The peer waits out the move: 7 retries of a 4 s ACK timeout.
+    let peer = Peer::start(&bed, &vm, &["--duration", "40", "--timeout", "20"]);
+    let before = vm.wait_progress(300, Duration::from_secs(120)).unwrap();
+    let save = std::env::temp_dir().join(format!("{}.save", vm.name));
+    vm.exec("save", json!({"filename": save})).unwrap();
+    vm.kill();
+    // The address moves with the VM, announced by the new host.
+    bed.tb.host(1).sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    bed.tb.host(1).in_netns(move || rnic::announce::gratuitous_arp(gid, 2)).unwrap().unwrap();
+    bed.tb.host(0).sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
+    let name = unique_name("pvrdma-moved");
+    let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.to_str().unwrap()]).unwrap();
+    let after = moved.wait_progress(before + 300, Duration::from_secs(120)).unwrap();
+    let rep = peer.report();
+    let _ = std::fs::remove_file(&save);
+    let console = moved.console();
+    assert!(!console.contains("VIOLATION") && !console.contains("FAIL"), "{console}");
+    assert!(after > before);
+    assert_eq!(rep["ok"], true, "{rep:#}");
+    assert_eq!(
+        (rep["lost"].as_u64(), rep["duplicated"].as_u64(), rep["error_completions"].as_u64()),
+        (Some(0), Some(0), Some(0)),
+        "{rep:#}"
+    );
+    for w in ["stream", "ring", "table", "atomic"] {
+        assert!(rep["workloads"][w]["verified"].as_u64().unwrap() > 0, "{w}: {rep:#}");
+    }
 }
