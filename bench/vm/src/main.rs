@@ -14,8 +14,15 @@ use vmm::{Vm, VmConfig};
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn vm(name: &str, memory: u64, cmdline: &str) -> Result<std::sync::Arc<Vm>> {
-    let config =
-        VmConfig { name: name.into(), memory, vcpus: 1, firmware: guest_image::default_path(), cmdline: cmdline.into(), nvme: vec![] };
+    let config = VmConfig {
+        name: name.into(),
+        memory,
+        vcpus: 1,
+        firmware: guest_image::default_path(),
+        cmdline: cmdline.into(),
+        nvme: vec![],
+        pvrdma: vec![],
+    };
     Vm::build(config, Box::new(|_| {}))
 }
 

@@ -68,6 +68,7 @@ pub const COMMANDS: &[&str] = &[
     "nvme-ns-remove",
     "mailbox-read",
     "mailbox-write",
+    "query-pvrdma",
 ];
 
 impl Control {
@@ -263,6 +264,17 @@ impl Control {
                     .ok_or_else(|| CmdError::generic("argument \"data\" (the message, a string) is required"))?;
                 let seq = vm.mailbox().lock().unwrap().write_host(data.as_bytes()).map_err(CmdError::generic)?;
                 Ok(json!({"seq": seq}))
+            }
+            "query-pvrdma" => {
+                let name = args.get("device").and_then(Value::as_str);
+                let all: Vec<Value> = vm.pvrdma_devices().iter().map(|d| d.lock().unwrap().query()).collect();
+                match name {
+                    None => Ok(json!(all)),
+                    Some(n) => all
+                        .into_iter()
+                        .find(|d| d["name"] == n)
+                        .ok_or_else(|| CmdError { class: "DeviceNotFound", desc: format!("no PVRDMA device named {n}") }),
+                }
             }
             _ => Err(CmdError { class: "CommandNotFound", desc: format!("the command {cmd} has not been found") }),
         }

@@ -22,6 +22,7 @@ fn throttled_guest_keeps_running_at_every_level() {
         firmware: guest_image::default_path(),
         cmdline: "workload=dirtier".into(),
         nvme: vec![],
+        pvrdma: vec![],
     };
     let vm = Vm::build(config, Box::new(|_line: &str| {})).expect("build VM");
     vm.boot().expect("boot");

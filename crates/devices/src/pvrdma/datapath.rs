@@ -32,44 +32,50 @@ fn bad_wqe_status(e: Errno) -> u32 {
 }
 
 impl Dev {
-    /// A 32-bit write into a UAR page.
+    /// A 32-bit write into a UAR page. A doorbell the device cannot honour
+    /// (no such object, no operation bit, bad ring indices, a bad WQE) sets
+    /// ERR to the reason and is counted; nothing else happens beyond what the
+    /// reason itself reports (a CQE status, an async event).
     pub fn doorbell(&mut self, offset_in_page: u64, value: u32) {
-        if self.paused || self.regs.state != super::dev::DevState::Active {
-            return self.bad_doorbell();
-        }
-        let handle = value & UAR_HANDLE_MASK;
-        let ok = match offset_in_page {
-            UAR_QP_OFFSET => {
-                let mut ok = self.qps.contains(handle) && value & (UAR_QP_SEND | UAR_QP_RECV) != 0;
-                if ok && value & UAR_QP_RECV != 0 {
-                    ok &= self.post_recvs(handle).is_ok();
-                }
-                if ok && value & UAR_QP_SEND != 0 {
-                    ok &= self.post_sends(handle).is_ok();
-                }
-                ok
-            }
-            UAR_CQ_OFFSET => {
-                let known = self.cqs.contains(handle);
-                if known && value & (UAR_CQ_ARM | UAR_CQ_ARM_SOL) != 0 {
-                    self.arm_cq(handle, value & UAR_CQ_ARM_SOL != 0 && value & UAR_CQ_ARM == 0);
-                }
-                if known && value & UAR_CQ_POLL != 0 {
-                    self.drain_cq(handle);
-                }
-                known && value & (UAR_CQ_ARM | UAR_CQ_ARM_SOL | UAR_CQ_POLL) != 0
-            }
-            _ => false,
-        };
-        if !ok {
-            self.bad_doorbell();
+        if let Err(e) = self.ring_doorbell(offset_in_page, value) {
+            self.counters.bad_doorbells += 1;
+            self.regs.err = e as u32;
         }
     }
 
-    /// A doorbell for no object, or one the device cannot honour: ERR says so.
-    fn bad_doorbell(&mut self) {
-        self.counters.bad_doorbells += 1;
-        self.regs.err = Errno::EINVAL as u32;
+    fn ring_doorbell(&mut self, offset_in_page: u64, value: u32) -> Result<(), Errno> {
+        if self.paused || self.regs.state != super::dev::DevState::Active {
+            return Err(Errno::EPERM);
+        }
+        let handle = value & UAR_HANDLE_MASK;
+        match offset_in_page {
+            UAR_QP_OFFSET => {
+                if !self.qps.contains(handle) || value & (UAR_QP_SEND | UAR_QP_RECV) == 0 {
+                    return Err(Errno::EINVAL);
+                }
+                if value & UAR_QP_RECV != 0 {
+                    self.post_recvs(handle)?;
+                }
+                if value & UAR_QP_SEND != 0 {
+                    self.post_sends(handle)?;
+                }
+                Ok(())
+            }
+            UAR_CQ_OFFSET => {
+                if !self.cqs.contains(handle) || value & (UAR_CQ_ARM | UAR_CQ_ARM_SOL | UAR_CQ_POLL) == 0 {
+                    return Err(Errno::EINVAL);
+                }
+                if value & (UAR_CQ_ARM | UAR_CQ_ARM_SOL) != 0 {
+                    self.arm_cq(handle, value & UAR_CQ_ARM_SOL != 0 && value & UAR_CQ_ARM == 0);
+                }
+                if value & UAR_CQ_POLL != 0 {
+                    self.drain_cq(handle);
+                }
+                Ok(())
+            }
+            // SRQs are not implemented.
+            _ => Err(Errno::EINVAL),
+        }
     }
 
     /// The guest's producer index of a QP queue, checked.
