@@ -29,11 +29,9 @@ impl Bed {
         let mut nics = Vec::new();
         for i in 0..3 {
             let h = tb.host(i);
-            let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
+            let sock = rnic::daemon::default_socket_path(h.addr(0));
             let _ = std::fs::remove_file(&sock);
-            let child = h
-                .spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
-                .unwrap();
+            let child = h.spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string()]).unwrap();
             let t0 = Instant::now();
             while !sock.exists() {
                 assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
