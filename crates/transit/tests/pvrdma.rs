@@ -138,6 +138,7 @@ fn guest_result(vm: &VmProcess) -> String {
 }
 
 fn assert_all_verified(rep: &Value, count: u64) {
+    eprintln!("peer report: {rep}");
     assert_eq!(rep["ok"], true, "{rep:#}");
     assert_eq!(
         (rep["lost"].as_u64(), rep["duplicated"].as_u64(), rep["error_completions"].as_u64()),
@@ -199,7 +200,7 @@ fn save_on_one_host_restore_on_another_mid_stream() {
     let gid = bed.vm_gid(0, 1);
     let mut vm = bed.vm(0, gid, "count=0");
     // The peer waits out the move: 7 retries of a 4 s ACK timeout.
-    let peer = Peer::start(&bed, &vm, &["--duration", "40", "--timeout", "20"]);
+    let peer = Peer::start(&bed, &vm, &["--duration", "30", "--timeout", "20"]);
     let before = vm.wait_progress(300, Duration::from_secs(120)).unwrap();
     let save = std::env::temp_dir().join(format!("{}.save", vm.name));
     vm.exec("save", json!({"filename": save})).unwrap();
@@ -211,10 +212,13 @@ fn save_on_one_host_restore_on_another_mid_stream() {
     let name = unique_name("pvrdma-moved");
     let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.to_str().unwrap()]).unwrap();
     let after = moved.wait_progress(before + 300, Duration::from_secs(120)).unwrap();
+    // Read before the peer's run ends: once it is gone, the guest's next
+    // operations fail, as they should.
+    let console = moved.console();
     let rep = peer.report();
     let _ = std::fs::remove_file(&save);
-    let console = moved.console();
     assert!(!console.contains("VIOLATION") && !console.contains("FAIL"), "{console}");
+    eprintln!("peer report: {rep}");
     assert!(after > before);
     assert_eq!(rep["ok"], true, "{rep:#}");
     assert_eq!(
