@@ -160,7 +160,8 @@ pub struct WorkloadReport {
     pub errors: u64,
     pub lost: u64,
     pub duplicated: u64,
-    /// Longest time between two completions of this workload, ms.
+    /// Longest time between two completions of this workload (for atomic:
+    /// two moves of the counter), ms.
     pub max_gap_ms: f64,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub detail: BTreeMap<String, u64>,
@@ -424,7 +425,14 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
                 "stream" => st.stream_post(&mut p, c, running)?,
                 "ring" => st.ring_post(&mut p, g, c, running)?,
                 "table" => st.table_post(&mut p, g, c, running, a.table_reads)?,
-                _ => st.atomic_check(&mut p, running),
+                _ => {
+                    // The peer completes nothing here: the counter moving is the event.
+                    let moved = st.atomic_check(&mut p, running);
+                    if moved {
+                        c.completed(p.rep.workloads.get_mut("atomic").unwrap());
+                    }
+                    moved
+                }
             };
         }
         if progressed {
