@@ -286,11 +286,11 @@ impl Dev {
         let recv = matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
         let wr_id = if recv {
             let pos = qp.info.rq_out.iter().position(|o| o.seq == wc.wr_id)?;
-            let o = qp.info.rq_out.drain(..=pos).last()?;
+            let o = qp.info.rq_out.drain(..=pos).next_back()?;
             o.hdr.wr_id
         } else {
             let pos = qp.info.sq_out.iter().position(|o| o.seq == wc.wr_id)?;
-            let o = qp.info.sq_out.drain(..=pos).last()?;
+            let o = qp.info.sq_out.drain(..=pos).next_back()?;
             o.hdr.wr_id
         };
         Some(Cqe {

@@ -36,7 +36,7 @@ impl Guest {
 
     /// A ring index the other side updates concurrently.
     pub fn load_u32(&self, gpa: u64) -> Result<u32, Errno> {
-        if gpa % 4 != 0 {
+        if !gpa.is_multiple_of(4) {
             return Err(Errno::EFAULT);
         }
         self.mem.load::<u32>(GuestAddress(gpa), Ordering::Acquire).map_err(|_| Errno::EFAULT)
@@ -44,7 +44,7 @@ impl Guest {
 
     /// Publishes a ring index after the entries it covers.
     pub fn store_u32(&self, gpa: u64, v: u32) -> Result<(), Errno> {
-        if gpa % 4 != 0 {
+        if !gpa.is_multiple_of(4) {
             return Err(Errno::EFAULT);
         }
         self.mem.store(v, GuestAddress(gpa), Ordering::Release).map_err(|_| Errno::EFAULT)
@@ -52,7 +52,7 @@ impl Guest {
 
     /// Whether the page at `gpa` is page aligned and inside guest RAM.
     fn page_ok(&self, gpa: u64) -> bool {
-        gpa % PAGE == 0 && self.mem.check_range(GuestAddress(gpa), PAGE as usize)
+        gpa.is_multiple_of(PAGE) && self.mem.check_range(GuestAddress(gpa), PAGE as usize)
     }
 
     /// The `npages` guest pages a page directory at `pdir_dma` lists, each

@@ -38,7 +38,9 @@ use crate::{GuestMemory, Lifecycle};
 use dev::{Backend, Dev, DevState, MSIX_VECTORS, UAR_PAGES};
 use guest::Guest;
 
-/// Error numbers the device reports in ERR and `hdr.err` (Linux errno values).
+/// Error numbers the device reports in ERR and `hdr.err` (Linux errno values,
+/// spelled as in C).
+#[allow(clippy::upper_case_acronyms)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub(crate) enum Errno {
@@ -100,7 +102,7 @@ impl Pvrdma {
     /// memfd, sealed against shrinking, is `ram_memfd`). Its BARs start at
     /// `bar_base`, aligned to [`BAR_ALIGN`].
     pub fn new(cfg: PvrdmaConfig, mem: GuestMemory, ram_memfd: OwnedFd, bar_base: u64) -> Result<Pvrdma, String> {
-        if bar_base % BAR_ALIGN != 0 {
+        if !bar_base.is_multiple_of(BAR_ALIGN) {
             return Err(format!("BAR base {bar_base:#x} is not aligned to {BAR_ALIGN:#x}"));
         }
         let ram = verbs::MemBuf::from_memfd(ram_memfd).map_err(|e| format!("guest RAM for rnicd: {e:#}"))?;
@@ -273,7 +275,7 @@ impl PvrdmaBar {
 impl BusDevice for PvrdmaBar {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         // 32-bit registers only; other sizes or misaligned reads see zeros.
-        if data.len() != 4 || offset % 4 != 0 {
+        if data.len() != 4 || !offset.is_multiple_of(4) {
             data.fill(0);
             return;
         }
@@ -288,7 +290,7 @@ impl BusDevice for PvrdmaBar {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         let Ok(b) = <[u8; 4]>::try_from(data) else { return };
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return;
         }
         let v = u32::from_le_bytes(b);

@@ -54,7 +54,7 @@ impl Persist for Pvrdma {
     fn save(&self) -> Result<Section> {
         let d = lock(&self.shared);
         let err = |why: String| StateError::Mismatch { name: self.name.clone(), why };
-        if !d.paused && !d.qps.iter().next().is_none() {
+        if !d.paused && d.qps.len() > 0 {
             return Err(err("the device must be paused (QPs suspended) before its state is taken".into()));
         }
         let mut qps = Vec::new();
@@ -173,8 +173,13 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
                         ..Default::default()
                     };
                     let mask = verbs::mask::STATE | verbs::mask::ACCESS_FLAGS | verbs::mask::PORT | verbs::mask::PKEY_INDEX;
-                    let first = if a.qp_state == verbs::QpState::Err { verbs::mask::STATE } else { mask };
-                    qp.modify(&a, first).map_err(|e| format!("QP {:#x} to {:?}: {e:#}", info.qpn, a.qp_state))?;
+                    if a.qp_state == verbs::QpState::Err {
+                        // An errored QP only flushes; if rnicd will not put a
+                        // fresh QP in ERR, the guest finds it in RESET.
+                        let _ = qp.modify(&a, verbs::mask::STATE);
+                    } else {
+                        qp.modify(&a, mask).map_err(|e| format!("QP {:#x} to INIT: {e:#}", info.qpn))?;
+                    }
                 }
                 qp
             }
