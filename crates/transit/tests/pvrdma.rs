@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 use testbed::{HostChild, Testbed, TestbedOpts};
-use vmm::testing::{transit_bin, unique_name, VmProcess};
+use vmm::testing::{transit_bin, unique_name, TempPath, VmProcess};
 
 /// Fields drop in order: VMs and peers first, then rnicd, then the testbed.
 struct Bed {
@@ -85,12 +85,15 @@ fn guest_ids(vm: &VmProcess) -> String {
 
 struct Peer {
     child: Child,
+    /// The guest's IDs as the peer read them.
+    ids: PathBuf,
 }
 
 impl Drop for Peer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.ids);
     }
 }
 
@@ -111,7 +114,7 @@ impl Peer {
         BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
         assert!(line.contains("gid="), "the peer did not start: {line:?}");
         vm.exec("mailbox-write", json!({"data": line.trim()})).unwrap();
-        Peer { child }
+        Peer { child, ids: f }
     }
 
     fn report(mut self) -> Value {
@@ -202,21 +205,20 @@ fn save_on_one_host_restore_on_another_mid_stream() {
     // The peer waits out the move: 7 retries of a 4 s ACK timeout.
     let peer = Peer::start(&bed, &vm, &["--duration", "30", "--timeout", "20"]);
     let before = vm.wait_progress(300, Duration::from_secs(120)).unwrap();
-    let save = std::env::temp_dir().join(format!("{}.save", vm.name));
-    vm.exec("save", json!({"filename": save})).unwrap();
+    let save = TempPath::new(&format!("{}.save", vm.name));
+    vm.exec("save", json!({"filename": save.path()})).unwrap();
     vm.kill();
     // The address moves with the VM, announced by the new host.
     bed.tb.host(1).sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
     bed.tb.host(1).in_netns(move || rnic::announce::gratuitous_arp(gid, 2)).unwrap().unwrap();
     bed.tb.host(0).sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
     let name = unique_name("pvrdma-moved");
-    let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.to_str().unwrap()]).unwrap();
+    let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.path().to_str().unwrap()]).unwrap();
     let after = moved.wait_progress(before + 300, Duration::from_secs(120)).unwrap();
     // Read before the peer's run ends: once it is gone, the guest's next
     // operations fail, as they should.
     let console = moved.console();
     let rep = peer.report();
-    let _ = std::fs::remove_file(&save);
     assert!(!console.contains("VIOLATION") && !console.contains("FAIL"), "{console}");
     eprintln!("peer report: {rep}");
     assert!(after > before);

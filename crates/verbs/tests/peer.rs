@@ -65,12 +65,15 @@ impl Drop for Bed {
 struct PeerProc {
     child: Child,
     out: BufReader<std::process::ChildStdout>,
+    /// The guest's IDs as the peer read them.
+    ids: PathBuf,
 }
 
 impl Drop for PeerProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.ids);
     }
 }
 
@@ -88,7 +91,7 @@ impl PeerProc {
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
         assert!(!line.is_empty(), "the peer printed nothing");
-        (PeerProc { child, out }, Info::parse(&line))
+        (PeerProc { child, out, ids: f }, Info::parse(&line))
     }
 
     /// The JSON report (last line) and whether the peer exited 0.
