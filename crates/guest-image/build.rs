@@ -16,6 +16,8 @@ fn main() {
     let target_dir = out.ancestors().nth(4).unwrap().join("guest");
     println!("cargo:rerun-if-changed={}", guest.join("src").display());
     println!("cargo:rerun-if-changed={}", guest.join("Cargo.toml").display());
+    // The PVRDMA driver's interface crate, used by path.
+    println!("cargo:rerun-if-changed={}", manifest.parent().unwrap().join("pvrdma-abi/src").display());
     println!("cargo:rerun-if-changed={}", guest.join("link.ld").display());
     println!("cargo:rerun-if-changed={}", guest.join(".cargo/config.toml").display());
 

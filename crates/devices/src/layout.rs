@@ -7,7 +7,7 @@
 //! 0x0001_0000  identity page tables built by the vmm (PML4, PDPT, PDs)
 //! 0x0010_0000  firmware ELF load address (1 MiB)
 //! RAM end      guest RAM is [0, ram_size)
-//! MMIO_BASE    platform page, then PCI BARs (mapped uncached, 2 MiB pages)
+//! MMIO_BASE    platform page, mailbox page, then PCI BARs (mapped uncached, 2 MiB pages)
 //! ```
 //! The vCPU starts in 64-bit long mode with paging on, RIP at the ELF entry,
 //! RDI = BOOT_INFO_ADDR, RSI = vCPU index.
@@ -24,6 +24,8 @@ pub const MMIO_BASE: u64 = 0x80_0000_0000;
 pub const MMIO_SIZE: u64 = 0x4000_0000;
 /// Platform registers (clock, exit), first page of the window.
 pub const PLATFORM_ADDR: u64 = MMIO_BASE;
+/// The mailbox page (devices/src/mailbox.rs), second page of the window.
+pub const MAILBOX_ADDR: u64 = MMIO_BASE + 0x1000;
 /// PCI BARs are assigned from here, each aligned to its size.
 pub const PCI_BAR_BASE: u64 = MMIO_BASE + 0x10_0000;
 

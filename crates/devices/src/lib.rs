@@ -7,6 +7,7 @@
 pub mod bus;
 pub mod console;
 pub mod layout;
+pub mod mailbox;
 pub mod nvme;
 pub mod pci;
 pub mod platform;
@@ -31,3 +32,4 @@ impl<T: snapshot::Persist + Lifecycle + Send> VmDevice for T {}
 
 impl Lifecycle for console::DebugConsole {}
 impl Lifecycle for platform::Platform {}
+impl Lifecycle for mailbox::Mailbox {}

@@ -6,6 +6,8 @@
 //! - `workload=idle` (halt)
 //! - `workload=clock` (publishes each clock read as progress)
 //! - `workload=selftest` (prints, checks the clock, exits 0)
+//! - `workload=mailbox` (answers each host mailbox message with `echo N MSG`)
+//! - `workload=pvrdma gid=A.B.C.D ...` (RDMA workloads against `transit rdma peer`)
 //!
 //! vCPUs other than 0 halt.
 
@@ -22,10 +24,13 @@ mod mem;
 #[macro_use]
 #[allow(dead_code)]
 mod hw;
+mod mailbox;
 #[allow(dead_code)]
 mod nvme;
 #[allow(dead_code)]
 mod pci;
+#[allow(dead_code)]
+mod pvrdma;
 
 use boot::BootInfo;
 use hw::Platform;
@@ -64,6 +69,8 @@ extern "C" fn guest_main(boot: &'static BootInfo, cpu: u64) -> ! {
         "dirtier" => dirtier::run(plat, start, end, args.num("rate", 0)),
         "fill" => fill::run(plat, start, end),
         "clock" => clockcheck::run(plat),
+        "mailbox" => mailbox::echo(plat, boot.mmio_base),
+        "pvrdma" => pvrdma::workloads::run(plat, &args, boot),
         "nvme-verify" => nvme::verify::run(plat, &args, nvme::region(&args, boot)),
         "nvme-perf" => nvme::perf::run(plat, &args, nvme::region(&args, boot)),
         "selftest" => {

@@ -61,6 +61,19 @@ pub enum VmCmd {
     MigrateRecover(crate::migrate::MigrateRecoverArgs),
     /// Source of a hybrid migration: switch to postcopy now.
     MigrateStartPostcopy(Target),
+    /// The guest's out-of-band channel: print the guest's message (waiting
+    /// for one with --wait), or write the host's message with --write (a
+    /// file's contents, or `-` for stdin).
+    Mailbox {
+        #[command(flatten)]
+        target: Target,
+        /// Write this file's contents (`-`: stdin) as the host's message.
+        #[arg(long, value_name = "FILE")]
+        write: Option<PathBuf>,
+        /// Wait up to this many seconds for the guest to publish a message.
+        #[arg(long, default_value_t = 0.0)]
+        wait: f64,
+    },
     /// Send any control command, e.g. `transit vm cmd query-status` or
     /// `transit vm cmd pmemsave '{"val":0,"size":4096,"filename":"/tmp/p"}'`.
     Cmd {
@@ -188,10 +201,35 @@ pub fn run(cmd: VmCmd) -> Result<()> {
         VmCmd::MigrateIncoming(a) => crate::migrate::migrate_incoming(a),
         VmCmd::MigrateRecover(a) => crate::migrate::migrate_recover(a),
         VmCmd::MigrateStartPostcopy(t) => crate::migrate::start_postcopy(t),
+        VmCmd::Mailbox { target, write, wait } => mailbox(&target, write, wait),
         VmCmd::Cmd { target, command, arguments } => {
             let args: Value = serde_json::from_str(&arguments).context("arguments must be a JSON object")?;
             print(target.client()?.execute(&command, args)?)
         }
+    }
+}
+
+fn mailbox(target: &Target, write: Option<PathBuf>, wait: f64) -> Result<()> {
+    let mut c = target.client()?;
+    if let Some(f) = write {
+        let data = if f.as_os_str() == "-" {
+            std::io::read_to_string(std::io::stdin())?
+        } else {
+            std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?
+        };
+        return print(c.execute("mailbox-write", json!({"data": data.trim_end()}))?);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs_f64(wait.max(0.0));
+    loop {
+        let r = c.execute("mailbox-read", json!({}))?;
+        if r["seq"].as_u64().unwrap_or(0) > 0 {
+            println!("{}", r["data"].as_str().unwrap_or(""));
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!("the guest has not written to its mailbox");
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

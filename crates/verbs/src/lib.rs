@@ -37,6 +37,7 @@ pub use rnic::types::{
     access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode,
 };
 
+pub mod peer;
 pub mod tools;
 
 struct Inner {

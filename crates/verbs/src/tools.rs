@@ -41,6 +41,10 @@ pub enum RdmaCmd {
     WriteLat(PerfArgs),
     /// Baseline: UDP ping-pong latency between the same hosts, no RDMA.
     UdpLat(PerfArgs),
+    /// The bare-metal side of a guest's RDMA workloads (stream, ring,
+    /// table, atomic): learns the guest's IDs once, prints its own as the
+    /// first line, verifies everything and prints a JSON report last.
+    Peer(crate::peer::PeerArgs),
     /// Runs an unmodified libibverbs program (ibv_rc_pingpong, perftest...)
     /// on rnicd through the drop-in libibverbs.so.1 (docs/ibverbs.md).
     Exec {
@@ -136,6 +140,7 @@ pub fn run(c: RdmaCmd) -> anyhow::Result<()> {
         RdmaCmd::SendLat(a) => perf("send_lat", a),
         RdmaCmd::WriteLat(a) => perf("write_lat", a),
         RdmaCmd::UdpLat(a) => udp_lat(a),
+        RdmaCmd::Peer(a) => crate::peer::run(a),
         RdmaCmd::Exec { sock, namespace, cmd } => exec_dropin(sock, namespace, cmd),
     }
 }

@@ -71,6 +71,8 @@ pub const COMMANDS: &[&str] = &[
     "query-nvme",
     "nvme-ns-add",
     "nvme-ns-remove",
+    "mailbox-read",
+    "mailbox-write",
     "query-pvrdma",
 ];
 
@@ -246,6 +248,26 @@ impl Control {
                 let nsid = u32::try_from(nsid).map_err(|_| CmdError::generic("nsid is out of range"))?;
                 nvme_arg(vm, args)?.lock().unwrap().detach_namespace(nsid).map_err(CmdError::generic)?;
                 Ok(json!({}))
+            }
+            // The guest's last published message (seq 0: none yet) and the
+            // host's, both as text (devices/src/mailbox.rs).
+            "mailbox-read" => {
+                let mb = vm.mailbox().lock().unwrap();
+                let (g, h) = (mb.guest_message(), mb.host_message());
+                Ok(json!({
+                    "seq": g.seq,
+                    "data": String::from_utf8_lossy(&g.data),
+                    "host_seq": h.seq,
+                    "host_data": String::from_utf8_lossy(&h.data),
+                }))
+            }
+            "mailbox-write" => {
+                let data = args
+                    .get("data")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| CmdError::generic("argument \"data\" (the message, a string) is required"))?;
+                let seq = vm.mailbox().lock().unwrap().write_host(data.as_bytes()).map_err(CmdError::generic)?;
+                Ok(json!({"seq": seq}))
             }
             "query-pvrdma" => {
                 let name = args.get("device").and_then(Value::as_str);

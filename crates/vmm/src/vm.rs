@@ -8,6 +8,7 @@ use crate::vcpus::VcpuSet;
 use anyhow::{anyhow, bail, Context, Result};
 use devices::console::DebugConsole;
 use devices::layout::*;
+use devices::mailbox::Mailbox;
 use devices::nvme::{NvmeConfig, NvmeController};
 use devices::pci::PciRoot;
 use devices::platform::{GuestClock, Platform, PlatformEvents};
@@ -42,6 +43,7 @@ pub struct Vm {
     buses: Arc<Buses>,
     devices: Vec<(String, Arc<Mutex<dyn VmDevice>>)>,
     pci: Arc<Mutex<PciRoot>>,
+    mailbox: Arc<Mutex<Mailbox>>,
     nvme: Vec<Arc<Mutex<NvmeController>>>,
     pvrdma: Vec<Arc<Mutex<Pvrdma>>>,
     vcpus: Mutex<VcpuSet>,
@@ -77,6 +79,10 @@ impl Vm {
         let platform = Arc::new(Mutex::new(platform));
         buses.mmio.insert(platform.clone(), PLATFORM_ADDR, 0x1000)?;
         devices.push(("platform".into(), platform));
+
+        let mailbox = Arc::new(Mutex::new(Mailbox::new()));
+        buses.mmio.insert(mailbox.clone(), MAILBOX_ADDR, devices::mailbox::SIZE)?;
+        devices.push(("mailbox".into(), mailbox.clone()));
 
         let pci = Arc::new(Mutex::new(PciRoot::new()));
         buses.pio.insert(pci.clone(), PCI_CONFIG_ADDRESS as u64, 8)?;
@@ -127,6 +133,7 @@ impl Vm {
             buses,
             devices,
             pci,
+            mailbox,
             nvme,
             pvrdma,
             vcpus: Mutex::new(vcpus),
@@ -221,6 +228,11 @@ impl Vm {
 
     pub fn pci(&self) -> &Arc<Mutex<PciRoot>> {
         &self.pci
+    }
+
+    /// The guest's out-of-band channel (`mailbox-read` / `mailbox-write`).
+    pub fn mailbox(&self) -> &Arc<Mutex<Mailbox>> {
+        &self.mailbox
     }
 
     /// The NVMe controller called `name`, or the first one.
