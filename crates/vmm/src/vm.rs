@@ -179,6 +179,7 @@ impl Vm {
             s.gprs[7] = 0; // rsp: the firmware sets its own stack
         }
         vcpus.set_states(&states)?;
+        drop(vcpus); // the state lock is taken before the vCPUs' (see `run_state`)
         *self.state.lock().unwrap() = RunState::Paused;
         Ok(())
     }
@@ -266,7 +267,11 @@ impl Vm {
     /// on a page an incoming postcopy has not brought), nothing is stopped,
     /// the VM runs on as before, and the error says which vCPUs and why.
     pub fn try_pause(&self, bound: std::time::Duration) -> Result<()> {
-        let late = match self.vcpus.lock().unwrap().try_pause(bound) {
+        // The vCPU set's lock is released before the state lock is taken
+        // (`run_state` takes them in the other order) and before
+        // `vcpu_status` takes it again: held across the match, it deadlocked.
+        let paused = self.vcpus.lock().unwrap().try_pause(bound);
+        let late = match paused {
             Ok(()) => {
                 self.quiesce();
                 return Ok(());
