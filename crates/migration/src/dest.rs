@@ -282,6 +282,7 @@ fn queued_bytes(s: &TcpStream) -> usize {
 /// Errors only cost the optimisation.
 fn wait_for_bytes(s: &TcpStream, n: usize) {
     let fd = s.as_raw_fd();
+    // libc directly: nix has no SO_RCVLOWAT option.
     let set = |v: i32| {
         // SAFETY: an int option on our own socket.
         unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v as *const i32 as *const libc::c_void, 4) }
