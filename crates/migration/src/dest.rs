@@ -110,11 +110,22 @@ impl RxShared {
     }
 }
 
-// Guest RAM is shared memory reached through a raw mapping, like DMA.
-#[allow(clippy::mut_from_ref)]
-fn page_mut(sh: &RxShared, pfn: u64) -> &mut [u8] {
-    // SAFETY: callers checked pfn < total pages (Records does); only one
-    // channel writes a given page per round, and rounds are barriers apart.
+/// Page `pfn` of guest RAM where this migration writes it (the vmm's
+/// mapping or the alias). Guest RAM is shared memory reached through a raw
+/// mapping, like DMA, so the borrow checker cannot see who else holds it.
+///
+/// # Safety
+///
+/// - `pfn < sh.total` (page numbers from a batch table are checked so);
+/// - while the slice lives, nothing else reads or writes that page: during
+///   a round only the channel that received the page touches it (the
+///   source sends a page on one channel per round, and rounds are
+///   [`RoundBarrier`]s apart), and the guest does not run on it (it is
+///   paused, or the page is in the alias its page tables do not map).
+#[expect(clippy::mut_from_ref, reason = "an unsafe fn: exclusive access is the caller's contract, above")]
+unsafe fn page_mut(sh: &RxShared, pfn: u64) -> &mut [u8] {
+    debug_assert!(pfn < sh.total, "page {pfn} outside guest RAM");
+    // SAFETY: in bounds by the caller's contract; exclusive likewise.
     unsafe { std::slice::from_raw_parts_mut(sh.write_at().add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) }
 }
 
@@ -187,7 +198,10 @@ fn plan_batch(
 fn read_batch_into_ram(s: &mut TcpStream, rd: &DataReader, sh: &RxShared, data_len: usize, scratch: &mut Vec<u8>) -> Result<()> {
     // Disjoint ranges of guest RAM (checked page numbers; this channel
     // alone writes them this round) and of `scratch`.
-    let pieces = plan_batch(rd, sh.total, data_len, scratch, |p, _| Some(page_mut(sh, p).as_mut_ptr()))?;
+    // SAFETY: plan_batch passes only page numbers it checked against
+    // `sh.total`; this channel alone receives them this round, and the
+    // slice ends at once (only its address is kept, for the read).
+    let pieces = plan_batch(rd, sh.total, data_len, scratch, |p, _| Some(unsafe { page_mut(sh, p) }.as_mut_ptr()))?;
     wait_for_bytes(s, data_len);
     read_pieces(s, &pieces)?;
     Ok(())
@@ -313,7 +327,8 @@ fn apply_batch(rd: &DataReader, sh: &RxShared, scratch: &[u8], zstd: &mut Option
             Entry::Zero { pfn, count } => {
                 for p in pfn..pfn + count {
                     if sh.maybe_nonzero.get(p) {
-                        page_mut(sh, p).fill(0);
+                        // SAFETY: checked entry (p < total) of this channel's batch.
+                        unsafe { page_mut(sh, p) }.fill(0);
                     }
                 }
                 sh.seen.set_range(PageRange { first: pfn, count });
@@ -323,13 +338,16 @@ fn apply_batch(rd: &DataReader, sh: &RxShared, scratch: &[u8], zstd: &mut Option
             Entry::Raw { pfn, count, hashes } => {
                 for i in 0..count {
                     let p = pfn + i;
-                    sh.suspect.check(p, wire::page_hash(p, page_mut(sh, p)) == wire::run_hash(hashes, i as usize));
+                    // SAFETY: checked entry (p < total) of this channel's batch.
+                    let page = unsafe { page_mut(sh, p) };
+                    sh.suspect.check(p, wire::page_hash(p, page) == wire::run_hash(hashes, i as usize));
                     written.add(p, sh);
                 }
                 n += count;
             }
             Entry::Compressed { pfn, kind, len, hash } => {
-                let page = page_mut(sh, pfn);
+                // SAFETY: checked entry (pfn < total) of this channel's batch.
+                let page = unsafe { page_mut(sh, pfn) };
                 unpack(pfn, kind, &scratch[at..at + len], page, zstd)?;
                 sh.suspect.check(pfn, wire::page_hash(pfn, page) == hash);
                 written.add(pfn, sh);
