@@ -9,7 +9,7 @@
 use super::faults::{FaultThread, RequestSink};
 use super::place::{Placer, Via};
 use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
-use crate::dest::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
+use crate::receiver::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::MigratableVm;
 use crate::wire::{self, DataItem, DataReader, Msg};

@@ -11,7 +11,7 @@ use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
-use crate::source::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
+use crate::sender::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, Msg};
@@ -293,9 +293,9 @@ fn reconnect(
     ctl: &Arc<Control>,
     queue: &Arc<PushQueue>,
 ) -> Result<(TcpStream, ChannelSet, TcpStream)> {
-    let addr = crate::source::parse_tcp_uri(addr)?;
+    let addr = crate::sender::parse_tcp_uri(addr)?;
     let total = ram.pages();
-    let mut control = crate::source::connect(&addr, ctl)?;
+    let mut control = crate::sender::connect(&addr, ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
     let channels = ctl.snapshot().channels.max(1);
     wire::send_msg(
