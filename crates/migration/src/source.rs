@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::sender::{
-    chunk, connect, give_up_at, open_channels, open_urgent, parse_tcp_uri, recv_reply, recv_welcome, Downtime, Outgoing, WorkItem,
-    CHUNK_PAGES, ZERO_CHUNK_PAGES,
+    chunk, connect, give_up_at, open_channels, open_urgent, parse_tcp_uri, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing,
+    WorkItem, CHUNK_PAGES, ZERO_CHUNK_PAGES,
 };
 pub use crate::sender::{is_zero, nonzero_xxh3};
 
@@ -53,6 +53,10 @@ pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<A
     r
 }
 
+/// The phases of an outgoing migration, each its own function as in QEMU's
+/// migration_thread: setup, the first pass, the rounds with their switch
+/// decision, then either the postcopy hand-over or stop-and-copy and the
+/// commit.
 fn run_inner(
     vm: Arc<dyn MigratableVm>,
     uri: &str,
@@ -61,32 +65,74 @@ fn run_inner(
     ctl: &Arc<Control>,
     t0: Instant,
 ) -> Result<()> {
-    params.validate().map_err(|e| anyhow!(e))?;
-    let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
-    let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
-    let addr = parse_tcp_uri(uri)?;
-    let ram = vm.ram();
-    let total = ram.pages();
-    let deadline = (params.timeout_s > 0).then(|| t0 + Duration::from_secs(params.timeout_s));
-    ctl.update(|s| {
-        s.status = Status::Setup;
-        s.role = "outgoing".into();
-        s.peer = addr.clone();
-        s.channels = params.channels;
-        s.compress = compress.to_string();
-        s.ram_bytes = ram.len;
-        s.total_pages = total;
-        s.mode = mode.to_string();
-    });
+    let plan = Plan::new(&vm, uri, params, ctl, t0)?;
     let mut guard = Outgoing { vm: vm.clone(), ctl: ctl.clone(), paused_by_us: false, committed: false };
+    let mut link = connect_session(&vm, &plan, params, ctl)?;
+    if plan.mode == Mode::Postcopy {
+        return postcopy_at_once(&mut guard, &vm, plan, link, ctl);
+    }
+    let mut pass = first_pass(&vm, sources, &plan, &mut link, ctl)?;
+    let end = rounds(&vm, params, &plan, &mut link, &mut pass, ctl)?;
+    if end.switch {
+        return switch_to_postcopy(&mut guard, &vm, &plan, link, pass, end);
+    }
+    let fin = stop_and_copy(&mut guard, &vm, &plan, &mut link, &mut pass.log, end, ctl)?;
+    commit(&mut guard, &vm, params, link, pass.log, fin, ctl)
+}
 
-    // --- setup: control connection, handshake, data connections ---
-    let setup_step = |name: &str| {
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
+/// The migration's parameters, checked, and when it gives up.
+struct Plan {
+    addr: String,
+    compress: Compress,
+    mode: Mode,
+    total: u64,
+    deadline: Option<Instant>,
+    t0: Instant,
+}
+
+impl Plan {
+    fn new(vm: &Arc<dyn MigratableVm>, uri: &str, params: &Params, ctl: &Control, t0: Instant) -> Result<Plan> {
+        params.validate().map_err(|e| anyhow!(e))?;
+        let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
+        let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
+        let addr = parse_tcp_uri(uri)?;
+        let ram = vm.ram();
+        let total = ram.pages();
+        let deadline = (params.timeout_s > 0).then(|| t0 + Duration::from_secs(params.timeout_s));
+        ctl.update(|s| {
+            s.status = Status::Setup;
+            s.role = "outgoing".into();
+            s.peer = addr.clone();
+            s.channels = params.channels;
+            s.compress = compress.to_string();
+            s.ram_bytes = ram.len;
+            s.total_pages = total;
+            s.mode = mode.to_string();
+        });
+        Ok(Plan { addr, compress, mode, total, deadline, t0 })
+    }
+
+    fn setup_step(&self, ctl: &Control, name: &str) {
+        let ms = self.t0.elapsed().as_secs_f64() * 1e3;
         ctl.update(|s| s.setup_steps.push((name.to_string(), ms)));
-    };
+    }
+}
+
+/// The connections to the destination.
+struct Link {
+    session: u64,
+    bucket: Arc<TokenBucket>,
+    control: TcpStream,
+    channels: ChannelSet,
+    /// Postcopy and hybrid: the channel for pages the destination faults on.
+    urgent: Option<TcpStream>,
+}
+
+/// Setup: the control connection, the handshake, the data connections.
+fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl: &Arc<Control>) -> Result<Link> {
+    let ram = vm.ram();
     let session = unix_ns() ^ (std::process::id() as u64) << 32;
-    let mut control = connect(&addr, ctl)?;
+    let mut control = connect(&plan.addr, ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
     wire::send_msg(
         &mut control,
@@ -96,55 +142,81 @@ fn run_inner(
             ram_bytes: ram.len,
             page_size: PAGE_SIZE,
             channels: params.channels,
-            compress: compress.to_string(),
-            mode: mode.to_string(),
+            compress: plan.compress.to_string(),
+            mode: plan.mode.to_string(),
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     recv_welcome(&mut control, "hello")?;
     control.set_read_timeout(None)?;
-    setup_step("welcomed");
+    plan.setup_step(ctl, "welcomed");
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
-    let mut channels = open_channels(&addr, session, params.channels, ram, compress, &bucket, ctl, deadline)?;
-    let urgent = if mode != Mode::Precopy { Some(open_urgent(&addr, session, ctl)?) } else { None };
-    setup_step("channels open");
+    let channels = open_channels(&plan.addr, session, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?;
+    let urgent = if plan.mode != Mode::Precopy { Some(open_urgent(&plan.addr, session, ctl)?) } else { None };
+    plan.setup_step(ctl, "channels open");
+    Ok(Link { session, bucket, control, channels, urgent })
+}
 
-    if mode == Mode::Postcopy {
-        // Nothing moves before the switch: the destination runs at once,
-        // as soon as it says it is ready. Meanwhile the memfd's holes are
-        // found (a walk of every page, not to be done once the destination
-        // runs and faults).
-        let walk = std::thread::spawn(move || ram.data_ranges());
-        control.set_read_timeout(Some(Duration::from_secs(30)))?;
-        match recv_reply(&mut control)? {
-            Msg::Ready => {}
-            other => bail!("destination answered {other:?} instead of ready"),
-        }
-        control.set_read_timeout(None)?;
-        let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
-        let holes = complement(&data, total);
-        ctl.update(|s| s.setup_ms = t0.elapsed().as_secs_f64() * 1e3);
-        let start = crate::postcopy::source::Start {
-            session,
-            compress,
-            bucket,
-            control,
-            urgent: urgent.expect("urgent connection"),
-            channels,
-            log: None,
-            holes,
-            pending: Vec::new(),
-            round: 0,
-        };
-        return crate::postcopy::source::run(&mut guard, start);
+/// Postcopy: nothing moves before the switch. The destination runs at
+/// once, as soon as it says it is ready. Meanwhile the memfd's holes are
+/// found (a walk of every page, not to be done once the destination runs
+/// and faults).
+fn postcopy_at_once(guard: &mut Outgoing, vm: &Arc<dyn MigratableVm>, plan: Plan, mut link: Link, ctl: &Control) -> Result<()> {
+    let ram = vm.ram();
+    let walk = std::thread::spawn(move || ram.data_ranges());
+    link.control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    match recv_reply(&mut link.control)? {
+        Msg::Ready => {}
+        other => bail!("destination answered {other:?} instead of ready"),
     }
+    link.control.set_read_timeout(None)?;
+    let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
+    let holes = complement(&data, plan.total);
+    ctl.update(|s| s.setup_ms = plan.t0.elapsed().as_secs_f64() * 1e3);
+    let start = crate::postcopy::source::Start {
+        session: link.session,
+        compress: plan.compress,
+        bucket: link.bucket,
+        control: link.control,
+        urgent: link.urgent.expect("urgent connection"),
+        channels: link.channels,
+        log: None,
+        holes,
+        pending: Vec::new(),
+        round: 0,
+    };
+    crate::postcopy::source::run(guard, start)
+}
 
-    // --- dirty tracking from here on, then the first pass over all RAM ---
-    // Registered now; each page is write-protected by the first pass just
-    // before it is read, so that walk overlaps with sending.
-    let mut log = DirtyLog::start_unarmed(&ram, sources)?;
+/// Dirty tracking and the first pass over all of RAM, cut into work.
+struct FirstPass {
+    log: DirtyLog,
+    /// The first round's work: all of RAM (hybrid: its first eighth).
+    items: Vec<WorkItem>,
+    /// Hybrid: the rest of the first pass, sent in the round after.
+    rest: Vec<WorkItem>,
+    /// Hybrid: the sample of RAM armed before the first round.
+    sample: Vec<PageRange>,
+    /// The memfd's holes when the pass was planned (sent as zero runs).
+    holes: Vec<PageRange>,
+}
+
+/// Setup, continued: dirty tracking from here on, and the first pass
+/// planned. Tracking is registered now; each page is write-protected by
+/// the first pass just before it is read, so that walk overlaps with
+/// sending.
+fn first_pass(
+    vm: &Arc<dyn MigratableVm>,
+    sources: Vec<Arc<dyn DirtySource>>,
+    plan: &Plan,
+    link: &mut Link,
+    ctl: &Control,
+) -> Result<FirstPass> {
+    let ram = vm.ram();
+    let total = plan.total;
+    let log = DirtyLog::start_unarmed(&ram, sources)?;
     let armer = log.armer()?;
-    setup_step("tracking registered");
+    plan.setup_step(ctl, "tracking registered");
     // Holes go as zero runs without being read, so they must be armed
     // before they are taken for holes: arm the holes seen now, then look
     // again. A page written in between is data in the second look and is
@@ -154,7 +226,7 @@ fn run_inner(
     for r in &holes {
         armer.arm(*r).context("arming dirty tracking")?;
     }
-    setup_step("holes armed");
+    plan.setup_step(ctl, "holes armed");
     let holes = ram.holes_since(&holes).context("finding the memfd's holes")?;
     let data = complement(&holes, total);
     let mut items = Vec::new();
@@ -162,40 +234,125 @@ fn run_inner(
     chunk(&holes, ZERO_CHUNK_PAGES, true, &mut items);
     items.sort_by_key(|w| w.first);
     // Hybrid sends its first pass in two rounds, the first eighth of RAM,
-    // then the rest, and may switch in between (below). Until the rest is
-    // sent, the scans look only at the first eighth (armed chunk by chunk
-    // as it is sent) and at a sample of all RAM (armed now); the rest is
-    // unarmed but for its holes, and is sent or missing anyway.
+    // then the rest, and may switch in between (see `next_step`). Until the
+    // rest is sent, the scans look only at the first eighth (armed chunk by
+    // chunk as it is sent) and at a sample of all RAM (armed now); the rest
+    // is unarmed but for its holes, and is sent or missing anyway.
     let mut rest = Vec::new();
     let mut sample = Vec::new();
-    if mode == Mode::Hybrid {
+    if plan.mode == Mode::Hybrid {
         sample = mark_rate_sample(&mut items);
         for r in &sample {
             armer.arm(*r).context("arming dirty tracking")?;
         }
-        setup_step("sample armed");
+        plan.setup_step(ctl, "sample armed");
         let at = items.partition_point(|w| w.first < total / 8);
         rest = items.split_off(at);
     }
-    channels.arm_next = Some(armer);
+    link.channels.arm_next = Some(armer);
     ctl.update(|s| {
         s.status = Status::Active;
-        s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+        s.setup_ms = plan.t0.elapsed().as_secs_f64() * 1e3;
         s.remaining_pages = total;
     });
+    Ok(FirstPass { log, items, rest, sample, holes })
+}
 
+/// How the rounds ended.
+struct RoundsEnd {
+    /// Pages still to send: dirty ones, and for a switch, the first pass's
+    /// pages never sent.
+    pending: Vec<PageRange>,
+    /// Switch to postcopy (hybrid) rather than stop and copy.
+    switch: bool,
+    /// The last round sent.
+    round: u64,
+    throttle: u8,
+    /// Hybrid: where the first pass's pages not sent yet begin.
+    unarmed_from: Option<u64>,
+}
+
+/// What a round's end tells the switch decision.
+#[derive(Debug, Clone, Copy)]
+struct RoundFacts {
+    mode: Mode,
+    /// Expected downtime: the dirty pages and the state at the link's rate.
+    est_s: f64,
+    /// The downtime asked for.
+    target_s: f64,
+    /// Hybrid: the rest of the first pass is still to send.
+    rest_pending: bool,
+    /// The round was cut short (hybrid's timeout or a postcopy request).
+    was_cut: bool,
+    timed_out: bool,
+    postcopy_requested: bool,
+    /// Hybrid: pages the guest wrote since the sample was armed, over all
+    /// of RAM, and the pages the first round sent meanwhile.
+    written: u64,
+    first_round_pages: u64,
+}
+
+/// What to do after a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NextStep {
+    /// What is left fits the downtime: pause and send it.
+    StopAndCopy,
+    /// Hybrid: hand over to postcopy.
+    SwitchToPostcopy,
+    /// Precopy past its timeout without converging.
+    GiveUp,
+    AnotherRound,
+}
+
+/// The switch decision, as QEMU's migration_iteration_run makes it: stop
+/// and copy once the rest fits the downtime; a hybrid switches to postcopy
+/// when its first pass is over and what is left does not fit (another
+/// round would send what the push sends and leave behind what the guest
+/// dirties meanwhile), sooner, after the first eighth of the pass, if the
+/// guest wrote pages at a quarter of the rate the link sent them or more
+/// (precopy rounds would then send another third of RAM or more before
+/// they converge, while the push sends each page once), and when the
+/// operator asks or the timeout passes (either may have cut the round
+/// short). A hybrid past its deadline switches even if the rest fits: its
+/// stop-and-copy would be cancelled at the deadline.
+fn next_step(f: &RoundFacts) -> NextStep {
+    let hybrid = f.mode == Mode::Hybrid;
+    if f.est_s <= f.target_s && !f.rest_pending && !f.was_cut && !(hybrid && f.timed_out) {
+        return NextStep::StopAndCopy;
+    }
+    let dirtying = f.rest_pending && f.written * 4 >= f.first_round_pages;
+    if hybrid && (f.postcopy_requested || f.timed_out || f.was_cut || !f.rest_pending || dirtying) {
+        return NextStep::SwitchToPostcopy;
+    }
+    if f.timed_out {
+        return NextStep::GiveUp;
+    }
+    NextStep::AnotherRound
+}
+
+/// The rounds: the first pass, then the pages dirtied meanwhile, until
+/// [`next_step`] says stop and copy, or switch.
+fn rounds(
+    vm: &Arc<dyn MigratableVm>,
+    params: &Params,
+    plan: &Plan,
+    link: &mut Link,
+    pass: &mut FirstPass,
+    ctl: &Control,
+) -> Result<RoundsEnd> {
+    let total = plan.total;
+    let mode = plan.mode;
     let state_estimate = vm.state_size_estimate();
     let target_s = params.downtime_ms as f64 / 1e3;
     let mut throttle: u8 = 0;
     let mut round = 0u64;
     // Hybrid's timeout and `migrate-start-postcopy` end its rounds early,
-    // and it switches (below): the destination can run at once and fetch
-    // the rest.
+    // and it switches: the destination can run at once and fetch the rest.
     let cuttable = mode == Mode::Hybrid;
-    let round_deadline = give_up_at(deadline, cuttable);
+    let round_deadline = give_up_at(plan.deadline, cuttable);
     let t_round = Instant::now();
-    let mut last = channels.round(round, items, cuttable)?;
-    wait_round_done(&mut control, round, ctl, round_deadline)?;
+    let mut last = link.channels.round(round, std::mem::take(&mut pass.items), cuttable)?;
+    wait_round_done(&mut link.control, round, ctl, round_deadline)?;
     last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = link_rate(last.wire, last.secs, params.max_bandwidth);
@@ -208,20 +365,20 @@ fn run_inner(
     // the pass is all sent. A round cut short leaves its tail unsent: the
     // eighth's, or the rest's in the round after.
     let mut unarmed_from = (mode == Mode::Hybrid).then_some(0);
-    let (mut pending, switch) = loop {
+    loop {
         let unsent = std::mem::take(&mut last.unsent);
         unarmed_from = unarmed_from.and_then(|from| {
             let cut = unsent.iter().map(|w| w.first).filter(|&f| f >= from).min();
-            cut.or(rest.first().map(|w| w.first))
+            cut.or(pass.rest.first().map(|w| w.first))
         });
-        let mut dirty = log.scan(total, armed_part(unarmed_from, &sample, total).as_deref())?;
+        let mut dirty = pass.log.scan(total, armed_part(unarmed_from, &pass.sample, total).as_deref())?;
         // The pages found dirty were written from scan to scan: the round,
         // and the scan and planning around it.
         let window = std::mem::replace(&mut scanned_at, Instant::now()).elapsed().as_secs_f64().max(1e-6);
         // Hybrid, after the first eighth: pages the guest wrote since the
         // sample was armed, extrapolated to all of RAM, against the pages
         // sent meanwhile.
-        let written = written_estimate(&dirty, &sample, total);
+        let written = written_estimate(&dirty, &pass.sample, total);
         if let Some(cut) = unarmed_from {
             // The first pass's pages not sent yet go anyway (with the rest,
             // or as missing).
@@ -249,41 +406,39 @@ fn run_inner(
             s.remaining_pages = n;
             s.expected_downtime_ms = est_s * 1e3;
         });
-        let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
-        let was_cut = !unsent.is_empty();
-        // A hybrid past its deadline switches even if the rest fits: its
-        // stop-and-copy would be cancelled at the deadline.
-        if est_s <= target_s && rest.is_empty() && !was_cut && !(mode == Mode::Hybrid && timed_out) {
-            break (dirty, false);
+        let facts = RoundFacts {
+            mode,
+            est_s,
+            target_s,
+            rest_pending: !pass.rest.is_empty(),
+            was_cut: !unsent.is_empty(),
+            timed_out: plan.deadline.is_some_and(|d| Instant::now() >= d),
+            postcopy_requested: ctl.postcopy_requested(),
+            written,
+            first_round_pages,
+        };
+        match next_step(&facts) {
+            NextStep::StopAndCopy => return Ok(RoundsEnd { pending: dirty, switch: false, round, throttle, unarmed_from }),
+            NextStep::SwitchToPostcopy => {
+                let mut missing = dirty;
+                missing.extend(pass.rest.iter().chain(&unsent).map(|w| PageRange { first: w.first, count: w.count }));
+                return Ok(RoundsEnd { pending: missing, switch: true, round, throttle, unarmed_from });
+            }
+            NextStep::GiveUp => {
+                ctl.cancel();
+                bail!(
+                    "did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)",
+                    params.timeout_s,
+                    est_s * 1e3,
+                    throttle
+                );
+            }
+            NextStep::AnotherRound => {}
         }
-        // Hybrid switches once the first pass is over and what is left
-        // does not fit the downtime: another round would send what the
-        // push sends and leave behind what the guest dirties meanwhile.
-        // It switches sooner, after the first eighth of the pass, if the
-        // guest wrote pages at a quarter of the rate the link sent them or
-        // more: precopy rounds would then send another third of RAM or
-        // more before they converge, while the push sends each page once.
-        // And when the operator asks or the timeout passes (either may have
-        // cut the round short).
-        let dirtying = !rest.is_empty() && written * 4 >= first_round_pages;
-        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || was_cut || rest.is_empty() || dirtying) {
-            let mut missing = dirty;
-            missing.extend(rest.iter().chain(&unsent).map(|w| PageRange { first: w.first, count: w.count }));
-            break (missing, true);
-        }
-        if !rest.is_empty() {
+        if !pass.rest.is_empty() {
             // The rest is armed as it is sent, as precopy's first pass is;
             // from then on all of RAM is armed.
-            channels.arm_next = Some(log.armer()?);
-        }
-        if timed_out {
-            ctl.cancel();
-            bail!(
-                "did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)",
-                params.timeout_s,
-                est_s * 1e3,
-                throttle
-            );
+            link.channels.arm_next = Some(pass.log.armer()?);
         }
         if params.auto_converge && mode == Mode::Precopy {
             if let Some(t) = converge_step(throttle, dirty_s / window, params) {
@@ -296,41 +451,71 @@ fn run_inner(
             }
         }
         round += 1;
-        let mut items = std::mem::take(&mut rest);
+        let mut items = std::mem::take(&mut pass.rest);
         let from = items.len();
         chunk(&dirty, CHUNK_PAGES, false, &mut items);
         // The scan armed the dirty pages again: a round that arms (hybrid's
         // rest of the pass) skips them.
         items[from..].iter_mut().for_each(|w| w.armed = true);
         let t_round = Instant::now();
-        last = channels.round(round, items, cuttable)?;
-        wait_round_done(&mut control, round, ctl, round_deadline)?;
+        last = link.channels.round(round, items, cuttable)?;
+        wait_round_done(&mut link.control, round, ctl, round_deadline)?;
         last.secs = t_round.elapsed().as_secs_f64();
         if last.wire >= RATE_MIN_BYTES {
             bw = link_rate(last.wire, last.secs, params.max_bandwidth);
             page_cost = last.page_cost();
         }
-    };
-
-    if switch {
-        let start = crate::postcopy::source::Start {
-            session,
-            compress,
-            bucket,
-            control,
-            urgent: urgent.expect("urgent connection"),
-            channels,
-            log: Some((log, armed_part(unarmed_from, &sample, total))),
-            holes,
-            pending,
-            round: round + 1,
-        };
-        return crate::postcopy::source::run(&mut guard, start);
     }
+}
 
-    // --- stop-and-copy ---
-    let pause = Downtime::pause(&mut guard)?;
-    let (paused_at, t_pause) = (pause.paused_at, pause.since);
+/// Hybrid's switch: postcopy takes the connections, the log and the pages
+/// still to send.
+fn switch_to_postcopy(
+    guard: &mut Outgoing,
+    vm: &Arc<dyn MigratableVm>,
+    plan: &Plan,
+    link: Link,
+    pass: FirstPass,
+    end: RoundsEnd,
+) -> Result<()> {
+    let total = vm.ram().pages();
+    let start = crate::postcopy::source::Start {
+        session: link.session,
+        compress: plan.compress,
+        bucket: link.bucket,
+        control: link.control,
+        urgent: link.urgent.expect("urgent connection"),
+        channels: link.channels,
+        log: Some((pass.log, armed_part(end.unarmed_from, &pass.sample, total))),
+        holes: pass.holes,
+        pending: end.pending,
+        round: end.round + 1,
+    };
+    crate::postcopy::source::run(guard, start)
+}
+
+/// What stop-and-copy leaves for the commit.
+struct Copied {
+    pause: Downtime,
+    rounds: u64,
+    per_channel: Vec<u64>,
+    state: Vec<u8>,
+}
+
+/// Stop-and-copy: pause, send the last dirty pages, save the state, end the
+/// streams.
+fn stop_and_copy(
+    guard: &mut Outgoing,
+    vm: &Arc<dyn MigratableVm>,
+    plan: &Plan,
+    link: &mut Link,
+    log: &mut DirtyLog,
+    end: RoundsEnd,
+    ctl: &Control,
+) -> Result<Copied> {
+    let total = plan.total;
+    let RoundsEnd { mut pending, mut round, throttle, .. } = end;
+    let pause = Downtime::pause(guard)?;
     let step = |name: &str| pause.step(name);
     pending.extend(log.scan(total, None)?);
     let pending = normalize(pending, total);
@@ -340,13 +525,13 @@ fn run_inner(
     round += 1;
     let mut items = Vec::new();
     chunk(&pending, CHUNK_PAGES, false, &mut items);
-    let fin = channels.round(round, items, false)?;
+    let fin = link.channels.round(round, items, false)?;
     step("last pages sent");
     let state = vm.save_state().context("saving vCPU and device state")?;
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
     state.write_to(&mut blob)?;
     step("state saved");
-    let (per_channel, cpu) = channels.finish()?;
+    let (per_channel, cpu) = link.channels.finish()?;
     step("streams ended");
     ctl.update(|s| {
         s.rounds = round + 1;
@@ -363,11 +548,29 @@ fn run_inner(
         s.state_bytes = blob.len() as u64;
         s.cpu_s_source = Some(cpu);
     });
+    Ok(Copied { pause, rounds: round + 1, per_channel, state: blob })
+}
+
+/// The commit: the end of the stream and the state; once the destination
+/// has loaded them it owns the VM, and it is told to run it.
+fn commit(
+    guard: &mut Outgoing,
+    vm: &Arc<dyn MigratableVm>,
+    params: &Params,
+    link: Link,
+    log: DirtyLog,
+    fin: Copied,
+    ctl: &Control,
+) -> Result<()> {
+    let Link { mut control, .. } = link;
+    let Copied { pause, rounds, per_channel, state: blob } = fin;
+    let (paused_at, t_pause) = (pause.paused_at, pause.since);
+    let step = |name: &str| pause.step(name);
     wire::send_msg(
         &mut control,
         &Msg::End {
             pages_per_channel: per_channel,
-            rounds: round + 1,
+            rounds,
             state_bytes: blob.len() as u64,
             source_paused_unix_ns: paused_at,
             ram_hashes: params.verify_ram,
@@ -375,7 +578,7 @@ fn run_inner(
     )?;
     wire::send_blob(&mut control, &blob)?;
     if params.verify_ram {
-        let h = crate::vm::page_hashes(&ram);
+        let h = crate::vm::page_hashes(&vm.ram());
         let bytes: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
         wire::send_blob(&mut control, &bytes)?;
     }
@@ -523,6 +726,58 @@ fn wait_round_done(control: &mut TcpStream, round: u64, ctl: &Control, deadline:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A precopy round's facts: fits the downtime unless changed.
+    fn facts() -> RoundFacts {
+        RoundFacts {
+            mode: Mode::Precopy,
+            est_s: 0.1,
+            target_s: 0.3,
+            rest_pending: false,
+            was_cut: false,
+            timed_out: false,
+            postcopy_requested: false,
+            written: 0,
+            first_round_pages: 1000,
+        }
+    }
+
+    #[test]
+    fn precopy_stops_and_copies_once_the_rest_fits_the_downtime() {
+        assert_eq!(next_step(&facts()), NextStep::StopAndCopy);
+        assert_eq!(next_step(&RoundFacts { est_s: 0.3, ..facts() }), NextStep::StopAndCopy, "exactly the target fits");
+        assert_eq!(next_step(&RoundFacts { est_s: 0.5, ..facts() }), NextStep::AnotherRound);
+        // Past the timeout it still copies if the rest fits, else gives up.
+        assert_eq!(next_step(&RoundFacts { timed_out: true, ..facts() }), NextStep::StopAndCopy);
+        assert_eq!(next_step(&RoundFacts { timed_out: true, est_s: 0.5, ..facts() }), NextStep::GiveUp);
+        // A postcopy request means nothing to precopy.
+        assert_eq!(next_step(&RoundFacts { postcopy_requested: true, est_s: 0.5, ..facts() }), NextStep::AnotherRound);
+    }
+
+    #[test]
+    fn hybrid_switches_when_the_pass_is_over_and_the_rest_does_not_fit() {
+        let hybrid = RoundFacts { mode: Mode::Hybrid, ..facts() };
+        assert_eq!(next_step(&hybrid), NextStep::StopAndCopy, "converged like precopy");
+        assert_eq!(next_step(&RoundFacts { est_s: 0.5, ..hybrid }), NextStep::SwitchToPostcopy);
+        // Past its deadline it switches even if the rest fits: its
+        // stop-and-copy would be cancelled.
+        assert_eq!(next_step(&RoundFacts { timed_out: true, ..hybrid }), NextStep::SwitchToPostcopy);
+        // A round cut short, or the operator's request, switches.
+        assert_eq!(next_step(&RoundFacts { was_cut: true, ..hybrid }), NextStep::SwitchToPostcopy);
+        assert_eq!(next_step(&RoundFacts { postcopy_requested: true, est_s: 0.5, ..hybrid }), NextStep::SwitchToPostcopy);
+    }
+
+    #[test]
+    fn hybrid_switches_after_the_first_eighth_only_for_a_busy_guest() {
+        // The rest of the first pass is still to send: it is sent next
+        // unless the guest wrote a quarter of what the first round sent.
+        let eighth = RoundFacts { mode: Mode::Hybrid, rest_pending: true, est_s: 0.5, ..facts() };
+        assert_eq!(next_step(&RoundFacts { written: 249, ..eighth }), NextStep::AnotherRound);
+        assert_eq!(next_step(&RoundFacts { written: 250, ..eighth }), NextStep::SwitchToPostcopy);
+        // Even a tiny rest that fits waits for the pass to end.
+        assert_eq!(next_step(&RoundFacts { est_s: 0.0, ..eighth }), NextStep::AnotherRound);
+        assert_eq!(next_step(&RoundFacts { postcopy_requested: true, ..eighth }), NextStep::SwitchToPostcopy);
+    }
 
     #[test]
     fn link_rate_needs_a_round_that_moved_enough() {
