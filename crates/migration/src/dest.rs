@@ -5,12 +5,12 @@
 use crate::compress::Compress;
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::PAGE_SIZE;
-use crate::pages::AtomicBitmap;
+use crate::pages::{AtomicBitmap, PageRange};
 use crate::postcopy::clients::RamClients;
 use crate::postcopy::place::Alias;
 use crate::stats::{Control, Mode, Status};
 use crate::vm::MigratableVm;
-use crate::wire::{self, Msg};
+use crate::wire::{self, Msg, WireError};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
@@ -64,6 +64,10 @@ pub fn run(
     r
 }
 
+/// The phases of an incoming migration, each its own function as in QEMU's
+/// migration incoming path: the handshake, the channels and their threads,
+/// then either the postcopy hand-over at a switch, or the end of the stream
+/// checked, the state loaded and the VM started on the source's go.
 fn run_inner(
     vm: &Arc<dyn MigratableVm>,
     listener: &TcpListener,
@@ -74,7 +78,6 @@ fn run_inner(
     clients: Option<Arc<RamClients>>,
 ) -> Result<bool> {
     let ram = vm.ram();
-    let total = ram.pages();
     // Pages that may hold non-zero bytes: what has data before prealloc
     // allocates the rest, zero-filled (a zero record needs no write there).
     let data_before = ram.data_ranges()?;
@@ -84,91 +87,12 @@ fn run_inner(
     let mut control = accept(listener, ctl, timeout)?;
     *t0 = Instant::now();
     *control_out = Some(control.try_clone()?);
-    control.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let role = match wire::read_preamble(&mut control) {
-        Ok(r) => r,
-        Err(e) => {
-            // Answer in our own version so that an older or newer source
-            // prints the reason rather than a bare disconnect.
-            let _ = wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL);
-            return Err(anyhow!("source stream: {e}"));
-        }
-    };
-    if role != wire::ROLE_CONTROL {
-        bail!("first connection is not a control connection");
-    }
-    let (session, channels, compress, mode) = match wire::recv_msg(&mut control)? {
-        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode } => {
-            let mine = vm.shape();
-            if shape != mine {
-                bail!("VM shape differs: source {shape:?}, destination {mine:?}");
-            }
-            if ram_bytes != ram.len || page_size != PAGE_SIZE {
-                bail!("RAM differs: source {ram_bytes} bytes in {page_size}-byte pages, here {} in {PAGE_SIZE}", ram.len);
-            }
-            if mode == "recover" {
-                bail!("nothing to recover here: this destination has no paused postcopy migration");
-            }
-            let mode: Mode =
-                mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
-            if !(1..=64).contains(&channels) {
-                bail!("{channels} channels is out of range");
-            }
-            let c: Compress = compress.parse().map_err(|e: String| anyhow!(e))?;
-            (session, channels as usize, c, mode)
-        }
-        other => bail!("expected hello, got {other:?}"),
-    };
-    wire::send_msg(&mut control, &Msg::Welcome)?;
-    ctl.update(|s| {
-        s.channels = channels as u32;
-        s.compress = compress.to_string();
-        s.ram_bytes = ram.len;
-        s.total_pages = total;
-        s.mode = mode.to_string();
-    });
-
-    let (streams, urgent) = accept_channels(listener, ctl, session, channels, mode != Mode::Precopy)?;
-    ctl.update(|s| {
-        s.status = Status::Active;
-        s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
-    });
-    let maybe_nonzero = AtomicBitmap::new(total);
-    for r in data_before {
-        maybe_nonzero.set_range(r);
-    }
-    // A hybrid receives its precopy rounds through an alias (see RxShared);
-    // a preallocated destination receives through its populated one.
-    let alias = match prealloc.as_ref().map(Prealloc::alias) {
-        Some(a) => Some(a),
-        None if mode == Mode::Hybrid => Some(Arc::new(Alias::map(&ram).context("mapping guest RAM for receiving")?)),
-        None => None,
-    };
-    let sh = Arc::new(RxShared {
-        ram,
-        total,
-        maybe_nonzero: Arc::new(maybe_nonzero),
-        alias,
-        precopy_rounds: mode == Mode::Hybrid,
-        seen: Arc::new(AtomicBitmap::new(total)),
-        suspect: Suspects::new(total),
-        placer: OnceLock::new(),
-        barrier: RoundBarrier::new(channels),
-        acks: Mutex::new(control.try_clone()?),
-        ctl: ctl.clone(),
-    });
-    let threads: Vec<_> = streams
-        .into_iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let sh = sh.clone();
-            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
-        })
-        .collect::<std::io::Result<_>>()?;
+    let hello = handshake(vm, &mut control, ctl)?;
+    let (sh, threads, urgent) = start_channels(vm, listener, &control, &hello, data_before, prealloc.as_ref(), ctl, *t0)?;
 
     // The source pauses the VM only once we can take the switch at once:
     // setup here must not count as downtime.
-    let armed = if mode == Mode::Postcopy {
+    let armed = if hello.mode == Mode::Postcopy {
         let a = crate::postcopy::dest::arm(&sh)?;
         wire::send_msg(&mut control, &Msg::Ready)?;
         Some(a)
@@ -185,16 +109,163 @@ fn run_inner(
         let sw =
             crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
         let urgent = urgent.ok_or_else(|| anyhow!("postcopy without an urgent connection"))?;
-        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, session, sw, clients, armed);
+        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, hello.session, sw, clients, armed);
     }
-    let t_end = Instant::now();
-    let step = |name: &str| {
-        let ms = t_end.elapsed().as_secs_f64() * 1e3;
-        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
-    };
+    let downtime = Steps { since: Instant::now(), ctl };
     if end.is_err() {
         ctl.shutdown_all();
     }
+    let stream = end_of_stream(threads, end)?;
+    downtime.step("channels joined");
+    check_every_page(&sh)?;
+    let state = load_state(vm, &mut control, &stream, ctl)?;
+    downtime.step("state received");
+    vm.restore_state(&state).context("loading vCPU and device state")?;
+    downtime.step("state restored");
+    resume_on_go(vm, params, &mut control, &stream, &downtime, ctl)
+}
+
+/// What the source's hello asked for, checked against this VM.
+struct Hello {
+    session: u64,
+    channels: usize,
+    compress: Compress,
+    mode: Mode,
+}
+
+/// The control connection's preamble and hello, answered with a welcome.
+fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control) -> Result<Hello> {
+    let ram = vm.ram();
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let role = match wire::read_preamble(control) {
+        Ok(r) => r,
+        Err(e) => {
+            // Answer in our own version so that an older or newer source
+            // prints the reason rather than a bare disconnect.
+            let _ = wire::write_preamble(control, wire::VERSION, wire::ROLE_CONTROL);
+            return Err(anyhow!("source stream: {e}"));
+        }
+    };
+    if role != wire::ROLE_CONTROL {
+        bail!("first connection is not a control connection");
+    }
+    let hello = match wire::recv_msg(control)? {
+        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode } => {
+            let mine = vm.shape();
+            if shape != mine {
+                bail!("VM shape differs: source {shape:?}, destination {mine:?}");
+            }
+            if ram_bytes != ram.len || page_size != PAGE_SIZE {
+                bail!("RAM differs: source {ram_bytes} bytes in {page_size}-byte pages, here {} in {PAGE_SIZE}", ram.len);
+            }
+            if mode == "recover" {
+                bail!("nothing to recover here: this destination has no paused postcopy migration");
+            }
+            let mode: Mode =
+                mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
+            if !(1..=64).contains(&channels) {
+                bail!("{channels} channels is out of range");
+            }
+            let compress: Compress = compress.parse().map_err(|e: String| anyhow!(e))?;
+            Hello { session, channels: channels as usize, compress, mode }
+        }
+        other => bail!("expected hello, got {other:?}"),
+    };
+    wire::send_msg(control, &Msg::Welcome)?;
+    ctl.update(|s| {
+        s.channels = hello.channels as u32;
+        s.compress = hello.compress.to_string();
+        s.ram_bytes = ram.len;
+        s.total_pages = ram.pages();
+        s.mode = hello.mode.to_string();
+    });
+    Ok(hello)
+}
+
+type ChannelThreads = Vec<std::thread::JoinHandle<Result<(u64, f64)>>>;
+
+/// The data connections (and the urgent one), and a receiving thread on
+/// each, sharing one [`RxShared`].
+#[allow(clippy::too_many_arguments)]
+fn start_channels(
+    vm: &Arc<dyn MigratableVm>,
+    listener: &TcpListener,
+    control: &TcpStream,
+    hello: &Hello,
+    data_before: Vec<PageRange>,
+    prealloc: Option<&Prealloc>,
+    ctl: &Arc<Control>,
+    t0: Instant,
+) -> Result<(Arc<RxShared>, ChannelThreads, Option<TcpStream>)> {
+    let ram = vm.ram();
+    let total = ram.pages();
+    let mode = hello.mode;
+    let (streams, urgent) = accept_channels(listener, ctl, hello.session, hello.channels, mode != Mode::Precopy)?;
+    ctl.update(|s| {
+        s.status = Status::Active;
+        s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+    });
+    let maybe_nonzero = AtomicBitmap::new(total);
+    for r in data_before {
+        maybe_nonzero.set_range(r);
+    }
+    // A hybrid receives its precopy rounds through an alias (see RxShared);
+    // a preallocated destination receives through its populated one.
+    let alias = match prealloc.map(Prealloc::alias) {
+        Some(a) => Some(a),
+        None if mode == Mode::Hybrid => Some(Arc::new(Alias::map(&ram).context("mapping guest RAM for receiving")?)),
+        None => None,
+    };
+    let sh = Arc::new(RxShared {
+        ram,
+        total,
+        maybe_nonzero: Arc::new(maybe_nonzero),
+        alias,
+        precopy_rounds: mode == Mode::Hybrid,
+        seen: Arc::new(AtomicBitmap::new(total)),
+        suspect: Suspects::new(total),
+        placer: OnceLock::new(),
+        barrier: RoundBarrier::new(hello.channels),
+        acks: Mutex::new(control.try_clone()?),
+        ctl: ctl.clone(),
+    });
+    let threads: ChannelThreads = streams
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let sh = sh.clone();
+            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
+        })
+        .collect::<std::io::Result<_>>()?;
+    Ok((sh, threads, urgent))
+}
+
+/// Downtime steps, in ms since the source's End arrived.
+struct Steps<'a> {
+    since: Instant,
+    ctl: &'a Control,
+}
+
+impl Steps<'_> {
+    fn step(&self, name: &str) {
+        let ms = self.since.elapsed().as_secs_f64() * 1e3;
+        self.ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    }
+}
+
+/// What the source's End announced, checked against what arrived.
+struct StreamEnd {
+    rounds: u64,
+    state_bytes: u64,
+    ram_hashes: bool,
+    source_paused: u64,
+    /// CPU seconds the receiving threads used.
+    cpu: f64,
+}
+
+/// The channels' threads joined and the End checked: every page the
+/// source counted arrived.
+fn end_of_stream(threads: ChannelThreads, end: Result<Msg, WireError>) -> Result<StreamEnd> {
     let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(anyhow!("channel thread panicked")))).collect();
     let mut per_channel = Vec::new();
     let mut cpu = 0.0;
@@ -203,11 +274,9 @@ fn run_inner(
         per_channel.push(p);
         cpu += c;
     }
-    let source_paused;
-    let (claimed, rounds, state_bytes, ram_hashes) = match end.map_err(|e| anyhow!("control connection: {e}"))? {
+    let (claimed, stream) = match end.map_err(|e| anyhow!("control connection: {e}"))? {
         Msg::End { pages_per_channel, rounds, state_bytes, ram_hashes, source_paused_unix_ns } => {
-            source_paused = source_paused_unix_ns;
-            (pages_per_channel, rounds, state_bytes, ram_hashes)
+            (pages_per_channel, StreamEnd { rounds, state_bytes, ram_hashes, source_paused: source_paused_unix_ns, cpu })
         }
         Msg::Abort { reason } => bail!("source aborted: {reason}"),
         other => bail!("expected end of stream, got {other:?}"),
@@ -215,21 +284,33 @@ fn run_inner(
     if claimed != per_channel {
         bail!("incomplete stream: source sent {claimed:?} pages per channel, {per_channel:?} arrived");
     }
-    step("channels joined");
+    Ok(stream)
+}
+
+/// Every page of RAM arrived at least once, and none is left damaged.
+fn check_every_page(sh: &RxShared) -> Result<()> {
+    let total = sh.total;
     let seen = sh.seen.count_ones();
     if seen != total {
         bail!("incomplete stream: {} of {total} pages never arrived", total - seen);
     }
     sh.suspect.verify()?;
+    Ok(())
+}
+
+/// The state blob, and with `verify_ram` the source's page hashes checked
+/// against RAM here.
+fn load_state(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, stream: &StreamEnd, ctl: &Control) -> Result<StateSet> {
+    let state_bytes = stream.state_bytes;
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let blob = wire::recv_blob(&mut control).map_err(|e| anyhow!("state: {e}"))?;
+    let blob = wire::recv_blob(control).map_err(|e| anyhow!("state: {e}"))?;
     if blob.len() as u64 != state_bytes {
         bail!("state is {} bytes, source announced {state_bytes}", blob.len());
     }
     let state = StateSet::read_from(&mut blob.as_slice()).context("decoding vCPU and device state")?;
-    if ram_hashes {
-        let theirs = wire::recv_blob(&mut control).map_err(|e| anyhow!("RAM hashes: {e}"))?;
-        let mine = crate::vm::page_hashes(&ram);
+    if stream.ram_hashes {
+        let theirs = wire::recv_blob(control).map_err(|e| anyhow!("RAM hashes: {e}"))?;
+        let mine = crate::vm::page_hashes(&vm.ram());
         if theirs.len() != mine.len() * 8 {
             bail!("RAM hashes: {} bytes for {} pages", theirs.len(), mine.len());
         }
@@ -240,31 +321,41 @@ fn run_inner(
         }
         ctl.update(|s| s.verified_pages = mine.len() as u64);
     }
-    step("state received");
-    vm.restore_state(&state).context("loading vCPU and device state")?;
-    step("state restored");
+    Ok(state)
+}
+
+/// Tell the source the VM is loaded; on its go the VM runs here.
+fn resume_on_go(
+    vm: &Arc<dyn MigratableVm>,
+    params: &IncomingParams,
+    control: &mut TcpStream,
+    stream: &StreamEnd,
+    downtime: &Steps,
+    ctl: &Control,
+) -> Result<bool> {
+    let cpu = stream.cpu;
     ctl.update(|s| {
-        s.rounds = rounds;
-        s.state_bytes = state_bytes;
+        s.rounds = stream.rounds;
+        s.state_bytes = stream.state_bytes;
         s.status = Status::Device;
         s.cpu_s_dest = Some(cpu);
     });
-    wire::send_msg(&mut control, &Msg::Loaded { cpu_s: cpu })?;
-    match wire::recv_msg(&mut control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
+    wire::send_msg(control, &Msg::Loaded { cpu_s: cpu })?;
+    match wire::recv_msg(control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
         Msg::Go => {}
         other => bail!("expected go, got {other:?}"),
     }
-    step("go received");
+    downtime.step("go received");
     let resumed = params.resume;
     if resumed {
         vm.resume().context("starting the VM")?;
     }
-    step("resumed");
+    downtime.step("resumed");
     let t = unix_ns();
-    let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
+    let _ = wire::send_msg(control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
     if resumed {
         // Same figure as the source's, so it survives a source that exits.
-        ctl.update(|s| s.downtime_ms = Some(t.saturating_sub(source_paused) as f64 / 1e6));
+        ctl.update(|s| s.downtime_ms = Some(t.saturating_sub(stream.source_paused) as f64 / 1e6));
     }
     Ok(resumed)
 }

@@ -317,7 +317,9 @@ enum NextStep {
 /// stop-and-copy would be cancelled at the deadline.
 fn next_step(f: &RoundFacts) -> NextStep {
     let hybrid = f.mode == Mode::Hybrid;
-    if f.est_s <= f.target_s && !f.rest_pending && !f.was_cut && !(hybrid && f.timed_out) {
+    let rest_fits = f.est_s <= f.target_s && !f.rest_pending && !f.was_cut;
+    let hybrid_too_late = hybrid && f.timed_out;
+    if rest_fits && !hybrid_too_late {
         return NextStep::StopAndCopy;
     }
     let dirtying = f.rest_pending && f.written * 4 >= f.first_round_pages;
