@@ -7,6 +7,13 @@
 //! them from the tun, waits, and sends them again through a raw socket whose
 //! SO_MARK keeps them from being chosen twice. They then leave through `eth{k}`
 //! like any other packet (rate and loss still apply).
+//!
+//! Counting: a packet is counted as held back when the delayer takes it from the tun,
+//! not when it sends it again. Counting on release made a reader that asked right
+//! after a fast TCP transfer see none: TCP recovers held segments by retransmission
+//! long before the delay expires, so a 4 MB stream could end with every held packet
+//! still waiting. And since the kernel queues a chosen packet in the tun before the
+//! delayer thread reads it, [`Delayer::held`] first has the thread drain the tun.
 
 use crate::{sys, Testbed};
 use anyhow::{bail, Context, Result};
@@ -36,10 +43,26 @@ fn tun_name(nic: usize) -> String {
 pub struct Delayer {
     netns: String,
     nic: usize,
-    stop: Arc<AtomicBool>,
-    delayed: Arc<AtomicU64>,
+    counts: Arc<Counts>,
     thread: Option<JoinHandle<()>>,
 }
+
+/// Shared between a delayer's owner and its relay thread.
+#[derive(Default)]
+struct Counts {
+    stop: AtomicBool,
+    /// Packets taken from the tun to be held back.
+    held: AtomicU64,
+    /// Packets sent again after their delay.
+    released: AtomicU64,
+    /// Drain requests made by [`Delayer::held`], and the last one the relay served
+    /// (it reads the request before draining the tun, then stores it here).
+    drain_requested: AtomicU64,
+    drain_served: AtomicU64,
+}
+
+/// How often the relay looks at its stop flag and drain requests when idle.
+const IDLE_POLL: Duration = Duration::from_millis(20);
 
 impl Delayer {
     /// Sets up reordering of `pct`% of the IPv4 packets sent on `eth{nic}` of `netns`,
@@ -72,18 +95,33 @@ impl Delayer {
                  oifname \"eth{nic}\" meta mark 0 numgen random mod {SCALE} < {t} counter meta mark set {mark}; }}\n}}\n"
             ),
         )?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let delayed = Arc::new(AtomicU64::new(0));
+        let counts = Arc::new(Counts::default());
         let thread = {
-            let (stop, delayed) = (stop.clone(), delayed.clone());
-            std::thread::Builder::new().name(format!("tb-delay-{netns}-{nic}")).spawn(move || relay(tun, raw, delay, &stop, &delayed))?
+            let counts = counts.clone();
+            std::thread::Builder::new().name(format!("tb-delay-{netns}-{nic}")).spawn(move || relay(tun, raw, delay, &counts))?
         };
-        Ok(Delayer { netns: netns.into(), nic, stop, delayed, thread: Some(thread) })
+        Ok(Delayer { netns: netns.into(), nic, counts, thread: Some(thread) })
     }
 
-    /// Packets held back and sent again so far.
-    pub fn delayed(&self) -> u64 {
-        self.delayed.load(Ordering::Relaxed)
+    /// Packets held back so far, including those still waiting for their delay.
+    /// Every packet the kernel handed to the delayer before this call is counted:
+    /// the relay thread drains its tun first (this waits for that, a few tens of ms
+    /// at most; 0 more is reported when the relay has stopped).
+    pub fn held(&self) -> u64 {
+        let request = self.counts.drain_requested.fetch_add(1, Ordering::SeqCst) + 1;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.counts.drain_served.load(Ordering::SeqCst) < request
+            && self.thread.as_ref().is_some_and(|t| !t.is_finished())
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.counts.held.load(Ordering::SeqCst)
+    }
+
+    /// Packets sent again after their delay so far.
+    pub fn released(&self) -> u64 {
+        self.counts.released.load(Ordering::SeqCst)
     }
 
     /// Blocks until the delayer stops (for the CLI daemon, which is killed instead).
@@ -96,7 +134,7 @@ impl Delayer {
 
 impl Drop for Delayer {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.counts.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -147,38 +185,40 @@ fn open_in_netns(netns: &str, nic: usize) -> Result<(File, OwnedFd)> {
 }
 
 /// Reads chosen packets from the tun and sends each again `delay` later.
-fn relay(tun: File, raw: OwnedFd, delay: Duration, stop: &AtomicBool, delayed: &AtomicU64) {
+fn relay(tun: File, raw: OwnedFd, delay: Duration, counts: &Counts) {
     let mut held: VecDeque<(Instant, Vec<u8>)> = VecDeque::new();
     let mut buf = vec![0u8; 65536];
-    while !stop.load(Ordering::Relaxed) {
+    while !counts.stop.load(Ordering::Relaxed) {
         let now = Instant::now();
-        let wait = held.front().map_or(Duration::from_millis(50), |(due, _)| due.saturating_duration_since(now));
-        let wait = wait.min(Duration::from_millis(50));
+        let wait = held.front().map_or(IDLE_POLL, |(due, _)| due.saturating_duration_since(now)).min(IDLE_POLL);
         let ts = libc::timespec { tv_sec: 0, tv_nsec: wait.as_nanos() as libc::c_long };
         let mut pfd = libc::pollfd { fd: tun.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one pollfd and a timespec that live across the call.
         let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
-        if n > 0 && pfd.revents & libc::POLLIN != 0 {
-            // Drain everything queued (the tun is non-blocking), so bursts are not dropped.
-            loop {
-                // SAFETY: reads into our own buffer of the given length.
-                let len = unsafe { libc::read(tun.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-                if len < 0 {
-                    break;
-                }
-                // Bounded: past MAX_HELD the link is overloaded and the packet is lost.
-                if len >= 20 && held.len() < MAX_HELD {
-                    held.push_back((Instant::now() + delay, buf[..len as usize].to_vec()));
-                }
-            }
-        } else if n > 0 && pfd.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+        if n > 0 && pfd.revents & (libc::POLLERR | libc::POLLHUP) != 0 && pfd.revents & libc::POLLIN == 0 {
             return;
         }
+        // Read before draining: whatever was queued when the request was made is read below.
+        let request = counts.drain_requested.load(Ordering::SeqCst);
+        // Drain everything queued (the tun is non-blocking), so bursts are not dropped.
+        loop {
+            // SAFETY: reads into our own buffer of the given length.
+            let len = unsafe { libc::read(tun.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if len < 0 {
+                break;
+            }
+            // Bounded: past MAX_HELD the link is overloaded and the packet is lost.
+            if len >= 20 && held.len() < MAX_HELD {
+                held.push_back((Instant::now() + delay, buf[..len as usize].to_vec()));
+                counts.held.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        counts.drain_served.store(request, Ordering::SeqCst);
         let now = Instant::now();
         while held.front().is_some_and(|(due, _)| *due <= now) {
             let (_, pkt) = held.pop_front().unwrap();
             send_raw(&raw, &pkt);
-            delayed.fetch_add(1, Ordering::Relaxed);
+            counts.released.fetch_add(1, Ordering::SeqCst);
         }
     }
 }
@@ -244,8 +284,15 @@ impl Testbed {
         Ok(())
     }
 
-    /// Packets held back so far by this handle's delayer on NIC `nic` of `host`.
+    /// Packets held back so far by this handle's delayer on NIC `nic` of `host`
+    /// (see [`Delayer::held`]: every packet chosen before the call is counted, even
+    /// one not yet sent again).
     pub fn reordered(&self, host: usize, nic: usize) -> u64 {
-        self.delayers.lock().unwrap().get(&(host, nic)).map_or(0, |d| d.delayed())
+        self.delayers.lock().unwrap().get(&(host, nic)).map_or(0, |d| d.held())
+    }
+
+    /// Packets this handle's delayer on NIC `nic` of `host` has sent again so far.
+    pub fn reordered_released(&self, host: usize, nic: usize) -> u64 {
+        self.delayers.lock().unwrap().get(&(host, nic)).map_or(0, |d| d.released())
     }
 }

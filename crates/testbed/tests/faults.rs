@@ -142,6 +142,8 @@ fn reordering_makes_later_packets_overtake() {
     // Expected ~200 held back; each is overtaken unless it is among the very last.
     assert!((100..=320).contains(&late), "{late} of {n} arrived after a later one at 10%");
     assert_eq!(tb.fault_count(0, 0, "reorder").unwrap(), tb.reordered(0, 0));
+    // The receiver waited 2 s past the last datagram: every held one was sent again.
+    assert_eq!(tb.reordered_released(0, 0), tb.reordered(0, 0));
     tb.set_reorder(0, 0, 0.0, Duration::ZERO).unwrap();
     let got = udp_run(&tb, 0, 1, 0, 500);
     assert_eq!(overtaken(&got), 0);
@@ -170,6 +172,22 @@ fn reordering_keeps_tcp_working() {
     sender.join().unwrap();
     assert!(got == data, "TCP stream intact through reordering");
     assert!(tb.reordered(0, 0) > 0, "some segments were held back");
+}
+
+#[test]
+fn held_packets_are_counted_before_their_delay_ends() {
+    let tb = Testbed::create(TestbedOpts::new("tb-reoheld", 2)).unwrap();
+    // Held far longer than the test looks: a count made on release would read 0.
+    tb.set_reorder(0, 0, 50.0, Duration::from_secs(10)).unwrap();
+    let dst = tb.host(1).addr(0);
+    let tx = tb.host(0).in_netns(|| UdpSocket::bind((tb.host(0).addr(0), 0)).unwrap()).unwrap();
+    for i in 0..200u32 {
+        tx.send_to(&i.to_be_bytes(), (dst, 9)).unwrap();
+    }
+    let chosen = tb.fault_count(0, 0, "reorder").unwrap();
+    assert!(chosen > 50, "{chosen} of 200 chosen at 50%");
+    assert_eq!(tb.reordered(0, 0), chosen, "every chosen packet is counted at once");
+    assert_eq!(tb.reordered_released(0, 0), 0, "none is due yet");
 }
 
 #[test]

@@ -45,6 +45,10 @@ fn main() {
         Cmd::Demo(a) => demo::run(a),
     };
     if let Err(e) = r {
+        if let Some(p) = e.downcast_ref::<migrate::PostcopyPaused>() {
+            eprintln!("transit: {p}");
+            std::process::exit(migrate::EXIT_POSTCOPY_PAUSED);
+        }
         eprintln!("transit: error: {e:#}");
         std::process::exit(1);
     }

@@ -52,7 +52,30 @@ pub struct MigrateArgs {
     /// Start the migration and return at once.
     #[arg(long)]
     pub detach: bool,
+    /// When a postcopy migration pauses (its connection broke), keep waiting
+    /// for a recovery (`migrate-recover` on the destination, `migrate
+    /// --resume` here, from another shell) instead of returning with
+    /// status 3.
+    #[arg(long)]
+    pub wait_recovery: bool,
 }
+
+/// Exit status of `transit vm migrate` (and `migrate-incoming --wait`) when
+/// the postcopy migration paused: not failed, but not going on by itself.
+pub const EXIT_POSTCOPY_PAUSED: i32 = 3;
+
+/// A postcopy migration paused by a broken connection: the error `main`
+/// turns into [`EXIT_POSTCOPY_PAUSED`].
+#[derive(Debug)]
+pub struct PostcopyPaused(pub String);
+
+impl std::fmt::Display for PostcopyPaused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PostcopyPaused {}
 
 #[derive(clap::Args)]
 pub struct MigrateIncomingArgs {
@@ -74,6 +97,10 @@ pub struct MigrateIncomingArgs {
     /// Print the final report as JSON (with --wait).
     #[arg(long)]
     pub json: bool,
+    /// With --wait: when the postcopy migration pauses, keep waiting for a
+    /// recovery instead of returning with status 3.
+    #[arg(long)]
+    pub wait_recovery: bool,
 }
 
 pub fn migrate(a: MigrateArgs) -> Result<()> {
@@ -85,7 +112,7 @@ pub fn migrate(a: MigrateArgs) -> Result<()> {
         if a.detach {
             return Ok(());
         }
-        let st = follow(&mut c, !a.json)?;
+        let st = follow(&mut c, !a.json, a.wait_recovery)?;
         return report(&st, a.json);
     }
     c.execute(
@@ -104,7 +131,7 @@ pub fn migrate(a: MigrateArgs) -> Result<()> {
     if a.detach {
         return Ok(());
     }
-    let st = follow(&mut c, !a.json)?;
+    let st = follow(&mut c, !a.json, a.wait_recovery)?;
     report(&st, a.json)
 }
 
@@ -144,12 +171,13 @@ pub fn migrate_incoming(a: MigrateIncomingArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let st = follow(&mut c, !a.json)?;
+    let st = follow(&mut c, !a.json, a.wait_recovery)?;
     report(&st, a.json)
 }
 
-/// Poll `query-migrate` until the migration ends, drawing a progress bar.
-fn follow(c: &mut Client, bar: bool) -> Result<Value> {
+/// Poll `query-migrate` until the migration ends (or pauses in postcopy,
+/// unless `wait_recovery`), drawing a progress bar.
+fn follow(c: &mut Client, bar: bool, wait_recovery: bool) -> Result<Value> {
     let pb = if bar { indicatif::ProgressBar::new(1) } else { indicatif::ProgressBar::hidden() };
     pb.set_style(
         indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:40}] {percent:>3}% {msg}")
@@ -157,6 +185,7 @@ fn follow(c: &mut Client, bar: bool) -> Result<Value> {
             .progress_chars("=> "),
     );
     let t = Instant::now();
+    let mut paused_shown = false;
     loop {
         let st = match c.execute("query-migrate", json!({})) {
             Ok(s) => s,
@@ -182,14 +211,42 @@ fn follow(c: &mut Client, bar: bool) -> Result<Value> {
             st["wire_bytes"].as_u64().unwrap_or(0) as f64 * 8.0 / secs / 1e9,
             remaining,
         ));
-        if status == "postcopy-paused" {
-            pb.println(format!("paused: {}", st["error"].as_str().unwrap_or("")));
+        if status == "postcopy-paused" && !wait_recovery {
+            pb.finish_and_clear();
+            return Ok(st);
         }
+        if status == "postcopy-paused" && !paused_shown {
+            pb.println(format!("paused: {}; waiting for a recovery", st["error"].as_str().unwrap_or("")));
+        }
+        paused_shown = status == "postcopy-paused";
         if matches!(status.as_str(), "completed" | "failed" | "cancelled") {
             pb.finish_and_clear();
             return Ok(st);
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// What an operator can do about a paused postcopy, on either side.
+fn paused_advice(st: &Value) -> String {
+    let why = st["error"].as_str().unwrap_or("the connection broke");
+    let missing = st["remaining_pages"].as_u64().map(|n| format!("{n} pages")).unwrap_or_else(|| "some pages".into());
+    if st["incoming"].as_bool() == Some(true) {
+        format!(
+            "postcopy migration paused: {why}\n\
+             This destination runs the VM, but {missing} of its memory are still on the source; vCPUs that touch them wait.\n\
+             If the source lives: on the source, `transit vm migrate --name SRC --resume --to THIS_HOST:PORT` (this VM still accepts it \
+             on its original address, or on a new one after `transit vm migrate-recover --name THIS --listen ADDR:PORT`).\n\
+             If the source died, those pages are lost: `transit vm quit` ends this VM."
+        )
+    } else {
+        format!(
+            "postcopy migration paused: {why}\n\
+             The destination runs the VM; this source never runs it again and keeps all of its memory ({missing} not sent yet).\n\
+             To go on: start a destination (the old one if it lives, or `transit vm migrate-recover --name DST --listen ADDR:PORT` on it), \
+             then `transit vm migrate --name THIS --resume --to ADDR:PORT` here.\n\
+             If the destination died, the VM is lost with it; this source only holds its memory. Do not quit it while a recovery is possible."
+        )
     }
 }
 
@@ -244,6 +301,7 @@ fn report(st: &Value, as_json: bool) -> Result<()> {
     }
     match st["status"].as_str() {
         Some("completed") => Ok(()),
+        Some("postcopy-paused") => Err(PostcopyPaused(paused_advice(st)).into()),
         _ => bail!("migration {}: {}", st["status"].as_str().unwrap_or("?"), st["error"].as_str().unwrap_or("")),
     }
 }

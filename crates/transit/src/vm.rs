@@ -268,6 +268,44 @@ struct ServeOpts {
     ram_socket: Option<PathBuf>,
 }
 
+/// Control commands on a destination whose RAM is still coming by postcopy:
+/// they must answer promptly, and a vCPU or a read of RAM may wait on a page
+/// for as long as the migration is paused (for ever if the source died).
+fn during_incoming_postcopy(vm: &Vm, cmd: &str, st: &migration::stats::Stats) -> Option<Result<Value, vmm::control::CmdError>> {
+    let paused = st.status == Status::PostcopyPaused;
+    let missing = st.remaining_pages;
+    let refuse = |desc: String| Some(Err(vmm::control::CmdError { class: "GenericError", desc }));
+    let outlook = if paused {
+        format!(
+            "the migration is paused with {missing} pages still on the source: if the source lives, `migrate-recover` here and \
+             `migrate` with resume there bring them; if it died they are lost, and `quit` ends this VM"
+        )
+    } else {
+        format!("{missing} pages are still on their way; try again once the migration completed")
+    };
+    match cmd {
+        "query-status" => {
+            let mut v = vmm::control::status(vm);
+            v["postcopy"] = json!({"status": st.status, "pages_missing": missing, "error": st.error});
+            if paused {
+                // Some vCPUs may run, but any of them can block for good on
+                // a missing page: the VM as a whole is not running.
+                v["status"] = json!("postcopy-paused");
+                v["running"] = json!(false);
+            }
+            Some(Ok(v))
+        }
+        "stop" => match vm.try_pause(vmm::control::PAUSE_BOUND) {
+            Ok(()) => Some(Ok(json!({}))),
+            Err(e) => refuse(format!("{e:#}; {outlook}")),
+        },
+        "save" | "pmemsave" | "query-ram-digest" | "check-dirtier" => {
+            refuse(format!("guest RAM is not all here yet (incoming postcopy): reading it would wait for missing pages; {outlook}"))
+        }
+        _ => None,
+    }
+}
+
 /// How long a source that migrated away stays up so clients can read the
 /// final `query-migrate`.
 const POSTMIGRATE_GRACE: Duration = Duration::from_secs(2);
@@ -286,6 +324,13 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
         let (slot, vm_dyn) = (slot.clone(), vm_dyn.clone());
         let refuse = |desc: &str| Some(Err(vmm::control::CmdError { class: "GenericError", desc: desc.into() }));
         control.extend(Box::new(move |vm, cmd, args| {
+            if let Some(st) =
+                slot.stats().filter(|s| s.role == "incoming" && matches!(s.status, Status::PostcopyActive | Status::PostcopyPaused))
+            {
+                if let Some(r) = during_incoming_postcopy(vm, cmd, &st) {
+                    return Some(r);
+                }
+            }
             if cmd == "cont" {
                 // A source whose state went to the destination must never
                 // run again: from the pause of stop-and-copy or the

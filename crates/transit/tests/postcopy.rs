@@ -106,21 +106,49 @@ fn postcopy_to_a_paused_destination_is_byte_exact() {
 fn postcopy_survives_a_cut_link() {
     let p = pair("pccut", "dirtier", "256M", false);
     p.src.wait_progress(2, Duration::from_secs(60)).unwrap();
-    // 40 MB/s: 256 MiB take seconds, the cut lands in the middle.
-    p.migrate(json!({"mode": "postcopy", "channels": 2, "max_bandwidth": 40_000_000u64}));
+    // 40 MB/s: 256 MiB take seconds, the cut lands in the middle. The
+    // command-line client is asked to wait through the pause.
+    let mut client = migrate_client(&p, &["--mode", "postcopy", "--channels", "2", "--max-bandwidth", "40M", "--wait-recovery"]);
     wait_for("postcopy", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-active");
     std::thread::sleep(Duration::from_millis(500));
     p.tb.link_down(1, 0).unwrap();
     wait_for("the source to pause", Duration::from_secs(60), || status(&p.src)["status"] == "postcopy-paused");
     wait_for("the destination to pause", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-paused");
+    assert!(client.try_wait().unwrap().is_none(), "with --wait-recovery the client waits through the pause");
     p.tb.link_up(1, 0).unwrap();
     p.src.exec("migrate", json!({"uri": p.uri(), "resume": true})).unwrap();
     let (s, d) = p.wait_done();
+    assert_eq!(client_exit(client, Duration::from_secs(30)).0, Some(0), "the client ends well once recovered");
     assert!(s["recoveries"].as_u64().unwrap() >= 1, "{s:#}");
     assert!(d["paused_ms"].as_f64().unwrap() > 0.0, "{d:#}");
     let g = p.dst.status().unwrap()["guest_progress"].as_u64().unwrap();
     p.dst.wait_progress(g + 2, Duration::from_secs(120)).unwrap();
     dirtier_ok(&p.dst);
+}
+
+/// `transit vm migrate` of `p.src` to `p.dst` with `args`, as a user runs it.
+fn migrate_client(p: &Pair, args: &[&str]) -> std::process::Child {
+    let to = format!("{}:4444", p.tb.host(1).addr(0));
+    let mut c = std::process::Command::new(transit_bin());
+    c.args(["vm", "migrate", "--control"]).arg(&p.src.socket).args(["--to", &to, "--json"]).args(args);
+    c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    vmm::testing::die_with_parent(&mut c);
+    c.spawn().unwrap()
+}
+
+/// Waits at most `bound` for a client to exit; its exit code and stderr.
+fn client_exit(mut c: std::process::Child, bound: Duration) -> (Option<i32>, String) {
+    let t = Instant::now();
+    while c.try_wait().unwrap().is_none() {
+        if t.elapsed() > bound {
+            let _ = c.kill();
+            let out = c.wait_with_output().unwrap();
+            panic!("`transit vm migrate` still runs after {bound:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = c.wait_with_output().unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// A dirtier VM in a slow (20 MB/s) postcopy between two testbed hosts,
@@ -154,4 +182,72 @@ fn killed_processes_during_postcopy_are_reported() {
     let e = d["error"].as_str().unwrap();
     assert!(e.contains("pages are still on the source") && e.contains("lost"), "{d:#}");
     assert!(d["remaining_pages"].as_u64().unwrap() > 0);
+}
+
+/// Longest a control command may take to answer on a loaded machine: the
+/// vmm waits at most 2 s for vCPUs, everything else answers at once.
+const ANSWER_BOUND: Duration = Duration::from_secs(6);
+
+/// Runs `cmd` on `vm` and returns its result, asserting it answered within
+/// [`ANSWER_BOUND`].
+fn answers(vm: &VmProcess, cmd: &str, args: Value) -> Result<Value, String> {
+    let t = Instant::now();
+    let r = vm.exec(cmd, args).map_err(|e| format!("{e:#}"));
+    assert!(t.elapsed() < ANSWER_BOUND, "{cmd} took {:?} to answer: {r:?}", t.elapsed());
+    r
+}
+
+#[test]
+fn a_destination_whose_source_died_answers_every_command() {
+    let mut p = slow_postcopy("pcdead");
+    p.src.kill();
+    wait_for("the destination to pause", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-paused");
+    // The dirtier soon touches a page that will never come.
+    wait_for("a vCPU to wait for a page", Duration::from_secs(60), || {
+        p.dst.status().unwrap()["vcpus"].as_array().unwrap().iter().any(|v| v["waiting_for_page"] == true)
+    });
+
+    let s = answers(&p.dst, "query-status", json!({})).unwrap();
+    assert_eq!(s["status"], "postcopy-paused", "{s:#}");
+    assert_eq!(s["running"], false, "{s:#}");
+    assert!(s["postcopy"]["pages_missing"].as_u64().unwrap() > 0, "{s:#}");
+    assert!(s["postcopy"]["error"].as_str().unwrap().contains("lost"), "{s:#}");
+
+    // `stop` cannot stop a vCPU blocked on a page: it says so and stops nothing.
+    let e = answers(&p.dst, "stop", json!({})).unwrap_err();
+    assert!(e.contains("waits for a page") && e.contains("pages still on the source") && e.contains("quit"), "{e}");
+    assert_eq!(answers(&p.dst, "query-status", json!({})).unwrap()["status"], "postcopy-paused");
+    // Reading guest RAM would wait for those pages too.
+    for (cmd, args) in [
+        ("check-dirtier", json!({})),
+        ("save", json!({"filename": "/tmp/never-written.save"})),
+        ("pmemsave", json!({"val": 0, "size": 4096, "filename": "/tmp/never-written.mem"})),
+        ("query-ram-digest", json!({})),
+    ] {
+        let e = answers(&p.dst, cmd, args).unwrap_err();
+        assert!(e.contains("not all here"), "{cmd}: {e}");
+    }
+    assert!(!std::path::Path::new("/tmp/never-written.save").exists());
+    for cmd in ["query-migrate", "query-vm", "query-console", "query-commands"] {
+        answers(&p.dst, cmd, json!({})).unwrap();
+    }
+    answers(&p.dst, "query-vcpus", json!({})).unwrap_err();
+
+    // `quit` always works.
+    answers(&p.dst, "quit", json!({})).unwrap();
+    p.dst.wait_exit(Duration::from_secs(20)).unwrap();
+}
+
+#[test]
+fn migrate_returns_when_postcopy_pauses() {
+    let mut p = pair("pcret", "dirtier", "128M", false);
+    p.src.wait_progress(1, Duration::from_secs(60)).unwrap();
+    let client = migrate_client(&p, &["--mode", "postcopy", "--max-bandwidth", "20M"]);
+    wait_for("postcopy", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-active");
+    p.dst.kill();
+    // The source sees the dead peer at once (its sockets close).
+    let (code, err) = client_exit(client, Duration::from_secs(30));
+    assert_eq!(code, Some(3), "exit status of a paused postcopy; stderr: {err}");
+    assert!(err.contains("postcopy migration paused") && err.contains("migrate-recover") && err.contains("--resume"), "{err}");
+    assert_eq!(status(&p.src)["status"], "postcopy-paused");
 }

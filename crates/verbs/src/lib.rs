@@ -320,6 +320,18 @@ impl Pd {
         self.reg_mr_keyed(buf, off, len, access, Some(key), None)
     }
 
+    /// Registers `len` bytes that live at `fd_offset` of the sealed memfd
+    /// `fd` (any memfd the caller made, not only a [`MemBuf`]), addressed by
+    /// peers as `iova`. The drop-in libibverbs registers ordinary process
+    /// memory this way after moving it onto its memfd.
+    pub fn reg_mr_fd(&self, fd: RawFd, fd_offset: u64, len: usize, access: u32, iova: u64) -> anyhow::Result<Mr> {
+        let req = Request::RegMr { pd: self.handle, iova, len: len as u64, access, fd_offset, key: None };
+        match self.ctx.inner.call(&req, &[fd])? {
+            Reply::Mr { lkey, rkey } => Ok(Mr { ctx: self.ctx.clone(), lkey, rkey, addr: iova, len }),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     fn reg_mr_keyed(&self, buf: &MemBuf, off: usize, len: usize, access: u32, key: Option<u32>, iova: Option<u64>) -> anyhow::Result<Mr> {
         if off.checked_add(len).is_none_or(|e| e > buf.len()) {
             bail!("MR range outside the buffer");
@@ -566,6 +578,14 @@ impl Cq {
         // Store (arm) then load (poll) against rnicd's store (CQE) then load
         // (arm flag): without a full fence both sides may miss each other.
         std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Whether the CQ is still armed (req_notify called, no event raised
+    /// since): rnicd clears the arm when it signals the channel, so a CQ
+    /// sharing a channel with others can tell that the event was its own.
+    pub fn armed(&self) -> bool {
+        let r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        r.header().notify.load(Ordering::Acquire) != rnic::ring::NOTIFY_NONE
     }
 
     /// Polls for completions, spinning (without yielding) for up to `spin`,
@@ -940,6 +960,12 @@ impl Qp {
     /// Free slots in the send ring now (for pipelining tools).
     pub fn send_slots(&self) -> u32 {
         self.sq.lock().unwrap_or_else(|e| e.into_inner()).free_slots()
+    }
+
+    /// Free slots in the receive ring now: a caller posting a chain can
+    /// tell which WR would overflow the queue before posting any.
+    pub fn recv_slots(&self) -> u32 {
+        self.rq.lock().unwrap_or_else(|e| e.into_inner()).free_slots()
     }
 }
 

@@ -41,6 +41,19 @@ pub enum RdmaCmd {
     WriteLat(PerfArgs),
     /// Baseline: UDP ping-pong latency between the same hosts, no RDMA.
     UdpLat(PerfArgs),
+    /// Runs an unmodified libibverbs program (ibv_rc_pingpong, perftest...)
+    /// on rnicd through the drop-in libibverbs.so.1 (docs/ibverbs.md).
+    Exec {
+        /// rnicd control socket (default: the rnicd of this network namespace).
+        #[arg(long)]
+        sock: Option<PathBuf>,
+        /// Work in rnicd's RDMA namespace of this GID.
+        #[arg(long)]
+        namespace: Option<std::net::Ipv4Addr>,
+        /// The program and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+        cmd: Vec<std::ffi::OsString>,
+    },
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -123,6 +136,46 @@ pub fn run(c: RdmaCmd) -> anyhow::Result<()> {
         RdmaCmd::SendLat(a) => perf("send_lat", a),
         RdmaCmd::WriteLat(a) => perf("write_lat", a),
         RdmaCmd::UdpLat(a) => udp_lat(a),
+        RdmaCmd::Exec { sock, namespace, cmd } => exec_dropin(sock, namespace, cmd),
+    }
+}
+
+/// Where the drop-in libibverbs.so.1 is: `TRANSIT_IBVERBS_DIR`, else the
+/// `ibverbs/` directory beside this binary (target/release/ibverbs).
+fn dropin_dir() -> anyhow::Result<PathBuf> {
+    let dir = match std::env::var_os("TRANSIT_IBVERBS_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => std::env::current_exe()?.parent().context("binary without a directory")?.join("ibverbs"),
+    };
+    if !dir.join("libibverbs.so.1").exists() {
+        bail!("no libibverbs.so.1 in {} (build it: cargo build --release -p ibverbs-dropin && target/release/ibverbs-link)", dir.display());
+    }
+    Ok(dir)
+}
+
+fn exec_dropin(sock: Option<PathBuf>, namespace: Option<std::net::Ipv4Addr>, cmd: Vec<std::ffi::OsString>) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let dir = dropin_dir()?;
+    let mut path = std::ffi::OsString::from(&dir);
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
+        path.push(":");
+        path.push(old);
+    }
+    let mut c = std::process::Command::new(&cmd[0]);
+    c.args(&cmd[1..]).env("LD_LIBRARY_PATH", path);
+    // The program finds the same rnicd this tool would.
+    c.env("TRANSIT_RNICD_SOCK", find_socket_or(sock)?);
+    if let Some(ns) = namespace {
+        c.env("TRANSIT_IBV_NAMESPACE", ns.to_string());
+    }
+    let err = c.exec();
+    Err(err).with_context(|| format!("exec {}", cmd[0].to_string_lossy()))
+}
+
+fn find_socket_or(sock: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    match sock {
+        Some(s) => Ok(s),
+        None => crate::find_socket(),
     }
 }
 

@@ -40,6 +40,11 @@ impl From<anyhow::Error> for CmdError {
 
 type CmdResult = Result<Value, CmdError>;
 
+/// Longest a control command waits for the vCPUs to stop: they acknowledge
+/// within milliseconds unless one is blocked in the kernel (on a page an
+/// incoming postcopy has not brought), which no wait would end.
+pub const PAUSE_BOUND: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Extra command handlers (migration, devices) plugged in by the owner.
 pub type Extension = Box<dyn Fn(&Arc<Vm>, &str, &Value) -> Option<CmdResult> + Send + Sync>;
 
@@ -165,7 +170,7 @@ impl Control {
             "query-status" => Ok(status(vm)),
             "query-vm" => Ok(json!({"config": vm.config, "shape": vm.config.shape()})),
             "stop" => {
-                vm.pause();
+                vm.try_pause(PAUSE_BOUND)?;
                 Ok(json!({}))
             }
             "cont" => {
@@ -190,8 +195,7 @@ impl Control {
                     .checked_add(size)
                     .filter(|&e| e <= ram.len() as u64)
                     .ok_or_else(|| CmdError::generic(format!("range {addr:#x}+{size:#x} is outside guest RAM ({:#x} bytes)", ram.len())))?;
-                std::fs::write(&file, &ram[addr as usize..end as usize])
-                    .map_err(|e| CmdError::generic(format!("writing {}: {e}", file.display())))?;
+                crate::output::write_bytes(&file, &ram[addr as usize..end as usize])?;
                 Ok(json!({}))
             }
             "query-ram-digest" => {
@@ -199,7 +203,7 @@ impl Control {
                 let pages = oracle::page_digests(ram);
                 if let Some(f) = args.get("filename").and_then(Value::as_str) {
                     let text: String = pages.iter().map(|d| format!("{d:016x}\n")).collect();
-                    std::fs::write(f, text).map_err(|e| CmdError::generic(format!("writing {f}: {e}")))?;
+                    crate::output::write_bytes(Path::new(f), text.as_bytes())?;
                 }
                 Ok(json!({"pages": pages.len(), "digest": format!("{:016x}", oracle::ram_digest(ram))}))
             }
@@ -214,7 +218,7 @@ impl Control {
             }
             "save" => {
                 let file = arg_path(args, "filename")?;
-                vm.pause();
+                vm.try_pause(PAUSE_BOUND)?;
                 let state = vm.save_state()?;
                 let st = crate::savefile::write(&file, &vm.config, &state, vm.ram())?;
                 Ok(json!({"bytes": st.bytes, "data_pages": st.data_pages, "zero_pages": st.zero_pages}))
@@ -247,7 +251,8 @@ impl Control {
     }
 }
 
-fn status(vm: &Vm) -> Value {
+/// The reply of `query-status` (the migration extension adds to it).
+pub fn status(vm: &Vm) -> Value {
     let st = vm.run_state();
     json!({
         "status": st,

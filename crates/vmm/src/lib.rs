@@ -8,6 +8,7 @@ pub mod hypervisor;
 pub mod io;
 pub mod memory;
 pub mod oracle;
+pub mod output;
 pub mod savefile;
 pub mod testing;
 pub mod vcpus;

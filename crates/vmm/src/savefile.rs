@@ -17,7 +17,7 @@ use crate::memory::{GuestRam, PAGE_SIZE};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use snapshot::StateSet;
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::path::Path;
 
 const MAGIC: &[u8; 8] = b"TRANSAVE";
@@ -63,17 +63,21 @@ pub struct SaveStats {
     pub data_pages: u64,
 }
 
-/// Write a paused VM's config, state and RAM.
+/// Write a paused VM's config, state and RAM to `path` (see [`crate::output`]
+/// for how: all or nothing, synced, never over a non-regular file).
 pub fn write(path: &Path, config: &VmConfig, state: &StateSet, ram: &GuestRam) -> Result<SaveStats> {
-    let tmp = path.with_extension("partial");
-    let f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let mut w = BufWriter::with_capacity(256 << 10, f);
+    let (mut stats, bytes) = crate::output::write_file(path, |w| write_contents(w, config, state, ram))?;
+    stats.bytes = bytes;
+    Ok(stats)
+}
+
+fn write_contents(w: &mut impl Write, config: &VmConfig, state: &StateSet, ram: &GuestRam) -> Result<SaveStats> {
     w.write_all(MAGIC)?;
     w.write_all(&FORMAT_VERSION.to_le_bytes())?;
     let hdr = serde_json::to_vec(&Header { config: config.clone(), ram_size: ram.size() })?;
     w.write_all(&(hdr.len() as u32).to_le_bytes())?;
     w.write_all(&hdr)?;
-    state.write_to(&mut w)?;
+    state.write_to(&mut *w)?;
     // SAFETY: the caller paused the VM.
     let mem = unsafe { ram.as_slice() };
     let mut stats = SaveStats { bytes: 0, zero_pages: 0, data_pages: 0 };
@@ -101,10 +105,6 @@ pub fn write(path: &Path, config: &VmConfig, state: &StateSet, ram: &GuestRam) -
         w.write_all(&crc.finalize().to_le_bytes())?;
     }
     w.write_all(END)?;
-    let f = w.into_inner().map_err(|e| e.into_error())?;
-    f.sync_all().ok();
-    stats.bytes = f.metadata()?.len();
-    std::fs::rename(&tmp, path)?;
     Ok(stats)
 }
 

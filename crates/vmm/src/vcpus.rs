@@ -52,7 +52,22 @@ pub struct VcpuSet {
 pub struct VcpuStatus {
     pub halted: bool,
     pub error: Option<String>,
+    /// Blocked in the host kernel on a page of guest RAM that is not there
+    /// yet (an incoming postcopy migration fetches it): it can neither run
+    /// nor stop until the page arrives.
+    pub waiting_for_page: bool,
 }
+
+/// Whether thread `tid` of this process sleeps in a userfaultfd fault
+/// (its wait channel, as root sees it, is `handle_userfault`).
+fn in_userfault(tid: libc::pid_t) -> bool {
+    tid > 0 && std::fs::read_to_string(format!("/proc/self/task/{tid}/wchan")).is_ok_and(|w| w.trim() == "handle_userfault")
+}
+
+/// How long [`VcpuSet::shutdown`] waits for the vCPU threads to end; one
+/// blocked in the kernel for good (a page that will never arrive) is left
+/// to the process exit that follows.
+const SHUTDOWN_BOUND: Duration = Duration::from_secs(3);
 
 impl VcpuSet {
     /// Create `n` vCPU threads, all paused in their reset state.
@@ -117,6 +132,33 @@ impl VcpuSet {
         }
     }
 
+    /// Stop every vCPU, waiting at most `bound` for their acknowledgements.
+    /// If some do not acknowledge in time (a vCPU blocked on a page that has
+    /// not arrived cannot), the others run on as before and the indices of
+    /// those that did not stop are returned.
+    pub fn try_pause(&self, bound: Duration) -> Result<(), Vec<usize>> {
+        let deadline = Instant::now() + bound;
+        let mut c = self.shared.ctl.lock().unwrap();
+        if c.want == Want::Quit {
+            return Ok(());
+        }
+        let before = c.want;
+        c.want = Want::Pause;
+        let _loan = PriorityLoan::to(&c.cpus);
+        self.shared.cv.notify_all();
+        while !c.cpus.iter().all(|p| p.paused) {
+            if Instant::now() >= deadline {
+                let late = c.cpus.iter().enumerate().filter(|(_, p)| !p.paused).map(|(i, _)| i).collect();
+                c.want = before;
+                self.shared.cv.notify_all();
+                return Err(late);
+            }
+            Self::kick_all(&c);
+            c = self.shared.cv.wait_timeout(c, Duration::from_millis(1)).unwrap().0;
+        }
+        Ok(())
+    }
+
     pub fn resume(&self) {
         let mut c = self.shared.ctl.lock().unwrap();
         if c.want == Want::Quit {
@@ -178,7 +220,10 @@ impl VcpuSet {
 
     pub fn status(&self) -> Vec<VcpuStatus> {
         let c = self.shared.ctl.lock().unwrap();
-        c.cpus.iter().map(|p| VcpuStatus { halted: p.halted, error: p.error.clone() }).collect()
+        c.cpus
+            .iter()
+            .map(|p| VcpuStatus { halted: p.halted, error: p.error.clone(), waiting_for_page: !p.paused && in_userfault(p.tid) })
+            .collect()
     }
 
     pub fn shutdown(&mut self) {
@@ -188,16 +233,21 @@ impl VcpuSet {
             Self::kick_all(&c);
             self.shared.cv.notify_all();
         }
-        for t in self.threads.drain(..) {
+        let deadline = Instant::now() + SHUTDOWN_BOUND;
+        for (i, t) in self.threads.drain(..).enumerate() {
             // Kick until the thread sees Quit (a kick can race with run()).
-            while !t.is_finished() {
+            while !t.is_finished() && Instant::now() < deadline {
                 {
                     let c = self.shared.ctl.lock().unwrap();
                     Self::kick_all(&c);
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
-            let _ = t.join();
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                tracing::warn!(vcpu = i, "vCPU thread did not end (blocked in the kernel); left to the process exit");
+            }
         }
         if let Some(t) = self.ticker.take() {
             let _ = t.join();

@@ -218,6 +218,35 @@ impl Vm {
     /// Stop vCPUs, then quiesce devices; nothing writes guest RAM after this.
     pub fn pause(&self) {
         self.vcpus.lock().unwrap().pause();
+        self.quiesce();
+    }
+
+    /// As [`Vm::pause`] for a control command, which must answer promptly:
+    /// waits at most `bound` for the vCPUs. When one does not stop (blocked
+    /// on a page an incoming postcopy has not brought), nothing is stopped,
+    /// the VM runs on as before, and the error says which vCPUs and why.
+    pub fn try_pause(&self, bound: std::time::Duration) -> Result<()> {
+        let late = match self.vcpus.lock().unwrap().try_pause(bound) {
+            Ok(()) => {
+                self.quiesce();
+                return Ok(());
+            }
+            Err(late) => late,
+        };
+        let status = self.vcpu_status();
+        let waiting: Vec<usize> = late.iter().copied().filter(|&i| status.get(i).is_some_and(|s| s.waiting_for_page)).collect();
+        let list = |v: &[usize]| v.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ");
+        if waiting.is_empty() {
+            bail!("vCPU {} did not stop within {bound:?}; the VM was left running", list(&late));
+        }
+        bail!(
+            "vCPU {} cannot stop: it waits for a page of guest memory that has not arrived (an incoming postcopy migration); \
+             nothing was stopped and the VM was left running",
+            list(&waiting)
+        )
+    }
+
+    fn quiesce(&self) {
         for (_, d) in &self.devices {
             d.lock().unwrap().pause();
         }

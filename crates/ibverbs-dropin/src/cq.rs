@@ -1,0 +1,411 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+//! Completion queues and completion channels.
+//!
+//! ibv_poll_cq reads the CQ ring in shared memory (no system call). A
+//! channel is rnicd's eventfd: it fires when an armed CQ gets a completion
+//! and rnicd clears that CQ's arm, which is how ibv_get_cq_event tells which
+//! of the channel's CQs the event was for.
+
+use std::collections::VecDeque;
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use crate::device::ctx;
+use crate::set_errno;
+use crate::sys::*;
+
+#[repr(C)]
+pub struct Cq {
+    /// An ibv_cq_ex, whose first fields are the ibv_cq.
+    pub cq: ibv_cq_ex,
+    pub inner: verbs::Cq,
+    /// Armed by ibv_req_notify_cq and not yet reported by ibv_get_cq_event.
+    armed: AtomicBool,
+    chan: *mut Channel,
+    /// QPs using this CQ.
+    pub users: std::sync::atomic::AtomicUsize,
+    /// ibv_poll_cq calls in a row that found nothing.
+    empty_polls: std::sync::atomic::AtomicU32,
+    /// The completion ibv_start_poll/ibv_next_poll stand on (ibv_cq_ex).
+    current: std::cell::Cell<verbs::Wc>,
+    /// The context's idle channel's eventfd for a CQ made without a
+    /// channel (else -1): what an idle ibv_poll_cq sleeps on.
+    idle_fd: c_int,
+}
+
+/// Empty polls in a row after which ibv_poll_cq yields the CPU. A program
+/// that spins on its CQ (as perftest and ibv_rc_pingpong do) would
+/// otherwise starve rnicd, which does the NIC's work on the same CPUs: on a
+/// loaded 2-CPU host a spinning ping-pong took 30 ms per round trip, and
+/// 90 us when it yielded. A poll that finds completions never yields.
+const SPINS_BEFORE_YIELD: u32 = 16;
+
+/// Empty polls in a row after which ibv_poll_cq of a CQ without a
+/// completion channel sleeps on the context's idle channel (rnicd signals
+/// it when a completion lands in an armed CQ) for at most IDLE_NAP_MS, and
+/// then returns what it finds. A program spinning on its CQ then costs the
+/// CPU rnicd needs no more than one sleeping on a channel; a program whose
+/// completions come in a steady stream never gets this far.
+const SPINS_BEFORE_SLEEP: u32 = 4;
+const IDLE_NAP_MS: c_int = 1;
+
+#[repr(C)]
+pub struct Channel {
+    pub ch: ibv_comp_channel,
+    pub inner: verbs::CompChannel,
+    cqs: Mutex<Vec<usize>>,
+    /// CQs whose event was read from the eventfd but not yet handed out.
+    pending: Mutex<VecDeque<usize>>,
+}
+
+pub unsafe fn cq<'a>(c: *mut ibv_cq) -> Option<&'a Cq> {
+    (!c.is_null()).then(|| &*(c as *const Cq))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_create_comp_channel(c: *mut ibv_context) -> *mut ibv_comp_channel {
+    let Some(cx) = ctx(c) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    match cx.inner.create_comp_channel() {
+        Ok(inner) => {
+            let ch = ibv_comp_channel { context: c, fd: inner.fd(), refcnt: 0 };
+            Box::into_raw(Box::new(Channel { ch, inner, cqs: Mutex::new(Vec::new()), pending: Mutex::new(VecDeque::new()) }))
+                as *mut ibv_comp_channel
+        }
+        Err(_) => {
+            set_errno(libc::EMFILE);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> c_int {
+    if ch.is_null() {
+        return libc::EINVAL;
+    }
+    if (*ch).refcnt > 0 {
+        return libc::EBUSY;
+    }
+    drop(Box::from_raw(ch as *mut Channel));
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_create_cq(
+    c: *mut ibv_context,
+    cqe: c_int,
+    cq_context: *mut c_void,
+    ch: *mut ibv_comp_channel,
+    vector: c_int,
+) -> *mut ibv_cq {
+    create(c, cqe, cq_context, ch, vector) as *mut ibv_cq
+}
+
+/// Completion fields an ibv_cq_ex can report here.
+const WC_EX_FLAGS: u64 = (IBV_WC_EX_WITH_BYTE_LEN
+    | IBV_WC_EX_WITH_IMM
+    | IBV_WC_EX_WITH_QP_NUM
+    | IBV_WC_EX_WITH_SRC_QP
+    | IBV_WC_EX_WITH_SLID
+    | IBV_WC_EX_WITH_SL
+    | IBV_WC_EX_WITH_DLID_PATH_BITS) as u64;
+
+/// verbs_context.create_cq_ex (ibv_create_cq_ex).
+pub unsafe extern "C" fn create_cq_ex(c: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> *mut ibv_cq_ex {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let a = &*attr;
+    let flags_ok = a.comp_mask & !IBV_CQ_INIT_ATTR_MASK_FLAGS == 0 && (a.comp_mask & IBV_CQ_INIT_ATTR_MASK_FLAGS == 0 || a.flags == 0);
+    if a.wc_flags & !WC_EX_FLAGS != 0 || !flags_ok {
+        set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    if a.cqe > i32::MAX as u32 {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let q = create(c, a.cqe as c_int, a.cq_context, a.channel, a.comp_vector as c_int);
+    if !q.is_null() {
+        let x = &mut (*q).cq;
+        x.start_poll = Some(start_poll);
+        x.next_poll = Some(next_poll);
+        x.end_poll = Some(end_poll);
+        x.read_opcode = Some(read_opcode);
+        x.read_vendor_err = Some(read_zero_u32);
+        x.read_byte_len = Some(read_byte_len);
+        x.read_imm_data = Some(read_imm_data);
+        x.read_qp_num = Some(read_qp_num);
+        x.read_src_qp = Some(read_src_qp);
+        x.read_wc_flags = Some(read_wc_flags);
+        x.read_slid = Some(read_zero_u32);
+        x.read_sl = Some(read_zero_u8);
+        x.read_dlid_path_bits = Some(read_zero_u8);
+    }
+    q as *mut ibv_cq_ex
+}
+
+unsafe fn current<'a>(x: *mut ibv_cq_ex) -> &'a Cq {
+    &*(x as *const Cq)
+}
+
+/// Takes the next completion into `current`; ENOENT when there is none.
+unsafe fn advance(x: *mut ibv_cq_ex) -> c_int {
+    let mut wc: ibv_wc = Default::default();
+    match poll_cq(x as *mut ibv_cq, 1, &mut wc) {
+        1 => {
+            let q = current(x);
+            q.current.set(verbs::Wc {
+                wr_id: wc.wr_id,
+                status: verbs::WcStatus::from_u8(wc.status as u8),
+                opcode: verbs::WcOpcode::from_u8(wc.opcode as u8),
+                byte_len: wc.byte_len,
+                imm_data: wc.__bindgen_anon_1.imm_data,
+                qp_num: wc.qp_num,
+                src_qp: wc.src_qp,
+                wc_flags: wc.wc_flags as u8,
+            });
+            (*x).status = wc.status;
+            (*x).wr_id = wc.wr_id;
+            0
+        }
+        0 => libc::ENOENT,
+        _ => libc::EINVAL,
+    }
+}
+
+unsafe extern "C" fn start_poll(x: *mut ibv_cq_ex, attr: *mut ibv_poll_cq_attr) -> c_int {
+    if !attr.is_null() && (*attr).comp_mask != 0 {
+        return libc::EINVAL;
+    }
+    advance(x)
+}
+unsafe extern "C" fn next_poll(x: *mut ibv_cq_ex) -> c_int {
+    advance(x)
+}
+unsafe extern "C" fn end_poll(_x: *mut ibv_cq_ex) {}
+unsafe extern "C" fn read_opcode(x: *mut ibv_cq_ex) -> ibv_wc_opcode {
+    current(x).current.get().opcode as ibv_wc_opcode
+}
+unsafe extern "C" fn read_byte_len(x: *mut ibv_cq_ex) -> u32 {
+    current(x).current.get().byte_len
+}
+/// Already in network order (as poll_cq's imm_data).
+unsafe extern "C" fn read_imm_data(x: *mut ibv_cq_ex) -> __be32 {
+    current(x).current.get().imm_data
+}
+unsafe extern "C" fn read_qp_num(x: *mut ibv_cq_ex) -> u32 {
+    current(x).current.get().qp_num
+}
+unsafe extern "C" fn read_src_qp(x: *mut ibv_cq_ex) -> u32 {
+    current(x).current.get().src_qp
+}
+unsafe extern "C" fn read_wc_flags(x: *mut ibv_cq_ex) -> std::ffi::c_uint {
+    current(x).current.get().wc_flags as std::ffi::c_uint
+}
+unsafe extern "C" fn read_zero_u32(_x: *mut ibv_cq_ex) -> u32 {
+    0
+}
+unsafe extern "C" fn read_zero_u8(_x: *mut ibv_cq_ex) -> u8 {
+    0
+}
+
+unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *mut ibv_comp_channel, vector: c_int) -> *mut Cq {
+    let Some(cx) = ctx(c) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    // One completion vector (num_comp_vectors is 1).
+    if vector < 0 || vector >= (*c).num_comp_vectors {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let max = cx.inner.query_device().map(|d| d.max_cqe).unwrap_or(1 << 16);
+    if cqe < 1 || cqe as u32 > max {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let chan = ch as *mut Channel;
+    // A CQ without a channel of the program's gets the context's idle
+    // channel: the program never arms such a CQ itself.
+    let (channel, idle_fd) = if chan.is_null() { (&cx.idle, cx.idle.fd()) } else { (&(*chan).inner, -1) };
+    let inner = match cx.inner.create_cq(cqe as u32, Some(channel)) {
+        Ok(q) => q,
+        Err(_) => {
+            set_errno(libc::ENOMEM);
+            return std::ptr::null_mut();
+        }
+    };
+    let mut x = ibv_cq_ex { context: c, channel: ch, cq_context, cqe: inner.cap as c_int, ..Default::default() };
+    libc::pthread_mutex_init(&mut x.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
+    libc::pthread_cond_init(&mut x.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
+    let b = Box::into_raw(Box::new(Cq {
+        cq: x,
+        inner,
+        armed: AtomicBool::new(false),
+        chan,
+        users: 0.into(),
+        empty_polls: 0.into(),
+        current: Default::default(),
+        idle_fd,
+    }));
+    if !chan.is_null() {
+        (*chan).ch.refcnt += 1;
+        (*chan).cqs.lock().unwrap_or_else(|e| e.into_inner()).push(b as usize);
+    }
+    b
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_destroy_cq(c: *mut ibv_cq) -> c_int {
+    let Some(q) = cq(c) else { return libc::EINVAL };
+    if q.users.load(Ordering::Acquire) > 0 {
+        return libc::EBUSY;
+    }
+    let chan = q.chan;
+    if !chan.is_null() {
+        (*chan).cqs.lock().unwrap_or_else(|e| e.into_inner()).retain(|x| *x != c as usize);
+        (*chan).pending.lock().unwrap_or_else(|e| e.into_inner()).retain(|x| *x != c as usize);
+        (*chan).ch.refcnt -= 1;
+    }
+    drop(Box::from_raw(c as *mut Cq));
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_resize_cq(_c: *mut ibv_cq, _cqe: c_int) -> c_int {
+    libc::EOPNOTSUPP
+}
+
+pub unsafe extern "C" fn poll_cq(c: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
+    let Some(q) = cq(c) else { return -libc::EINVAL };
+    if n < 0 || (n > 0 && wc.is_null()) {
+        return -libc::EINVAL;
+    }
+    let done = match take(q, n as usize, wc) {
+        Ok(k) => k,
+        Err(e) => return e,
+    };
+    if done > 0 || n == 0 {
+        q.empty_polls.store(0, Ordering::Relaxed);
+        return done as c_int;
+    }
+    let empty = q.empty_polls.fetch_add(1, Ordering::Relaxed) + 1;
+    if q.idle_fd >= 0 && empty >= SPINS_BEFORE_SLEEP {
+        // Arm, look once more (a completion may have landed before the
+        // arm), then sleep until rnicd signals or the nap ends.
+        q.inner.req_notify(false);
+        match take(q, n as usize, wc) {
+            Ok(0) => {}
+            Ok(k) => return k as c_int,
+            Err(e) => return e,
+        }
+        let mut p = libc::pollfd { fd: q.idle_fd, events: libc::POLLIN, revents: 0 };
+        if libc::poll(&mut p, 1, IDLE_NAP_MS) > 0 {
+            let mut v = 0u64;
+            libc::read(q.idle_fd, &mut v as *mut u64 as *mut c_void, 8);
+        }
+        return match take(q, n as usize, wc) {
+            Ok(k) => k as c_int,
+            Err(e) => e,
+        };
+    }
+    if empty >= SPINS_BEFORE_YIELD {
+        libc::sched_yield();
+    }
+    0
+}
+
+/// Moves up to `n` completions from the ring into `wc`.
+unsafe fn take(q: &Cq, n: usize, wc: *mut ibv_wc) -> Result<usize, c_int> {
+    let mut buf = [verbs::Wc::default(); 32];
+    let mut done = 0usize;
+    while done < n {
+        let want = (n - done).min(buf.len());
+        let k = q.inner.poll(&mut buf[..want]).map_err(|_| -libc::EOVERFLOW)?;
+        for (i, w) in buf[..k].iter().enumerate() {
+            let out = &mut *wc.add(done + i);
+            *out = ibv_wc {
+                wr_id: w.wr_id,
+                status: w.status as u32,
+                opcode: w.opcode as u32,
+                byte_len: w.byte_len,
+                qp_num: w.qp_num,
+                src_qp: w.src_qp,
+                wc_flags: w.wc_flags as u32,
+                ..Default::default()
+            };
+            out.__bindgen_anon_1.imm_data = if w.wc_flags & verbs::wc_flags::WITH_INV != 0 { w.imm_data } else { w.imm_data.to_be() };
+        }
+        done += k;
+        if k < want {
+            break;
+        }
+    }
+    Ok(done)
+}
+
+pub unsafe extern "C" fn req_notify_cq(c: *mut ibv_cq, solicited_only: c_int) -> c_int {
+    let Some(q) = cq(c) else { return libc::EINVAL };
+    q.armed.store(true, Ordering::Release);
+    q.inner.req_notify(solicited_only != 0);
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_get_cq_event(ch: *mut ibv_comp_channel, cq_out: *mut *mut ibv_cq, ctx_out: *mut *mut c_void) -> c_int {
+    if ch.is_null() || cq_out.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    let chan = &*(ch as *const Channel);
+    loop {
+        let next = {
+            let mut p = chan.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let next = p.pop_front();
+            if next.is_some() && !p.is_empty() {
+                // Keep the fd readable for the events still pending, so a
+                // program that polls the fd before each call sees them.
+                let one = 1u64;
+                libc::write(chan.ch.fd, &one as *const u64 as *const c_void, 8);
+            }
+            next
+        };
+        if let Some(c) = next {
+            let q = &*(c as *const Cq);
+            *cq_out = c as *mut ibv_cq;
+            if !ctx_out.is_null() {
+                *ctx_out = q.cq.cq_context;
+            }
+            return 0;
+        }
+        let mut v = 0u64;
+        if libc::read(chan.ch.fd, &mut v as *mut u64 as *mut c_void, 8) != 8 {
+            return -1; // errno from read: EAGAIN on a non-blocking channel
+        }
+        let cqs = chan.cqs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut p = chan.pending.lock().unwrap_or_else(|e| e.into_inner());
+        for c in cqs {
+            let q = &*(c as *const Cq);
+            if q.armed.load(Ordering::Acquire) && !q.inner.armed() {
+                q.armed.store(false, Ordering::Release);
+                p.push_back(c);
+            }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_ack_cq_events(c: *mut ibv_cq, n: std::ffi::c_uint) {
+    if let Some(q) = cq(c) {
+        let m = &q.cq.mutex as *const _ as *mut libc::pthread_mutex_t;
+        libc::pthread_mutex_lock(m);
+        (*(c as *mut Cq)).cq.comp_events_completed += n;
+        libc::pthread_mutex_unlock(m);
+    }
+}

@@ -1,0 +1,677 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+//! RC queue pairs: create, modify, query, destroy, and the post calls.
+//!
+//! ibv_post_send/ibv_post_recv translate the WR chain into the SQ/RQ rings
+//! in shared memory; a system call (the doorbell) happens only when rnicd
+//! is not polling the rings. A chain is checked whole before any WR is
+//! posted, so `bad_wr` points at the first WR that was not posted.
+
+use std::ffi::c_int;
+use std::net::Ipv4Addr;
+use std::sync::atomic::Ordering;
+
+use crate::cq::{cq, Cq};
+use crate::pdmr::{pd, Pd};
+use crate::set_errno;
+use crate::sys::*;
+
+#[repr(C)]
+pub struct Qp {
+    /// Every QP is an ibv_qp_ex (its first field is the ibv_qp).
+    pub qpx: ibv_qp_ex,
+    pub inner: verbs::Qp,
+    send_cq: *const Cq,
+    recv_cq: *const Cq,
+    pd: *const Pd,
+    /// Whether the QP was made with send_ops_flags (ibv_qp_to_qp_ex).
+    extended: bool,
+    /// WRs built by ibv_wr_* since ibv_wr_start, posted by ibv_wr_complete.
+    batch: std::sync::Mutex<Batch>,
+}
+
+/// One WR built through the ibv_qp_ex builders.
+struct PendingWr {
+    wr_id: u64,
+    opcode: verbs::WrOpcode,
+    flags: u8,
+    remote_addr: u64,
+    rkey: u32,
+    compare_add: u64,
+    swap: u64,
+    imm: u32,
+    sges: Vec<verbs::Sge>,
+    inline: Option<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct Batch {
+    wrs: Vec<PendingWr>,
+    /// The first error of the batch (reported by ibv_wr_complete).
+    err: c_int,
+}
+
+unsafe fn qp<'a>(q: *mut ibv_qp) -> Option<&'a Qp> {
+    (!q.is_null()).then(|| &*(q as *const Qp))
+}
+
+unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ibv_qp {
+    let fail = |e: i32| {
+        set_errno(e);
+        std::ptr::null_mut()
+    };
+    if attr.is_null() {
+        return fail(libc::EINVAL);
+    }
+    let a = &mut *attr;
+    let Some(pdr) = pd(a.pd) else { return fail(libc::EINVAL) };
+    if a.qp_type != IBV_QPT_RC {
+        return fail(libc::EOPNOTSUPP);
+    }
+    if !a.srq.is_null() {
+        return fail(libc::EOPNOTSUPP);
+    }
+    let (Some(scq), Some(rcq)) = (cq(a.send_cq), cq(a.recv_cq)) else { return fail(libc::EINVAL) };
+    let Some(cx) = crate::device::ctx(c) else { return fail(libc::EINVAL) };
+    let dev = match cx.inner.query_device() {
+        Ok(d) => d,
+        Err(_) => return fail(libc::EIO),
+    };
+    let cap = &mut a.cap;
+    if cap.max_send_wr > dev.max_qp_wr
+        || cap.max_recv_wr > dev.max_qp_wr
+        || cap.max_send_sge > dev.max_sge
+        || cap.max_recv_sge > dev.max_sge
+        || cap.max_inline_data > dev.max_inline_data
+    {
+        return fail(libc::EINVAL);
+    }
+    let mut init = verbs::QpInitAttr::new(&scq.inner, &rcq.inner);
+    init.cap = verbs::QpCap {
+        max_send_wr: cap.max_send_wr.max(1),
+        max_recv_wr: cap.max_recv_wr.max(1),
+        max_send_sge: cap.max_send_sge.max(1),
+        max_recv_sge: cap.max_recv_sge.max(1),
+        max_inline_data: cap.max_inline_data,
+    };
+    init.sq_sig_all = a.sq_sig_all != 0;
+    let inner = match pdr.inner.create_qp(&init) {
+        Ok(q) => q,
+        Err(_) => return fail(libc::ENOMEM),
+    };
+    // The caps the QP really has, as drivers report back.
+    cap.max_send_wr = inner.cap.max_send_wr;
+    cap.max_recv_wr = inner.cap.max_recv_wr;
+    cap.max_send_sge = inner.cap.max_send_sge;
+    cap.max_recv_sge = inner.cap.max_recv_sge;
+    cap.max_inline_data = inner.cap.max_inline_data;
+    let mut x = ibv_qp_ex::default();
+    let base = &mut x.qp_base;
+    base.context = c;
+    base.qp_context = a.qp_context;
+    base.pd = a.pd;
+    base.send_cq = a.send_cq;
+    base.recv_cq = a.recv_cq;
+    base.handle = inner.qpn;
+    base.qp_num = inner.qpn;
+    base.state = IBV_QPS_RESET;
+    base.qp_type = IBV_QPT_RC;
+    libc::pthread_mutex_init(&mut base.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
+    libc::pthread_cond_init(&mut base.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
+    let extended = a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
+    if extended {
+        if a.send_ops_flags & !SEND_OPS != 0 {
+            return fail(libc::EOPNOTSUPP);
+        }
+        x.wr_start = Some(wr_start);
+        x.wr_complete = Some(wr_complete);
+        x.wr_abort = Some(wr_abort);
+        x.wr_rdma_write = Some(wr_rdma_write);
+        x.wr_rdma_write_imm = Some(wr_rdma_write_imm);
+        x.wr_rdma_read = Some(wr_rdma_read);
+        x.wr_send = Some(wr_send);
+        x.wr_send_imm = Some(wr_send_imm);
+        x.wr_send_inv = Some(wr_send_inv);
+        x.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp);
+        x.wr_atomic_fetch_add = Some(wr_atomic_fetch_add);
+        x.wr_set_sge = Some(wr_set_sge);
+        x.wr_set_sge_list = Some(wr_set_sge_list);
+        x.wr_set_inline_data = Some(wr_set_inline_data);
+        x.wr_set_inline_data_list = Some(wr_set_inline_data_list);
+    }
+    scq.users.fetch_add(1, Ordering::AcqRel);
+    rcq.users.fetch_add(1, Ordering::AcqRel);
+    pdr.users.fetch_add(1, Ordering::AcqRel);
+    let b = Box::into_raw(Box::new(Qp { qpx: x, inner, send_cq: scq, recv_cq: rcq, pd: pdr, extended, batch: Default::default() }));
+    b as *mut ibv_qp
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_create_qp(p: *mut ibv_pd, attr: *mut ibv_qp_init_attr) -> *mut ibv_qp {
+    let (Some(pdr), false) = (pd(p), attr.is_null()) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    let a = &mut *attr;
+    let mut ex = ibv_qp_init_attr_ex {
+        qp_context: a.qp_context,
+        send_cq: a.send_cq,
+        recv_cq: a.recv_cq,
+        srq: a.srq,
+        cap: a.cap,
+        qp_type: a.qp_type,
+        sq_sig_all: a.sq_sig_all,
+        comp_mask: IBV_QP_INIT_ATTR_PD,
+        pd: p,
+        ..Default::default()
+    };
+    let q = create(pdr.pd.context, &mut ex);
+    a.cap = ex.cap;
+    q
+}
+
+pub unsafe extern "C" fn create_qp_ex(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ibv_qp {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // Creation flags are accepted when there are none (all of them ask for
+    // hardware features: scatter FCS, CVLAN stripping, source QPN...).
+    let known = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS | IBV_QP_INIT_ATTR_CREATE_FLAGS;
+    let flags = if (*attr).comp_mask & IBV_QP_INIT_ATTR_CREATE_FLAGS != 0 { (*attr).create_flags } else { 0 };
+    if (*attr).comp_mask & !known != 0 || (*attr).comp_mask & IBV_QP_INIT_ATTR_PD == 0 || flags != 0 {
+        set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    create(c, attr)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_qp_to_qp_ex(q: *mut ibv_qp) -> *mut ibv_qp_ex {
+    match qp(q) {
+        Some(x) if x.extended => q as *mut ibv_qp_ex,
+        _ => {
+            set_errno(libc::EOPNOTSUPP);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_destroy_qp(q: *mut ibv_qp) -> c_int {
+    if q.is_null() {
+        return libc::EINVAL;
+    }
+    let b = Box::from_raw(q as *mut Qp);
+    (*b.send_cq).users.fetch_sub(1, Ordering::AcqRel);
+    (*b.recv_cq).users.fetch_sub(1, Ordering::AcqRel);
+    (*b.pd).users.fetch_sub(1, Ordering::AcqRel);
+    drop(b);
+    0
+}
+
+fn state_from(s: ibv_qp_state) -> Option<verbs::QpState> {
+    use verbs::QpState::*;
+    Some(match s {
+        IBV_QPS_RESET => Reset,
+        IBV_QPS_INIT => Init,
+        IBV_QPS_RTR => Rtr,
+        IBV_QPS_RTS => Rts,
+        IBV_QPS_SQD => Sqd,
+        IBV_QPS_SQE => Sqe,
+        IBV_QPS_ERR => Err,
+        _ => return None,
+    })
+}
+
+fn state_to(s: verbs::QpState) -> ibv_qp_state {
+    use verbs::QpState::*;
+    match s {
+        Reset => IBV_QPS_RESET,
+        Init => IBV_QPS_INIT,
+        Rtr => IBV_QPS_RTR,
+        Rts => IBV_QPS_RTS,
+        Sqd => IBV_QPS_SQD,
+        Sqe => IBV_QPS_SQE,
+        Err => IBV_QPS_ERR,
+    }
+}
+
+fn mtu_from(m: ibv_mtu) -> Option<verbs::Mtu> {
+    Some(match m {
+        IBV_MTU_256 => verbs::Mtu::M256,
+        IBV_MTU_512 => verbs::Mtu::M512,
+        IBV_MTU_1024 => verbs::Mtu::M1024,
+        IBV_MTU_2048 => verbs::Mtu::M2048,
+        IBV_MTU_4096 => verbs::Mtu::M4096,
+        _ => return None,
+    })
+}
+
+fn mtu_to(m: verbs::Mtu) -> ibv_mtu {
+    match m {
+        verbs::Mtu::M256 => IBV_MTU_256,
+        verbs::Mtu::M512 => IBV_MTU_512,
+        verbs::Mtu::M1024 => IBV_MTU_1024,
+        verbs::Mtu::M2048 => IBV_MTU_2048,
+        _ => IBV_MTU_4096,
+    }
+}
+
+/// Attribute mask bits this device understands (the RC ones).
+const KNOWN_MASK: c_int = (IBV_QP_STATE
+    | IBV_QP_CUR_STATE
+    | IBV_QP_EN_SQD_ASYNC_NOTIFY
+    | IBV_QP_ACCESS_FLAGS
+    | IBV_QP_PKEY_INDEX
+    | IBV_QP_PORT
+    | IBV_QP_AV
+    | IBV_QP_PATH_MTU
+    | IBV_QP_TIMEOUT
+    | IBV_QP_RETRY_CNT
+    | IBV_QP_RNR_RETRY
+    | IBV_QP_RQ_PSN
+    | IBV_QP_MAX_QP_RD_ATOMIC
+    | IBV_QP_MIN_RNR_TIMER
+    | IBV_QP_SQ_PSN
+    | IBV_QP_MAX_DEST_RD_ATOMIC
+    | IBV_QP_PATH_MIG_STATE
+    | IBV_QP_CAP
+    | IBV_QP_DEST_QPN) as c_int;
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_modify_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int) -> c_int {
+    let (Some(x), false) = (qp(q), attr.is_null()) else { return libc::EINVAL };
+    if mask & !KNOWN_MASK != 0 {
+        return libc::EINVAL;
+    }
+    let a = &*attr;
+    let mask = mask as u32;
+    let mut v = verbs::QpAttr::default();
+    if mask & IBV_QP_STATE != 0 {
+        let Some(s) = state_from(a.qp_state) else { return libc::EINVAL };
+        v.qp_state = s;
+    }
+    if mask & IBV_QP_PATH_MTU != 0 {
+        let Some(m) = mtu_from(a.path_mtu) else { return libc::EINVAL };
+        v.path_mtu = m;
+    }
+    if mask & IBV_QP_AV != 0 {
+        // RoCE needs the GRH: its destination GID is the peer's address.
+        if a.ah_attr.is_global == 0 {
+            return libc::EINVAL;
+        }
+        // The source GID must be one of the port's.
+        let gids = crate::device::ctx(x.qpx.qp_base.context).map(|c| c.port.gid_tbl_len).unwrap_or(0);
+        if i32::from(a.ah_attr.grh.sgid_index) >= gids {
+            return libc::EINVAL;
+        }
+        let g = a.ah_attr.grh.dgid.raw;
+        if g[..10] != [0; 10] || g[10] != 0xff || g[11] != 0xff {
+            return libc::EINVAL;
+        }
+        v.dest_gid = Ipv4Addr::new(g[12], g[13], g[14], g[15]);
+    }
+    v.qp_access_flags = a.qp_access_flags;
+    v.pkey_index = a.pkey_index;
+    v.port_num = a.port_num;
+    v.dest_qp_num = a.dest_qp_num;
+    v.rq_psn = a.rq_psn;
+    v.sq_psn = a.sq_psn;
+    v.max_rd_atomic = a.max_rd_atomic;
+    v.max_dest_rd_atomic = a.max_dest_rd_atomic;
+    v.min_rnr_timer = a.min_rnr_timer;
+    v.timeout = a.timeout;
+    v.retry_cnt = a.retry_cnt;
+    v.rnr_retry = a.rnr_retry;
+    let mask = mask & !(IBV_QP_CUR_STATE | IBV_QP_EN_SQD_ASYNC_NOTIFY | IBV_QP_PATH_MIG_STATE | IBV_QP_CAP);
+    match x.inner.modify(&v, mask) {
+        Ok(()) => {
+            if mask & IBV_QP_STATE != 0 {
+                (*(q as *mut Qp)).qpx.qp_base.state = a.qp_state;
+            }
+            0
+        }
+        Err(_) => libc::EINVAL,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _mask: c_int, init: *mut ibv_qp_init_attr) -> c_int {
+    let (Some(x), false) = (qp(q), attr.is_null()) else { return libc::EINVAL };
+    let Ok((v, cap)) = x.inner.query() else { return libc::EINVAL };
+    let mut a = ibv_qp_attr {
+        qp_state: state_to(v.qp_state),
+        cur_qp_state: state_to(v.qp_state),
+        path_mtu: mtu_to(v.path_mtu),
+        path_mig_state: IBV_MIG_MIGRATED,
+        rq_psn: v.rq_psn,
+        sq_psn: v.sq_psn,
+        dest_qp_num: v.dest_qp_num,
+        qp_access_flags: v.qp_access_flags,
+        cap: ibv_qp_cap {
+            max_send_wr: cap.max_send_wr,
+            max_recv_wr: cap.max_recv_wr,
+            max_send_sge: cap.max_send_sge,
+            max_recv_sge: cap.max_recv_sge,
+            max_inline_data: cap.max_inline_data,
+        },
+        pkey_index: v.pkey_index,
+        sq_draining: v.sq_draining as u8,
+        max_rd_atomic: v.max_rd_atomic,
+        max_dest_rd_atomic: v.max_dest_rd_atomic,
+        min_rnr_timer: v.min_rnr_timer,
+        port_num: v.port_num,
+        timeout: v.timeout,
+        retry_cnt: v.retry_cnt,
+        rnr_retry: v.rnr_retry,
+        ..Default::default()
+    };
+    a.ah_attr.is_global = 1;
+    a.ah_attr.port_num = v.port_num;
+    a.ah_attr.grh.hop_limit = 64;
+    let mut g = [0u8; 16];
+    g[10] = 0xff;
+    g[11] = 0xff;
+    g[12..].copy_from_slice(&v.dest_gid.octets());
+    a.ah_attr.grh.dgid.raw = g;
+    *attr = a;
+    if !init.is_null() {
+        let b = &x.qpx.qp_base;
+        *init = ibv_qp_init_attr {
+            qp_context: b.qp_context,
+            send_cq: b.send_cq,
+            recv_cq: b.recv_cq,
+            srq: std::ptr::null_mut(),
+            cap: a.cap,
+            qp_type: IBV_QPT_RC,
+            sq_sig_all: 0,
+        };
+    }
+    0
+}
+
+pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
+    let set_bad = |w: *mut ibv_send_wr| {
+        if !bad.is_null() {
+            *bad = w;
+        }
+    };
+    let Some(x) = qp(q) else {
+        set_bad(wr);
+        return libc::EINVAL;
+    };
+    let cap = x.inner.cap;
+    let free = x.inner.send_slots() as usize;
+    // Inline payloads gathered per WR (they must outlive the post call).
+    let mut inline: Vec<Vec<u8>> = Vec::new();
+    let mut wrs: Vec<(*mut ibv_send_wr, verbs::WrOpcode)> = Vec::new();
+    let mut err = 0;
+    let mut w = wr;
+    while !w.is_null() {
+        let r = &*w;
+        if wrs.len() >= free {
+            err = libc::ENOMEM;
+            break;
+        }
+        let Some(op) = verbs::WrOpcode::from_u8(r.opcode as u8).filter(|_| r.opcode <= 9) else {
+            err = libc::EINVAL;
+            break;
+        };
+        if r.num_sge < 0 || (r.num_sge > 0 && r.sg_list.is_null()) {
+            err = libc::EINVAL;
+            break;
+        }
+        let sges = std::slice::from_raw_parts(r.sg_list, r.num_sge as usize);
+        if r.send_flags & IBV_SEND_INLINE != 0 && !op.is_read_or_atomic() {
+            let total: usize = sges.iter().map(|s| s.length as usize).sum();
+            if total > cap.max_inline_data as usize {
+                err = libc::EINVAL;
+                break;
+            }
+            let mut buf = Vec::with_capacity(total);
+            for s in sges {
+                buf.extend_from_slice(std::slice::from_raw_parts(s.addr as *const u8, s.length as usize));
+            }
+            inline.push(buf);
+        } else if sges.len() > cap.max_send_sge as usize || (op.is_atomic() && sges.len() != 1) {
+            err = libc::EINVAL;
+            break;
+        }
+        wrs.push((w, op));
+        w = r.next;
+    }
+    let mut posted = Vec::with_capacity(wrs.len());
+    let mut inl = inline.iter();
+    for &(w, op) in &wrs {
+        let r = &*w;
+        // ibv_sge and the ring's Sge have the same layout (addr, length, lkey).
+        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge.max(0) as usize);
+        let mut s = verbs::SendWr::new(r.wr_id, op, sges);
+        s.flags = (r.send_flags & 0xf) as u8 & !verbs::send_flags::INLINE;
+        match op {
+            verbs::WrOpcode::RdmaWrite | verbs::WrOpcode::RdmaWriteImm | verbs::WrOpcode::RdmaRead => {
+                s.remote_addr = r.wr.rdma.remote_addr;
+                s.rkey = r.wr.rdma.rkey;
+            }
+            verbs::WrOpcode::AtomicCmpSwp | verbs::WrOpcode::AtomicFetchAdd => {
+                s.remote_addr = r.wr.atomic.remote_addr;
+                s.rkey = r.wr.atomic.rkey;
+                s.compare_add = r.wr.atomic.compare_add;
+                s.swap = r.wr.atomic.swap;
+            }
+            _ => {}
+        }
+        match op {
+            verbs::WrOpcode::SendImm | verbs::WrOpcode::RdmaWriteImm => s.imm = u32::from_be(r.__bindgen_anon_1.imm_data),
+            verbs::WrOpcode::SendInv => s.imm = r.__bindgen_anon_1.invalidate_rkey,
+            _ => {}
+        }
+        if r.send_flags & IBV_SEND_INLINE != 0 && !op.is_read_or_atomic() {
+            s = s.with_inline(inl.next().expect("gathered above"));
+        }
+        posted.push(s);
+    }
+    if !posted.is_empty() && x.inner.post_send(&posted).is_err() {
+        set_bad(wr);
+        return libc::ENOMEM;
+    }
+    if err != 0 {
+        set_bad(w);
+    }
+    err
+}
+
+pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
+    let set_bad = |w: *mut ibv_recv_wr| {
+        if !bad.is_null() {
+            *bad = w;
+        }
+    };
+    let Some(x) = qp(q) else {
+        set_bad(wr);
+        return libc::EINVAL;
+    };
+    let max_sge = x.inner.cap.max_recv_sge as usize;
+    let free = x.inner.recv_slots() as usize;
+    let mut wrs: Vec<verbs::RecvWr> = Vec::new();
+    let mut err = 0;
+    let mut w = wr;
+    while !w.is_null() {
+        let r = &*w;
+        if wrs.len() >= free {
+            err = libc::ENOMEM;
+            break;
+        }
+        if r.num_sge < 0 || r.num_sge as usize > max_sge || (r.num_sge > 0 && r.sg_list.is_null()) {
+            err = libc::EINVAL;
+            break;
+        }
+        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge as usize);
+        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sges });
+        w = r.next;
+    }
+    if !wrs.is_empty() && x.inner.post_recv(&wrs).is_err() {
+        set_bad(wr);
+        return libc::ENOMEM;
+    }
+    if err != 0 {
+        set_bad(w);
+    }
+    err
+}
+
+pub unsafe extern "C" fn post_srq_recv(_s: *mut ibv_srq, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
+    if !bad.is_null() {
+        *bad = wr;
+    }
+    libc::EOPNOTSUPP
+}
+
+pub unsafe extern "C" fn alloc_mw(_pd: *mut ibv_pd, _t: ibv_mw_type) -> *mut ibv_mw {
+    set_errno(libc::EOPNOTSUPP);
+    std::ptr::null_mut()
+}
+
+pub unsafe extern "C" fn dealloc_mw(_mw: *mut ibv_mw) -> c_int {
+    libc::EOPNOTSUPP
+}
+
+pub unsafe extern "C" fn bind_mw(_q: *mut ibv_qp, _mw: *mut ibv_mw, _b: *mut ibv_mw_bind) -> c_int {
+    libc::EOPNOTSUPP
+}
+
+/// The ibv_wr_* operations this device builds (send_ops_flags).
+const SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
+    | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    | IBV_QP_EX_WITH_SEND
+    | IBV_QP_EX_WITH_SEND_WITH_IMM
+    | IBV_QP_EX_WITH_RDMA_READ
+    | IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
+    | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
+    | IBV_QP_EX_WITH_SEND_WITH_INV) as u64;
+
+unsafe fn batch<'a>(q: *mut ibv_qp_ex) -> std::sync::MutexGuard<'a, Batch> {
+    (*(q as *const Qp)).batch.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+unsafe extern "C" fn wr_start(q: *mut ibv_qp_ex) {
+    *batch(q) = Batch::default();
+}
+
+unsafe extern "C" fn wr_abort(q: *mut ibv_qp_ex) {
+    *batch(q) = Batch::default();
+}
+
+/// Posts the batch; all or nothing, as the builders of kernel drivers.
+unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
+    let b = std::mem::take(&mut *batch(q));
+    if b.err != 0 {
+        return b.err;
+    }
+    let x = &*(q as *const Qp);
+    if b.wrs.len() > x.inner.send_slots() as usize {
+        return libc::ENOMEM;
+    }
+    let cap = x.inner.cap;
+    let mut wrs = Vec::with_capacity(b.wrs.len());
+    for p in &b.wrs {
+        let mut s = verbs::SendWr::new(p.wr_id, p.opcode, &p.sges);
+        s.flags = p.flags & !verbs::send_flags::INLINE;
+        s.remote_addr = p.remote_addr;
+        s.rkey = p.rkey;
+        s.compare_add = p.compare_add;
+        s.swap = p.swap;
+        s.imm = p.imm;
+        if let Some(d) = &p.inline {
+            if d.len() > cap.max_inline_data as usize {
+                return libc::EINVAL;
+            }
+            s = s.with_inline(d);
+        } else if p.sges.len() > cap.max_send_sge as usize || (p.opcode.is_atomic() && p.sges.len() != 1) {
+            return libc::EINVAL;
+        }
+        wrs.push(s);
+    }
+    match x.inner.post_send(&wrs) {
+        Ok(()) => 0,
+        Err(_) => libc::ENOMEM,
+    }
+}
+
+/// Starts the next WR of the batch with the QP's wr_id and wr_flags.
+unsafe fn push(q: *mut ibv_qp_ex, opcode: verbs::WrOpcode, rkey: u32, remote_addr: u64) -> std::sync::MutexGuard<'static, Batch> {
+    let mut b = batch(q);
+    b.wrs.push(PendingWr {
+        wr_id: (*q).wr_id,
+        opcode,
+        flags: ((*q).wr_flags & 0xf) as u8,
+        remote_addr,
+        rkey,
+        compare_add: 0,
+        swap: 0,
+        imm: 0,
+        sges: Vec::new(),
+        inline: None,
+    });
+    b
+}
+
+unsafe extern "C" fn wr_rdma_write(q: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    drop(push(q, verbs::WrOpcode::RdmaWrite, rkey, addr));
+}
+unsafe extern "C" fn wr_rdma_write_imm(q: *mut ibv_qp_ex, rkey: u32, addr: u64, imm: __be32) {
+    push(q, verbs::WrOpcode::RdmaWriteImm, rkey, addr).wrs.last_mut().unwrap().imm = u32::from_be(imm);
+}
+unsafe extern "C" fn wr_rdma_read(q: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    drop(push(q, verbs::WrOpcode::RdmaRead, rkey, addr));
+}
+unsafe extern "C" fn wr_send(q: *mut ibv_qp_ex) {
+    drop(push(q, verbs::WrOpcode::Send, 0, 0));
+}
+unsafe extern "C" fn wr_send_imm(q: *mut ibv_qp_ex, imm: __be32) {
+    push(q, verbs::WrOpcode::SendImm, 0, 0).wrs.last_mut().unwrap().imm = u32::from_be(imm);
+}
+unsafe extern "C" fn wr_send_inv(q: *mut ibv_qp_ex, invalidate_rkey: u32) {
+    push(q, verbs::WrOpcode::SendInv, 0, 0).wrs.last_mut().unwrap().imm = invalidate_rkey;
+}
+unsafe extern "C" fn wr_atomic_cmp_swp(q: *mut ibv_qp_ex, rkey: u32, addr: u64, compare: u64, swap: u64) {
+    let mut b = push(q, verbs::WrOpcode::AtomicCmpSwp, rkey, addr);
+    let w = b.wrs.last_mut().unwrap();
+    w.compare_add = compare;
+    w.swap = swap;
+}
+unsafe extern "C" fn wr_atomic_fetch_add(q: *mut ibv_qp_ex, rkey: u32, addr: u64, add: u64) {
+    push(q, verbs::WrOpcode::AtomicFetchAdd, rkey, addr).wrs.last_mut().unwrap().compare_add = add;
+}
+
+/// Applies `f` to the WR being built; a setter without a WR is an error of
+/// the batch.
+unsafe fn with_last(q: *mut ibv_qp_ex, f: impl FnOnce(&mut PendingWr)) {
+    let mut b = batch(q);
+    match b.wrs.last_mut() {
+        Some(w) => f(w),
+        None => b.err = libc::EINVAL,
+    }
+}
+
+unsafe extern "C" fn wr_set_sge(q: *mut ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
+    with_last(q, |w| w.sges = vec![verbs::Sge { addr, length, lkey }]);
+}
+unsafe extern "C" fn wr_set_sge_list(q: *mut ibv_qp_ex, n: usize, list: *const ibv_sge) {
+    let sges = if n == 0 || list.is_null() { &[][..] } else { std::slice::from_raw_parts(list as *const verbs::Sge, n) };
+    with_last(q, |w| w.sges = sges.to_vec());
+}
+unsafe extern "C" fn wr_set_inline_data(q: *mut ibv_qp_ex, addr: *mut std::ffi::c_void, length: usize) {
+    let d = if length == 0 { Vec::new() } else { std::slice::from_raw_parts(addr as *const u8, length).to_vec() };
+    with_last(q, |w| w.inline = Some(d));
+}
+unsafe extern "C" fn wr_set_inline_data_list(q: *mut ibv_qp_ex, n: usize, list: *const ibv_data_buf) {
+    let mut d = Vec::new();
+    for i in 0..n {
+        let b = &*list.add(i);
+        if b.length > 0 {
+            d.extend_from_slice(std::slice::from_raw_parts(b.addr as *const u8, b.length));
+        }
+    }
+    with_last(q, |w| w.inline = Some(d));
+}

@@ -1,0 +1,423 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+/*
+ * A libibverbs program that checks the drop-in from the C side, built
+ * against the system's <infiniband/verbs.h>: two RC QPs of one process on
+ * one rnicd (loopback) move data between ordinary buffers (malloc'd at an
+ * odd address, memalign'd, on the stack, mmap'd), then bad calls get the
+ * errors real drivers give, and a forked child gets its own copy of
+ * registered memory. Prints "ok NAME" per check, "FAIL NAME: why" and exits
+ * 1 at the first failure.
+ */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <infiniband/verbs.h>
+
+/* Exported by libibverbs, declared only in rdma-core's driver headers. */
+const char *ibv_get_sysfs_path(void);
+
+#define CHECK(name, cond, ...)                                                                                         \
+	do {                                                                                                           \
+		if (!(cond)) {                                                                                         \
+			printf("FAIL %s: ", name);                                                                     \
+			printf(__VA_ARGS__);                                                                           \
+			printf("\n");                                                                                  \
+			exit(1);                                                                                       \
+		}                                                                                                      \
+	} while (0)
+#define OK(name) printf("ok %s\n", name)
+
+static struct ibv_context *ctx;
+static struct ibv_pd *pd;
+static struct ibv_cq *cq;
+static union ibv_gid gid;
+
+/* The layouts the inline functions of verbs.h rely on. */
+_Static_assert(sizeof(struct verbs_context) == 648, "verbs_context");
+_Static_assert(sizeof(struct ibv_context) == 328, "ibv_context");
+
+static struct ibv_qp *make_qp(uint32_t depth)
+{
+	struct ibv_qp_init_attr a = {
+		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = depth, .max_recv_wr = depth, .max_send_sge = 2, .max_recv_sge = 2 },
+	};
+	struct ibv_qp *qp = ibv_create_qp(pd, &a);
+	CHECK("create_qp", qp, "errno %d", errno);
+	return qp;
+}
+
+static void connect_qp(struct ibv_qp *qp, uint32_t dest)
+{
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1,
+				 .qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+						    IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC };
+	int r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+	CHECK("modify INIT", r == 0, "%d", r);
+	memset(&a, 0, sizeof(a));
+	a.qp_state = IBV_QPS_RTR;
+	a.path_mtu = IBV_MTU_1024;
+	a.dest_qp_num = dest;
+	a.rq_psn = 0;
+	a.max_dest_rd_atomic = 4;
+	a.min_rnr_timer = 12;
+	a.ah_attr.is_global = 1;
+	a.ah_attr.grh.dgid = gid;
+	a.ah_attr.grh.hop_limit = 64;
+	a.ah_attr.port_num = 1;
+	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+					  IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+	CHECK("modify RTR", r == 0, "%d", r);
+	a.qp_state = IBV_QPS_RTS;
+	a.sq_psn = 0;
+	a.timeout = 14;
+	a.retry_cnt = 7;
+	a.rnr_retry = 7;
+	a.max_rd_atomic = 4;
+	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+					  IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
+	CHECK("modify RTS", r == 0, "%d", r);
+}
+
+static struct ibv_wc wait_wc(const char *what)
+{
+	struct ibv_wc wc;
+	for (long i = 0; i < 2000000000L; i++) {
+		int n = ibv_poll_cq(cq, 1, &wc);
+		CHECK(what, n >= 0, "poll_cq %d", n);
+		if (n == 1)
+			return wc;
+	}
+	CHECK(what, 0, "no completion");
+	return wc;
+}
+
+static void write_between(const char *name, char *src, char *dst, size_t len, struct ibv_qp *qp)
+{
+	struct ibv_mr *smr = ibv_reg_mr(pd, src, len, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *dmr = ibv_reg_mr(pd, dst, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	CHECK(name, smr && dmr, "reg_mr errno %d", errno);
+	for (size_t i = 0; i < len; i++)
+		src[i] = (char)(i * 7 + len);
+	memset(dst, 0, len);
+	struct ibv_sge sge = { .addr = (uintptr_t)src, .length = (uint32_t)len, .lkey = smr->lkey };
+	struct ibv_send_wr wr = { .wr_id = 1, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+				  .send_flags = IBV_SEND_SIGNALED }, *bad;
+	wr.wr.rdma.remote_addr = (uintptr_t)dst;
+	wr.wr.rdma.rkey = dmr->rkey;
+	CHECK(name, ibv_post_send(qp, &wr, &bad) == 0, "post_send");
+	struct ibv_wc wc = wait_wc(name);
+	CHECK(name, wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RDMA_WRITE, "status %d opcode %d",
+	      wc.status, wc.opcode);
+	CHECK(name, memcmp(src, dst, len) == 0, "data differs");
+	CHECK(name, ibv_dereg_mr(smr) == 0 && ibv_dereg_mr(dmr) == 0, "dereg");
+	/* The buffers are still the program's memory after deregistration. */
+	dst[0] ^= 1;
+	src[len - 1] ^= 1;
+	OK(name);
+}
+
+int main(void)
+{
+	int n;
+	setvbuf(stdout, NULL, _IONBF, 0);
+	struct ibv_device **list = ibv_get_device_list(&n);
+	CHECK("device list", list && n == 1 && !strcmp(ibv_get_device_name(list[0]), "rnic0"), "n=%d", n);
+	ctx = ibv_open_device(list[0]);
+	CHECK("open", ctx, "errno %d", errno);
+	ibv_free_device_list(list);
+	struct ibv_port_attr pa;
+	CHECK("query_port", ibv_query_port(ctx, 1, &pa) == 0 && pa.state == IBV_PORT_ACTIVE &&
+				    pa.link_layer == IBV_LINK_LAYER_ETHERNET, "state %d", pa.state);
+	CHECK("query_gid", ibv_query_gid(ctx, 1, 0, &gid) == 0 && gid.raw[10] == 0xff, "gid");
+	CHECK("query_gid past the table", ibv_query_gid(ctx, 1, pa.gid_tbl_len, &gid) != 0 &&
+						  ibv_query_gid(ctx, 1, 0, &gid) == 0, "no error");
+	struct ibv_device_attr_ex dx;
+	CHECK("query_device_ex", ibv_query_device_ex(ctx, NULL, &dx) == 0 && dx.phys_port_cnt_ex == 1, "ex");
+	OK("queries");
+
+	pd = ibv_alloc_pd(ctx);
+	CHECK("alloc_pd", pd, "errno %d", errno);
+	struct ibv_comp_channel *ch = ibv_create_comp_channel(ctx);
+	CHECK("channel", ch, "errno %d", errno);
+	cq = ibv_create_cq(ctx, 256, (void *)0x1234, ch, 0);
+	CHECK("create_cq", cq, "errno %d", errno);
+	struct ibv_qp *a = make_qp(64), *b = make_qp(64);
+	connect_qp(a, b->qp_num);
+	connect_qp(b, a->qp_num);
+	struct ibv_qp_attr qa;
+	struct ibv_qp_init_attr qi;
+	CHECK("query_qp", ibv_query_qp(a, &qa, IBV_QP_STATE | IBV_QP_DEST_QPN, &qi) == 0 &&
+				  qa.qp_state == IBV_QPS_RTS && qa.dest_qp_num == b->qp_num &&
+				  qi.cap.max_send_wr >= 64, "state %d", qa.qp_state);
+	OK("loopback connect");
+
+	/* Ordinary memory of every kind. */
+	char *heap = malloc(100000 + 3);
+	write_between("malloc unaligned", heap + 3, heap + 3 + 50000, 50000 - 8, a);
+	char *al;
+	CHECK("memalign", posix_memalign((void **)&al, 4096, 1 << 20) == 0, "memalign");
+	char *al2 = aligned_alloc(4096, 1 << 20);
+	write_between("memalign", al, al2, 1 << 20, b);
+	char stack[3000], stack2[3000];
+	write_between("stack", stack, stack2, sizeof(stack), a);
+	char *m = mmap(NULL, 1 << 21, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	write_between("mmap", m, m + (1 << 20) + 100, 300000, b);
+	/* The same pages registered twice, then in an overlapping range. */
+	write_between("overlap", al + 10, al + 4000, 3000, a);
+
+	/* SEND/RECV with immediate data, completion channel events. */
+	{
+		char *s = malloc(64), *r = malloc(64);
+		struct ibv_mr *sm = ibv_reg_mr(pd, s, 64, 0), *rm = ibv_reg_mr(pd, r, 64, IBV_ACCESS_LOCAL_WRITE);
+		strcpy(s, "hello through rnicd");
+		struct ibv_sge rs = { (uintptr_t)r, 64, rm->lkey }, ss = { (uintptr_t)s, 20, sm->lkey };
+		struct ibv_recv_wr rw = { .wr_id = 7, .sg_list = &rs, .num_sge = 1 }, *rbad;
+		CHECK("post_recv", ibv_post_recv(b, &rw, &rbad) == 0, "post_recv");
+		CHECK("req_notify", ibv_req_notify_cq(cq, 0) == 0, "arm");
+		struct ibv_send_wr sw = { .wr_id = 8, .sg_list = &ss, .num_sge = 1, .opcode = IBV_WR_SEND_WITH_IMM,
+					  .send_flags = IBV_SEND_SIGNALED, .imm_data = htobe32(0xabcdef01) }, *sbad;
+		CHECK("post_send", ibv_post_send(a, &sw, &sbad) == 0, "post_send");
+		struct ibv_cq *ecq;
+		void *ectx;
+		CHECK("get_cq_event", ibv_get_cq_event(ch, &ecq, &ectx) == 0 && ecq == cq && ectx == (void *)0x1234,
+		      "event");
+		ibv_ack_cq_events(cq, 1);
+		int got = 0;
+		while (got < 2) {
+			struct ibv_wc wc = wait_wc("send/recv");
+			CHECK("send/recv", wc.status == IBV_WC_SUCCESS, "status %d", wc.status);
+			if (wc.wr_id == 7) {
+				CHECK("recv imm", wc.opcode == IBV_WC_RECV && (wc.wc_flags & IBV_WC_WITH_IMM) &&
+							  be32toh(wc.imm_data) == 0xabcdef01 && wc.byte_len == 20 &&
+							  wc.qp_num == b->qp_num,
+				      "opcode %d flags %x imm %x len %u", wc.opcode, wc.wc_flags, be32toh(wc.imm_data),
+				      wc.byte_len);
+				CHECK("recv data", !strcmp(r, "hello through rnicd"), "%s", r);
+			}
+			got++;
+		}
+		ibv_dereg_mr(sm);
+		ibv_dereg_mr(rm);
+		OK("send/recv with imm and a channel event");
+	}
+
+	/* READ and atomics. */
+	{
+		uint64_t *t = aligned_alloc(64, 4096), *l = aligned_alloc(64, 4096);
+		t[0] = 40;
+		struct ibv_mr *tm = ibv_reg_mr(pd, t, 4096,
+					       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC);
+		struct ibv_mr *lm = ibv_reg_mr(pd, l, 4096, IBV_ACCESS_LOCAL_WRITE);
+		struct ibv_sge s = { (uintptr_t)l, 8, lm->lkey };
+		struct ibv_send_wr w = { .wr_id = 9, .sg_list = &s, .num_sge = 1, .opcode = IBV_WR_ATOMIC_FETCH_AND_ADD,
+					 .send_flags = IBV_SEND_SIGNALED }, *bad;
+		w.wr.atomic.remote_addr = (uintptr_t)t;
+		w.wr.atomic.rkey = tm->rkey;
+		w.wr.atomic.compare_add = 2;
+		CHECK("fetch_add", ibv_post_send(a, &w, &bad) == 0, "post");
+		struct ibv_wc wc = wait_wc("fetch_add");
+		CHECK("fetch_add", wc.status == 0 && l[0] == 40 && t[0] == 42, "status %d old %lu new %lu", wc.status,
+		      (unsigned long)l[0], (unsigned long)t[0]);
+		w.opcode = IBV_WR_RDMA_READ;
+		w.wr.rdma.remote_addr = (uintptr_t)t;
+		w.wr.rdma.rkey = tm->rkey;
+		l[0] = 0;
+		CHECK("read", ibv_post_send(a, &w, &bad) == 0, "post");
+		wc = wait_wc("read");
+		CHECK("read", wc.status == 0 && l[0] == 42, "status %d value %lu", wc.status, (unsigned long)l[0]);
+		OK("read and atomics");
+
+		/* A deregistered rkey: the requester sees a remote access error
+		 * (and its QP goes to ERR, so a pair of its own). */
+		struct ibv_qp *x = make_qp(8), *y = make_qp(8);
+		connect_qp(x, y->qp_num);
+		connect_qp(y, x->qp_num);
+		uint32_t old = tm->rkey;
+		ibv_dereg_mr(tm);
+		w.wr.rdma.rkey = old;
+		CHECK("stale rkey", ibv_post_send(x, &w, &bad) == 0, "post");
+		wc = wait_wc("stale rkey");
+		CHECK("stale rkey", wc.status == IBV_WC_REM_ACCESS_ERR, "status %d", wc.status);
+		CHECK("stale rkey", ibv_query_qp(x, &qa, IBV_QP_STATE, &qi) == 0 && qa.qp_state == IBV_QPS_ERR, "state %d",
+		      qa.qp_state);
+		CHECK("stale rkey", ibv_destroy_qp(x) == 0 && ibv_destroy_qp(y) == 0, "destroy");
+		OK("deregistered rkey gives REM_ACCESS_ERR");
+		ibv_dereg_mr(lm);
+	}
+
+	/* The extended API: ibv_cq_ex polling and the ibv_wr_* builders. */
+	{
+		struct ibv_cq_init_attr_ex ca = { .cqe = 64, .wc_flags = IBV_WC_EX_WITH_BYTE_LEN | IBV_WC_EX_WITH_IMM |
+									 IBV_WC_EX_WITH_QP_NUM };
+		struct ibv_cq_ex *cqx = ibv_create_cq_ex(ctx, &ca);
+		CHECK("create_cq_ex", cqx, "errno %d", errno);
+		struct ibv_cq_init_attr_ex bad_ca = { .cqe = 64, .wc_flags = IBV_WC_EX_WITH_COMPLETION_TIMESTAMP };
+		CHECK("cq_ex timestamps", !ibv_create_cq_ex(ctx, &bad_ca) && errno == EOPNOTSUPP, "errno %d", errno);
+		struct ibv_qp_init_attr_ex qa_ex = {
+			.send_cq = ibv_cq_ex_to_cq(cqx), .recv_cq = ibv_cq_ex_to_cq(cqx), .qp_type = IBV_QPT_RC,
+			.cap = { 16, 16, 2, 2, 64 }, .comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
+			.pd = pd, .send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_SEND_WITH_IMM,
+		};
+		struct ibv_qp *p = ibv_create_qp_ex(ctx, &qa_ex), *q = ibv_create_qp_ex(ctx, &qa_ex);
+		CHECK("create_qp_ex", p && q, "errno %d", errno);
+		qa_ex.send_ops_flags = IBV_QP_EX_WITH_TSO;
+		CHECK("qp_ex TSO", !ibv_create_qp_ex(ctx, &qa_ex) && errno == EOPNOTSUPP, "errno %d", errno);
+		connect_qp(p, q->qp_num);
+		connect_qp(q, p->qp_num);
+		struct ibv_qp_ex *px = ibv_qp_to_qp_ex(p);
+		CHECK("qp_to_qp_ex", px && !ibv_qp_to_qp_ex(a), "qp_ex");
+		char *src = malloc(8192), *dst = malloc(8192), *rbuf = malloc(64);
+		memset(src, 0x5a, 8192);
+		memset(dst, 0, 8192);
+		struct ibv_mr *sm = ibv_reg_mr(pd, src, 8192, IBV_ACCESS_LOCAL_WRITE);
+		struct ibv_mr *dm = ibv_reg_mr(pd, dst, 8192, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+		struct ibv_mr *rm = ibv_reg_mr(pd, rbuf, 64, IBV_ACCESS_LOCAL_WRITE);
+		struct ibv_sge rs = { (uintptr_t)rbuf, 64, rm->lkey };
+		struct ibv_recv_wr rw = { .wr_id = 21, .sg_list = &rs, .num_sge = 1 }, *rbad;
+		CHECK("qp_ex post_recv", ibv_post_recv(q, &rw, &rbad) == 0, "post_recv");
+		ibv_wr_start(px);
+		px->wr_id = 20;
+		px->wr_flags = IBV_SEND_SIGNALED;
+		ibv_wr_rdma_write(px, dm->rkey, (uintptr_t)dst);
+		ibv_wr_set_sge(px, sm->lkey, (uintptr_t)src, 8192);
+		px->wr_id = 22;
+		ibv_wr_send_imm(px, htobe32(77));
+		ibv_wr_set_inline_data(px, "inline!", 8);
+		CHECK("wr_complete", ibv_wr_complete(px) == 0, "complete");
+		int seen = 0, tries = 0;
+		while (seen < 3 && tries++ < 100000000) {
+			struct ibv_poll_cq_attr pa2 = {};
+			if (ibv_start_poll(cqx, &pa2) != 0)
+				continue;
+			do {
+				CHECK("cq_ex status", cqx->status == IBV_WC_SUCCESS, "status %d", cqx->status);
+				if (cqx->wr_id == 21)
+					CHECK("cq_ex recv", ibv_wc_read_opcode(cqx) == IBV_WC_RECV &&
+								    ibv_wc_read_byte_len(cqx) == 8 &&
+								    be32toh(ibv_wc_read_imm_data(cqx)) == 77 &&
+								    ibv_wc_read_qp_num(cqx) == q->qp_num && !strcmp(rbuf, "inline!"),
+					      "opcode %d", ibv_wc_read_opcode(cqx));
+				seen++;
+			} while (ibv_next_poll(cqx) == 0);
+			ibv_end_poll(cqx);
+		}
+		CHECK("cq_ex completions", seen == 3, "saw %d", seen);
+		CHECK("wr write data", memcmp(src, dst, 8192) == 0, "data");
+		CHECK("qp_ex teardown", ibv_destroy_qp(p) == 0 && ibv_destroy_qp(q) == 0 &&
+						ibv_destroy_cq(ibv_cq_ex_to_cq(cqx)) == 0, "destroy");
+		ibv_dereg_mr(sm);
+		ibv_dereg_mr(dm);
+		ibv_dereg_mr(rm);
+		OK("ibv_qp_ex builders and ibv_cq_ex polling");
+	}
+
+	/* Bad calls. */
+	{
+		errno = 0;
+		CHECK("reg_mr NULL pd", !ibv_reg_mr(NULL, heap, 10, 0) && errno == EINVAL, "errno %d", errno);
+		CHECK("reg_mr unmapped", !ibv_reg_mr(pd, (void *)4096, 4096, 0) && errno == EFAULT, "errno %d", errno);
+		CHECK("reg_mr remote write without local", !ibv_reg_mr(pd, heap, 10, IBV_ACCESS_REMOTE_WRITE) &&
+								    errno == EINVAL, "errno %d", errno);
+		struct ibv_qp_attr qa2 = { .qp_state = IBV_QPS_RTS };
+		CHECK("modify bad mask", ibv_modify_qp(a, &qa2, IBV_QP_STATE | (1 << 30)) == EINVAL, "mask");
+		struct ibv_qp_attr rtr = { .qp_state = IBV_QPS_RTR };
+		CHECK("modify bad transition", ibv_modify_qp(a, &rtr, IBV_QP_STATE) == EINVAL, "transition");
+		CHECK("state kept", ibv_query_qp(a, &rtr, IBV_QP_STATE, &qi) == 0 && rtr.qp_state == IBV_QPS_RTS, "%d",
+		      rtr.qp_state);
+		struct ibv_qp *c = make_qp(4);
+		{
+			struct ibv_qp_attr ia = { .qp_state = IBV_QPS_INIT, .port_num = 1 };
+			CHECK("init", ibv_modify_qp(c, &ia, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+								   IBV_QP_ACCESS_FLAGS) == 0, "init");
+			struct ibv_qp_attr ra = { .qp_state = IBV_QPS_RTR, .path_mtu = IBV_MTU_1024, .dest_qp_num = 1,
+						  .max_dest_rd_atomic = 1, .min_rnr_timer = 1 };
+			ra.ah_attr.is_global = 1;
+			ra.ah_attr.grh.dgid = gid;
+			ra.ah_attr.grh.sgid_index = 5;
+			ra.ah_attr.port_num = 1;
+			int rtr_mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+				       IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
+			CHECK("bad sgid index", ibv_modify_qp(c, &ra, rtr_mask) == EINVAL, "sgid");
+			ra.ah_attr.grh.sgid_index = 0;
+			ra.ah_attr.is_global = 0;
+			CHECK("no GRH on RoCE", ibv_modify_qp(c, &ra, rtr_mask) == EINVAL, "grh");
+			CHECK("missing RTR attributes", ibv_modify_qp(c, &ra, IBV_QP_STATE) == EINVAL, "mask");
+		}
+		struct ibv_mr *hm = ibv_reg_mr(pd, heap, 4096, IBV_ACCESS_LOCAL_WRITE);
+		struct ibv_sge s = { (uintptr_t)heap, 8, hm->lkey };
+		struct ibv_recv_wr r[9], *rbad = NULL;
+		for (int i = 0; i < 9; i++)
+			r[i] = (struct ibv_recv_wr){ .wr_id = i, .sg_list = &s, .num_sge = 1, .next = i < 8 ? &r[i + 1] : NULL };
+		uint32_t cap = 0;
+		CHECK("query caps", ibv_query_qp(c, &qa2, IBV_QP_CAP, &(struct ibv_qp_init_attr){}) == 0, "query");
+		cap = qa2.cap.max_recv_wr;
+		struct ibv_sge many[32];
+		for (int i = 0; i < 32; i++)
+			many[i] = s;
+		struct ibv_recv_wr toomany = { .sg_list = many, .num_sge = (int)qa2.cap.max_recv_sge + 1 };
+		CHECK("too many SGEs", ibv_post_recv(c, &toomany, &rbad) == EINVAL && rbad == &toomany, "sge");
+		if (cap < 9) {
+			CHECK("more WRs than the queue holds", ibv_post_recv(c, &r[0], &rbad) == ENOMEM && rbad == &r[cap],
+			      "bad_wr at %ld of cap %u", rbad ? (long)(rbad - r) : -1L, cap);
+		}
+		struct ibv_send_wr bw = { .sg_list = &s, .num_sge = 1, .opcode = 77 }, *sbad;
+		CHECK("bad opcode", ibv_post_send(c, &bw, &sbad) == EINVAL && sbad == &bw, "opcode");
+		CHECK("dealloc busy pd", ibv_dealloc_pd(pd) == EBUSY, "ebusy");
+		CHECK("destroy busy cq", ibv_destroy_cq(cq) == EBUSY, "ebusy");
+		CHECK("destroy busy channel", ibv_destroy_comp_channel(ch) == EBUSY, "ebusy");
+		struct ibv_qp_init_attr ud = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UD,
+					       .cap = { 1, 1, 1, 1, 0 } };
+		CHECK("UD QP", !ibv_create_qp(pd, &ud) && errno == EOPNOTSUPP, "errno %d", errno);
+		CHECK("srq", !ibv_create_srq(pd, &(struct ibv_srq_init_attr){ .attr = { 1, 1, 0 } }) &&
+				     errno == EOPNOTSUPP, "errno %d", errno);
+		union ibv_gid mgid = {};
+		CHECK("multicast", ibv_attach_mcast(c, &mgid, 0) == EOPNOTSUPP, "mcast");
+		struct ibv_ah_attr aha = { .is_global = 1, .port_num = 1 };
+		CHECK("address handle", !ibv_create_ah(pd, &aha) && errno == EOPNOTSUPP, "errno %d", errno);
+		CHECK("sysfs path", !strcmp(ibv_get_sysfs_path(), "/sys"), "path");
+		CHECK("destroy qp", ibv_destroy_qp(c) == 0, "destroy");
+		ibv_dereg_mr(hm);
+		OK("bad calls");
+	}
+
+	/* fork: the child gets its own copy of registered memory. */
+	{
+		char *f = aligned_alloc(4096, 8192);
+		strcpy(f, "parent");
+		struct ibv_mr *fm = ibv_reg_mr(pd, f, 8192, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+		pid_t p = fork();
+		if (p == 0) {
+			int same = !strcmp(f, "parent");
+			strcpy(f, "child");
+			_exit(same ? 0 : 3);
+		}
+		int st;
+		waitpid(p, &st, 0);
+		CHECK("fork", WIFEXITED(st) && WEXITSTATUS(st) == 0 && !strcmp(f, "parent"), "parent sees '%s'", f);
+		/* rnicd still writes into the parent's pages. */
+		write_between("after fork", heap, f + 100, 1000, a);
+		ibv_dereg_mr(fm);
+		OK("fork");
+	}
+
+	/* munmap of a registered range, then deregistration. */
+	{
+		char *u = mmap(NULL, 65536, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		struct ibv_mr *um = ibv_reg_mr(pd, u, 65536, IBV_ACCESS_LOCAL_WRITE);
+		CHECK("munmap", um && munmap(u, 65536) == 0 && ibv_dereg_mr(um) == 0, "dereg after munmap");
+		OK("munmap before dereg");
+	}
+
+	CHECK("destroy", ibv_destroy_qp(a) == 0 && ibv_destroy_qp(b) == 0 && ibv_destroy_cq(cq) == 0 &&
+				 ibv_destroy_comp_channel(ch) == 0 && ibv_dealloc_pd(pd) == 0 && ibv_close_device(ctx) == 0,
+	      "teardown");
+	OK("teardown");
+	printf("all ok\n");
+	return 0;
+}
