@@ -24,9 +24,10 @@ fn main() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(&guest).args(["build", "--release", "--target-dir"]).arg(&target_dir);
-    // The outer build's flags and jobserver are not meant for this one.
+    // The outer build's flags, jobserver and wrappers (clippy's driver under
+    // `cargo clippy`) are not meant for this one.
     for (k, _) in std::env::vars() {
-        if k.starts_with("CARGO_") && k != "CARGO_HOME" || k == "RUSTFLAGS" || k == "RUSTC_WRAPPER" {
+        if k.starts_with("CARGO_") && k != "CARGO_HOME" || k == "RUSTFLAGS" || k == "RUSTC_WRAPPER" || k == "RUSTC_WORKSPACE_WRAPPER" {
             cmd.env_remove(&k);
         }
     }

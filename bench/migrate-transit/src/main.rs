@@ -23,21 +23,44 @@ const CAP_MBIT: u32 = 1000;
 /// 100 MiB/s of dirtied pages for the dirtier-capped rows.
 const CAPPED_DIRTY_PAGES_S: u64 = 100 * 256;
 
-const USAGE: &str = "usage: migrate-transit [--quick] [--only SUBSTR] [--repeat N] [--no-prealloc] [--list]
-       migrate-transit --baselines STREAMS GIB [REPEATS]
-  --quick        1 GiB rows of the shared matrix only (no compression rows)
-  --only S       the row labelled S, else rows whose label (MODE/WORKLOAD/NG/Nch[/COMPRESS]) contains S
-  --repeat N     run the rows N times, in turn (each run on a fresh testbed with its own
-                 iperf3), then print the median, least and most of each row's figures
-  --no-prealloc  destinations allocate RAM as pages arrive (default: while waiting, before
-                 the migration starts, as with QEMU's -mem-prealloc)
-  --list         print the labels and exit
-  --baselines    only the two references of the rows, REPEATS times (default 3): raw TCP
-                 (iperf3) and RAM-to-RAM TCP (GIB of shared memory into another)
-workloads: idle (fill, then halt), dirtier, dirtier-capped (dirtier at 100 MiB/s,
-link capped at 1 Gbit/s) and idle-capped (fill on the capped link); compression rows:
-idle-capped/1G/4ch with none, lz4, zstd and dirtier-capped/1G/4ch/lz4 (its uncompressed
-twin is the shared row dirtier-capped/1G/4ch)";
+/// Transit's rows of bench/migrate-vs-qemu: live migration between two
+/// testbed hosts, beside raw TCP and RAM-to-RAM TCP measured in the same
+/// testbed.
+#[derive(clap::Parser)]
+#[command(
+    name = "migrate-transit",
+    after_help = "workloads: idle (fill, then halt), dirtier, dirtier-capped (dirtier at 100 MiB/s, link capped at \
+                  1 Gbit/s) and idle-capped (fill on the capped link); compression rows: idle-capped/1G/4ch with \
+                  none, lz4, zstd and dirtier-capped/1G/4ch/lz4 (its uncompressed twin is the shared row \
+                  dirtier-capped/1G/4ch)"
+)]
+struct Args {
+    /// 1 GiB rows of the shared matrix only (no compression rows).
+    #[arg(long)]
+    quick: bool,
+    /// The row labelled S, else rows whose label (MODE/WORKLOAD/NG/Nch[/COMPRESS]) contains S.
+    #[arg(long, value_name = "S")]
+    only: Option<String>,
+    /// Run the rows N times, in turn (each run on a fresh testbed with its
+    /// own iperf3), then print the median, least and most of each row's figures.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
+    /// Destinations allocate RAM as pages arrive (default: while waiting,
+    /// before the migration starts, as with QEMU's -mem-prealloc).
+    #[arg(long)]
+    no_prealloc: bool,
+    /// Print the labels and exit.
+    #[arg(long)]
+    list: bool,
+    /// Only the two references of the rows, REPEATS times (default 1 stream,
+    /// 1 GiB, 3 times): raw TCP (iperf3) and RAM-to-RAM TCP (GIB of shared
+    /// memory into another).
+    #[arg(long, num_args = 0..=3, value_names = ["STREAMS", "GIB", "REPEATS"])]
+    baselines: Option<Vec<u64>>,
+    /// One row in this process (what the parent runs in each child).
+    #[arg(long, hide = true, value_name = "LABEL")]
+    row: Option<String>,
+}
 
 /// One row of the matrix.
 #[derive(Clone)]
@@ -321,42 +344,30 @@ fn row_in_child(r: &Row, prealloc: bool) -> Value {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{USAGE}");
-        return;
-    }
-    let quick = args.iter().any(|a| a == "--quick");
-    let prealloc = !args.iter().any(|a| a == "--no-prealloc");
-    let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
-    let only = arg("--only");
-    let repeat = match arg("--repeat").map(|v| v.parse::<usize>()) {
-        None => 1,
-        Some(Ok(n)) if n >= 1 => n,
-        Some(_) => {
-            eprintln!("migrate-transit: --repeat takes a count of at least 1\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    if args.iter().any(|a| a == "--list") {
+    let args: Args = clap::Parser::parse();
+    let Args { quick, only, list, .. } = args;
+    let prealloc = !args.no_prealloc;
+    let repeat = args.repeat as usize;
+    if list {
         for r in matrix(quick) {
             println!("{}", r.label());
         }
         return;
     }
-    if let Some(i) = args.iter().position(|a| a == "--baselines") {
-        let num = |k: usize, d: u64| args.get(i + k).map(|v| v.parse::<u64>()).unwrap_or(Ok(d));
-        let (Ok(streams), Ok(gib), Ok(repeats)) = (num(1, 1), num(2, 1), num(3, 3)) else {
-            eprintln!("{USAGE}");
+    if let Some(b) = args.baselines {
+        let num = |k: usize, d: u64| b.get(k).copied().unwrap_or(d);
+        let (streams, gib, repeats) = (num(0, 1), num(1, 1), num(2, 3));
+        if streams == 0 || gib == 0 || repeats == 0 {
+            eprintln!("migrate-transit: --baselines takes counts of at least 1");
             std::process::exit(2);
-        };
+        }
         if let Err(e) = print_baselines(streams as u32, gib, repeats) {
             eprintln!("migrate-transit: {e:#}");
             std::process::exit(1);
         }
         return;
     }
-    if let Some(label) = arg("--row") {
+    if let Some(label) = args.row {
         // Child mode: one row, its JSON as the last line.
         let Some(r) = matrix(false).into_iter().find(|r| r.label() == label) else {
             eprintln!("migrate-transit: no row {label}");

@@ -25,6 +25,7 @@ pub fn guest_rows(dir: &Path) -> Vec<Row> {
                     firmware: guest_image::default_path(),
                     cmdline,
                     nvme: Vec::new(),
+                    pvrdma: Vec::new(),
                 };
                 let vm = match vmm::vm::Vm::build(config, Box::new(|_l: &str| {})) {
                     Ok(vm) => vm,

@@ -2,10 +2,11 @@
 //! controller driven by a host-side driver at native speed (no vCPU), on the
 //! memory and the file backend, beside plain io_uring on the same file in
 //! the same run; then the guest-side figures from the emulated vCPU when a
-//! `transit` binary is available. No arguments. Last line: JSON rows.
+//! `transit` binary is available. Last line: JSON rows.
 //!
-//! `NVME_BENCH_ONLY=randwrite-qd1-q1` (any substring of that form) narrows
-//! the host rows and skips the guest rows while investigating.
+//! Run: `bench/nvme/run [--only randwrite-qd1-q1]` (`--only` takes any
+//! substring of that form: it narrows the host rows and skips the guest
+//! rows).
 
 mod guest;
 mod host;
@@ -96,7 +97,7 @@ impl Drop for Cleanup {
 
 /// The device on the file and plain io_uring on the same file, alternating
 /// slices; returns (device row, io_uring row).
-fn file_pair(disk: &std::path::Path, load: Load) -> (Row, Row) {
+fn file_pair(disk: &std::path::Path, load: Load, tails: bool) -> (Row, Row) {
     let mut dev = DeviceSide::new(&format!("ns=file:{},queues=4", disk.display()), load, false);
     let mut uring = UringSide::new(disk, load);
     let (mut td, mut tu) = (Tally::default(), Tally::default());
@@ -110,7 +111,7 @@ fn file_pair(disk: &std::path::Path, load: Load) -> (Row, Row) {
         }
     }
     let ratio = Ratio::paired(&td, &tu);
-    if std::env::var_os("NVME_BENCH_DEBUG").is_some() {
+    if tails {
         tail_report(&load, &[("device", &td), ("io_uring", &tu)]);
         let pairs: Vec<String> = td
             .slices
@@ -162,7 +163,7 @@ impl Ratio {
     }
 }
 
-/// NVME_BENCH_DEBUG=1: where the time went, on stderr (the shared disk and
+/// `--tails`: where the time went, on stderr (the shared disk and
 /// a busy host show up as a few long stalls that dominate the mean).
 fn tail_report(load: &Load, sides: &[(&str, &Tally)]) {
     for (name, t) in sides {
@@ -191,7 +192,24 @@ fn memory_row(load: Load) -> Row {
     Row::from_tally("device", "memory", &load, t)
 }
 
+/// 4 KiB random I/O through the virtual NVMe controller (memory and file
+/// backends, from the host and from the guest), beside plain io_uring on the
+/// same file in the same run.
+#[derive(clap::Parser)]
+#[command(name = "nvme-bench")]
+struct Args {
+    /// Only the host rows whose PATTERN-qdN-qN label contains this (e.g.
+    /// randwrite-qd1-q1); skips the guest rows.
+    #[arg(long, default_value = "")]
+    only: String,
+    /// Latency tails and per-slice ratios of the file rows on stderr (the
+    /// shared disk and a busy host show up as a few long stalls).
+    #[arg(long)]
+    tails: bool,
+}
+
 fn main() -> anyhow::Result<()> {
+    let Args { only, tails } = clap::Parser::parse();
     let dir = bench_dir();
     let _cleanup = Cleanup(dir.clone());
     let disk = dir.join("disk.img");
@@ -206,7 +224,6 @@ fn main() -> anyhow::Result<()> {
         f.sync_all()?;
     }
     let blocks = FILE_BYTES / host::BS as u64;
-    let only = std::env::var("NVME_BENCH_ONLY").unwrap_or_default();
     let loads: Vec<Load> = [false, true]
         .iter()
         .flat_map(|&write| [(1u32, 1u32), (32, 1), (1, 4), (32, 4)].map(move |(qd, queues)| Load { write, qd, queues, blocks }))
@@ -215,7 +232,7 @@ fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for load in loads {
         rows.push(memory_row(load));
-        let (d, u) = file_pair(&disk, load);
+        let (d, u) = file_pair(&disk, load, tails);
         rows.push(d);
         rows.push(u);
     }

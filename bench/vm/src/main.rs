@@ -14,8 +14,15 @@ use vmm::{Vm, VmConfig};
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn vm(name: &str, memory: u64, cmdline: &str) -> Result<std::sync::Arc<Vm>> {
-    let config =
-        VmConfig { name: name.into(), memory, vcpus: 1, firmware: guest_image::default_path(), cmdline: cmdline.into(), nvme: vec![] };
+    let config = VmConfig {
+        name: name.into(),
+        memory,
+        vcpus: 1,
+        firmware: guest_image::default_path(),
+        cmdline: cmdline.into(),
+        nvme: vec![],
+        pvrdma: vec![],
+    };
     Vm::build(config, Box::new(|_| {}))
 }
 
@@ -107,9 +114,18 @@ fn save_restore(gib: u64, dir: &str) -> Result<(f64, f64, u64)> {
     Ok((gib as f64 / save_s, gib as f64 / restore_s, st.bytes))
 }
 
+/// Emulated vCPU speed, throttle shares and save/restore cost per GiB,
+/// beside memcpy in the same run. Last line: one JSON object.
+#[derive(clap::Parser)]
+#[command(name = "vm-bench")]
+struct Args {
+    /// RAM of the VM saved and restored, GiB.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    gib: u64,
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let gib = args.iter().position(|a| a == "--gib").and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(1u64);
+    let Args { gib } = clap::Parser::parse();
     let memcpy = memcpy_gib_per_s(1 << 30);
     let (pages_s, dirty_gib_s) = dirty_rate(5)?;
     let shares = throttle_shares(2.0)?;

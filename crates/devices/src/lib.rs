@@ -10,6 +10,7 @@ pub mod layout;
 pub mod nvme;
 pub mod pci;
 pub mod platform;
+pub mod pvrdma;
 
 /// Guest physical memory as every device sees it (shared memfd mappings).
 pub type GuestMemory = vm_memory::GuestMemoryMmap<()>;

@@ -11,7 +11,7 @@
 //! by a second thread, and the write cost with tracking off (the baseline,
 //! measured in the same run). Prints a table, then one JSON line.
 //!
-//! Usage: dirty_tracking [RAM_MIB] [DIRTY_PAGES]
+//! Run: `bench/dirty-tracking/run [--ram-mib N] [--pages N]`.
 
 use migration::dirty::UffdWpTracker;
 use migration::memvm::GuestRam;
@@ -180,10 +180,20 @@ fn bench_hash(ram: &GuestRam, n: u64, stride: u64) -> Row {
     Row { method: "hash", arm_ms, write_ns, collect_ms, exact, missed, extra, note: "reads all RAM every round; misses same-value writes" }
 }
 
+/// Dirty-page tracking methods for guest RAM, compared in one run.
+#[derive(clap::Parser)]
+#[command(name = "dirty_tracking")]
+struct Args {
+    /// Size of the memfd standing for guest RAM, MiB.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    ram_mib: u64,
+    /// Pages written per round (spread evenly over RAM).
+    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    pages: u64,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let mib: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1024);
-    let n: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(16384);
+    let Args { ram_mib: mib, pages: n } = clap::Parser::parse();
     let ram = GuestRam::new(mib << 20).expect("memfd");
     let pages = ram.pages();
     let stride = (pages / n).max(1);

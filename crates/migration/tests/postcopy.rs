@@ -134,7 +134,14 @@ fn hybrid_switches_when_the_rest_cannot_fit() {
 
 fn hybrid_no_shrink(prealloc: bool) {
     let (src, dst, port) = dirtier_pair(prealloc);
-    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "channels": 2, "downtime_ms": 0})).unwrap();
+    // Capped so that the first eighth (8 MiB) takes 0.2 s: uncapped it took a
+    // few ms on loopback, and on a loaded machine the vCPU could get no CPU in
+    // that window, so the sample saw no writes and hybrid rightly went on.
+    src.cmd(
+        "migrate",
+        json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "channels": 2, "downtime_ms": 0, "max_bandwidth": 40_000_000u64}),
+    )
+    .unwrap();
     let (s, _) = finish(&src, &dst);
     assert_eq!(s["mode"], "hybrid");
     assert!(s["rounds"].as_u64().unwrap() >= 2, "{s:#}");

@@ -3,7 +3,7 @@
 //! event loop (no locks on the data path).
 
 use std::collections::HashMap;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,9 +11,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
+use nix::sched::sched_yield;
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+use nix::sys::signal::{signal, SigHandler, Signal};
+use nix::sys::socket::{
+    accept4, bind, getsockname, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, UnixAddr,
+};
 use tracing::{info, warn};
 
 use crate::engine::Engine;
+use crate::eventfd;
 use crate::objects::{ClientId, OutPkt};
 use crate::proto::{self, Reply, Request, Response};
 use crate::wire::{self, Flow, ROCE_PORT};
@@ -55,16 +62,11 @@ pub fn first_local_ipv4() -> Option<Ipv4Addr> {
     lo
 }
 
-fn cvt(r: libc::c_int, what: &str) -> anyhow::Result<libc::c_int> {
-    if r < 0 {
-        return Err(std::io::Error::last_os_error()).context(what.to_string());
-    }
-    Ok(r)
-}
-
-fn setsockopt_int(fd: RawFd, level: i32, name: i32, v: i32) -> std::io::Result<()> {
-    // SAFETY: setsockopt with an int option.
-    let r = unsafe { libc::setsockopt(fd, level, name, &v as *const i32 as *const libc::c_void, 4) };
+/// IP_MTU_DISCOVER, which nix has no option for.
+fn set_mtu_discover(fd: &OwnedFd, mode: i32) -> std::io::Result<()> {
+    // SAFETY: setsockopt with an int option on a valid socket.
+    let r =
+        unsafe { libc::setsockopt(fd.as_raw_fd(), libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, &mode as *const i32 as *const libc::c_void, 4) };
     if r < 0 {
         Err(std::io::Error::last_os_error())
     } else {
@@ -84,31 +86,27 @@ fn sockaddr(ip: Ipv4Addr, port: u16) -> libc::sockaddr_in {
 /// A UDP socket bound to `ip:port`; `df` selects DF with IP id 0 (so the
 /// ICRC's pseudo header matches the wire) or kernel fragmentation.
 fn udp_socket(ip: Ipv4Addr, port: u16, df: bool, reuse: bool) -> anyhow::Result<OwnedFd> {
-    // SAFETY: socket() result checked and owned.
-    let fd = cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) }, "socket")?;
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let raw = fd.as_raw_fd();
+    let fd = socket(AddressFamily::Inet, SockType::Datagram, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK, None).context("socket")?;
     if reuse {
-        setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
-        setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_REUSEPORT, 1)?;
+        setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+        setsockopt(&fd, sockopt::ReusePort, &true)?;
     }
     // A namespace may be created (suspended) before its address moves here.
-    setsockopt_int(raw, libc::IPPROTO_IP, libc::IP_FREEBIND, 1)?;
-    let pmtu = if df { libc::IP_PMTUDISC_PROBE } else { libc::IP_PMTUDISC_DONT };
-    setsockopt_int(raw, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, pmtu)?;
-    for (opt, force) in [(libc::SO_RCVBUF, libc::SO_RCVBUFFORCE), (libc::SO_SNDBUF, libc::SO_SNDBUFFORCE)] {
-        if setsockopt_int(raw, libc::SOL_SOCKET, force, 16 << 20).is_err() {
-            let _ = setsockopt_int(raw, libc::SOL_SOCKET, opt, 16 << 20);
-        }
+    setsockopt(&fd, sockopt::IpFreebind, &true)?;
+    set_mtu_discover(&fd, if df { libc::IP_PMTUDISC_PROBE } else { libc::IP_PMTUDISC_DONT })?;
+    // Forcing needs CAP_NET_ADMIN; without it, as much as the limits allow.
+    if setsockopt(&fd, sockopt::RcvBufForce, &SOCKET_BUF).is_err() {
+        let _ = setsockopt(&fd, sockopt::RcvBuf, &SOCKET_BUF);
     }
-    let sa = sockaddr(ip, port);
-    // SAFETY: bind with a valid sockaddr_in.
-    cvt(
-        unsafe { libc::bind(raw, &sa as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_in>() as u32) },
-        &format!("bind udp {ip}:{port}"),
-    )?;
+    if setsockopt(&fd, sockopt::SndBufForce, &SOCKET_BUF).is_err() {
+        let _ = setsockopt(&fd, sockopt::SndBuf, &SOCKET_BUF);
+    }
+    bind(fd.as_raw_fd(), &SockaddrIn::from(SocketAddrV4::new(ip, port))).with_context(|| format!("bind udp {ip}:{port}"))?;
     Ok(fd)
 }
+
+/// Socket buffers of the UDP sockets (bytes).
+const SOCKET_BUF: usize = 16 << 20;
 
 struct Client {
     sock: OwnedFd,
@@ -136,7 +134,7 @@ impl Namespace {
         let udp =
             udp_socket(gid, ROCE_PORT, true, false).with_context(|| format!("UDP {gid}:{ROCE_PORT} (is another rnicd serving it?)"))?;
         if gso {
-            setsockopt_int(udp.as_raw_fd(), SOL_UDP, UDP_GRO, 1).context("UDP_GRO")?;
+            setsockopt(&udp, sockopt::UdpGroSegment, &true).context("UDP_GRO")?;
         }
         let senders = Senders::new(gid, gso)?;
         Ok(Namespace { engine: Engine::new(gid), udp, senders })
@@ -175,31 +173,6 @@ impl Namespace {
             self.engine.tx.recycle(p);
         }
         (sent, more)
-    }
-}
-
-struct Epoll(OwnedFd);
-
-impl Epoll {
-    fn new() -> anyhow::Result<Epoll> {
-        // SAFETY: plain syscall.
-        let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }, "epoll_create1")?;
-        Ok(Epoll(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-    fn add(&self, fd: RawFd, token: u64) -> anyhow::Result<()> {
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
-        // SAFETY: valid epoll and fd.
-        cvt(unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) }, "epoll_ctl")?;
-        Ok(())
-    }
-    fn del(&self, fd: RawFd) {
-        // SAFETY: removing an fd; errors do not matter.
-        unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
-    }
-    fn wait(&self, evs: &mut [libc::epoll_event], timeout_ms: i32) -> usize {
-        // SAFETY: buffer of evs.len() events.
-        let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), evs.as_mut_ptr(), evs.len() as i32, timeout_ms) };
-        n.max(0) as usize
     }
 }
 
@@ -271,11 +244,7 @@ enum SendSock {
 
 /// The local port a socket is bound to.
 fn bound_port(fd: &OwnedFd) -> anyhow::Result<u16> {
-    // SAFETY: getsockname into a sockaddr_in of the right size.
-    let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::sockaddr_in>() as u32;
-    cvt(unsafe { libc::getsockname(fd.as_raw_fd(), &mut sa as *mut _ as *mut libc::sockaddr, &mut len) }, "getsockname")?;
-    Ok(u16::from_be(sa.sin_port))
+    Ok(getsockname::<SockaddrIn>(fd.as_raw_fd()).context("getsockname")?.port())
 }
 
 impl Senders {
@@ -472,83 +441,129 @@ fn bind_control(path: &Path) -> anyhow::Result<OwnedFd> {
     // Bind under a temporary name then rename: the path appears only when ready.
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
-    // SAFETY: socket() result checked and owned.
     let fd =
-        cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) }, "unix socket")?;
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let ua = nix::sys::socket::UnixAddr::new(&tmp)?;
-    nix::sys::socket::bind(fd.as_raw_fd(), &ua).with_context(|| format!("bind {}", tmp.display()))?;
-    cvt(unsafe { libc::listen(fd.as_raw_fd(), 128) }, "listen")?;
+        socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK, None).context("unix socket")?;
+    bind(fd.as_raw_fd(), &UnixAddr::new(&tmp)?).with_context(|| format!("bind {}", tmp.display()))?;
+    listen(&fd, Backlog::new(128)?).context("listen")?;
     std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))?;
     Ok(fd)
+}
+
+/// Knobs of the event loop, from the environment (A/B experiments).
+struct LoopKnobs {
+    /// RNICD_RING_POLL=0: clients always ring the doorbell.
+    ring_poll: bool,
+    /// RNICD_DIRECT_RX=0: epoll every round while polling.
+    direct_rx: bool,
+    /// RNICD_LEAN_LOOP=0: loop again at once after any packet.
+    lean_loop: bool,
+    /// RNICD_SPIN_US: how long to keep polling after the last activity.
+    spin: Duration,
+}
+
+impl LoopKnobs {
+    fn from_env() -> LoopKnobs {
+        let on = |name: &str| std::env::var(name).map_or(true, |v| v != "0");
+        LoopKnobs {
+            ring_poll: on("RNICD_RING_POLL"),
+            direct_rx: on("RNICD_DIRECT_RX"),
+            lean_loop: on("RNICD_LEAN_LOOP"),
+            spin: std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN),
+        }
+    }
+}
+
+/// The running daemon: its namespaces, clients, sockets and loop state.
+struct Daemon {
+    cfg: Config,
+    knobs: LoopKnobs,
+    nss: HashMap<Ipv4Addr, Namespace>,
+    listener: OwnedFd,
+    ep: Epoll,
+    clients: HashMap<ClientId, Client>,
+    next_client: ClientId,
+    rxbufs: Vec<Vec<u8>>,
+    ctlbuf: Vec<u8>,
+    /// More to send, or a full receive batch: loop again at once.
+    busy: bool,
+    /// Whether clients were told that rnicd polls their rings.
+    rings_polled: bool,
+    rounds_without_epoll: u32,
+    last_activity: Instant,
+}
+
+/// What one round found to do.
+struct Round {
+    /// This round reads UDP sockets directly instead of asking epoll.
+    direct_rx: bool,
+    /// Events epoll returned.
+    events: usize,
 }
 
 /// Runs rnicd until SIGINT/SIGTERM or `stop` is set.
 pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
     if stop.is_none() {
-        // SAFETY: installing a handler that only stores to an atomic.
+        // SAFETY: the handler only stores to an atomic.
         unsafe {
-            libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-            libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+            signal(Signal::SIGINT, SigHandler::Handler(on_signal))?;
+            signal(Signal::SIGTERM, SigHandler::Handler(on_signal))?;
+            signal(Signal::SIGPIPE, SigHandler::SigIgn)?;
         }
     }
-    let mut nss: HashMap<Ipv4Addr, Namespace> = HashMap::new();
-    nss.insert(cfg.addr, Namespace::open(cfg.addr, cfg.gso)?);
-    let listener = bind_control(&cfg.sock)?;
-    let ep = Epoll::new()?;
-    ep.add(nss[&cfg.addr].udp.as_raw_fd(), TOKEN_NS | u64::from(u32::from(cfg.addr)))?;
-    ep.add(listener.as_raw_fd(), TOKEN_LISTEN)?;
-    let mut clients: HashMap<ClientId, Client> = HashMap::new();
-    let mut next_client: ClientId = 1;
-    info!("rnicd serving {} (UDP {ROCE_PORT}), control socket {}", cfg.addr, cfg.sock.display());
+    let mut d = Daemon::start(cfg)?;
+    let mut evs = vec![EpollEvent::empty(); 64];
+    while !(STOP.load(Ordering::Relaxed) || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed))) {
+        let round = d.wait(&mut evs);
+        let udp_ready = d.dispatch(&evs[..round.events]);
+        d.pump(&round, &udp_ready);
+    }
+    let _ = std::fs::remove_file(&d.cfg.sock);
+    info!("rnicd stopped");
+    Ok(())
+}
 
-    let mut rxbufs: Vec<Vec<u8>> = (0..RX_BATCH).map(|_| vec![0u8; RX_BUF]).collect();
-    let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
-    let mut ctlbuf = vec![0u8; proto::MAX_MSG];
-    let mut busy = false;
-    let mut rings_polled = false;
-    // RNICD_RING_POLL=0: clients always ring the doorbell (A/B experiments).
-    let ring_poll = std::env::var("RNICD_RING_POLL").map_or(true, |v| v != "0");
-    // RNICD_DIRECT_RX=0: epoll every round while polling (A/B experiments).
-    let direct_rx_ok = std::env::var("RNICD_DIRECT_RX").map_or(true, |v| v != "0");
-    let mut rounds_without_epoll = 0;
-    // RNICD_LEAN_LOOP=0: loop again at once after any packet (A/B experiments).
-    let lean_loop = std::env::var("RNICD_LEAN_LOOP").map_or(true, |v| v != "0");
-    let mut last_activity = Instant::now();
-    let spin = std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN);
-    loop {
-        if STOP.load(Ordering::Relaxed) || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
-            break;
-        }
+impl Daemon {
+    /// Opens the daemon's own namespace and the control socket.
+    fn start(cfg: Config) -> anyhow::Result<Daemon> {
+        let mut nss = HashMap::new();
+        let ns = Namespace::open(cfg.addr, cfg.gso)?;
+        let listener = bind_control(&cfg.sock)?;
+        let ep = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).context("epoll")?;
+        ep.add(&ns.udp, readable(TOKEN_NS | u64::from(u32::from(cfg.addr))))?;
+        ep.add(&listener, readable(TOKEN_LISTEN))?;
+        nss.insert(cfg.addr, ns);
+        info!("rnicd serving {} (UDP {ROCE_PORT}), control socket {}", cfg.addr, cfg.sock.display());
+        Ok(Daemon {
+            cfg,
+            knobs: LoopKnobs::from_env(),
+            nss,
+            listener,
+            ep,
+            clients: HashMap::new(),
+            next_client: 1,
+            rxbufs: (0..RX_BATCH).map(|_| vec![0u8; RX_BUF]).collect(),
+            ctlbuf: vec![0u8; fdmsg::MAX_MSG],
+            busy: false,
+            rings_polled: false,
+            rounds_without_epoll: 0,
+            last_activity: Instant::now(),
+        })
+    }
+
+    /// Decides whether this round polls, then waits for events (or not).
+    fn wait(&mut self, evs: &mut [EpollEvent]) -> Round {
         // After activity, keep polling (politely) for a short while: the
         // next request of a ping-pong then finds us awake, not asleep in epoll.
-        let spinning = !busy && last_activity.elapsed() < spin;
+        let spinning = !self.busy && self.last_activity.elapsed() < self.knobs.spin;
         if spinning {
-            // SAFETY: plain syscall.
-            unsafe { libc::sched_yield() };
+            let _ = sched_yield();
         }
-        // While polling, read the QPs' rings ourselves and let clients skip
-        // the doorbell; before sleeping, say so and look once more.
-        let mut polling = busy || spinning;
-        if polling != rings_polled && ring_poll {
-            let found: usize = nss.values_mut().map(|ns| ns.engine.set_ring_polling(polling)).sum();
-            rings_polled = polling;
-            if found > 0 {
-                polling = true;
-                last_activity = Instant::now();
-            }
-        } else if polling && ring_poll {
-            let found: usize = nss.values_mut().map(|ns| ns.engine.poll_rings()).sum();
-            if found > 0 {
-                last_activity = Instant::now();
-            }
-        }
-        let timeout = if polling {
+        let polling = self.poll_rings(self.busy || spinning);
+        let timeout_ms = if polling {
             0
         } else {
-            match nss.values().filter_map(|n| n.engine.next_deadline()).min() {
-                Some(d) => d.saturating_duration_since(Instant::now()).as_millis().min(100) as i32,
+            match self.nss.values().filter_map(|n| n.engine.next_deadline()).min() {
+                Some(d) => d.saturating_duration_since(Instant::now()).as_millis().min(100) as u16,
                 None => 100,
             }
         };
@@ -556,81 +571,114 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
         // clients and doorbells (which clients skip meanwhile): look every
         // EPOLL_EVERY-th round, and in between read the UDP sockets of a few
         // namespaces directly: one syscall per received packet, not two.
-        let direct_rx = polling && direct_rx_ok && nss.len() <= DIRECT_RX_MAX_NS && rounds_without_epoll < EPOLL_EVERY;
-        let n = if direct_rx {
-            rounds_without_epoll += 1;
+        let direct_rx = polling && self.knobs.direct_rx && self.nss.len() <= DIRECT_RX_MAX_NS && self.rounds_without_epoll < EPOLL_EVERY;
+        let events = if direct_rx {
+            self.rounds_without_epoll += 1;
             0
         } else {
-            rounds_without_epoll = 0;
-            ep.wait(&mut evs, timeout)
+            self.rounds_without_epoll = 0;
+            self.ep.wait(evs, timeout_ms).unwrap_or(0)
         };
-        if n == 0 && timeout > 0 && ring_poll {
-            for ns in nss.values_mut() {
+        if events == 0 && timeout_ms > 0 && self.knobs.ring_poll {
+            for ns in self.nss.values_mut() {
                 let late = ns.engine.poll_rings() as u64;
                 ns.engine.stats.late_ring_wqes += late;
             }
         }
-        let mut udp_ready: Vec<Ipv4Addr> = Vec::new();
-        for ev in evs[..n].iter().map(|e| e.u64) {
-            match ev {
+        Round { direct_rx, events }
+    }
+
+    /// While polling, rnicd reads the QPs' rings itself and clients skip
+    /// the doorbell; before sleeping, it says so and looks once more.
+    /// Returns whether this round polls.
+    fn poll_rings(&mut self, polling: bool) -> bool {
+        if !self.knobs.ring_poll {
+            return polling;
+        }
+        if polling != self.rings_polled {
+            let found: usize = self.nss.values_mut().map(|ns| ns.engine.set_ring_polling(polling)).sum();
+            self.rings_polled = polling;
+            if found > 0 {
+                self.last_activity = Instant::now();
+                return true;
+            }
+        } else if polling {
+            let found: usize = self.nss.values_mut().map(|ns| ns.engine.poll_rings()).sum();
+            if found > 0 {
+                self.last_activity = Instant::now();
+            }
+        }
+        polling
+    }
+
+    /// Handles the events: new clients, doorbells, control messages; returns
+    /// the namespaces whose UDP socket is readable.
+    fn dispatch(&mut self, evs: &[EpollEvent]) -> Vec<Ipv4Addr> {
+        let mut udp_ready = Vec::new();
+        for token in evs.iter().map(|e| e.data()) {
+            match token {
                 t if t & TOKEN_NS != 0 => udp_ready.push(Ipv4Addr::from(t as u32)),
-                TOKEN_LISTEN => loop {
-                    // SAFETY: accept4 on our listener.
-                    let fd = unsafe {
-                        libc::accept4(
-                            listener.as_raw_fd(),
-                            std::ptr::null_mut(),
-                            std::ptr::null_mut(),
-                            libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-                        )
-                    };
-                    if fd < 0 {
-                        break;
-                    }
-                    let id = next_client;
-                    next_client += 1;
-                    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-                    if ep.add(sock.as_raw_fd(), id << 1).is_ok() {
-                        clients.insert(id, Client { sock, doorbell: None, ns: cfg.addr });
-                    }
-                },
-                t if t & 1 == 1 => {
-                    let id = t >> 1;
-                    if let Some(c) = clients.get(&id) {
-                        if let (Some(db), Some(ns)) = (c.doorbell.as_ref(), nss.get_mut(&c.ns)) {
-                            proto::eventfd_drain(db);
-                            ns.engine.doorbell(id);
-                        }
-                    }
-                }
+                TOKEN_LISTEN => self.accept_clients(),
+                t if t & 1 == 1 => self.doorbell(t >> 1),
                 t => {
                     let id = t >> 1;
-                    if !serve_client(&mut nss, &cfg, &ep, &mut clients, id, &mut ctlbuf) {
-                        if let Some(c) = clients.remove(&id) {
-                            ep.del(c.sock.as_raw_fd());
-                            if let Some(d) = &c.doorbell {
-                                ep.del(d.as_raw_fd());
-                            }
-                            if let Some(ns) = nss.get_mut(&c.ns) {
-                                ns.engine.client_gone(id);
-                                ns.engine.stats.clients_gone += 1;
-                            }
-                            // A namespace other than the daemon's own goes with its last client.
-                            let in_use = clients.values().any(|o| o.ns == c.ns);
-                            if c.ns != cfg.addr && !in_use {
-                                if let Some(ns) = nss.remove(&c.ns) {
-                                    ep.del(ns.udp.as_raw_fd());
-                                    info!("namespace {} closed", c.ns);
-                                }
-                            }
-                        }
+                    if !serve_client(&mut self.nss, &self.cfg, &self.ep, &mut self.clients, id, &mut self.ctlbuf) {
+                        self.client_gone(id);
                     }
                 }
             }
         }
+        udp_ready
+    }
+
+    fn accept_clients(&mut self) {
+        while let Ok(fd) = accept4(self.listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK) {
+            // SAFETY: accept4 just returned this descriptor to us.
+            let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+            let id = self.next_client;
+            self.next_client += 1;
+            if self.ep.add(&sock, readable(id << 1)).is_ok() {
+                self.clients.insert(id, Client { sock, doorbell: None, ns: self.cfg.addr });
+            }
+        }
+    }
+
+    fn doorbell(&mut self, id: ClientId) {
+        if let Some(c) = self.clients.get(&id) {
+            if let (Some(db), Some(ns)) = (c.doorbell.as_ref(), self.nss.get_mut(&c.ns)) {
+                eventfd::drain(db);
+                ns.engine.doorbell(id);
+            }
+        }
+    }
+
+    /// A client went away: its objects go, and a namespace other than the
+    /// daemon's own goes with its last client.
+    fn client_gone(&mut self, id: ClientId) {
+        let Some(c) = self.clients.remove(&id) else { return };
+        let _ = self.ep.delete(&c.sock);
+        if let Some(d) = &c.doorbell {
+            let _ = self.ep.delete(d);
+        }
+        if let Some(ns) = self.nss.get_mut(&c.ns) {
+            ns.engine.client_gone(id);
+            ns.engine.stats.clients_gone += 1;
+        }
+        let in_use = self.clients.values().any(|o| o.ns == c.ns);
+        if c.ns != self.cfg.addr && !in_use {
+            if let Some(ns) = self.nss.remove(&c.ns) {
+                let _ = self.ep.delete(&ns.udp);
+                info!("namespace {} closed", c.ns);
+            }
+        }
+    }
+
+    /// Receives and transmits in every namespace, and decides whether the
+    /// next round starts at once.
+    fn pump(&mut self, round: &Round, udp_ready: &[Ipv4Addr]) {
         let (mut got, mut sent, mut more) = (0, 0, false);
-        for (gid, ns) in nss.iter_mut() {
-            let (g, t, m) = ns.pump(busy || direct_rx || udp_ready.contains(gid), &mut rxbufs);
+        for (gid, ns) in self.nss.iter_mut() {
+            let (g, t, m) = ns.pump(self.busy || round.direct_rx || udp_ready.contains(gid), &mut self.rxbufs);
             got += g;
             sent += t;
             more |= m;
@@ -641,14 +689,16 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
         // ran (the peer, or the client we woke): yield first, and let epoll
         // (level-triggered) say whether the socket has more, instead of an
         // empty recvmmsg per round.
-        busy = more || (!lean_loop && (got > 0 || sent > 0)) || got >= RX_BATCH;
-        if more || got > 0 || sent > 0 || n > 0 {
-            last_activity = Instant::now();
+        self.busy = more || (!self.knobs.lean_loop && (got > 0 || sent > 0)) || got >= RX_BATCH;
+        if more || got > 0 || sent > 0 || round.events > 0 {
+            self.last_activity = Instant::now();
         }
     }
-    let _ = std::fs::remove_file(&cfg.sock);
-    info!("rnicd stopped");
-    Ok(())
+}
+
+/// An epoll registration for input, with its token.
+fn readable(token: u64) -> EpollEvent {
+    EpollEvent::new(EpollFlags::EPOLLIN, token)
 }
 
 fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize {
@@ -713,14 +763,12 @@ fn serve_client(
 ) -> bool {
     loop {
         let Some(c) = clients.get(&id) else { return false };
-        let raw = c.sock.as_raw_fd();
         let Some(engine) = nss.get_mut(&c.ns).map(|n| &mut n.engine) else { return false };
-        let (n, fds) = match proto::recv_msg(raw, buf) {
+        let (n, fds) = match fdmsg::recv(&c.sock, buf) {
             Ok(Some(x)) => x,
             Ok(None) => return false,
             Err(e) => {
-                let again = e.downcast_ref::<nix::Error>().is_some_and(|e| *e == nix::Error::EAGAIN);
-                if again {
+                if e.would_block() {
                     return true;
                 }
                 engine.stats.bad_client_requests += 1;
@@ -740,7 +788,7 @@ fn serve_client(
                         match enter_namespace(nss, cfg, ep, gid) {
                             Err(e) => Err(format!("{e:#}")),
                             Ok(()) => {
-                                let r = ep.add(db.as_raw_fd(), id << 1 | 1);
+                                let r = ep.add(&db, readable(id << 1 | 1));
                                 if let Some(c) = clients.get_mut(&id) {
                                     c.doorbell = Some(db);
                                     c.ns = gid;
@@ -763,7 +811,8 @@ fn serve_client(
                 format!("{e:#}")
             }),
         };
-        if let Err(e) = proto::send_msg(raw, &resp, &[]) {
+        let Some(c) = clients.get(&id) else { return false };
+        if let Err(e) = fdmsg::send(&c.sock, &resp, &[]) {
             warn!("client {id}: {e:#}");
             return false;
         }
@@ -782,7 +831,7 @@ fn enter_namespace(nss: &mut HashMap<Ipv4Addr, Namespace>, cfg: &Config, ep: &Ep
         bail!("this rnicd already serves {MAX_NAMESPACES} namespaces");
     }
     let ns = Namespace::open(gid, cfg.gso)?;
-    ep.add(ns.udp.as_raw_fd(), TOKEN_NS | u64::from(u32::from(gid)))?;
+    ep.add(&ns.udp, readable(TOKEN_NS | u64::from(u32::from(gid))))?;
     info!("namespace {gid} opened");
     nss.insert(gid, ns);
     Ok(())

@@ -14,10 +14,10 @@ use anyhow::{anyhow, bail, Context as _};
 
 use crate::mem::Mapping;
 use crate::objects::{ClientId, Cq, IdMap, Mr, MrTable, Stats, Tx};
-use crate::proto::{Reply, Request};
-use crate::qp::{Ctx, Qp, MAX_MSG};
+use crate::proto::{self, Reply, Request};
+use crate::qp::{Ctx, Qp, QpSnapshot, MAX_MSG};
 use crate::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
-use crate::types::{DeviceAttr, Mtu, PortAttr, QpCap};
+use crate::types::{access, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState};
 use crate::wire::{self, Flow, ROCE_PORT};
 
 pub const MAX_QP: u32 = 1 << 16;
@@ -101,275 +101,48 @@ impl Engine {
         }
     }
 
-    /// Executes one control request of `client`.
-    pub fn control(&mut self, client: ClientId, req: Request, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
-        Ok(match req {
+    /// Executes one control request of `client`: each verb has its handler,
+    /// grouped below as device, memory, completion, QP and QP migration.
+    pub fn control(&mut self, client: ClientId, req: Request, fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
+        match req {
             Request::Hello { .. } => bail!("hello is handled by the daemon"),
-            Request::QueryDevice => Reply::Device(self.device_attr()),
-            Request::QueryPort { port } => {
-                if port != 1 {
-                    bail!("no port {port}");
-                }
-                Reply::Port(PortAttr {
-                    state: "ACTIVE".into(),
-                    max_mtu: Mtu::M32768,
-                    active_mtu: Mtu::M4096,
-                    gid_tbl_len: 1,
-                    link_layer: "Ethernet".into(),
-                    port_num: 1,
-                })
-            }
-            Request::QueryGid { port, index } => {
-                if port != 1 || index != 0 {
-                    bail!("no GID {port}/{index}");
-                }
-                Reply::Gid(self.gid)
-            }
-            Request::AllocPd => {
-                let id = self.alloc_id();
-                self.pds.insert(id, client);
-                Reply::Pd(id)
-            }
-            Request::DeallocPd { pd } => {
-                self.owned_pd(client, pd)?;
-                if self.mrs.values().any(|m| m.pd == pd) || self.qps.values().any(|q| q.pd == pd) {
-                    bail!("PD {pd} still has memory regions or QPs");
-                }
-                self.pds.remove(&pd);
-                Reply::Ok
-            }
+            Request::QueryDevice => Ok(Reply::Device(self.device_attr())),
+            Request::QueryPort { port } => self.query_port(port),
+            Request::QueryGid { port, index } => self.query_gid(port, index),
+            Request::Stats => Ok(Reply::Stats(serde_json::to_value(&self.stats)?)),
+            Request::AllocPd => Ok(self.alloc_pd(client)),
+            Request::DeallocPd { pd } => self.dealloc_pd(client, pd),
             Request::RegMr { pd, iova, len, access, fd_offset, key } => {
-                self.owned_pd(client, pd)?;
-                let fd = fds.pop().context("RegMr needs a memfd")?;
-                if len == 0 || len > 1 << 40 || access & !crate::types::access::ALL != 0 {
-                    bail!("bad MR length or access flags");
-                }
-                if iova.checked_add(len).is_none() {
-                    bail!("MR range overflows");
-                }
-                let writes_remote = access & (crate::types::access::REMOTE_WRITE | crate::types::access::REMOTE_ATOMIC) != 0;
-                if writes_remote && access & crate::types::access::LOCAL_WRITE == 0 {
-                    bail!("remote write/atomic access needs local write (as in ibv_reg_mr)");
-                }
-                if let Some(k) = key {
-                    if self.mrs.contains_key(&k) {
-                        bail!("key {k:#x} is already in use in namespace {}", self.gid);
-                    }
-                }
-                let map = Mapping::map_sealed(&fd, fd_offset, len as usize)?;
-                let key = match key {
-                    Some(k) => k,
-                    None => self.alloc_qpn(),
-                };
-                self.mrs.insert(
-                    key,
-                    Arc::new(Mr {
-                        owner: client,
-                        pd,
-                        key,
-                        iova,
-                        len,
-                        access,
-                        map,
-                        invalidated: AtomicBool::new(false),
-                        trace: Default::default(),
-                    }),
-                );
-                Reply::Mr { lkey: key, rkey: key }
+                self.reg_mr(client, MrRequest { pd, iova, len, access, fd_offset, key }, fds)
             }
-            Request::DeregMr { lkey } => {
-                match self.mrs.get(&lkey) {
-                    Some(m) if m.owner == client => {}
-                    _ => bail!("no MR {lkey:#x}"),
-                }
-                self.mrs.remove(&lkey);
-                Reply::Ok
-            }
-            Request::TraceMr { lkey, granularity } => {
-                let mr = self.mrs.get(&lkey).filter(|m| m.owner == client).ok_or_else(|| anyhow!("no MR {lkey:#x}"))?;
-                match granularity {
-                    0 => mr.trace.stop(),
-                    g => mr.trace.start(mr.len, g).map_err(|e| anyhow!(e))?,
-                }
-                Reply::Ok
-            }
-            Request::FetchTrace { lkey } => {
-                let mr = self.mrs.get(&lkey).filter(|m| m.owner == client).ok_or_else(|| anyhow!("no MR {lkey:#x}"))?;
-                Reply::Trace(mr.trace.fetch_and_clear().map_err(|e| anyhow!(e))?)
-            }
-            Request::CreateCompChannel => {
-                let fd = fds.pop().context("channel needs an eventfd")?;
-                let id = self.alloc_id();
-                self.channels.insert(id, (client, Arc::new(fd)));
-                Reply::Channel(id)
-            }
-            Request::DestroyCompChannel { channel } => {
-                match self.channels.get(&channel) {
-                    Some((c, _)) if *c == client => {}
-                    _ => bail!("no channel {channel}"),
-                }
-                if self.cqs.values().any(|c| c.channel.as_ref().is_some_and(|f| Arc::ptr_eq(f, &self.channels[&channel].1))) {
-                    bail!("channel {channel} still has CQs");
-                }
-                self.channels.remove(&channel);
-                Reply::Ok
-            }
-            Request::CreateCq { cap, channel } => {
-                let fd = fds.pop().context("CQ needs a ring memfd")?;
-                if cap == 0 || cap > MAX_CQE || !cap.is_power_of_two() {
-                    bail!("CQ size must be a power of two up to {MAX_CQE}");
-                }
-                let ch = match channel {
-                    None => None,
-                    Some(c) => match self.channels.get(&c) {
-                        Some((o, f)) if *o == client => Some(f.clone()),
-                        _ => bail!("no channel {c}"),
-                    },
-                };
-                let len = ring_bytes::<Cqe>(cap);
-                let map = Mapping::map_sealed(&fd, 0, len)?;
-                // SAFETY: the mapping is `len` bytes and lives in the Cq beside the ring.
-                let ring = unsafe { Ring::new(map.ptr(), len, cap) }.ok_or_else(|| anyhow!("bad CQ ring"))?;
-                let id = self.alloc_id();
-                self.cqs.insert(id, Cq { owner: client, ring, _map: map, channel: ch });
-                Reply::Cq(id)
-            }
-            Request::DestroyCq { cq } => {
-                self.owned_cq(client, cq)?;
-                if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
-                    bail!("CQ {cq} is still used by a QP");
-                }
-                self.cqs.remove(&cq);
-                Reply::Ok
-            }
+            Request::DeregMr { lkey } => self.dereg_mr(client, lkey),
+            Request::TraceMr { lkey, granularity } => self.trace_mr(client, lkey, granularity),
+            Request::FetchTrace { lkey } => self.fetch_trace(client, lkey),
+            Request::CreateCompChannel => self.create_comp_channel(client, fds),
+            Request::DestroyCompChannel { channel } => self.destroy_comp_channel(client, channel),
+            Request::CreateCq { cap, channel } => self.create_cq(client, cap, channel, fds),
+            Request::DestroyCq { cq } => self.destroy_cq(client, cq),
             Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore } => {
-                let qpn = qpn.or(restore.as_ref().map(|s| s.qpn));
-                self.owned_pd(client, pd)?;
-                self.owned_cq(client, send_cq)?;
-                self.owned_cq(client, recv_cq)?;
-                if fds.len() != 2 {
-                    bail!("CreateQp needs the SQ and RQ ring memfds");
-                }
-                if self.qps.len() as u32 >= MAX_QP {
-                    bail!("too many QPs");
-                }
-                if let Some(q) = qpn {
-                    self.check_free_qpn(q)?;
-                }
-                let cap = QpCap {
-                    max_send_wr: cap.max_send_wr.clamp(1, MAX_WR),
-                    max_recv_wr: cap.max_recv_wr.clamp(1, MAX_WR),
-                    max_send_sge: cap.max_send_sge.clamp(1, MAX_SGE as u32),
-                    max_recv_sge: cap.max_recv_sge.clamp(1, MAX_SGE as u32),
-                    max_inline_data: cap.max_inline_data.min(MAX_INLINE as u32),
-                };
-                for s in [sq_slots, rq_slots] {
-                    if s == 0 || !s.is_power_of_two() || s > MAX_WR * 2 {
-                        bail!("ring sizes must be powers of two");
-                    }
-                }
-                let rq_fd = fds.pop().unwrap();
-                let sq_fd = fds.pop().unwrap();
-                let sql = ring_bytes::<SendWqe>(sq_slots);
-                let rql = ring_bytes::<RecvWqe>(rq_slots);
-                let sqm = Mapping::map_sealed(&sq_fd, 0, sql)?;
-                let rqm = Mapping::map_sealed(&rq_fd, 0, rql)?;
-                sqm.populate();
-                rqm.populate();
-                // SAFETY: mappings of the checked lengths, kept inside the Qp.
-                let sqr = unsafe { Ring::new(sqm.ptr(), sql, sq_slots) }.ok_or_else(|| anyhow!("bad SQ ring"))?;
-                let rqr = unsafe { Ring::new(rqm.ptr(), rql, rq_slots) }.ok_or_else(|| anyhow!("bad RQ ring"))?;
-                let qpn = match qpn {
-                    Some(q) => q,
-                    None => self.alloc_qpn(),
-                };
-                let mut qp = Qp::new(qpn, client, pd, send_cq, recv_cq, sq_sig_all, cap, (sqr, sqm), (rqr, rqm));
-                if let Some(s) = &restore {
-                    qp.restore(s).map_err(|e| anyhow!("create suspended QP {qpn:#x}: {e}"))?;
-                }
-                self.qps.insert(qpn, qp);
-                self.qpn_order.push(qpn);
-                Reply::Qp { qpn, cap }
+                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn };
+                self.create_qp(client, q, restore, fds)
             }
-            Request::ModifyQp { qpn, attr, mask } => {
-                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-                let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
-                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
-                qp.modify(&attr, mask, &mut ctx).map_err(|e| anyhow!(e))?;
-                Reply::Ok
-            }
+            Request::ModifyQp { qpn, attr, mask } => self.modify_qp(client, qpn, &attr, mask),
             Request::QueryQp { qpn } => {
-                let qp = self.qps.get(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
-                Reply::QpInfo { attr: qp.attr, cap: qp.cap }
+                let qp = self.owned_qp(client, qpn)?;
+                Ok(Reply::QpInfo { attr: qp.attr, cap: qp.cap })
             }
-            Request::SuspendQp { qpn } => {
-                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-                let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
-                qp.suspend(&mut Self::ctx(*gid, mrs, cqs, tx, stats)).map_err(|e| anyhow!(e))?;
-                Reply::Ok
-            }
+            Request::DestroyQp { qpn } => self.destroy_qp(client, qpn),
+            Request::SuspendQp { qpn } => self.suspend_qps(client, &[qpn], 1),
+            Request::SuspendQps { qpns } => self.suspend_qps(client, &qpns, proto::MAX_BATCH),
             Request::QueryQpState { qpn } => {
                 let s = self.owned_qp(client, qpn)?.snapshot().map_err(|e| anyhow!(e))?;
-                Reply::QpState(Box::new(s))
+                Ok(Reply::QpState(Box::new(s)))
             }
-            Request::ResumeQp { qpn } => {
-                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-                let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
-                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
-                qp.resume(&mut ctx).map_err(|e| anyhow!(e))?;
-                Reply::Ok
-            }
-            Request::SuspendQps { qpns } => {
-                self.check_batch(client, &qpns, crate::proto::MAX_BATCH)?;
-                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
-                for q in qpns {
-                    if let Some(qp) = qps.get_mut(&q) {
-                        qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
-                    }
-                }
-                Reply::Ok
-            }
-            Request::QueryQpStates { qpns } => {
-                self.check_batch(client, &qpns, crate::proto::MAX_QUERY_BATCH)?;
-                let mut out = Vec::with_capacity(qpns.len());
-                for q in qpns {
-                    out.push(self.owned_qp(client, q)?.snapshot().map_err(|e| anyhow!("QP {q:#x}: {e}"))?);
-                }
-                Reply::QpStates(out)
-            }
-            Request::ResumeQps { qpns } => {
-                self.check_batch(client, &qpns, crate::proto::MAX_BATCH)?;
-                let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-                let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
-                for q in qpns {
-                    if let Some(qp) = qps.get_mut(&q) {
-                        qp.resume(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
-                    }
-                }
-                Reply::Ok
-            }
-            Request::RestoreQps { states } => {
-                let qpns: Vec<u32> = states.iter().map(|s| s.qpn).collect();
-                self.check_batch(client, &qpns, crate::proto::MAX_QUERY_BATCH)?;
-                if let Some(q) = qpns.iter().find(|q| self.qps[q].attr.qp_state != crate::types::QpState::Reset || self.qps[q].suspended) {
-                    bail!("QP {q:#x} must be in RESET to take a state");
-                }
-                for s in &states {
-                    self.owned_qp(client, s.qpn)?.restore(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;
-                }
-                Reply::Ok
-            }
-            Request::DestroyQp { qpn } => {
-                if self.qps.get(&qpn).is_none_or(|q| q.owner != client) {
-                    bail!("no QP {qpn:#x}");
-                }
-                self.qps.remove(&qpn);
-                self.qpn_order.retain(|q| *q != qpn);
-                Reply::Ok
-            }
-            Request::Stats => Reply::Stats(serde_json::to_value(&self.stats)?),
-        })
+            Request::QueryQpStates { qpns } => self.query_qp_states(client, &qpns),
+            Request::ResumeQp { qpn } => self.resume_qps(client, &[qpn], 1),
+            Request::ResumeQps { qpns } => self.resume_qps(client, &qpns, proto::MAX_BATCH),
+            Request::RestoreQps { states } => self.restore_qps(client, &states),
+        }
     }
 
     /// A caller-chosen QPN must be a valid, free QPN of this namespace
@@ -544,4 +317,306 @@ impl Engine {
     pub fn qp(&self, qpn: u32) -> Option<&Qp> {
         self.qps.get(&qpn)
     }
+}
+
+/// The arguments of RegMr.
+struct MrRequest {
+    pd: u32,
+    iova: u64,
+    len: u64,
+    access: u32,
+    fd_offset: u64,
+    key: Option<u32>,
+}
+
+/// The arguments of CreateQp (but the state to restore).
+struct QpRequest {
+    pd: u32,
+    send_cq: u32,
+    recv_cq: u32,
+    cap: QpCap,
+    sq_sig_all: bool,
+    sq_slots: u32,
+    rq_slots: u32,
+    qpn: Option<u32>,
+}
+
+/// Device verbs.
+impl Engine {
+    fn query_port(&self, port: u8) -> anyhow::Result<Reply> {
+        if port != 1 {
+            bail!("no port {port}");
+        }
+        Ok(Reply::Port(PortAttr {
+            state: "ACTIVE".into(),
+            max_mtu: Mtu::M32768,
+            active_mtu: Mtu::M4096,
+            gid_tbl_len: 1,
+            link_layer: "Ethernet".into(),
+            port_num: 1,
+        }))
+    }
+
+    fn query_gid(&self, port: u8, index: u32) -> anyhow::Result<Reply> {
+        if port != 1 || index != 0 {
+            bail!("no GID {port}/{index}");
+        }
+        Ok(Reply::Gid(self.gid))
+    }
+}
+
+/// Memory verbs: protection domains, memory regions, write traces.
+impl Engine {
+    fn alloc_pd(&mut self, client: ClientId) -> Reply {
+        let id = self.alloc_id();
+        self.pds.insert(id, client);
+        Reply::Pd(id)
+    }
+
+    fn dealloc_pd(&mut self, client: ClientId, pd: u32) -> anyhow::Result<Reply> {
+        self.owned_pd(client, pd)?;
+        if self.mrs.values().any(|m| m.pd == pd) || self.qps.values().any(|q| q.pd == pd) {
+            bail!("PD {pd} still has memory regions or QPs");
+        }
+        self.pds.remove(&pd);
+        Ok(Reply::Ok)
+    }
+
+    fn reg_mr(&mut self, client: ClientId, r: MrRequest, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
+        self.owned_pd(client, r.pd)?;
+        let fd = fds.pop().context("RegMr needs a memfd")?;
+        if r.len == 0 || r.len > 1 << 40 || r.access & !access::ALL != 0 {
+            bail!("bad MR length or access flags");
+        }
+        if r.iova.checked_add(r.len).is_none() {
+            bail!("MR range overflows");
+        }
+        let writes_remote = r.access & (access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
+        if writes_remote && r.access & access::LOCAL_WRITE == 0 {
+            bail!("remote write/atomic access needs local write (as in ibv_reg_mr)");
+        }
+        if let Some(k) = r.key {
+            if self.mrs.contains_key(&k) {
+                bail!("key {k:#x} is already in use in namespace {}", self.gid);
+            }
+        }
+        let map = Mapping::map_sealed(&fd, r.fd_offset, r.len as usize)?;
+        let key = match r.key {
+            Some(k) => k,
+            None => self.alloc_qpn(),
+        };
+        let mr = Mr {
+            owner: client,
+            pd: r.pd,
+            key,
+            iova: r.iova,
+            len: r.len,
+            access: r.access,
+            map,
+            invalidated: AtomicBool::new(false),
+            trace: Default::default(),
+        };
+        self.mrs.insert(key, Arc::new(mr));
+        Ok(Reply::Mr { lkey: key, rkey: key })
+    }
+
+    fn owned_mr(&self, client: ClientId, lkey: u32) -> anyhow::Result<&Arc<Mr>> {
+        self.mrs.get(&lkey).filter(|m| m.owner == client).ok_or_else(|| anyhow!("no MR {lkey:#x}"))
+    }
+
+    fn dereg_mr(&mut self, client: ClientId, lkey: u32) -> anyhow::Result<Reply> {
+        self.owned_mr(client, lkey)?;
+        self.mrs.remove(&lkey);
+        Ok(Reply::Ok)
+    }
+
+    fn trace_mr(&mut self, client: ClientId, lkey: u32, granularity: u64) -> anyhow::Result<Reply> {
+        let mr = self.owned_mr(client, lkey)?;
+        match granularity {
+            0 => mr.trace.stop(),
+            g => mr.trace.start(mr.len, g).map_err(|e| anyhow!(e))?,
+        }
+        Ok(Reply::Ok)
+    }
+
+    fn fetch_trace(&mut self, client: ClientId, lkey: u32) -> anyhow::Result<Reply> {
+        let mr = self.owned_mr(client, lkey)?;
+        Ok(Reply::Trace(mr.trace.fetch_and_clear().map_err(|e| anyhow!(e))?))
+    }
+}
+
+/// Completion verbs: completion channels and queues.
+impl Engine {
+    fn create_comp_channel(&mut self, client: ClientId, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
+        let fd = fds.pop().context("channel needs an eventfd")?;
+        let id = self.alloc_id();
+        self.channels.insert(id, (client, Arc::new(fd)));
+        Ok(Reply::Channel(id))
+    }
+
+    fn destroy_comp_channel(&mut self, client: ClientId, channel: u32) -> anyhow::Result<Reply> {
+        let fd = match self.channels.get(&channel) {
+            Some((c, fd)) if *c == client => fd,
+            _ => bail!("no channel {channel}"),
+        };
+        if self.cqs.values().any(|c| c.channel.as_ref().is_some_and(|f| Arc::ptr_eq(f, fd))) {
+            bail!("channel {channel} still has CQs");
+        }
+        self.channels.remove(&channel);
+        Ok(Reply::Ok)
+    }
+
+    fn create_cq(&mut self, client: ClientId, cap: u32, channel: Option<u32>, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
+        let fd = fds.pop().context("CQ needs a ring memfd")?;
+        if cap == 0 || cap > MAX_CQE || !cap.is_power_of_two() {
+            bail!("CQ size must be a power of two up to {MAX_CQE}");
+        }
+        let ch = match channel {
+            None => None,
+            Some(c) => match self.channels.get(&c) {
+                Some((o, f)) if *o == client => Some(f.clone()),
+                _ => bail!("no channel {c}"),
+            },
+        };
+        let len = ring_bytes::<Cqe>(cap);
+        let map = Mapping::map_sealed(&fd, 0, len)?;
+        // SAFETY: the mapping is `len` bytes and lives in the Cq beside the ring.
+        let ring = unsafe { Ring::new(map.ptr(), len, cap) }.ok_or_else(|| anyhow!("bad CQ ring"))?;
+        let id = self.alloc_id();
+        self.cqs.insert(id, Cq { owner: client, ring, _map: map, channel: ch });
+        Ok(Reply::Cq(id))
+    }
+
+    fn destroy_cq(&mut self, client: ClientId, cq: u32) -> anyhow::Result<Reply> {
+        self.owned_cq(client, cq)?;
+        if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
+            bail!("CQ {cq} is still used by a QP");
+        }
+        self.cqs.remove(&cq);
+        Ok(Reply::Ok)
+    }
+}
+
+/// QP verbs.
+impl Engine {
+    fn create_qp(
+        &mut self,
+        client: ClientId,
+        q: QpRequest,
+        restore: Option<Box<QpSnapshot>>,
+        mut fds: Vec<OwnedFd>,
+    ) -> anyhow::Result<Reply> {
+        let qpn = q.qpn.or(restore.as_ref().map(|s| s.qpn));
+        self.owned_pd(client, q.pd)?;
+        self.owned_cq(client, q.send_cq)?;
+        self.owned_cq(client, q.recv_cq)?;
+        if fds.len() != 2 {
+            bail!("CreateQp needs the SQ and RQ ring memfds");
+        }
+        if self.qps.len() as u32 >= MAX_QP {
+            bail!("too many QPs");
+        }
+        if let Some(q) = qpn {
+            self.check_free_qpn(q)?;
+        }
+        let cap = QpCap {
+            max_send_wr: q.cap.max_send_wr.clamp(1, MAX_WR),
+            max_recv_wr: q.cap.max_recv_wr.clamp(1, MAX_WR),
+            max_send_sge: q.cap.max_send_sge.clamp(1, MAX_SGE as u32),
+            max_recv_sge: q.cap.max_recv_sge.clamp(1, MAX_SGE as u32),
+            max_inline_data: q.cap.max_inline_data.min(MAX_INLINE as u32),
+        };
+        for s in [q.sq_slots, q.rq_slots] {
+            if s == 0 || !s.is_power_of_two() || s > MAX_WR * 2 {
+                bail!("ring sizes must be powers of two");
+            }
+        }
+        let (rq_fd, sq_fd) = (fds.pop().unwrap(), fds.pop().unwrap());
+        let sq = map_ring::<SendWqe>(&sq_fd, q.sq_slots, "SQ")?;
+        let rq = map_ring::<RecvWqe>(&rq_fd, q.rq_slots, "RQ")?;
+        let qpn = match qpn {
+            Some(q) => q,
+            None => self.alloc_qpn(),
+        };
+        let mut qp = Qp::new(qpn, client, q.pd, q.send_cq, q.recv_cq, q.sq_sig_all, cap, sq, rq);
+        if let Some(s) = &restore {
+            qp.restore(s).map_err(|e| anyhow!("create suspended QP {qpn:#x}: {e}"))?;
+        }
+        self.qps.insert(qpn, qp);
+        self.qpn_order.push(qpn);
+        Ok(Reply::Qp { qpn, cap })
+    }
+
+    fn modify_qp(&mut self, client: ClientId, qpn: u32, attr: &QpAttr, mask: u32) -> anyhow::Result<Reply> {
+        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+        let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
+        qp.modify(attr, mask, &mut Self::ctx(*gid, mrs, cqs, tx, stats)).map_err(|e| anyhow!(e))?;
+        Ok(Reply::Ok)
+    }
+
+    fn destroy_qp(&mut self, client: ClientId, qpn: u32) -> anyhow::Result<Reply> {
+        self.owned_qp(client, qpn)?;
+        self.qps.remove(&qpn);
+        self.qpn_order.retain(|q| *q != qpn);
+        Ok(Reply::Ok)
+    }
+}
+
+/// QP migration verbs (seed 000): suspend, query, restore and resume,
+/// one QP or a batch (all checked first, then applied).
+impl Engine {
+    fn suspend_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
+        self.check_batch(client, qpns, max)?;
+        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+        for q in qpns {
+            if let Some(qp) = qps.get_mut(q) {
+                qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+            }
+        }
+        Ok(Reply::Ok)
+    }
+
+    fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
+        self.check_batch(client, qpns, max)?;
+        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+        for q in qpns {
+            if let Some(qp) = qps.get_mut(q) {
+                qp.resume(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+            }
+        }
+        Ok(Reply::Ok)
+    }
+
+    fn query_qp_states(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Reply> {
+        self.check_batch(client, qpns, proto::MAX_QUERY_BATCH)?;
+        let mut out = Vec::with_capacity(qpns.len());
+        for &q in qpns {
+            out.push(self.owned_qp(client, q)?.snapshot().map_err(|e| anyhow!("QP {q:#x}: {e}"))?);
+        }
+        Ok(Reply::QpStates(out))
+    }
+
+    fn restore_qps(&mut self, client: ClientId, states: &[QpSnapshot]) -> anyhow::Result<Reply> {
+        let qpns: Vec<u32> = states.iter().map(|s| s.qpn).collect();
+        self.check_batch(client, &qpns, proto::MAX_QUERY_BATCH)?;
+        if let Some(q) = qpns.iter().find(|q| self.qps[q].attr.qp_state != QpState::Reset || self.qps[q].suspended) {
+            bail!("QP {q:#x} must be in RESET to take a state");
+        }
+        for s in states {
+            self.owned_qp(client, s.qpn)?.restore(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;
+        }
+        Ok(Reply::Ok)
+    }
+}
+
+/// Maps a ring of `slots` entries from its memfd; the mapping travels with it.
+fn map_ring<T: Copy>(fd: &OwnedFd, slots: u32, what: &str) -> anyhow::Result<(Ring<T>, Mapping)> {
+    let len = ring_bytes::<T>(slots);
+    let map = Mapping::map_sealed(fd, 0, len)?;
+    map.populate();
+    // SAFETY: a mapping of the checked length, kept beside the ring.
+    let ring = unsafe { Ring::new(map.ptr(), len, slots) }.ok_or_else(|| anyhow!("bad {what} ring"))?;
+    Ok((ring, map))
 }

@@ -2,15 +2,22 @@
 //!
 //! `wire` is the packet format, `qp` the RC transport, `engine` one namespace
 //! of objects, `daemon` the process (sockets, clients, event loop). `ring`,
-//! `proto` and `types` are shared with the client side (the `verbs` crate).
+//! `proto`, `types`, `eventfd` and `qp_snapshot` are shared with the client
+//! side (the `verbs` crate).
+//!
+//! Dependencies run one way, from the bottom up:
+//! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd` (no crate imports);
+//! `qp_snapshot`; `objects` and `proto`; `qp`; `engine`; `daemon`; `cli`.
 pub mod announce;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
+pub mod eventfd;
 pub mod mem;
 pub mod objects;
 pub mod proto;
 pub mod qp;
+pub mod qp_snapshot;
 pub mod ring;
 pub mod trace;
 pub mod types;

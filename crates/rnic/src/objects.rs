@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
+use crate::eventfd;
 use crate::mem::Mapping;
-use crate::proto::eventfd_signal;
 use crate::ring::{Cqe, Ring, Sge, CQ_ERR_OVERFLOW, NOTIFY_NEXT, NOTIFY_NONE, NOTIFY_SOLICITED};
 use crate::types::{access, WcStatus};
 use crate::wire::{self, Flow, Headers, MAX_HDR_LEN};
@@ -131,7 +131,7 @@ impl Cq {
         let fire = n == NOTIFY_NEXT || (n == NOTIFY_SOLICITED && (solicited || cqe.status != 0));
         if fire && h.notify.compare_exchange(n, NOTIFY_NONE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
             if let Some(ch) = &self.channel {
-                eventfd_signal(&**ch);
+                eventfd::signal(&**ch);
                 stats.cq_events += 1;
             }
         }

@@ -21,144 +21,201 @@ pub const PSN_MASK: u32 = 0x00ff_ffff;
 pub const QPN_MASK: u32 = 0x00ff_ffff;
 pub const DEFAULT_PKEY: u16 = 0xffff;
 
-/// RC opcodes (transport bits 000).
-#[allow(non_camel_case_types)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Opcode {
-    SendFirst = 0x00,
-    SendMiddle = 0x01,
-    SendLast = 0x02,
-    SendLastImm = 0x03,
-    SendOnly = 0x04,
-    SendOnlyImm = 0x05,
-    WriteFirst = 0x06,
-    WriteMiddle = 0x07,
-    WriteLast = 0x08,
-    WriteLastImm = 0x09,
-    WriteOnly = 0x0a,
-    WriteOnlyImm = 0x0b,
-    ReadRequest = 0x0c,
-    ReadRespFirst = 0x0d,
-    ReadRespMiddle = 0x0e,
-    ReadRespLast = 0x0f,
-    ReadRespOnly = 0x10,
-    Ack = 0x11,
-    AtomicAck = 0x12,
-    CompareSwap = 0x13,
-    FetchAdd = 0x14,
-    SendLastInv = 0x16,
-    SendOnlyInv = 0x17,
+/// What a packet of an opcode carries out: its operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    Send,
+    Write,
+    ReadRequest,
+    ReadResponse,
+    Ack,
+    AtomicAck,
+    Atomic,
 }
+
+impl OpKind {
+    /// Requests travel requester -> responder; the rest are responses.
+    pub const fn is_request(self) -> bool {
+        matches!(self, OpKind::Send | OpKind::Write | OpKind::ReadRequest | OpKind::Atomic)
+    }
+    /// Whether packets of this kind carry a payload after their headers.
+    pub const fn has_payload(self) -> bool {
+        matches!(self, OpKind::Send | OpKind::Write | OpKind::ReadResponse)
+    }
+}
+
+/// Where a packet sits in its message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Position {
+    First,
+    Middle,
+    Last,
+    Only,
+}
+
+/// Extension headers after the BTH, one bit each; they appear on the wire
+/// in the order of the bits (IBTA vol. 1 9.2 / 9.3).
+pub mod hdr {
+    pub const RETH: u8 = 1 << 0;
+    pub const ATOMIC_ETH: u8 = 1 << 1;
+    pub const AETH: u8 = 1 << 2;
+    pub const ATOMIC_ACK_ETH: u8 = 1 << 3;
+    pub const IMM: u8 = 1 << 4;
+    pub const IETH: u8 = 1 << 5;
+}
+
+/// One row of the opcode table: everything the transport knows of an opcode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpInfo {
+    pub opcode: Opcode,
+    /// The IBTA name.
+    pub name: &'static str,
+    pub kind: OpKind,
+    pub position: Position,
+    /// Extension headers (`hdr::*` bits).
+    pub headers: u8,
+}
+
+impl OpInfo {
+    /// Bytes of BTH and extension headers.
+    pub const fn header_len(&self) -> usize {
+        let h = self.headers;
+        let mut n = BTH_LEN;
+        if h & hdr::RETH != 0 {
+            n += RETH_LEN;
+        }
+        if h & hdr::ATOMIC_ETH != 0 {
+            n += ATOMIC_ETH_LEN;
+        }
+        if h & hdr::AETH != 0 {
+            n += AETH_LEN;
+        }
+        if h & hdr::ATOMIC_ACK_ETH != 0 {
+            n += ATOMIC_ACK_ETH_LEN;
+        }
+        if h & hdr::IMM != 0 {
+            n += IMM_LEN;
+        }
+        if h & hdr::IETH != 0 {
+            n += IETH_LEN;
+        }
+        n
+    }
+}
+
+/// Defines the `Opcode` enum and the `OPCODES` table from one list, so that
+/// the two cannot disagree.
+macro_rules! opcode_table {
+    ($($variant:ident = $code:literal, $name:literal, $kind:ident, $pos:ident, [$($h:ident)|*];)*) => {
+        /// RC opcodes (transport bits 000).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum Opcode {
+            $($variant = $code,)*
+        }
+
+        /// The RC opcode table, in opcode order (as Linux rxe's `rxe_opcode[]`).
+        pub const OPCODES: &[OpInfo] = &[
+            $(OpInfo { opcode: Opcode::$variant, name: $name, kind: OpKind::$kind, position: Position::$pos, headers: 0 $(| hdr::$h)* },)*
+        ];
+    };
+}
+
+opcode_table! {
+    SendFirst = 0x00, "SEND_FIRST", Send, First, [];
+    SendMiddle = 0x01, "SEND_MIDDLE", Send, Middle, [];
+    SendLast = 0x02, "SEND_LAST", Send, Last, [];
+    SendLastImm = 0x03, "SEND_LAST_WITH_IMMEDIATE", Send, Last, [IMM];
+    SendOnly = 0x04, "SEND_ONLY", Send, Only, [];
+    SendOnlyImm = 0x05, "SEND_ONLY_WITH_IMMEDIATE", Send, Only, [IMM];
+    WriteFirst = 0x06, "RDMA_WRITE_FIRST", Write, First, [RETH];
+    WriteMiddle = 0x07, "RDMA_WRITE_MIDDLE", Write, Middle, [];
+    WriteLast = 0x08, "RDMA_WRITE_LAST", Write, Last, [];
+    WriteLastImm = 0x09, "RDMA_WRITE_LAST_WITH_IMMEDIATE", Write, Last, [IMM];
+    WriteOnly = 0x0a, "RDMA_WRITE_ONLY", Write, Only, [RETH];
+    WriteOnlyImm = 0x0b, "RDMA_WRITE_ONLY_WITH_IMMEDIATE", Write, Only, [RETH | IMM];
+    ReadRequest = 0x0c, "RDMA_READ_REQUEST", ReadRequest, Only, [RETH];
+    ReadRespFirst = 0x0d, "RDMA_READ_RESPONSE_FIRST", ReadResponse, First, [AETH];
+    ReadRespMiddle = 0x0e, "RDMA_READ_RESPONSE_MIDDLE", ReadResponse, Middle, [];
+    ReadRespLast = 0x0f, "RDMA_READ_RESPONSE_LAST", ReadResponse, Last, [AETH];
+    ReadRespOnly = 0x10, "RDMA_READ_RESPONSE_ONLY", ReadResponse, Only, [AETH];
+    Ack = 0x11, "ACKNOWLEDGE", Ack, Only, [AETH];
+    AtomicAck = 0x12, "ATOMIC_ACKNOWLEDGE", AtomicAck, Only, [AETH | ATOMIC_ACK_ETH];
+    CompareSwap = 0x13, "COMPARE_SWAP", Atomic, Only, [ATOMIC_ETH];
+    FetchAdd = 0x14, "FETCH_ADD", Atomic, Only, [ATOMIC_ETH];
+    SendLastInv = 0x16, "SEND_LAST_WITH_INVALIDATE", Send, Last, [IETH];
+    SendOnlyInv = 0x17, "SEND_ONLY_WITH_INVALIDATE", Send, Only, [IETH];
+}
+
+/// Row of `OPCODES` for each opcode value (NO_OPCODE: not an RC opcode).
+const NO_OPCODE: u8 = u8::MAX;
+const OPCODE_ROW: [u8; 0x20] = {
+    let mut rows = [NO_OPCODE; 0x20];
+    let mut i = 0;
+    while i < OPCODES.len() {
+        rows[OPCODES[i].opcode as usize] = i as u8;
+        i += 1;
+    }
+    rows
+};
 
 impl Opcode {
     pub fn from_u8(v: u8) -> Option<Opcode> {
-        use Opcode::*;
-        Some(match v {
-            0x00 => SendFirst,
-            0x01 => SendMiddle,
-            0x02 => SendLast,
-            0x03 => SendLastImm,
-            0x04 => SendOnly,
-            0x05 => SendOnlyImm,
-            0x06 => WriteFirst,
-            0x07 => WriteMiddle,
-            0x08 => WriteLast,
-            0x09 => WriteLastImm,
-            0x0a => WriteOnly,
-            0x0b => WriteOnlyImm,
-            0x0c => ReadRequest,
-            0x0d => ReadRespFirst,
-            0x0e => ReadRespMiddle,
-            0x0f => ReadRespLast,
-            0x10 => ReadRespOnly,
-            0x11 => Ack,
-            0x12 => AtomicAck,
-            0x13 => CompareSwap,
-            0x14 => FetchAdd,
-            0x16 => SendLastInv,
-            0x17 => SendOnlyInv,
-            _ => return None,
-        })
+        let row = *OPCODE_ROW.get(v as usize)?;
+        (row != NO_OPCODE).then(|| OPCODES[row as usize].opcode)
+    }
+    /// This opcode's row of the table.
+    pub fn info(self) -> &'static OpInfo {
+        &OPCODES[OPCODE_ROW[self as usize] as usize]
+    }
+    pub fn name(self) -> &'static str {
+        self.info().name
     }
     pub fn has_reth(self) -> bool {
-        use Opcode::*;
-        matches!(self, WriteFirst | WriteOnly | WriteOnlyImm | ReadRequest)
+        self.info().headers & hdr::RETH != 0
     }
     pub fn has_imm(self) -> bool {
-        use Opcode::*;
-        matches!(self, SendLastImm | SendOnlyImm | WriteLastImm | WriteOnlyImm)
+        self.info().headers & hdr::IMM != 0
     }
     pub fn has_aeth(self) -> bool {
-        use Opcode::*;
-        matches!(self, ReadRespFirst | ReadRespLast | ReadRespOnly | Ack | AtomicAck)
+        self.info().headers & hdr::AETH != 0
+    }
+    pub fn has_atomic_eth(self) -> bool {
+        self.info().headers & hdr::ATOMIC_ETH != 0
+    }
+    pub fn has_atomic_ack(self) -> bool {
+        self.info().headers & hdr::ATOMIC_ACK_ETH != 0
     }
     pub fn has_ieth(self) -> bool {
-        matches!(self, Opcode::SendLastInv | Opcode::SendOnlyInv)
+        self.info().headers & hdr::IETH != 0
     }
     pub fn is_atomic(self) -> bool {
-        matches!(self, Opcode::CompareSwap | Opcode::FetchAdd)
+        self.info().kind == OpKind::Atomic
     }
     pub fn has_payload(self) -> bool {
-        use Opcode::*;
-        !matches!(self, ReadRequest | Ack | AtomicAck | CompareSwap | FetchAdd)
+        self.info().kind.has_payload()
     }
     /// Requests travel requester -> responder; the rest are responses.
     pub fn is_request(self) -> bool {
-        !self.is_response()
+        self.info().kind.is_request()
     }
     pub fn is_response(self) -> bool {
-        use Opcode::*;
-        matches!(self, ReadRespFirst | ReadRespMiddle | ReadRespLast | ReadRespOnly | Ack | AtomicAck)
+        !self.is_request()
     }
     pub fn is_send(self) -> bool {
-        use Opcode::*;
-        matches!(self, SendFirst | SendMiddle | SendLast | SendLastImm | SendOnly | SendOnlyImm | SendLastInv | SendOnlyInv)
+        self.info().kind == OpKind::Send
     }
     pub fn is_write(self) -> bool {
-        use Opcode::*;
-        matches!(self, WriteFirst | WriteMiddle | WriteLast | WriteLastImm | WriteOnly | WriteOnlyImm)
+        self.info().kind == OpKind::Write
     }
-    /// First packet of a message (or only).
+    /// First packet of a request message (or its only one).
     pub fn starts_message(self) -> bool {
-        use Opcode::*;
-        matches!(
-            self,
-            SendFirst | SendOnly | SendOnlyImm | SendOnlyInv | WriteFirst | WriteOnly | WriteOnlyImm | ReadRequest | CompareSwap | FetchAdd
-        )
+        let i = self.info();
+        i.kind.is_request() && matches!(i.position, Position::First | Position::Only)
     }
-    /// Last packet of a message (or only).
+    /// Last packet of a message (or its only one).
     pub fn ends_message(self) -> bool {
-        use Opcode::*;
-        !matches!(self, SendFirst | SendMiddle | WriteFirst | WriteMiddle | ReadRespFirst | ReadRespMiddle)
-    }
-    pub fn name(self) -> &'static str {
-        use Opcode::*;
-        match self {
-            SendFirst => "SEND_FIRST",
-            SendMiddle => "SEND_MIDDLE",
-            SendLast => "SEND_LAST",
-            SendLastImm => "SEND_LAST_WITH_IMMEDIATE",
-            SendOnly => "SEND_ONLY",
-            SendOnlyImm => "SEND_ONLY_WITH_IMMEDIATE",
-            WriteFirst => "RDMA_WRITE_FIRST",
-            WriteMiddle => "RDMA_WRITE_MIDDLE",
-            WriteLast => "RDMA_WRITE_LAST",
-            WriteLastImm => "RDMA_WRITE_LAST_WITH_IMMEDIATE",
-            WriteOnly => "RDMA_WRITE_ONLY",
-            WriteOnlyImm => "RDMA_WRITE_ONLY_WITH_IMMEDIATE",
-            ReadRequest => "RDMA_READ_REQUEST",
-            ReadRespFirst => "RDMA_READ_RESPONSE_FIRST",
-            ReadRespMiddle => "RDMA_READ_RESPONSE_MIDDLE",
-            ReadRespLast => "RDMA_READ_RESPONSE_LAST",
-            ReadRespOnly => "RDMA_READ_RESPONSE_ONLY",
-            Ack => "ACKNOWLEDGE",
-            AtomicAck => "ATOMIC_ACKNOWLEDGE",
-            CompareSwap => "COMPARE_SWAP",
-            FetchAdd => "FETCH_ADD",
-            SendLastInv => "SEND_LAST_WITH_INVALIDATE",
-            SendOnlyInv => "SEND_ONLY_WITH_INVALIDATE",
-        }
+        matches!(self.info().position, Position::Last | Position::Only)
     }
 }
 
@@ -438,7 +495,7 @@ pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, Parse
         p.reth = Some(Reth { va: be64(&body[off..]), rkey: be32(&body[off + 8..]), len: be32(&body[off + 12..]) });
         off += RETH_LEN;
     }
-    if opcode.is_atomic() {
+    if opcode.has_atomic_eth() {
         need(off, ATOMIC_ETH_LEN)?;
         p.atomic = Some(AtomicEth {
             va: be64(&body[off..]),
@@ -453,7 +510,7 @@ pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, Parse
         p.aeth = Some(Aeth { syndrome: Syndrome::from_u8(body[off]), msn: be24(&body[off + 1..]) });
         off += AETH_LEN;
     }
-    if opcode == Opcode::AtomicAck {
+    if opcode.has_atomic_ack() {
         need(off, ATOMIC_ACK_ETH_LEN)?;
         p.atomic_ack = Some(be64(&body[off..]));
         off += ATOMIC_ACK_ETH_LEN;
@@ -689,6 +746,36 @@ mod tests {
         assert_eq!(rnr_timer_us(0), 655_360);
         assert_eq!(rnr_timer_us(14), 1280);
         assert_eq!(ack_timeout_us(14), Some(67_108));
+    }
+
+    #[test]
+    fn opcode_table_is_consistent() {
+        for (code, info) in OPCODES.iter().map(|i| (i.opcode as u8, i)) {
+            assert_eq!(Opcode::from_u8(code), Some(info.opcode));
+            assert_eq!(info.opcode.info(), info);
+            // Every header the table names is written and parsed back.
+            let mut h = Headers::new(info.opcode, 1, 2);
+            h.reth = info.opcode.has_reth().then_some(Reth { va: 1, rkey: 2, len: 3 });
+            h.atomic = info.opcode.has_atomic_eth().then_some(AtomicEth { va: 8, rkey: 2, swap_add: 3, compare: 4 });
+            h.aeth = info.opcode.has_aeth().then_some(Aeth { syndrome: Syndrome::Ack(0x1f), msn: 5 });
+            h.atomic_ack = info.opcode.has_atomic_ack().then_some(6);
+            h.imm = info.opcode.has_imm().then_some(7);
+            h.ieth = info.opcode.has_ieth().then_some(8);
+            let mut buf = [0u8; MAX_HDR_LEN];
+            assert_eq!(h.write(0, &mut buf), info.header_len(), "{}", info.name);
+            let payload: &[u8] = if info.opcode.has_payload() { b"data" } else { b"" };
+            let pkt = build(&flow(), &h, payload);
+            let p = parse(&pkt, Some(&flow())).unwrap();
+            assert_eq!((p.reth, p.atomic, p.aeth, p.atomic_ack, p.imm, p.ieth), (h.reth, h.atomic, h.aeth, h.atomic_ack, h.imm, h.ieth));
+            assert_eq!(p.payload, payload);
+        }
+        for v in [0x15u8, 0x18, 0x20, 0x64, 0xff] {
+            assert_eq!(Opcode::from_u8(v), None, "{v:#x}");
+        }
+        assert_eq!(Opcode::WriteOnlyImm.name(), "RDMA_WRITE_ONLY_WITH_IMMEDIATE");
+        assert!(Opcode::SendFirst.starts_message() && !Opcode::SendFirst.ends_message());
+        assert!(!Opcode::ReadRespFirst.starts_message() && Opcode::ReadRespOnly.ends_message());
+        assert!(Opcode::CompareSwap.is_request() && Opcode::AtomicAck.is_response());
     }
 
     #[test]

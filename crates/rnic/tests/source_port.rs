@@ -1,9 +1,9 @@
 //! A QP whose QPN-derived UDP source port is already taken on its host (any
 //! program may bind an ephemeral port in 0xc000..0xffff; rnicd's own fallback
 //! sockets do too) still works: its packets leave from another port and their
-//! ICRC is computed for the port on the wire. (Before, the ICRC was computed
-//! for the taken port, the peer dropped every packet as bad ICRC, and the QP
-//! ended in RETRY_EXC_ERR: the rare failure of the 1,000-QP move.)
+//! ICRC is computed for the port on the wire. (An ICRC computed for the taken
+//! port would make the peer drop every packet as bad ICRC and the QP end in
+//! RETRY_EXC_ERR, now and then in a 1,000-QP move.)
 mod common;
 use common::*;
 use verbs::*;

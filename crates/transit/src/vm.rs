@@ -119,6 +119,10 @@ pub struct RunArgs {
     /// NVMe controller spec (repeatable), e.g. name=nvme0,ns=mem:64M.
     #[arg(long)]
     pub nvme: Vec<String>,
+    /// PVRDMA device spec (repeatable): gid=10.200.0.50[,rnicd=SOCK][,name=N];
+    /// the VM is the RDMA namespace of that GID on the host's rnicd.
+    #[arg(long)]
+    pub pvrdma: Vec<String>,
     /// Control socket path (default /run/transit/NAME.sock).
     #[arg(long)]
     pub control: Option<PathBuf>,
@@ -232,7 +236,7 @@ fn run_vm(a: RunArgs) -> Result<()> {
     if !firmware.exists() {
         bail!("firmware file {} does not exist", firmware.display());
     }
-    let config = VmConfig { name: a.name.clone(), memory, vcpus: a.vcpus, firmware, cmdline, nvme: a.nvme };
+    let config = VmConfig { name: a.name.clone(), memory, vcpus: a.vcpus, firmware, cmdline, nvme: a.nvme, pvrdma: a.pvrdma };
     let vm = Vm::build(config, console_sink(a.console_log)?)?;
     let socket = a.control.unwrap_or_else(|| default_socket(&a.name));
     let opts = ServeOpts {

@@ -236,7 +236,7 @@ fn console_range(console: &str) -> (u64, u64) {
 /// `rate=N` holds over many seconds of guest time: never more than N pages
 /// per guest second, and not far less (the guest can do ~100x this rate, so
 /// a busy host only delays it briefly). Runs past the clock's 4.3 s carry,
-/// where a clock with a broken high half used to cut the rate in half.
+/// where a clock with a broken high half would cut the rate in half.
 #[test]
 fn dirtier_rate_limit_holds_over_guest_time() {
     const RATE: u64 = 76_800; // 5 passes/s over 60 MiB

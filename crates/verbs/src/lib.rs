@@ -16,13 +16,16 @@
 //! shared-memory rings (plus one eventfd write per post call as doorbell).
 
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context as _};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType};
 use rnic::mem::{sealed_memfd, Mapping};
 use rnic::proto::{self, Reply, Request};
 use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE, NOTIFY_NEXT, NOTIFY_SOLICITED};
@@ -47,14 +50,14 @@ struct Inner {
 impl Inner {
     fn call(&self, req: &Request, fds: &[RawFd]) -> anyhow::Result<Reply> {
         let mut buf = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        proto::send_msg(self.sock.as_raw_fd(), req, fds)?;
-        let (n, _) = proto::recv_msg(self.sock.as_raw_fd(), &mut buf)?.context("rnicd closed the connection")?;
+        fdmsg::send(&self.sock, req, fds).context("send control message")?;
+        let (n, _) = fdmsg::recv(&self.sock, &mut buf).context("receive control message")?.context("rnicd closed the connection")?;
         let r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
         r.map_err(|e| anyhow!("rnicd: {e}"))
     }
 
     fn ring_doorbell(&self) {
-        proto::eventfd_signal(&self.doorbell);
+        rnic::eventfd::signal(&self.doorbell);
     }
 }
 
@@ -105,16 +108,11 @@ impl Context {
             Some(p) => p.to_path_buf(),
             None => find_socket()?,
         };
-        // SAFETY: socket() result checked and owned.
-        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error()).context("socket");
-        }
-        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+        let sock = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).context("socket")?;
         let ua = nix::sys::socket::UnixAddr::new(&path)?;
         nix::sys::socket::connect(sock.as_raw_fd(), &ua).with_context(|| format!("connect to rnicd at {}", path.display()))?;
-        let doorbell = proto::eventfd(true)?;
-        let mut inner = Inner { sock, lock: Mutex::new(vec![0u8; proto::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path };
+        let doorbell = rnic::eventfd::create(true)?;
+        let mut inner = Inner { sock, lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path };
         match inner.call(&Request::Hello { version: proto::PROTO_VERSION, namespace }, &[inner.doorbell.as_raw_fd()])? {
             Reply::Hello { gid, .. } => inner.gid = gid,
             r => bail!("unexpected reply {r:?}"),
@@ -218,7 +216,7 @@ impl Context {
     }
 
     pub fn create_comp_channel(&self) -> anyhow::Result<CompChannel> {
-        let efd = proto::eventfd(false)?;
+        let efd = rnic::eventfd::create(false)?;
         match self.inner.call(&Request::CreateCompChannel, &[efd.as_raw_fd()])? {
             Reply::Channel(h) => Ok(CompChannel { ctx: self.clone(), handle: h, efd, edge: std::sync::OnceLock::new() }),
             r => bail!("unexpected reply {r:?}"),
@@ -251,6 +249,27 @@ impl MemBuf {
     pub fn new(len: usize) -> anyhow::Result<MemBuf> {
         let len = len.max(1).div_ceil(4096) * 4096;
         let fd = sealed_memfd("transit-mr", len)?;
+        let map = Mapping::map(&fd, 0, len)?;
+        Ok(MemBuf { fd, map })
+    }
+    /// Wraps an existing memfd, mapped whole: memory another part of this
+    /// process owns (a VM's guest RAM) that rnicd then reaches directly, with
+    /// no copy. rnicd maps only memfds that cannot shrink, so the memfd must
+    /// carry F_SEAL_SHRINK (checked here too, for a clear error).
+    pub fn from_memfd(fd: OwnedFd) -> anyhow::Result<MemBuf> {
+        // SAFETY: fcntl/fstat on an fd we own.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            bail!("the memfd must be sealed with F_SEAL_SHRINK for rnicd to map it");
+        }
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+            return Err(std::io::Error::last_os_error()).context("fstat");
+        }
+        let len = st.st_size as usize;
+        if len == 0 || !len.is_multiple_of(4096) {
+            bail!("the memfd's size {len} is not a positive number of pages");
+        }
         let map = Mapping::map(&fd, 0, len)?;
         Ok(MemBuf { fd, map })
     }
@@ -456,23 +475,18 @@ pub struct CompChannel {
     handle: u32,
     efd: OwnedFd,
     /// An epoll instance watching `efd` edge-triggered, for `Cq::poll_or_wait`.
-    edge: std::sync::OnceLock<OwnedFd>,
+    edge: std::sync::OnceLock<Epoll>,
 }
 
 impl CompChannel {
     /// Waits for a CQ event (ibv_get_cq_event); false on timeout.
     pub fn get_cq_event(&self, timeout: Option<Duration>) -> anyhow::Result<bool> {
-        let mut pfd = libc::pollfd { fd: self.efd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        let ms = timeout.map(|t| t.as_millis().min(i32::MAX as u128) as i32).unwrap_or(-1);
-        // SAFETY: one pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if n < 0 {
-            return Err(std::io::Error::last_os_error()).context("poll");
-        }
-        if n == 0 {
+        let mut pfd = [PollFd::new(self.efd.as_fd(), PollFlags::POLLIN)];
+        let ms = timeout.map_or(PollTimeout::NONE, |t| PollTimeout::try_from(t).unwrap_or(PollTimeout::MAX));
+        if poll(&mut pfd, ms).context("poll")? == 0 {
             return Ok(false);
         }
-        proto::eventfd_drain(&self.efd);
+        rnic::eventfd::drain(&self.efd);
         Ok(true)
     }
     pub fn fd(&self) -> RawFd {
@@ -488,28 +502,19 @@ impl CompChannel {
         let ep = match self.edge.get() {
             Some(ep) => ep,
             None => {
-                // SAFETY: plain syscalls; the result is owned.
-                let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error()).context("epoll_create1");
-                }
-                let ep = unsafe { OwnedFd::from_raw_fd(fd) };
-                let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLET) as u32, u64: 0 };
-                if unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, self.efd.as_raw_fd(), &mut ev) } < 0 {
-                    return Err(std::io::Error::last_os_error()).context("epoll_ctl");
-                }
+                let ep = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).context("epoll_create1")?;
+                ep.add(&self.efd, EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLET, 0)).context("epoll_ctl")?;
                 let _ = self.edge.set(ep);
                 self.edge.get().expect("just set")
             }
         };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        let mut ev = libc::epoll_event { events: 0, u64: 0 };
-        // SAFETY: one event buffer.
-        let n = unsafe { libc::epoll_wait(ep.as_raw_fd(), &mut ev, 1, ms) };
-        if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return Err(std::io::Error::last_os_error()).context("epoll_wait");
+        let ms = EpollTimeout::try_from(timeout).unwrap_or(EpollTimeout::MAX);
+        let mut ev = [EpollEvent::empty()];
+        match ep.wait(&mut ev, ms) {
+            Ok(n) => Ok(n > 0),
+            Err(nix::errno::Errno::EINTR) => Ok(false),
+            Err(e) => Err(e).context("epoll_wait"),
         }
-        Ok(n > 0)
     }
 }
 

@@ -18,6 +18,10 @@ pub struct VmConfig {
     /// NVMe controllers, one spec each (see docs/nvme.md).
     #[serde(default)]
     pub nvme: Vec<String>,
+    /// PVRDMA devices, one spec each: `gid=10.200.0.50[,rnicd=SOCK][,name=N]`
+    /// (see docs/pvrdma.md).
+    #[serde(default)]
+    pub pvrdma: Vec<String>,
 }
 
 pub const MAX_VCPUS: u32 = 16;
@@ -38,6 +42,7 @@ impl VmConfig {
 
     /// The parts that must match on both ends of a migration.
     pub fn shape(&self) -> String {
-        format!("mem={} vcpus={} nvme={}", self.memory, self.vcpus, self.nvme.len())
+        let pvrdma = if self.pvrdma.is_empty() { String::new() } else { format!(" pvrdma={}", self.pvrdma.len()) };
+        format!("mem={} vcpus={} nvme={}{pvrdma}", self.memory, self.vcpus, self.nvme.len())
     }
 }

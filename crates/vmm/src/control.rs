@@ -71,6 +71,7 @@ pub const COMMANDS: &[&str] = &[
     "query-nvme",
     "nvme-ns-add",
     "nvme-ns-remove",
+    "query-pvrdma",
 ];
 
 impl Control {
@@ -245,6 +246,17 @@ impl Control {
                 let nsid = u32::try_from(nsid).map_err(|_| CmdError::generic("nsid is out of range"))?;
                 nvme_arg(vm, args)?.lock().unwrap().detach_namespace(nsid).map_err(CmdError::generic)?;
                 Ok(json!({}))
+            }
+            "query-pvrdma" => {
+                let name = args.get("device").and_then(Value::as_str);
+                let all: Vec<Value> = vm.pvrdma_devices().iter().map(|d| d.lock().unwrap().query()).collect();
+                match name {
+                    None => Ok(json!(all)),
+                    Some(n) => all
+                        .into_iter()
+                        .find(|d| d["name"] == n)
+                        .ok_or_else(|| CmdError { class: "DeviceNotFound", desc: format!("no PVRDMA device named {n}") }),
+                }
             }
             _ => Err(CmdError { class: "CommandNotFound", desc: format!("the command {cmd} has not been found") }),
         }

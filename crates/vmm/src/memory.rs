@@ -43,12 +43,19 @@ impl GuestRam {
         }
         let cname = std::ffi::CString::new(format!("transit-ram-{name}"))?;
         // SAFETY: plain syscall; the fd is owned by the File below.
-        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error()).context("memfd_create for guest RAM");
         }
         let memfd = unsafe { File::from_raw_fd(fd) };
         memfd.set_len(size).context("sizing the guest RAM memfd")?;
+        // rnicd maps guest RAM for a PVRDMA device's memory regions and maps
+        // only memfds that cannot shrink under it (a shrink would SIGBUS it).
+        // Hole punching (postcopy) stays allowed: only a write seal forbids it.
+        // SAFETY: fcntl on the fd owned above.
+        if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } < 0 {
+            return Err(std::io::Error::last_os_error()).context("sealing the guest RAM memfd");
+        }
         let region = GuestRegionMmap::from_range(GuestAddress(0), size as usize, Some(FileOffset::new(memfd.try_clone()?, 0)))
             .map_err(|e| anyhow::anyhow!("mapping guest RAM: {e}"))?;
         let mem = GuestMemory::from_regions(vec![region]).map_err(|e| anyhow::anyhow!("guest memory: {e}"))?;

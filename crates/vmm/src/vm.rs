@@ -11,6 +11,7 @@ use devices::layout::*;
 use devices::nvme::{NvmeConfig, NvmeController};
 use devices::pci::PciRoot;
 use devices::platform::{GuestClock, Platform, PlatformEvents};
+use devices::pvrdma::{Pvrdma, PvrdmaConfig};
 use devices::VmDevice;
 use serde::Serialize;
 use snapshot::{Section, StateSet};
@@ -42,6 +43,7 @@ pub struct Vm {
     devices: Vec<(String, Arc<Mutex<dyn VmDevice>>)>,
     pci: Arc<Mutex<PciRoot>>,
     nvme: Vec<Arc<Mutex<NvmeController>>>,
+    pvrdma: Vec<Arc<Mutex<Pvrdma>>>,
     vcpus: Mutex<VcpuSet>,
     clock: Arc<GuestClock>,
     events: Arc<PlatformEvents>,
@@ -96,6 +98,27 @@ impl Vm {
             bar += NvmeController::BAR0_SIZE;
         }
 
+        let mut pvrdma = Vec::new();
+        for spec in &config.pvrdma {
+            let cfg = PvrdmaConfig::parse(spec).map_err(|e| anyhow!("--pvrdma {spec:?}: {e}"))?;
+            let name = cfg.name.clone();
+            if devices.iter().any(|(n, _)| *n == name) {
+                bail!("two devices are named {name:?}; give each PVRDMA device its own name=");
+            }
+            bar = bar.next_multiple_of(devices::pvrdma::BAR_ALIGN);
+            // rnicd maps guest RAM itself for the device's memory regions.
+            let memfd = std::os::fd::OwnedFd::from(ram.memfd().try_clone().context("duplicating the guest RAM memfd")?);
+            let dev = Pvrdma::new(cfg, ram.memory().clone(), memfd, bar).map_err(|e| anyhow!("PVRDMA device {name}: {e}"))?;
+            for (b, addr, size) in dev.bars() {
+                buses.mmio.insert(b, addr, size)?;
+            }
+            let dev = Arc::new(Mutex::new(dev));
+            pci.lock().unwrap().add(dev.clone()).ok_or_else(|| anyhow!("no free PCI slot for {name}"))?;
+            devices.push((name, dev.clone()));
+            pvrdma.push(dev);
+            bar += devices::pvrdma::BAR_SPAN;
+        }
+
         let hv: Arc<dyn Hypervisor> = Arc::new(UnicornHypervisor);
         let vcpus = VcpuSet::start(hv, config.vcpus, ram.host_addr(), ram.size(), buses.clone())?;
         Ok(Arc::new(Vm {
@@ -105,6 +128,7 @@ impl Vm {
             devices,
             pci,
             nvme,
+            pvrdma,
             vcpus: Mutex::new(vcpus),
             clock,
             events,
@@ -205,6 +229,10 @@ impl Vm {
             None => self.nvme.first(),
             Some(n) => self.nvme.iter().find(|c| c.lock().unwrap().name() == n),
         }
+    }
+
+    pub fn pvrdma_devices(&self) -> &[Arc<Mutex<Pvrdma>>] {
+        &self.pvrdma
     }
 
     pub fn nvme_controllers(&self) -> &[Arc<Mutex<NvmeController>>] {

@@ -29,6 +29,7 @@ fn start(name: &str, cmdline: &str, nvme_spec: &str, boot: bool) -> GuestVm {
         firmware: guest_image::default_path(),
         cmdline: cmdline.into(),
         nvme: vec![nvme_spec.to_string()],
+        pvrdma: vec![],
     };
     let vm = Vm::build(config, Box::new(|_line: &str| {})).expect("build VM");
     let nvme = vm.nvme(None).expect("the VM has its NVMe controller").clone();

@@ -22,6 +22,7 @@ fn throttled_guest_keeps_running_at_every_level() {
         firmware: guest_image::default_path(),
         cmdline: "workload=dirtier".into(),
         nvme: vec![],
+        pvrdma: vec![],
     };
     let vm = Vm::build(config, Box::new(|_line: &str| {})).expect("build VM");
     vm.boot().expect("boot");
@@ -34,8 +35,8 @@ fn throttled_guest_keeps_running_at_every_level() {
     // The time the guest ran before the throttle is not a share to sleep
     // off: let it run a while unthrottled first.
     std::thread::sleep(Duration::from_secs(3).saturating_sub(t.elapsed()));
-    // A fixed sleep per tick used to stop the vCPU for good from 50 % on:
-    // the tick that lands during the sleep ended the next run at once.
+    // A fixed sleep per tick would stop the vCPU for good from 50 % on:
+    // the tick that lands during the sleep would end the next run at once.
     for pct in [50, 80, 99] {
         vm.set_cpu_throttle(pct);
         assert_eq!(vm.cpu_throttle(), pct);

@@ -21,58 +21,26 @@
 use super::place::FaultDomain;
 use crate::vm::RamRegion;
 use anyhow::{anyhow, bail, Context, Result};
-use nix::sys::socket::{self, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, UnixAddr};
+use nix::sys::socket::{self, SockFlag, SockType, UnixAddr};
 use serde_json::{json, Value};
-use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-const MAX_MSG: usize = 64 << 10;
 /// How long a client may take to answer advise / end.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn send(fd: RawFd, v: &Value, pass: Option<RawFd>) -> Result<()> {
-    let bytes = serde_json::to_vec(v)?;
-    let iov = [IoSlice::new(&bytes)];
-    let fds;
-    let cmsg: Vec<ControlMessage> = match pass {
-        Some(f) => {
-            fds = [f];
-            vec![ControlMessage::ScmRights(&fds)]
-        }
-        None => vec![],
-    };
-    socket::sendmsg::<UnixAddr>(fd, &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None)?;
+fn send(fd: BorrowedFd, v: &Value, pass: Option<RawFd>) -> Result<()> {
+    fdmsg::send(fd, v, pass.as_slice())?;
     Ok(())
 }
 
 /// One message and the fd passed with it, if any. `None` at end of stream.
-fn recv(fd: RawFd) -> Result<Option<(Value, Option<OwnedFd>)>> {
-    let mut buf = vec![0u8; MAX_MSG];
-    let mut cbuf = nix::cmsg_space!([RawFd; 2]);
-    let mut iov = [IoSliceMut::new(&mut buf)];
-    let m = socket::recvmsg::<UnixAddr>(fd, &mut iov, Some(&mut cbuf), MsgFlags::MSG_CMSG_CLOEXEC)?;
-    let n = m.bytes;
-    let mut got = None;
-    for c in m.cmsgs()? {
-        if let ControlMessageOwned::ScmRights(fds) = c {
-            for f in fds {
-                // SAFETY: received fds are ours to own; keep the first.
-                let o = unsafe { OwnedFd::from_raw_fd(f) };
-                if got.is_none() {
-                    got = Some(o);
-                }
-            }
-        }
-    }
-    if n == 0 {
-        return Ok(None);
-    }
-    let v: Value = serde_json::from_slice(&buf[..n]).map_err(|e| anyhow!("bad RAM client message: {e}"))?;
-    Ok(Some((v, got)))
+fn recv(fd: BorrowedFd) -> Result<Option<(Value, Option<OwnedFd>)>> {
+    let msg = fdmsg::recv_json::<Value>(fd).map_err(|e| anyhow!("bad RAM client message: {e}"))?;
+    Ok(msg.map(|(v, fds)| (v, fds.into_iter().next())))
 }
 
 fn set_timeout(fd: RawFd, d: Option<Duration>) {
@@ -126,12 +94,12 @@ impl RamClients {
 
     fn admit(&self, fd: OwnedFd) -> Result<()> {
         set_timeout(fd.as_raw_fd(), Some(CLIENT_TIMEOUT));
-        let (hello, _) = recv(fd.as_raw_fd())?.ok_or_else(|| anyhow!("client left before hello"))?;
+        let (hello, _) = recv(fd.as_fd())?.ok_or_else(|| anyhow!("client left before hello"))?;
         if hello["op"] != "hello" {
             bail!("expected hello, got {hello}");
         }
         let name = hello["name"].as_str().unwrap_or("client").chars().take(64).collect::<String>();
-        send(fd.as_raw_fd(), &json!({"op": "welcome", "ram_bytes": self.ram.len}), Some(self.ram.memfd))?;
+        send(fd.as_fd(), &json!({"op": "welcome", "ram_bytes": self.ram.len}), Some(self.ram.memfd))?;
         set_timeout(fd.as_raw_fd(), None);
         tracing::info!("RAM client {name:?} joined");
         self.conns.lock().unwrap().push(Conn { fd, name });
@@ -150,8 +118,8 @@ impl RamClients {
         let mut out = Vec::new();
         let mut keep = Vec::new();
         for c in conns.drain(..) {
-            let fd = c.fd.as_raw_fd();
-            set_timeout(fd, Some(CLIENT_TIMEOUT));
+            let fd = c.fd.as_fd();
+            set_timeout(fd.as_raw_fd(), Some(CLIENT_TIMEOUT));
             if send(fd, &json!({"op": "postcopy-advise"}), None).is_err() {
                 tracing::info!("RAM client {:?} left", c.name);
                 continue;
@@ -180,15 +148,15 @@ impl RamClients {
     /// Every page is in: clients unregister. Best effort, bounded.
     pub fn end(&self) {
         for c in self.conns.lock().unwrap().iter() {
-            let fd = c.fd.as_raw_fd();
-            set_timeout(fd, Some(CLIENT_TIMEOUT));
+            let fd = c.fd.as_fd();
+            set_timeout(fd.as_raw_fd(), Some(CLIENT_TIMEOUT));
             if send(fd, &json!({"op": "postcopy-end"}), None).is_ok() {
                 match recv(fd) {
                     Ok(Some((v, _))) if v["op"] == "postcopy-ended" => {}
                     other => tracing::warn!("RAM client {:?} did not end postcopy cleanly: {:?}", c.name, other.map(|o| o.map(|x| x.0))),
                 }
             }
-            set_timeout(fd, None);
+            set_timeout(fd.as_raw_fd(), None);
         }
     }
 }
@@ -211,8 +179,8 @@ impl RamClient {
     pub fn connect(path: &Path, name: &str) -> Result<RamClient> {
         let sock = socket::socket(socket::AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)?;
         socket::connect(sock.as_raw_fd(), &UnixAddr::new(path)?).with_context(|| format!("connecting to {}", path.display()))?;
-        send(sock.as_raw_fd(), &json!({"op": "hello", "name": name}), None)?;
-        let (v, fd) = recv(sock.as_raw_fd())?.ok_or_else(|| anyhow!("the vmm closed the connection"))?;
+        send(sock.as_fd(), &json!({"op": "hello", "name": name}), None)?;
+        let (v, fd) = recv(sock.as_fd())?.ok_or_else(|| anyhow!("the vmm closed the connection"))?;
         if v["op"] != "welcome" {
             bail!("expected welcome, got {v}");
         }
@@ -225,7 +193,7 @@ impl RamClient {
     /// guest offset, length) for missing and minor faults on advise,
     /// unregister on end.
     pub fn serve(&self, ranges: &[(u64, u64, u64)]) -> Result<()> {
-        let fd = self.sock.as_raw_fd();
+        let fd = self.sock.as_fd();
         let mut uffd: Option<userfaultfd::Uffd> = None;
         while let Some((v, _)) = recv(fd)? {
             match v["op"].as_str() {

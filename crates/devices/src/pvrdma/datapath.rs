@@ -1,0 +1,438 @@
+//! The data path, run on the thread that rings the doorbell (the vCPU's MMIO
+//! write) with no hop to another thread of the vmm:
+//!
+//! - QP SEND / RECV doorbell: the new WQEs of the guest's ring are read,
+//!   checked, copied (the device keeps its copy until the WQE completes) and
+//!   posted to the QP's rnicd rings; rnicd then moves the payload itself
+//!   through its mapping of guest RAM.
+//! - CQ POLL doorbell (rung by the driver when its CQ looks empty): rnicd's
+//!   completions are moved into the guest's CQ ring.
+//! - CQ ARM: the CQ is armed; the notifier thread (mod.rs) turns rnicd's next
+//!   completion event into a CQ notification.
+
+use pvrdma_abi::ib::{send_flags as ib_send, wc_opcode, wc_status, wr_opcode};
+use pvrdma_abi::*;
+use verbs::{RecvWr, SendWr, Wc, WcOpcode, WrOpcode};
+
+use super::dev::Dev;
+use super::objects::{OutRecv, OutSend};
+use super::Errno;
+
+/// How many completions one drain moves at most (a POLL doorbell's work is
+/// bounded; the driver rings again when its ring is empty).
+const DRAIN_BATCH: usize = 64;
+
+/// Why a guest WQE is refused, as the CQE status it completes with.
+fn bad_wqe_status(e: Errno) -> u32 {
+    match e {
+        Errno::E2BIG => wc_status::LOC_LEN_ERR,
+        Errno::ENOSYS => wc_status::LOC_QP_OP_ERR,
+        _ => wc_status::LOC_PROT_ERR,
+    }
+}
+
+impl Dev {
+    /// A 32-bit write into a UAR page. A doorbell the device cannot honour
+    /// (no such object, no operation bit, bad ring indices, a bad WQE) sets
+    /// ERR to the reason and is counted; nothing else happens beyond what the
+    /// reason itself reports (a CQE status, an async event).
+    pub fn doorbell(&mut self, offset_in_page: u64, value: u32) {
+        if let Err(e) = self.ring_doorbell(offset_in_page, value) {
+            self.counters.bad_doorbells += 1;
+            self.regs.err = e as u32;
+        }
+    }
+
+    fn ring_doorbell(&mut self, offset_in_page: u64, value: u32) -> Result<(), Errno> {
+        if self.paused || self.regs.state != super::dev::DevState::Active {
+            return Err(Errno::EPERM);
+        }
+        let handle = value & UAR_HANDLE_MASK;
+        match offset_in_page {
+            UAR_QP_OFFSET => {
+                if !self.qps.contains(handle) || value & (UAR_QP_SEND | UAR_QP_RECV) == 0 {
+                    return Err(Errno::EINVAL);
+                }
+                if value & UAR_QP_RECV != 0 {
+                    self.post_recvs(handle)?;
+                }
+                if value & UAR_QP_SEND != 0 {
+                    self.post_sends(handle)?;
+                }
+                Ok(())
+            }
+            UAR_CQ_OFFSET => {
+                if !self.cqs.contains(handle) || value & (UAR_CQ_ARM | UAR_CQ_ARM_SOL | UAR_CQ_POLL) == 0 {
+                    return Err(Errno::EINVAL);
+                }
+                if value & (UAR_CQ_ARM | UAR_CQ_ARM_SOL) != 0 {
+                    self.arm_cq(handle, value & UAR_CQ_ARM_SOL != 0 && value & UAR_CQ_ARM == 0);
+                }
+                if value & UAR_CQ_POLL != 0 {
+                    self.drain_cq(handle);
+                }
+                Ok(())
+            }
+            // SRQs are not implemented.
+            _ => Err(Errno::EINVAL),
+        }
+    }
+
+    /// The guest's producer index of a QP queue, checked.
+    fn ring_tail(&self, handle: u32, send: bool) -> Result<u32, Errno> {
+        let qp = self.qps.get(handle).ok_or(Errno::EINVAL)?;
+        let q = if send { &qp.info.sq } else { &qp.info.rq };
+        let tail = self.guest.load_u32(qp.info.pages.gpa(q.ring_offset, 4)?)?;
+        if !idx_valid(tail, q.wqe_cnt) {
+            return Err(Errno::ERANGE);
+        }
+        Ok(tail)
+    }
+
+    /// A QP whose rings are unusable: the device stops reading them and the
+    /// driver hears of it through a QP_FATAL async event.
+    fn qp_fatal(&mut self, handle: u32) {
+        if let Some(qp) = self.qps.get_mut(handle) {
+            if !qp.info.broken {
+                qp.info.broken = true;
+                self.async_event(ib::event::QP_FATAL, handle);
+            }
+        }
+    }
+
+    pub fn post_sends(&mut self, handle: u32) -> Result<(), Errno> {
+        if self.qps.get(handle).is_some_and(|q| q.info.broken) {
+            return Err(Errno::EIO);
+        }
+        let tail = match self.ring_tail(handle, true) {
+            Ok(t) => t,
+            Err(e) => {
+                self.qp_fatal(handle);
+                return Err(e);
+            }
+        };
+        let guest = self.guest.clone();
+        let mut bad = None;
+        {
+            let qp = self.qps.get_mut(handle).ok_or(Errno::EINVAL)?;
+            let i = &mut qp.info;
+            let mut batch: Vec<OutSend> = Vec::new();
+            while let Ok(Some(slot)) = ring_has_data(tail, i.sq.head, i.sq.wqe_cnt) {
+                let at = i.sq.offset + slot as u64 * i.sq.stride as u64;
+                match read_send(&guest, &i.pages, at, i.sq.stride, i.sq.max_sge) {
+                    Ok((hdr, sges)) => {
+                        batch.push(OutSend { seq: i.sq.next_seq, hdr, sges });
+                        i.sq.next_seq += 1;
+                        i.sq.head = idx_inc(i.sq.head, i.sq.wqe_cnt);
+                    }
+                    Err(e) => {
+                        // The bad WQE is consumed and completes in error; the
+                        // device takes nothing more from this queue.
+                        let hdr = guest.read::<SqWqeHdr>(i.pages.gpa(at, 80).unwrap_or(0)).unwrap_or_default();
+                        i.sq.head = idx_inc(i.sq.head, i.sq.wqe_cnt);
+                        i.broken = true;
+                        bad = Some((hdr.wr_id, hdr.opcode, e));
+                        break;
+                    }
+                }
+            }
+            if !batch.is_empty() {
+                let wrs: Vec<SendWr> = batch.iter().map(to_send_wr).collect();
+                qp.qp.post_send(&wrs).map_err(|_| Errno::ENOSPC)?;
+                self.counters.sq_wqes += batch.len() as u64;
+                qp.info.sq_out.extend(batch);
+            }
+            let head_at = qp.info.pages.gpa(qp.info.sq.ring_offset + 4, 4)?;
+            guest.store_u32(head_at, qp.info.sq.head)?;
+        }
+        if let Some((wr_id, opcode, e)) = bad {
+            self.counters.bad_wqes += 1;
+            self.fail_qp(handle, true, wr_id, send_wc_opcode(opcode), bad_wqe_status(e));
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    pub fn post_recvs(&mut self, handle: u32) -> Result<(), Errno> {
+        if self.qps.get(handle).is_some_and(|q| q.info.broken) {
+            return Err(Errno::EIO);
+        }
+        let tail = match self.ring_tail(handle, false) {
+            Ok(t) => t,
+            Err(e) => {
+                self.qp_fatal(handle);
+                return Err(e);
+            }
+        };
+        let guest = self.guest.clone();
+        let mut bad = None;
+        {
+            let qp = self.qps.get_mut(handle).ok_or(Errno::EINVAL)?;
+            let i = &mut qp.info;
+            let mut batch: Vec<OutRecv> = Vec::new();
+            while let Ok(Some(slot)) = ring_has_data(tail, i.rq.head, i.rq.wqe_cnt) {
+                let at = i.rq.offset + slot as u64 * i.rq.stride as u64;
+                match read_recv(&guest, &i.pages, at, i.rq.stride, i.rq.max_sge) {
+                    Ok((hdr, sges)) => {
+                        batch.push(OutRecv { seq: i.rq.next_seq, hdr, sges });
+                        i.rq.next_seq += 1;
+                        i.rq.head = idx_inc(i.rq.head, i.rq.wqe_cnt);
+                    }
+                    Err(e) => {
+                        let hdr = guest.read::<RqWqeHdr>(i.pages.gpa(at, 16).unwrap_or(0)).unwrap_or_default();
+                        i.rq.head = idx_inc(i.rq.head, i.rq.wqe_cnt);
+                        i.broken = true;
+                        bad = Some((hdr.wr_id, e));
+                        break;
+                    }
+                }
+            }
+            if !batch.is_empty() {
+                let wrs: Vec<RecvWr> = batch.iter().map(|o| RecvWr { wr_id: o.seq, sg_list: sge_slice(&o.sges) }).collect();
+                qp.qp.post_recv(&wrs).map_err(|_| Errno::ENOSPC)?;
+                self.counters.rq_wqes += batch.len() as u64;
+                qp.info.rq_out.extend(batch);
+            }
+            let head_at = qp.info.pages.gpa(qp.info.rq.ring_offset + 4, 4)?;
+            guest.store_u32(head_at, qp.info.rq.head)?;
+        }
+        if let Some((wr_id, e)) = bad {
+            self.counters.bad_wqes += 1;
+            self.fail_qp(handle, false, wr_id, wc_opcode::RECV, bad_wqe_status(e));
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// A refused WQE: its error completion goes to the guest's CQ and the
+    /// rnicd QP moves to ERR, so the WQEs before it flush as on hardware.
+    fn fail_qp(&mut self, handle: u32, send: bool, wr_id: u64, opcode: u32, status: u32) {
+        let Some(qp) = self.qps.get(handle) else { return };
+        let attr = verbs::QpAttr { qp_state: verbs::QpState::Err, ..Default::default() };
+        let _ = qp.qp.modify(&attr, verbs::mask::STATE);
+        let cq = if send { qp.info.send_cq } else { qp.info.recv_cq };
+        let cqe = Cqe { wr_id, qp: handle as u64, opcode, status, ..Default::default() };
+        if let Some(c) = self.cqs.get_mut(cq) {
+            c.ring.pending.push_back(cqe);
+        }
+        self.drain_cq(cq);
+    }
+
+    /// CQ ARM doorbell: notify on the next (solicited) completion.
+    pub fn arm_cq(&mut self, handle: u32, solicited_only: bool) {
+        let Some(cq) = self.cqs.get_mut(handle) else { return };
+        cq.ring.armed = if solicited_only { CQ_FLAG_ARMED_SOL } else { CQ_FLAG_ARMED };
+        cq.cq.req_notify(solicited_only);
+    }
+
+    /// Takes up to one batch of rnicd's completions of CQ `handle` into its
+    /// pending list; returns how many there were.
+    fn pull_batch(&mut self, handle: u32) -> usize {
+        let mut wcs = [Wc::default(); DRAIN_BATCH];
+        let Some(cq) = self.cqs.get_mut(handle) else { return 0 };
+        let polled = cq.cq.poll(&mut wcs).unwrap_or(0);
+        for wc in &wcs[..polled] {
+            if let Some(cqe) = self.complete(wc) {
+                if let Some(cq) = self.cqs.get_mut(handle) {
+                    cq.ring.pending.push_back(cqe);
+                }
+            }
+        }
+        polled
+    }
+
+    /// Takes every completion rnicd holds for CQ `handle` (before a save:
+    /// rnicd's CQ does not move, the pending list does).
+    pub fn pull_cq(&mut self, handle: u32) {
+        while self.pull_batch(handle) > 0 {}
+    }
+
+    /// Moves completions from rnicd's CQ (and completions waiting for room)
+    /// into the guest's CQ ring. Returns how many reached the guest ring.
+    pub fn drain_cq(&mut self, handle: u32) -> usize {
+        let guest = self.guest.clone();
+        self.pull_batch(handle);
+        let Some(cq) = self.cqs.get_mut(handle) else { return 0 };
+        let r = &mut cq.ring;
+        let mut moved = 0;
+        let head_at = r.pages.gpa(RING_STATE_RX_CONS_HEAD, 4);
+        while let Some(cqe) = r.pending.front().copied() {
+            let Ok(head) = head_at.and_then(|a| guest.load_u32(a)) else { break };
+            let Ok(Some(slot)) = ring_has_space(r.tail, head, r.entries) else { break };
+            let Ok(at) = r.pages.gpa(CQ_FIRST_CQE_OFFSET + slot as u64 * 64, 64) else { break };
+            if guest.write(at, &cqe).is_err() {
+                break;
+            }
+            r.tail = idx_inc(r.tail, r.entries);
+            if r.pages.gpa(RING_STATE_RX_PROD_TAIL, 4).and_then(|a| guest.store_u32(a, r.tail)).is_err() {
+                break;
+            }
+            r.pending.pop_front();
+            moved += 1;
+            self.counters.cqes += 1;
+            if cqe.status != wc_status::SUCCESS {
+                self.counters.error_cqes += 1;
+            }
+        }
+        moved
+    }
+
+    /// Turns an rnicd completion into the guest's CQE: the QPN becomes the
+    /// QP handle, the device's sequence number the guest's wr_id; the WQE
+    /// copies it completes (unsignaled ones before it included) are dropped.
+    fn complete(&mut self, wc: &Wc) -> Option<Cqe> {
+        let handle = self.qp_handle_of(wc.qp_num)?;
+        let qp = self.qps.get_mut(handle)?;
+        let recv = matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
+        let wr_id = if recv {
+            let pos = qp.info.rq_out.iter().position(|o| o.seq == wc.wr_id)?;
+            let o = qp.info.rq_out.drain(..=pos).next_back()?;
+            o.hdr.wr_id
+        } else {
+            let pos = qp.info.sq_out.iter().position(|o| o.seq == wc.wr_id)?;
+            let o = qp.info.sq_out.drain(..=pos).next_back()?;
+            o.hdr.wr_id
+        };
+        Some(Cqe {
+            wr_id,
+            qp: handle as u64,
+            opcode: wc.opcode as u32,
+            status: wc.status as u32,
+            byte_len: wc.byte_len,
+            imm_data: wc.imm_data.to_be(),
+            src_qp: wc.src_qp,
+            wc_flags: wc.wc_flags as u32,
+            port_num: 1,
+            ..Default::default()
+        })
+    }
+
+    /// Drains every armed CQ that has completions and notifies the driver
+    /// (the notifier thread, after rnicd's completion event).
+    pub fn notify_armed(&mut self) {
+        for h in self.cqs.handles() {
+            let armed = self.cqs.get(h).is_some_and(|c| c.ring.armed != 0);
+            if armed && self.drain_cq(h) > 0 {
+                if let Some(c) = self.cqs.get_mut(h) {
+                    c.ring.armed = 0;
+                }
+                self.cq_notify(h);
+            }
+        }
+    }
+}
+
+/// Reads and checks one send WQE: header, opcode, SGE count.
+fn read_send(
+    guest: &super::guest::Guest,
+    pages: &super::guest::PageList,
+    at: u64,
+    stride: u32,
+    max_sge: u32,
+) -> Result<(SqWqeHdr, Vec<Sge>), Errno> {
+    let hdr: SqWqeHdr = guest.read(pages.gpa(at, stride as u64)?)?;
+    if hdr.num_sge > max_sge {
+        return Err(Errno::E2BIG);
+    }
+    match hdr.opcode {
+        wr_opcode::RDMA_WRITE
+        | wr_opcode::RDMA_WRITE_WITH_IMM
+        | wr_opcode::SEND
+        | wr_opcode::SEND_WITH_IMM
+        | wr_opcode::RDMA_READ
+        | wr_opcode::ATOMIC_CMP_AND_SWP
+        | wr_opcode::ATOMIC_FETCH_AND_ADD => {}
+        _ => return Err(Errno::ENOSYS),
+    }
+    let base = pages.gpa(at, stride as u64)?;
+    let sges = (0..hdr.num_sge as u64).map(|k| guest.read::<Sge>(base + 80 + k * 16)).collect::<Result<Vec<_>, _>>()?;
+    Ok((hdr, sges))
+}
+
+/// Reads and checks one receive WQE.
+fn read_recv(
+    guest: &super::guest::Guest,
+    pages: &super::guest::PageList,
+    at: u64,
+    stride: u32,
+    max_sge: u32,
+) -> Result<(RqWqeHdr, Vec<Sge>), Errno> {
+    let base = pages.gpa(at, stride as u64)?;
+    let hdr: RqWqeHdr = guest.read(base)?;
+    if hdr.num_sge > max_sge {
+        return Err(Errno::E2BIG);
+    }
+    let sges = (0..hdr.num_sge as u64).map(|k| guest.read::<Sge>(base + 16 + k * 16)).collect::<Result<Vec<_>, _>>()?;
+    Ok((hdr, sges))
+}
+
+pub(crate) fn sge_slice(s: &[Sge]) -> &[verbs::Sge] {
+    // SAFETY: pvrdma_abi::Sge and rnic's Sge are both repr(C) {u64, u32, u32}
+    // (asserted below), so a slice of one is a slice of the other.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const verbs::Sge, s.len()) }
+}
+const _: () = assert!(std::mem::size_of::<verbs::Sge>() == std::mem::size_of::<Sge>());
+const _: () = assert!(std::mem::align_of::<verbs::Sge>() == std::mem::align_of::<Sge>());
+
+/// The rnicd WR for a copied guest WQE; its wr_id is the device's sequence.
+pub(crate) fn to_send_wr(o: &OutSend) -> SendWr<'_> {
+    let h = &o.hdr;
+    let sg = sge_slice(&o.sges);
+    let mut wr = match h.opcode {
+        wr_opcode::RDMA_WRITE | wr_opcode::RDMA_WRITE_WITH_IMM => {
+            let r = h.wr.rdma();
+            SendWr::write(o.seq, sg, r.remote_addr, r.rkey)
+        }
+        wr_opcode::RDMA_READ => {
+            let r = h.wr.rdma();
+            SendWr::read(o.seq, sg, r.remote_addr, r.rkey)
+        }
+        wr_opcode::ATOMIC_CMP_AND_SWP => {
+            let a = h.wr.atomic();
+            SendWr::cmp_swap(o.seq, sg, a.remote_addr, a.rkey, a.compare_add, a.swap)
+        }
+        wr_opcode::ATOMIC_FETCH_AND_ADD => {
+            let a = h.wr.atomic();
+            SendWr::fetch_add(o.seq, sg, a.remote_addr, a.rkey, a.compare_add)
+        }
+        _ => SendWr::send(o.seq, sg),
+    };
+    if matches!(h.opcode, wr_opcode::RDMA_WRITE_WITH_IMM | wr_opcode::SEND_WITH_IMM) {
+        // The guest posts immediate data big endian (__be32); rnicd takes it
+        // in host order.
+        wr = wr.with_imm(u32::from_be(h.ex));
+    }
+    debug_assert!(matches!(
+        wr.opcode,
+        WrOpcode::RdmaWrite
+            | WrOpcode::RdmaWriteImm
+            | WrOpcode::Send
+            | WrOpcode::SendImm
+            | WrOpcode::RdmaRead
+            | WrOpcode::AtomicCmpSwp
+            | WrOpcode::AtomicFetchAdd
+    ));
+    let mut flags = 0u8;
+    if h.send_flags & ib_send::SIGNALED != 0 {
+        flags |= verbs::send_flags::SIGNALED;
+    }
+    if h.send_flags & ib_send::FENCE != 0 {
+        flags |= verbs::send_flags::FENCE;
+    }
+    if h.send_flags & ib_send::SOLICITED != 0 {
+        flags |= verbs::send_flags::SOLICITED;
+    }
+    wr.flags = flags;
+    wr
+}
+
+/// The CQE opcode of a send WQE's completion.
+fn send_wc_opcode(op: u32) -> u32 {
+    match op {
+        wr_opcode::RDMA_WRITE | wr_opcode::RDMA_WRITE_WITH_IMM => wc_opcode::RDMA_WRITE,
+        wr_opcode::RDMA_READ => wc_opcode::RDMA_READ,
+        wr_opcode::ATOMIC_CMP_AND_SWP => wc_opcode::COMP_SWAP,
+        wr_opcode::ATOMIC_FETCH_AND_ADD => wc_opcode::FETCH_ADD,
+        _ => wc_opcode::SEND,
+    }
+}

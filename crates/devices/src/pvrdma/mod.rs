@@ -1,0 +1,367 @@
+//! A VMware PVRDMA device (the interface of Linux's `vmw_pvrdma` driver,
+//! version 20) whose backend is one RDMA namespace of the host's rnicd.
+//! See docs/pvrdma.md.
+//!
+//! The VM is one namespace on its host's rnicd, whose GID is the VM's own
+//! address: the QPNs, lkeys and rkeys the guest sees are the namespace's own
+//! (no translation), so what a peer learns stays true after a move. Memory
+//! regions are ranges of the guest RAM memfd that rnicd maps itself: the vmm
+//! never copies payload.
+//!
+//! Threading: the vCPU thread runs commands and doorbells inline (datapath.rs).
+//! One notifier thread per device waits for rnicd's completion events and
+//! turns them into CQ notifications for armed CQs. All state sits behind one
+//! lock.
+
+mod cmd;
+mod config;
+mod datapath;
+mod dev;
+mod guest;
+mod objects;
+mod persist;
+
+pub use config::PvrdmaConfig;
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use pvrdma_abi as abi;
+use serde_json::json;
+
+use crate::bus::BusDevice;
+use crate::pci::{Bar, PciConfig, PciFunction};
+use crate::{GuestMemory, Lifecycle};
+use dev::{Backend, Dev, DevState, MSIX_VECTORS, UAR_PAGES};
+use guest::Guest;
+
+/// Error numbers the device reports in ERR and `hdr.err` (Linux errno values,
+/// spelled as in C).
+#[allow(clippy::upper_case_acronyms)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Errno {
+    EPERM = 1,
+    ENOENT = 2,
+    EIO = 5,
+    E2BIG = 7,
+    ENOMEM = 12,
+    EFAULT = 14,
+    EBUSY = 16,
+    EINVAL = 22,
+    ENOSPC = 28,
+    ERANGE = 34,
+    ENOSYS = 38,
+}
+
+impl Errno {
+    fn from_u8(v: u8) -> Errno {
+        use Errno::*;
+        [EPERM, ENOENT, EIO, E2BIG, ENOMEM, EFAULT, EBUSY, EINVAL, ENOSPC, ERANGE, ENOSYS]
+            .into_iter()
+            .find(|e| *e as u8 == v)
+            .unwrap_or(EINVAL)
+    }
+}
+
+fn lock(m: &Mutex<Dev>) -> MutexGuard<'_, Dev> {
+    // A panic elsewhere must not take the device down with it.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sizes of the three regions (each a power of two).
+pub const MSIX_BAR_SIZE: u64 = abi::MSIX_BAR_SIZE;
+pub const REG_BAR_SIZE: u64 = abi::REG_BAR_SIZE;
+pub const UAR_BAR_SIZE: u64 = UAR_PAGES * 4096;
+/// Bytes of MMIO one device takes from an address aligned to `BAR_ALIGN`.
+pub const BAR_SPAN: u64 = UAR_BAR_SIZE + MSIX_BAR_SIZE + REG_BAR_SIZE;
+pub const BAR_ALIGN: u64 = UAR_BAR_SIZE;
+
+/// The PCI function: configuration space, the device state and its
+/// notifier thread.
+pub struct Pvrdma {
+    name: String,
+    shared: Arc<Mutex<Dev>>,
+    pci: PciConfig,
+    stop: Arc<AtomicBool>,
+    notifier: Option<JoinHandle<()>>,
+}
+
+/// One of the device's BARs on the MMIO bus.
+pub struct PvrdmaBar {
+    shared: Arc<Mutex<Dev>>,
+    slot: usize,
+}
+
+impl Pvrdma {
+    /// A device in namespace `cfg.gid` of the rnicd at `cfg.rnicd` (or the one
+    /// found in this network namespace), reaching guest RAM `mem` (whose
+    /// memfd, sealed against shrinking, is `ram_memfd`). Its BARs start at
+    /// `bar_base`, aligned to [`BAR_ALIGN`].
+    pub fn new(cfg: PvrdmaConfig, mem: GuestMemory, ram_memfd: OwnedFd, bar_base: u64) -> Result<Pvrdma, String> {
+        if !bar_base.is_multiple_of(BAR_ALIGN) {
+            return Err(format!("BAR base {bar_base:#x} is not aligned to {BAR_ALIGN:#x}"));
+        }
+        let ram = verbs::MemBuf::from_memfd(ram_memfd).map_err(|e| format!("guest RAM for rnicd: {e:#}"))?;
+        let ctx =
+            verbs::Context::open_namespace(cfg.rnicd.as_deref(), cfg.gid).map_err(|e| format!("rnicd namespace {}: {e:#}", cfg.gid))?;
+        let channel = ctx.create_comp_channel().map_err(|e| format!("rnicd completion channel: {e:#}"))?;
+        let ram_size = ram.len() as u64;
+        let be = Backend { ctx, ram: Arc::new(ram), channel: Arc::new(channel) };
+        let shared = Arc::new(Mutex::new(Dev::new(cfg.name.clone(), cfg.gid, Guest { mem }, ram_size, be)));
+        let mut pci = PciConfig::new(abi::PCI_VENDOR_ID_VMWARE, abi::PCI_DEVICE_ID_VMWARE_PVRDMA, 0x02, 0x80, 0);
+        pci.set_bar64(abi::transit::BAR_SLOT_UAR, Bar { addr: bar_base, size: UAR_BAR_SIZE });
+        pci.set_bar64(abi::transit::BAR_SLOT_MSIX, Bar { addr: bar_base + UAR_BAR_SIZE, size: MSIX_BAR_SIZE });
+        pci.set_bar64(abi::transit::BAR_SLOT_REG, Bar { addr: bar_base + UAR_BAR_SIZE + MSIX_BAR_SIZE, size: REG_BAR_SIZE });
+        let stop = Arc::new(AtomicBool::new(false));
+        let notifier = {
+            let (shared, stop) = (shared.clone(), stop.clone());
+            let channel = lock(&shared).be.channel.clone();
+            std::thread::Builder::new()
+                .name(format!("pvrdma-{}", cfg.name))
+                .spawn(move || notifier(shared, channel, stop))
+                .map_err(|e| format!("notifier thread: {e}"))?
+        };
+        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier) })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The BARs to put on the MMIO bus: (device, address, size).
+    pub fn bars(&self) -> Vec<(Arc<Mutex<PvrdmaBar>>, u64, u64)> {
+        [abi::transit::BAR_SLOT_MSIX, abi::transit::BAR_SLOT_REG, abi::transit::BAR_SLOT_UAR]
+            .into_iter()
+            .map(|slot| {
+                let b = self.pci.bar(slot).expect("declared in new");
+                (Arc::new(Mutex::new(PvrdmaBar { shared: self.shared.clone(), slot })), b.addr, b.size)
+            })
+            .collect()
+    }
+
+    /// `query-pvrdma`: objects, QP states and counters.
+    pub fn query(&self) -> serde_json::Value {
+        let d = lock(&self.shared);
+        let qps: Vec<_> = d
+            .qps
+            .iter()
+            .map(|(h, q)| {
+                let state = q.qp.state().map(|s| format!("{s:?}").to_uppercase()).unwrap_or_else(|e| format!("unknown ({e})"));
+                json!({
+                    "handle": h, "qpn": q.info.qpn, "state": state, "broken": q.info.broken,
+                    "send_cq": q.info.send_cq, "recv_cq": q.info.recv_cq,
+                    "sq_outstanding": q.info.sq_out.len(), "rq_outstanding": q.info.rq_out.len(),
+                })
+            })
+            .collect();
+        let mrs: Vec<_> = d
+            .mrs
+            .iter()
+            .map(|(h, m)| json!({"handle": h, "key": m.info.key, "start": m.info.start, "length": m.info.length, "gpa": m.info.gpa}))
+            .collect();
+        json!({
+            "name": d.name,
+            "gid": d.gid.to_string(),
+            "state": format!("{:?}", d.regs.state).to_lowercase(),
+            "paused": d.paused,
+            "objects": {
+                "contexts": d.ucs.len(), "pds": d.pds.len(), "mrs": d.mrs.len(),
+                "cqs": d.cqs.len(), "qps": d.qps.len(),
+            },
+            "qps": qps,
+            "mrs": mrs,
+            "counters": serde_json::to_value(&d.counters).unwrap_or_default(),
+        })
+    }
+}
+
+/// Waits for rnicd's completion events and notifies armed CQs.
+fn notifier(shared: Arc<Mutex<Dev>>, channel: Arc<verbs::CompChannel>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Acquire) {
+        match channel.get_cq_event(Some(Duration::from_millis(50))) {
+            Ok(true) => {
+                let mut d = lock(&shared);
+                if !d.paused && d.regs.state == DevState::Active {
+                    d.notify_armed();
+                }
+            }
+            Ok(false) => {}
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+impl PvrdmaBar {
+    fn read_reg(d: &mut Dev, offset: u64) -> u32 {
+        match offset {
+            abi::REG_VERSION => abi::VERSION_QPHANDLE,
+            abi::REG_DSRLOW => d.regs.dsr_low,
+            abi::REG_DSRHIGH => d.regs.dsr_high,
+            abi::REG_ERR => d.regs.err,
+            abi::REG_ICR => {
+                // Read to clear: with no interrupt controller the guest polls
+                // ICR, and what it read is what it handles.
+                let v = d.regs.icr;
+                d.regs.icr = 0;
+                d.regs.pba = 0;
+                v
+            }
+            abi::REG_IMR => d.regs.imr,
+            abi::REG_MACL => u32::from_le_bytes([d.regs.mac[0], d.regs.mac[1], d.regs.mac[2], d.regs.mac[3]]),
+            abi::REG_MACH => u16::from_le_bytes([d.regs.mac[4], d.regs.mac[5]]) as u32,
+            _ => 0,
+        }
+    }
+
+    fn write_reg(d: &mut Dev, offset: u64, v: u32) {
+        match offset {
+            abi::REG_DSRLOW => d.regs.dsr_low = v,
+            abi::REG_DSRHIGH => {
+                d.regs.dsr_high = v;
+                d.regs.err = match d.regs.state {
+                    DevState::Reset => d.set_dsr().err().map(|e| e as u32).unwrap_or(0),
+                    _ => Errno::EPERM as u32,
+                };
+            }
+            abi::REG_CTL => {
+                d.regs.err = match v {
+                    abi::DEVICE_CTL_ACTIVATE if d.regs.state == DevState::DsrSet => {
+                        d.regs.state = DevState::Active;
+                        0
+                    }
+                    abi::DEVICE_CTL_UNQUIESCE if d.regs.state == DevState::Active => 0,
+                    abi::DEVICE_CTL_RESET => {
+                        d.reset();
+                        0
+                    }
+                    _ => Errno::EPERM as u32,
+                };
+            }
+            abi::REG_REQUEST => d.request(),
+            abi::REG_IMR => d.regs.imr = v,
+            abi::REG_MACL => d.regs.mac[..4].copy_from_slice(&v.to_le_bytes()),
+            abi::REG_MACH => d.regs.mac[4..].copy_from_slice(&v.to_le_bytes()[..2]),
+            _ => {}
+        }
+    }
+
+    fn read_msix(d: &Dev, offset: u64) -> u32 {
+        let table_end = abi::MSIX_TABLE_OFFSET + MSIX_VECTORS as u64 * abi::MSIX_ENTRY_SIZE;
+        if (abi::MSIX_TABLE_OFFSET..table_end).contains(&offset) {
+            let e = ((offset - abi::MSIX_TABLE_OFFSET) / abi::MSIX_ENTRY_SIZE) as usize;
+            d.regs.msix[e][((offset % abi::MSIX_ENTRY_SIZE) / 4) as usize]
+        } else if offset == abi::MSIX_PBA_OFFSET {
+            d.regs.pba as u32
+        } else if offset == abi::MSIX_PBA_OFFSET + 4 {
+            (d.regs.pba >> 32) as u32
+        } else {
+            0
+        }
+    }
+
+    fn write_msix(d: &mut Dev, offset: u64, v: u32) {
+        let table_end = abi::MSIX_TABLE_OFFSET + MSIX_VECTORS as u64 * abi::MSIX_ENTRY_SIZE;
+        if (abi::MSIX_TABLE_OFFSET..table_end).contains(&offset) {
+            let e = ((offset - abi::MSIX_TABLE_OFFSET) / abi::MSIX_ENTRY_SIZE) as usize;
+            d.regs.msix[e][((offset % abi::MSIX_ENTRY_SIZE) / 4) as usize] = v;
+        }
+    }
+}
+
+impl BusDevice for PvrdmaBar {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        // 32-bit registers only; other sizes or misaligned reads see zeros.
+        if data.len() != 4 || !offset.is_multiple_of(4) {
+            data.fill(0);
+            return;
+        }
+        let mut d = lock(&self.shared);
+        let v = match self.slot {
+            abi::transit::BAR_SLOT_REG => Self::read_reg(&mut d, offset),
+            abi::transit::BAR_SLOT_MSIX => Self::read_msix(&d, offset),
+            _ => 0, // doorbells read as zero
+        };
+        data.copy_from_slice(&v.to_le_bytes());
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        let Ok(b) = <[u8; 4]>::try_from(data) else { return };
+        if !offset.is_multiple_of(4) {
+            return;
+        }
+        let v = u32::from_le_bytes(b);
+        let mut d = lock(&self.shared);
+        match self.slot {
+            abi::transit::BAR_SLOT_REG => Self::write_reg(&mut d, offset, v),
+            abi::transit::BAR_SLOT_MSIX => Self::write_msix(&mut d, offset, v),
+            _ => d.doorbell(offset % 4096, v),
+        }
+    }
+}
+
+impl PciFunction for Pvrdma {
+    fn pci_config(&mut self) -> &mut PciConfig {
+        &mut self.pci
+    }
+}
+
+impl Lifecycle for Pvrdma {
+    /// Suspends every QP in rnicd (the peer hears RNR NAKs, never an error)
+    /// and moves the completions rnicd already made into the guest's CQs (or
+    /// the device's pending lists): afterwards nothing touches guest memory.
+    fn pause(&mut self) {
+        let mut d = lock(&self.shared);
+        if d.paused {
+            return;
+        }
+        // Only connected QPs have a transport to suspend; the others hold
+        // nothing but their attributes and posted WQEs.
+        let live: Vec<u32> = d
+            .qps
+            .iter()
+            .filter(|(_, q)| matches!(q.qp.state(), Ok(verbs::QpState::Rtr | verbs::QpState::Rts | verbs::QpState::Sqd)))
+            .map(|(h, _)| *h)
+            .collect();
+        let qps: Vec<&verbs::Qp> = live.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
+        if let Err(e) = d.be.ctx.suspend_qps(&qps) {
+            tracing::warn!("pvrdma {}: suspending QPs: {e:#}", d.name);
+        }
+        d.suspended = live;
+        for h in d.cqs.handles() {
+            while d.drain_cq(h) > 0 {}
+            d.pull_cq(h);
+        }
+        d.paused = true;
+    }
+
+    /// Resumes the QPs (also after a restore, where they were created
+    /// suspended), then serves doorbells again.
+    fn resume(&mut self) {
+        let mut d = lock(&self.shared);
+        if !d.paused {
+            return;
+        }
+        let suspended = std::mem::take(&mut d.suspended);
+        let qps: Vec<&verbs::Qp> = suspended.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
+        if let Err(e) = d.be.ctx.resume_qps(&qps) {
+            tracing::warn!("pvrdma {}: resuming QPs: {e:#}", d.name);
+        }
+        d.paused = false;
+        for h in d.cqs.handles() {
+            d.drain_cq(h);
+        }
+    }
+}
+
+impl Drop for Pvrdma {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.notifier.take() {
+            let _ = t.join();
+        }
+    }
+}

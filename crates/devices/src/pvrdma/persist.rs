@@ -1,0 +1,201 @@
+//! Save and restore of the device through `Persist`.
+//!
+//! Saved: the guest-visible registers and MSI-X table, the DSR and its event
+//! rings' producer indices, the GID table, every object (PDs; MRs with their
+//! keys, I/O addresses and RAM offsets; CQ rings with their producer index,
+//! arming and completions not yet in the guest ring; QPs with their rings'
+//! consumer indices, the device's copies of outstanding WQEs and, for
+//! connected QPs, rnicd's runtime state from query-suspended).
+//!
+//! `save` needs a paused device (Lifecycle::pause suspended the QPs and took
+//! every completion out of rnicd). `restore` builds the objects again in this
+//! device's namespace with the same QPNs and keys, creates connected QPs
+//! suspended from their states, reposts the outstanding WQEs rnicd had not
+//! retired, in order, and leaves the device paused: `resume` resumes the QPs.
+
+use pvrdma_abi::ib;
+use serde::{Deserialize, Serialize};
+use snapshot::{Persist, Result, Section, StateError};
+use verbs::{QpSnapshot, RecvWr};
+
+use super::dev::{Counters, Dev, DsrInfo, Regs};
+use super::objects::{Cq, CqRing, Mr, MrInfo, Pd, Qp, QpInfo, Uc};
+use super::{lock, Pvrdma};
+
+const VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+struct SavedQp {
+    handle: u32,
+    info: QpInfo,
+    /// rnicd's runtime state of a connected (suspended) QP.
+    state: Option<QpSnapshot>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Saved {
+    gid: std::net::Ipv4Addr,
+    regs: Regs,
+    dsr: Option<DsrInfo>,
+    gids: Vec<(u32, [u8; 16])>,
+    ucs: Vec<(u32, Uc)>,
+    pds: Vec<(u32, u32)>,
+    mrs: Vec<(u32, MrInfo)>,
+    cqs: Vec<(u32, CqRing)>,
+    qps: Vec<SavedQp>,
+    counters: Counters,
+}
+
+impl Persist for Pvrdma {
+    fn state_name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn save(&self) -> Result<Section> {
+        let d = lock(&self.shared);
+        let err = |why: String| StateError::Mismatch { name: self.name.clone(), why };
+        if !d.paused && d.qps.len() > 0 {
+            return Err(err("the device must be paused (QPs suspended) before its state is taken".into()));
+        }
+        let mut qps = Vec::new();
+        for (h, q) in d.qps.iter() {
+            let state = if d.suspended.contains(h) {
+                let s = d.be.ctx.query_qp_states(&[&q.qp]).map_err(|e| err(format!("QP {:#x}: {e:#}", q.info.qpn)))?;
+                s.into_iter().next()
+            } else {
+                None
+            };
+            qps.push(SavedQp { handle: *h, info: q.info.clone(), state });
+        }
+        let saved = Saved {
+            gid: d.gid,
+            regs: d.regs.clone(),
+            dsr: d.dsr.clone(),
+            gids: d.gids.iter().map(|(k, v)| (*k, *v)).collect(),
+            ucs: d.ucs.iter().map(|(h, u)| (*h, u.clone())).collect(),
+            pds: d.pds.iter().map(|(h, p)| (*h, p.ctx_handle)).collect(),
+            mrs: d.mrs.iter().map(|(h, m)| (*h, m.info.clone())).collect(),
+            cqs: d.cqs.iter().map(|(h, c)| (*h, c.ring.clone())).collect(),
+            qps,
+            counters: d.counters.clone(),
+        };
+        Ok(Section::encode(&self.name, VERSION, &saved))
+    }
+
+    fn restore(&mut self, section: &Section) -> Result<()> {
+        let name = self.name.clone();
+        let saved: Saved = section.decode(VERSION)?;
+        let err = |why: String| StateError::Mismatch { name: name.clone(), why };
+        let mut d = lock(&self.shared);
+        if saved.gid != d.gid {
+            return Err(err(format!("the state is of GID {}, this device is {}", saved.gid, d.gid)));
+        }
+        d.reset();
+        let r = restore_into(&mut d, saved).map_err(err);
+        if r.is_err() {
+            d.reset();
+        }
+        r
+    }
+}
+
+fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
+    if s.regs.msix.len() != d.regs.msix.len() {
+        return Err("MSI-X table of another size".into());
+    }
+    d.regs = s.regs;
+    d.dsr = s.dsr;
+    d.gids = s.gids.into_iter().collect();
+    d.counters = s.counters;
+    for (h, u) in s.ucs {
+        d.ucs.insert(h, u);
+    }
+    for (h, ctx_handle) in s.pds {
+        let pd = d.be.ctx.alloc_pd().map_err(|e| format!("PD {h}: {e:#}"))?;
+        d.pds.insert(h, Pd { ctx_handle, pd });
+    }
+    for (h, info) in s.mrs {
+        let pd = d.pds.get(info.pd_handle).ok_or(format!("MR {h} names a missing PD"))?;
+        if info.gpa.checked_add(info.length).is_none_or(|e| e > d.ram_size) {
+            return Err(format!("MR {h} lies outside guest RAM"));
+        }
+        let mr = pd
+            .pd
+            .reg_mr_at(&d.be.ram, info.gpa as usize, info.length as usize, info.access, Some(info.key), info.start)
+            .map_err(|e| format!("MR {h} (key {:#x}): {e:#}", info.key))?;
+        d.mrs.insert(h, Mr { info, _mr: mr });
+    }
+    for (h, ring) in s.cqs {
+        let cq = d.be.ctx.create_cq(ring.entries, Some(&d.be.channel)).map_err(|e| format!("CQ {h}: {e:#}"))?;
+        if ring.armed != 0 {
+            cq.req_notify(ring.armed == pvrdma_abi::CQ_FLAG_ARMED_SOL);
+        }
+        d.cqs.insert(h, Cq { ring, cq });
+    }
+    let mut suspended = Vec::new();
+    for sq in s.qps {
+        let pd = d.pds.get(sq.info.pd_handle).ok_or(format!("QP {} names a missing PD", sq.handle))?;
+        let (scq, rcq) = match (d.cqs.get(sq.info.send_cq), d.cqs.get(sq.info.recv_cq)) {
+            (Some(a), Some(b)) => (a, b),
+            _ => return Err(format!("QP {} names a missing CQ", sq.handle)),
+        };
+        let mut init = verbs::QpInitAttr::new(&scq.cq, &rcq.cq);
+        init.cap = verbs::QpCap {
+            max_send_wr: sq.info.sq.wqe_cnt,
+            max_recv_wr: sq.info.rq.wqe_cnt,
+            max_send_sge: sq.info.sq.max_sge,
+            max_recv_sge: sq.info.rq.max_sge,
+            max_inline_data: 0,
+        };
+        init.sq_sig_all = sq.info.sq_sig_all;
+        let mut info = sq.info;
+        let qp = match &sq.state {
+            Some(state) => {
+                if state.qpn != info.qpn {
+                    return Err(format!("QP {}: state of QPN {:#x} for QPN {:#x}", sq.handle, state.qpn, info.qpn));
+                }
+                let qp = pd.pd.create_qp_suspended(&init, state).map_err(|e| format!("QP {:#x}: {e:#}", info.qpn))?;
+                // rnicd retired the WQEs below these counts; the rest are
+                // posted again, in their order, before the QP resumes.
+                let (sq_done, rq_done) = (state.runtime.sq_retired, state.runtime.rq_retired);
+                info.sq_out.retain(|o| o.seq >= sq_done);
+                info.rq_out.retain(|o| o.seq >= rq_done);
+                suspended.push(sq.handle);
+                qp
+            }
+            None => {
+                let qp = pd.pd.create_qp_with_qpn(&init, info.qpn).map_err(|e| format!("QP {:#x}: {e:#}", info.qpn))?;
+                if info.attr.qp_state == ib::qp_state::INIT || info.attr.qp_state == ib::qp_state::ERR {
+                    let a = verbs::QpAttr {
+                        qp_state: super::cmd::qp_state_from_ib(info.attr.qp_state).unwrap_or(verbs::QpState::Init),
+                        qp_access_flags: info.attr.qp_access_flags & 0xf,
+                        port_num: 1,
+                        ..Default::default()
+                    };
+                    let mask = verbs::mask::STATE | verbs::mask::ACCESS_FLAGS | verbs::mask::PORT | verbs::mask::PKEY_INDEX;
+                    if a.qp_state == verbs::QpState::Err {
+                        // An errored QP only flushes; if rnicd will not put a
+                        // fresh QP in ERR, the guest finds it in RESET.
+                        let _ = qp.modify(&a, verbs::mask::STATE);
+                    } else {
+                        qp.modify(&a, mask).map_err(|e| format!("QP {:#x} to INIT: {e:#}", info.qpn))?;
+                    }
+                }
+                qp
+            }
+        };
+        let recvs: Vec<RecvWr> =
+            info.rq_out.iter().map(|o| RecvWr { wr_id: o.seq, sg_list: super::datapath::sge_slice(&o.sges) }).collect();
+        if !recvs.is_empty() {
+            qp.post_recv_quiet(&recvs).map_err(|e| format!("QP {:#x}: reposting receives: {e:#}", info.qpn))?;
+        }
+        let sends: Vec<verbs::SendWr> = info.sq_out.iter().map(super::datapath::to_send_wr).collect();
+        if !sends.is_empty() {
+            qp.post_send(&sends).map_err(|e| format!("QP {:#x}: reposting sends: {e:#}", info.qpn))?;
+        }
+        d.qps.insert(sq.handle, Qp { info, qp });
+    }
+    d.suspended = suspended;
+    d.paused = true;
+    Ok(())
+}

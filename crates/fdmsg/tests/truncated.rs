@@ -1,0 +1,73 @@
+//! Messages that do not arrive whole are errors, and leave no descriptor open.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+
+fn pair() -> (OwnedFd, OwnedFd) {
+    socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap()
+}
+
+/// Tests count this process's descriptors: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[test]
+fn whole_message_with_fds_arrives() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair();
+    let f = std::fs::File::open("/proc/self/exe").unwrap();
+    fdmsg::send(&a, &serde_json::json!({"op": "hello", "n": 7}), &[f.as_raw_fd()]).unwrap();
+    let (v, fds): (serde_json::Value, _) = fdmsg::recv_json(&b).unwrap().unwrap();
+    assert_eq!(v["n"], 7);
+    assert_eq!(fds.len(), 1);
+    drop(a);
+    assert!(fdmsg::recv_json::<serde_json::Value>(&b).unwrap().is_none(), "end of stream");
+}
+
+#[test]
+fn truncated_data_is_an_error() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair();
+    let f = std::fs::File::open("/proc/self/exe").unwrap();
+    let before = open_fds();
+    fdmsg::send_bytes(&a, &[b'x'; 100], &[f.as_raw_fd()]).unwrap();
+    let mut small = [0u8; 10];
+    let e = fdmsg::recv(&b, &mut small).unwrap_err();
+    assert!(matches!(e, fdmsg::Error::Truncated(10)), "{e}");
+    assert_eq!(open_fds(), before, "the descriptor that came with it is closed");
+    // The next message is read whole: the cut one did not leave a tail.
+    fdmsg::send(&a, &"next", &[]).unwrap();
+    let (v, _): (String, _) = fdmsg::recv_json(&b).unwrap().unwrap();
+    assert_eq!(v, "next");
+}
+
+#[test]
+fn too_many_fds_is_an_error_and_closes_them() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair();
+    let files: Vec<_> = (0..fdmsg::MAX_FDS + 3).map(|_| std::fs::File::open("/proc/self/exe").unwrap()).collect();
+    let raw: Vec<_> = files.iter().map(|f| f.as_raw_fd()).collect();
+    // The sender refuses to send more than MAX_FDS...
+    assert!(matches!(fdmsg::send(&a, &1, &raw), Err(fdmsg::Error::TooManyFds { .. })));
+    // ...and a receiver refuses them from a peer that does not.
+    let iov = [std::io::IoSlice::new(b"1")];
+    let cm = [nix::sys::socket::ControlMessage::ScmRights(&raw)];
+    nix::sys::socket::sendmsg::<()>(a.as_raw_fd(), &iov, &cm, nix::sys::socket::MsgFlags::empty(), None).unwrap();
+    let before = open_fds();
+    let mut buf = [0u8; 64];
+    let e = fdmsg::recv(&b, &mut buf).unwrap_err();
+    assert!(matches!(e, fdmsg::Error::TooManyFds { n } if n == fdmsg::MAX_FDS + 3), "{e}");
+    assert_eq!(open_fds(), before, "every received descriptor is closed");
+}
+
+#[test]
+fn oversized_message_is_refused_by_the_sender() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, _b) = pair();
+    let big = vec![0u8; fdmsg::MAX_MSG + 1];
+    assert!(matches!(fdmsg::send_bytes(&a, &big, &[]), Err(fdmsg::Error::TooLarge(_))));
+}

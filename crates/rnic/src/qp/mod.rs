@@ -1,0 +1,354 @@
+//! RC queue pairs, split as IBTA and Linux rxe split them:
+//!
+//! - [`state`](self::state): the state machine (`modify`, reset, error and flush);
+//! - [`requester`](self::requester): turns send WQEs into request packets
+//!   (regenerated from client memory on every retransmission, as a NIC
+//!   re-DMAs), its window, retransmission timer and loss probe;
+//! - [`completer`](self::completer): consumes ACKs, NAKs and READ/atomic
+//!   responses and completes send WQEs in order;
+//! - [`responder`](self::responder): checks and executes incoming requests in
+//!   the spec's order and queues its responses (ACKs, READ responses, atomic
+//!   ACKs, NAKs) in PSN order, so that a coalesced ACK never overtakes a READ
+//!   response;
+//! - [`snapshot`](self::snapshot): suspend, query, restore and resume (seed 000).
+//!
+//! This module holds the QP itself, its queues and the rings it pulls WQEs
+//! from. Everything the transport needs to carry on lives in [`QpRuntime`],
+//! one plain serialisable struct, so that a QP can be suspended, exported
+//! and recreated elsewhere.
+
+mod completer;
+mod requester;
+mod responder;
+mod snapshot;
+mod state;
+
+use std::collections::VecDeque;
+use std::net::Ipv4Addr;
+use std::time::Instant;
+
+use crate::mem::Mapping;
+use crate::objects::{ClientId, Cq, IdMap, MrTable, Stats, Tx};
+use crate::ring::{Cqe, RecvWqe, Ring, SendWqe, Sge, MAX_INLINE, MAX_SGE};
+use crate::types::{send_flags, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode};
+use crate::wire::{self, psn_add, Flow, Packet, ROCE_PORT};
+
+pub use crate::qp_snapshot::{QpRuntime, QpSnapshot, RespJob, WriteCtx, QP_SNAPSHOT_VERSION};
+pub use requester::{WINDOW, WINDOW_BYTES};
+
+/// Largest message (bytes) a WQE or a request may describe.
+pub const MAX_MSG: u64 = 1 << 30;
+/// Atomic results kept for replaying duplicates.
+const ATOMIC_REPLAY: usize = 16;
+/// Queued responses per QP before we stop accepting READs (bounded memory).
+const MAX_RESP_QUEUE: usize = 256;
+/// First span of a loss recovery (packets): a lost UDP GSO batch is up to ~60.
+const RECOVERY_FIRST: u32 = 64;
+
+/// A send WQE the QP has taken from its ring.
+struct SqEntry {
+    wqe: SendWqe,
+    op: WrOpcode,
+    len: u64,
+    first_psn: u32,
+    npkts: u32,
+    signaled: bool,
+}
+
+impl SqEntry {
+    fn last_psn(&self) -> u32 {
+        psn_add(self.first_psn, self.npkts - 1)
+    }
+    fn sges(&self) -> &[Sge] {
+        &self.wqe.sge[..self.wqe.num_sge as usize]
+    }
+}
+
+pub struct Ctx<'a> {
+    pub gid: Ipv4Addr,
+    pub mrs: &'a MrTable,
+    pub cqs: &'a mut IdMap<Cq>,
+    pub tx: &'a mut Tx,
+    pub stats: &'a mut Stats,
+    pub now: Instant,
+}
+
+impl Ctx<'_> {
+    fn complete(&mut self, cq: u32, cqe: Cqe, solicited: bool) {
+        if let Some(c) = self.cqs.get_mut(&cq) {
+            c.push(&cqe, solicited, self.stats);
+        }
+    }
+}
+
+pub struct Qp {
+    pub qpn: u32,
+    pub owner: ClientId,
+    pub pd: u32,
+    pub send_cq: u32,
+    pub recv_cq: u32,
+    pub sq_sig_all: bool,
+    pub cap: QpCap,
+    pub attr: QpAttr,
+    pub sport: u16,
+    pub rt: QpRuntime,
+    sq_ring: Ring<SendWqe>,
+    rq_ring: Ring<RecvWqe>,
+    _maps: (Mapping, Mapping),
+    sq: VecDeque<SqEntry>,
+    rq: VecDeque<RecvWqe>,
+    /// Index in `sq` of the WQE holding `tx_psn`.
+    tx_idx: usize,
+    /// READ/atomic WQEs in sq[..tx_idx] (against max_rd_atomic).
+    rd_outstanding: usize,
+    retrans_deadline: Option<Instant>,
+    /// Loss probe: go back N after a few round trips without progress,
+    /// long before the IB timeout, without counting a retry (below).
+    probe_deadline: Option<Instant>,
+    probe_backoff: u32,
+    /// Smoothed round trip and its variation (µs), from ACKed new packets.
+    srtt_us: f64,
+    rttvar_us: f64,
+    /// A new packet being timed: (PSN, sent at).
+    rtt_sample: Option<(u32, Instant)>,
+    rnr_until: Option<Instant>,
+    /// Avoids rewinding again for the same gap while a rewind is under way.
+    last_rewind: Option<u32>,
+    /// `una` when the congestion window last grew.
+    cwnd_una: u32,
+    /// After a sequence NAK or a loss probe: resend at most this many
+    /// packets past `una` until an ACK comes. A peer that kept what arrived
+    /// after the gap (as rnicd does) then acknowledges it all at once and the
+    /// rest of the go-back-N resend is never sent; any other peer gets the
+    /// resend in spans doubling per round trip.
+    recovery: Option<u32>,
+    /// Suspended (seed 000): no host memory access, no transmission, every
+    /// incoming request answered with an RNR NAK so the peer keeps retrying.
+    pub suspended: bool,
+    /// When the last RNR NAK of a suspended QP went out.
+    suspended_nak_at: Option<Instant>,
+    /// Requests received ahead of the expected PSN, by PSN (see `hold`).
+    held: VecDeque<(u32, Packet<'static>, Vec<u8>)>,
+    held_bytes: usize,
+    /// Requester: messages sent since the last one that asked for an ACK.
+    unasked_msgs: u32,
+    /// Responder: requests were executed without an ACK; one goes out by then.
+    ack_due: Option<Instant>,
+}
+
+impl Qp {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        qpn: u32,
+        owner: ClientId,
+        pd: u32,
+        send_cq: u32,
+        recv_cq: u32,
+        sq_sig_all: bool,
+        cap: QpCap,
+        sq: (Ring<SendWqe>, Mapping),
+        rq: (Ring<RecvWqe>, Mapping),
+    ) -> Qp {
+        Qp {
+            qpn,
+            owner,
+            pd,
+            send_cq,
+            recv_cq,
+            sq_sig_all,
+            cap,
+            attr: QpAttr::default(),
+            sport: wire::source_port_for_qpn(qpn),
+            rt: QpRuntime::default(),
+            sq_ring: sq.0,
+            rq_ring: rq.0,
+            _maps: (sq.1, rq.1),
+            sq: VecDeque::new(),
+            rq: VecDeque::new(),
+            tx_idx: 0,
+            rd_outstanding: 0,
+            retrans_deadline: None,
+            probe_deadline: None,
+            probe_backoff: 0,
+            srtt_us: 0.0,
+            rttvar_us: 0.0,
+            rtt_sample: None,
+            rnr_until: None,
+            last_rewind: None,
+            cwnd_una: 0,
+            recovery: None,
+            suspended: false,
+            suspended_nak_at: None,
+            held: VecDeque::new(),
+            held_bytes: 0,
+            unasked_msgs: 0,
+            ack_due: None,
+        }
+    }
+
+    fn flow(&self, gid: Ipv4Addr) -> Flow {
+        Flow { src: gid, dst: self.attr.dest_gid, sport: self.sport, dport: ROCE_PORT }
+    }
+
+    fn mtu(&self) -> u64 {
+        self.attr.path_mtu.bytes() as u64
+    }
+
+    /// Sends up to `budget` packets: responses first, then requests.
+    pub fn transmit(&mut self, ctx: &mut Ctx, budget: &mut usize) {
+        if self.suspended {
+            return;
+        }
+        // WQEs left in the ring while the queue was full get no new doorbell.
+        if self.sq.len() < self.cap.max_send_wr as usize && self.sq_ring.ready() > 0 {
+            self.pull_sq(ctx);
+        }
+        self.responder_tx(ctx, budget);
+        self.requester_tx(ctx, budget);
+    }
+
+    /// Takes new send WQEs from the shared ring (bounded by max_send_wr).
+    pub fn pull_sq(&mut self, ctx: &mut Ctx) {
+        if self.suspended {
+            return;
+        }
+        let st = self.attr.qp_state;
+        if !matches!(st, QpState::Rts | QpState::Sqd | QpState::Err) {
+            return;
+        }
+        while st == QpState::Err || self.sq.len() < self.cap.max_send_wr as usize {
+            let Some(w) = self.sq_ring.pop() else { break };
+            match self.validate_send(&w) {
+                Ok((op, len)) if st != QpState::Err => {
+                    let mtu = self.mtu();
+                    let npkts = if op.is_atomic() { 1 } else { len.div_ceil(mtu).max(1) as u32 };
+                    let e = SqEntry {
+                        wqe: w,
+                        op,
+                        len,
+                        first_psn: self.rt.next_psn,
+                        npkts,
+                        signaled: self.sq_sig_all || w.flags & send_flags::SIGNALED != 0,
+                    };
+                    self.rt.next_psn = psn_add(self.rt.next_psn, npkts);
+                    self.sq.push_back(e);
+                }
+                r => {
+                    let status = if st == QpState::Err { WcStatus::WrFlushErr } else { WcStatus::LocQpOpErr };
+                    if r.is_err() {
+                        ctx.stats.bad_wqes += 1;
+                    }
+                    let cqe = Cqe {
+                        wr_id: w.wr_id,
+                        qp_num: self.qpn,
+                        status: status as u8,
+                        opcode: WcOpcode::for_wr(WrOpcode::from_u8(w.opcode).unwrap_or(WrOpcode::Send)) as u8,
+                        ..Default::default()
+                    };
+                    ctx.complete(self.send_cq, cqe, false);
+                    if st != QpState::Err {
+                        self.to_error(ctx);
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn validate_send(&self, w: &SendWqe) -> Result<(WrOpcode, u64), ()> {
+        let op = WrOpcode::from_u8(w.opcode).ok_or(())?;
+        let len = if w.flags & send_flags::INLINE != 0 {
+            if w.inline_len as usize > MAX_INLINE || w.inline_len > self.cap.max_inline_data || op.is_read_or_atomic() {
+                return Err(());
+            }
+            w.inline_len as u64
+        } else {
+            if w.num_sge as usize > MAX_SGE || w.num_sge as u32 > self.cap.max_send_sge.max(1) {
+                return Err(());
+            }
+            w.sge[..w.num_sge as usize].iter().map(|s| s.length as u64).sum()
+        };
+        if len > MAX_MSG || (op.is_atomic() && len != 8) {
+            return Err(());
+        }
+        Ok((op, len))
+    }
+
+    /// Takes new receive WQEs from the shared ring.
+    pub fn pull_rq(&mut self, ctx: &mut Ctx) {
+        if self.suspended {
+            return;
+        }
+        let st = self.attr.qp_state;
+        if st == QpState::Reset {
+            return;
+        }
+        while self.rq.len() < self.cap.max_recv_wr as usize || st == QpState::Err {
+            let Some(r) = self.rq_ring.pop() else { break };
+            if st == QpState::Err || r.num_sge as usize > MAX_SGE {
+                if st != QpState::Err {
+                    ctx.stats.bad_wqes += 1;
+                }
+                let cqe = Cqe {
+                    wr_id: r.wr_id,
+                    qp_num: self.qpn,
+                    status: if st == QpState::Err { WcStatus::WrFlushErr } else { WcStatus::LocQpOpErr } as u8,
+                    opcode: WcOpcode::Recv as u8,
+                    ..Default::default()
+                };
+                ctx.complete(self.recv_cq, cqe, false);
+                continue;
+            }
+            self.rq.push_back(r);
+        }
+    }
+
+    /// Whether the requester or responder has packets to send now.
+    pub fn has_tx_work(&self, now: Instant) -> bool {
+        if self.suspended {
+            return false;
+        }
+        let pullable = self.sq_ring.ready() > 0
+            && self.sq.len() < self.cap.max_send_wr as usize
+            && matches!(self.attr.qp_state, QpState::Rts | QpState::Err);
+        if !self.rt.resp_queue.is_empty() || pullable {
+            return true;
+        }
+        matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd)
+            && self.tx_idx < self.sq.len()
+            && self.rnr_until.is_none_or(|t| now >= t)
+            && !self.blocked()
+    }
+
+    pub fn next_deadline(&self) -> Option<Instant> {
+        if self.suspended {
+            return None;
+        }
+        [self.retrans_deadline, self.rnr_until, self.probe_deadline, self.ack_due].into_iter().flatten().min()
+    }
+    /// Flushes completions if the QP is in ERR; called after ring doorbells.
+    pub fn doorbell(&mut self, ctx: &mut Ctx) {
+        self.pull_sq(ctx);
+        self.pull_rq(ctx);
+    }
+
+    /// Tells the client whether rnicd polls this QP's rings (no doorbell needed).
+    pub fn set_rings_polled(&self, on: bool) {
+        self.sq_ring.set_polled(on);
+        self.rq_ring.set_polled(on);
+    }
+
+    /// Reads the rings as a doorbell would; true if it took any WQE.
+    pub fn poll_rings(&mut self, ctx: &mut Ctx) -> bool {
+        let before = self.sq_ring.ready() + self.rq_ring.ready();
+        if before == 0 {
+            return false;
+        }
+        self.doorbell(ctx);
+        self.sq_ring.ready() + self.rq_ring.ready() < before
+    }
+
+    pub fn outstanding_sends(&self) -> usize {
+        self.sq.len()
+    }
+}

@@ -1,0 +1,323 @@
+//! The requester: turns send WQEs into request packets within its window
+//! (packets, bytes, READ/atomic credits, fences), and recovers lost ones by
+//! go-back-N, driven by the IB retransmission timer and a faster loss probe.
+
+use std::time::{Duration, Instant};
+
+use super::{Ctx, Qp, RECOVERY_FIRST};
+use crate::objects::gather;
+use crate::types::{send_flags, QpState, WcStatus, WrOpcode};
+use crate::wire::{self, psn_add, psn_diff, AtomicEth, Headers, Opcode, Reth};
+
+/// Most request packets in flight per QP (a PSN window, well under 2^23).
+pub const WINDOW: i32 = 4096;
+/// Most request bytes in flight per QP: more only overruns the peer's socket
+/// buffer and IP reassembly, and go-back-N then resends all of it.
+pub const WINDOW_BYTES: usize = 2 << 20;
+/// Smallest congestion window (packets).
+const MIN_CWND: u32 = 16;
+/// Set the AckReq bit at least every this many packets of a long message.
+const ACK_EVERY: u32 = 64;
+/// Shortest loss-probe time (µs), and the one used before any RTT sample.
+/// Not shorter: with 1,000 QPs a busy responder answers late, and spurious
+/// probes (each a resend) then add to its load.
+const MIN_PROBE_US: f64 = 4000.0;
+const FIRST_PROBE_US: f64 = 20_000.0;
+
+impl Qp {
+    /// Whether the next request is new and may not go yet (window, READ/atomic
+    /// credits, fence, SQD): then only a response or a timer moves the QP, and
+    /// the daemon may sleep instead of spinning.
+    pub(super) fn blocked(&self) -> bool {
+        let psn = self.rt.tx_psn;
+        if psn_diff(psn, self.rt.max_sent) < 0 {
+            return self.recovery.is_some_and(|n| psn_diff(psn, self.rt.una) >= n as i32);
+        }
+        let Some(e) = self.sq.get(self.tx_idx) else { return true };
+        self.attr.qp_state == QpState::Sqd
+            || psn_diff(psn, self.rt.una) >= self.window()
+            || (e.op.is_read_or_atomic() && self.rd_outstanding >= self.attr.max_rd_atomic.max(1) as usize)
+            || (e.wqe.flags & send_flags::FENCE != 0 && self.rd_outstanding > 0)
+    }
+
+    pub(super) fn requester_tx(&mut self, ctx: &mut Ctx, budget: &mut usize) {
+        let st = self.attr.qp_state;
+        if !matches!(st, QpState::Rts | QpState::Sqd) {
+            return;
+        }
+        if let Some(t) = self.rnr_until {
+            if ctx.now < t {
+                return;
+            }
+            self.rnr_until = None;
+        }
+        while *budget > 0 && self.tx_idx < self.sq.len() {
+            let psn = self.rt.tx_psn;
+            let new = psn_diff(psn, self.rt.max_sent) >= 0;
+            let e = &self.sq[self.tx_idx];
+            if !new && self.recovery.is_some_and(|n| psn_diff(psn, self.rt.una) >= n as i32) {
+                break;
+            }
+            if new {
+                if st == QpState::Sqd || psn_diff(psn, self.rt.una) >= self.window() {
+                    break;
+                }
+                if e.op.is_read_or_atomic() && self.rd_outstanding >= self.attr.max_rd_atomic.max(1) as usize {
+                    break;
+                }
+                if e.wqe.flags & send_flags::FENCE != 0 && self.rd_outstanding > 0 {
+                    break;
+                }
+            }
+            let ask = self.asks_ack(new);
+            if let Err(status) = self.build_request(ctx, self.tx_idx, psn, ask) {
+                // Local protection/length error: fail this WQE, QP to error.
+                self.fail_wqe_at(ctx, self.tx_idx, status);
+                return;
+            }
+            *budget -= 1;
+            let e = &self.sq[self.tx_idx];
+            if new && !e.op.is_read_or_atomic() && psn == e.last_psn() {
+                self.unasked_msgs = if ask { 0 } else { self.unasked_msgs + 1 };
+            }
+            if e.op.is_read_or_atomic() {
+                self.rt.tx_psn = psn_add(e.last_psn(), 1);
+                self.rd_outstanding += 1;
+                self.tx_idx += 1;
+            } else {
+                self.rt.tx_psn = psn_add(psn, 1);
+                if self.rt.tx_psn == psn_add(e.last_psn(), 1) {
+                    self.tx_idx += 1;
+                }
+            }
+            if psn_diff(self.rt.tx_psn, self.rt.max_sent) > 0 {
+                self.rt.max_sent = self.rt.tx_psn;
+                if new && self.rtt_sample.is_none() {
+                    self.rtt_sample = Some((psn, ctx.now));
+                }
+            }
+            if self.retrans_deadline.is_none() {
+                self.arm_timer(ctx.now);
+            }
+        }
+    }
+
+    /// Whether the last packet of the WQE at `tx_idx` asks for an ACK
+    /// (AckReq). A signaled WQE completes on its ACK, so it always asks;
+    /// so does a resend, and every ack_every()-th message (several times per
+    /// window, so the window never waits for the responder's ACK timer), and
+    /// any message once half the send queue waits for ACKs. The others are
+    /// acknowledged with a later one (ACK coalescing) or by the responder's
+    /// ACK timer: in a ping-pong of unsignaled messages most ACK packets,
+    /// each a send and a receive through the kernel, are not needed.
+    fn asks_ack(&self, new: bool) -> bool {
+        let Some(e) = self.sq.get(self.tx_idx) else { return true };
+        !new || e.signaled
+            || self.unasked_msgs + 1 >= self.ack_every()
+            || self.sq.len() * 2 >= self.cap.max_send_wr as usize
+            || self.attr.qp_state == QpState::Sqd
+    }
+
+    pub(super) fn max_window(&self) -> i32 {
+        (WINDOW_BYTES / self.attr.path_mtu.bytes()).clamp(MIN_CWND as usize, WINDOW as usize) as i32
+    }
+
+    fn window(&self) -> i32 {
+        self.max_window().min(self.rt.cwnd.max(MIN_CWND) as i32)
+    }
+
+    fn ack_every(&self) -> u32 {
+        ((self.window() / 4) as u32).clamp(1, ACK_EVERY)
+    }
+
+    pub(super) fn arm_timer(&mut self, now: Instant) {
+        self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| now + Duration::from_micros(us));
+        self.probe_deadline = self.probe_rto().map(|d| now + d);
+    }
+
+    /// When to probe for a lost packet: a few smoothed round trips (at least
+    /// MIN_PROBE), never later than the IB timeout, never with timeout 0
+    /// (infinite: the owner asked for no retransmission timer).
+    fn probe_rto(&self) -> Option<Duration> {
+        let ib = wire::ack_timeout_us(self.attr.timeout)?;
+        let us = if self.srtt_us == 0.0 { FIRST_PROBE_US } else { (self.srtt_us + 4.0 * self.rttvar_us).max(2.0 * self.srtt_us) };
+        let us = (us.max(MIN_PROBE_US) as u64) << self.probe_backoff.min(6);
+        (us < ib).then(|| Duration::from_micros(us))
+    }
+
+    pub(super) fn rtt_update(&mut self, sample_us: f64) {
+        if self.srtt_us == 0.0 {
+            self.srtt_us = sample_us;
+            self.rttvar_us = sample_us / 2.0;
+        } else {
+            self.rttvar_us = 0.75 * self.rttvar_us + 0.25 * (self.srtt_us - sample_us).abs();
+            self.srtt_us = 0.875 * self.srtt_us + 0.125 * sample_us;
+        }
+    }
+
+    fn build_request(&self, ctx: &mut Ctx, idx: usize, psn: u32, ask_ack: bool) -> Result<(), WcStatus> {
+        let e = &self.sq[idx];
+        let flow = self.flow(ctx.gid);
+        let dq = self.attr.dest_qp_num;
+        let i = psn_diff(psn, e.first_psn).max(0) as u32;
+        let mtu = self.mtu();
+        let w = &e.wqe;
+        match e.op {
+            WrOpcode::RdmaRead => {
+                let off = (i as u64 * mtu).min(e.len);
+                let mut h = Headers::new(Opcode::ReadRequest, dq, psn);
+                h.reth = Some(Reth { va: w.remote_addr.wrapping_add(off), rkey: w.rkey, len: (e.len - off) as u32 });
+                ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), WcStatus>(()))
+            }
+            WrOpcode::AtomicCmpSwp | WrOpcode::AtomicFetchAdd => {
+                let op = if e.op == WrOpcode::AtomicCmpSwp { Opcode::CompareSwap } else { Opcode::FetchAdd };
+                let mut h = Headers::new(op, dq, psn);
+                h.atomic = Some(if e.op == WrOpcode::AtomicCmpSwp {
+                    AtomicEth { va: w.remote_addr, rkey: w.rkey, swap_add: w.swap, compare: w.compare_add }
+                } else {
+                    AtomicEth { va: w.remote_addr, rkey: w.rkey, swap_add: w.compare_add, compare: 0 }
+                });
+                ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), WcStatus>(()))
+            }
+            op => {
+                let first = i == 0;
+                let last = i + 1 == e.npkts;
+                let off = i as u64 * mtu;
+                let plen = (e.len - off).min(mtu) as usize;
+                let is_write = matches!(op, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteImm);
+                let imm = matches!(op, WrOpcode::RdmaWriteImm | WrOpcode::SendImm);
+                use Opcode::*;
+                let opc = match (is_write, first, last) {
+                    (true, true, true) => {
+                        if imm {
+                            WriteOnlyImm
+                        } else {
+                            WriteOnly
+                        }
+                    }
+                    (true, true, false) => WriteFirst,
+                    (true, false, false) => WriteMiddle,
+                    (true, false, true) => {
+                        if imm {
+                            WriteLastImm
+                        } else {
+                            WriteLast
+                        }
+                    }
+                    (false, true, true) => match op {
+                        WrOpcode::SendImm => SendOnlyImm,
+                        WrOpcode::SendInv => SendOnlyInv,
+                        _ => SendOnly,
+                    },
+                    (false, true, false) => SendFirst,
+                    (false, false, false) => SendMiddle,
+                    (false, false, true) => match op {
+                        WrOpcode::SendImm => SendLastImm,
+                        WrOpcode::SendInv => SendLastInv,
+                        _ => SendLast,
+                    },
+                };
+                let mut h = Headers::new(opc, dq, psn);
+                // Ask for ACKs often enough that the window never stalls.
+                h.bth.ack_req = (last && ask_ack) || (i + 1).is_multiple_of(self.ack_every());
+                h.bth.solicited = last && w.flags & send_flags::SOLICITED != 0;
+                if is_write && first {
+                    h.reth = Some(Reth { va: w.remote_addr, rkey: w.rkey, len: e.len as u32 });
+                }
+                if imm && last {
+                    h.imm = Some(w.imm);
+                }
+                if op == WrOpcode::SendInv && last {
+                    h.ieth = Some(w.imm);
+                }
+                let inline = w.flags & send_flags::INLINE != 0;
+                let (mrs, pd) = (ctx.mrs, self.pd);
+                ctx.tx.emit(&flow, &h, plen, |out| {
+                    if inline {
+                        out.copy_from_slice(&w.inline[off as usize..off as usize + plen]);
+                        Ok(())
+                    } else {
+                        gather(mrs, pd, e.sges(), off, out)
+                    }
+                })
+            }
+        }
+    }
+
+    /// Go-back-N: the next packet sent is `una` again.
+    pub(super) fn rewind(&mut self, ctx: &mut Ctx) {
+        ctx.stats.retransmit_rewinds += 1;
+        // Karn: a resent packet's ACK says nothing about the round trip.
+        self.rtt_sample = None;
+        self.recovery = None;
+        self.tx_idx = 0;
+        self.rd_outstanding = 0;
+        self.rt.tx_psn = self.rt.una;
+        self.last_rewind = Some(self.rt.una);
+    }
+
+    pub(super) fn rewind_once(&mut self, ctx: &mut Ctx) {
+        if self.last_rewind != Some(self.rt.una) {
+            self.rewind(ctx);
+        }
+    }
+
+    /// Retransmission timer.
+    pub fn on_timer(&mut self, ctx: &mut Ctx) {
+        if self.suspended {
+            return;
+        }
+        if self.ack_due.is_some_and(|t| ctx.now >= t) {
+            self.ack_last_executed();
+        }
+        self.on_probe(ctx);
+        let Some(d) = self.retrans_deadline else { return };
+        if ctx.now < d {
+            return;
+        }
+        if psn_diff(self.rt.max_sent, self.rt.una) <= 0 {
+            self.retrans_deadline = None;
+            self.probe_deadline = None;
+            return;
+        }
+        if self.rnr_until.is_some() {
+            self.retrans_deadline = None;
+            self.probe_deadline = None;
+            return;
+        }
+        ctx.stats.timeouts += 1;
+        if self.rt.retry_left == 0 {
+            self.fail_wqe_at(ctx, 0, WcStatus::RetryExcErr);
+            return;
+        }
+        self.rt.retry_left -= 1;
+        self.rt.cwnd = MIN_CWND;
+        self.rewind(ctx);
+        // Back off on consecutive timeouts so that a slow (not dead) peer
+        // is not buried under go-back-N retransmissions of whole windows.
+        let backoff = self.attr.retry_cnt.saturating_sub(self.rt.retry_left).min(6);
+        self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| ctx.now + Duration::from_micros(us << backoff));
+    }
+
+    /// The loss probe: no progress for a few round trips means a lost packet
+    /// that no later one will reveal (the last ones of a burst, a lost NAK, a
+    /// lost retransmission: the responder NAKs a gap once). Go back N now
+    /// instead of stalling until the IB timeout; retry_cnt and cwnd are left
+    /// alone, as only the IB timeout is a retry.
+    fn on_probe(&mut self, ctx: &mut Ctx) {
+        let Some(d) = self.probe_deadline else { return };
+        if ctx.now < d {
+            return;
+        }
+        let outstanding = psn_diff(self.rt.max_sent, self.rt.una) > 0;
+        if !outstanding || self.rnr_until.is_some() || !matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
+            self.probe_deadline = None;
+            return;
+        }
+        ctx.stats.loss_probes += 1;
+        self.rewind(ctx);
+        self.recovery = Some(RECOVERY_FIRST);
+        self.probe_backoff += 1;
+        self.probe_deadline = self.probe_rto().map(|d| ctx.now + d);
+    }
+}

@@ -1,0 +1,689 @@
+//! The responder: checks incoming requests, executes them strictly in PSN
+//! order, and queues its responses in PSN order.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Ctx, Qp, RespJob, WriteCtx, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE};
+use crate::objects::{scatter, Mr};
+use crate::ring::{Cqe, MAX_SGE};
+use crate::types::{access, wc_flags, QpState, WcOpcode, WcStatus};
+use crate::wire::{self, psn_add, psn_diff, Aeth, Headers, NakCode, Opcode, Packet, Syndrome};
+
+/// A responder acknowledges requests that did not ask for it (AckReq clear)
+/// within this time (µs): it coalesces their ACKs, and a requester that
+/// stops sending still hears about its last messages long before its loss
+/// probe (`requester::MIN_PROBE_US`).
+const ACK_DELAY_US: u64 = 100;
+/// Requests a responder keeps when they arrive ahead of a gap (see `Qp::hold`).
+const HOLD_MAX_PKTS: usize = 2048;
+const HOLD_MAX_BYTES: usize = 4 << 20;
+
+/// What the PSN check found.
+enum PsnCheck {
+    Expected,
+    /// This many PSNs ahead of the expected one.
+    Ahead(i32),
+    Duplicate,
+}
+
+/// Why the responder refuses a request, named after the responder's checks
+/// (IBTA vol. 1 9.7.5.1; Linux rxe's `RESPST_ERR_*` states).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// Opcode sequence: the middle or last packet of a message that never began.
+    MissingOpcodeFirst,
+    /// Opcode sequence: a new message before the one under way ended.
+    MissingOpcodeLast,
+    /// Opcode valid: the QP's access flags do not enable the operation.
+    OpNotEnabled,
+    /// Resources: no receive WQE yet (receiver not ready).
+    Rnr,
+    /// Resources: more READ/atomic responses pending than the QP keeps.
+    TooManyRdmaAtomic,
+    /// Length: payload or DMA length does not match the packet or message.
+    Length,
+    /// Length: the message does not fit in the receive WQE's buffers.
+    RecvLength,
+    /// R_Key: an atomic's target is not 8-byte aligned.
+    MisalignedAtomic,
+    /// R_Key: no such region in the QP's PD, out of its range, or without the access.
+    RkeyViolation,
+    /// Execute: the receive WQE's own buffers are not valid local memory.
+    MalformedWqe,
+}
+
+impl Refusal {
+    /// The NAK that answers it; none for an RNR (an RNR NAK, not an error).
+    fn nak_code(self) -> Option<NakCode> {
+        Some(match self {
+            Refusal::Rnr => return None,
+            Refusal::OpNotEnabled | Refusal::RkeyViolation => NakCode::RemoteAccessError,
+            Refusal::MalformedWqe => NakCode::RemoteOpError,
+            Refusal::MissingOpcodeFirst
+            | Refusal::MissingOpcodeLast
+            | Refusal::TooManyRdmaAtomic
+            | Refusal::Length
+            | Refusal::RecvLength
+            | Refusal::MisalignedAtomic => NakCode::InvalidRequest,
+        })
+    }
+}
+
+/// Where the R_Key check found the data of a packet to go.
+enum Target {
+    None,
+    /// Host address of this WRITE packet's payload.
+    Write(*mut u8),
+    /// Host address of the atomic's 8-byte word.
+    Atomic(*mut u8),
+}
+
+impl Qp {
+    /// Acknowledge everything executed so far (the PSN before the next
+    /// expected one).
+    pub(super) fn ack_last_executed(&mut self) {
+        self.queue_ack(psn_add(self.rt.epsn, wire::PSN_MASK));
+    }
+
+    fn queue_ack(&mut self, psn: u32) {
+        // Acknowledges everything before it, the coalesced ones too.
+        self.ack_due = None;
+        if let Some(RespJob::Ack { psn: p, syndrome }) = self.rt.resp_queue.back_mut() {
+            if Syndrome::from_u8(*syndrome) == Syndrome::Ack(0x1f) {
+                *p = psn;
+                return;
+            }
+        }
+        self.rt.resp_queue.push_back(RespJob::Ack { psn, syndrome: Syndrome::Ack(0x1f).to_u8() });
+    }
+
+    pub(super) fn queue_nak(&mut self, psn: u32, s: Syndrome) {
+        self.ack_due = None;
+        self.rt.resp_queue.push_back(RespJob::Ack { psn, syndrome: s.to_u8() });
+    }
+
+    /// Fatal responder error: NAK it and move the QP to ERR (after the NAK goes out).
+    fn responder_error(&mut self, ctx: &mut Ctx, psn: u32, code: NakCode) {
+        ctx.stats.error_naks_sent += 1;
+        let flow = self.flow(ctx.gid);
+        let mut h = Headers::new(Opcode::Ack, self.attr.dest_qp_num, psn);
+        h.aeth = Some(Aeth { syndrome: Syndrome::Nak(code), msn: self.rt.msn });
+        let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
+        self.to_error(ctx);
+    }
+
+    fn rq_head(&mut self, ctx: &mut Ctx) -> bool {
+        if self.rq.is_empty() {
+            self.pull_rq(ctx);
+        }
+        !self.rq.is_empty()
+    }
+
+    // One argument per field of the receive CQE it writes.
+    #[allow(clippy::too_many_arguments)]
+    fn complete_recv(
+        &mut self,
+        ctx: &mut Ctx,
+        status: WcStatus,
+        opcode: WcOpcode,
+        byte_len: u32,
+        imm: Option<u32>,
+        inv: Option<u32>,
+        solicited: bool,
+    ) {
+        let Some(r) = self.rq.pop_front() else { return };
+        self.rt.rq_retired += 1;
+        let mut flags = 0;
+        let mut immv = 0;
+        if let Some(i) = imm {
+            flags |= wc_flags::WITH_IMM;
+            immv = i;
+        }
+        if let Some(k) = inv {
+            flags |= wc_flags::WITH_INV;
+            immv = k;
+        }
+        let cqe = Cqe {
+            wr_id: r.wr_id,
+            byte_len,
+            imm: immv,
+            qp_num: self.qpn,
+            src_qp: self.attr.dest_qp_num,
+            status: status as u8,
+            opcode: opcode as u8,
+            wc_flags: flags,
+            ..Default::default()
+        };
+        ctx.complete(self.recv_cq, cqe, solicited);
+    }
+
+    /// Suspended answer to any request: RNR NAK for its PSN (or for the
+    /// expected one if it is ahead), sent at once and touching no memory.
+    pub(super) fn suspended_nak(&mut self, ctx: &mut Ctx, psn: u32) {
+        let nak_psn = if psn_diff(psn, self.rt.epsn) <= 0 { psn } else { self.rt.epsn };
+        ctx.stats.rnr_naks_sent += 1;
+        let flow = self.flow(ctx.gid);
+        let mut h = Headers::new(Opcode::Ack, self.attr.dest_qp_num, nak_psn);
+        h.aeth = Some(Aeth { syndrome: Syndrome::RnrNak(self.attr.min_rnr_timer), msn: self.rt.msn });
+        let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
+    }
+
+    pub fn on_request(&mut self, ctx: &mut Ctx, p: &Packet) {
+        let epsn = self.rt.epsn;
+        self.handle_request(ctx, p);
+        if !self.held.is_empty() && self.rt.epsn != epsn {
+            self.release_held(ctx);
+        }
+    }
+
+    /// Keeps a request that arrived ahead of the expected PSN (the one at
+    /// the gap was lost): when the requester's go-back-N resend fills the
+    /// gap, these are executed at once and one ACK covers them all, which
+    /// cuts that resend short (its requester stops at the ACKed PSN). The
+    /// order in which requests execute is unchanged: strictly by PSN.
+    fn hold(&mut self, ctx: &mut Ctx, p: &Packet, d: i32) {
+        if d as usize >= HOLD_MAX_PKTS || self.held_bytes + p.payload.len() > HOLD_MAX_BYTES {
+            return;
+        }
+        let psn = p.bth.psn;
+        let at = self.held.iter().rposition(|(q, _, _)| psn_diff(*q, psn) <= 0).map_or(0, |i| i + 1);
+        if at > 0 && self.held[at - 1].0 == psn {
+            return;
+        }
+        ctx.stats.held_out_of_order += 1;
+        self.held_bytes += p.payload.len();
+        self.held.insert(at, (psn, Packet { payload: &[], ..*p }, p.payload.to_vec()));
+    }
+
+    /// Executes the held requests that are now in sequence.
+    fn release_held(&mut self, ctx: &mut Ctx) {
+        while let Some((psn, _, _)) = self.held.front() {
+            let d = psn_diff(*psn, self.rt.epsn);
+            if d > 0 {
+                break;
+            }
+            let (_, hdr, data) = self.held.pop_front().unwrap();
+            self.held_bytes -= data.len();
+            if d == 0 {
+                let epsn = self.rt.epsn;
+                self.handle_request(ctx, &Packet { payload: &data, ..hdr });
+                if self.rt.epsn == epsn {
+                    break; // RNR or error: the requester resends from here
+                }
+            }
+        }
+    }
+
+    pub(super) fn drop_held(&mut self) {
+        self.held.clear();
+        self.held_bytes = 0;
+    }
+
+    /// One request, through the responder's checks in the order of IBTA
+    /// vol. 1 9.7.5.1 (and of Linux rxe's responder states): PSN, opcode
+    /// sequence, opcode valid, resources, length, R_Key, then execute and
+    /// acknowledge. The first check that fails decides the answer.
+    fn handle_request(&mut self, ctx: &mut Ctx, p: &Packet) {
+        if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe) {
+            ctx.stats.rx_wrong_state += 1;
+            return;
+        }
+        if self.suspended {
+            self.suspended_request(ctx, p.bth.psn);
+            return;
+        }
+        match self.check_psn(p.bth.psn) {
+            PsnCheck::Expected => {}
+            PsnCheck::Ahead(d) => {
+                if !self.rt.nak_sent {
+                    ctx.stats.seq_naks_sent += 1;
+                    self.rt.nak_sent = true;
+                    self.queue_nak(self.rt.epsn, Syndrome::Nak(NakCode::PsnSeqError));
+                }
+                self.hold(ctx, p, d);
+                return;
+            }
+            PsnCheck::Duplicate => {
+                self.duplicate(ctx, p);
+                return;
+            }
+        }
+        let op = p.bth.opcode;
+        let checked = self
+            .check_op_seq(op)
+            .and_then(|()| self.check_op_valid(op))
+            .and_then(|()| self.check_resources(ctx, p))
+            .and_then(|()| self.check_length(p))
+            .and_then(|()| self.check_rkey(ctx, p))
+            .and_then(|target| self.execute(ctx, p, target));
+        match checked {
+            Ok(()) => {}
+            Err(refusal) => self.refuse(ctx, p.bth.psn, refusal),
+        }
+    }
+
+    /// A suspended QP answers any request with an RNR NAK, one per RNR
+    /// period: the rest of a burst is resent by the peer after its RNR wait
+    /// anyway; NAKing every packet restarts its wait and rewinds it again and
+    /// again (a storm of retransmissions that takes the CPU while the QP moves).
+    fn suspended_request(&mut self, ctx: &mut Ctx, psn: u32) {
+        ctx.stats.rx_while_suspended += 1;
+        let period = Duration::from_micros(wire::rnr_timer_us(self.attr.min_rnr_timer));
+        if self.suspended_nak_at.is_some_and(|t| ctx.now < t + period) {
+            return;
+        }
+        self.suspended_nak_at = Some(ctx.now);
+        self.suspended_nak(ctx, psn);
+    }
+
+    /// PSN check: the expected request, one ahead of it (an earlier one was
+    /// lost) or a duplicate (the requester resends).
+    fn check_psn(&self, psn: u32) -> PsnCheck {
+        match psn_diff(psn, self.rt.epsn) {
+            0 => PsnCheck::Expected,
+            d if d > 0 => PsnCheck::Ahead(d),
+            _ => PsnCheck::Duplicate,
+        }
+    }
+
+    /// Opcode sequence: the middle or end of a SEND or WRITE continues the
+    /// message under way, and nothing else comes until it ends.
+    fn check_op_seq(&self, op: Opcode) -> Result<(), Refusal> {
+        let continues = if self.rt.in_send {
+            op.is_send()
+        } else if self.rt.write.is_some() {
+            op.is_write()
+        } else {
+            return if op.starts_message() { Ok(()) } else { Err(Refusal::MissingOpcodeFirst) };
+        };
+        if continues && !op.starts_message() {
+            Ok(())
+        } else {
+            Err(Refusal::MissingOpcodeLast)
+        }
+    }
+
+    /// Opcode valid: the QP's access flags enable the operation.
+    fn check_op_valid(&self, op: Opcode) -> Result<(), Refusal> {
+        let need = Self::remote_access_for(op);
+        if self.attr.qp_access_flags & need == need {
+            Ok(())
+        } else {
+            Err(Refusal::OpNotEnabled)
+        }
+    }
+
+    /// The remote access a request opcode needs of the QP and of the region.
+    fn remote_access_for(op: Opcode) -> u32 {
+        if op.is_write() {
+            access::REMOTE_WRITE
+        } else if op == Opcode::ReadRequest {
+            access::REMOTE_READ
+        } else if op.is_atomic() {
+            access::REMOTE_ATOMIC
+        } else {
+            0
+        }
+    }
+
+    /// Resources: a receive WQE for a message that consumes one (a SEND, a
+    /// WRITE with immediate), room for the responses of a READ or atomic.
+    fn check_resources(&mut self, ctx: &mut Ctx, p: &Packet) -> Result<(), Refusal> {
+        let op = p.bth.opcode;
+        let needs_recv = (op.is_send() && op.starts_message()) || matches!(op, Opcode::WriteOnlyImm | Opcode::WriteLastImm);
+        if needs_recv && !self.rq_head(ctx) {
+            return Err(Refusal::Rnr);
+        }
+        if op == Opcode::ReadRequest {
+            // A compliant requester keeps at most max_rd_atomic READs/atomics
+            // outstanding (<= our max_dest_rd_atomic); the slack covers
+            // duplicates. Bounds what a hostile peer can make us stream out
+            // of client memory.
+            let reads = self.rt.resp_queue.iter().filter(|j| matches!(j, RespJob::Read { .. })).count();
+            let limit = (self.attr.max_dest_rd_atomic.max(1) as usize * 2 + 8).min(MAX_RESP_QUEUE);
+            if reads >= limit {
+                return Err(Refusal::TooManyRdmaAtomic);
+            }
+        }
+        if (op == Opcode::ReadRequest || op.is_atomic()) && self.rt.resp_queue.len() >= MAX_RESP_QUEUE {
+            return Err(Refusal::TooManyRdmaAtomic);
+        }
+        Ok(())
+    }
+
+    /// Length: a packet that does not end its message fills the path MTU,
+    /// one that does is no longer; a WRITE's data adds up to its RETH
+    /// length; a SEND fits in the receive WQE's buffers.
+    fn check_length(&self, p: &Packet) -> Result<(), Refusal> {
+        let op = p.bth.opcode;
+        let n = p.payload.len() as u64;
+        let mtu = self.mtu();
+        if (op.ends_message() && n > mtu) || (!op.ends_message() && n != mtu) {
+            return Err(Refusal::Length);
+        }
+        if op.is_write() {
+            let remaining = match (p.reth, self.rt.write) {
+                (Some(reth), _) => {
+                    let len = reth.len as u64;
+                    if len > MAX_MSG || (op.ends_message() && len != n) || (!op.ends_message() && len <= n) {
+                        return Err(Refusal::Length);
+                    }
+                    len
+                }
+                (None, Some(w)) => w.remaining,
+                (None, None) => return Err(Refusal::MissingOpcodeFirst),
+            };
+            if n > remaining || (op.ends_message() && n != remaining) {
+                return Err(Refusal::Length);
+            }
+        } else if op == Opcode::ReadRequest {
+            if p.reth.is_some_and(|r| r.len as u64 > MAX_MSG) {
+                return Err(Refusal::Length);
+            }
+        } else if op.is_send() {
+            let Some(r) = self.rq.front() else { return Err(Refusal::Rnr) };
+            let room: u64 = r.sge[..(r.num_sge as usize).min(MAX_SGE)].iter().map(|s| s.length as u64).sum();
+            let offset = if op.starts_message() { 0 } else { self.rt.recv_offset };
+            if offset + n > room {
+                return Err(Refusal::RecvLength);
+            }
+        }
+        Ok(())
+    }
+
+    /// R_Key: the target region exists in the QP's PD, covers the range and
+    /// grants the access; an atomic's target is 8-byte aligned. Returns
+    /// where this packet's data goes (WRITE) or the atomic's word.
+    fn check_rkey(&self, ctx: &Ctx, p: &Packet) -> Result<Target, Refusal> {
+        let op = p.bth.opcode;
+        let need = Self::remote_access_for(op);
+        if op.is_write() {
+            if let Some(reth) = p.reth.filter(|r| r.len > 0) {
+                self.region(ctx, reth.rkey, reth.va, reth.len as u64, need).ok_or(Refusal::RkeyViolation)?;
+            }
+            let n = p.payload.len() as u64;
+            if n == 0 {
+                return Ok(Target::None);
+            }
+            let (va, rkey) = match (p.reth, self.rt.write) {
+                (Some(r), _) => (r.va, r.rkey),
+                (None, Some(w)) => (w.va, w.rkey),
+                (None, None) => return Err(Refusal::MissingOpcodeFirst),
+            };
+            let dst = ctx.mrs.get(&rkey).and_then(|m| m.translate(self.pd, va, n, need)).ok_or(Refusal::RkeyViolation)?;
+            Ok(Target::Write(dst))
+        } else if op == Opcode::ReadRequest {
+            if let Some(reth) = p.reth.filter(|r| r.len > 0) {
+                self.region(ctx, reth.rkey, reth.va, reth.len as u64, need).ok_or(Refusal::RkeyViolation)?;
+            }
+            Ok(Target::None)
+        } else if let (true, Some(a)) = (op.is_atomic(), p.atomic) {
+            if a.va % 8 != 0 {
+                return Err(Refusal::MisalignedAtomic);
+            }
+            let mr = self.region(ctx, a.rkey, a.va, 8, need).ok_or(Refusal::RkeyViolation)?;
+            let ptr = mr.translate(self.pd, a.va, 8, need).ok_or(Refusal::RkeyViolation)?;
+            // The iova is aligned; the host address need not be (a region
+            // may start anywhere in its memfd).
+            if !(ptr as usize).is_multiple_of(8) {
+                return Err(Refusal::MisalignedAtomic);
+            }
+            Ok(Target::Atomic(ptr))
+        } else {
+            Ok(Target::None)
+        }
+    }
+
+    /// The region `rkey` if it lies in the QP's PD and grants `need` on
+    /// [va, va + len).
+    fn region(&self, ctx: &Ctx, rkey: u32, va: u64, len: u64, need: u32) -> Option<Arc<Mr>> {
+        let mr = ctx.mrs.get(&rkey)?;
+        mr.translate(self.pd, va, len, need)?;
+        Some(mr.clone())
+    }
+
+    /// Execute: every check passed; place the data or run the operation,
+    /// complete a receive WQE where the message ends, and acknowledge.
+    fn execute(&mut self, ctx: &mut Ctx, p: &Packet, target: Target) -> Result<(), Refusal> {
+        let op = p.bth.opcode;
+        if op.is_send() {
+            self.execute_send(ctx, p)?;
+        } else if op.is_write() {
+            self.execute_write(ctx, p, target)?;
+        } else if op == Opcode::ReadRequest {
+            self.execute_read(p);
+            return Ok(());
+        } else if op.is_atomic() {
+            if let Target::Atomic(ptr) = target {
+                self.execute_atomic(p, ptr);
+            }
+            return Ok(());
+        }
+        self.acknowledge(ctx, p);
+        Ok(())
+    }
+
+    fn execute_send(&mut self, ctx: &mut Ctx, p: &Packet) -> Result<(), Refusal> {
+        let op = p.bth.opcode;
+        if op.starts_message() {
+            self.rt.recv_offset = 0;
+            self.rt.in_send = true;
+        }
+        let r = self.rq[0];
+        let sges = &r.sge[..(r.num_sge as usize).min(MAX_SGE)];
+        match scatter(ctx.mrs, self.pd, sges, self.rt.recv_offset, p.payload) {
+            Ok(()) => {}
+            Err(WcStatus::LocLenErr) => return Err(Refusal::RecvLength),
+            Err(_) => return Err(Refusal::MalformedWqe),
+        }
+        self.rt.recv_offset += p.payload.len() as u64;
+        if op.ends_message() {
+            self.rt.in_send = false;
+            self.rt.msn = psn_add(self.rt.msn, 1);
+            if let Some(k) = p.ieth {
+                if let Some(mr) = ctx.mrs.get(&k) {
+                    if mr.pd == self.pd {
+                        mr.invalidated.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+            let len = self.rt.recv_offset as u32;
+            self.complete_recv(ctx, WcStatus::Success, WcOpcode::Recv, len, p.imm, p.ieth, p.bth.solicited);
+        }
+        Ok(())
+    }
+
+    fn execute_write(&mut self, ctx: &mut Ctx, p: &Packet, target: Target) -> Result<(), Refusal> {
+        if let Some(reth) = p.reth {
+            self.rt.write = Some(WriteCtx { va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, total: reth.len as u64 });
+        }
+        let Some(mut w) = self.rt.write else { return Err(Refusal::MissingOpcodeFirst) };
+        let n = p.payload.len() as u64;
+        if let Target::Write(dst) = target {
+            // SAFETY: the R_Key check translated [va, va+n) inside the mapping.
+            unsafe { std::ptr::copy_nonoverlapping(p.payload.as_ptr(), dst, n as usize) };
+        }
+        w.va += n;
+        w.remaining -= n;
+        self.rt.write = Some(w);
+        if p.bth.opcode.ends_message() {
+            self.rt.write = None;
+            self.rt.msn = psn_add(self.rt.msn, 1);
+            if p.imm.is_some() {
+                self.complete_recv(ctx, WcStatus::Success, WcOpcode::RecvRdmaWithImm, w.total as u32, p.imm, None, p.bth.solicited);
+            }
+        }
+        Ok(())
+    }
+
+    /// A READ is answered from client memory as its responses go out
+    /// (`responder_tx`); its PSNs are those of the responses.
+    fn execute_read(&mut self, p: &Packet) {
+        let Some(reth) = p.reth else { return };
+        let psn = p.bth.psn;
+        let n = (reth.len as u64).div_ceil(self.mtu()).max(1) as u32;
+        self.rt.msn = psn_add(self.rt.msn, 1);
+        self.rt.resp_queue.push_back(RespJob::Read { psn, va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, first: true });
+        self.rt.epsn = psn_add(psn, n);
+        self.rt.nak_sent = false;
+    }
+
+    /// Runs the atomic on the host word and keeps its result for replays.
+    fn execute_atomic(&mut self, p: &Packet, ptr: *mut u8) {
+        let Some(a) = p.atomic else { return };
+        let psn = p.bth.psn;
+        // SAFETY: the R_Key check found the 8 bytes inside the region's
+        // mapping and 8-byte aligned.
+        let cell = unsafe { AtomicU64::from_ptr(ptr as *mut u64) };
+        let orig = if p.bth.opcode == Opcode::CompareSwap {
+            match cell.compare_exchange(a.compare, a.swap_add, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(v) | Err(v) => v,
+            }
+        } else {
+            cell.fetch_add(a.swap_add, Ordering::SeqCst)
+        };
+        self.rt.atomic_results.push_back((psn, orig));
+        while self.rt.atomic_results.len() > ATOMIC_REPLAY.max(self.attr.max_dest_rd_atomic as usize) {
+            self.rt.atomic_results.pop_front();
+        }
+        self.rt.msn = psn_add(self.rt.msn, 1);
+        self.rt.resp_queue.push_back(RespJob::AtomicAck { psn, orig });
+        self.rt.epsn = psn_add(psn, 1);
+        self.rt.nak_sent = false;
+    }
+
+    /// Acknowledge: an ACK at once if the request asked for one, else
+    /// within ACK_DELAY_US, coalesced with the requests that follow.
+    fn acknowledge(&mut self, ctx: &mut Ctx, p: &Packet) {
+        self.rt.epsn = psn_add(p.bth.psn, 1);
+        self.rt.nak_sent = false;
+        if p.bth.ack_req {
+            self.queue_ack(p.bth.psn);
+        } else if self.ack_due.is_none() {
+            self.ack_due = Some(ctx.now + Duration::from_micros(ACK_DELAY_US));
+        }
+    }
+
+    /// Answers a refused request: an RNR NAK leaves the QP as it is (the
+    /// requester resends after its RNR wait); every other refusal NAKs and
+    /// moves the QP to ERR, after completing the receive WQE that the
+    /// message consumed in error.
+    fn refuse(&mut self, ctx: &mut Ctx, psn: u32, r: Refusal) {
+        match r {
+            Refusal::Rnr => self.rnr(ctx, psn),
+            Refusal::RecvLength => self.complete_recv(ctx, WcStatus::LocLenErr, WcOpcode::Recv, 0, None, None, false),
+            Refusal::MalformedWqe => self.complete_recv(ctx, WcStatus::LocProtErr, WcOpcode::Recv, 0, None, None, false),
+            _ => {}
+        }
+        if let Some(code) = r.nak_code() {
+            self.responder_error(ctx, psn, code);
+        }
+    }
+
+    fn rnr(&mut self, ctx: &mut Ctx, psn: u32) {
+        ctx.stats.rnr_naks_sent += 1;
+        self.rt.nak_sent = true;
+        self.queue_nak(psn, Syndrome::RnrNak(self.attr.min_rnr_timer));
+    }
+
+    fn duplicate(&mut self, ctx: &mut Ctx, p: &Packet) {
+        ctx.stats.dup_requests += 1;
+        let psn = p.bth.psn;
+        match p.bth.opcode {
+            Opcode::ReadRequest => {
+                let Some(reth) = p.reth else { return };
+                let readable = self.check_op_valid(Opcode::ReadRequest).is_ok()
+                    && (reth.len == 0 || self.region(ctx, reth.rkey, reth.va, reth.len as u64, access::REMOTE_READ).is_some());
+                if !readable {
+                    return;
+                }
+                // The requester went back to `psn` and resends everything from
+                // there: responses queued for `psn` onwards are stale. Earlier
+                // ones (an atomic replay just before this READ) must stay.
+                let mtu = self.mtu();
+                self.rt.resp_queue.retain(|j| match *j {
+                    RespJob::Ack { psn: p, .. } | RespJob::AtomicAck { psn: p, .. } => psn_diff(p, psn) < 0,
+                    RespJob::Read { psn: p, remaining, .. } => {
+                        let last = psn_add(p, (remaining.div_ceil(mtu).max(1) - 1) as u32);
+                        psn_diff(last, psn) < 0
+                    }
+                });
+                self.rt.resp_queue.push_back(RespJob::Read { psn, va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, first: true });
+            }
+            Opcode::CompareSwap | Opcode::FetchAdd => {
+                if let Some(&(_, orig)) = self.rt.atomic_results.iter().find(|(q, _)| *q == psn) {
+                    self.rt.resp_queue.push_back(RespJob::AtomicAck { psn, orig });
+                }
+            }
+            _ => {
+                // C9-105: acknowledge again, with the last PSN we executed.
+                if p.bth.ack_req || p.bth.opcode.ends_message() {
+                    self.ack_last_executed();
+                }
+            }
+        }
+    }
+
+    pub(super) fn responder_tx(&mut self, ctx: &mut Ctx, budget: &mut usize) {
+        let flow = self.flow(ctx.gid);
+        let dq = self.attr.dest_qp_num;
+        let mtu = self.mtu();
+        while *budget > 0 {
+            let Some(job) = self.rt.resp_queue.front_mut() else { break };
+            match *job {
+                RespJob::Ack { psn, syndrome } => {
+                    let mut h = Headers::new(Opcode::Ack, dq, psn);
+                    h.aeth = Some(Aeth { syndrome: Syndrome::from_u8(syndrome), msn: self.rt.msn });
+                    let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
+                    self.rt.resp_queue.pop_front();
+                }
+                RespJob::AtomicAck { psn, orig } => {
+                    let mut h = Headers::new(Opcode::AtomicAck, dq, psn);
+                    h.aeth = Some(Aeth { syndrome: Syndrome::Ack(0x1f), msn: self.rt.msn });
+                    h.atomic_ack = Some(orig);
+                    let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
+                    self.rt.resp_queue.pop_front();
+                }
+                RespJob::Read { psn, va, rkey, remaining, first } => {
+                    let n = remaining.min(mtu);
+                    let last = remaining <= mtu;
+                    use Opcode::*;
+                    let opc = match (first, last) {
+                        (true, true) => ReadRespOnly,
+                        (true, false) => ReadRespFirst,
+                        (false, false) => ReadRespMiddle,
+                        (false, true) => ReadRespLast,
+                    };
+                    let mut h = Headers::new(opc, dq, psn);
+                    if opc != ReadRespMiddle {
+                        h.aeth = Some(Aeth { syndrome: Syndrome::Ack(0x1f), msn: self.rt.msn });
+                    }
+                    let (mrs, pd) = (ctx.mrs, self.pd);
+                    let r = ctx.tx.emit(&flow, &h, n as usize, |out| -> Result<(), ()> {
+                        if n == 0 {
+                            return Ok(());
+                        }
+                        // Re-read memory on every (re)transmission; the MR may be gone.
+                        let src = mrs.get(&rkey).and_then(|m| m.translate(pd, va, n, access::REMOTE_READ)).ok_or(())?;
+                        // SAFETY: translate() checked the range.
+                        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), n as usize) };
+                        Ok(())
+                    });
+                    if r.is_err() {
+                        self.rt.resp_queue.clear();
+                        self.responder_error(ctx, psn, NakCode::RemoteAccessError);
+                        return;
+                    }
+                    if last {
+                        self.rt.resp_queue.pop_front();
+                    } else {
+                        *job = RespJob::Read { psn: psn_add(psn, 1), va: va + n, rkey, remaining: remaining - n, first: false };
+                    }
+                }
+            }
+            *budget -= 1;
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! The saved transport state of an RC QP: what query-suspended returns and
+//! create-suspended takes (docs/rdma-migration.md). Plain serialisable data,
+//! below both the control protocol (`proto`) and the transport (`qp`), which
+//! fills and reads it.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::QpAttr;
+
+/// Responder's write in progress (between WRITE_FIRST and WRITE_LAST).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WriteCtx {
+    pub va: u64,
+    pub rkey: u32,
+    pub remaining: u64,
+    pub total: u64,
+}
+
+/// A response the responder still has to send, in PSN order.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub enum RespJob {
+    Ack { psn: u32, syndrome: u8 },
+    AtomicAck { psn: u32, orig: u64 },
+    Read { psn: u32, va: u64, rkey: u32, remaining: u64, first: bool },
+}
+
+/// The transport state of a QP: everything but its queues and timers.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct QpRuntime {
+    // requester
+    /// PSN the next pulled WQE starts at.
+    pub next_psn: u32,
+    /// Oldest unacknowledged PSN.
+    pub una: u32,
+    /// Next PSN to (re)transmit.
+    pub tx_psn: u32,
+    /// One past the highest PSN ever transmitted.
+    pub max_sent: u32,
+    pub retry_left: u8,
+    pub rnr_left: u8,
+    /// Packets the requester may have unacknowledged now (<= the window):
+    /// cut after a timeout, grown by every ACKed packet, so
+    /// that a go-back-N retransmission after a stall is not a full window.
+    #[serde(default)]
+    pub cwnd: u32,
+    // responder
+    pub epsn: u32,
+    pub msn: u32,
+    /// Bytes already placed into the head receive WQE by a multi-packet SEND.
+    pub recv_offset: u64,
+    pub in_send: bool,
+    pub write: Option<WriteCtx>,
+    pub atomic_results: VecDeque<(u32, u64)>,
+    pub nak_sent: bool,
+    pub resp_queue: VecDeque<RespJob>,
+    /// Send WQEs retired (completed, signaled or not) since the QP was
+    /// created: the owner reposts its WRs from this index on after a move.
+    #[serde(default)]
+    pub sq_retired: u64,
+    /// Receive WQEs retired since the QP was created (the same for RECVs).
+    #[serde(default)]
+    pub rq_retired: u64,
+}
+
+/// Version of [`QpSnapshot`]; bump on any change of its meaning.
+pub const QP_SNAPSHOT_VERSION: u32 = 1;
+
+/// The runtime state of a suspended RC QP, as query-suspended returns it and
+/// create-suspended takes it (docs/rdma-migration.md). Posted WRs are not in
+/// it: the owner reposts those from `runtime.sq_retired` / `rq_retired` on.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct QpSnapshot {
+    pub version: u32,
+    pub qpn: u32,
+    pub attr: QpAttr,
+    pub runtime: QpRuntime,
+}

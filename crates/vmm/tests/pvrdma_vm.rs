@@ -1,0 +1,58 @@
+//! `transit vm run --pvrdma gid=...`: a VM with a PVRDMA device in its
+//! host's rnicd namespace, `query-pvrdma` on the control socket (errors as
+//! JSON errors), save with the device's state, and a bad spec refused.
+//! Needs root (a testbed host) and the transit binary.
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use testbed::{Testbed, TestbedOpts};
+use vmm::testing::{transit_bin, unique_name, TempPath, VmProcess};
+
+#[test]
+fn a_vm_with_a_pvrdma_device_answers_query_pvrdma() {
+    let tb = Testbed::create(TestbedOpts::new("pvvm", 1)).expect("testbed (needs root)");
+    let h = tb.host(0);
+    let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
+    let _ = std::fs::remove_file(&sock);
+    let rnicd = h
+        .spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
+        .expect("start rnicd");
+    let t0 = Instant::now();
+    while !sock.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let gid = tb.spare_addr(0, 7);
+    h.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+
+    let name = unique_name("pvrdma");
+    let spec = format!("gid={gid},rnicd={}", sock.display());
+    let vm =
+        VmProcess::start(h.command(transit_bin()), &name, &["vm", "run", "--name", &name, "--memory", "64M", "--pvrdma", &spec]).unwrap();
+    let all = vm.exec("query-pvrdma", json!({})).unwrap();
+    let d = &all[0];
+    assert_eq!(d["name"], "pvrdma0", "{all}");
+    assert_eq!(d["gid"], gid.to_string());
+    assert_eq!(d["state"], "reset", "the firmware did not bring it up");
+    assert_eq!(d["objects"], json!({"contexts": 0, "pds": 0, "mrs": 0, "cqs": 0, "qps": 0}));
+    assert_eq!(vm.exec("query-pvrdma", json!({"device": "pvrdma0"})).unwrap()["gid"], gid.to_string());
+    let e = vm.exec("query-pvrdma", json!({"device": "nope"})).unwrap_err().to_string();
+    assert!(e.contains("DeviceNotFound"), "{e}");
+
+    // The device's state goes into a save file with the rest of the VM.
+    let file = TempPath::new(&format!("{name}.save"));
+    vm.exec("stop", json!({})).unwrap();
+    vm.exec("save", json!({"filename": file.path()})).unwrap();
+    assert!(std::fs::metadata(file.path()).unwrap().len() > 0);
+    drop(vm);
+
+    // A spec without a GID is refused before the VM runs.
+    let out = h
+        .command(transit_bin())
+        .args(["vm", "run", "--name", &unique_name("pvbad"), "--memory", "64M", "--pvrdma", "rnicd=/nonexistent"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("gid= is required"), "{}", String::from_utf8_lossy(&out.stderr));
+    drop(rnicd);
+}
