@@ -20,6 +20,8 @@ fn main() {
     println!("cargo:rerun-if-changed={}", manifest.parent().unwrap().join("pvrdma-abi/src").display());
     println!("cargo:rerun-if-changed={}", guest.join("link.ld").display());
     println!("cargo:rerun-if-changed={}", guest.join(".cargo/config.toml").display());
+    // Crates of this workspace that the guest depends on.
+    println!("cargo:rerun-if-changed={}", manifest.parent().unwrap().join("units/src").display());
 
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);

@@ -10,19 +10,9 @@ impl Args {
         })
     }
 
-    /// A number with an optional K/M/G suffix (powers of two).
+    /// A number: decimal with an optional K/M/G/T suffix (powers of two) or
+    /// `0x` hexadecimal, as `units::parse_size` reads it.
     pub fn num(&self, key: &str, default: u64) -> u64 {
-        self.get(key).and_then(parse_size).unwrap_or(default)
+        self.get(key).and_then(|v| units::parse_size(v).ok()).unwrap_or(default)
     }
-}
-
-pub fn parse_size(s: &str) -> Option<u64> {
-    let (digits, mult) = match s.as_bytes().last()? {
-        b'K' | b'k' => (&s[..s.len() - 1], 1u64 << 10),
-        b'M' | b'm' => (&s[..s.len() - 1], 1 << 20),
-        b'G' | b'g' => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    let v = if let Some(h) = digits.strip_prefix("0x") { u64::from_str_radix(h, 16).ok()? } else { digits.parse::<u64>().ok()? };
-    v.checked_mul(mult)
 }

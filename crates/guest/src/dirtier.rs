@@ -23,7 +23,7 @@ pub fn run(plat: Platform, start: u64, end: u64, rate: u64) -> ! {
             unsafe { p.write_volatile(p.read_volatile().wrapping_add(1)) };
             addr += PAGE;
             done += 1;
-            if rate != 0 && passes > 0 && done % BATCH == 0 {
+            if rate != 0 && passes > 0 && done.is_multiple_of(BATCH) {
                 loop {
                     let allowed = plat.now_ns().saturating_sub(t0) as u128 * rate as u128 / 1_000_000_000;
                     if done as u128 <= allowed {

@@ -17,7 +17,7 @@ pub fn run(plat: Platform, start: u64, end: u64) -> ! {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let v = if (page_no + i / 64) % 2 == 0 {
+            let v = if (page_no + i / 64).is_multiple_of(2) {
                 // text-like: 8 bytes from the phrase
                 let o = ((i * 8 + page_no) as usize) % (WORDS.len() - 8);
                 u64::from_le_bytes(WORDS[o..o + 8].try_into().unwrap())

@@ -167,7 +167,7 @@ impl SwapBit for AtomicU64 {
 }
 
 fn bench_hash(ram: &GuestRam, n: u64, stride: u64) -> Row {
-    let hash_all = || (0..ram.pages()).map(|p| xxhash_rust::xxh3::xxh3_64(ram.page(p))).collect::<Vec<u64>>();
+    let hash_all = || (0..ram.pages()).map(|p| migration::wire::xxh3(ram.page(p))).collect::<Vec<u64>>();
     let t = Instant::now();
     let before = hash_all();
     let arm_ms = t.elapsed().as_secs_f64() * 1e3;

@@ -2,677 +2,23 @@
 //! channel ended cleanly, the page counts match what the source sent, every
 //! page of RAM arrived at least once, and the state loaded.
 
-use crate::compress::{decompress, Compress};
-use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
+use crate::compress::Compress;
+use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
 use crate::postcopy::clients::RamClients;
-use crate::postcopy::place::{Alias, Placer, Via};
+use crate::postcopy::place::Alias;
 use crate::stats::{Control, Mode, Status};
-use crate::vm::{MigratableVm, RamRegion};
-use crate::wire::{self, DataItem, DataReader, Entry, Msg, Record, WireError};
+use crate::vm::MigratableVm;
+use crate::wire::{self, Msg, WireError};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Longest silence accepted on a data connection during a migration.
-pub const DATA_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
-
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-#[serde(default)]
-pub struct IncomingParams {
-    /// Start the vCPUs once the state is in (false: stay paused, e.g. to
-    /// compare RAM hashes first; the vmm's `cont` starts it later).
-    pub resume: bool,
-    /// Give up if no source connects within this many seconds (0 = wait).
-    pub accept_timeout_s: u64,
-    /// Allocate all of guest RAM while waiting for the source (see
-    /// [`Prealloc`]).
-    pub prealloc: bool,
-}
-
-impl Default for IncomingParams {
-    fn default() -> Self {
-        IncomingParams { resume: true, accept_timeout_s: 0, prealloc: false }
-    }
-}
-
-/// A barrier that a failing channel can break, so the others stop waiting.
-struct RoundBarrier {
-    n: usize,
-    st: Mutex<(usize, u64, bool)>, // (arrived, generation, broken)
-    cv: Condvar,
-}
-
-impl RoundBarrier {
-    /// Returns true for the last channel to arrive (it speaks for all).
-    fn wait(&self) -> Result<bool> {
-        let mut g = self.st.lock().unwrap();
-        if g.2 {
-            bail!("another channel failed");
-        }
-        g.0 += 1;
-        if g.0 == self.n {
-            g.0 = 0;
-            g.1 += 1;
-            self.cv.notify_all();
-            return Ok(true);
-        }
-        let gen = g.1;
-        while g.1 == gen && !g.2 {
-            g = self.cv.wait(g).unwrap();
-        }
-        if g.2 {
-            bail!("another channel failed");
-        }
-        Ok(false)
-    }
-    fn break_all(&self) {
-        self.st.lock().unwrap().2 = true;
-        self.cv.notify_all();
-    }
-}
-
-pub(crate) struct RxShared {
-    pub ram: RamRegion,
-    pub total: u64,
-    /// Pages that may hold non-zero bytes here (memfd data, or we wrote them).
-    pub maybe_nonzero: Arc<AtomicBitmap>,
-    /// Where received pages are written, if not the vmm's mapping: for a
-    /// migration that may switch to postcopy, an alias the vmm's page
-    /// tables never see, so that at the switch a stale page only needs
-    /// forgetting (no unmapping or punching while the VM is paused); for a
-    /// preallocated destination, the alias its page tables were filled in.
-    pub alias: Option<Arc<Alias>>,
-    /// A hybrid: pages may arrive before a postcopy switch (through the
-    /// alias, so not mapped into the vmm).
-    pub precopy_rounds: bool,
-    /// Pages received at least once.
-    pub seen: Arc<AtomicBitmap>,
-    /// Pages received torn or damaged, waiting to come again.
-    pub suspect: Suspects,
-    barrier: RoundBarrier,
-    /// The control connection's write side, for round acknowledgements.
-    acks: Mutex<TcpStream>,
-    pub ctl: Arc<Control>,
-    /// Set at a postcopy switch: pages are placed through userfaultfd from
-    /// then on (the VM may be running and faulting on them).
-    pub placer: OnceLock<Arc<Placer>>,
-}
-
-impl RxShared {
-    fn write_at(&self) -> *mut u8 {
-        self.alias.as_ref().map_or(self.ram.host_addr, |a| a.base)
-    }
-}
-
-// Guest RAM is shared memory reached through a raw mapping, like DMA.
-#[allow(clippy::mut_from_ref)]
-fn page_mut(sh: &RxShared, pfn: u64) -> &mut [u8] {
-    // SAFETY: callers checked pfn < total pages (Records does); only one
-    // channel writes a given page per round, and rounds are barriers apart.
-    unsafe { std::slice::from_raw_parts_mut(sh.write_at().add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) }
-}
-
-/// Allocate, in one call per run, the pages of this batch that arrive for
-/// the first time: one MADV_POPULATE_WRITE instead of a page fault per page
-/// (the destination's memfd starts empty). Errors are ignored: the copy
-/// faults the pages in anyway.
-fn populate_new_pages(sh: &RxShared, rd: &DataReader) {
-    let mut t = rd.entries(sh.total);
-    while let Ok(Some(e)) = t.next_entry() {
-        let (pfn, count) = match e {
-            Entry::Raw { pfn, count, .. } if !(pfn..pfn + count).all(|p| sh.maybe_nonzero.get(p)) => (pfn, count),
-            Entry::Compressed { pfn, .. } if !sh.maybe_nonzero.get(pfn) => (pfn, 1),
-            _ => continue,
-        };
-        // SAFETY: the range lies inside guest RAM (Table checked it).
-        unsafe {
-            libc::madvise(
-                sh.write_at().add((pfn * PAGE_SIZE) as usize) as *mut libc::c_void,
-                (count * PAGE_SIZE) as usize,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-    }
-}
-
-/// Where each byte of a batch's data goes, in wire order, as buffers to
-/// read into: raw page `p` where `raw_target(p, its hash)` says, or (None)
-/// into `scratch` at its data offset, to be dropped; compressed bytes into
-/// `scratch` at their data offset. Checks that the records account for
-/// exactly `data_len` bytes.
-fn plan_batch(
-    rd: &DataReader,
-    total: u64,
-    data_len: usize,
-    scratch: &mut Vec<u8>,
-    mut raw_target: impl FnMut(u64, u64) -> Option<*mut u8>,
-) -> Result<Vec<(*mut u8, usize)>> {
-    scratch.resize(data_len, 0);
-    let mut pieces: Vec<(*mut u8, usize)> = Vec::new();
-    let mut add = |at: *mut u8, len: usize| match pieces.last_mut() {
-        Some((p, l)) if p.wrapping_add(*l) == at => *l += len,
-        _ => pieces.push((at, len)),
-    };
-    let (mut off, mut t) = (0, rd.entries(total));
-    while let Some(e) = t.next_entry()? {
-        let len = e.data_len();
-        // Past `data_len` nothing is planned: an error below.
-        if off + len <= data_len {
-            if let Entry::Raw { pfn, count, hashes } = e {
-                for i in 0..count {
-                    let o = off + (i * PAGE_SIZE) as usize;
-                    add(raw_target(pfn + i, wire::run_hash(hashes, i as usize)).unwrap_or(scratch[o..].as_mut_ptr()), PAGE_SIZE as usize);
-                }
-            } else if len > 0 {
-                add(scratch[off..].as_mut_ptr(), len);
-            }
-        }
-        off += len;
-    }
-    if off != data_len {
-        return Err(WireError::Corrupt(format!("page batch with {data_len} data bytes for records of {off}")).into());
-    }
-    Ok(pieces)
-}
-
-/// Read a batch's data straight into guest RAM: raw pages land where they
-/// belong (the kernel's copy is the only one), compressed bytes in
-/// `scratch`. Nothing is trusted yet: [`apply_batch`] checks every page.
-fn read_batch_into_ram(s: &mut TcpStream, rd: &DataReader, sh: &RxShared, data_len: usize, scratch: &mut Vec<u8>) -> Result<()> {
-    // Disjoint ranges of guest RAM (checked page numbers; this channel
-    // alone writes them this round) and of `scratch`.
-    let pieces = plan_batch(rd, sh.total, data_len, scratch, |p, _| Some(page_mut(sh, p).as_mut_ptr()))?;
-    wait_for_bytes(s, data_len);
-    read_pieces(s, &pieces)?;
-    Ok(())
-}
-
-/// Postcopy: a pushed batch whose raw pages go straight into the alias.
-/// The whole batch must be queued on the socket already: the pages nobody
-/// claimed yet are claimed and read into place (the others into
-/// `scratch`, to be dropped), checked, and mapped, at real-time priority:
-/// a fault on a claimed page waits for this thread, which must neither
-/// wait for the network nor lose its CPU meanwhile. Claims are given back
-/// if the bytes do not arrive or fail their check.
-#[allow(clippy::too_many_arguments)]
-fn place_batch_direct(
-    s: &mut TcpStream,
-    rd: &DataReader,
-    data_len: usize,
-    placer: &Placer,
-    sh: &RxShared,
-    scratch: &mut Vec<u8>,
-    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
-) -> Result<u64> {
-    let _rt = crate::postcopy::RealtimeSection::enter();
-    // The pages claimed here, as runs, and the hash each must have.
-    let (mut mine, mut checks): (Vec<PageRange>, Vec<(u64, u64)>) = (Vec::new(), Vec::new());
-    let read = plan_batch(rd, sh.total, data_len, scratch, |p, hash| {
-        placer.claim(p).then(|| {
-            match mine.last_mut() {
-                Some(r) if r.end() == p => r.count += 1,
-                _ => mine.push(PageRange { first: p, count: 1 }),
-            }
-            checks.push((p, hash));
-            placer.alias_page(p)
-        })
-    })
-    .and_then(|pieces| Ok(read_pieces(s, &pieces)?))
-    .and_then(|_| {
-        // Only claimed pages are checked: the others are dropped.
-        checks.iter().try_for_each(|&(p, hash)| {
-            // SAFETY: a claimed page inside the alias.
-            let page = unsafe { std::slice::from_raw_parts(placer.alias_page(p), PAGE_SIZE as usize) };
-            Ok(wire::check_page(p, page, hash)?)
-        })
-    });
-    if let Err(e) = read {
-        mine.iter().for_each(|r| placer.unclaim(*r));
-        return Err(e);
-    }
-    for r in &mine {
-        placer.map_claimed(*r, Via::Push)?;
-    }
-    // Zero and compressed records through the placer as usual: `scratch`
-    // holds the data as laid out on the wire, but for the raw pages placed
-    // above.
-    let n = place_records(placer, rd.records_in(scratch, sh.total), Via::Push, zstd, true)?;
-    count_batch(&sh.ctl, n, rd.batch_wire_len(data_len));
-    Ok(n)
-}
-
-/// Read exactly the bytes of `pieces` (disjoint buffers), in order.
-fn read_pieces(s: &mut TcpStream, pieces: &[(*mut u8, usize)]) -> Result<(), WireError> {
-    // SAFETY: the callers' pieces are disjoint, writable and live.
-    let mut bufs: Vec<std::io::IoSliceMut> =
-        pieces.iter().map(|&(p, l)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p, l) })).collect();
-    let mut bufs = &mut bufs[..];
-    while !bufs.is_empty() {
-        match std::io::Read::read_vectored(s, bufs) {
-            Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into())),
-            Ok(n) => std::io::IoSliceMut::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(WireError::Io(e)),
-        }
-    }
-    Ok(())
-}
-
-/// Bytes queued for reading on `s` (0 if unknown).
-fn queued_bytes(s: &TcpStream) -> usize {
-    let mut n: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one int.
-    match unsafe { libc::ioctl(s.as_raw_fd(), libc::FIONREAD, &mut n) } {
-        0 => n.max(0) as usize,
-        _ => 0,
-    }
-}
-
-/// Sleep until `n` bytes (at most half the receive buffer) are queued on
-/// `s`: the sender's kernel then wakes this thread once per batch instead
-/// of once per segment (a cross-CPU wakeup costs the sender more than the
-/// segment's copy on this VM). The low-water mark goes back to one byte
-/// before reading, so that no read can wait for bytes that never come.
-/// Errors only cost the optimisation.
-fn wait_for_bytes(s: &TcpStream, n: usize) {
-    let fd = s.as_raw_fd();
-    let set = |v: i32| {
-        // SAFETY: an int option on our own socket.
-        unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v as *const i32 as *const libc::c_void, 4) }
-    };
-    if n < 64 << 10 || set(n as i32) != 0 {
-        return;
-    }
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    // SAFETY: one pollfd on the stack. The socket's read timeout bounds
-    // the wait for a silent peer.
-    unsafe { libc::poll(&mut pfd, 1, DATA_IDLE_TIMEOUT.as_millis() as i32) };
-    set(1);
-}
-
-/// Check and account the pages of a batch that [`read_batch_into_ram`]
-/// read: decompress, zero, and mark each page good or suspect. Returns the
-/// pages it held.
-fn apply_batch(rd: &DataReader, sh: &RxShared, scratch: &[u8], zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
-    let mut t = rd.entries(sh.total);
-    let (mut n, mut off) = (0u64, 0);
-    // Bitmap updates go per run of pages, after the copies: an atomic per
-    // page would stall on each page's stores.
-    let mut written = Runs::default();
-    while let Some(e) = t.next_entry()? {
-        let at = off;
-        off += e.data_len();
-        match e {
-            Entry::Zero { pfn, count } => {
-                for p in pfn..pfn + count {
-                    if sh.maybe_nonzero.get(p) {
-                        page_mut(sh, p).fill(0);
-                    }
-                }
-                sh.seen.set_range(PageRange { first: pfn, count });
-                sh.suspect.clear_range(pfn, count);
-                n += count;
-            }
-            Entry::Raw { pfn, count, hashes } => {
-                for i in 0..count {
-                    let p = pfn + i;
-                    sh.suspect.check(p, wire::page_hash(p, page_mut(sh, p)) == wire::run_hash(hashes, i as usize));
-                    written.add(p, sh);
-                }
-                n += count;
-            }
-            Entry::Compressed { pfn, kind, len, hash } => {
-                let page = page_mut(sh, pfn);
-                unpack(pfn, kind, &scratch[at..at + len], page, zstd)?;
-                sh.suspect.check(pfn, wire::page_hash(pfn, page) == hash);
-                written.add(pfn, sh);
-                n += 1;
-            }
-        }
-    }
-    written.flush(sh);
-    Ok(n)
-}
-
-/// Pages whose bytes did not match their hash. During precopy rounds the
-/// source sends pages straight from the running guest's RAM, so a page the
-/// guest wrote while it was sent arrives torn; it is dirty, so a later
-/// round (or the postcopy switch's stale list) replaces it. A page still
-/// suspect when the stream ends was damaged on the way: the migration
-/// fails and the VM never runs here.
-pub(crate) struct Suspects {
-    pages: AtomicBitmap,
-    count: std::sync::atomic::AtomicU64,
-}
-
-impl Suspects {
-    fn new(total: u64) -> Self {
-        Suspects { pages: AtomicBitmap::new(total), count: Default::default() }
-    }
-    /// Record the outcome of page `p`'s hash check.
-    fn check(&self, p: u64, ok: bool) {
-        if !ok {
-            if self.pages.test_and_set(p) {
-                self.count.fetch_add(1, Ordering::Relaxed);
-            }
-        } else if self.count.load(Ordering::Relaxed) > 0 && self.pages.get(p) {
-            self.clear_range(p, 1);
-        }
-    }
-    /// These pages were replaced (or dropped as stale): no longer suspect.
-    pub fn clear_range(&self, first: u64, count: u64) {
-        if self.count.load(Ordering::Relaxed) == 0 {
-            return;
-        }
-        for p in first..first + count {
-            if self.pages.test_and_clear(p) {
-                self.count.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-    }
-    /// An error if any page is still suspect.
-    pub fn verify(&self) -> Result<()> {
-        match self.count.load(Ordering::Relaxed) {
-            0 => Ok(()),
-            n => Err(WireError::Corrupt(format!("{n} pages arrived damaged (checksum mismatch) and were not sent again")).into()),
-        }
-    }
-}
-
-/// Allocates the destination's guest RAM in a background thread, from the
-/// moment it starts listening: the first write to a fresh memfd page costs
-/// a fault, zeroing and, on a virtualized host, the host's own first-touch
-/// fault (measured here: 1 to 5 s of CPU per GiB, 5x the cost of receiving
-/// the page). It populates an alias mapping of the memfd ([`Alias`]) that
-/// the receivers then write through: page tables filled here in one call
-/// per chunk spare the receive path a write fault per page (a third of the
-/// destination's CPU on an idle 4 GiB VM). The vmm's own mapping stays
-/// empty, so postcopy still catches every first touch (as a minor fault).
-/// Pages it allocates stay zero, so the receiver's zero handling is
-/// unchanged. Dropping it stops the thread within one chunk.
-pub struct Prealloc {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    alias: Arc<Alias>,
-}
-
-impl Prealloc {
-    /// Populated a chunk at a time, so that stopping is quick.
-    const CHUNK: u64 = 2 << 20;
-
-    pub fn start(ram: RamRegion) -> std::io::Result<Prealloc> {
-        let len = ram.len;
-        let alias = Arc::new(Alias::map(&ram)?);
-        let stop = Arc::new(AtomicBool::new(false));
-        let (st, a) = (stop.clone(), alias.clone());
-        let thread = std::thread::Builder::new().name("migrate-prealloc".into()).spawn(move || {
-            let t = Instant::now();
-            let mut off = 0;
-            while off < len && !st.load(Ordering::Relaxed) {
-                let n = Self::CHUNK.min(len - off) as usize;
-                // SAFETY: inside the alias mapping; populating never
-                // changes page contents (receivers may write meanwhile).
-                if unsafe { libc::madvise(a.base.add(off as usize) as *mut libc::c_void, n, libc::MADV_POPULATE_WRITE) } != 0 {
-                    tracing::debug!("prealloc stopped at {off}: {}", std::io::Error::last_os_error());
-                    break;
-                }
-                off += n as u64;
-            }
-            tracing::debug!("prealloc: {off} bytes in {:?}", t.elapsed());
-        })?;
-        Ok(Prealloc { stop, thread: Some(thread), alias })
-    }
-
-    /// The mapping it populates (receive through it).
-    pub fn alias(&self) -> Arc<Alias> {
-        self.alias.clone()
-    }
-}
-
-impl Drop for Prealloc {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// A run of consecutive pages written with data, marked in the bitmaps
-/// at once.
-#[derive(Default)]
-struct Runs(Option<PageRange>);
-
-impl Runs {
-    fn add(&mut self, pfn: u64, sh: &RxShared) {
-        match &mut self.0 {
-            Some(r) if r.end() == pfn => r.count += 1,
-            _ => {
-                self.flush(sh);
-                self.0 = Some(PageRange { first: pfn, count: 1 });
-            }
-        }
-    }
-    fn flush(&mut self, sh: &RxShared) {
-        if let Some(r) = self.0.take() {
-            sh.maybe_nonzero.set_range(r);
-            sh.seen.set_range(r);
-        }
-    }
-}
-
-/// Postcopy: place a batch's pages (read whole by `rd.next`) through the
-/// placer and count them (and the batch's wire bytes) in the stats. The
-/// source is paused by now, so a page that fails its hash is damage.
-pub(crate) fn place_batch(
-    placer: &Placer,
-    ctl: &Control,
-    rd: &DataReader,
-    total: u64,
-    via: Via,
-    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
-) -> Result<u64> {
-    let n = place_records(placer, rd.records(total), via, zstd, false)?;
-    count_batch(ctl, n, rd.batch_wire_len(rd.data.len()));
-    Ok(n)
-}
-
-/// Place the records of a batch; `raw_placed`: its raw pages were placed
-/// already (only counted here).
-fn place_records(
-    placer: &Placer,
-    mut it: wire::Records,
-    via: Via,
-    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
-    raw_placed: bool,
-) -> Result<u64> {
-    let mut n = 0;
-    let mut page = [0u8; PAGE_SIZE as usize];
-    while let Some(rec) = it.next_record()? {
-        match rec {
-            Record::Zero { pfn, count } => {
-                placer.place_zero(pfn, count, via);
-                n += count;
-            }
-            Record::Raw { pfn, data, hashes } => {
-                if !raw_placed {
-                    wire::check_run(pfn, data, hashes)?;
-                    placer.place(pfn, data, via)?;
-                }
-                n += (data.len() as u64) / PAGE_SIZE;
-            }
-            Record::Compressed { pfn, kind, data, hash } => {
-                unpack(pfn, kind, data, &mut page, zstd)?;
-                wire::check_page(pfn, &page, hash)?;
-                placer.place(pfn, &page, via)?;
-                n += 1;
-            }
-        }
-    }
-    Ok(n)
-}
-
-/// Decompress page `pfn` into `page`; a failure is damage.
-fn unpack(
-    pfn: u64,
-    kind: Compress,
-    data: &[u8],
-    page: &mut [u8],
-    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
-) -> Result<(), WireError> {
-    decompress(kind, data, page, zstd).map_err(|e| WireError::Corrupt(format!("page {pfn}: {e}")))
-}
-
-/// A batch arrived: its pages and wire bytes count in the stats.
-fn count_batch(ctl: &Control, pages: u64, wire: u64) {
-    ctl.update(|st| {
-        st.pages_sent += pages;
-        st.wire_bytes += wire;
-    });
-}
-
-pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
-    let mut rd = DataReader::default();
-    let mut zstd = None;
-    let mut scratch = Vec::new();
-    let mut pages = 0u64;
-    // Postcopy drops channel results: from the switch on, this thread
-    // counts its CPU itself (all of it, precopy rounds included).
-    let mut postcopy: Option<CpuTally> = None;
-    let r = (|| -> Result<u64> {
-        loop {
-            match rd.next_head(&mut s)? {
-                DataItem::Pages { data_len, .. } if sh.placer.get().is_some() => {
-                    let placer = sh.placer.get().expect("checked");
-                    if postcopy.is_none() {
-                        // The guest waits on these pages (and a fault on a
-                        // page this thread claimed waits for it): go before
-                        // the host's other work, like the fault path.
-                        crate::postcopy::urgent_priority();
-                        postcopy = Some(CpuTally::new(&sh.ctl, true));
-                        crate::postcopy::bound_push_buffer(&s, sh.barrier.n, false);
-                    }
-                    wait_for_bytes(&s, data_len);
-                    if queued_bytes(&s) >= data_len {
-                        pages += place_batch_direct(&mut s, &rd, data_len, placer, &sh, &mut scratch, &mut zstd)?;
-                    } else {
-                        // Claims must never wait on the network: read the
-                        // batch first, then place it.
-                        rd.read_data(&mut s, data_len)?;
-                        pages += place_batch(placer, &sh.ctl, &rd, sh.total, Via::Push, &mut zstd)?;
-                    }
-                }
-                DataItem::Pages { data_len, .. } => {
-                    populate_new_pages(&sh, &rd);
-                    read_batch_into_ram(&mut s, &rd, &sh, data_len, &mut scratch)?;
-                    let n = apply_batch(&rd, &sh, &scratch, &mut zstd)?;
-                    pages += n;
-                    count_batch(&sh.ctl, n, rd.batch_wire_len(data_len));
-                }
-                DataItem::Sync(round) => {
-                    // Every channel applied the round: tell the source, so
-                    // it measures what really arrived and never pauses the
-                    // VM with a backlog still in flight.
-                    if sh.barrier.wait()? {
-                        let mut c = sh.acks.lock().unwrap();
-                        wire::send_msg(&mut *c, &Msg::RoundDone { round })?;
-                    }
-                }
-                DataItem::Eos(claimed) => {
-                    if claimed != pages {
-                        bail!("channel ended claiming {claimed} pages, {pages} arrived");
-                    }
-                    return Ok(pages);
-                }
-            }
-        }
-    })();
-    if r.is_err() {
-        sh.barrier.break_all();
-        sh.ctl.shutdown_all();
-    }
-    drop(postcopy);
-    r.map(|p| (p, thread_cpu_s()))
-}
-
-/// Accept the data connections (and, for postcopy, the urgent one) of
-/// `session`, each once, in any order.
-pub(crate) fn accept_channels(
-    listener: &TcpListener,
-    ctl: &Control,
-    session: u64,
-    channels: usize,
-    with_urgent: bool,
-) -> Result<(Vec<TcpStream>, Option<TcpStream>)> {
-    let mut streams: Vec<Option<TcpStream>> = (0..channels).map(|_| None).collect();
-    let mut urgent = None;
-    for _ in 0..channels + with_urgent as usize {
-        let mut s = accept(listener, ctl, Some(Duration::from_secs(30)))?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        let role = wire::read_preamble(&mut s)?;
-        let greeting = wire::recv_msg(&mut s)?;
-        match (role, greeting) {
-            (wire::ROLE_DATA, Msg::Channel { session: ss, index })
-                if ss == session && (index as usize) < channels && streams[index as usize].is_none() =>
-            {
-                // A source that vanishes without a FIN (link cut) must not
-                // leave us waiting forever.
-                s.set_read_timeout(Some(DATA_IDLE_TIMEOUT))?;
-                streams[index as usize] = Some(s);
-            }
-            (wire::ROLE_URGENT, Msg::Channel { session: ss, .. }) if with_urgent && ss == session && urgent.is_none() => {
-                // Requests may be rare: the urgent connection may idle.
-                s.set_read_timeout(None)?;
-                urgent = Some(s);
-            }
-            (role, other) => bail!("bad data connection greeting {other:?} (role {role})"),
-        }
-    }
-    Ok((streams.into_iter().map(|s| s.expect("all channels connected")).collect(), urgent))
-}
-
-/// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks one).
-pub fn listen(uri: &str) -> Result<TcpListener> {
-    let a = uri.strip_prefix("tcp:").unwrap_or(uri);
-    TcpListener::bind(a).with_context(|| format!("listening on {a}"))
-}
-
-pub(crate) fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) -> Result<TcpStream> {
-    l.set_nonblocking(true)?;
-    let t = Instant::now();
-    loop {
-        match l.accept() {
-            Ok((s, _)) => {
-                s.set_nonblocking(false)?;
-                s.set_nodelay(true)?;
-                wire::tune_socket(&s);
-                ctl.register(&s);
-                return Ok(s);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if ctl.is_cancelled() {
-                    bail!("cancelled");
-                }
-                if timeout.is_some_and(|to| t.elapsed() >= to) {
-                    bail!("no connection from the source within {:?}", timeout.unwrap());
-                }
-                // Wake on the connection itself (a sleep here added up to
-                // its length to every accept, and so to postcopy's downtime),
-                // and look at cancel and the deadline every 50 ms.
-                let mut pfd = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                // SAFETY: one valid pollfd.
-                unsafe { libc::poll(&mut pfd, 1, 50) };
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-}
+use crate::receiver::{accept, accept_channels, receive_channel, RoundBarrier, RxShared, Suspects};
+pub use crate::receiver::{listen, IncomingParams, Prealloc, DATA_IDLE_TIMEOUT};
 
 /// Receive one migration on `listener` into the paused `vm`.
 pub fn run(
@@ -718,6 +64,10 @@ pub fn run(
     r
 }
 
+/// The phases of an incoming migration, each its own function as in QEMU's
+/// migration incoming path: the handshake, the channels and their threads,
+/// then either the postcopy hand-over at a switch, or the end of the stream
+/// checked, the state loaded and the VM started on the source's go.
 fn run_inner(
     vm: &Arc<dyn MigratableVm>,
     listener: &TcpListener,
@@ -728,7 +78,6 @@ fn run_inner(
     clients: Option<Arc<RamClients>>,
 ) -> Result<bool> {
     let ram = vm.ram();
-    let total = ram.pages();
     // Pages that may hold non-zero bytes: what has data before prealloc
     // allocates the rest, zero-filled (a zero record needs no write there).
     let data_before = ram.data_ranges()?;
@@ -738,91 +87,12 @@ fn run_inner(
     let mut control = accept(listener, ctl, timeout)?;
     *t0 = Instant::now();
     *control_out = Some(control.try_clone()?);
-    control.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let role = match wire::read_preamble(&mut control) {
-        Ok(r) => r,
-        Err(e) => {
-            // Answer in our own version so that an older or newer source
-            // prints the reason rather than a bare disconnect.
-            let _ = wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL);
-            return Err(anyhow!("source stream: {e}"));
-        }
-    };
-    if role != wire::ROLE_CONTROL {
-        bail!("first connection is not a control connection");
-    }
-    let (session, channels, compress, mode) = match wire::recv_msg(&mut control)? {
-        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode } => {
-            let mine = vm.shape();
-            if shape != mine {
-                bail!("VM shape differs: source {shape:?}, destination {mine:?}");
-            }
-            if ram_bytes != ram.len || page_size != PAGE_SIZE {
-                bail!("RAM differs: source {ram_bytes} bytes in {page_size}-byte pages, here {} in {PAGE_SIZE}", ram.len);
-            }
-            if mode == "recover" {
-                bail!("nothing to recover here: this destination has no paused postcopy migration");
-            }
-            let mode: Mode =
-                mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
-            if !(1..=64).contains(&channels) {
-                bail!("{channels} channels is out of range");
-            }
-            let c: Compress = compress.parse().map_err(|e: String| anyhow!(e))?;
-            (session, channels as usize, c, mode)
-        }
-        other => bail!("expected hello, got {other:?}"),
-    };
-    wire::send_msg(&mut control, &Msg::Welcome)?;
-    ctl.update(|s| {
-        s.channels = channels as u32;
-        s.compress = compress.to_string();
-        s.ram_bytes = ram.len;
-        s.total_pages = total;
-        s.mode = mode.to_string();
-    });
-
-    let (streams, urgent) = accept_channels(listener, ctl, session, channels, mode != Mode::Precopy)?;
-    ctl.update(|s| {
-        s.status = Status::Active;
-        s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
-    });
-    let maybe_nonzero = AtomicBitmap::new(total);
-    for r in data_before {
-        maybe_nonzero.set_range(r);
-    }
-    // A hybrid receives its precopy rounds through an alias (see RxShared);
-    // a preallocated destination receives through its populated one.
-    let alias = match prealloc.as_ref().map(Prealloc::alias) {
-        Some(a) => Some(a),
-        None if mode == Mode::Hybrid => Some(Arc::new(Alias::map(&ram).context("mapping guest RAM for receiving")?)),
-        None => None,
-    };
-    let sh = Arc::new(RxShared {
-        ram,
-        total,
-        maybe_nonzero: Arc::new(maybe_nonzero),
-        alias,
-        precopy_rounds: mode == Mode::Hybrid,
-        seen: Arc::new(AtomicBitmap::new(total)),
-        suspect: Suspects::new(total),
-        placer: OnceLock::new(),
-        barrier: RoundBarrier { n: channels, st: Mutex::new((0, 0, false)), cv: Condvar::new() },
-        acks: Mutex::new(control.try_clone()?),
-        ctl: ctl.clone(),
-    });
-    let threads: Vec<_> = streams
-        .into_iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let sh = sh.clone();
-            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
-        })
-        .collect::<std::io::Result<_>>()?;
+    let hello = handshake(vm, &mut control, ctl)?;
+    let (sh, threads, urgent) = start_channels(vm, listener, &control, &hello, data_before, prealloc.as_ref(), ctl, *t0)?;
 
     // The source pauses the VM only once we can take the switch at once:
     // setup here must not count as downtime.
-    let armed = if mode == Mode::Postcopy {
+    let armed = if hello.mode == Mode::Postcopy {
         let a = crate::postcopy::dest::arm(&sh)?;
         wire::send_msg(&mut control, &Msg::Ready)?;
         Some(a)
@@ -839,16 +109,163 @@ fn run_inner(
         let sw =
             crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
         let urgent = urgent.ok_or_else(|| anyhow!("postcopy without an urgent connection"))?;
-        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, session, sw, clients, armed);
+        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, hello.session, sw, clients, armed);
     }
-    let t_end = Instant::now();
-    let step = |name: &str| {
-        let ms = t_end.elapsed().as_secs_f64() * 1e3;
-        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
-    };
+    let downtime = Steps { since: Instant::now(), ctl };
     if end.is_err() {
         ctl.shutdown_all();
     }
+    let stream = end_of_stream(threads, end)?;
+    downtime.step("channels joined");
+    check_every_page(&sh)?;
+    let state = load_state(vm, &mut control, &stream, ctl)?;
+    downtime.step("state received");
+    vm.restore_state(&state).context("loading vCPU and device state")?;
+    downtime.step("state restored");
+    resume_on_go(vm, params, &mut control, &stream, &downtime, ctl)
+}
+
+/// What the source's hello asked for, checked against this VM.
+struct Hello {
+    session: u64,
+    channels: usize,
+    compress: Compress,
+    mode: Mode,
+}
+
+/// The control connection's preamble and hello, answered with a welcome.
+fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control) -> Result<Hello> {
+    let ram = vm.ram();
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let role = match wire::read_preamble(control) {
+        Ok(r) => r,
+        Err(e) => {
+            // Answer in our own version so that an older or newer source
+            // prints the reason rather than a bare disconnect.
+            let _ = wire::write_preamble(control, wire::VERSION, wire::ROLE_CONTROL);
+            return Err(anyhow!("source stream: {e}"));
+        }
+    };
+    if role != wire::ROLE_CONTROL {
+        bail!("first connection is not a control connection");
+    }
+    let hello = match wire::recv_msg(control)? {
+        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode } => {
+            let mine = vm.shape();
+            if shape != mine {
+                bail!("VM shape differs: source {shape:?}, destination {mine:?}");
+            }
+            if ram_bytes != ram.len || page_size != PAGE_SIZE {
+                bail!("RAM differs: source {ram_bytes} bytes in {page_size}-byte pages, here {} in {PAGE_SIZE}", ram.len);
+            }
+            if mode == "recover" {
+                bail!("nothing to recover here: this destination has no paused postcopy migration");
+            }
+            let mode: Mode =
+                mode.parse().map_err(|e: String| anyhow!("migration mode {mode:?} is not supported by this destination: {e}"))?;
+            if !(1..=64).contains(&channels) {
+                bail!("{channels} channels is out of range");
+            }
+            let compress: Compress = compress.parse().map_err(|e: String| anyhow!(e))?;
+            Hello { session, channels: channels as usize, compress, mode }
+        }
+        other => bail!("expected hello, got {other:?}"),
+    };
+    wire::send_msg(control, &Msg::Welcome)?;
+    ctl.update(|s| {
+        s.channels = hello.channels as u32;
+        s.compress = hello.compress.to_string();
+        s.ram_bytes = ram.len;
+        s.total_pages = ram.pages();
+        s.mode = hello.mode.to_string();
+    });
+    Ok(hello)
+}
+
+type ChannelThreads = Vec<std::thread::JoinHandle<Result<(u64, f64)>>>;
+
+/// The data connections (and the urgent one), and a receiving thread on
+/// each, sharing one [`RxShared`].
+#[allow(clippy::too_many_arguments)]
+fn start_channels(
+    vm: &Arc<dyn MigratableVm>,
+    listener: &TcpListener,
+    control: &TcpStream,
+    hello: &Hello,
+    data_before: Vec<PageRange>,
+    prealloc: Option<&Prealloc>,
+    ctl: &Arc<Control>,
+    t0: Instant,
+) -> Result<(Arc<RxShared>, ChannelThreads, Option<TcpStream>)> {
+    let ram = vm.ram();
+    let total = ram.pages();
+    let mode = hello.mode;
+    let (streams, urgent) = accept_channels(listener, ctl, hello.session, hello.channels, mode != Mode::Precopy)?;
+    ctl.update(|s| {
+        s.status = Status::Active;
+        s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+    });
+    let maybe_nonzero = AtomicBitmap::new(total);
+    for r in data_before {
+        maybe_nonzero.set_range(r);
+    }
+    // A hybrid receives its precopy rounds through an alias (see RxShared);
+    // a preallocated destination receives through its populated one.
+    let alias = match prealloc.map(Prealloc::alias) {
+        Some(a) => Some(a),
+        None if mode == Mode::Hybrid => Some(Arc::new(Alias::map(&ram).context("mapping guest RAM for receiving")?)),
+        None => None,
+    };
+    let sh = Arc::new(RxShared {
+        ram,
+        total,
+        maybe_nonzero: Arc::new(maybe_nonzero),
+        alias,
+        precopy_rounds: mode == Mode::Hybrid,
+        seen: Arc::new(AtomicBitmap::new(total)),
+        suspect: Suspects::new(total),
+        placer: OnceLock::new(),
+        barrier: RoundBarrier::new(hello.channels),
+        acks: Mutex::new(control.try_clone()?),
+        ctl: ctl.clone(),
+    });
+    let threads: ChannelThreads = streams
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let sh = sh.clone();
+            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
+        })
+        .collect::<std::io::Result<_>>()?;
+    Ok((sh, threads, urgent))
+}
+
+/// Downtime steps, in ms since the source's End arrived.
+struct Steps<'a> {
+    since: Instant,
+    ctl: &'a Control,
+}
+
+impl Steps<'_> {
+    fn step(&self, name: &str) {
+        let ms = self.since.elapsed().as_secs_f64() * 1e3;
+        self.ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    }
+}
+
+/// What the source's End announced, checked against what arrived.
+struct StreamEnd {
+    rounds: u64,
+    state_bytes: u64,
+    ram_hashes: bool,
+    source_paused: u64,
+    /// CPU seconds the receiving threads used.
+    cpu: f64,
+}
+
+/// The channels' threads joined and the End checked: every page the
+/// source counted arrived.
+fn end_of_stream(threads: ChannelThreads, end: Result<Msg, WireError>) -> Result<StreamEnd> {
     let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(anyhow!("channel thread panicked")))).collect();
     let mut per_channel = Vec::new();
     let mut cpu = 0.0;
@@ -857,11 +274,9 @@ fn run_inner(
         per_channel.push(p);
         cpu += c;
     }
-    let source_paused;
-    let (claimed, rounds, state_bytes, ram_hashes) = match end.map_err(|e| anyhow!("control connection: {e}"))? {
+    let (claimed, stream) = match end.map_err(|e| anyhow!("control connection: {e}"))? {
         Msg::End { pages_per_channel, rounds, state_bytes, ram_hashes, source_paused_unix_ns } => {
-            source_paused = source_paused_unix_ns;
-            (pages_per_channel, rounds, state_bytes, ram_hashes)
+            (pages_per_channel, StreamEnd { rounds, state_bytes, ram_hashes, source_paused: source_paused_unix_ns, cpu })
         }
         Msg::Abort { reason } => bail!("source aborted: {reason}"),
         other => bail!("expected end of stream, got {other:?}"),
@@ -869,21 +284,33 @@ fn run_inner(
     if claimed != per_channel {
         bail!("incomplete stream: source sent {claimed:?} pages per channel, {per_channel:?} arrived");
     }
-    step("channels joined");
+    Ok(stream)
+}
+
+/// Every page of RAM arrived at least once, and none is left damaged.
+fn check_every_page(sh: &RxShared) -> Result<()> {
+    let total = sh.total;
     let seen = sh.seen.count_ones();
     if seen != total {
         bail!("incomplete stream: {} of {total} pages never arrived", total - seen);
     }
     sh.suspect.verify()?;
+    Ok(())
+}
+
+/// The state blob, and with `verify_ram` the source's page hashes checked
+/// against RAM here.
+fn load_state(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, stream: &StreamEnd, ctl: &Control) -> Result<StateSet> {
+    let state_bytes = stream.state_bytes;
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let blob = wire::recv_blob(&mut control).map_err(|e| anyhow!("state: {e}"))?;
+    let blob = wire::recv_blob(control).map_err(|e| anyhow!("state: {e}"))?;
     if blob.len() as u64 != state_bytes {
         bail!("state is {} bytes, source announced {state_bytes}", blob.len());
     }
     let state = StateSet::read_from(&mut blob.as_slice()).context("decoding vCPU and device state")?;
-    if ram_hashes {
-        let theirs = wire::recv_blob(&mut control).map_err(|e| anyhow!("RAM hashes: {e}"))?;
-        let mine = crate::pages::page_hashes(&ram);
+    if stream.ram_hashes {
+        let theirs = wire::recv_blob(control).map_err(|e| anyhow!("RAM hashes: {e}"))?;
+        let mine = crate::vm::page_hashes(&vm.ram());
         if theirs.len() != mine.len() * 8 {
             bail!("RAM hashes: {} bytes for {} pages", theirs.len(), mine.len());
         }
@@ -894,31 +321,41 @@ fn run_inner(
         }
         ctl.update(|s| s.verified_pages = mine.len() as u64);
     }
-    step("state received");
-    vm.restore_state(&state).context("loading vCPU and device state")?;
-    step("state restored");
+    Ok(state)
+}
+
+/// Tell the source the VM is loaded; on its go the VM runs here.
+fn resume_on_go(
+    vm: &Arc<dyn MigratableVm>,
+    params: &IncomingParams,
+    control: &mut TcpStream,
+    stream: &StreamEnd,
+    downtime: &Steps,
+    ctl: &Control,
+) -> Result<bool> {
+    let cpu = stream.cpu;
     ctl.update(|s| {
-        s.rounds = rounds;
-        s.state_bytes = state_bytes;
+        s.rounds = stream.rounds;
+        s.state_bytes = stream.state_bytes;
         s.status = Status::Device;
         s.cpu_s_dest = Some(cpu);
     });
-    wire::send_msg(&mut control, &Msg::Loaded { cpu_s: cpu })?;
-    match wire::recv_msg(&mut control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
+    wire::send_msg(control, &Msg::Loaded { cpu_s: cpu })?;
+    match wire::recv_msg(control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
         Msg::Go => {}
         other => bail!("expected go, got {other:?}"),
     }
-    step("go received");
+    downtime.step("go received");
     let resumed = params.resume;
     if resumed {
         vm.resume().context("starting the VM")?;
     }
-    step("resumed");
+    downtime.step("resumed");
     let t = unix_ns();
-    let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
+    let _ = wire::send_msg(control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
     if resumed {
         // Same figure as the source's, so it survives a source that exits.
-        ctl.update(|s| s.downtime_ms = Some(t.saturating_sub(source_paused) as f64 / 1e6));
+        ctl.update(|s| s.downtime_ms = Some(t.saturating_sub(stream.source_paused) as f64 / 1e6));
     }
     Ok(resumed)
 }

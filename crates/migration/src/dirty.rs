@@ -13,13 +13,12 @@
 //!
 //! Writes made through *another* mapping of the memfd (rnicd's DMA) are not
 //! visible here: those come from a [`DirtySource`] the engine unions in.
-
 use crate::pages::PageRange;
 use crate::vm::RamRegion;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-pub const PAGE_SIZE: u64 = 4096;
+pub use crate::pages::PAGE_SIZE;
 
 /// Something else that writes guest RAM and can report which pages it wrote
 /// since the previous call (e.g. rnicd write traces, issue 7).

@@ -16,6 +16,8 @@ pub mod pages;
 pub mod postcopy;
 pub mod qmp;
 pub mod ratelimit;
+pub mod receiver;
+pub mod sender;
 pub mod source;
 pub mod stats;
 pub mod vm;

@@ -63,7 +63,7 @@ impl Drop for GuestRam {
     }
 }
 
-pub use crate::pages::page_hashes;
+pub use crate::vm::page_hashes;
 
 /// QEMU's `check_guests_ram`: walking pages in order, the first byte of each
 /// equals its predecessor's except at most one step down by one (where the

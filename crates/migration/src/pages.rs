@@ -1,7 +1,11 @@
 //! Page sets: ranges of page numbers, an atomic bitmap, and the holes of a
 //! memfd (pages never written, known to be zero without touching them).
+//! The bottom of the engine: it uses no other module of it.
 
 use std::os::fd::RawFd;
+
+/// Bytes in a guest page: the unit of tracking, transfer and placement.
+pub const PAGE_SIZE: u64 = 4096;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `count` pages starting at page number `first`.
@@ -236,30 +240,6 @@ pub fn overlap(a: &[PageRange], b: &[PageRange]) -> u64 {
         }
     }
     n
-}
-
-/// Per-page xxh3 hashes of guest RAM (the byte-exact check of tests).
-pub fn page_hashes(ram: &crate::vm::RamRegion) -> Vec<u64> {
-    let data = ram.data_ranges().unwrap_or_default();
-    let mut is_data = vec![false; (ram.len / crate::dirty::PAGE_SIZE) as usize];
-    for r in data {
-        for p in r.first..r.end() {
-            is_data[p as usize] = true;
-        }
-    }
-    let zero = crate::wire::zero_page_xxh3();
-    (0..ram.len / crate::dirty::PAGE_SIZE)
-        .map(|p| {
-            if !is_data[p as usize] {
-                return zero;
-            }
-            // SAFETY: within the mapping.
-            let s = unsafe {
-                std::slice::from_raw_parts(ram.host_addr.add((p * crate::dirty::PAGE_SIZE) as usize), crate::dirty::PAGE_SIZE as usize)
-            };
-            crate::wire::xxh3(s)
-        })
-        .collect()
 }
 
 #[cfg(test)]

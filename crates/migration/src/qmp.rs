@@ -119,7 +119,7 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
                 let Some(j) = job else {
                     return Err(QmpError::generic("migrate resume: no paused postcopy migration to resume"));
                 };
-                crate::source::parse_tcp_uri(&uri).map_err(|e| QmpError::generic(format!("{e:#}")))?;
+                crate::sender::parse_tcp_uri(&uri).map_err(|e| QmpError::generic(format!("{e:#}")))?;
                 j.ctl.offer_recovery(RecoverRequest::Connect(uri));
                 return Ok(json!({}));
             }

@@ -7,403 +7,24 @@
 //! of round r, so a page resent on another channel never loses to its older
 //! copy.
 
-use crate::compress::{Compress, PageCompressor};
+use crate::compress::Compress;
 use crate::cputime::{thread_cpu_s, unix_ns};
-use crate::dirty::{Armer, DirtyLog, DirtySource, PAGE_SIZE};
+use crate::dirty::{DirtyLog, DirtySource, PAGE_SIZE};
 use crate::pages::{complement, count_pages, normalize, overlap, PageRange};
-use crate::postcopy::push::PushQueue;
 use crate::ratelimit::TokenBucket;
 use crate::stats::{Control, Mode, Params, RoundStat, Status};
-use crate::vm::{MigratableVm, RamRegion};
-use crate::wire::{self, BatchWriter, Enc, Msg};
+use crate::vm::MigratableVm;
+use crate::wire::{self, Msg};
 use anyhow::{anyhow, bail, Context, Result};
-use std::io::Write;
-use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Pages per work chunk: big enough to amortize, small enough to balance.
-const CHUNK_PAGES: u64 = 256;
-/// Zero ranges are cheap (one record per run), so their chunks are large.
-const ZERO_CHUNK_PAGES: u64 = 1 << 20;
-
-#[derive(Clone, Copy)]
-pub(crate) struct WorkItem {
-    pub first: u64,
-    pub count: u64,
-    /// A memfd hole: zero without reading it.
-    pub known_zero: bool,
-    /// Armed before the round (hybrid's rate sample, or by the scan that
-    /// found it dirty): not armed again when sent. A sample item so keeps
-    /// recording writes since it was armed.
-    pub armed: bool,
-}
-
-struct RoundWork {
-    round: u64,
-    items: Vec<WorkItem>,
-    next: AtomicUsize,
-    /// First pass: write-protect each item just before reading it.
-    arm: Option<Armer>,
-    /// Where the round was cut short (hybrid: timeout or
-    /// `migrate-start-postcopy`): no item from here on was sent.
-    /// `usize::MAX` while uncut.
-    cut: AtomicUsize,
-}
-
-impl RoundWork {
-    /// No channel takes another item; those taken are sent.
-    fn cut_off(&self) {
-        if self.cut.load(Ordering::SeqCst) == usize::MAX {
-            let n = self.next.swap(usize::MAX / 2, Ordering::SeqCst);
-            self.cut.store(n.min(self.items.len()), Ordering::SeqCst);
-        }
-    }
-}
-
-#[derive(Default, Clone, Copy)]
-struct Sent {
-    pages: u64,
-    zero: u64,
-    raw: u64,
-    compressed: u64,
-    wire: u64,
-}
-
-impl Sent {
-    fn add(&mut self, o: &Sent) {
-        self.pages += o.pages;
-        self.zero += o.zero;
-        self.raw += o.raw;
-        self.compressed += o.compressed;
-        self.wire += o.wire;
-    }
-}
-
-enum Job {
-    Round(Arc<RoundWork>),
-    /// Postcopy: send what the queue hands out until it is empty (on one
-    /// of this many channels).
-    Push(Arc<PushQueue>, usize),
-    Finish,
-}
-
-enum Reply {
-    RoundDone(usize, Result<Sent>),
-    Finished(usize, Result<(u64, f64)>),
-}
-
-fn chunk(ranges: &[PageRange], size: u64, known_zero: bool, out: &mut Vec<WorkItem>) {
-    for r in ranges {
-        let mut f = r.first;
-        while f < r.end() {
-            let c = size.min(r.end() - f);
-            out.push(WorkItem { first: f, count: c, known_zero, armed: false });
-            f += c;
-        }
-    }
-}
-
-/// True if every byte is zero (the compiler vectorizes the OR-fold).
-/// Checks 256-byte blocks so a non-zero page is usually rejected at once.
-pub fn is_zero(p: &[u8]) -> bool {
-    p.chunks(256).all(|c| {
-        let (a, words, b) = unsafe { c.align_to::<u64>() };
-        a.iter().all(|&x| x == 0) && b.iter().all(|&x| x == 0) && words.iter().fold(0u64, |acc, &w| acc | w) == 0
-    })
-}
-
-/// A page's xxh3 (what it is sent with), or `None` if it is all zeros:
-/// one pass over the page, the zeros checked only when the hash says so.
-pub fn nonzero_xxh3(page: &[u8]) -> Option<u64> {
-    let h = wire::xxh3(page);
-    (h != wire::zero_page_xxh3() || !is_zero(page)).then_some(h)
-}
-
-struct Channel {
-    index: usize,
-    stream: TcpStream,
-    ram: RamRegion,
-    compress: Compress,
-    bucket: Arc<TokenBucket>,
-    ctl: Arc<Control>,
-    total_pages_sent: u64,
-}
-
-impl Channel {
-    fn run(mut self, jobs: mpsc::Receiver<Job>, replies: mpsc::Sender<Reply>) {
-        let mut comp = match PageCompressor::new(self.compress) {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = replies.send(Reply::RoundDone(self.index, Err(e.into())));
-                return;
-            }
-        };
-        let mut batch = BatchWriter::new();
-        let mut cbuf = Vec::with_capacity(2 * PAGE_SIZE as usize);
-        while let Ok(job) = jobs.recv() {
-            match job {
-                Job::Round(w) => {
-                    let r = self.send_round(&w, &mut comp, &mut batch, &mut cbuf);
-                    if replies.send(Reply::RoundDone(self.index, r)).is_err() {
-                        return;
-                    }
-                }
-                Job::Push(q, channels) => {
-                    crate::postcopy::bound_push_buffer(&self.stream, channels, true);
-                    let r = self.push(&q, &mut comp, &mut batch, &mut cbuf);
-                    if replies.send(Reply::RoundDone(self.index, r)).is_err() {
-                        return;
-                    }
-                }
-                Job::Finish => {
-                    let r = wire::write_eos(&mut self.stream, self.total_pages_sent)
-                        .and_then(|_| self.stream.flush())
-                        .map(|_| (self.total_pages_sent, thread_cpu_s()))
-                        .map_err(|e| anyhow!("channel {}: {e}", self.index));
-                    let _ = replies.send(Reply::Finished(self.index, r));
-                    return;
-                }
-            }
-        }
-    }
-
-    fn flush(&mut self, batch: &mut BatchWriter, sent: &mut Sent) -> Result<()> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let pages = batch.pages;
-        self.bucket.take(batch.wire_len());
-        let w = batch.write_to(&mut self.stream).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))? as u64;
-        sent.wire += w;
-        self.total_pages_sent += pages;
-        self.ctl.update(|s| {
-            s.wire_bytes += w;
-            s.pages_sent += pages;
-        });
-        Ok(())
-    }
-
-    fn send_round(&mut self, w: &RoundWork, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
-        let mut sent = Sent::default();
-        loop {
-            if self.ctl.is_cancelled() {
-                bail!("cancelled");
-            }
-            let i = w.next.fetch_add(1, Ordering::Relaxed);
-            let Some(item) = w.items.get(i) else { break };
-            // Holes were armed before they were found to be holes,
-            // hybrid's sample items before the first round, and pages a
-            // scan found dirty by that scan (run_inner).
-            if let (Some(a), false) = (&w.arm, item.known_zero || item.armed) {
-                a.arm(PageRange { first: item.first, count: item.count }).map_err(|e| anyhow!("dirty tracking: {e}"))?;
-            }
-            self.send_item(item, comp, batch, cbuf, &mut sent)?;
-        }
-        self.flush(batch, &mut sent)?;
-        wire::write_sync(&mut self.stream, w.round).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
-        Ok(sent)
-    }
-
-    fn push(&mut self, q: &PushQueue, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
-        let mut sent = Sent::default();
-        let mut claims = Vec::new();
-        // The destination's guest waits on this push: it goes before the
-        // host's other work, like the fault path.
-        crate::postcopy::urgent_priority();
-        while q.claim(CHUNK_PAGES, &mut claims) {
-            for c in &claims {
-                let item = WorkItem { first: c.first, count: c.count, known_zero: c.known_zero, armed: false };
-                self.send_item(&item, comp, batch, cbuf, &mut sent)?;
-            }
-            // Flush per chunk: the pages near a fault should not wait for
-            // a full batch.
-            self.flush(batch, &mut sent)?;
-        }
-        self.flush(batch, &mut sent)?;
-        Ok(sent)
-    }
-
-    fn send_item(
-        &mut self,
-        item: &WorkItem,
-        comp: &mut PageCompressor,
-        batch: &mut BatchWriter,
-        cbuf: &mut Vec<u8>,
-        sent: &mut Sent,
-    ) -> Result<()> {
-        if item.known_zero {
-            batch.zero_run(item.first, item.count as u32);
-            sent.pages += item.count;
-            sent.zero += item.count;
-            if batch.is_full() {
-                self.flush(batch, sent)?;
-            }
-            return Ok(());
-        }
-        let mut tmp = [0u8; PAGE_SIZE as usize];
-        let mut run: Option<(u64, u32)> = None;
-        for pfn in item.first..item.first + item.count {
-            // SAFETY: pfn < pages of the live mapping (checked by the range
-            // math), which outlives the migration. Guest writes may race
-            // with these reads; such a page is dirty again and is resent
-            // next round.
-            let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
-            sent.pages += 1;
-            let Some(h) = nonzero_xxh3(src) else {
-                sent.zero += 1;
-                run = match run {
-                    Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
-                    Some((f, c)) => {
-                        batch.zero_run(f, c);
-                        Some((pfn, 1))
-                    }
-                    None => Some((pfn, 1)),
-                };
-                continue;
-            };
-            if let Some((f, c)) = run.take() {
-                batch.zero_run(f, c);
-            }
-            if self.compress != Compress::None && comp.wants_to_try() {
-                // Compress a private copy: the codec must not see bytes
-                // change under it.
-                tmp.copy_from_slice(src);
-                if comp.compress(&tmp[..], cbuf) {
-                    let enc = if self.compress == Compress::Lz4 { Enc::Lz4 } else { Enc::Zstd };
-                    batch.compressed(pfn, enc, cbuf, wire::page_hash(pfn, &tmp));
-                    sent.compressed += 1;
-                } else {
-                    batch.raw_copy(pfn, &tmp[..]);
-                    sent.raw += 1;
-                }
-            } else {
-                batch.raw_hashed(pfn, src, h);
-                sent.raw += 1;
-            }
-            if batch.is_full() {
-                self.flush(batch, sent)?;
-            }
-        }
-        if let Some((f, c)) = run {
-            batch.zero_run(f, c);
-        }
-        Ok(())
-    }
-}
-
-/// Open `n` data connections and their sender threads.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn open_channels(
-    addr: &str,
-    session: u64,
-    n: u32,
-    ram: RamRegion,
-    compress: Compress,
-    bucket: &Arc<TokenBucket>,
-    ctl: &Arc<Control>,
-    deadline: Option<Instant>,
-) -> Result<ChannelSet> {
-    let (reply_tx, reply_rx) = mpsc::channel();
-    let mut job_txs = Vec::new();
-    let mut threads = Vec::new();
-    for i in 0..n as usize {
-        let mut s = connect(addr, ctl)?;
-        wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_DATA)?;
-        wire::send_msg(&mut s, &Msg::Channel { session, index: i as u32 })?;
-        s.set_write_timeout(Some(crate::dest::DATA_IDLE_TIMEOUT))?;
-        let ch = Channel { index: i, stream: s, ram, compress, bucket: bucket.clone(), ctl: ctl.clone(), total_pages_sent: 0 };
-        let (tx, rx) = mpsc::channel();
-        let rtx = reply_tx.clone();
-        threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
-        job_txs.push(tx);
-    }
-    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None, current: None })
-}
-
-/// The postcopy urgent connection (page requests and their answers).
-pub(crate) fn open_urgent(addr: &str, session: u64, ctl: &Control) -> Result<TcpStream> {
-    let mut s = connect(addr, ctl)?;
-    wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_URGENT)?;
-    wire::send_msg(&mut s, &Msg::Channel { session, index: 0 })?;
-    s.set_write_timeout(Some(crate::dest::DATA_IDLE_TIMEOUT))?;
-    Ok(s)
-}
-
-pub(crate) fn parse_tcp_uri(uri: &str) -> Result<String> {
-    let a = uri.strip_prefix("tcp:").unwrap_or(uri);
-    if a.rsplit_once(':').is_none() {
-        bail!("bad migration address {uri:?} (expected tcp:HOST:PORT)");
-    }
-    Ok(a.to_string())
-}
-
-pub(crate) fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
-    let sa =
-        addr.to_socket_addrs().with_context(|| format!("resolving {addr}"))?.next().ok_or_else(|| anyhow!("{addr} resolves to nothing"))?;
-    let s = TcpStream::connect_timeout(&sa, Duration::from_secs(10)).with_context(|| format!("connecting to {addr}"))?;
-    s.set_nodelay(true)?;
-    wire::tune_socket(&s);
-    ctl.register(&s);
-    Ok(s)
-}
-
-/// The source's pause, where downtime starts: its time and its steps.
-pub(crate) struct Downtime {
-    pub paused_at: u64,
-    pub since: Instant,
-    ctl: Arc<Control>,
-}
-
-impl Downtime {
-    /// Pause the VM for the switch (stop-and-copy or postcopy).
-    pub(crate) fn pause(guard: &mut Outgoing) -> Result<Downtime> {
-        let d = Downtime { paused_at: unix_ns(), since: Instant::now(), ctl: guard.ctl.clone() };
-        guard.vm.pause().context("pausing the VM")?;
-        guard.paused_by_us = true;
-        d.step("paused");
-        d.ctl.update(|s| s.status = Status::Device);
-        Ok(d)
-    }
-    /// Record that `name` ended now (ms since the pause).
-    pub(crate) fn step(&self, name: &str) {
-        let ms = self.since.elapsed().as_secs_f64() * 1e3;
-        self.ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
-    }
-}
-
-/// Everything the engine holds that must be undone if the migration fails.
-pub(crate) struct Outgoing {
-    pub vm: Arc<dyn MigratableVm>,
-    pub ctl: Arc<Control>,
-    pub paused_by_us: bool,
-    pub committed: bool,
-}
-
-impl Outgoing {
-    /// The destination owns the VM from here: this side never runs it again.
-    pub fn commit(&mut self) {
-        self.committed = true;
-        self.ctl.update(|s| s.committed = true);
-    }
-}
-
-impl Drop for Outgoing {
-    fn drop(&mut self) {
-        // Failure or cancel before commit: the VM runs on here, full speed.
-        self.vm.set_cpu_throttle(0);
-        if !self.committed {
-            self.ctl.shutdown_all();
-            if self.paused_by_us {
-                if let Err(e) = self.vm.resume() {
-                    tracing::error!("migration failed and the VM could not be resumed: {e:#}");
-                }
-            }
-        }
-    }
-}
+use crate::sender::{
+    chunk, connect, give_up_at, open_channels, open_urgent, parse_tcp_uri, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing,
+    WorkItem, CHUNK_PAGES, ZERO_CHUNK_PAGES,
+};
+pub use crate::sender::{is_zero, nonzero_xxh3};
 
 /// Run an outgoing migration to `uri` to its end. On success the VM stays
 /// paused here (the destination runs it); on any failure it runs here again
@@ -432,6 +53,10 @@ pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<A
     r
 }
 
+/// The phases of an outgoing migration, each its own function as in QEMU's
+/// migration_thread: setup, the first pass, the rounds with their switch
+/// decision, then either the postcopy hand-over or stop-and-copy and the
+/// commit.
 fn run_inner(
     vm: Arc<dyn MigratableVm>,
     uri: &str,
@@ -440,32 +65,74 @@ fn run_inner(
     ctl: &Arc<Control>,
     t0: Instant,
 ) -> Result<()> {
-    params.validate().map_err(|e| anyhow!(e))?;
-    let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
-    let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
-    let addr = parse_tcp_uri(uri)?;
-    let ram = vm.ram();
-    let total = ram.pages();
-    let deadline = (params.timeout_s > 0).then(|| t0 + Duration::from_secs(params.timeout_s));
-    ctl.update(|s| {
-        s.status = Status::Setup;
-        s.role = "outgoing".into();
-        s.peer = addr.clone();
-        s.channels = params.channels;
-        s.compress = compress.to_string();
-        s.ram_bytes = ram.len;
-        s.total_pages = total;
-        s.mode = mode.to_string();
-    });
+    let plan = Plan::new(&vm, uri, params, ctl, t0)?;
     let mut guard = Outgoing { vm: vm.clone(), ctl: ctl.clone(), paused_by_us: false, committed: false };
+    let mut link = connect_session(&vm, &plan, params, ctl)?;
+    if plan.mode == Mode::Postcopy {
+        return postcopy_at_once(&mut guard, &vm, plan, link, ctl);
+    }
+    let mut pass = first_pass(&vm, sources, &plan, &mut link, ctl)?;
+    let end = rounds(&vm, params, &plan, &mut link, &mut pass, ctl)?;
+    if end.switch {
+        return switch_to_postcopy(&mut guard, &vm, &plan, link, pass, end);
+    }
+    let fin = stop_and_copy(&mut guard, &vm, &plan, &mut link, &mut pass.log, end, ctl)?;
+    commit(&mut guard, &vm, params, link, pass.log, fin, ctl)
+}
 
-    // --- setup: control connection, handshake, data connections ---
-    let setup_step = |name: &str| {
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
+/// The migration's parameters, checked, and when it gives up.
+struct Plan {
+    addr: String,
+    compress: Compress,
+    mode: Mode,
+    total: u64,
+    deadline: Option<Instant>,
+    t0: Instant,
+}
+
+impl Plan {
+    fn new(vm: &Arc<dyn MigratableVm>, uri: &str, params: &Params, ctl: &Control, t0: Instant) -> Result<Plan> {
+        params.validate().map_err(|e| anyhow!(e))?;
+        let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
+        let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
+        let addr = parse_tcp_uri(uri)?;
+        let ram = vm.ram();
+        let total = ram.pages();
+        let deadline = (params.timeout_s > 0).then(|| t0 + Duration::from_secs(params.timeout_s));
+        ctl.update(|s| {
+            s.status = Status::Setup;
+            s.role = "outgoing".into();
+            s.peer = addr.clone();
+            s.channels = params.channels;
+            s.compress = compress.to_string();
+            s.ram_bytes = ram.len;
+            s.total_pages = total;
+            s.mode = mode.to_string();
+        });
+        Ok(Plan { addr, compress, mode, total, deadline, t0 })
+    }
+
+    fn setup_step(&self, ctl: &Control, name: &str) {
+        let ms = self.t0.elapsed().as_secs_f64() * 1e3;
         ctl.update(|s| s.setup_steps.push((name.to_string(), ms)));
-    };
+    }
+}
+
+/// The connections to the destination.
+struct Link {
+    session: u64,
+    bucket: Arc<TokenBucket>,
+    control: TcpStream,
+    channels: ChannelSet,
+    /// Postcopy and hybrid: the channel for pages the destination faults on.
+    urgent: Option<TcpStream>,
+}
+
+/// Setup: the control connection, the handshake, the data connections.
+fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl: &Arc<Control>) -> Result<Link> {
+    let ram = vm.ram();
     let session = unix_ns() ^ (std::process::id() as u64) << 32;
-    let mut control = connect(&addr, ctl)?;
+    let mut control = connect(&plan.addr, ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
     wire::send_msg(
         &mut control,
@@ -475,55 +142,81 @@ fn run_inner(
             ram_bytes: ram.len,
             page_size: PAGE_SIZE,
             channels: params.channels,
-            compress: compress.to_string(),
-            mode: mode.to_string(),
+            compress: plan.compress.to_string(),
+            mode: plan.mode.to_string(),
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     recv_welcome(&mut control, "hello")?;
     control.set_read_timeout(None)?;
-    setup_step("welcomed");
+    plan.setup_step(ctl, "welcomed");
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
-    let mut channels = open_channels(&addr, session, params.channels, ram, compress, &bucket, ctl, deadline)?;
-    let urgent = if mode != Mode::Precopy { Some(open_urgent(&addr, session, ctl)?) } else { None };
-    setup_step("channels open");
+    let channels = open_channels(&plan.addr, session, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?;
+    let urgent = if plan.mode != Mode::Precopy { Some(open_urgent(&plan.addr, session, ctl)?) } else { None };
+    plan.setup_step(ctl, "channels open");
+    Ok(Link { session, bucket, control, channels, urgent })
+}
 
-    if mode == Mode::Postcopy {
-        // Nothing moves before the switch: the destination runs at once,
-        // as soon as it says it is ready. Meanwhile the memfd's holes are
-        // found (a walk of every page, not to be done once the destination
-        // runs and faults).
-        let walk = std::thread::spawn(move || ram.data_ranges());
-        control.set_read_timeout(Some(Duration::from_secs(30)))?;
-        match recv_reply(&mut control)? {
-            Msg::Ready => {}
-            other => bail!("destination answered {other:?} instead of ready"),
-        }
-        control.set_read_timeout(None)?;
-        let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
-        let holes = complement(&data, total);
-        ctl.update(|s| s.setup_ms = t0.elapsed().as_secs_f64() * 1e3);
-        let start = crate::postcopy::source::Start {
-            session,
-            compress,
-            bucket,
-            control,
-            urgent: urgent.expect("urgent connection"),
-            channels,
-            log: None,
-            holes,
-            pending: Vec::new(),
-            round: 0,
-        };
-        return crate::postcopy::source::run(&mut guard, start);
+/// Postcopy: nothing moves before the switch. The destination runs at
+/// once, as soon as it says it is ready. Meanwhile the memfd's holes are
+/// found (a walk of every page, not to be done once the destination runs
+/// and faults).
+fn postcopy_at_once(guard: &mut Outgoing, vm: &Arc<dyn MigratableVm>, plan: Plan, mut link: Link, ctl: &Control) -> Result<()> {
+    let ram = vm.ram();
+    let walk = std::thread::spawn(move || ram.data_ranges());
+    link.control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    match recv_reply(&mut link.control)? {
+        Msg::Ready => {}
+        other => bail!("destination answered {other:?} instead of ready"),
     }
+    link.control.set_read_timeout(None)?;
+    let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
+    let holes = complement(&data, plan.total);
+    ctl.update(|s| s.setup_ms = plan.t0.elapsed().as_secs_f64() * 1e3);
+    let start = crate::postcopy::source::Start {
+        session: link.session,
+        compress: plan.compress,
+        bucket: link.bucket,
+        control: link.control,
+        urgent: link.urgent.expect("urgent connection"),
+        channels: link.channels,
+        log: None,
+        holes,
+        pending: Vec::new(),
+        round: 0,
+    };
+    crate::postcopy::source::run(guard, start)
+}
 
-    // --- dirty tracking from here on, then the first pass over all RAM ---
-    // Registered now; each page is write-protected by the first pass just
-    // before it is read, so that walk overlaps with sending.
-    let mut log = DirtyLog::start_unarmed(&ram, sources)?;
+/// Dirty tracking and the first pass over all of RAM, cut into work.
+struct FirstPass {
+    log: DirtyLog,
+    /// The first round's work: all of RAM (hybrid: its first eighth).
+    items: Vec<WorkItem>,
+    /// Hybrid: the rest of the first pass, sent in the round after.
+    rest: Vec<WorkItem>,
+    /// Hybrid: the sample of RAM armed before the first round.
+    sample: Vec<PageRange>,
+    /// The memfd's holes when the pass was planned (sent as zero runs).
+    holes: Vec<PageRange>,
+}
+
+/// Setup, continued: dirty tracking from here on, and the first pass
+/// planned. Tracking is registered now; each page is write-protected by
+/// the first pass just before it is read, so that walk overlaps with
+/// sending.
+fn first_pass(
+    vm: &Arc<dyn MigratableVm>,
+    sources: Vec<Arc<dyn DirtySource>>,
+    plan: &Plan,
+    link: &mut Link,
+    ctl: &Control,
+) -> Result<FirstPass> {
+    let ram = vm.ram();
+    let total = plan.total;
+    let log = DirtyLog::start_unarmed(&ram, sources)?;
     let armer = log.armer()?;
-    setup_step("tracking registered");
+    plan.setup_step(ctl, "tracking registered");
     // Holes go as zero runs without being read, so they must be armed
     // before they are taken for holes: arm the holes seen now, then look
     // again. A page written in between is data in the second look and is
@@ -533,7 +226,7 @@ fn run_inner(
     for r in &holes {
         armer.arm(*r).context("arming dirty tracking")?;
     }
-    setup_step("holes armed");
+    plan.setup_step(ctl, "holes armed");
     let holes = ram.holes_since(&holes).context("finding the memfd's holes")?;
     let data = complement(&holes, total);
     let mut items = Vec::new();
@@ -541,40 +234,127 @@ fn run_inner(
     chunk(&holes, ZERO_CHUNK_PAGES, true, &mut items);
     items.sort_by_key(|w| w.first);
     // Hybrid sends its first pass in two rounds, the first eighth of RAM,
-    // then the rest, and may switch in between (below). Until the rest is
-    // sent, the scans look only at the first eighth (armed chunk by chunk
-    // as it is sent) and at a sample of all RAM (armed now); the rest is
-    // unarmed but for its holes, and is sent or missing anyway.
+    // then the rest, and may switch in between (see `next_step`). Until the
+    // rest is sent, the scans look only at the first eighth (armed chunk by
+    // chunk as it is sent) and at a sample of all RAM (armed now); the rest
+    // is unarmed but for its holes, and is sent or missing anyway.
     let mut rest = Vec::new();
     let mut sample = Vec::new();
-    if mode == Mode::Hybrid {
+    if plan.mode == Mode::Hybrid {
         sample = mark_rate_sample(&mut items);
         for r in &sample {
             armer.arm(*r).context("arming dirty tracking")?;
         }
-        setup_step("sample armed");
+        plan.setup_step(ctl, "sample armed");
         let at = items.partition_point(|w| w.first < total / 8);
         rest = items.split_off(at);
     }
-    channels.arm_next = Some(armer);
+    link.channels.arm_next = Some(armer);
     ctl.update(|s| {
         s.status = Status::Active;
-        s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+        s.setup_ms = plan.t0.elapsed().as_secs_f64() * 1e3;
         s.remaining_pages = total;
     });
+    Ok(FirstPass { log, items, rest, sample, holes })
+}
 
+/// How the rounds ended.
+struct RoundsEnd {
+    /// Pages still to send: dirty ones, and for a switch, the first pass's
+    /// pages never sent.
+    pending: Vec<PageRange>,
+    /// Switch to postcopy (hybrid) rather than stop and copy.
+    switch: bool,
+    /// The last round sent.
+    round: u64,
+    throttle: u8,
+    /// Hybrid: where the first pass's pages not sent yet begin.
+    unarmed_from: Option<u64>,
+}
+
+/// What a round's end tells the switch decision.
+#[derive(Debug, Clone, Copy)]
+struct RoundFacts {
+    mode: Mode,
+    /// Expected downtime: the dirty pages and the state at the link's rate.
+    est_s: f64,
+    /// The downtime asked for.
+    target_s: f64,
+    /// Hybrid: the rest of the first pass is still to send.
+    rest_pending: bool,
+    /// The round was cut short (hybrid's timeout or a postcopy request).
+    was_cut: bool,
+    timed_out: bool,
+    postcopy_requested: bool,
+    /// Hybrid: pages the guest wrote since the sample was armed, over all
+    /// of RAM, and the pages the first round sent meanwhile.
+    written: u64,
+    first_round_pages: u64,
+}
+
+/// What to do after a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NextStep {
+    /// What is left fits the downtime: pause and send it.
+    StopAndCopy,
+    /// Hybrid: hand over to postcopy.
+    SwitchToPostcopy,
+    /// Precopy past its timeout without converging.
+    GiveUp,
+    AnotherRound,
+}
+
+/// The switch decision, as QEMU's migration_iteration_run makes it: stop
+/// and copy once the rest fits the downtime; a hybrid switches to postcopy
+/// when its first pass is over and what is left does not fit (another
+/// round would send what the push sends and leave behind what the guest
+/// dirties meanwhile), sooner, after the first eighth of the pass, if the
+/// guest wrote pages at a quarter of the rate the link sent them or more
+/// (precopy rounds would then send another third of RAM or more before
+/// they converge, while the push sends each page once), and when the
+/// operator asks or the timeout passes (either may have cut the round
+/// short). A hybrid past its deadline switches even if the rest fits: its
+/// stop-and-copy would be cancelled at the deadline.
+fn next_step(f: &RoundFacts) -> NextStep {
+    let hybrid = f.mode == Mode::Hybrid;
+    let rest_fits = f.est_s <= f.target_s && !f.rest_pending && !f.was_cut;
+    let hybrid_too_late = hybrid && f.timed_out;
+    if rest_fits && !hybrid_too_late {
+        return NextStep::StopAndCopy;
+    }
+    let dirtying = f.rest_pending && f.written * 4 >= f.first_round_pages;
+    if hybrid && (f.postcopy_requested || f.timed_out || f.was_cut || !f.rest_pending || dirtying) {
+        return NextStep::SwitchToPostcopy;
+    }
+    if f.timed_out {
+        return NextStep::GiveUp;
+    }
+    NextStep::AnotherRound
+}
+
+/// The rounds: the first pass, then the pages dirtied meanwhile, until
+/// [`next_step`] says stop and copy, or switch.
+fn rounds(
+    vm: &Arc<dyn MigratableVm>,
+    params: &Params,
+    plan: &Plan,
+    link: &mut Link,
+    pass: &mut FirstPass,
+    ctl: &Control,
+) -> Result<RoundsEnd> {
+    let total = plan.total;
+    let mode = plan.mode;
     let state_estimate = vm.state_size_estimate();
     let target_s = params.downtime_ms as f64 / 1e3;
     let mut throttle: u8 = 0;
     let mut round = 0u64;
     // Hybrid's timeout and `migrate-start-postcopy` end its rounds early,
-    // and it switches (below): the destination can run at once and fetch
-    // the rest.
+    // and it switches: the destination can run at once and fetch the rest.
     let cuttable = mode == Mode::Hybrid;
-    let round_deadline = give_up_at(deadline, cuttable);
+    let round_deadline = give_up_at(plan.deadline, cuttable);
     let t_round = Instant::now();
-    let mut last = channels.round(round, items, cuttable)?;
-    wait_round_done(&mut control, round, ctl, round_deadline)?;
+    let mut last = link.channels.round(round, std::mem::take(&mut pass.items), cuttable)?;
+    wait_round_done(&mut link.control, round, ctl, round_deadline)?;
     last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = link_rate(last.wire, last.secs, params.max_bandwidth);
@@ -587,20 +367,20 @@ fn run_inner(
     // the pass is all sent. A round cut short leaves its tail unsent: the
     // eighth's, or the rest's in the round after.
     let mut unarmed_from = (mode == Mode::Hybrid).then_some(0);
-    let (mut pending, switch) = loop {
+    loop {
         let unsent = std::mem::take(&mut last.unsent);
         unarmed_from = unarmed_from.and_then(|from| {
             let cut = unsent.iter().map(|w| w.first).filter(|&f| f >= from).min();
-            cut.or(rest.first().map(|w| w.first))
+            cut.or(pass.rest.first().map(|w| w.first))
         });
-        let mut dirty = log.scan(total, armed_part(unarmed_from, &sample, total).as_deref())?;
+        let mut dirty = pass.log.scan(total, armed_part(unarmed_from, &pass.sample, total).as_deref())?;
         // The pages found dirty were written from scan to scan: the round,
         // and the scan and planning around it.
         let window = std::mem::replace(&mut scanned_at, Instant::now()).elapsed().as_secs_f64().max(1e-6);
         // Hybrid, after the first eighth: pages the guest wrote since the
         // sample was armed, extrapolated to all of RAM, against the pages
         // sent meanwhile.
-        let written = written_estimate(&dirty, &sample, total);
+        let written = written_estimate(&dirty, &pass.sample, total);
         if let Some(cut) = unarmed_from {
             // The first pass's pages not sent yet go anyway (with the rest,
             // or as missing).
@@ -628,41 +408,39 @@ fn run_inner(
             s.remaining_pages = n;
             s.expected_downtime_ms = est_s * 1e3;
         });
-        let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
-        let was_cut = !unsent.is_empty();
-        // A hybrid past its deadline switches even if the rest fits: its
-        // stop-and-copy would be cancelled at the deadline.
-        if est_s <= target_s && rest.is_empty() && !was_cut && !(mode == Mode::Hybrid && timed_out) {
-            break (dirty, false);
+        let facts = RoundFacts {
+            mode,
+            est_s,
+            target_s,
+            rest_pending: !pass.rest.is_empty(),
+            was_cut: !unsent.is_empty(),
+            timed_out: plan.deadline.is_some_and(|d| Instant::now() >= d),
+            postcopy_requested: ctl.postcopy_requested(),
+            written,
+            first_round_pages,
+        };
+        match next_step(&facts) {
+            NextStep::StopAndCopy => return Ok(RoundsEnd { pending: dirty, switch: false, round, throttle, unarmed_from }),
+            NextStep::SwitchToPostcopy => {
+                let mut missing = dirty;
+                missing.extend(pass.rest.iter().chain(&unsent).map(|w| PageRange { first: w.first, count: w.count }));
+                return Ok(RoundsEnd { pending: missing, switch: true, round, throttle, unarmed_from });
+            }
+            NextStep::GiveUp => {
+                ctl.cancel();
+                bail!(
+                    "did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)",
+                    params.timeout_s,
+                    est_s * 1e3,
+                    throttle
+                );
+            }
+            NextStep::AnotherRound => {}
         }
-        // Hybrid switches once the first pass is over and what is left
-        // does not fit the downtime: another round would send what the
-        // push sends and leave behind what the guest dirties meanwhile.
-        // It switches sooner, after the first eighth of the pass, if the
-        // guest wrote pages at a quarter of the rate the link sent them or
-        // more: precopy rounds would then send another third of RAM or
-        // more before they converge, while the push sends each page once.
-        // And when the operator asks or the timeout passes (either may have
-        // cut the round short).
-        let dirtying = !rest.is_empty() && written * 4 >= first_round_pages;
-        if mode == Mode::Hybrid && (ctl.postcopy_requested() || timed_out || was_cut || rest.is_empty() || dirtying) {
-            let mut missing = dirty;
-            missing.extend(rest.iter().chain(&unsent).map(|w| PageRange { first: w.first, count: w.count }));
-            break (missing, true);
-        }
-        if !rest.is_empty() {
+        if !pass.rest.is_empty() {
             // The rest is armed as it is sent, as precopy's first pass is;
             // from then on all of RAM is armed.
-            channels.arm_next = Some(log.armer()?);
-        }
-        if timed_out {
-            ctl.cancel();
-            bail!(
-                "did not converge within the {} s timeout (expected downtime {:.0} ms, throttle {}%)",
-                params.timeout_s,
-                est_s * 1e3,
-                throttle
-            );
+            link.channels.arm_next = Some(pass.log.armer()?);
         }
         if params.auto_converge && mode == Mode::Precopy {
             if let Some(t) = converge_step(throttle, dirty_s / window, params) {
@@ -675,41 +453,71 @@ fn run_inner(
             }
         }
         round += 1;
-        let mut items = std::mem::take(&mut rest);
+        let mut items = std::mem::take(&mut pass.rest);
         let from = items.len();
         chunk(&dirty, CHUNK_PAGES, false, &mut items);
         // The scan armed the dirty pages again: a round that arms (hybrid's
         // rest of the pass) skips them.
         items[from..].iter_mut().for_each(|w| w.armed = true);
         let t_round = Instant::now();
-        last = channels.round(round, items, cuttable)?;
-        wait_round_done(&mut control, round, ctl, round_deadline)?;
+        last = link.channels.round(round, items, cuttable)?;
+        wait_round_done(&mut link.control, round, ctl, round_deadline)?;
         last.secs = t_round.elapsed().as_secs_f64();
         if last.wire >= RATE_MIN_BYTES {
             bw = link_rate(last.wire, last.secs, params.max_bandwidth);
             page_cost = last.page_cost();
         }
-    };
-
-    if switch {
-        let start = crate::postcopy::source::Start {
-            session,
-            compress,
-            bucket,
-            control,
-            urgent: urgent.expect("urgent connection"),
-            channels,
-            log: Some((log, armed_part(unarmed_from, &sample, total))),
-            holes,
-            pending,
-            round: round + 1,
-        };
-        return crate::postcopy::source::run(&mut guard, start);
     }
+}
 
-    // --- stop-and-copy ---
-    let pause = Downtime::pause(&mut guard)?;
-    let (paused_at, t_pause) = (pause.paused_at, pause.since);
+/// Hybrid's switch: postcopy takes the connections, the log and the pages
+/// still to send.
+fn switch_to_postcopy(
+    guard: &mut Outgoing,
+    vm: &Arc<dyn MigratableVm>,
+    plan: &Plan,
+    link: Link,
+    pass: FirstPass,
+    end: RoundsEnd,
+) -> Result<()> {
+    let total = vm.ram().pages();
+    let start = crate::postcopy::source::Start {
+        session: link.session,
+        compress: plan.compress,
+        bucket: link.bucket,
+        control: link.control,
+        urgent: link.urgent.expect("urgent connection"),
+        channels: link.channels,
+        log: Some((pass.log, armed_part(end.unarmed_from, &pass.sample, total))),
+        holes: pass.holes,
+        pending: end.pending,
+        round: end.round + 1,
+    };
+    crate::postcopy::source::run(guard, start)
+}
+
+/// What stop-and-copy leaves for the commit.
+struct Copied {
+    pause: Downtime,
+    rounds: u64,
+    per_channel: Vec<u64>,
+    state: Vec<u8>,
+}
+
+/// Stop-and-copy: pause, send the last dirty pages, save the state, end the
+/// streams.
+fn stop_and_copy(
+    guard: &mut Outgoing,
+    vm: &Arc<dyn MigratableVm>,
+    plan: &Plan,
+    link: &mut Link,
+    log: &mut DirtyLog,
+    end: RoundsEnd,
+    ctl: &Control,
+) -> Result<Copied> {
+    let total = plan.total;
+    let RoundsEnd { mut pending, mut round, throttle, .. } = end;
+    let pause = Downtime::pause(guard)?;
     let step = |name: &str| pause.step(name);
     pending.extend(log.scan(total, None)?);
     let pending = normalize(pending, total);
@@ -719,13 +527,13 @@ fn run_inner(
     round += 1;
     let mut items = Vec::new();
     chunk(&pending, CHUNK_PAGES, false, &mut items);
-    let fin = channels.round(round, items, false)?;
+    let fin = link.channels.round(round, items, false)?;
     step("last pages sent");
     let state = vm.save_state().context("saving vCPU and device state")?;
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
     state.write_to(&mut blob)?;
     step("state saved");
-    let (per_channel, cpu) = channels.finish()?;
+    let (per_channel, cpu) = link.channels.finish()?;
     step("streams ended");
     ctl.update(|s| {
         s.rounds = round + 1;
@@ -742,11 +550,29 @@ fn run_inner(
         s.state_bytes = blob.len() as u64;
         s.cpu_s_source = Some(cpu);
     });
+    Ok(Copied { pause, rounds: round + 1, per_channel, state: blob })
+}
+
+/// The commit: the end of the stream and the state; once the destination
+/// has loaded them it owns the VM, and it is told to run it.
+fn commit(
+    guard: &mut Outgoing,
+    vm: &Arc<dyn MigratableVm>,
+    params: &Params,
+    link: Link,
+    log: DirtyLog,
+    fin: Copied,
+    ctl: &Control,
+) -> Result<()> {
+    let Link { mut control, .. } = link;
+    let Copied { pause, rounds, per_channel, state: blob } = fin;
+    let (paused_at, t_pause) = (pause.paused_at, pause.since);
+    let step = |name: &str| pause.step(name);
     wire::send_msg(
         &mut control,
         &Msg::End {
             pages_per_channel: per_channel,
-            rounds: round + 1,
+            rounds,
             state_bytes: blob.len() as u64,
             source_paused_unix_ns: paused_at,
             ram_hashes: params.verify_ram,
@@ -754,7 +580,7 @@ fn run_inner(
     )?;
     wire::send_blob(&mut control, &blob)?;
     if params.verify_ram {
-        let h = crate::pages::page_hashes(&ram);
+        let h = crate::vm::page_hashes(&vm.ram());
         let bytes: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
         wire::send_blob(&mut control, &bytes)?;
     }
@@ -783,18 +609,6 @@ fn run_inner(
     // not keep it unregisters now).
     vm.retire(Box::new(log.into_tracker()));
     Ok(())
-}
-
-/// How long a round cut at the deadline (hybrid's, before its switch) may
-/// take to finish the batches it has in flight and be confirmed: longer
-/// means the destination or the link hangs, and the migration is cancelled.
-const CUT_GRACE: Duration = Duration::from_secs(10);
-
-/// When waiting on a round (its channels, then its confirmation) cancels
-/// the migration: at the deadline, or [`CUT_GRACE`] after it for a round
-/// the deadline only cuts short.
-fn give_up_at(deadline: Option<Instant>, cuttable: bool) -> Option<Instant> {
-    deadline.map(|d| if cuttable { d + CUT_GRACE } else { d })
 }
 
 /// A round that moved fewer bytes is dominated by fixed costs (scan, round
@@ -911,184 +725,61 @@ fn wait_round_done(control: &mut TcpStream, round: u64, ctl: &Control, deadline:
     }
 }
 
-/// The destination's answer to our hello: welcome, a refusal, or (when it
-/// speaks another stream version) its own preamble.
-pub(crate) fn recv_welcome(control: &mut TcpStream, hello: &str) -> Result<()> {
-    match wire::recv_answer(control).map_err(|e| anyhow!("destination: {e}"))? {
-        Msg::Welcome => Ok(()),
-        Msg::Abort { reason } => bail!("destination refused: {reason}"),
-        other => bail!("destination answered {other:?} to the {hello}"),
-    }
-}
-
-pub(crate) fn recv_reply(control: &mut TcpStream) -> Result<Msg> {
-    loop {
-        match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
-            Msg::Abort { reason } => bail!("destination refused: {reason}"),
-            // The final round's acknowledgement; End's answer follows.
-            Msg::RoundDone { .. } => continue,
-            m => return Ok(m),
-        }
-    }
-}
-
-struct RoundResult {
-    pages: u64,
-    zero: u64,
-    wire: u64,
-    secs: f64,
-    /// Cut off (hybrid's timeout or `migrate-start-postcopy`): not sent.
-    unsent: Vec<WorkItem>,
-}
-
-impl RoundResult {
-    /// Wire bytes per non-zero page.
-    fn page_cost(&self) -> f64 {
-        (self.wire as f64 / (self.pages - self.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0)
-    }
-}
-
-pub(crate) struct ChannelSet {
-    job_txs: Vec<mpsc::Sender<Job>>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-    replies: mpsc::Receiver<Reply>,
-    ctl: Arc<Control>,
-    deadline: Option<Instant>,
-    /// Given to the next round (the first pass).
-    arm_next: Option<Armer>,
-    /// The round in flight, and whether the deadline or the operator's
-    /// request to switch may cut it short (hybrid's rounds before the
-    /// switch: what they leave goes by postcopy) rather than cancel.
-    current: Option<(Arc<RoundWork>, bool)>,
-}
-
-impl ChannelSet {
-    fn wait(&self) -> Result<Reply> {
-        loop {
-            match self.replies.recv_timeout(Duration::from_millis(50)) {
-                Ok(r) => return Ok(r),
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    let now = Instant::now();
-                    let cuttable = self.current.as_ref().filter(|c| c.1).map(|c| &c.0);
-                    if give_up_at(self.deadline, cuttable.is_some()).is_some_and(|d| now >= d) {
-                        if !self.ctl.is_cancelled() {
-                            self.ctl.cancel();
-                        }
-                    } else if let Some(w) = cuttable {
-                        if self.deadline.is_some_and(|d| now >= d) || self.ctl.postcopy_requested() {
-                            w.cut_off();
-                        }
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("a channel thread died"),
-            }
-        }
-    }
-
-    fn round(&mut self, round: u64, items: Vec<WorkItem>, cuttable: bool) -> Result<RoundResult> {
-        let t = Instant::now();
-        let work =
-            Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take(), cut: AtomicUsize::new(usize::MAX) });
-        self.current = Some((work.clone(), cuttable));
-        let total = self.run_job(|| Job::Round(work.clone()));
-        self.current = None;
-        let total = total.map_err(|e| {
-            if self.ctl.is_cancelled() {
-                if self.deadline.is_some_and(|d| Instant::now() >= d) {
-                    return anyhow!("timed out while sending round {round}");
-                }
-                return anyhow!("cancelled");
-            }
-            e
-        })?;
-        let unsent = match work.cut.load(Ordering::SeqCst) {
-            usize::MAX => Vec::new(),
-            c => work.items[c..].to_vec(),
-        };
-        Ok(RoundResult { pages: total.pages, zero: total.zero, wire: total.wire, secs: t.elapsed().as_secs_f64(), unsent })
-    }
-
-    /// From now on nothing times out (postcopy's push).
-    pub(crate) fn clear_deadline(&mut self) {
-        self.deadline = None;
-    }
-
-    /// Postcopy: every channel pushes from `q` until it is empty; returns
-    /// the pages sent.
-    pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
-        let channels = self.job_txs.len();
-        let total = self.run_job(|| Job::Push(q.clone(), channels))?;
-        self.ctl.update(|s| s.pages_pushed += total.pages);
-        Ok(total.pages)
-    }
-
-    /// Give every channel the job, wait for all, account what they sent.
-    /// The first failure stops the other channels at once.
-    fn run_job(&mut self, job: impl Fn() -> Job) -> Result<Sent> {
-        for tx in &self.job_txs {
-            tx.send(job()).map_err(|_| anyhow!("a channel thread died"))?;
-        }
-        let mut total = Sent::default();
-        let mut first_err = None;
-        for _ in 0..self.job_txs.len() {
-            match self.wait()? {
-                Reply::RoundDone(_, Ok(s)) => total.add(&s),
-                Reply::RoundDone(i, Err(e)) | Reply::Finished(i, Err(e)) => {
-                    tracing::debug!("channel {i} failed: {e:#}");
-                    if first_err.is_none() {
-                        self.ctl.shutdown_all();
-                        first_err = Some(e);
-                    }
-                }
-                Reply::Finished(..) => {}
-            }
-        }
-        if let Some(e) = first_err {
-            return Err(e);
-        }
-        self.ctl.update(|s| {
-            s.zero_pages += total.zero;
-            s.raw_pages += total.raw;
-            s.compressed_pages += total.compressed;
-            s.ram_transferred_bytes += (total.raw + total.compressed) * PAGE_SIZE;
-        });
-        Ok(total)
-    }
-
-    /// End every data stream; returns pages per channel and their CPU time.
-    pub(crate) fn finish(&mut self) -> Result<(Vec<u64>, f64)> {
-        for tx in &self.job_txs {
-            let _ = tx.send(Job::Finish);
-        }
-        let mut per = vec![0u64; self.job_txs.len()];
-        let mut cpu = 0.0;
-        for _ in 0..self.job_txs.len() {
-            match self.wait()? {
-                Reply::Finished(i, Ok((p, c))) => {
-                    per[i] = p;
-                    cpu += c;
-                }
-                Reply::Finished(_, Err(e)) | Reply::RoundDone(_, Err(e)) => return Err(e),
-                Reply::RoundDone(..) => {}
-            }
-        }
-        Ok((per, cpu))
-    }
-}
-
-impl Drop for ChannelSet {
-    fn drop(&mut self) {
-        self.job_txs.clear();
-        self.ctl.shutdown_all();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A precopy round's facts: fits the downtime unless changed.
+    fn facts() -> RoundFacts {
+        RoundFacts {
+            mode: Mode::Precopy,
+            est_s: 0.1,
+            target_s: 0.3,
+            rest_pending: false,
+            was_cut: false,
+            timed_out: false,
+            postcopy_requested: false,
+            written: 0,
+            first_round_pages: 1000,
+        }
+    }
+
+    #[test]
+    fn precopy_stops_and_copies_once_the_rest_fits_the_downtime() {
+        assert_eq!(next_step(&facts()), NextStep::StopAndCopy);
+        assert_eq!(next_step(&RoundFacts { est_s: 0.3, ..facts() }), NextStep::StopAndCopy, "exactly the target fits");
+        assert_eq!(next_step(&RoundFacts { est_s: 0.5, ..facts() }), NextStep::AnotherRound);
+        // Past the timeout it still copies if the rest fits, else gives up.
+        assert_eq!(next_step(&RoundFacts { timed_out: true, ..facts() }), NextStep::StopAndCopy);
+        assert_eq!(next_step(&RoundFacts { timed_out: true, est_s: 0.5, ..facts() }), NextStep::GiveUp);
+        // A postcopy request means nothing to precopy.
+        assert_eq!(next_step(&RoundFacts { postcopy_requested: true, est_s: 0.5, ..facts() }), NextStep::AnotherRound);
+    }
+
+    #[test]
+    fn hybrid_switches_when_the_pass_is_over_and_the_rest_does_not_fit() {
+        let hybrid = RoundFacts { mode: Mode::Hybrid, ..facts() };
+        assert_eq!(next_step(&hybrid), NextStep::StopAndCopy, "converged like precopy");
+        assert_eq!(next_step(&RoundFacts { est_s: 0.5, ..hybrid }), NextStep::SwitchToPostcopy);
+        // Past its deadline it switches even if the rest fits: its
+        // stop-and-copy would be cancelled.
+        assert_eq!(next_step(&RoundFacts { timed_out: true, ..hybrid }), NextStep::SwitchToPostcopy);
+        // A round cut short, or the operator's request, switches.
+        assert_eq!(next_step(&RoundFacts { was_cut: true, ..hybrid }), NextStep::SwitchToPostcopy);
+        assert_eq!(next_step(&RoundFacts { postcopy_requested: true, est_s: 0.5, ..hybrid }), NextStep::SwitchToPostcopy);
+    }
+
+    #[test]
+    fn hybrid_switches_after_the_first_eighth_only_for_a_busy_guest() {
+        // The rest of the first pass is still to send: it is sent next
+        // unless the guest wrote a quarter of what the first round sent.
+        let eighth = RoundFacts { mode: Mode::Hybrid, rest_pending: true, est_s: 0.5, ..facts() };
+        assert_eq!(next_step(&RoundFacts { written: 249, ..eighth }), NextStep::AnotherRound);
+        assert_eq!(next_step(&RoundFacts { written: 250, ..eighth }), NextStep::SwitchToPostcopy);
+        // Even a tiny rest that fits waits for the pass to end.
+        assert_eq!(next_step(&RoundFacts { est_s: 0.0, ..eighth }), NextStep::AnotherRound);
+        assert_eq!(next_step(&RoundFacts { postcopy_requested: true, ..eighth }), NextStep::SwitchToPostcopy);
+    }
 
     #[test]
     fn link_rate_needs_a_round_that_moved_enough() {

@@ -4,6 +4,7 @@
 //! or devices directly: device and vCPU state cross as a [`StateSet`] of
 //! versioned sections (see `snapshot::Persist`).
 
+use crate::pages::{PageRange, PAGE_SIZE};
 use snapshot::StateSet;
 use std::os::fd::RawFd;
 
@@ -25,22 +26,22 @@ unsafe impl Sync for RamRegion {}
 
 impl RamRegion {
     pub fn pages(&self) -> u64 {
-        self.len / crate::dirty::PAGE_SIZE
+        self.len / PAGE_SIZE
     }
     /// Pages of the memfd that hold data (all others are holes: zero).
-    pub fn data_ranges(&self) -> std::io::Result<Vec<crate::pages::PageRange>> {
-        crate::pages::data_ranges_mapped(self.host_addr, self.memfd, self.len, crate::dirty::PAGE_SIZE)
+    pub fn data_ranges(&self) -> std::io::Result<Vec<PageRange>> {
+        crate::pages::data_ranges_mapped(self.host_addr, self.memfd, self.len, PAGE_SIZE)
     }
     /// The memfd's holes now, from an earlier look's `holes`: only those
     /// are looked at again, since `SEEK_HOLE` walks every page of a data
     /// range (about 40 ms for 4 GiB) while `SEEK_DATA` skips a hole at
     /// once. Data stays data: a page punched out since is not taken for a
     /// hole (it reads as zeros either way).
-    pub fn holes_since(&self, holes: &[crate::pages::PageRange]) -> std::io::Result<Vec<crate::pages::PageRange>> {
+    pub fn holes_since(&self, holes: &[PageRange]) -> std::io::Result<Vec<PageRange>> {
         use crate::pages::{complement, data_ranges_within, normalize};
         let total = self.pages();
         let mut data = complement(holes, total);
-        data.extend(data_ranges_within(self.memfd, holes, crate::dirty::PAGE_SIZE)?);
+        data.extend(data_ranges_within(self.memfd, holes, PAGE_SIZE)?);
         Ok(complement(&normalize(data, total), total))
     }
 }
@@ -83,4 +84,26 @@ pub trait MigratableVm: Send + Sync {
     fn retire(&self, what: Box<dyn Send>) {
         drop(what);
     }
+}
+
+/// Per-page xxh3 hashes of guest RAM (the byte-exact check of tests).
+pub fn page_hashes(ram: &RamRegion) -> Vec<u64> {
+    let data = ram.data_ranges().unwrap_or_default();
+    let mut is_data = vec![false; (ram.len / PAGE_SIZE) as usize];
+    for r in data {
+        for p in r.first..r.end() {
+            is_data[p as usize] = true;
+        }
+    }
+    let zero = crate::wire::zero_page_xxh3();
+    (0..ram.len / PAGE_SIZE)
+        .map(|p| {
+            if !is_data[p as usize] {
+                return zero;
+            }
+            // SAFETY: within the mapping.
+            let s = unsafe { std::slice::from_raw_parts(ram.host_addr.add((p * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
+            crate::wire::xxh3(s)
+        })
+        .collect()
 }

@@ -43,18 +43,19 @@ pub enum WireError {
 /// second, 3 misses) and a 20 s limit on unacknowledged data (long enough
 /// for a busy receiver's zero window). Postcopy relies on it to pause and
 /// wait for recovery.
+/// Errors only cost the early detection.
 pub fn tune_socket(s: &std::net::TcpStream) {
-    use std::os::fd::AsRawFd;
-    let fd = s.as_raw_fd();
-    let set = |level: i32, opt: i32, v: i32| {
-        // SAFETY: an int option on our own socket.
-        unsafe { libc::setsockopt(fd, level, opt, &v as *const i32 as *const libc::c_void, 4) };
-    };
-    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 2);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
-    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 20_000);
+    use nix::sys::socket::{setsockopt, sockopt};
+    let results = [
+        setsockopt(s, sockopt::KeepAlive, &true),
+        setsockopt(s, sockopt::TcpKeepIdle, &2),
+        setsockopt(s, sockopt::TcpKeepInterval, &1),
+        setsockopt(s, sockopt::TcpKeepCount, &3),
+        setsockopt(s, sockopt::TcpUserTimeout, &20_000),
+    ];
+    if let Some(e) = results.into_iter().find_map(Result::err) {
+        tracing::debug!("keepalive options not set: {e}");
+    }
 }
 
 pub fn write_preamble(w: &mut impl Write, version: u32, role: u8) -> io::Result<()> {
@@ -733,6 +734,18 @@ pub fn check_run(pfn: u64, data: &[u8], hashes: &[u8]) -> Result<(), WireError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Streams, page digests and RAM clients all carry these values: a hash
+    /// implementation that changed them would need a new stream version.
+    #[test]
+    fn xxh3_keeps_its_reference_values() {
+        // XXH3_64bits("") of the reference implementation.
+        assert_eq!(xxh3(b""), 0x2d06_8005_38d3_94c2);
+        assert_eq!(xxh3(&[0u8; PAGE]), 0x93d7_6fe1_48c6_89ba);
+        assert_eq!(zero_page_xxh3(), 0x93d7_6fe1_48c6_89ba);
+        let page: Vec<u8> = (0..PAGE as u32).map(|i| (i * 7 % 251) as u8).collect();
+        assert_eq!(xxh3(&page), 0x5d90_27c8_4d5f_33f7);
+    }
 
     #[test]
     fn batch_roundtrip_and_damage() {

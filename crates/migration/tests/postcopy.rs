@@ -20,7 +20,7 @@ fn tail_hashes(vm: &Side) -> Vec<u64> {
     (0..ram.pages())
         .map(|p| {
             let page = unsafe { std::slice::from_raw_parts(ram.host_addr.add((p * 4096) as usize), 4096) };
-            xxhash_rust::xxh3::xxh3_64(&page[1..])
+            migration::wire::xxh3(&page[1..])
         })
         .collect()
 }

@@ -179,20 +179,7 @@ fn open_in_netns(netns: &str, nic: usize) -> Result<(File, OwnedFd)> {
         }
         // SAFETY: fd is a fresh descriptor nobody else owns.
         let raw = unsafe { OwnedFd::from_raw_fd(fd) };
-        let mark: libc::c_int = RESENT_MARK as libc::c_int;
-        // SAFETY: setsockopt reads one c_int.
-        let r = unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_MARK,
-                &mark as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if r != 0 {
-            bail!("SO_MARK: {}", std::io::Error::last_os_error());
-        }
+        nix::sys::socket::setsockopt(&raw, nix::sys::socket::sockopt::Mark, &RESENT_MARK).map_err(|e| anyhow::anyhow!("SO_MARK: {e}"))?;
         Ok((tun, raw))
     })?
 }

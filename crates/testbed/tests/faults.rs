@@ -2,7 +2,6 @@
 //! Bounds are loose (many standard deviations) and nothing depends on timing.
 
 use std::net::UdpSocket;
-use std::os::fd::AsRawFd;
 use std::time::Duration;
 use testbed::{Testbed, TestbedOpts};
 
@@ -11,11 +10,8 @@ use testbed::{Testbed, TestbedOpts};
 fn udp_run(tb: &Testbed, from: usize, to: usize, nic: usize, n: u32) -> Vec<u32> {
     let dst = tb.host(to).addr(nic);
     let rx = tb.host(to).in_netns(|| UdpSocket::bind((dst, 0)).unwrap()).unwrap();
-    let big: libc::c_int = 16 << 20;
-    // SAFETY: setsockopt reads one c_int. A big buffer keeps the receiver from dropping.
-    unsafe {
-        libc::setsockopt(rx.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &big as *const _ as *const _, 4);
-    }
+    // A big buffer keeps the receiver from dropping.
+    nix::sys::socket::setsockopt(&rx, nix::sys::socket::sockopt::RcvBufForce, &(16 << 20)).expect("SO_RCVBUFFORCE (tests run as root)");
     rx.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let port = rx.local_addr().unwrap().port();
     let src = tb.host(from).addr(nic);

@@ -21,7 +21,7 @@ pub struct MigrateArgs {
     /// none | lz4 | zstd | zstd:LEVEL (used per page only where it pays).
     #[arg(long, default_value = "none")]
     pub compress: String,
-    /// Cap over all channels: bytes/s (125M) or bits/s (1gbit); 0 = none.
+    /// Cap over all channels: bytes/s (125M = 125 MiB/s) or bits/s (1gbit); 0 = none.
     #[arg(long, default_value = "0")]
     pub max_bandwidth: String,
     /// Largest pause of the VM to aim for.
@@ -104,7 +104,8 @@ pub struct MigrateIncomingArgs {
 }
 
 pub fn migrate(a: MigrateArgs) -> Result<()> {
-    let max_bandwidth = migration::ratelimit::parse_bandwidth(&a.max_bandwidth).map_err(anyhow::Error::msg)?;
+    let max_bandwidth =
+        units::parse_bandwidth(&a.max_bandwidth).map_err(|e| anyhow::anyhow!("--max-bandwidth {:?}: {e}", a.max_bandwidth))?;
     let mut c = a.target.client()?;
     if a.resume {
         c.execute("migrate", json!({"uri": format!("tcp:{}", a.to), "resume": true}))?;

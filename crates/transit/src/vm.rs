@@ -265,7 +265,7 @@ extern "C" fn on_signal(_: libc::c_int) {
 }
 
 fn run_vm(a: RunArgs) -> Result<()> {
-    let memory = vmm::config::parse_size(&a.memory)?;
+    let memory = units::parse_size(&a.memory).map_err(|e| anyhow::anyhow!("--memory {:?}: {e}", a.memory))?;
     let mut cmdline = format!("workload={}", a.workload);
     if !a.args.trim().is_empty() {
         cmdline = format!("{cmdline} {}", a.args.trim());

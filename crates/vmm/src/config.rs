@@ -46,31 +46,3 @@ impl VmConfig {
         format!("mem={} vcpus={} nvme={}{pvrdma}", self.memory, self.vcpus, self.nvme.len())
     }
 }
-
-/// Parse a size like `512M`, `4G`, `65536`, `1GiB`.
-pub fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
-    let (num, mult) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
-        Some('T' | 't') => (&t[..t.len() - 1], 1 << 40),
-        _ => (t, 1),
-    };
-    let v: u64 = num.trim().parse().map_err(|_| anyhow::anyhow!("{s:?} is not a size (try 512M or 4G)"))?;
-    v.checked_mul(mult).ok_or_else(|| anyhow::anyhow!("size {s:?} is too large"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
-        assert_eq!(parse_size("4GiB").unwrap(), 4 << 30);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert!(parse_size("lots").is_err());
-        assert!(parse_size("99999999999T").is_err());
-    }
-}

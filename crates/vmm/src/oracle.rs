@@ -47,14 +47,14 @@ pub fn check_dirtier(ram: &[u8], start: u64, end: u64) -> DirtierReport {
 
 /// One 64-bit hash per 4 KiB page, to compare RAM across hosts.
 pub fn page_digests(ram: &[u8]) -> Vec<u64> {
-    ram.chunks(PAGE).map(xxhash_rust::xxh3::xxh3_64).collect()
+    ram.chunks(PAGE).map(migration::wire::xxh3).collect()
 }
 
 /// A single hash over the per-page digests.
 pub fn ram_digest(ram: &[u8]) -> u64 {
     let d = page_digests(ram);
     let bytes: Vec<u8> = d.iter().flat_map(|x| x.to_le_bytes()).collect();
-    xxhash_rust::xxh3::xxh3_64(&bytes)
+    migration::wire::xxh3(&bytes)
 }
 
 #[cfg(test)]

@@ -32,7 +32,7 @@ impl NamespaceSpec {
         let mut parts = spec.split(',');
         let first = parts.next().unwrap_or("");
         let mut ns = if let Some(size) = first.strip_prefix("mem:") {
-            let size = parse_size(size).ok_or_else(|| format!("bad namespace size {size:?}"))?;
+            let size = units::parse_size(size).map_err(|e| format!("bad namespace size {size:?}: {e}"))?;
             if size == 0 {
                 return Err("a memory namespace needs a size above zero".into());
             }
@@ -125,23 +125,6 @@ impl NvmeConfig {
         }
         Ok(cfg)
     }
-}
-
-/// `64M`, `1G`, `4096`, `0x1000` (K/M/G/T are powers of two).
-pub fn parse_size(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let (digits, mult) = match s.as_bytes().last()? {
-        b'K' | b'k' => (&s[..s.len() - 1], 1u64 << 10),
-        b'M' | b'm' => (&s[..s.len() - 1], 1 << 20),
-        b'G' | b'g' => (&s[..s.len() - 1], 1 << 30),
-        b'T' | b't' => (&s[..s.len() - 1], 1 << 40),
-        _ => (s, 1),
-    };
-    let v = match digits.strip_prefix("0x") {
-        Some(h) => u64::from_str_radix(h, 16).ok()?,
-        None => digits.parse::<u64>().ok()?,
-    };
-    v.checked_mul(mult)
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ pub const TEMPERATURE_K: u16 = 313;
 pub const URING_DEPTH: u32 = 4096;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
 pub struct Regs {
     pub cc: u32,
     pub csts: u32,
@@ -36,7 +37,11 @@ pub struct Regs {
     pub intms: u32,
 }
 
+/// A field missing from a saved state takes its power-on value (the queue
+/// counts `nsqa`/`ncqa` are in every save, so the one-queue default never
+/// applies to them).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default = "Features::power_on")]
 pub struct Features {
     pub arbitration: u32,
     pub power_mgmt: u32,
@@ -56,6 +61,10 @@ pub struct Features {
 }
 
 impl Features {
+    fn power_on() -> Features {
+        Features::defaults(1)
+    }
+
     pub fn defaults(queues: u16) -> Features {
         Features {
             arbitration: 0,
@@ -76,6 +85,7 @@ impl Features {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
 pub struct Aer {
     /// CIDs of Asynchronous Event Requests waiting for an event.
     pub outstanding: Vec<u16>,
@@ -86,6 +96,7 @@ pub struct Aer {
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
 pub struct ErrorEntry {
     pub count: u64,
     pub sqid: u16,
@@ -96,6 +107,7 @@ pub struct ErrorEntry {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
 pub struct Counters {
     pub commands: u64,
     pub admin_commands: u64,

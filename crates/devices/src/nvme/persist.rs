@@ -10,6 +10,12 @@
 //! first, so every fetched command has its completion posted; commands the
 //! host queued but the controller did not fetch stay in the SQ (head != tail)
 //! and run once on the destination.
+//!
+//! Compatibility: a newer vmm restores an older save. Fields added after
+//! version 1 carry `#[serde(default)]` (here and in the structs the document
+//! embeds), so a document saved without them restores with their power-on
+//! value; `VERSION` moves only when an old save could no longer be read
+//! correctly that way, and a save from a newer version is refused.
 
 use super::backend::Storage;
 use super::config::{BackendSpec, NamespaceSpec};
@@ -19,6 +25,7 @@ use super::{lock, NvmeController};
 use serde::{Deserialize, Serialize};
 use snapshot::{Persist, Result, Section, StateError};
 
+/// The newest layout this code writes; it reads every version up to it.
 const VERSION: u32 = 1;
 const MAGIC: &[u8; 4] = b"NVMS";
 const CHUNK: usize = 64 << 10;
@@ -40,10 +47,17 @@ struct SavedController {
     sqs: Vec<Sq>,
     cqs: Vec<Cq>,
     features: Features,
+    // What the controller reports rather than what it needs to run: a save
+    // that lacks it restores with the power-on (empty) value.
+    #[serde(default)]
     aer: Aer,
+    #[serde(default)]
     changed_ns: Vec<u32>,
+    #[serde(default)]
     error_log: Vec<ErrorEntry>,
+    #[serde(default)]
     error_count: u64,
+    #[serde(default)]
     counters: Counters,
     namespaces: Vec<SavedNamespace>,
 }
@@ -103,7 +117,7 @@ impl Persist for NvmeController {
 
     fn restore(&mut self, section: &Section) -> Result<()> {
         let name = self.name.clone();
-        if section.version != VERSION {
+        if section.version == 0 || section.version > VERSION {
             return Err(StateError::Version { name, found: section.version, expected: VERSION });
         }
         let d = &section.data;

@@ -238,7 +238,7 @@ impl Nvme {
                 }
             }
             spins += 1;
-            if spins % 65536 == 0 && self.fatal() {
+            if spins.is_multiple_of(65536) && self.fatal() {
                 // The controller stopped (CSTS.CFS): this command will never complete.
                 self.admin = q;
                 return Err(Cqe { status: 0xffff, cid: cmd.cid, ..Default::default() });

@@ -134,7 +134,7 @@ pub fn run(plat: Platform, args: &Args, mut region: Region) -> ! {
     let mut last_completion = plat.now_ns();
     loop {
         spins += 1;
-        if spins % 4096 == 0 {
+        if spins.is_multiple_of(4096) {
             if n.fatal() {
                 fail(plat, format_args!("controller fatal status (CSTS.CFS) after {} blocks", verified));
             }
@@ -241,7 +241,7 @@ fn start(
     }
     busy[(unit / 64) as usize] |= 1 << (unit % 64);
     s.unit = unit;
-    let cmd = if expected[unit as usize] != 0 && rng.next() % 4 == 0 {
+    let cmd = if expected[unit as usize] != 0 && rng.next().is_multiple_of(4) {
         s.seq = expected[unit as usize];
         s.state = State::ReRead;
         unsafe { core::ptr::write_bytes(s.buf as *mut u8, 0xee, bs as usize) };

@@ -41,7 +41,7 @@ fn main() -> anyhow::Result<()> {
                 // this thread until the vmm placed it.
                 let page = unsafe { std::slice::from_raw_parts((base + pfn as usize * 4096) as *const u8, 4096) };
                 let zero = page.iter().all(|&b| b == 0) as u8;
-                out.push_str(&format!("{pfn} {} {zero}\n", xxhash_rust::xxh3::xxh3_64(page)));
+                out.push_str(&format!("{pfn} {} {zero}\n", migration::wire::xxh3(page)));
             }
             println!("{out}done");
             std::io::stdout().flush()?;

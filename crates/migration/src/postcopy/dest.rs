@@ -9,7 +9,7 @@
 use super::faults::{FaultThread, RequestSink};
 use super::place::{Placer, Via};
 use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
-use crate::dest::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
+use crate::receiver::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::MigratableVm;
 use crate::wire::{self, DataItem, DataReader, Msg};
@@ -157,13 +157,16 @@ pub(crate) fn arm(sh: &RxShared) -> Result<Armed> {
     Ok(Armed { placer, sink, faults })
 }
 
+/// The postcopy destination from the switch on, in phases: loading the
+/// state (the downtime), then waiting until every page is here through any
+/// number of recoveries, then the end.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     vm: &Arc<dyn MigratableVm>,
     listener: &TcpListener,
     params: &IncomingParams,
     ctl: &Arc<Control>,
-    mut control: TcpStream,
+    control: TcpStream,
     sh: Arc<RxShared>,
     channels: Vec<ChannelThread>,
     urgent: TcpStream,
@@ -172,54 +175,8 @@ pub(crate) fn run(
     clients: Option<Arc<super::clients::RamClients>>,
     armed: Option<Armed>,
 ) -> Result<bool> {
-    let cpu0 = thread_cpu_s();
-    let t_sw = Instant::now();
-    // Until the VM runs, this is downtime and blocks only on I/O.
-    super::set_priority(true);
-    let step = |name: &str| {
-        let ms = t_sw.elapsed().as_secs_f64() * 1e3;
-        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
-    };
-    ctl.update(|s| s.status = Status::Device);
-    control.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let blob = wire::recv_blob(&mut control).map_err(|e| anyhow!("state: {e}"))?;
-    if blob.len() as u64 != sw.state_bytes {
-        bail!("state is {} bytes, source announced {}", blob.len(), sw.state_bytes);
-    }
-    let state = StateSet::read_from(&mut blob.as_slice()).context("decoding vCPU and device state")?;
-    if sw.dirty_ranges {
-        let stale = wire::recv_blob(&mut control).map_err(|e| anyhow!("stale page list: {e}"))?;
-        drop_pages(&sh, &stale)?;
-    }
-    step("state received");
-    let Armed { placer, sink, mut faults } = match armed {
-        Some(a) => a,
-        None => arm(&sh)?,
-    };
-    let mut n_clients = 0;
-    if let Some(c) = &clients {
-        for d in c.advise().context("RAM clients")? {
-            placer.add_domain(d)?;
-            n_clients += 1;
-        }
-    }
-    let mut link = Some(Link::start(control.try_clone()?, channels, urgent, &sh, &sink)?);
-    step("faults armed");
-    vm.restore_state(&state).context("loading vCPU and device state")?;
-    step("state restored");
-    wire::send_msg(&mut control, &Msg::Loaded { cpu_s: thread_cpu_s() - cpu0 })?;
-    match wire::recv_msg(&mut control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
-        Msg::Go => {}
-        other => bail!("expected go, got {other:?}"),
-    }
-    let resumed = params.resume;
-    if resumed {
-        vm.resume().context("starting the VM")?;
-    }
-    step("resumed");
-    let t = unix_ns();
-    let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: thread_cpu_s() - cpu0 });
-    super::set_priority(false);
+    let running = load_at_switch(vm, params, ctl, control, &sh, channels, urgent, &sw, clients.as_deref(), armed)?;
+    let Running { resumed, resumed_at: t, placer, sink, mut faults, link, n_clients } = running;
     // Pages that came before the switch (a hybrid's precopy rounds) are not
     // mapped into the vmm yet: map them in the background.
     let premap = match sh.precopy_rounds {
@@ -242,59 +199,8 @@ pub(crate) fn run(
         s.remaining_pages = placer.missing();
     });
 
-    // --- until every page is here; pause and recover on breaks ---
-    let mut listener_now: Option<TcpListener> = None;
-    loop {
-        if placer.wait_complete(Duration::from_millis(20)) {
-            break;
-        }
-        ctl.update(|s| s.remaining_pages = placer.missing());
-        let broken = match link.as_mut() {
-            Some(l) => l.check(),
-            None => Some("not connected".into()),
-        };
-        let Some(why) = broken else { continue };
-        if placer.is_complete() {
-            break;
-        }
-        if let Some(l) = link.take() {
-            l.close(ctl, &sink);
-        }
-        let missing = placer.missing();
-        tracing::warn!("postcopy paused: {why}; {missing} pages missing");
-        let t_paused = Instant::now();
-        ctl.update(|s| {
-            s.status = Status::PostcopyPaused;
-            s.error = Some(format!(
-                "postcopy paused: {why}; {missing} pages are still on the source; threads that touch them wait. If the source lives, `migrate resume` there (after `migrate-recover` here for a new address); if it died, they are lost"
-            ));
-        });
-        ctl.forget_connections();
-        let recovered = loop {
-            if let Some(RecoverRequest::Listen(nl)) = ctl.try_recovery() {
-                listener_now = Some(nl);
-            }
-            if placer.is_complete() {
-                break None;
-            }
-            let lis = listener_now.as_ref().unwrap_or(listener);
-            match accept_recovery(lis, ctl, session, &sh, &placer, &sink) {
-                Ok(Some(l)) => break Some(l),
-                Ok(None) => {}
-                Err(e) => tracing::warn!("recovery attempt refused: {e:#}"),
-            }
-        };
-        let Some(l) = recovered else { break };
-        link = Some(l);
-        ctl.update(|s| {
-            s.status = Status::PostcopyActive;
-            s.error = None;
-            s.recoveries += 1;
-            s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3;
-        });
-    }
-
-    // --- every page is in ---
+    let mut link = wait_for_every_page(listener, ctl, session, &sh, &placer, &sink, link);
+    // Every page is in.
     faults.stop();
     if let Some(t) = premap {
         let _ = t.join();
@@ -334,6 +240,152 @@ pub(crate) fn run(
         l.close(ctl, &sink);
     }
     Ok(resumed)
+}
+
+/// The destination once the VM runs here.
+struct Running {
+    resumed: bool,
+    /// When it was resumed (Unix ns): the end of the downtime.
+    resumed_at: u64,
+    placer: Arc<Placer>,
+    sink: Arc<RequestSink>,
+    faults: FaultThread,
+    link: Option<Link>,
+    /// Processes other than the vmm that map guest RAM and fault on it.
+    n_clients: u32,
+}
+
+/// The switch, all of it downtime: the state and the stale pages, the
+/// fault machinery armed, the state loaded, and the VM started on the
+/// source's go.
+#[allow(clippy::too_many_arguments)]
+fn load_at_switch(
+    vm: &Arc<dyn MigratableVm>,
+    params: &IncomingParams,
+    ctl: &Arc<Control>,
+    mut control: TcpStream,
+    sh: &Arc<RxShared>,
+    channels: Vec<ChannelThread>,
+    urgent: TcpStream,
+    sw: &Switch,
+    clients: Option<&super::clients::RamClients>,
+    armed: Option<Armed>,
+) -> Result<Running> {
+    let cpu0 = thread_cpu_s();
+    let t_sw = Instant::now();
+    // Until the VM runs, this is downtime and blocks only on I/O.
+    super::set_priority(true);
+    let step = |name: &str| {
+        let ms = t_sw.elapsed().as_secs_f64() * 1e3;
+        ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    };
+    ctl.update(|s| s.status = Status::Device);
+    control.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let blob = wire::recv_blob(&mut control).map_err(|e| anyhow!("state: {e}"))?;
+    if blob.len() as u64 != sw.state_bytes {
+        bail!("state is {} bytes, source announced {}", blob.len(), sw.state_bytes);
+    }
+    let state = StateSet::read_from(&mut blob.as_slice()).context("decoding vCPU and device state")?;
+    if sw.dirty_ranges {
+        let stale = wire::recv_blob(&mut control).map_err(|e| anyhow!("stale page list: {e}"))?;
+        drop_pages(sh, &stale)?;
+    }
+    step("state received");
+    let Armed { placer, sink, faults } = match armed {
+        Some(a) => a,
+        None => arm(sh)?,
+    };
+    let mut n_clients = 0;
+    if let Some(c) = clients {
+        for d in c.advise().context("RAM clients")? {
+            placer.add_domain(d)?;
+            n_clients += 1;
+        }
+    }
+    let link = Some(Link::start(control.try_clone()?, channels, urgent, sh, &sink)?);
+    step("faults armed");
+    vm.restore_state(&state).context("loading vCPU and device state")?;
+    step("state restored");
+    wire::send_msg(&mut control, &Msg::Loaded { cpu_s: thread_cpu_s() - cpu0 })?;
+    match wire::recv_msg(&mut control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
+        Msg::Go => {}
+        other => bail!("expected go, got {other:?}"),
+    }
+    let resumed = params.resume;
+    if resumed {
+        vm.resume().context("starting the VM")?;
+    }
+    step("resumed");
+    let t = unix_ns();
+    let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: thread_cpu_s() - cpu0 });
+    super::set_priority(false);
+    Ok(Running { resumed, resumed_at: t, placer, sink, faults, link, n_clients })
+}
+
+/// Serve faults until every page is here; on a break, pause and wait for
+/// the source to recover (a new listener from `migrate-recover`, or the
+/// old one). Returns the link that delivered the last page, if any.
+fn wait_for_every_page(
+    listener: &TcpListener,
+    ctl: &Arc<Control>,
+    session: u64,
+    sh: &Arc<RxShared>,
+    placer: &Arc<Placer>,
+    sink: &Arc<RequestSink>,
+    mut link: Option<Link>,
+) -> Option<Link> {
+    let mut listener_now: Option<TcpListener> = None;
+    loop {
+        if placer.wait_complete(Duration::from_millis(20)) {
+            break;
+        }
+        ctl.update(|s| s.remaining_pages = placer.missing());
+        let broken = match link.as_mut() {
+            Some(l) => l.check(),
+            None => Some("not connected".into()),
+        };
+        let Some(why) = broken else { continue };
+        if placer.is_complete() {
+            break;
+        }
+        if let Some(l) = link.take() {
+            l.close(ctl, sink);
+        }
+        let missing = placer.missing();
+        tracing::warn!("postcopy paused: {why}; {missing} pages missing");
+        let t_paused = Instant::now();
+        ctl.update(|s| {
+            s.status = Status::PostcopyPaused;
+            s.error = Some(format!(
+                "postcopy paused: {why}; {missing} pages are still on the source; threads that touch them wait. If the source lives, `migrate resume` there (after `migrate-recover` here for a new address); if it died, they are lost"
+            ));
+        });
+        ctl.forget_connections();
+        let recovered = loop {
+            if let Some(RecoverRequest::Listen(nl)) = ctl.try_recovery() {
+                listener_now = Some(nl);
+            }
+            if placer.is_complete() {
+                break None;
+            }
+            let lis = listener_now.as_ref().unwrap_or(listener);
+            match accept_recovery(lis, ctl, session, sh, placer, sink) {
+                Ok(Some(l)) => break Some(l),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("recovery attempt refused: {e:#}"),
+            }
+        };
+        let Some(l) = recovered else { break };
+        link = Some(l);
+        ctl.update(|s| {
+            s.status = Status::PostcopyActive;
+            s.error = None;
+            s.recoveries += 1;
+            s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3;
+        });
+    }
+
+    link
 }
 
 /// One recovery attempt: a source that comes back with our session gets

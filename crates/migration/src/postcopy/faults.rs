@@ -4,10 +4,11 @@
 
 use super::place::{Asks, Placer, PUSH_GRACE};
 use crate::wire;
+use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::collections::VecDeque;
 use std::io::Write;
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -57,18 +58,13 @@ impl RequestSink {
 /// Runs until `stop` is set (and the wake eventfd written).
 pub struct FaultThread {
     stop: Arc<AtomicBool>,
-    wake: Arc<OwnedFd>,
+    wake: Arc<EventFd>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl FaultThread {
     pub fn start(placer: Arc<Placer>, sink: Arc<RequestSink>, ctl: Arc<crate::stats::Control>) -> std::io::Result<FaultThread> {
-        // SAFETY: plain syscall, owned right after.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if efd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
+        let wake = Arc::new(EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?);
         let stop = Arc::new(AtomicBool::new(false));
         let (w2, s2) = (wake.clone(), stop.clone());
         let thread = std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || {
@@ -79,9 +75,8 @@ impl FaultThread {
     }
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: 8 bytes to an eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) };
+        // Only fails when the counter would overflow: it is awake then.
+        let _ = self.wake.write(1);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -94,7 +89,7 @@ impl Drop for FaultThread {
     }
 }
 
-fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<OwnedFd>, stop: Arc<AtomicBool>) {
+fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<EventFd>, stop: Arc<AtomicBool>) {
     super::fault_path_priority();
     let mut asks = Asks::default();
     // Faults on prefetched pages, oldest first: (ask after, page).
@@ -102,7 +97,7 @@ fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<OwnedFd>, s
     while !stop.load(Ordering::SeqCst) {
         // Domains can join while we run (helpers register before resume).
         let doms = placer.fault_fds();
-        let mut pfds: Vec<libc::pollfd> = std::iter::once(wake.as_raw_fd())
+        let mut pfds: Vec<libc::pollfd> = std::iter::once(wake.as_fd().as_raw_fd())
             .chain(doms.iter().map(|d| d.1))
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();

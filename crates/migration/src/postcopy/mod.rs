@@ -24,26 +24,24 @@ pub(crate) mod source;
 /// against 1040 us, under 1 ms in 7 against 3) for 3-5% more total time.
 /// One channel keeps autotuning: bounded, it lost a quarter of its
 /// throughput (docs/bench-migrate.md, "Bounded push buffers").
-const PUSH_SOCKET_BUF: libc::c_int = 1 << 20;
+const PUSH_SOCKET_BUF: usize = 1 << 20;
 
 /// Bound the send (`send`) or receive buffer of a push channel that is one
 /// of `channels`. The forced option passes the host's `wmem_max`/`rmem_max`;
 /// without the privilege the plain one is capped by them. Errors only cost
 /// the bound.
 pub(crate) fn bound_push_buffer(s: &std::net::TcpStream, channels: usize, send: bool) {
-    use std::os::fd::AsRawFd;
+    use nix::sys::socket::{setsockopt, sockopt};
     if channels < 2 {
         return;
     }
-    let set = |opt: libc::c_int| {
-        // SAFETY: an int option on our own socket.
-        unsafe {
-            libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, &PUSH_SOCKET_BUF as *const libc::c_int as *const libc::c_void, 4) == 0
-        }
+    let result = if send {
+        setsockopt(s, sockopt::SndBufForce, &PUSH_SOCKET_BUF).or_else(|_| setsockopt(s, sockopt::SndBuf, &PUSH_SOCKET_BUF))
+    } else {
+        setsockopt(s, sockopt::RcvBufForce, &PUSH_SOCKET_BUF).or_else(|_| setsockopt(s, sockopt::RcvBuf, &PUSH_SOCKET_BUF))
     };
-    let (forced, plain) = if send { (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF) } else { (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF) };
-    if !set(forced) && !set(plain) {
-        tracing::debug!("push channel buffer not bounded: {}", std::io::Error::last_os_error());
+    if let Err(e) = result {
+        tracing::debug!("push channel buffer not bounded: {e}");
     }
 }
 

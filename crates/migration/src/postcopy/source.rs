@@ -11,7 +11,7 @@ use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
-use crate::source::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
+use crate::sender::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, Msg};
@@ -71,16 +71,48 @@ fn split_known_zero(holes: &[PageRange], pages: &[PageRange]) -> (Vec<PageRange>
     (data, zero)
 }
 
+/// The postcopy source after the switch decision, in phases: the switch
+/// (the downtime), planning the push, then serving the destination until
+/// it has every page, through any number of recoveries.
 pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     let Start { session, compress, bucket, mut control, urgent, mut channels, log, holes, pending, round } = st;
     // The timeout bounds the precopy part only: from the switch on, the
     // destination runs and needs every page, however long the push takes.
     channels.clear_deadline();
+    let ctl = guard.ctl.clone();
+    let ram = guard.vm.ram();
+    let (missing, queue, server) = switch_over(guard, &mut control, urgent, log, pending)?;
+    plan_push(ram, missing, holes, &queue)?;
+    let t_post = Instant::now();
+    ctl.update(|s| {
+        s.status = Status::PostcopyActive;
+        s.rounds = round + 1;
+        s.remaining_pages = queue.left();
+    });
+    let resume = Resume { session, compress, bucket };
+    serve_with_recovery(control, channels, server, &queue, &ctl, &resume, ram)?;
+    let postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
+    ctl.update(|s| {
+        s.postcopy_ms = postcopy_ms;
+        s.remaining_pages = 0;
+    });
+    Ok(())
+}
+
+/// The switch, all of it downtime: pause, the stale pages, the state; the
+/// destination loads it and owns the VM from then on (the commit), and is
+/// told to run it. Returns the pages the destination still lacks (`None`:
+/// all of them), the push queue, and the urgent server, already serving.
+fn switch_over(
+    guard: &mut Outgoing,
+    control: &mut TcpStream,
+    urgent: TcpStream,
+    log: Option<(DirtyLog, Option<Vec<PageRange>>)>,
+    pending: Vec<PageRange>,
+) -> Result<(Option<Vec<PageRange>>, Arc<PushQueue>, UrgentServer)> {
     let (vm, ctl) = (guard.vm.clone(), guard.ctl.clone());
     let ram = vm.ram();
     let total = ram.pages();
-
-    // --- the switch: pause, state, stale pages ---
     // All of it is downtime; it blocks only on I/O. (This thread ends with
     // the migration, so an early return needs no reset.)
     super::set_priority(true);
@@ -103,19 +135,19 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     // Requests are served from now on, even while the destination loads
     // the state (a device may touch RAM); the push queue fills below.
     let queue = Arc::new(PushQueue::new(total, &[], Vec::new()));
-    let mut server = UrgentServer::start(urgent, ram, queue.clone(), ctl.clone())?;
+    let server = UrgentServer::start(urgent, ram, queue.clone(), ctl.clone())?;
     wire::send_msg(
-        &mut control,
+        control,
         &Msg::Switchover { state_bytes: blob.len() as u64, source_paused_unix_ns: paused_at, dirty_ranges: missing.is_some() },
     )?;
-    wire::send_blob(&mut control, &blob)?;
+    wire::send_blob(control, &blob)?;
     if let Some(m) = &missing {
         let bytes: Vec<u8> = m.iter().flat_map(|r| [r.first.to_le_bytes(), r.count.to_le_bytes()]).flatten().collect();
-        wire::send_blob(&mut control, &bytes)?;
+        wire::send_blob(control, &bytes)?;
     }
     step("switchover sent");
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
-    match recv_reply(&mut control)? {
+    match recv_reply(control)? {
         Msg::Loaded { .. } => {}
         other => bail!("destination answered {other:?} to the switchover"),
     }
@@ -123,8 +155,8 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     // only serves its memory.
     guard.commit();
     step("destination loaded");
-    let go = wire::send_msg(&mut control, &Msg::Go);
-    match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(&mut control)) {
+    let go = wire::send_msg(control, &Msg::Go);
+    match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(control)) {
         Ok(Msg::Resumed { unix_ns, resumed, .. }) => ctl.update(|s| {
             s.downtime_steps.push(("destination resumed (reply)".into(), t_pause.elapsed().as_secs_f64() * 1e3));
             s.downtime_ms =
@@ -140,6 +172,13 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     if let Some(log) = log {
         vm.retire(Box::new(log.into_tracker()));
     }
+    Ok((missing, queue, server))
+}
+
+/// Plan the push: everything the destination lacks, split into pages to
+/// read and memfd holes (known zero).
+fn plan_push(ram: RamRegion, missing: Option<Vec<PageRange>>, holes: Vec<PageRange>, queue: &Arc<PushQueue>) -> Result<()> {
+    let total = ram.pages();
     // Everything the destination lacks, split into pages to read and memfd
     // holes (known zero): looking at the old holes again takes a few
     // kernel milliseconds at most, so it happens once the destination
@@ -165,18 +204,33 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     });
     // The push can only start once it knows what to push.
     fill.join().map_err(|_| anyhow!("the push planner panicked"))?;
-    let t_post = Instant::now();
-    ctl.update(|s| {
-        s.status = Status::PostcopyActive;
-        s.rounds = round + 1;
-        s.remaining_pages = queue.left();
-    });
+    Ok(())
+}
 
-    // --- serve until the destination has every page; recover on breaks ---
+/// What a reconnection after a break needs.
+struct Resume {
+    session: u64,
+    compress: Compress,
+    bucket: Arc<TokenBucket>,
+}
+
+/// Serve until the destination has every page; on a break, wait for
+/// `migrate resume` and reconnect.
+fn serve_with_recovery(
+    control: TcpStream,
+    channels: ChannelSet,
+    mut server: UrgentServer,
+    queue: &Arc<PushQueue>,
+    ctl: &Arc<Control>,
+    resume: &Resume,
+    ram: RamRegion,
+) -> Result<()> {
+    let Resume { session, compress, bucket } = resume;
+    let (session, compress) = (*session, *compress);
     let mut conn = Some((control, channels));
     loop {
         let r = match conn.take() {
-            Some((mut control, mut channels)) => serve(&mut control, &mut channels, &queue, &ctl),
+            Some((mut control, mut channels)) => serve(&mut control, &mut channels, queue, ctl),
             None => Err(anyhow!("not connected")),
         };
         match r {
@@ -205,7 +259,7 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
                 // A failure here leaves the source paused and holding its
                 // pages, as a failed reconnection does: returning an error
                 // would end the migration with the pages unreachable.
-                let resumed = reconnect(&target, session, &ram, compress, &bucket, &ctl, &queue)
+                let resumed = reconnect(&target, session, &ram, compress, bucket, ctl, queue)
                     .and_then(|(c, ch, u)| Ok((c, ch, UrgentServer::start(u, ram, queue.clone(), ctl.clone())?)));
                 match resumed {
                     Ok((c, ch, s)) => {
@@ -230,11 +284,6 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
         }
     }
     server.stop();
-    let postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
-    ctl.update(|s| {
-        s.postcopy_ms = postcopy_ms;
-        s.remaining_pages = 0;
-    });
     Ok(())
 }
 
@@ -293,9 +342,9 @@ fn reconnect(
     ctl: &Arc<Control>,
     queue: &Arc<PushQueue>,
 ) -> Result<(TcpStream, ChannelSet, TcpStream)> {
-    let addr = crate::source::parse_tcp_uri(addr)?;
+    let addr = crate::sender::parse_tcp_uri(addr)?;
     let total = ram.pages();
-    let mut control = crate::source::connect(&addr, ctl)?;
+    let mut control = crate::sender::connect(&addr, ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
     let channels = ctl.snapshot().channels.max(1);
     wire::send_msg(

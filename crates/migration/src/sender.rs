@@ -1,0 +1,590 @@
+//! The sending machinery precopy and postcopy share: connecting to the
+//! destination, the page channels and their threads ([`ChannelSet`]),
+//! cutting rounds into work chunks, and the control connection's answers.
+//! [`crate::source`] (precopy, and the run until a postcopy switch) and
+//! [`crate::postcopy::source`] (after it) drive it; it uses neither.
+
+use crate::compress::{Compress, PageCompressor};
+use crate::cputime::{thread_cpu_s, unix_ns};
+use crate::dirty::{Armer, PAGE_SIZE};
+use crate::pages::PageRange;
+use crate::postcopy::push::PushQueue;
+use crate::ratelimit::TokenBucket;
+use crate::stats::{Control, Status};
+use crate::vm::{MigratableVm, RamRegion};
+use crate::wire::{self, BatchWriter, Enc, Msg};
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::Write;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Pages per work chunk: big enough to amortize, small enough to balance.
+pub(crate) const CHUNK_PAGES: u64 = 256;
+/// Zero ranges are cheap (one record per run), so their chunks are large.
+pub(crate) const ZERO_CHUNK_PAGES: u64 = 1 << 20;
+
+#[derive(Clone, Copy)]
+pub(crate) struct WorkItem {
+    pub first: u64,
+    pub count: u64,
+    /// A memfd hole: zero without reading it.
+    pub known_zero: bool,
+    /// Armed before the round (hybrid's rate sample, or by the scan that
+    /// found it dirty): not armed again when sent. A sample item so keeps
+    /// recording writes since it was armed.
+    pub armed: bool,
+}
+
+struct RoundWork {
+    round: u64,
+    items: Vec<WorkItem>,
+    next: AtomicUsize,
+    /// First pass: write-protect each item just before reading it.
+    arm: Option<Armer>,
+    /// Where the round was cut short (hybrid: timeout or
+    /// `migrate-start-postcopy`): no item from here on was sent.
+    /// `usize::MAX` while uncut.
+    cut: AtomicUsize,
+}
+
+impl RoundWork {
+    /// No channel takes another item; those taken are sent.
+    fn cut_off(&self) {
+        if self.cut.load(Ordering::SeqCst) == usize::MAX {
+            let n = self.next.swap(usize::MAX / 2, Ordering::SeqCst);
+            self.cut.store(n.min(self.items.len()), Ordering::SeqCst);
+        }
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct Sent {
+    pages: u64,
+    zero: u64,
+    raw: u64,
+    compressed: u64,
+    wire: u64,
+}
+
+impl Sent {
+    fn add(&mut self, o: &Sent) {
+        self.pages += o.pages;
+        self.zero += o.zero;
+        self.raw += o.raw;
+        self.compressed += o.compressed;
+        self.wire += o.wire;
+    }
+}
+
+enum Job {
+    Round(Arc<RoundWork>),
+    /// Postcopy: send what the queue hands out until it is empty (on one
+    /// of this many channels).
+    Push(Arc<PushQueue>, usize),
+    Finish,
+}
+
+enum Reply {
+    RoundDone(usize, Result<Sent>),
+    Finished(usize, Result<(u64, f64)>),
+}
+
+pub(crate) fn chunk(ranges: &[PageRange], size: u64, known_zero: bool, out: &mut Vec<WorkItem>) {
+    for r in ranges {
+        let mut f = r.first;
+        while f < r.end() {
+            let c = size.min(r.end() - f);
+            out.push(WorkItem { first: f, count: c, known_zero, armed: false });
+            f += c;
+        }
+    }
+}
+
+/// True if every byte is zero (the compiler vectorizes the OR-fold).
+/// Checks 256-byte blocks so a non-zero page is usually rejected at once.
+pub fn is_zero(p: &[u8]) -> bool {
+    p.chunks(256).all(|c| {
+        let (a, words, b) = unsafe { c.align_to::<u64>() };
+        a.iter().all(|&x| x == 0) && b.iter().all(|&x| x == 0) && words.iter().fold(0u64, |acc, &w| acc | w) == 0
+    })
+}
+
+/// A page's xxh3 (what it is sent with), or `None` if it is all zeros:
+/// one pass over the page, the zeros checked only when the hash says so.
+pub fn nonzero_xxh3(page: &[u8]) -> Option<u64> {
+    let h = wire::xxh3(page);
+    (h != wire::zero_page_xxh3() || !is_zero(page)).then_some(h)
+}
+
+struct Channel {
+    index: usize,
+    stream: TcpStream,
+    ram: RamRegion,
+    compress: Compress,
+    bucket: Arc<TokenBucket>,
+    ctl: Arc<Control>,
+    total_pages_sent: u64,
+}
+
+impl Channel {
+    fn run(mut self, jobs: mpsc::Receiver<Job>, replies: mpsc::Sender<Reply>) {
+        let mut comp = match PageCompressor::new(self.compress) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = replies.send(Reply::RoundDone(self.index, Err(e.into())));
+                return;
+            }
+        };
+        let mut batch = BatchWriter::new();
+        let mut cbuf = Vec::with_capacity(2 * PAGE_SIZE as usize);
+        while let Ok(job) = jobs.recv() {
+            match job {
+                Job::Round(w) => {
+                    let r = self.send_round(&w, &mut comp, &mut batch, &mut cbuf);
+                    if replies.send(Reply::RoundDone(self.index, r)).is_err() {
+                        return;
+                    }
+                }
+                Job::Push(q, channels) => {
+                    crate::postcopy::bound_push_buffer(&self.stream, channels, true);
+                    let r = self.push(&q, &mut comp, &mut batch, &mut cbuf);
+                    if replies.send(Reply::RoundDone(self.index, r)).is_err() {
+                        return;
+                    }
+                }
+                Job::Finish => {
+                    let r = wire::write_eos(&mut self.stream, self.total_pages_sent)
+                        .and_then(|_| self.stream.flush())
+                        .map(|_| (self.total_pages_sent, thread_cpu_s()))
+                        .map_err(|e| anyhow!("channel {}: {e}", self.index));
+                    let _ = replies.send(Reply::Finished(self.index, r));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn flush(&mut self, batch: &mut BatchWriter, sent: &mut Sent) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let pages = batch.pages;
+        self.bucket.take(batch.wire_len());
+        let w = batch.write_to(&mut self.stream).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))? as u64;
+        sent.wire += w;
+        self.total_pages_sent += pages;
+        self.ctl.update(|s| {
+            s.wire_bytes += w;
+            s.pages_sent += pages;
+        });
+        Ok(())
+    }
+
+    fn send_round(&mut self, w: &RoundWork, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
+        let mut sent = Sent::default();
+        loop {
+            if self.ctl.is_cancelled() {
+                bail!("cancelled");
+            }
+            let i = w.next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = w.items.get(i) else { break };
+            // Holes were armed before they were found to be holes,
+            // hybrid's sample items before the first round, and pages a
+            // scan found dirty by that scan (run_inner).
+            if let (Some(a), false) = (&w.arm, item.known_zero || item.armed) {
+                a.arm(PageRange { first: item.first, count: item.count }).map_err(|e| anyhow!("dirty tracking: {e}"))?;
+            }
+            self.send_item(item, comp, batch, cbuf, &mut sent)?;
+        }
+        self.flush(batch, &mut sent)?;
+        wire::write_sync(&mut self.stream, w.round).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))?;
+        Ok(sent)
+    }
+
+    fn push(&mut self, q: &PushQueue, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
+        let mut sent = Sent::default();
+        let mut claims = Vec::new();
+        // The destination's guest waits on this push: it goes before the
+        // host's other work, like the fault path.
+        crate::postcopy::urgent_priority();
+        while q.claim(CHUNK_PAGES, &mut claims) {
+            for c in &claims {
+                let item = WorkItem { first: c.first, count: c.count, known_zero: c.known_zero, armed: false };
+                self.send_item(&item, comp, batch, cbuf, &mut sent)?;
+            }
+            // Flush per chunk: the pages near a fault should not wait for
+            // a full batch.
+            self.flush(batch, &mut sent)?;
+        }
+        self.flush(batch, &mut sent)?;
+        Ok(sent)
+    }
+
+    fn send_item(
+        &mut self,
+        item: &WorkItem,
+        comp: &mut PageCompressor,
+        batch: &mut BatchWriter,
+        cbuf: &mut Vec<u8>,
+        sent: &mut Sent,
+    ) -> Result<()> {
+        if item.known_zero {
+            batch.zero_run(item.first, item.count as u32);
+            sent.pages += item.count;
+            sent.zero += item.count;
+            if batch.is_full() {
+                self.flush(batch, sent)?;
+            }
+            return Ok(());
+        }
+        let mut tmp = [0u8; PAGE_SIZE as usize];
+        let mut run: Option<(u64, u32)> = None;
+        for pfn in item.first..item.first + item.count {
+            // SAFETY: pfn < pages of the live mapping (checked by the range
+            // math), which outlives the migration. Guest writes may race
+            // with these reads; such a page is dirty again and is resent
+            // next round.
+            let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
+            sent.pages += 1;
+            let Some(h) = nonzero_xxh3(src) else {
+                sent.zero += 1;
+                run = match run {
+                    Some((f, c)) if f + c as u64 == pfn => Some((f, c + 1)),
+                    Some((f, c)) => {
+                        batch.zero_run(f, c);
+                        Some((pfn, 1))
+                    }
+                    None => Some((pfn, 1)),
+                };
+                continue;
+            };
+            if let Some((f, c)) = run.take() {
+                batch.zero_run(f, c);
+            }
+            if self.compress != Compress::None && comp.wants_to_try() {
+                // Compress a private copy: the codec must not see bytes
+                // change under it.
+                tmp.copy_from_slice(src);
+                if comp.compress(&tmp[..], cbuf) {
+                    let enc = if self.compress == Compress::Lz4 { Enc::Lz4 } else { Enc::Zstd };
+                    batch.compressed(pfn, enc, cbuf, wire::page_hash(pfn, &tmp));
+                    sent.compressed += 1;
+                } else {
+                    batch.raw_copy(pfn, &tmp[..]);
+                    sent.raw += 1;
+                }
+            } else {
+                batch.raw_hashed(pfn, src, h);
+                sent.raw += 1;
+            }
+            if batch.is_full() {
+                self.flush(batch, sent)?;
+            }
+        }
+        if let Some((f, c)) = run {
+            batch.zero_run(f, c);
+        }
+        Ok(())
+    }
+}
+
+/// Open `n` data connections and their sender threads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn open_channels(
+    addr: &str,
+    session: u64,
+    n: u32,
+    ram: RamRegion,
+    compress: Compress,
+    bucket: &Arc<TokenBucket>,
+    ctl: &Arc<Control>,
+    deadline: Option<Instant>,
+) -> Result<ChannelSet> {
+    let (reply_tx, reply_rx) = mpsc::channel();
+    let mut job_txs = Vec::new();
+    let mut threads = Vec::new();
+    for i in 0..n as usize {
+        let mut s = connect(addr, ctl)?;
+        wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_DATA)?;
+        wire::send_msg(&mut s, &Msg::Channel { session, index: i as u32 })?;
+        s.set_write_timeout(Some(crate::receiver::DATA_IDLE_TIMEOUT))?;
+        let ch = Channel { index: i, stream: s, ram, compress, bucket: bucket.clone(), ctl: ctl.clone(), total_pages_sent: 0 };
+        let (tx, rx) = mpsc::channel();
+        let rtx = reply_tx.clone();
+        threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
+        job_txs.push(tx);
+    }
+    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None, current: None })
+}
+
+/// The postcopy urgent connection (page requests and their answers).
+pub(crate) fn open_urgent(addr: &str, session: u64, ctl: &Control) -> Result<TcpStream> {
+    let mut s = connect(addr, ctl)?;
+    wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_URGENT)?;
+    wire::send_msg(&mut s, &Msg::Channel { session, index: 0 })?;
+    s.set_write_timeout(Some(crate::receiver::DATA_IDLE_TIMEOUT))?;
+    Ok(s)
+}
+
+pub(crate) fn parse_tcp_uri(uri: &str) -> Result<String> {
+    let a = uri.strip_prefix("tcp:").unwrap_or(uri);
+    if a.rsplit_once(':').is_none() {
+        bail!("bad migration address {uri:?} (expected tcp:HOST:PORT)");
+    }
+    Ok(a.to_string())
+}
+
+pub(crate) fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
+    let sa =
+        addr.to_socket_addrs().with_context(|| format!("resolving {addr}"))?.next().ok_or_else(|| anyhow!("{addr} resolves to nothing"))?;
+    let s = TcpStream::connect_timeout(&sa, Duration::from_secs(10)).with_context(|| format!("connecting to {addr}"))?;
+    s.set_nodelay(true)?;
+    wire::tune_socket(&s);
+    ctl.register(&s);
+    Ok(s)
+}
+
+/// The source's pause, where downtime starts: its time and its steps.
+pub(crate) struct Downtime {
+    pub paused_at: u64,
+    pub since: Instant,
+    ctl: Arc<Control>,
+}
+
+impl Downtime {
+    /// Pause the VM for the switch (stop-and-copy or postcopy).
+    pub(crate) fn pause(guard: &mut Outgoing) -> Result<Downtime> {
+        let d = Downtime { paused_at: unix_ns(), since: Instant::now(), ctl: guard.ctl.clone() };
+        guard.vm.pause().context("pausing the VM")?;
+        guard.paused_by_us = true;
+        d.step("paused");
+        d.ctl.update(|s| s.status = Status::Device);
+        Ok(d)
+    }
+    /// Record that `name` ended now (ms since the pause).
+    pub(crate) fn step(&self, name: &str) {
+        let ms = self.since.elapsed().as_secs_f64() * 1e3;
+        self.ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
+    }
+}
+
+/// Everything the engine holds that must be undone if the migration fails.
+pub(crate) struct Outgoing {
+    pub vm: Arc<dyn MigratableVm>,
+    pub ctl: Arc<Control>,
+    pub paused_by_us: bool,
+    pub committed: bool,
+}
+
+impl Outgoing {
+    /// The destination owns the VM from here: this side never runs it again.
+    pub fn commit(&mut self) {
+        self.committed = true;
+        self.ctl.update(|s| s.committed = true);
+    }
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        // Failure or cancel before commit: the VM runs on here, full speed.
+        self.vm.set_cpu_throttle(0);
+        if !self.committed {
+            self.ctl.shutdown_all();
+            if self.paused_by_us {
+                if let Err(e) = self.vm.resume() {
+                    tracing::error!("migration failed and the VM could not be resumed: {e:#}");
+                }
+            }
+        }
+    }
+}
+
+/// The destination's answer to our hello: welcome, a refusal, or (when it
+/// speaks another stream version) its own preamble.
+pub(crate) fn recv_welcome(control: &mut TcpStream, hello: &str) -> Result<()> {
+    match wire::recv_answer(control).map_err(|e| anyhow!("destination: {e}"))? {
+        Msg::Welcome => Ok(()),
+        Msg::Abort { reason } => bail!("destination refused: {reason}"),
+        other => bail!("destination answered {other:?} to the {hello}"),
+    }
+}
+
+pub(crate) fn recv_reply(control: &mut TcpStream) -> Result<Msg> {
+    loop {
+        match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
+            Msg::Abort { reason } => bail!("destination refused: {reason}"),
+            // The final round's acknowledgement; End's answer follows.
+            Msg::RoundDone { .. } => continue,
+            m => return Ok(m),
+        }
+    }
+}
+
+pub(crate) struct RoundResult {
+    pub(crate) pages: u64,
+    pub(crate) zero: u64,
+    pub(crate) wire: u64,
+    pub(crate) secs: f64,
+    /// Cut off (hybrid's timeout or `migrate-start-postcopy`): not sent.
+    pub(crate) unsent: Vec<WorkItem>,
+}
+
+impl RoundResult {
+    /// Wire bytes per non-zero page.
+    pub(crate) fn page_cost(&self) -> f64 {
+        (self.wire as f64 / (self.pages - self.zero).max(1) as f64).clamp(16.0, PAGE_SIZE as f64 + 16.0)
+    }
+}
+
+pub(crate) struct ChannelSet {
+    job_txs: Vec<mpsc::Sender<Job>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    replies: mpsc::Receiver<Reply>,
+    ctl: Arc<Control>,
+    deadline: Option<Instant>,
+    /// Given to the next round (the first pass).
+    pub(crate) arm_next: Option<Armer>,
+    /// The round in flight, and whether the deadline or the operator's
+    /// request to switch may cut it short (hybrid's rounds before the
+    /// switch: what they leave goes by postcopy) rather than cancel.
+    current: Option<(Arc<RoundWork>, bool)>,
+}
+
+impl ChannelSet {
+    fn wait(&self) -> Result<Reply> {
+        loop {
+            match self.replies.recv_timeout(Duration::from_millis(50)) {
+                Ok(r) => return Ok(r),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let now = Instant::now();
+                    let cuttable = self.current.as_ref().filter(|c| c.1).map(|c| &c.0);
+                    if give_up_at(self.deadline, cuttable.is_some()).is_some_and(|d| now >= d) {
+                        if !self.ctl.is_cancelled() {
+                            self.ctl.cancel();
+                        }
+                    } else if let Some(w) = cuttable {
+                        if self.deadline.is_some_and(|d| now >= d) || self.ctl.postcopy_requested() {
+                            w.cut_off();
+                        }
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("a channel thread died"),
+            }
+        }
+    }
+
+    pub(crate) fn round(&mut self, round: u64, items: Vec<WorkItem>, cuttable: bool) -> Result<RoundResult> {
+        let t = Instant::now();
+        let work =
+            Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take(), cut: AtomicUsize::new(usize::MAX) });
+        self.current = Some((work.clone(), cuttable));
+        let total = self.run_job(|| Job::Round(work.clone()));
+        self.current = None;
+        let total = total.map_err(|e| {
+            if self.ctl.is_cancelled() {
+                if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                    return anyhow!("timed out while sending round {round}");
+                }
+                return anyhow!("cancelled");
+            }
+            e
+        })?;
+        let unsent = match work.cut.load(Ordering::SeqCst) {
+            usize::MAX => Vec::new(),
+            c => work.items[c..].to_vec(),
+        };
+        Ok(RoundResult { pages: total.pages, zero: total.zero, wire: total.wire, secs: t.elapsed().as_secs_f64(), unsent })
+    }
+
+    /// From now on nothing times out (postcopy's push).
+    pub(crate) fn clear_deadline(&mut self) {
+        self.deadline = None;
+    }
+
+    /// Postcopy: every channel pushes from `q` until it is empty; returns
+    /// the pages sent.
+    pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
+        let channels = self.job_txs.len();
+        let total = self.run_job(|| Job::Push(q.clone(), channels))?;
+        self.ctl.update(|s| s.pages_pushed += total.pages);
+        Ok(total.pages)
+    }
+
+    /// Give every channel the job, wait for all, account what they sent.
+    /// The first failure stops the other channels at once.
+    fn run_job(&mut self, job: impl Fn() -> Job) -> Result<Sent> {
+        for tx in &self.job_txs {
+            tx.send(job()).map_err(|_| anyhow!("a channel thread died"))?;
+        }
+        let mut total = Sent::default();
+        let mut first_err = None;
+        for _ in 0..self.job_txs.len() {
+            match self.wait()? {
+                Reply::RoundDone(_, Ok(s)) => total.add(&s),
+                Reply::RoundDone(i, Err(e)) | Reply::Finished(i, Err(e)) => {
+                    tracing::debug!("channel {i} failed: {e:#}");
+                    if first_err.is_none() {
+                        self.ctl.shutdown_all();
+                        first_err = Some(e);
+                    }
+                }
+                Reply::Finished(..) => {}
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        self.ctl.update(|s| {
+            s.zero_pages += total.zero;
+            s.raw_pages += total.raw;
+            s.compressed_pages += total.compressed;
+            s.ram_transferred_bytes += (total.raw + total.compressed) * PAGE_SIZE;
+        });
+        Ok(total)
+    }
+
+    /// End every data stream; returns pages per channel and their CPU time.
+    pub(crate) fn finish(&mut self) -> Result<(Vec<u64>, f64)> {
+        for tx in &self.job_txs {
+            let _ = tx.send(Job::Finish);
+        }
+        let mut per = vec![0u64; self.job_txs.len()];
+        let mut cpu = 0.0;
+        for _ in 0..self.job_txs.len() {
+            match self.wait()? {
+                Reply::Finished(i, Ok((p, c))) => {
+                    per[i] = p;
+                    cpu += c;
+                }
+                Reply::Finished(_, Err(e)) | Reply::RoundDone(_, Err(e)) => return Err(e),
+                Reply::RoundDone(..) => {}
+            }
+        }
+        Ok((per, cpu))
+    }
+}
+
+impl Drop for ChannelSet {
+    fn drop(&mut self) {
+        self.job_txs.clear();
+        self.ctl.shutdown_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// How long a round cut at the deadline (hybrid's, before its switch) may
+/// take to finish the batches it has in flight and be confirmed: longer
+/// means the destination or the link hangs, and the migration is cancelled.
+const CUT_GRACE: Duration = Duration::from_secs(10);
+
+/// When waiting on a round (its channels, then its confirmation) cancels
+/// the migration: at the deadline, or [`CUT_GRACE`] after it for a round
+/// the deadline only cuts short.
+pub(crate) fn give_up_at(deadline: Option<Instant>, cuttable: bool) -> Option<Instant> {
+    deadline.map(|d| if cuttable { d + CUT_GRACE } else { d })
+}
