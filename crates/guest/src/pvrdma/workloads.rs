@@ -142,7 +142,6 @@ fn fail(plat: Platform, what: &str, e: super::Error) -> ! {
     println!("pvrdma: FAIL {}: {:?}", what, e);
     plat.exit(1)
 }
-
 pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     let Some(gid) = args.get("gid").and_then(parse_ip) else {
         println!("pvrdma: FAIL give the VM's GID as gid=A.B.C.D (the --pvrdma gid= of the vmm)");
@@ -150,13 +149,56 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     };
     let wanted = args.get("run").unwrap_or("stream,ring,table,atomic");
     let count = args.num("count", 1000);
+    let mut s = bring_up(plat, args, boot, gid, wanted);
+    let targets = exchange_ids(plat, &mut s, gid, count);
+    post_first(plat, &s);
+    println!("pvrdma: connected, running {} with count={}", wanted, count);
+
+    let mut w = Workloads::new(plat, &s.lay, &s.mr, targets, count);
+    let [stream, ring, table, atomic] = &s.chans;
+    loop {
+        let stream_done = stream.is_none() || !w.n_or_inf(w.tx_done) && !w.n_or_inf(w.rx_expect);
+        let ring_done = ring.is_none() || !w.n_or_inf(w.ring_expect);
+        let atomic_done = atomic.is_none() || !w.n_or_inf(w.atomic_i);
+        let table_done = table.is_none() || !w.n_or_inf(w.table_updates);
+        if stream_done && ring_done && atomic_done && table_done {
+            break;
+        }
+        if let Some(c) = stream {
+            w.stream_step(c);
+        }
+        if let Some(c) = ring {
+            w.ring_step(c);
+        }
+        if let Some(c) = table {
+            w.table_step(c);
+        }
+        if let Some(c) = atomic {
+            w.atomic_step(c);
+        }
+    }
+    let ok = w.report(&mut s.mb);
+    after_run(plat, args, &s.chans, ok)
+}
+
+/// Everything the workloads share once the device is up: one buffer, one
+/// MR over it, one QP (with its CQ) per wanted workload.
+struct Setup {
+    mb: Mailbox,
+    dev: Device,
+    mr: super::Mr,
+    lay: Layout,
+    chans: [Option<Chan>; 4],
+}
+
+fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8; 4], wanted: &str) -> Setup {
     let lay_size = args.num("size", 256).clamp(16, 4096) & !7;
     let slots = args.num("slots", 16).clamp(2, 256);
     let rec = args.num("rec", 128).clamp(16, 4096) & !7;
     let rows = args.num("rows", 8).clamp(1, 1024);
     let start = args.num("pvrdma_mem", boot.firmware_end).max(boot.firmware_end);
     let mut region = Region { next: start, end: boot.ram_size };
-    let mut mb = match Mailbox::find(boot.mmio_base) {
+    let mb = match Mailbox::find(boot.mmio_base) {
         Some(m) => m,
         None => {
             println!("pvrdma: FAIL no mailbox page");
@@ -191,11 +233,23 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
         let qp = dev.create_qp(&mut region, pd, &cq, &cq, 2 * depth, 1).unwrap_or_else(|e| fail(plat, "CREATE_QP", e));
         chans[i] = Some(Chan { name, qp, cq, psn: 0x1000 * (i as u32 + 1) });
     }
+    Setup { mb, dev, mr, lay, chans }
+}
 
-    // Our IDs, once.
+/// Where the workloads write and operate on the peer's side.
+struct Targets {
+    rkey: u32,
+    credit_at: u64,
+    counter_at: u64,
+    ops_at: u64,
+}
+
+/// Publishes our IDs, waits for the peer's (once each) and connects every QP.
+fn exchange_ids(plat: Platform, s: &mut Setup, gid: [u8; 4], count: u64) -> Targets {
+    let (lay, mr) = (&s.lay, &s.mr);
     let mut me = TextBuf::<0x700>::new();
     let _ = write!(me, "gid={}.{}.{}.{} count={} size={}", gid[0], gid[1], gid[2], gid[3], count, lay.size);
-    for c in chans.iter().flatten() {
+    for c in s.chans.iter().flatten() {
         let _ = write!(me, " {}.qpn={} {}.psn={}", c.name, c.qp.qpn, c.name, c.psn);
     }
     let _ = write!(me, " ring.addr={:#x} ring.rkey={} ring.slots={} ring.rec={}", lay.ring, mr.rkey, lay.slots, lay.rec);
@@ -205,12 +259,11 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     }
     wr64(lay.hello, HELLO);
     wr64(lay.hello + 8, 0);
-    mb.publish(me.as_bytes());
+    s.mb.publish(me.as_bytes());
     println!("pvrdma: published {}", core::str::from_utf8(me.as_bytes()).unwrap_or(""));
 
-    // The peer's, once.
     let mut pbuf = [0u8; 0x700];
-    let (_, plen) = mb.wait_host(0, &mut pbuf);
+    let (_, plen) = s.mb.wait_host(0, &mut pbuf);
     let ptext = core::str::from_utf8(&pbuf[..plen]).unwrap_or("");
     println!("pvrdma: peer {}", ptext);
     let peer = PeerInfo(ptext);
@@ -218,21 +271,27 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
         println!("pvrdma: FAIL the peer's message has no gid=");
         plat.exit(1)
     };
-    for c in chans.iter().flatten() {
+    for c in s.chans.iter().flatten() {
         let mut k = TextBuf::<32>::new();
         let _ = write!(k, "{}.qpn", c.name);
         let qpn = peer.num(core::str::from_utf8(k.as_bytes()).unwrap()).unwrap_or(0) as u32;
         let mut k = TextBuf::<32>::new();
         let _ = write!(k, "{}.psn", c.name);
         let psn = peer.num(core::str::from_utf8(k.as_bytes()).unwrap()).unwrap_or(0) as u32;
-        dev.connect(&c.qp, &Remote { gid: pgid, qpn, psn, my_psn: c.psn }).unwrap_or_else(|e| fail(plat, "MODIFY_QP", e));
+        s.dev.connect(&c.qp, &Remote { gid: pgid, qpn, psn, my_psn: c.psn }).unwrap_or_else(|e| fail(plat, "MODIFY_QP", e));
     }
-    let rkey = peer.num("rkey").unwrap_or(0) as u32;
-    let credit_at = peer.num("ring.credit").unwrap_or(0);
-    let (counter_at, ops_at) = (peer.num("atomic.counter").unwrap_or(0), peer.num("atomic.ops").unwrap_or(0));
+    Targets {
+        rkey: peer.num("rkey").unwrap_or(0) as u32,
+        credit_at: peer.num("ring.credit").unwrap_or(0),
+        counter_at: peer.num("atomic.counter").unwrap_or(0),
+        ops_at: peer.num("atomic.ops").unwrap_or(0),
+    }
+}
 
-    let [stream, ring, table, atomic] = &chans;
-    // Receives before hellos: the peer starts the moment it hears one.
+/// Receives before hellos: the peer starts the moment it hears one.
+fn post_first(plat: Platform, s: &Setup) {
+    let (lay, mr) = (&s.lay, &s.mr);
+    let [stream, ring, _, _] = &s.chans;
     if let Some(c) = stream {
         for k in 0..DEPTH {
             c.qp.post_recv(k, &[mr.sge(lay.rx + k * lay.size, lay.size as u32)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
@@ -243,160 +302,215 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
             c.qp.post_recv(k, &[]).unwrap_or_else(|e| fail(plat, "post_recv", e));
         }
     }
-    for c in chans.iter().flatten() {
+    for c in s.chans.iter().flatten() {
         c.qp.post_send(HELLO_WR, Op::Send, &[mr.sge(lay.hello, 16)], true).unwrap_or_else(|e| fail(plat, "hello", e));
     }
-    println!("pvrdma: connected, running {} with count={}", wanted, count);
+}
 
-    let mut r = Run { plat, violations: 0, checked: 0 };
-    let n_or_inf = |x: u64| count == 0 || x < count;
-    let (mut tx_next, mut tx_done, mut rx_expect) = (0u64, 0u64, 0u64);
-    let (mut ring_expect, mut table_updates) = (0u64, 0u64);
-    let (mut atomic_i, mut atomic_busy) = (0u64, false);
-    let mut word = 0u64;
-    let result_word = lay.words + 63 * 8;
-    loop {
-        let stream_done = stream.is_none() || !n_or_inf(tx_done) && !n_or_inf(rx_expect);
-        let ring_done = ring.is_none() || !n_or_inf(ring_expect);
-        let atomic_done = atomic.is_none() || !n_or_inf(atomic_i);
-        let table_done = table.is_none() || !n_or_inf(table_updates);
-        if stream_done && ring_done && atomic_done && table_done {
-            break;
+/// The running workloads' counters; each step posts what it may without
+/// waiting and drains its CQ, so all four advance together in one loop.
+struct Workloads<'a> {
+    plat: Platform,
+    lay: &'a Layout,
+    mr: &'a super::Mr,
+    t: Targets,
+    count: u64,
+    r: Run,
+    tx_next: u64,
+    tx_done: u64,
+    rx_expect: u64,
+    ring_expect: u64,
+    table_updates: u64,
+    atomic_i: u64,
+    atomic_busy: bool,
+    /// The next of the 32 source words for small RDMA writes to the peer.
+    word: u64,
+    result_word: u64,
+}
+
+impl<'a> Workloads<'a> {
+    fn new(plat: Platform, lay: &'a Layout, mr: &'a super::Mr, t: Targets, count: u64) -> Self {
+        Workloads {
+            plat,
+            lay,
+            mr,
+            t,
+            count,
+            r: Run { plat, violations: 0, checked: 0 },
+            tx_next: 0,
+            tx_done: 0,
+            rx_expect: 0,
+            ring_expect: 0,
+            table_updates: 0,
+            atomic_i: 0,
+            atomic_busy: false,
+            word: 0,
+            result_word: lay.words + 63 * 8,
         }
-        if let Some(c) = stream {
-            while n_or_inf(tx_next) && tx_next - tx_done < DEPTH {
-                let at = lay.tx + (tx_next % DEPTH) * lay.size;
-                fill(at, tx_next, tx_next | STREAM_TO_PEER, lay.size);
-                let op = if tx_next % 2 == 1 { Op::SendImm(tx_next as u32) } else { Op::Send };
-                if c.qp.post_send(tx_next, op, &[mr.sge(at, lay.size as u32)], true).is_err() {
-                    break;
-                }
-                tx_next += 1;
+    }
+
+    /// Whether the x-th operation is still to do (count 0: without end).
+    fn n_or_inf(&self, x: u64) -> bool {
+        self.count == 0 || x < self.count
+    }
+
+    /// A word of ours holding `v`, as the source of an 8-byte write.
+    fn next_word(&mut self, v: u64) -> u64 {
+        let src = self.lay.words + (self.word % 32) * 8;
+        self.word += 1;
+        wr64(src, v);
+        src
+    }
+
+    fn stream_step(&mut self, c: &Chan) {
+        let (plat, lay, mr) = (self.plat, self.lay, self.mr);
+        while self.n_or_inf(self.tx_next) && self.tx_next - self.tx_done < DEPTH {
+            let tx_next = self.tx_next;
+            let at = lay.tx + (tx_next % DEPTH) * lay.size;
+            fill(at, tx_next, tx_next | STREAM_TO_PEER, lay.size);
+            let op = if tx_next % 2 == 1 { Op::SendImm(tx_next as u32) } else { Op::Send };
+            if c.qp.post_send(tx_next, op, &[mr.sge(at, lay.size as u32)], true).is_err() {
+                break;
             }
-            while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
-                if w.status != wc_status::SUCCESS {
-                    r.violation(format_args!("stream: completion {:#x} status {}", w.wr_id, w.status));
-                    continue;
-                }
-                if w.opcode == wc_opcode::SEND {
-                    if w.wr_id != HELLO_WR {
-                        tx_done += 1;
-                    }
-                    continue;
-                }
-                let at = lay.rx + (w.wr_id % DEPTH) * lay.size;
-                let seq = rd64(at);
-                if seq != rx_expect {
-                    r.violation(format_args!("stream: message {} arrived, expected {}", seq, rx_expect));
-                } else if let Some(j) = check(at, seq, seq | STREAM_TO_GUEST, lay.size) {
-                    r.violation(format_args!("stream: message {} word {} differs", seq, j));
-                } else if (seq % 2 == 1) != (w.wc_flags & wc_flags::WITH_IMM != 0) || seq % 2 == 1 && u32::from_be(w.imm_data) != seq as u32
-                {
-                    r.violation(format_args!("stream: message {} immediate {:#x}", seq, w.imm_data));
-                } else {
-                    r.checked();
-                }
-                rx_expect = seq + 1;
-                c.qp.post_recv(w.wr_id, &[mr.sge(at, lay.size as u32)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
-            }
+            self.tx_next += 1;
         }
-        if let Some(c) = ring {
-            while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
-                if w.status != wc_status::SUCCESS {
-                    r.violation(format_args!("ring: completion {:#x} status {}", w.wr_id, w.status));
-                    continue;
-                }
-                if w.opcode != wc_opcode::RECV_RDMA_WITH_IMM {
-                    continue;
-                }
-                let k = u32::from_be(w.imm_data) as u64;
-                let at = lay.ring + (ring_expect % lay.slots) * lay.rec;
-                if k != ring_expect as u32 as u64 {
-                    r.violation(format_args!("ring: record {} notified, expected {}", k, ring_expect));
-                } else if let Some(j) = check(at, ring_expect, ring_expect | RING, lay.rec) {
-                    r.violation(format_args!("ring: record {} word {} differs", ring_expect, j));
-                } else {
-                    r.checked();
-                }
-                ring_expect += 1;
-                c.qp.post_recv(0, &[]).unwrap_or_else(|e| fail(plat, "post_recv", e));
-                if ring_expect % (lay.slots / 2).max(1) == 0 || ring_expect == count {
-                    let src = lay.words + (word % 32) * 8;
-                    word += 1;
-                    wr64(src, ring_expect);
-                    let _ = c.qp.post_send(1, Op::Write { raddr: credit_at, rkey }, &[mr.sge(src, 8)], true);
-                }
+        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+            if w.status != wc_status::SUCCESS {
+                self.r.violation(format_args!("stream: completion {:#x} status {}", w.wr_id, w.status));
+                continue;
             }
+            if w.opcode == wc_opcode::SEND {
+                if w.wr_id != HELLO_WR {
+                    self.tx_done += 1;
+                }
+                continue;
+            }
+            let at = lay.rx + (w.wr_id % DEPTH) * lay.size;
+            let seq = rd64(at);
+            let rx_expect = self.rx_expect;
+            if seq != rx_expect {
+                self.r.violation(format_args!("stream: message {} arrived, expected {}", seq, rx_expect));
+            } else if let Some(j) = check(at, seq, seq | STREAM_TO_GUEST, lay.size) {
+                self.r.violation(format_args!("stream: message {} word {} differs", seq, j));
+            } else if (seq % 2 == 1) != (w.wc_flags & wc_flags::WITH_IMM != 0) || seq % 2 == 1 && u32::from_be(w.imm_data) != seq as u32 {
+                self.r.violation(format_args!("stream: message {} immediate {:#x}", seq, w.imm_data));
+            } else {
+                self.r.checked();
+            }
+            self.rx_expect = seq + 1;
+            c.qp.post_recv(w.wr_id, &[mr.sge(at, lay.size as u32)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
         }
-        if let Some(c) = table {
-            // One seqlock update: odd version, data, even version.
-            let row = table_updates % lay.rows;
-            let at = lay.table + row * ROW;
-            let v = rd64(at);
-            wr64(at, v + 1);
-            fence(Ordering::SeqCst);
-            for j in 1..ROW / 8 {
-                wr64(at + 8 * j, pattern(row << 32 | (v + 2) | TABLE, j));
+    }
+
+    fn ring_step(&mut self, c: &Chan) {
+        let (plat, lay, mr) = (self.plat, self.lay, self.mr);
+        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+            if w.status != wc_status::SUCCESS {
+                self.r.violation(format_args!("ring: completion {:#x} status {}", w.wr_id, w.status));
+                continue;
             }
-            fence(Ordering::SeqCst);
-            wr64(at, v + 2);
-            table_updates += 1;
-            while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
-                if w.status != wc_status::SUCCESS {
-                    r.violation(format_args!("table: completion {:#x} status {}", w.wr_id, w.status));
-                }
+            if w.opcode != wc_opcode::RECV_RDMA_WITH_IMM {
+                continue;
             }
-        }
-        if let Some(c) = atomic {
-            if !atomic_busy && n_or_inf(atomic_i) {
-                let op = if atomic_i % 2 == 0 {
-                    Op::FetchAdd { raddr: counter_at, rkey, add: 1 }
-                } else {
-                    Op::CmpSwap { raddr: counter_at, rkey, compare: atomic_i, swap: atomic_i + 1 }
-                };
-                atomic_busy = c.qp.post_send(2, op, &[mr.sge(result_word, 8)], true).is_ok();
+            let ring_expect = self.ring_expect;
+            let k = u32::from_be(w.imm_data) as u64;
+            let at = lay.ring + (ring_expect % lay.slots) * lay.rec;
+            if k != ring_expect as u32 as u64 {
+                self.r.violation(format_args!("ring: record {} notified, expected {}", k, ring_expect));
+            } else if let Some(j) = check(at, ring_expect, ring_expect | RING, lay.rec) {
+                self.r.violation(format_args!("ring: record {} word {} differs", ring_expect, j));
+            } else {
+                self.r.checked();
             }
-            while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
-                if w.status != wc_status::SUCCESS {
-                    r.violation(format_args!("atomic: completion {:#x} status {}", w.wr_id, w.status));
-                    continue;
-                }
-                if w.wr_id != 2 {
-                    continue;
-                }
-                let old = rd64(result_word);
-                if old != atomic_i {
-                    r.violation(format_args!("atomic: operation {} returned {}", atomic_i, old));
-                } else {
-                    r.checked();
-                }
-                atomic_i += 1;
-                atomic_busy = false;
-                let src = lay.words + (word % 32) * 8;
-                word += 1;
-                wr64(src, atomic_i);
-                let _ = c.qp.post_send(3, Op::Write { raddr: ops_at, rkey }, &[mr.sge(src, 8)], true);
+            self.ring_expect += 1;
+            c.qp.post_recv(0, &[]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+            // Credit back every half ring, and at the very end.
+            if self.ring_expect.is_multiple_of((lay.slots / 2).max(1)) || self.ring_expect == self.count {
+                let src = self.next_word(self.ring_expect);
+                let _ = c.qp.post_send(1, Op::Write { raddr: self.t.credit_at, rkey: self.t.rkey }, &[mr.sge(src, 8)], true);
             }
         }
     }
-    // The result goes to the console and the mailbox. The device stays up
-    // (the peer may still be finishing: its last ACKs and table reads need
-    // this side), unless `exit=1` asks the firmware to end the VM.
-    let ok = r.violations == 0;
-    let mut res = TextBuf::<256>::new();
-    let _ = write!(
-        res,
-        "pvrdma: {} checked={} violations={} stream={} ring={} table={} atomic={}",
-        if ok { "PASS" } else { "FAIL" },
-        r.checked,
-        r.violations,
-        rx_expect,
-        ring_expect,
-        table_updates,
-        atomic_i
-    );
-    println!("{}", core::str::from_utf8(res.as_bytes()).unwrap_or(""));
-    mb.publish(res.as_bytes());
+
+    fn table_step(&mut self, c: &Chan) {
+        // One seqlock update: odd version, data, even version.
+        let lay = self.lay;
+        let row = self.table_updates % lay.rows;
+        let at = lay.table + row * ROW;
+        let v = rd64(at);
+        wr64(at, v + 1);
+        fence(Ordering::SeqCst);
+        for j in 1..ROW / 8 {
+            wr64(at + 8 * j, pattern(row << 32 | (v + 2) | TABLE, j));
+        }
+        fence(Ordering::SeqCst);
+        wr64(at, v + 2);
+        self.table_updates += 1;
+        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(self.plat, "poll", e)) {
+            if w.status != wc_status::SUCCESS {
+                self.r.violation(format_args!("table: completion {:#x} status {}", w.wr_id, w.status));
+            }
+        }
+    }
+
+    fn atomic_step(&mut self, c: &Chan) {
+        let (plat, mr, t) = (self.plat, self.mr, &self.t);
+        let (rkey, counter_at, ops_at) = (t.rkey, t.counter_at, t.ops_at);
+        if !self.atomic_busy && self.n_or_inf(self.atomic_i) {
+            let atomic_i = self.atomic_i;
+            let op = if atomic_i.is_multiple_of(2) {
+                Op::FetchAdd { raddr: counter_at, rkey, add: 1 }
+            } else {
+                Op::CmpSwap { raddr: counter_at, rkey, compare: atomic_i, swap: atomic_i + 1 }
+            };
+            self.atomic_busy = c.qp.post_send(2, op, &[mr.sge(self.result_word, 8)], true).is_ok();
+        }
+        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+            if w.status != wc_status::SUCCESS {
+                self.r.violation(format_args!("atomic: completion {:#x} status {}", w.wr_id, w.status));
+                continue;
+            }
+            if w.wr_id != 2 {
+                continue;
+            }
+            let old = rd64(self.result_word);
+            if old != self.atomic_i {
+                self.r.violation(format_args!("atomic: operation {} returned {}", self.atomic_i, old));
+            } else {
+                self.r.checked();
+            }
+            self.atomic_i += 1;
+            self.atomic_busy = false;
+            let src = self.next_word(self.atomic_i);
+            let _ = c.qp.post_send(3, Op::Write { raddr: ops_at, rkey }, &[mr.sge(src, 8)], true);
+        }
+    }
+
+    /// The result to the console and the mailbox; whether it passed.
+    fn report(&self, mb: &mut Mailbox) -> bool {
+        let ok = self.r.violations == 0;
+        let mut res = TextBuf::<256>::new();
+        let _ = write!(
+            res,
+            "pvrdma: {} checked={} violations={} stream={} ring={} table={} atomic={}",
+            if ok { "PASS" } else { "FAIL" },
+            self.r.checked,
+            self.r.violations,
+            self.rx_expect,
+            self.ring_expect,
+            self.table_updates,
+            self.atomic_i
+        );
+        println!("{}", core::str::from_utf8(res.as_bytes()).unwrap_or(""));
+        mb.publish(res.as_bytes());
+        ok
+    }
+}
+
+/// The device stays up (the peer may still be finishing: its last ACKs and
+/// table reads need this side), unless `exit=1` asks the firmware to end
+/// the VM.
+fn after_run(plat: Platform, args: &Args, chans: &[Option<Chan>; 4], ok: bool) -> ! {
     if args.get("exit") == Some("1") {
         let t0 = plat.now_ns();
         while plat.now_ns() - t0 < 500_000_000 {
