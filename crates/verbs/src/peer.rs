@@ -313,6 +313,41 @@ pub fn run(a: PeerArgs) -> anyhow::Result<()> {
 pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Result<()>) -> anyhow::Result<PeerReport> {
     let gid = g.gid()?;
     let ctx = Context::open(a.sock.as_deref())?;
+    let (size, rec, count) = guest_params(a, g)?;
+    let lay = Layout::new(size, rec);
+    let pd = ctx.alloc_pd()?;
+    let buf = MemBuf::new(lay.len)?;
+    let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL)?;
+    let mtu = Mtu::from_bytes(a.mtu).context("MTU must be 256..4096")?;
+    let opts = ConnectOpts { mtu, timeout: a.timeout, min_rnr_timer: 1, ..Default::default() };
+
+    let mut me = Info::default();
+    me.set("gid", ctx.gid());
+    me.set("rkey", mr.rkey);
+    me.set("ring.credit", format!("{:#x}", mr.addr + lay.credit() as u64));
+    me.set("atomic.counter", format!("{:#x}", mr.addr + lay.counter() as u64));
+    me.set("atomic.ops", format!("{:#x}", mr.addr + lay.ops() as u64));
+    let mut chans = open_channels(&ctx, &pd, g, gid, &opts, &mut me)?;
+    if chans.is_empty() {
+        bail!("the guest named no workload (no stream.qpn, ring.qpn, table.qpn or atomic.qpn)");
+    }
+    let mut p = Peer { buf, mr, lay, rep: PeerReport::default(), size, count, deadline: None };
+    for &w in chans.keys() {
+        p.rep.workloads.insert(w.into(), WorkloadReport::default());
+    }
+    post_first_receives(&p, &chans)?;
+    publish(&me.line())?;
+
+    let t0 = Instant::now();
+    p.deadline = a.duration.map(|d| t0 + Duration::from_secs_f64(d));
+    let mut st = run_workloads(a, g, &mut p, &mut chans)?;
+    st.atomic_final(&mut p, chans.contains_key("atomic"));
+    Ok(final_report(p.rep, t0))
+}
+
+/// The guest's stream message size, ring record size and count, checked
+/// before anything is allocated for them.
+fn guest_params(a: &PeerArgs, g: &Info) -> anyhow::Result<(usize, usize, u64)> {
     let size = if g.has("stream.qpn") { g.num("size")? as usize } else { 64 };
     if !(16..=(1 << 20)).contains(&size) || size % 8 != 0 {
         bail!("size={size}: stream messages are 16 bytes to 1 MiB, a multiple of 8");
@@ -331,19 +366,19 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
     if count == 0 && a.duration.is_none() {
         bail!("the guest runs without end (count=0): give --duration");
     }
-    let lay = Layout::new(size, rec);
-    let pd = ctx.alloc_pd()?;
-    let buf = MemBuf::new(lay.len)?;
-    let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL)?;
-    let mtu = Mtu::from_bytes(a.mtu).context("MTU must be 256..4096")?;
-    let opts = ConnectOpts { mtu, timeout: a.timeout, min_rnr_timer: 1, ..Default::default() };
+    Ok((size, rec, count))
+}
 
-    let mut me = Info::default();
-    me.set("gid", ctx.gid());
-    me.set("rkey", mr.rkey);
-    me.set("ring.credit", format!("{:#x}", mr.addr + lay.credit() as u64));
-    me.set("atomic.counter", format!("{:#x}", mr.addr + lay.counter() as u64));
-    me.set("atomic.ops", format!("{:#x}", mr.addr + lay.ops() as u64));
+/// One QP (with its CQ) per workload the guest named, connected to the
+/// guest's; their QPNs and PSNs go into `me`.
+fn open_channels(
+    ctx: &Context,
+    pd: &Pd,
+    g: &Info,
+    gid: Ipv4Addr,
+    opts: &ConnectOpts,
+    me: &mut Info,
+) -> anyhow::Result<BTreeMap<&'static str, Chan>> {
     let mut chans: BTreeMap<&'static str, Chan> = BTreeMap::new();
     for (i, w) in ["atomic", "ring", "stream", "table"].into_iter().enumerate() {
         if !g.has(&format!("{w}.qpn")) {
@@ -358,83 +393,41 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
         let qp = pd.create_qp(&init)?;
         let psn = (std::process::id().wrapping_mul(2654435761).wrapping_add(i as u32 * 0x1234)) & 0xff_ffff;
         let remote = QpEndpoint { gid, qpn: g.u32(&format!("{w}.qpn"))?, psn: g.u32(&format!("{w}.psn"))? & 0xff_ffff };
-        qp.connect(&remote, &ConnectOpts { sq_psn: psn, ..opts }).with_context(|| format!("connecting the {w} QP"))?;
+        qp.connect(&remote, &ConnectOpts { sq_psn: psn, ..*opts }).with_context(|| format!("connecting the {w} QP"))?;
         me.set(&format!("{w}.qpn"), qp.qpn);
         me.set(&format!("{w}.psn"), psn);
         chans.insert(w, Chan { qp, cq, started: false, last: None });
     }
-    if chans.is_empty() {
-        bail!("the guest named no workload (no stream.qpn, ring.qpn, table.qpn or atomic.qpn)");
-    }
-    let mut p = Peer { buf, mr, lay, rep: PeerReport::default(), size, count, deadline: None };
-    for &w in chans.keys() {
-        p.rep.workloads.insert(w.into(), WorkloadReport::default());
-    }
-    // Receives first: the guest's hello may come the moment it learns our IDs.
+    Ok(chans)
+}
+
+/// Receives first: the guest's hello may come the moment it learns our IDs.
+fn post_first_receives(p: &Peer, chans: &BTreeMap<&'static str, Chan>) -> anyhow::Result<()> {
     for (i, (w, c)) in chans.iter().enumerate() {
         c.qp.post_recv(&[RecvWr { wr_id: TAG_HELLO | i as u64, sg_list: &[p.hello_sge(i)] }])?;
         if *w == "stream" {
             for k in 0..STREAM_DEPTH {
-                let sge = p.mr.sge(p.lay.stream_rx + k * size, size);
+                let sge = p.mr.sge(p.lay.stream_rx + k * p.size, p.size);
                 c.qp.post_recv(&[RecvWr { wr_id: TAG_DATA | k as u64, sg_list: &[sge] }])?;
             }
         }
     }
-    publish(&me.line())?;
+    Ok(())
+}
 
-    let t0 = Instant::now();
-    p.deadline = a.duration.map(|d| t0 + Duration::from_secs_f64(d));
+/// Polls and posts until every workload is done, a completion failed, the
+/// run's time is up and everything in flight drained, or nothing completed
+/// for `--stall` seconds.
+fn run_workloads(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut BTreeMap<&'static str, Chan>) -> anyhow::Result<State> {
     let stall = Duration::from_secs_f64(a.stall);
     let mut st = State::default();
     let hello_idx: BTreeMap<&str, usize> = chans.keys().enumerate().map(|(i, w)| (*w, i)).collect();
     let mut last_progress = Instant::now();
     let mut wcs = [Wc::default(); 32];
     loop {
-        let mut progressed = false;
-        for (w, c) in chans.iter_mut() {
-            let n = c.cq.poll(&mut wcs)?;
-            for wc in &wcs[..n] {
-                progressed = true;
-                c.completed(p.rep.workloads.get_mut(*w).unwrap());
-                if wc.status != WcStatus::Success {
-                    p.bad_completion(w, wc);
-                    continue;
-                }
-                if wc.wr_id & TAG_MASK == TAG_HELLO {
-                    let got = p.buf.read(p.lay.hello + hello_idx[w] * SMALL, 8);
-                    if wc.byte_len != 16 || u64::from_le_bytes(got.try_into().unwrap()) != HELLO {
-                        p.violation(w, format!("the first message was not a hello ({} bytes)", wc.byte_len));
-                    }
-                    c.started = true;
-                    continue;
-                }
-                match *w {
-                    "stream" => st.stream_completion(&mut p, c, wc)?,
-                    "ring" => st.ring_completion(&mut p, wc),
-                    "table" => st.table_completion(&mut p, g, wc),
-                    _ => p.violation(w, format!("unexpected completion {wc:?}")),
-                }
-            }
-        }
+        let mut progressed = poll_all(g, p, &mut st, chans, &hello_idx, &mut wcs)?;
         let running = p.running();
-        for (w, c) in chans.iter_mut() {
-            if !c.started || p.rep.workloads[*w].done {
-                continue;
-            }
-            progressed |= match *w {
-                "stream" => st.stream_post(&mut p, c, running)?,
-                "ring" => st.ring_post(&mut p, g, c, running)?,
-                "table" => st.table_post(&mut p, g, c, running, a.table_reads)?,
-                _ => {
-                    // The peer completes nothing here: the counter moving is the event.
-                    let moved = st.atomic_check(&mut p, running);
-                    if moved {
-                        c.completed(p.rep.workloads.get_mut("atomic").unwrap());
-                    }
-                    moved
-                }
-            };
-        }
+        progressed |= post_all(a, g, p, &mut st, chans, running)?;
         if progressed {
             last_progress = Instant::now();
         }
@@ -442,7 +435,7 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
         if all_done || p.rep.error_completions > 0 {
             break;
         }
-        if !running && st.drained(&chans) {
+        if !running && st.drained(chans) {
             break;
         }
         if last_progress.elapsed() > stall {
@@ -458,8 +451,81 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
             std::thread::sleep(Duration::from_micros(50));
         }
     }
-    st.atomic_final(&mut p, chans.contains_key("atomic"));
-    let mut rep = p.rep;
+    Ok(st)
+}
+
+/// Handles every completion on every workload's CQ; whether there was any.
+fn poll_all(
+    g: &Info,
+    p: &mut Peer,
+    st: &mut State,
+    chans: &mut BTreeMap<&'static str, Chan>,
+    hello_idx: &BTreeMap<&str, usize>,
+    wcs: &mut [Wc],
+) -> anyhow::Result<bool> {
+    let mut progressed = false;
+    for (w, c) in chans.iter_mut() {
+        let n = c.cq.poll(wcs)?;
+        for wc in &wcs[..n] {
+            progressed = true;
+            c.completed(p.rep.workloads.get_mut(*w).unwrap());
+            if wc.status != WcStatus::Success {
+                p.bad_completion(w, wc);
+                continue;
+            }
+            if wc.wr_id & TAG_MASK == TAG_HELLO {
+                let got = p.buf.read(p.lay.hello + hello_idx[w] * SMALL, 8);
+                if wc.byte_len != 16 || u64::from_le_bytes(got.try_into().unwrap()) != HELLO {
+                    p.violation(w, format!("the first message was not a hello ({} bytes)", wc.byte_len));
+                }
+                c.started = true;
+                continue;
+            }
+            match *w {
+                "stream" => st.stream_completion(p, c, wc)?,
+                "ring" => st.ring_completion(p, wc),
+                "table" => st.table_completion(p, g, wc),
+                _ => p.violation(w, format!("unexpected completion {wc:?}")),
+            }
+        }
+    }
+    Ok(progressed)
+}
+
+/// Posts the next work of every started workload not yet done; whether
+/// any moved.
+fn post_all(
+    a: &PeerArgs,
+    g: &Info,
+    p: &mut Peer,
+    st: &mut State,
+    chans: &mut BTreeMap<&'static str, Chan>,
+    running: bool,
+) -> anyhow::Result<bool> {
+    let mut progressed = false;
+    for (w, c) in chans.iter_mut() {
+        if !c.started || p.rep.workloads[*w].done {
+            continue;
+        }
+        progressed |= match *w {
+            "stream" => st.stream_post(p, c, running)?,
+            "ring" => st.ring_post(p, g, c, running)?,
+            "table" => st.table_post(p, g, c, running, a.table_reads)?,
+            _ => {
+                // The peer completes nothing here: the counter moving is the event.
+                let moved = st.atomic_check(p, running);
+                if moved {
+                    c.completed(p.rep.workloads.get_mut("atomic").unwrap());
+                }
+                moved
+            }
+        };
+    }
+    Ok(progressed)
+}
+
+/// Totals over the workloads, and the verdict.
+fn final_report(mut rep: PeerReport, t0: Instant) -> PeerReport {
     rep.seconds = t0.elapsed().as_secs_f64();
     for r in rep.workloads.values() {
         rep.messages_verified += r.verified;
@@ -470,7 +536,7 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
         rep.max_gap_ms = rep.max_gap_ms.max(r.max_gap_ms);
     }
     rep.ok = rep.errors == 0 && rep.lost == 0 && rep.duplicated == 0 && rep.error_completions == 0 && rep.messages_verified > 0;
-    Ok(rep)
+    rep
 }
 
 /// Per-workload progress of the run.
