@@ -251,10 +251,18 @@ fn rnr_retry_until_receive_posted() {
         SendWr::write(2, &[a.mr.sge(0, 10)], b.mr.addr + 100_000, b.mr.rkey).with_imm(9),
     ])
     .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Wait for the NAKs themselves rather than a fixed time: on a loaded
+    // machine 300 ms could pass with only a few RNR periods served.
+    let start = std::time::Instant::now();
+    loop {
+        let st = b.ctx.stats().unwrap();
+        if st["rnr_naks_sent"].as_u64().unwrap() > 10 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "the responder never sent 10 RNR NAKs: {st}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(a.scq.poll(&mut [Wc::default(); 2]).unwrap(), 0, "nothing completes without a RECV");
-    let st = b.ctx.stats().unwrap();
-    assert!(st["rnr_naks_sent"].as_u64().unwrap() > 10, "{st}");
     b.qp.post_recv(&[RecvWr { wr_id: 7, sg_list: &[b.mr.sge(0, 8192)] }, RecvWr { wr_id: 8, sg_list: &[] }]).unwrap();
     let ws = a.scq.wait(2, T).unwrap();
     assert!(ws.iter().all(|w| w.status == WcStatus::Success), "{ws:?}");
