@@ -173,6 +173,20 @@ fn postcopy_at_once(guard: &mut Outgoing, vm: &Arc<dyn MigratableVm>, plan: Plan
     let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
     let holes = complement(&data, plan.total);
     ctl.update(|s| s.setup_ms = plan.t0.elapsed().as_secs_f64() * 1e3);
+    hand_over(guard, &plan, link, None, holes, Vec::new(), 0)
+}
+
+/// Hands the session's connections and what is left to send to the
+/// postcopy source, which runs until the migration ends.
+fn hand_over(
+    guard: &mut Outgoing,
+    plan: &Plan,
+    link: Link,
+    log: Option<(DirtyLog, Option<Vec<PageRange>>)>,
+    holes: Vec<PageRange>,
+    pending: Vec<PageRange>,
+    round: u64,
+) -> Result<()> {
     let start = crate::postcopy::source::Start {
         session: link.session,
         compress: plan.compress,
@@ -180,10 +194,10 @@ fn postcopy_at_once(guard: &mut Outgoing, vm: &Arc<dyn MigratableVm>, plan: Plan
         control: link.control,
         urgent: link.urgent.expect("urgent connection"),
         channels: link.channels,
-        log: None,
+        log,
         holes,
-        pending: Vec::new(),
-        round: 0,
+        pending,
+        round,
     };
     crate::postcopy::source::run(guard, start)
 }
@@ -481,19 +495,8 @@ fn switch_to_postcopy(
     end: RoundsEnd,
 ) -> Result<()> {
     let total = vm.ram().pages();
-    let start = crate::postcopy::source::Start {
-        session: link.session,
-        compress: plan.compress,
-        bucket: link.bucket,
-        control: link.control,
-        urgent: link.urgent.expect("urgent connection"),
-        channels: link.channels,
-        log: Some((pass.log, armed_part(end.unarmed_from, &pass.sample, total))),
-        holes: pass.holes,
-        pending: end.pending,
-        round: end.round + 1,
-    };
-    crate::postcopy::source::run(guard, start)
+    let log = Some((pass.log, armed_part(end.unarmed_from, &pass.sample, total)));
+    hand_over(guard, plan, link, log, pass.holes, end.pending, end.round + 1)
 }
 
 /// What stop-and-copy leaves for the commit.
