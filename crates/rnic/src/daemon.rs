@@ -806,6 +806,19 @@ fn serve_client(
                     }
                 }
             }
+            Ok(Request::JoinRamClient) => {
+                let mut fds = fds;
+                match (fds.pop(), fds.is_empty()) {
+                    (Some(sock), true) => crate::ramclient::join(sock).map(|ram_bytes| Reply::RamClient { ram_bytes }).map_err(|e| {
+                        engine.stats.bad_client_requests += 1;
+                        format!("{e:#}")
+                    }),
+                    _ => {
+                        engine.stats.bad_client_requests += 1;
+                        Err("JoinRamClient needs one socket".into())
+                    }
+                }
+            }
             Ok(req) => engine.control(id, req, fds).map_err(|e| {
                 engine.stats.bad_client_requests += 1;
                 format!("{e:#}")

@@ -7,7 +7,8 @@
 //!
 //! Dependencies run one way, from the bottom up:
 //! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd` (no crate imports);
-//! `qp_snapshot`; `objects` and `proto`; `qp`; `engine`; `daemon`; `cli`.
+//! `qp_snapshot`; `objects` and `proto`; `qp`; `engine`; `ramclient`;
+//! `daemon`; `cli`.
 pub mod announce;
 pub mod cli;
 pub mod daemon;
@@ -18,6 +19,7 @@ pub mod objects;
 pub mod proto;
 pub mod qp;
 pub mod qp_snapshot;
+pub mod ramclient;
 pub mod ring;
 pub mod trace;
 pub mod types;

@@ -133,6 +133,10 @@ pub enum Request {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },
     Stats,
+    /// Carries one end of a vmm's RAM-client socket (`ram-client`): rnicd
+    /// joins it, so that in an incoming postcopy its accesses to guest RAM
+    /// wait for pages not yet migrated. Not bound to the caller's namespace.
+    JoinRamClient,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -151,6 +155,7 @@ pub enum Reply {
     QpStates(Vec<crate::qp_snapshot::QpSnapshot>),
     Trace(crate::trace::TraceReport),
     Stats(serde_json::Value),
+    RamClient { ram_bytes: u64 },
     Ok,
 }
 

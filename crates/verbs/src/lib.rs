@@ -130,6 +130,17 @@ impl Context {
         self.inner.gid
     }
 
+    /// Makes rnicd a postcopy RAM client of a vmm: `sock` is the end of a
+    /// RAM-client socket that vmm admitted (`RamClients::pair`). In an
+    /// incoming postcopy, rnicd's accesses to that VM's guest RAM then wait
+    /// for pages not yet migrated. Returns the guest RAM size.
+    pub fn join_ram_client(&self, sock: OwnedFd) -> anyhow::Result<u64> {
+        match self.inner.call(&Request::JoinRamClient, &[sock.as_raw_fd()])? {
+            Reply::RamClient { ram_bytes } => Ok(ram_bytes),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     pub fn query_device(&self) -> anyhow::Result<DeviceAttr> {
         match self.inner.call(&Request::QueryDevice, &[])? {
             Reply::Device(d) => Ok(d),
