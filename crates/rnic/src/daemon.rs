@@ -819,6 +819,17 @@ fn serve_client(
                     }
                 }
             }
+            // Process-wide figures beside the namespace's own.
+            Ok(Request::Stats) => engine
+                .control(id, Request::Stats, fds)
+                .map(|r| match r {
+                    Reply::Stats(mut v) => {
+                        v["ram_clients"] = crate::ramclient::joined().into();
+                        Reply::Stats(v)
+                    }
+                    r => r,
+                })
+                .map_err(|e| format!("{e:#}")),
             Ok(req) => engine.control(id, req, fds).map_err(|e| {
                 engine.stats.bad_client_requests += 1;
                 format!("{e:#}")

@@ -25,9 +25,12 @@ pub struct Mapping {
     window: Option<Arc<Mapping>>,
 }
 
-/// The windows mapped now, by file (device, inode). Only the control path
-/// (registering a memory region) takes this lock.
-static WINDOWS: LazyLock<Mutex<HashMap<(u64, u64), Weak<Mapping>>>> = LazyLock::new(Default::default);
+/// A file: (device, inode).
+type FileId = (u64, u64);
+
+/// The windows mapped now, by file. Only the control path (registering a
+/// memory region) takes this lock.
+static WINDOWS: LazyLock<Mutex<HashMap<FileId, Weak<Mapping>>>> = LazyLock::new(Default::default);
 
 /// The window of `fd`, a memfd sealed against shrinking and growing and
 /// open for reading and writing: all of it, mapped once per process.

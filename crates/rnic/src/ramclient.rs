@@ -33,6 +33,11 @@ use crate::mem::{self, Mapping};
 pub const MAX_RAM_CLIENTS: usize = 256;
 static JOINED: AtomicUsize = AtomicUsize::new(0);
 
+/// vmms this rnicd serves as a RAM client now.
+pub fn joined() -> usize {
+    JOINED.load(Ordering::Relaxed)
+}
+
 /// Sets or clears O_NONBLOCK on `fd`.
 fn set_nonblocking(fd: &OwnedFd, on: bool) -> anyhow::Result<()> {
     let fd = fd.as_raw_fd();

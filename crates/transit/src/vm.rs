@@ -443,8 +443,10 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
             }))
         }));
     }
-    control.serve(socket)?;
+    // Before the control socket answers: whoever sees it can migrate into
+    // this VM, and every RAM client must be in by then.
     let _ram_clients = ram_clients(&vm, &vm_dyn, &slot, &opts)?;
+    control.serve(socket)?;
     tracing::info!(name = %vm.config.name, socket = %socket.display(), "VM ready");
     if let Some(uri) = &opts.incoming {
         migration::qmp::handle(&vm_dyn, &slot, "migrate-incoming", &json!({"uri": uri, "resume": opts.start, "prealloc": opts.prealloc}))

@@ -240,3 +240,42 @@ fn run(join: bool) {
     let bad: Vec<usize> = (0..(RAM / PAGE) as usize).filter(|&p| got[p * 4096..][..4096] != want[p * 4096..][..4096]).collect();
     assert!(bad.is_empty(), "{} pages differ from source + peer writes, first {:?}", bad.len(), &bad[..bad.len().min(8)]);
 }
+
+/// The wiring: a destination vmm (`--incoming`) with a PVRDMA device makes
+/// that device's rnicd a RAM client by itself, and rnicd lets go of it when
+/// the vmm goes away; a vmm that is not a destination does not.
+#[test]
+fn an_incoming_pvrdma_vm_makes_its_rnicd_a_ram_client() {
+    let tb = Testbed::create(TestbedOpts::new("rcwire", 1)).expect("testbed (needs root)");
+    let h = tb.host(0);
+    let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
+    let _ = std::fs::remove_file(&sock);
+    let _sock_gone = TempPath(sock.clone());
+    let _nic =
+        h.spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).unwrap();
+    wait_for("rnicd", || sock.exists());
+    let gid = tb.spare_addr(0, 0);
+    h.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    let spec = format!("gid={gid},rnicd={}", sock.display());
+    let ctx = Context::open(Some(&sock)).unwrap();
+    let joined = || ctx.stats().unwrap()["ram_clients"].as_u64().unwrap();
+
+    let name = unique_name("rcwire");
+    let vm = |name: &str, incoming: bool| {
+        let mut args = vec!["vm", "run", "--name", name, "--memory", "64M", "--workload", "idle", "--pvrdma", &spec];
+        if incoming {
+            args.extend(["--incoming", "tcp:127.0.0.1:4444"]);
+        }
+        VmProcess::start(h.command(transit_bin()), name, &args).unwrap()
+    };
+    let mut plain = vm(&name, false);
+    plain.status().unwrap();
+    assert_eq!(joined(), 0, "a VM that is not a migration destination needs no RAM client");
+    plain.kill();
+
+    let mut dst = vm(&format!("{name}-d"), true);
+    dst.status().unwrap();
+    assert_eq!(joined(), 1);
+    dst.kill();
+    wait_for("rnicd to let the vmm go", || joined() == 0);
+}
