@@ -181,7 +181,7 @@ fn fails_then_succeeds(tag: &str, abort: impl Fn(&Bed, &VmProcess, &mut VmProces
     let bed = Bed::new(tag);
     let gid = bed.vm_gid(1);
     let mut a = bed.vm_with(0, gid, "count=0", "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "30"]].concat());
+    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "60"]].concat());
     let mut p = a.wait_progress(STEP, LONG).unwrap();
     for attempt in 0..3 {
         let mut b = destination(&bed, 1, gid, "");
@@ -270,6 +270,10 @@ fn without_traces_the_guest_sees_the_peers_lost_writes() {
     let detected = loop {
         let c = b.console();
         if c.contains("VIOLATION") || c.contains("FAIL") {
+            eprintln!(
+                "the guest on the destination: {}",
+                c.lines().filter(|l| l.contains("VIOLATION") || l.contains("FAIL")).take(3).collect::<Vec<_>>().join(" / ")
+            );
             break true;
         }
         if t0.elapsed() > Duration::from_secs(30) || b.status().unwrap()["guest_progress"].as_u64().unwrap_or(0) > p0 + 20 * STEP {
