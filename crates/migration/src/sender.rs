@@ -384,6 +384,7 @@ impl Outgoing {
     pub fn commit(&mut self) {
         self.committed = true;
         self.ctl.update(|s| s.committed = true);
+        self.vm.migrated_away();
     }
 }
 

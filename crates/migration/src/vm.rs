@@ -75,6 +75,12 @@ pub trait MigratableVm: Send + Sync {
         256 << 10
     }
 
+    /// The destination loaded the VM and owns it from now on (it runs on
+    /// this side's go, which follows). What only one host may hold at a
+    /// time is let go here, before the go: a PVRDMA device's GID, which the
+    /// destination claims when it resumes the VM.
+    fn migrated_away(&self) {}
+
     /// Keep `what` for as long as the VM's RAM stays mapped. A source that
     /// migrated away hands over its dirty tracking: the write protection
     /// no longer matters, and ending it while RAM is mapped makes the

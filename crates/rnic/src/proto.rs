@@ -137,6 +137,14 @@ pub enum Request {
     /// joins it, so that in an incoming postcopy its accesses to guest RAM
     /// wait for pages not yet migrated. Not bound to the caller's namespace.
     JoinRamClient,
+    /// Makes this host answer for the client's namespace GID: adds the
+    /// address beside rnicd's own and announces it (gratuitous ARP). The
+    /// owner claims on the host it moves to, after the old host released.
+    ClaimGid,
+    /// This host stops answering for the client's namespace GID (removes
+    /// the address). A claimed GID is also released when its namespace
+    /// closes.
+    ReleaseGid,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
