@@ -283,3 +283,47 @@ fn an_incoming_pvrdma_vm_makes_its_rnicd_a_ram_client() {
     dst.kill();
     wait_for("rnicd to let the vmm go", || joined() == 0);
 }
+
+/// Bad input: a socket without the vmm's welcome, or a welcome whose
+/// memory is not a sealed memfd, is refused with a clear error; rnicd goes
+/// on serving and joined nothing.
+#[test]
+fn join_requests_without_a_proper_welcome_are_refused() {
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    let tb = Testbed::create(TestbedOpts::new("rcbad", 1)).expect("testbed (needs root)");
+    let h = tb.host(0);
+    let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
+    let _ = std::fs::remove_file(&sock);
+    let _sock_gone = TempPath(sock.clone());
+    let _nic =
+        h.spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).unwrap();
+    wait_for("rnicd", || sock.exists());
+    let ctx = Context::open(Some(&sock)).unwrap();
+    let pair = || socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap();
+
+    // Nothing queued: rnicd must not wait for it.
+    let (_vmm, theirs) = pair();
+    let t0 = Instant::now();
+    let e = ctx.join_ram_client(theirs).unwrap_err();
+    assert!(format!("{e:#}").contains("welcome"), "{e:#}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "rnicd waited for a welcome");
+
+    // A welcome with a memfd that could shrink under rnicd.
+    let (vmm, theirs) = pair();
+    // SAFETY: plain syscalls; results checked.
+    let fd = unsafe { libc::memfd_create(c"not-sealed".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0 && unsafe { libc::ftruncate(fd, RAM as libc::off_t) } == 0);
+    ram_client::send(vmm.as_fd(), &json!({"op": "welcome", "ram_bytes": RAM}), Some(fd)).unwrap();
+    unsafe { libc::close(fd) };
+    let e = ctx.join_ram_client(theirs).unwrap_err();
+    assert!(format!("{e:#}").contains("sealed"), "{e:#}");
+
+    // A message that is not a welcome.
+    let (vmm, theirs) = pair();
+    ram_client::send(vmm.as_fd(), &json!({"op": "postcopy-advise"}), None).unwrap();
+    let e = ctx.join_ram_client(theirs).unwrap_err();
+    assert!(format!("{e:#}").contains("expected welcome"), "{e:#}");
+
+    assert_eq!(ctx.stats().unwrap()["ram_clients"], 0);
+    assert!(ctx.query_device().is_ok(), "rnicd still serves");
+}
