@@ -187,7 +187,9 @@ fn soft_roce_guest_and_drop_in_both_ways() {
         HostChild::new(drop_in(host, &nic, "ibv_rc_pingpong", &args(&format!("{pp} -p {PP_HOST_PORT}"))).spawn().expect("server"));
     let wb_server = HostChild::new(drop_in(host, &nic, "ib_write_bw", &args(&format!("{wb} -p {WB_HOST_PORT}"))).spawn().expect("server"));
 
-    let dir = profile_dir().join("rxe-guest").join(tb.name());
+    let cache = profile_dir().join("rxe-guest");
+    let kernel = rxe_guest::vmlinux(&kernel, &release, &cache);
+    let dir = cache.join(tb.name());
     let initrd = rxe_guest::build_initramfs(&dir, &release, &init_script(guest_addr, gateway, nic.addr));
     let t_image = t0.elapsed();
     let guest = Guest::boot(router, &dir, &kernel, &initrd);
