@@ -33,6 +33,15 @@ const WB_HOST_PORT: u16 = 18516;
 const PP_GUEST_PORT: u16 = 18517;
 const WB_GUEST_PORT: u16 = 18518;
 
+/// A directory removed when dropped (the per-run initramfs and console log).
+struct RunDir(PathBuf);
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A QEMU guest in a testbed host; killed when dropped.
 struct Guest {
     _qemu: HostChild,
@@ -189,10 +198,10 @@ fn soft_roce_guest_and_drop_in_both_ways() {
 
     let cache = profile_dir().join("rxe-guest");
     let kernel = rxe_guest::vmlinux(&kernel, &release, &cache);
-    let dir = cache.join(tb.name());
-    let initrd = rxe_guest::build_initramfs(&dir, &release, &init_script(guest_addr, gateway, nic.addr));
+    let dir = RunDir(cache.join(tb.name()));
+    let initrd = rxe_guest::build_initramfs(&dir.0, &release, &init_script(guest_addr, gateway, nic.addr));
     let t_image = t0.elapsed();
-    let guest = Guest::boot(router, &dir, &kernel, &initrd);
+    let guest = Guest::boot(router, &dir.0, &kernel, &initrd);
     let up = guest.wait("RXE-UP gid=", Duration::from_secs(180));
     assert!(!up.trim().is_empty(), "rxe0 has no GID for {guest_addr}; console:\n{}", guest.console());
     let t_boot = t0.elapsed();
@@ -231,6 +240,4 @@ fn soft_roce_guest_and_drop_in_both_ways() {
         (t0.elapsed() - t_pingpong).as_secs_f64(),
         t0.elapsed().as_secs_f64()
     );
-    drop(guest);
-    let _ = std::fs::remove_dir_all(&dir);
 }
