@@ -232,6 +232,10 @@ fn soft_roce_guest_and_drop_in_both_ways() {
     let console = guest.console();
     assert_eq!(console.matches(&pp_bytes).count(), 2, "{console}");
     assert_eq!(write_bw_rows(&console), 2, "{console}");
+    // Every packet rxe sent passed rnicd's ICRC check, whatever its IP id.
+    let stats = verbs::Context::open(Some(&nic.sock)).expect("open rnicd").stats().expect("rnicd stats");
+    assert_eq!(stats["rx_bad_icrc"], 0, "{stats}");
+    assert!(stats["rx_packets"].as_u64().unwrap() > (WRITE_ITERS * WRITE_SIZE / 1024) as u64, "{stats}");
     eprintln!(
         "rxe: image {:.1} s, boot to rxe0 {:.1} s, ping-pong both ways {:.1} s, ib_write_bw both ways {:.1} s, total {:.1} s",
         t_image.as_secs_f64(),
