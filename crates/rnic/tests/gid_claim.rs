@@ -54,7 +54,7 @@ fn claim_moves_the_gid_and_release_or_close_gives_it_up() {
 
     // rnicd's own address never moves.
     let own = bed.ctx(0);
-    let e = own.claim_gid().err().expect("the daemon's own address is refused");
+    let Err(e) = own.claim_gid() else { panic!("the daemon's own address must be refused") };
     assert!(format!("{e:#}").contains("own address"), "{e:#}");
     assert!(own.release_gid().is_err());
     drop(a);
