@@ -50,13 +50,17 @@ impl Bed {
     }
 
     fn vm(&self, h: usize, gid: Ipv4Addr, args: &str) -> VmProcess {
+        self.vm_with_memory(h, gid, args, "64M")
+    }
+
+    fn vm_with_memory(&self, h: usize, gid: Ipv4Addr, args: &str, memory: &str) -> VmProcess {
         let name = unique_name("pvrdma");
         let spec = format!("gid={gid}");
         let fw_args = format!("gid={gid} {args}");
         VmProcess::start(
             self.tb.host(h).command(transit_bin()),
             &name,
-            &["vm", "run", "--name", &name, "--memory", "64M", "--workload", "pvrdma", "--args", &fw_args, "--pvrdma", &spec],
+            &["vm", "run", "--name", &name, "--memory", memory, "--workload", "pvrdma", "--args", &fw_args, "--pvrdma", &spec],
         )
         .unwrap()
     }
@@ -164,6 +168,51 @@ fn every_workload_checked_by_guest_and_peer() {
     let res = guest_result(&vm);
     assert!(res.starts_with("pvrdma: PASS"), "{res}\n{}", vm.console());
     assert_all_verified(&rep, 300);
+}
+
+/// Each workload on `qps / 4` QPs with `count` of each per QP: every QP's
+/// checks hold on both sides.
+fn many_qps(prefix: &str, qps: u64, count: u64) {
+    let bed = Bed::new(prefix);
+    let gid = bed.vm_gid(0, 1);
+    let vm = bed.vm_with_memory(0, gid, &format!("count={count} qps={qps}"), "256M");
+    let ids = guest_ids(&vm);
+    assert!(ids.contains(&format!("qps={qps}")), "{ids}");
+    let peer = Peer::start(&bed, &vm, &[]);
+    let rep = peer.report();
+    let res = guest_result(&vm);
+    assert!(res.starts_with("pvrdma: PASS"), "{res}\n{}", vm.console());
+    assert!(res.contains(&format!("qps={qps} ")), "{res}");
+    assert_eq!(rep["qps"], qps, "{rep:#}");
+    for w in ["stream", "ring", "table", "atomic"] {
+        assert_eq!(rep["workloads"][w]["qps"], qps / 4, "{w}: {rep:#}");
+        assert_eq!(rep["workloads"][w]["qps_done"], qps / 4, "{w}: {rep:#}");
+    }
+    assert_all_verified(&rep, count * qps / 4);
+}
+
+#[test]
+fn sixteen_qps_each_checked() {
+    many_qps("pvg-q16", 16, 100);
+}
+
+#[test]
+fn two_hundred_fifty_six_qps_each_checked() {
+    many_qps("pvg-q256", 256, 10);
+}
+
+#[test]
+fn big_write_verified_whole_beside_every_workload() {
+    let bed = Bed::new("pvg-big");
+    let gid = bed.vm_gid(0, 1);
+    let vm = bed.vm_with_memory(0, gid, "count=200 bigwrite=64M bigrounds=3", "256M");
+    let peer = Peer::start(&bed, &vm, &[]);
+    let rep = peer.report();
+    let res = guest_result(&vm);
+    assert!(res.starts_with("pvrdma: PASS") && res.contains(" big=3"), "{res}\n{}", vm.console());
+    assert_all_verified(&rep, 200);
+    assert_eq!(rep["workloads"]["big"]["verified"], 3, "{rep:#}");
+    assert_eq!(rep["workloads"]["big"]["bytes_verified"], 3 * (64u64 << 20), "{rep:#}");
 }
 
 #[test]
