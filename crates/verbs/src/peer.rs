@@ -448,14 +448,18 @@ pub fn run(a: PeerArgs) -> anyhow::Result<()> {
         std::fs::read_to_string(&a.guest).with_context(|| format!("reading {}", a.guest.display()))?
     };
     let g = Info::parse(&text);
-    let rep = serve(&a, &g, |line| {
+    let publish = |line: &str| {
         println!("{line}");
         let _ = std::io::stdout().flush();
         if let Some(f) = &a.info_out {
             std::fs::write(f, format!("{line}\n")).with_context(|| format!("writing {}", f.display()))?;
         }
         Ok(())
-    })?;
+    };
+    if g.has("bench") {
+        return crate::peer_bench::serve(&a, &g, publish);
+    }
+    let rep = serve(&a, &g, publish)?;
     println!("{}", serde_json::to_string(&rep)?);
     if !rep.ok {
         bail!(

@@ -67,14 +67,14 @@ fn check(at: u64, first: u64, seed: u64, len: u64) -> Option<u64> {
     (0..len / 8).find(|&j| rd64(at + 8 * j) != if j == 0 { first } else { pattern(seed, j) })
 }
 
-fn parse_num(s: &str) -> Option<u64> {
+pub(super) fn parse_num(s: &str) -> Option<u64> {
     match s.strip_prefix("0x") {
         Some(h) => u64::from_str_radix(h, 16).ok(),
         None => s.parse().ok(),
     }
 }
 
-fn parse_ip(s: &str) -> Option<[u8; 4]> {
+pub(super) fn parse_ip(s: &str) -> Option<[u8; 4]> {
     let mut ip = [0u8; 4];
     let mut parts = s.split('.');
     for b in ip.iter_mut() {
@@ -121,13 +121,13 @@ fn write_ranges<const N: usize>(out: &mut TextBuf<N>, mut nums: impl Iterator<It
 }
 
 /// The peer's `key=value` words.
-struct PeerInfo<'a>(&'a str);
+pub(super) struct PeerInfo<'a>(pub(super) &'a str);
 
 impl PeerInfo<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
+    pub(super) fn get(&self, key: &str) -> Option<&str> {
         self.0.split_ascii_whitespace().find_map(|w| w.split_once('=').filter(|(k, _)| *k == key).map(|(_, v)| v))
     }
-    fn num(&self, key: &str) -> Option<u64> {
+    pub(super) fn num(&self, key: &str) -> Option<u64> {
         self.get(key).and_then(parse_num)
     }
 }
@@ -211,7 +211,7 @@ impl Run {
     }
 }
 
-fn fail(plat: Platform, what: &str, e: super::Error) -> ! {
+pub(super) fn fail(plat: Platform, what: &str, e: super::Error) -> ! {
     println!("pvrdma: FAIL {}: {:?}", what, e);
     plat.exit(1)
 }
