@@ -105,7 +105,7 @@ impl Engine {
     /// grouped below as device, memory, completion, QP and QP migration.
     pub fn control(&mut self, client: ClientId, req: Request, fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
         match req {
-            Request::Hello { .. } => bail!("hello is handled by the daemon"),
+            Request::Hello { .. } | Request::ClaimGid | Request::ReleaseGid => bail!("handled by the daemon"),
             Request::QueryDevice => Ok(Reply::Device(self.device_attr())),
             Request::QueryPort { port } => self.query_port(port),
             Request::QueryGid { port, index } => self.query_gid(port, index),

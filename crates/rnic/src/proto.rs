@@ -133,6 +133,14 @@ pub enum Request {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },
     Stats,
+    /// Makes this host answer for the client's namespace GID: adds the
+    /// address beside rnicd's own and announces it (gratuitous ARP). The
+    /// owner claims on the host it moves to, after the old host released.
+    ClaimGid,
+    /// This host stops answering for the client's namespace GID (removes
+    /// the address). A claimed GID is also released when its namespace
+    /// closes.
+    ReleaseGid,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

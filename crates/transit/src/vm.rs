@@ -361,6 +361,9 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
     let (tx, rx) = mpsc::channel();
     let mut control = Control::new(vm.clone(), tx);
     let slot = Arc::new(MigrationSlot::default());
+    for s in vm.dirty_sources() {
+        slot.add_dirty_source(s);
+    }
     let vm_dyn: Arc<dyn MigratableVm> = vm.clone();
     {
         let (slot, vm_dyn) = (slot.clone(), vm_dyn.clone());
@@ -429,6 +432,7 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
         match slot.outcome() {
             Some(Outcome::OutgoingCompleted) if migrated_at.is_none() => {
                 vm.set_run_state(RunState::Postmigrate);
+                vm.close_rdma();
                 tracing::info!("migrated away; this VM is now stopped for good");
                 migrated_at = Some(std::time::Instant::now());
             }

@@ -160,6 +160,24 @@ impl Context {
         }
     }
 
+    /// Makes this host answer for the namespace's GID (rnicd adds the
+    /// address and announces it). Claim only after the previous host
+    /// released it: two hosts must never answer for one GID.
+    pub fn claim_gid(&self) -> anyhow::Result<()> {
+        match self.inner.call(&Request::ClaimGid, &[])? {
+            Reply::Ok => Ok(()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// This host stops answering for the namespace's GID.
+    pub fn release_gid(&self) -> anyhow::Result<()> {
+        match self.inner.call(&Request::ReleaseGid, &[])? {
+            Reply::Ok => Ok(()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     /// Suspends many QPs in one request (see [`Qp::suspend`]).
     pub fn suspend_qps(&self, qps: &[&Qp]) -> anyhow::Result<()> {
         for chunk in qps.chunks(proto::MAX_BATCH) {
