@@ -381,10 +381,13 @@ pub(crate) struct Outgoing {
 
 impl Outgoing {
     /// The destination owns the VM from here: this side never runs it again.
-    pub fn commit(&mut self) {
+    /// What only one host may hold is let go first; if that fails, so does
+    /// the migration, before its commit (the VM runs on here).
+    pub fn commit(&mut self) -> anyhow::Result<()> {
+        self.vm.let_go().context("handing the VM's identity over")?;
         self.committed = true;
         self.ctl.update(|s| s.committed = true);
-        self.vm.migrated_away();
+        Ok(())
     }
 }
 

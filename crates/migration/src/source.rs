@@ -593,7 +593,7 @@ fn commit(
         other => bail!("destination answered {other:?} to the end of the stream"),
     };
     // Commit point: from here the destination owns the VM.
-    guard.commit();
+    guard.commit()?;
     step("destination loaded");
     ctl.update(|s| s.cpu_s_dest = Some(dest_cpu));
     let go = wire::send_msg(&mut control, &Msg::Go);

@@ -75,11 +75,15 @@ pub trait MigratableVm: Send + Sync {
         256 << 10
     }
 
-    /// The destination loaded the VM and owns it from now on (it runs on
-    /// this side's go, which follows). What only one host may hold at a
-    /// time is let go here, before the go: a PVRDMA device's GID, which the
-    /// destination claims when it resumes the VM.
-    fn migrated_away(&self) {}
+    /// The destination loaded the VM; it owns it once this returns (the
+    /// commit) and runs it on this side's go, which follows. What only one
+    /// host may hold at a time is let go here: a PVRDMA device's GID, which
+    /// the destination claims when it resumes the VM. An error fails the
+    /// migration before the commit: the VM resumes here (and takes back
+    /// whatever it had let go).
+    fn let_go(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
 
     /// Keep `what` for as long as the VM's RAM stays mapped. A source that
     /// migrated away hands over its dirty tracking: the write protection

@@ -25,6 +25,60 @@ fn every_workload_checked_by_guest_and_peer() {
     assert_all_verified(&rep, 300);
 }
 
+/// A VM on host `h` running the workloads with firmware `args` in `memory`
+/// of RAM (the big WRITE's buffer and 256 QPs need more than the default).
+fn vm_with_memory(bed: &Bed, h: usize, gid: std::net::Ipv4Addr, args: &str, memory: &str) -> VmProcess {
+    let name = unique_name("pvrdma");
+    let (spec, fw_args) = (format!("gid={gid}"), format!("gid={gid} {args}"));
+    let all = ["vm", "run", "--name", &name, "--memory", memory, "--workload", "pvrdma", "--args", &fw_args, "--pvrdma", &spec];
+    VmProcess::start(bed.tb.host(h).command(transit_bin()), &name, &all).unwrap()
+}
+
+/// Each workload on `qps / 4` QPs with `count` of each per QP: every QP's
+/// checks hold on both sides.
+fn many_qps(prefix: &str, qps: u64, count: u64) {
+    let bed = Bed::new(prefix);
+    let gid = bed.vm_gid(1);
+    let vm = vm_with_memory(&bed, 0, gid, &format!("count={count} qps={qps}"), "256M");
+    let ids = guest_ids(&vm);
+    assert!(ids.contains(&format!("qps={qps}")), "{ids}");
+    let peer = Peer::start(&bed, &vm, &[]);
+    let rep = peer.report();
+    let res = guest_result(&vm);
+    assert!(res.starts_with("pvrdma: PASS"), "{res}\n{}", vm.console());
+    assert!(res.contains(&format!("qps={qps} ")), "{res}");
+    assert_eq!(rep["qps"], qps, "{rep:#}");
+    for w in ["stream", "ring", "table", "atomic"] {
+        assert_eq!(rep["workloads"][w]["qps"], qps / 4, "{w}: {rep:#}");
+        assert_eq!(rep["workloads"][w]["qps_done"], qps / 4, "{w}: {rep:#}");
+    }
+    assert_all_verified(&rep, count * qps / 4);
+}
+
+#[test]
+fn sixteen_qps_each_checked() {
+    many_qps("pvg-q16", 16, 100);
+}
+
+#[test]
+fn two_hundred_fifty_six_qps_each_checked() {
+    many_qps("pvg-q256", 256, 10);
+}
+
+#[test]
+fn big_write_verified_whole_beside_every_workload() {
+    let bed = Bed::new("pvg-big");
+    let gid = bed.vm_gid(1);
+    let vm = vm_with_memory(&bed, 0, gid, "count=200 bigwrite=64M bigrounds=3", "256M");
+    let peer = Peer::start(&bed, &vm, &[]);
+    let rep = peer.report();
+    let res = guest_result(&vm);
+    assert!(res.starts_with("pvrdma: PASS") && res.contains(" big=3"), "{res}\n{}", vm.console());
+    assert_all_verified(&rep, 200);
+    assert_eq!(rep["workloads"]["big"]["verified"], 3, "{rep:#}");
+    assert_eq!(rep["workloads"]["big"]["bytes_verified"], 3 * (64u64 << 20), "{rep:#}");
+}
+
 #[test]
 fn two_vms_with_the_same_ids_on_one_host() {
     let bed = Bed::new("pvg-two");

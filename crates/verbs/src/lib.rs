@@ -38,6 +38,7 @@ pub use rnic::types::{
 };
 
 pub mod peer;
+pub mod peer_bench;
 pub mod tools;
 
 struct Inner {

@@ -431,10 +431,11 @@ impl migration::vm::MigratableVm for Vm {
     }
     /// The PVRDMA devices' GIDs leave this host (the destination claims
     /// them when it resumes the VM).
-    fn migrated_away(&self) {
+    fn let_go(&self) -> Result<()> {
         for d in &self.pvrdma {
-            d.lock().unwrap().release_gid();
+            d.lock().unwrap().release_gid().map_err(anyhow::Error::msg)?;
         }
+        Ok(())
     }
     /// Small for vCPUs and devices, except memory-backed NVMe namespaces:
     /// their bytes travel in the state, and the downtime estimate must see them.

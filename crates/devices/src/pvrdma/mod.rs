@@ -147,12 +147,11 @@ impl Pvrdma {
 
     /// The destination owns the VM now: this host stops answering for the
     /// GID, before the destination claims it.
-    pub fn release_gid(&self) {
+    pub fn release_gid(&self) -> Result<(), String> {
         let mut d = lock(&self.shared);
-        if let Err(e) = d.be.ctx.release_gid() {
-            tracing::warn!("pvrdma {}: releasing GID {}: {e:#}", d.name, d.gid);
-        }
+        d.be.ctx.release_gid().map_err(|e| format!("pvrdma {}: releasing GID {}: {e:#}", d.name, d.gid))?;
         d.claimed = false;
+        Ok(())
     }
 
     /// The VM runs on another host: every object goes from this host's
