@@ -13,7 +13,7 @@ use pvrdma_bed::*;
 use serde_json::{json, Value};
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
-use vmm::testing::VmProcess;
+use vmm::testing::{transit_bin, unique_name, VmProcess};
 
 /// The peer waits out a move of seconds: 7 retries of a 4 s ACK timeout.
 const PEER: &[&str] = &["--timeout", "20"];
@@ -47,15 +47,43 @@ fn assert_qps_running(vm: &VmProcess) {
     }
 }
 
+/// What runs in the VM and how the pages move.
+struct Run {
+    memory: &'static str,
+    /// The firmware's workload arguments.
+    args: &'static str,
+    /// The migration's rate limit (0: none).
+    max_bandwidth: u64,
+}
+
+/// Every workload, endless, in a 64 MiB VM; 4 MB/s: the pages come over
+/// long enough for the workloads to run on missing ones.
+const WORKLOADS: Run = Run { memory: "64M", args: "count=0", max_bandwidth: 4_000_000 };
+/// The same beside a 64 MiB RDMA WRITE from the guest, round after round:
+/// the WRITE's source pages are migrated while rnicd sends them.
+const BIG_WRITE: Run = Run { memory: "256M", args: "count=0 bigwrite=64M", max_bandwidth: 0 };
+
+/// A VM on host `h` for `run`, with `extra` on its command line.
+fn vm(bed: &Bed, h: usize, gid: Ipv4Addr, run: &Run, extra: &[&str]) -> VmProcess {
+    let name = unique_name("pvrdma");
+    let (spec, fw_args) = (format!("gid={gid}"), format!("gid={gid} {}", run.args));
+    let mut all = vec!["vm", "run", "--name", &name, "--memory", run.memory, "--workload", "pvrdma", "--args", &fw_args, "--pvrdma", &spec];
+    all.extend_from_slice(extra);
+    VmProcess::start(bed.tb.host(h).command(transit_bin()), &name, &all).unwrap()
+}
+
 /// Moves the VM from `src` to a new destination on host `to` in `mode`;
 /// the destination and the source's final migration report.
-fn hop(bed: &Bed, src: &mut VmProcess, to: usize, gid: Ipv4Addr, mode: &str) -> (VmProcess, Value) {
-    let dst = bed.vm_with(to, gid, "count=0", "", &["--incoming", "tcp:0.0.0.0:4444", "--keep-after-migrate"]);
+fn hop(bed: &Bed, src: &mut VmProcess, to: usize, gid: Ipv4Addr, mode: &str, run: &Run) -> (VmProcess, Value) {
+    let dst = vm(bed, to, gid, run, &["--incoming", "tcp:0.0.0.0:4444", "--keep-after-migrate"]);
     let uri = format!("tcp:{}:4444", bed.tb.host(to).addr(0));
     // A downtime target of 0 never fits: hybrid switches to postcopy after
-    // its first pass instead of finishing in precopy. 4 MB/s: the pages
-    // come over long enough for the workloads to run on missing ones.
-    src.exec("migrate", json!({"uri": uri, "mode": mode, "channels": 2, "downtime_ms": 0, "max_bandwidth": 4_000_000u64})).unwrap();
+    // its first pass instead of finishing in precopy.
+    let mut params = json!({"uri": uri, "mode": mode, "channels": 2, "downtime_ms": 0});
+    if run.max_bandwidth > 0 {
+        params["max_bandwidth"] = json!(run.max_bandwidth);
+    }
+    src.exec("migrate", params).unwrap();
     let mut st = Value::Null;
     wait_for("the migration to end", LONG, || {
         st = migration(src);
@@ -80,17 +108,17 @@ fn check_hop(bed: &Bed, src: &mut VmProcess, dst: &VmProcess, from: usize, to: u
     src.wait_exit(Duration::from_secs(20)).unwrap();
 }
 
-fn there_and_back(tag: &str, mode: &str) {
+fn there_and_back(tag: &str, mode: &str, run: &Run) {
     let bed = Bed::new(tag);
     let gid = bed.vm_gid(1);
-    let mut a = bed.vm_with(0, gid, "count=0", "", &["--keep-after-migrate"]);
+    let mut a = vm(&bed, 0, gid, run, &["--keep-after-migrate"]);
     let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "40"]].concat());
     let p0 = a.wait_progress(STEP, LONG).unwrap();
-    let (mut b, st) = hop(&bed, &mut a, 1, gid, mode);
+    let (mut b, st) = hop(&bed, &mut a, 1, gid, mode, run);
     eprintln!("A -> B ({mode}): downtime {} ms, postcopy {} ms, faults {}", st["downtime_ms"], st["postcopy_ms"], st["faults"]);
     check_hop(&bed, &mut a, &b, 0, 1, gid);
     let p1 = b.wait_progress(p0 + STEP, LONG).unwrap();
-    let (c, st) = hop(&bed, &mut b, 0, gid, mode);
+    let (c, st) = hop(&bed, &mut b, 0, gid, mode, run);
     eprintln!("B -> A ({mode}): downtime {} ms, postcopy {} ms, faults {}", st["downtime_ms"], st["postcopy_ms"], st["faults"]);
     check_hop(&bed, &mut b, &c, 1, 0, gid);
     c.wait_progress(p1 + STEP, LONG).unwrap();
@@ -104,14 +132,27 @@ fn there_and_back(tag: &str, mode: &str) {
     for w in ["stream", "ring", "table", "atomic"] {
         assert!(rep["workloads"][w]["verified"].as_u64().unwrap() > 0, "{w}: {rep:#}");
     }
+    if run.args.contains("bigwrite") {
+        assert!(rep["workloads"]["big"]["verified"].as_u64().unwrap() > 0, "{rep:#}");
+    }
 }
 
 #[test]
 fn every_workload_across_a_b_a_in_postcopy() {
-    there_and_back("pvm-pc", "postcopy");
+    there_and_back("pvm-pc", "postcopy", &WORKLOADS);
 }
 
 #[test]
 fn every_workload_across_a_b_a_in_hybrid() {
-    there_and_back("pvm-hy", "hybrid");
+    there_and_back("pvm-hy", "hybrid", &WORKLOADS);
+}
+
+#[test]
+fn a_big_write_across_a_b_a_in_postcopy() {
+    there_and_back("pvm-pcbig", "postcopy", &BIG_WRITE);
+}
+
+#[test]
+fn a_big_write_across_a_b_a_in_hybrid() {
+    there_and_back("pvm-hybig", "hybrid", &BIG_WRITE);
 }
