@@ -336,6 +336,12 @@ pub(crate) fn receive_channel(mut rx: RdmaReceiver, sh: Arc<RxShared>) -> Result
     if r.is_err() {
         sh.barrier.break_all();
         sh.ctl.shutdown_all();
+    } else {
+        // Tearing down the queue pair and the registrations takes rnicd
+        // round trips; the VM need not wait for them to start (the source
+        // sends nothing more).
+        let _ = std::thread::Builder::new().name("migrate-rdma-down".into()).spawn(move || drop(rx));
+        return r.map(|p| (p, crate::cputime::thread_cpu_s()));
     }
     r.map(|p| (p, crate::cputime::thread_cpu_s()))
 }

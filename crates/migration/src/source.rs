@@ -579,7 +579,9 @@ fn commit(
     fin: Copied,
     ctl: &Control,
 ) -> Result<()> {
-    let Link { mut control, .. } = link;
+    // The channels go after the commit: tearing down RDMA queue pairs and
+    // registrations takes rnicd round trips that the downtime need not wait for.
+    let Link { mut control, channels, .. } = link;
     let Copied { pause, rounds, per_channel, state: blob } = fin;
     let (paused_at, t_pause) = (pause.paused_at, pause.since);
     let step = |name: &str| pause.step(name);
@@ -623,6 +625,7 @@ fn commit(
     // The VM never runs here again (after the downtime: a VM that does
     // not keep it unregisters now).
     vm.retire(Box::new(log.into_tracker()));
+    drop(channels);
     Ok(())
 }
 
