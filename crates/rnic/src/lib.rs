@@ -7,8 +7,9 @@
 //!
 //! Dependencies run one way, from the bottom up:
 //! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd` (no crate imports);
-//! `qp_snapshot`; `objects` and `proto`; `qp`; `engine`; `daemon`; `cli`.
+//! `qp_snapshot`; `objects`; `async_events` and `proto`; `qp`; `engine`; `daemon`; `cli`.
 pub mod announce;
+pub mod async_events;
 pub mod cli;
 pub mod daemon;
 pub mod engine;

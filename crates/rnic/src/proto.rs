@@ -133,6 +133,11 @@ pub enum Request {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },
     Stats,
+    /// Carries an eventfd that rnicd signals when it queues an asynchronous
+    /// event for this client (async_events.rs).
+    OpenAsync,
+    /// Takes the asynchronous events queued for this client.
+    FetchAsync,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -152,6 +157,7 @@ pub enum Reply {
     Trace(crate::trace::TraceReport),
     Stats(serde_json::Value),
     Ok,
+    AsyncEvents(Vec<crate::async_events::AsyncEvent>),
 }
 
 pub type Response = Result<Reply, String>;
