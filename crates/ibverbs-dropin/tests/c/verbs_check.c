@@ -328,6 +328,37 @@ int main(void)
 		OK("resize_cq");
 	}
 
+	/* More completions than a CQ holds: IBV_EVENT_CQ_ERR on that CQ. */
+	{
+		struct ibv_cq *small = ibv_create_cq(ctx, 2, NULL, NULL, 0), *keep = cq;
+		CHECK("cq overrun", small && small->cqe == 2, "errno %d", errno);
+		cq = small;
+		struct ibv_qp *x = make_qp(8), *y = make_qp(8);
+		cq = keep;
+		connect_qp(x, y->qp_num);
+		connect_qp(y, x->qp_num);
+		uint64_t *m = aligned_alloc(64, 4096);
+		struct ibv_mr *mm = ibv_reg_mr(pd, m, 4096, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+		CHECK("cq overrun", mm, "errno %d", errno);
+		struct ibv_sge sg = { (uintptr_t)m, 8, mm->lkey };
+		struct ibv_send_wr w = { .sg_list = &sg, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+					 .send_flags = IBV_SEND_SIGNALED }, *bad;
+		w.wr.rdma.remote_addr = (uintptr_t)(m + 8);
+		w.wr.rdma.rkey = mm->rkey;
+		for (int i = 0; i < 4; i++)
+			CHECK("cq overrun", ibv_post_send(x, &w, &bad) == 0, "post %d", i);
+		struct ibv_async_event ev = next_async_event("cq overrun");
+		CHECK("cq overrun", ev.event_type == IBV_EVENT_CQ_ERR && ev.element.cq == small, "event %d",
+		      ev.event_type);
+		ibv_ack_async_event(&ev);
+		CHECK("cq overrun", small->async_events_completed == 1, "acked");
+		CHECK("cq overrun", ibv_destroy_qp(x) == 0 && ibv_destroy_qp(y) == 0 && ibv_destroy_cq(small) == 0,
+		      "destroy");
+		ibv_dereg_mr(mm);
+		free(m);
+		OK("CQ overrun raises IBV_EVENT_CQ_ERR");
+	}
+
 	/* The extended API: ibv_cq_ex polling and the ibv_wr_* builders. */
 	{
 		struct ibv_cq_init_attr_ex ca = { .cqe = 64, .wc_flags = IBV_WC_EX_WITH_BYTE_LEN | IBV_WC_EX_WITH_IMM |
