@@ -7,9 +7,10 @@
 //!
 //! Dependencies run one way, from the bottom up:
 //! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd` (no crate imports);
-//! `qp_snapshot`, `announce`, `gid`; `objects` and `proto`; `qp`; `engine`;
-//! `ramclient`; `daemon`; `cli`.
+//! `qp_snapshot`, `announce`, `gid`; `objects`; `async_events` and `proto`; `qp`;
+//! `engine`; `ramclient`; `daemon`; `cli`.
 pub mod announce;
+pub mod async_events;
 pub mod cli;
 pub mod daemon;
 pub mod engine;

@@ -145,6 +145,11 @@ pub enum Request {
     /// the address). A claimed GID is also released when its namespace
     /// closes.
     ReleaseGid,
+    /// Carries an eventfd that rnicd signals when it queues an asynchronous
+    /// event for this client (async_events.rs).
+    OpenAsync,
+    /// Takes the asynchronous events queued for this client.
+    FetchAsync,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -165,6 +170,7 @@ pub enum Reply {
     Stats(serde_json::Value),
     RamClient { ram_bytes: u64 },
     Ok,
+    AsyncEvents(Vec<crate::async_events::AsyncEvent>),
 }
 
 pub type Response = Result<Reply, String>;
