@@ -13,6 +13,7 @@ pub mod cli;
 pub mod daemon;
 pub mod engine;
 pub mod eventfd;
+pub mod keys;
 pub mod mem;
 pub mod objects;
 pub mod proto;
