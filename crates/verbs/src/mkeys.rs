@@ -1,0 +1,437 @@
+//! Memory keys without registration cost (docs/mkeys.md): indirect keys
+//! bound and invalidated by work requests, a pool of them, and aliases that
+//! let another client of the namespace reach memory it was granted.
+//!
+//! ```text
+//! let pool = KeyPool::new(&pd, 64, 1)?;            // 64 indirect keys, made ahead
+//! let k = pool.get(&[mr.sge(off, len)], access::REMOTE_WRITE | access::LOCAL_WRITE)?;
+//! // ... peers use k.key() at k.iova() ...
+//! drop(k);                                         // invalidated, back in the pool
+//! ```
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail};
+use rnic::keys::MAX_KLM;
+use rnic::proto::{Reply, Request};
+use rnic::ring::{SendWqe, MAX_SGE};
+
+use crate::{send_flags, ConnectOpts, Context, Cq, Mr, Pd, Qp, QpCap, QpInitAttr, Sge, WcStatus, WrOpcode};
+
+/// How long a pool waits for its bind completions.
+const BIND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// An indirect key (like a UMR mkey): no memory of its own; bound to
+/// ranges of MRs by [`Qp::post_bind`], destroyed on drop.
+pub struct IndirectKey {
+    ctx: Context,
+    key: u32,
+}
+
+impl IndirectKey {
+    pub fn key(&self) -> u32 {
+        self.key
+    }
+}
+
+impl Drop for IndirectKey {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.call(&Request::DestroyKey { key: self.key }, &[]);
+    }
+}
+
+fn create_indirect_key(ctx: &Context, pd: u32, max_entries: u32, key: Option<u32>) -> anyhow::Result<IndirectKey> {
+    match ctx.inner.call(&Request::CreateIndirectKey { pd, max_entries, key }, &[])? {
+        Reply::Key(key) => Ok(IndirectKey { ctx: ctx.clone(), key }),
+        r => bail!("unexpected reply {r:?}"),
+    }
+}
+
+fn create_alias(ctx: &Context, pd: u32, owner: u64, key: u32) -> anyhow::Result<Alias> {
+    match ctx.inner.call(&Request::CreateAlias { pd, owner, key, alias: None }, &[])? {
+        Reply::Alias { key: alias, iova, len, access } => Ok(Alias { ctx: ctx.clone(), key: alias, owner, target: key, iova, len, access }),
+        r => bail!("unexpected reply {r:?}"),
+    }
+}
+
+impl Pd {
+    /// An indirect key of this PD taking up to `max_entries` ranges per bind
+    /// (at most 24, the KLM limit); `key` picks its number.
+    pub fn create_indirect_key(&self, max_entries: u32, key: Option<u32>) -> anyhow::Result<IndirectKey> {
+        create_indirect_key(&self.ctx, self.handle, max_entries, key)
+    }
+
+    /// An alias, in this PD, of client `owner`'s key `key` (which that client
+    /// granted to this one): usable as an lkey (or an rkey) while the target
+    /// is neither rebound, revoked nor gone.
+    pub fn create_alias(&self, owner: u64, key: u32) -> anyhow::Result<Alias> {
+        create_alias(&self.ctx, self.handle, owner, key)
+    }
+}
+
+impl Qp {
+    /// Posts a bind of indirect key `key` to `ranges` (SGEs of MRs of this
+    /// PD, at most 24), seen by users of the key at `iova` with `access`.
+    /// It runs once every earlier WR of this QP completed, and later WRs run
+    /// after it; it completes on the send CQ (always when it fails, which
+    /// also moves the QP to ERR, as any failed WR).
+    pub fn post_bind(&self, wr_id: u64, key: u32, iova: u64, access: u32, ranges: &[Sge], signaled: bool) -> anyhow::Result<()> {
+        let mut w = SendWqe {
+            wr_id,
+            opcode: WrOpcode::BindKey as u8,
+            flags: if signaled { send_flags::SIGNALED } else { 0 },
+            remote_addr: iova,
+            rkey: key,
+            compare_add: access as u64,
+            ..Default::default()
+        };
+        // rnicd refuses lists too long with a completion error; longer than
+        // the WQE holds cannot even be written down.
+        if ranges.len() > u8::MAX as usize {
+            bail!("{} ranges in one bind (rnicd takes {MAX_KLM})", ranges.len());
+        }
+        w.num_sge = ranges.len() as u8;
+        let (direct, rest) = ranges.split_at(ranges.len().min(MAX_SGE));
+        w.sge[..direct.len()].copy_from_slice(direct);
+        for (slot, s) in w.inline.chunks_exact_mut(16).zip(rest) {
+            slot[..8].copy_from_slice(&s.addr.to_le_bytes());
+            slot[8..12].copy_from_slice(&s.length.to_le_bytes());
+            slot[12..].copy_from_slice(&s.lkey.to_le_bytes());
+        }
+        self.push_local(&w)
+    }
+
+    /// Posts an invalidation of indirect key `key`: once it ran, the key
+    /// grants nothing until bound again.
+    pub fn post_local_inv(&self, wr_id: u64, key: u32, signaled: bool) -> anyhow::Result<()> {
+        let w = SendWqe {
+            wr_id,
+            opcode: WrOpcode::LocalInv as u8,
+            flags: if signaled { send_flags::SIGNALED } else { 0 },
+            rkey: key,
+            ..Default::default()
+        };
+        self.push_local(&w)
+    }
+
+    fn push_local(&self, w: &SendWqe) -> anyhow::Result<()> {
+        let mut ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+        if !ring.push(w) {
+            bail!("send queue full");
+        }
+        if ring.needs_doorbell() {
+            self.ctx.inner.ring_doorbell();
+        }
+        Ok(())
+    }
+}
+
+/// A key (an MR or an indirect key) its owner can let other clients alias.
+pub trait KeyGrant {
+    fn context(&self) -> &Context;
+    fn granted_key(&self) -> u32;
+
+    /// Lets client `grantee` (its [`Context::client_id`]) of this namespace alias this key.
+    fn grant(&self, grantee: u64) -> anyhow::Result<()> {
+        ok(self.context().inner.call(&Request::GrantKey { key: self.granted_key(), grantee }, &[])?)
+    }
+
+    /// Takes the grant back: the grantee's aliases turn stale at once.
+    fn revoke(&self, grantee: u64) -> anyhow::Result<()> {
+        ok(self.context().inner.call(&Request::RevokeKey { key: self.granted_key(), grantee }, &[])?)
+    }
+}
+
+fn ok(r: Reply) -> anyhow::Result<()> {
+    match r {
+        Reply::Ok => Ok(()),
+        r => Err(anyhow!("unexpected reply {r:?}")),
+    }
+}
+
+impl KeyGrant for Mr {
+    fn context(&self) -> &Context {
+        &self.ctx
+    }
+    fn granted_key(&self) -> u32 {
+        self.lkey
+    }
+}
+
+impl KeyGrant for IndirectKey {
+    fn context(&self) -> &Context {
+        &self.ctx
+    }
+    fn granted_key(&self) -> u32 {
+        self.key
+    }
+}
+
+/// Another client's memory seen through a key of ours (cross-client key).
+pub struct Alias {
+    ctx: Context,
+    pub key: u32,
+    /// The owner (client ID) and its key this alias reaches.
+    pub owner: u64,
+    pub target: u32,
+    /// The target's range and access when the alias was made.
+    pub iova: u64,
+    pub len: u64,
+    pub access: u32,
+}
+
+impl Alias {
+    /// An SGE of `len` bytes at offset `off` of the target's range.
+    pub fn sge(&self, off: u64, len: u32) -> Sge {
+        Sge { addr: self.iova + off, length: len, lkey: self.key }
+    }
+
+    /// Whether the alias still reaches what it was made for (asks rnicd;
+    /// rnicd checks the same at every use and refuses a stale alias).
+    pub fn is_live(&self) -> anyhow::Result<bool> {
+        match self.ctx.inner.call(&Request::QueryAlias { key: self.key }, &[])? {
+            Reply::AliasState { live } => Ok(live),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+}
+
+impl Drop for Alias {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.call(&Request::DestroyKey { key: self.key }, &[]);
+    }
+}
+
+/// Aliases made once and kept, keyed by `owner << 32 | key` as the seed's
+/// cross-GVMI mkey map is. A stale alias is never handed out by
+/// [`AliasCache::get_checked`] and is dropped by [`AliasCache::forget`]
+/// when a use of it failed (rnicd refuses stale aliases at use time, so an
+/// unchecked `get` costs at worst one failed operation, never a wrong one).
+pub struct AliasCache {
+    ctx: Context,
+    pd: u32,
+    map: Mutex<HashMap<u64, std::sync::Arc<Alias>>>,
+}
+
+impl AliasCache {
+    pub fn new(pd: &Pd) -> anyhow::Result<AliasCache> {
+        Ok(AliasCache { ctx: pd.ctx.clone(), pd: pd.handle, map: Mutex::new(HashMap::new()) })
+    }
+
+    fn slot(owner: u64, key: u32) -> u64 {
+        owner << 32 | key as u64
+    }
+
+    /// The cached alias of `owner`'s `key`, made on first use.
+    pub fn get(&self, owner: u64, key: u32) -> anyhow::Result<std::sync::Arc<Alias>> {
+        let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = m.get(&Self::slot(owner, key)) {
+            return Ok(a.clone());
+        }
+        let a = std::sync::Arc::new(create_alias(&self.ctx, self.pd, owner, key)?);
+        m.insert(Self::slot(owner, key), a.clone());
+        Ok(a)
+    }
+
+    /// As `get`, but a cached alias found stale (its owner rebound, revoked
+    /// or died) is dropped and made again (which fails if the owner no
+    /// longer grants the key).
+    pub fn get_checked(&self, owner: u64, key: u32) -> anyhow::Result<std::sync::Arc<Alias>> {
+        let a = self.get(owner, key)?;
+        if a.is_live()? {
+            return Ok(a);
+        }
+        self.forget(owner, key);
+        self.get(owner, key)
+    }
+
+    /// Drops the cached alias of `owner`'s `key` (after a failed use).
+    pub fn forget(&self, owner: u64, key: u32) {
+        self.map.lock().unwrap_or_else(|e| e.into_inner()).remove(&Self::slot(owner, key));
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Indirect keys created ahead (or on first use when the pool runs dry),
+/// bound on a QP of the pool's own (connected to itself: binds never touch
+/// the wire) and handed out; dropping a [`PooledKey`] invalidates it and
+/// returns it to the pool.
+pub struct KeyPool {
+    ctx: Context,
+    pd: u32,
+    max_entries: u32,
+    free: Mutex<Vec<IndirectKey>>,
+    qp: Qp,
+    cq: Cq,
+    /// Serialises bind-and-wait on the pool's QP.
+    lock: Mutex<u64>,
+    created: std::sync::atomic::AtomicUsize,
+}
+
+/// Depth of the pool's bind queue.
+const POOL_QUEUE: u32 = 1024;
+
+impl KeyPool {
+    /// A pool of `ahead` keys made now, each taking up to `max_entries` ranges.
+    pub fn new(pd: &Pd, ahead: usize, max_entries: u32) -> anyhow::Result<KeyPool> {
+        let ctx = pd.context().clone();
+        let cq = ctx.create_cq(POOL_QUEUE.next_power_of_two() * 2, None)?;
+        let mut init = QpInitAttr::new(&cq, &cq);
+        init.cap = QpCap { max_send_wr: POOL_QUEUE, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let qp = pd.create_qp(&init)?;
+        qp.connect(&qp.endpoint(0), &ConnectOpts::default())?;
+        let mut free = Vec::with_capacity(ahead);
+        for _ in 0..ahead {
+            free.push(create_indirect_key(&ctx, pd.handle, max_entries, None)?);
+        }
+        Ok(KeyPool {
+            ctx,
+            pd: pd.handle,
+            max_entries,
+            free: Mutex::new(free),
+            qp,
+            cq,
+            lock: Mutex::new(0),
+            created: std::sync::atomic::AtomicUsize::new(ahead),
+        })
+    }
+
+    /// Keys made so far (ahead and on demand).
+    pub fn created(&self) -> usize {
+        self.created.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Keys waiting in the pool.
+    pub fn available(&self) -> usize {
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// A key bound to `ranges` (seen at the first range's address) with
+    /// `access`, ready when this returns.
+    pub fn get(&self, ranges: &[Sge], access: u32) -> anyhow::Result<PooledKey<'_>> {
+        let key = match self.free.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            Some(k) => k,
+            None => {
+                self.created.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                create_indirect_key(&self.ctx, self.pd, self.max_entries, None)?
+            }
+        };
+        let iova = ranges.first().map_or(0, |r| r.addr);
+        let pk = PooledKey { pool: self, key: Some(key), iova, len: ranges.iter().map(|r| r.length as u64).sum() };
+        pk.rebind_at(ranges, iova, access)?;
+        Ok(pk)
+    }
+
+    /// Posts `wrs` binds/invalidations (the last one signaled) and waits for it.
+    fn run(&self, post: impl FnOnce(&Qp, u64) -> anyhow::Result<()>) -> anyhow::Result<()> {
+        let mut id = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        *id += 1;
+        post(&self.qp, *id)?;
+        let wc = self.cq.wait(1, BIND_TIMEOUT)?;
+        if wc[0].status != WcStatus::Success {
+            bail!("bind work request failed: {:?}", wc[0].status);
+        }
+        Ok(())
+    }
+
+    /// Binds (and then invalidates) `key` `n` times back to back, the last
+    /// invalidation signaled: the pipelined cost of a rebind (benchmarks).
+    pub fn churn(&self, key: &IndirectKey, ranges: &[Sge], access: u32, n: usize) -> anyhow::Result<()> {
+        let iova = ranges.first().map_or(0, |r| r.addr);
+        let mut id = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut left = n;
+        while left > 0 {
+            let batch = left.min(POOL_QUEUE as usize / 2);
+            for i in 0..batch {
+                *id += 1;
+                self.qp.post_bind(*id, key.key, iova, access, ranges, false)?;
+                self.qp.post_local_inv(*id, key.key, i + 1 == batch)?;
+            }
+            let wc = self.cq.wait(1, BIND_TIMEOUT)?;
+            if wc[0].status != WcStatus::Success {
+                bail!("bind work request failed: {:?}", wc[0].status);
+            }
+            left -= batch;
+        }
+        Ok(())
+    }
+
+    /// A bare key of the pool's PD (not handed out): for `churn`.
+    pub fn make_key(&self) -> anyhow::Result<IndirectKey> {
+        create_indirect_key(&self.ctx, self.pd, self.max_entries, None)
+    }
+}
+
+/// A key taken from a [`KeyPool`].
+pub struct PooledKey<'a> {
+    pool: &'a KeyPool,
+    key: Option<IndirectKey>,
+    iova: u64,
+    len: u64,
+}
+
+impl PooledKey<'_> {
+    /// The lkey = rkey.
+    pub fn key(&self) -> u32 {
+        self.key.as_ref().map_or(0, |k| k.key)
+    }
+    /// Where the bound range starts for users of the key.
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn indirect(&self) -> &IndirectKey {
+        self.key.as_ref().expect("a pooled key is present until dropped")
+    }
+
+    /// Binds the key to other ranges (seen at the first one's address).
+    pub fn rebind(&mut self, ranges: &[Sge], access: u32) -> anyhow::Result<()> {
+        let iova = ranges.first().map_or(0, |r| r.addr);
+        self.rebind_at(ranges, iova, access)?;
+        self.iova = iova;
+        self.len = ranges.iter().map(|r| r.length as u64).sum();
+        Ok(())
+    }
+
+    fn rebind_at(&self, ranges: &[Sge], iova: u64, access: u32) -> anyhow::Result<()> {
+        let key = self.key();
+        self.pool.run(|qp, id| qp.post_bind(id, key, iova, access, ranges, true))
+    }
+
+    /// Invalidates the key now (it grants nothing until rebound).
+    pub fn invalidate(&self) -> anyhow::Result<()> {
+        let key = self.key();
+        self.pool.run(|qp, id| qp.post_local_inv(id, key, true))
+    }
+}
+
+impl Drop for PooledKey<'_> {
+    fn drop(&mut self) {
+        let Some(k) = self.key.take() else { return };
+        // Back in the pool only once nothing can reach memory through it.
+        if self.invalidate_key(&k).is_ok() {
+            self.pool.free.lock().unwrap_or_else(|e| e.into_inner()).push(k);
+        }
+    }
+}
+
+impl PooledKey<'_> {
+    fn invalidate_key(&self, k: &IndirectKey) -> anyhow::Result<()> {
+        let key = k.key;
+        self.pool.run(|qp, id| qp.post_local_inv(id, key, true))
+    }
+}
