@@ -39,7 +39,7 @@ pub enum RespJob {
         rkey: u32,
         remaining: u64,
         first: bool,
-        /// The rkey's generation when the READ executed (as `WriteCtx`).
+        /// The rkey's generation at the first response packet (as `WriteCtx`).
         #[serde(default)]
         key_gen: u64,
     },

@@ -117,7 +117,8 @@ impl Context {
         let ua = nix::sys::socket::UnixAddr::new(&path)?;
         nix::sys::socket::connect(sock.as_raw_fd(), &ua).with_context(|| format!("connect to rnicd at {}", path.display()))?;
         let doorbell = rnic::eventfd::create(true)?;
-        let mut inner = Inner { sock, lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path, client: 0 };
+        let mut inner =
+            Inner { sock, lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path, client: 0 };
         match inner.call(&Request::Hello { version: proto::PROTO_VERSION, namespace }, &[inner.doorbell.as_raw_fd()])? {
             Reply::Hello { gid, client } => (inner.gid, inner.client) = (gid, client),
             r => bail!("unexpected reply {r:?}"),

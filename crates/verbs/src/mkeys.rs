@@ -318,6 +318,11 @@ impl KeyPool {
     /// A key bound to `ranges` (seen at the first range's address) with
     /// `access`, ready when this returns.
     pub fn get(&self, ranges: &[Sge], access: u32) -> anyhow::Result<PooledKey<'_>> {
+        self.get_at(ranges, ranges.first().map_or(0, |r| r.addr), access)
+    }
+
+    /// As `get`, with the ranges seen at `iova`.
+    pub fn get_at(&self, ranges: &[Sge], iova: u64, access: u32) -> anyhow::Result<PooledKey<'_>> {
         let key = match self.free.lock().unwrap_or_else(|e| e.into_inner()).pop() {
             Some(k) => k,
             None => {
@@ -325,9 +330,8 @@ impl KeyPool {
                 create_indirect_key(&self.ctx, self.pd, self.max_entries, None)?
             }
         };
-        let iova = ranges.first().map_or(0, |r| r.addr);
         let pk = PooledKey { pool: self, key: Some(key), iova, len: ranges.iter().map(|r| r.length as u64).sum() };
-        pk.rebind_at(ranges, iova, access)?;
+        pk.bind(ranges, iova, access)?;
         Ok(pk)
     }
 
@@ -400,14 +404,18 @@ impl PooledKey<'_> {
 
     /// Binds the key to other ranges (seen at the first one's address).
     pub fn rebind(&mut self, ranges: &[Sge], access: u32) -> anyhow::Result<()> {
-        let iova = ranges.first().map_or(0, |r| r.addr);
-        self.rebind_at(ranges, iova, access)?;
+        self.rebind_at(ranges, ranges.first().map_or(0, |r| r.addr), access)
+    }
+
+    /// Binds the key to other ranges, seen at `iova`.
+    pub fn rebind_at(&mut self, ranges: &[Sge], iova: u64, access: u32) -> anyhow::Result<()> {
+        self.bind(ranges, iova, access)?;
         self.iova = iova;
         self.len = ranges.iter().map(|r| r.length as u64).sum();
         Ok(())
     }
 
-    fn rebind_at(&self, ranges: &[Sge], iova: u64, access: u32) -> anyhow::Result<()> {
+    fn bind(&self, ranges: &[Sge], iova: u64, access: u32) -> anyhow::Result<()> {
         let key = self.key();
         self.pool.run(|qp, id| qp.post_bind(id, key, iova, access, ranges, true))
     }

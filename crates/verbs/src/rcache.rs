@@ -216,8 +216,7 @@ impl Rcache {
             }
         }
         // Miss: the union with every overlapping live region.
-        let overlapping: Vec<u64> =
-            st.live.range(..e).rev().map(|(_, &id)| id).take_while(|id| st.regions[id].end > s).collect();
+        let overlapping: Vec<u64> = st.live.range(..e).rev().map(|(_, &id)| id).take_while(|id| st.regions[id].end > s).collect();
         let (mut us, mut ue) = (s, e);
         for id in &overlapping {
             us = us.min(st.regions[id].start);
@@ -228,7 +227,10 @@ impl Rcache {
         // Moving may have replaced a mapping registered earlier (one that
         // mremap moved here): that unmap is ours, not the program's.
         sh.collect_events();
-        sh.pending.lock().unwrap_or_else(|e| e.into_inner()).retain(|c| !matches!(*c, Change::Unmapped { start, end } if start >= us && end <= ue));
+        sh.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|c| !matches!(*c, Change::Unmapped { start, end } if start >= us && end <= ue));
         sh.apply_pending(&mut st);
         let req = Request::RegMr { pd: sh.pd, iova: us, len: ue - us, access: sh.access, fd_offset: us, key: None };
         let mr = match sh.ctx.inner.call(&req, &[sh.memfd.as_raw_fd()])? {
@@ -362,12 +364,8 @@ impl Shared {
     /// Least recently used regions nobody holds go until the cache fits.
     fn evict(&self, st: &mut State, keep: u64) {
         while st.live.len() > self.max_regions || st.bytes > self.max_bytes {
-            let victim = st
-                .live
-                .values()
-                .copied()
-                .filter(|id| *id != keep && st.regions[id].refs == 0)
-                .min_by_key(|id| st.regions[id].last_use);
+            let victim =
+                st.live.values().copied().filter(|id| *id != keep && st.regions[id].refs == 0).min_by_key(|id| st.regions[id].last_use);
             let Some(id) = victim else { break };
             st.stats.evictions += 1;
             self.drop_region(st, id);
@@ -416,7 +414,8 @@ fn vmas(lo: u64, hi: u64, memfd_name: &str) -> anyhow::Result<Vec<Vma>> {
         let (Some(range), Some(perms), Some(off)) = (it.next(), it.next(), it.next()) else { continue };
         let path = it.nth(2).unwrap_or("");
         let Some((a, b)) = range.split_once('-') else { continue };
-        let (Ok(start), Ok(end), Ok(offset)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16), u64::from_str_radix(off, 16)) else {
+        let (Ok(start), Ok(end), Ok(offset)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16), u64::from_str_radix(off, 16))
+        else {
             continue;
         };
         if end <= lo || start >= hi {

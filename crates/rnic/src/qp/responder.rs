@@ -668,12 +668,14 @@ impl Qp {
                         h.aeth = Some(Aeth { syndrome: Syndrome::Ack(0x1f), msn: self.rt.msn });
                     }
                     let (keys, pd) = (&*ctx.keys, self.pd);
+                    // A READ reads the binding current at its first response
+                    // packet; its other packets must find the same one.
+                    let key_gen = if first { keys.generation(rkey) } else { key_gen };
                     let r = ctx.tx.emit(&flow, &h, n as usize, |out| -> Result<(), ()> {
                         if n == 0 {
                             return Ok(());
                         }
                         // Re-read memory on every (re)transmission; the MR may be gone.
-                        // A READ keeps the binding it executed under, or fails.
                         if keys.generation(rkey) != key_gen {
                             return Err(());
                         }
