@@ -18,7 +18,7 @@ use rnic::keys::MAX_KLM;
 use rnic::proto::{Reply, Request};
 use rnic::ring::{SendWqe, MAX_SGE};
 
-use crate::{send_flags, ConnectOpts, Context, Cq, Mr, Pd, Qp, QpCap, QpInitAttr, Sge, WcStatus, WrOpcode};
+use crate::{send_flags, CompChannel, ConnectOpts, Context, Cq, Mr, Pd, Qp, QpCap, QpInitAttr, Sge, WcStatus, WrOpcode};
 
 /// How long a pool waits for its bind completions.
 const BIND_TIMEOUT: Duration = Duration::from_secs(10);
@@ -71,60 +71,89 @@ impl Pd {
     }
 }
 
+/// A key-table work request: bind an indirect key or invalidate it.
+#[derive(Clone, Copy, Debug)]
+pub enum KeyOp<'a> {
+    /// Bind `key` to `ranges` (SGEs of MRs of the QP's PD, at most 24),
+    /// seen by users of the key at `iova` with `access`.
+    Bind { wr_id: u64, key: u32, iova: u64, access: u32, ranges: &'a [Sge], signaled: bool },
+    /// Invalidate `key`: it grants nothing until bound again.
+    Invalidate { wr_id: u64, key: u32, signaled: bool },
+}
+
+impl KeyOp<'_> {
+    fn wqe(&self) -> anyhow::Result<SendWqe> {
+        let flags = |signaled: bool| if signaled { send_flags::SIGNALED } else { 0 };
+        Ok(match *self {
+            KeyOp::Bind { wr_id, key, iova, access, ranges, signaled } => {
+                // rnicd refuses lists too long with a completion error; one
+                // longer than the WQE can even count is refused here.
+                if ranges.len() > u8::MAX as usize {
+                    bail!("{} ranges in one bind (rnicd takes {MAX_KLM})", ranges.len());
+                }
+                let mut w = SendWqe {
+                    wr_id,
+                    opcode: WrOpcode::BindKey as u8,
+                    flags: flags(signaled),
+                    remote_addr: iova,
+                    rkey: key,
+                    compare_add: access as u64,
+                    num_sge: ranges.len() as u8,
+                    ..Default::default()
+                };
+                let (direct, rest) = ranges.split_at(ranges.len().min(MAX_SGE));
+                w.sge[..direct.len()].copy_from_slice(direct);
+                for (slot, s) in w.inline.chunks_exact_mut(16).zip(rest) {
+                    slot[..8].copy_from_slice(&s.addr.to_le_bytes());
+                    slot[8..12].copy_from_slice(&s.length.to_le_bytes());
+                    slot[12..].copy_from_slice(&s.lkey.to_le_bytes());
+                }
+                w
+            }
+            KeyOp::Invalidate { wr_id, key, signaled } => {
+                SendWqe { wr_id, opcode: WrOpcode::LocalInv as u8, flags: flags(signaled), rkey: key, ..Default::default() }
+            }
+        })
+    }
+}
+
 impl Qp {
-    /// Posts a bind of indirect key `key` to `ranges` (SGEs of MRs of this
-    /// PD, at most 24), seen by users of the key at `iova` with `access`.
-    /// It runs once every earlier WR of this QP completed, and later WRs run
-    /// after it; it completes on the send CQ (always when it fails, which
-    /// also moves the QP to ERR, as any failed WR).
-    pub fn post_bind(&self, wr_id: u64, key: u32, iova: u64, access: u32, ranges: &[Sge], signaled: bool) -> anyhow::Result<()> {
-        let mut w = SendWqe {
-            wr_id,
-            opcode: WrOpcode::BindKey as u8,
-            flags: if signaled { send_flags::SIGNALED } else { 0 },
-            remote_addr: iova,
-            rkey: key,
-            compare_add: access as u64,
-            ..Default::default()
-        };
-        // rnicd refuses lists too long with a completion error; longer than
-        // the WQE holds cannot even be written down.
-        if ranges.len() > u8::MAX as usize {
-            bail!("{} ranges in one bind (rnicd takes {MAX_KLM})", ranges.len());
-        }
-        w.num_sge = ranges.len() as u8;
-        let (direct, rest) = ranges.split_at(ranges.len().min(MAX_SGE));
-        w.sge[..direct.len()].copy_from_slice(direct);
-        for (slot, s) in w.inline.chunks_exact_mut(16).zip(rest) {
-            slot[..8].copy_from_slice(&s.addr.to_le_bytes());
-            slot[8..12].copy_from_slice(&s.length.to_le_bytes());
-            slot[12..].copy_from_slice(&s.lkey.to_le_bytes());
-        }
-        self.push_local(&w)
-    }
-
-    /// Posts an invalidation of indirect key `key`: once it ran, the key
-    /// grants nothing until bound again.
-    pub fn post_local_inv(&self, wr_id: u64, key: u32, signaled: bool) -> anyhow::Result<()> {
-        let w = SendWqe {
-            wr_id,
-            opcode: WrOpcode::LocalInv as u8,
-            flags: if signaled { send_flags::SIGNALED } else { 0 },
-            rkey: key,
-            ..Default::default()
-        };
-        self.push_local(&w)
-    }
-
-    fn push_local(&self, w: &SendWqe) -> anyhow::Result<()> {
+    /// Posts key-table work requests in order, with one doorbell. Each runs
+    /// once every earlier WR of this QP completed, and later WRs run after
+    /// it; it completes on the send CQ if signaled (always when it fails,
+    /// which also moves the QP to ERR, as any failed WR). Fails, posting
+    /// the rest no more, when the send queue is full.
+    pub fn post_key_ops(&self, ops: &[KeyOp]) -> anyhow::Result<()> {
         let mut ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
-        if !ring.push(w) {
-            bail!("send queue full");
+        let mut result = Ok(());
+        let mut posted = 0;
+        for op in ops {
+            match op.wqe() {
+                Ok(w) if ring.push(&w) => posted += 1,
+                Ok(_) => {
+                    result = Err(anyhow!("send queue full"));
+                    break;
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
         }
-        if ring.needs_doorbell() {
+        if posted > 0 && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
         }
-        Ok(())
+        result
+    }
+
+    /// Posts one bind (see [`KeyOp::Bind`]).
+    pub fn post_bind(&self, wr_id: u64, key: u32, iova: u64, access: u32, ranges: &[Sge], signaled: bool) -> anyhow::Result<()> {
+        self.post_key_ops(&[KeyOp::Bind { wr_id, key, iova, access, ranges, signaled }])
+    }
+
+    /// Posts one invalidation (see [`KeyOp::Invalidate`]).
+    pub fn post_local_inv(&self, wr_id: u64, key: u32, signaled: bool) -> anyhow::Result<()> {
+        self.post_key_ops(&[KeyOp::Invalidate { wr_id, key, signaled }])
     }
 }
 
@@ -272,6 +301,9 @@ pub struct KeyPool {
     free: Mutex<Vec<IndirectKey>>,
     qp: Qp,
     cq: Cq,
+    /// The pool sleeps on its CQ's channel while rnicd runs its binds: on
+    /// a small host a spinning waiter takes the CPU rnicd needs.
+    channel: CompChannel,
     /// Serialises bind-and-wait on the pool's QP.
     lock: Mutex<u64>,
     created: std::sync::atomic::AtomicUsize,
@@ -284,7 +316,8 @@ impl KeyPool {
     /// A pool of `ahead` keys made now, each taking up to `max_entries` ranges.
     pub fn new(pd: &Pd, ahead: usize, max_entries: u32) -> anyhow::Result<KeyPool> {
         let ctx = pd.context().clone();
-        let cq = ctx.create_cq(POOL_QUEUE.next_power_of_two() * 2, None)?;
+        let channel = ctx.create_comp_channel()?;
+        let cq = ctx.create_cq(POOL_QUEUE.next_power_of_two() * 2, Some(&channel))?;
         let mut init = QpInitAttr::new(&cq, &cq);
         init.cap = QpCap { max_send_wr: POOL_QUEUE, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
         let qp = pd.create_qp(&init)?;
@@ -300,6 +333,7 @@ impl KeyPool {
             free: Mutex::new(free),
             qp,
             cq,
+            channel,
             lock: Mutex::new(0),
             created: std::sync::atomic::AtomicUsize::new(ahead),
         })
@@ -335,16 +369,65 @@ impl KeyPool {
         Ok(pk)
     }
 
+    /// Several keys at once, each bound to its ranges (seen at the first
+    /// range's address), with one wait: the binds ride back to back on the
+    /// pool's queue and only the last is signaled.
+    pub fn get_many(&self, lists: &[&[Sge]], access: u32) -> anyhow::Result<Vec<PooledKey<'_>>> {
+        let mut keys = Vec::with_capacity(lists.len());
+        for ranges in lists {
+            let key = match self.free.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+                Some(k) => k,
+                None => {
+                    self.created.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    create_indirect_key(&self.ctx, self.pd, self.max_entries, None)?
+                }
+            };
+            let iova = ranges.first().map_or(0, |r| r.addr);
+            keys.push(PooledKey { pool: self, key: Some(key), iova, len: ranges.iter().map(|r| r.length as u64).sum() });
+        }
+        let ops: Vec<KeyOp> = keys
+            .iter()
+            .zip(lists)
+            .enumerate()
+            .map(|(i, (k, ranges))| KeyOp::Bind { wr_id: 0, key: k.key(), iova: k.iova, access, ranges, signaled: i + 1 == lists.len() })
+            .collect();
+        if !ops.is_empty() {
+            self.run(|qp, _| qp.post_key_ops(&ops))?;
+        }
+        Ok(keys)
+    }
+
+    /// Returns several keys with one wait (each invalidated first).
+    pub fn put_many(&self, mut keys: Vec<PooledKey<'_>>) -> anyhow::Result<()> {
+        let taken: Vec<IndirectKey> = keys.iter_mut().filter_map(|k| k.key.take()).collect();
+        let ops: Vec<KeyOp> =
+            taken.iter().enumerate().map(|(i, k)| KeyOp::Invalidate { wr_id: 0, key: k.key, signaled: i + 1 == taken.len() }).collect();
+        if !ops.is_empty() {
+            self.run(|qp, _| qp.post_key_ops(&ops))?;
+        }
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).extend(taken);
+        Ok(())
+    }
+
     /// Posts `wrs` binds/invalidations (the last one signaled) and waits for it.
     fn run(&self, post: impl FnOnce(&Qp, u64) -> anyhow::Result<()>) -> anyhow::Result<()> {
         let mut id = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         *id += 1;
         post(&self.qp, *id)?;
-        let wc = self.cq.wait(1, BIND_TIMEOUT)?;
-        if wc[0].status != WcStatus::Success {
-            bail!("bind work request failed: {:?}", wc[0].status);
+        let wc = self.wait_one()?;
+        if wc.status != WcStatus::Success {
+            bail!("bind work request failed: {:?}", wc.status);
         }
         Ok(())
+    }
+
+    /// The next completion of the pool's QP: a short spin, then asleep on the channel.
+    fn wait_one(&self) -> anyhow::Result<crate::Wc> {
+        let mut wc = [crate::Wc::default()];
+        if self.cq.poll_or_wait(&mut wc, &self.channel, Duration::from_micros(20), BIND_TIMEOUT)? == 0 {
+            bail!("no bind completion within {BIND_TIMEOUT:?}");
+        }
+        Ok(wc[0])
     }
 
     /// Binds (and then invalidates) `key` `n` times back to back, the last
@@ -355,14 +438,16 @@ impl KeyPool {
         let mut left = n;
         while left > 0 {
             let batch = left.min(POOL_QUEUE as usize / 2);
+            let mut ops = Vec::with_capacity(2 * batch);
             for i in 0..batch {
                 *id += 1;
-                self.qp.post_bind(*id, key.key, iova, access, ranges, false)?;
-                self.qp.post_local_inv(*id, key.key, i + 1 == batch)?;
+                ops.push(KeyOp::Bind { wr_id: *id, key: key.key, iova, access, ranges, signaled: false });
+                ops.push(KeyOp::Invalidate { wr_id: *id, key: key.key, signaled: i + 1 == batch });
             }
-            let wc = self.cq.wait(1, BIND_TIMEOUT)?;
-            if wc[0].status != WcStatus::Success {
-                bail!("bind work request failed: {:?}", wc[0].status);
+            self.qp.post_key_ops(&ops)?;
+            let wc = self.wait_one()?;
+            if wc.status != WcStatus::Success {
+                bail!("bind work request failed: {:?}", wc.status);
             }
             left -= batch;
         }
