@@ -895,6 +895,11 @@ impl Qp {
         let mut posted = 0;
         let mut result = Ok(());
         for wr in wrs {
+            if wr.opcode.is_local() {
+                // A bind's ranges do not fit an SGE list's limits: its own call builds it.
+                result = Err(anyhow!("{:?} is posted with Qp::post_key_ops", wr.opcode));
+                break;
+            }
             let mut w = SendWqe {
                 wr_id: wr.wr_id,
                 opcode: wr.opcode as u8,
