@@ -8,6 +8,7 @@
 //! - `workload=selftest` (prints, checks the clock, exits 0)
 //! - `workload=mailbox` (answers each host mailbox message with `echo N MSG`)
 //! - `workload=pvrdma gid=A.B.C.D ...` (RDMA workloads against `transit rdma peer`)
+//! - `workload=pvrdma-bench gid=A.B.C.D` (WRITE bandwidth and SEND latency, run by `bench/pvrdma/run`)
 //!
 //! vCPUs other than 0 halt.
 
@@ -71,6 +72,7 @@ extern "C" fn guest_main(boot: &'static BootInfo, cpu: u64) -> ! {
         "clock" => clockcheck::run(plat),
         "mailbox" => mailbox::echo(plat, boot.mmio_base),
         "pvrdma" => pvrdma::workloads::run(plat, &args, boot),
+        "pvrdma-bench" => pvrdma::bench::run(plat, &args, boot),
         "nvme-verify" => nvme::verify::run(plat, &args, nvme::region(&args, boot)),
         "nvme-perf" => nvme::perf::run(plat, &args, nvme::region(&args, boot)),
         "selftest" => {

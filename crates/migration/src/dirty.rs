@@ -21,10 +21,46 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 pub use crate::pages::PAGE_SIZE;
 
 /// Something else that writes guest RAM and can report which pages it wrote
-/// since the previous call (e.g. rnicd write traces, issue 7).
+/// since the previous call (e.g. rnicd write traces, issue 7). The dirty
+/// log starts it with itself and stops it when it ends (the migration
+/// completed, failed or was cancelled), so that it costs nothing between
+/// migrations.
 pub trait DirtySource: Send + Sync {
-    /// Pages written since the previous call, as page-number ranges.
+    /// Record writes from now on; nothing from before is reported.
+    fn start(&self) -> anyhow::Result<()> {
+        self.take_dirty().map(drop)
+    }
+
+    /// Pages written since the previous call (or since `start`), as
+    /// page-number ranges.
     fn take_dirty(&self) -> anyhow::Result<Vec<PageRange>>;
+
+    /// Stop recording.
+    fn stop(&self) {}
+}
+
+/// The external sources of one dirty log, started with it and stopped when
+/// it goes (also when its tracker is kept by a VM that migrated away).
+struct Sources(Vec<std::sync::Arc<dyn DirtySource>>);
+
+impl Sources {
+    fn start(others: Vec<std::sync::Arc<dyn DirtySource>>) -> anyhow::Result<Sources> {
+        let mut started = Sources(Vec::with_capacity(others.len()));
+        for o in others {
+            // A failure stops the ones already started (Drop).
+            o.start()?;
+            started.0.push(o);
+        }
+        Ok(started)
+    }
+}
+
+impl Drop for Sources {
+    fn drop(&mut self) {
+        for o in &self.0 {
+            o.stop();
+        }
+    }
 }
 
 // --- userfaultfd uapi (linux/userfaultfd.h) ---
@@ -278,18 +314,15 @@ impl Armer {
 /// any external sources.
 pub struct DirtyLog {
     uffd: UffdWpTracker,
-    others: Vec<std::sync::Arc<dyn DirtySource>>,
+    others: Sources,
 }
 
 impl DirtyLog {
+    /// Starts our own tracking and the external sources: what they wrote
+    /// before is not reported (the first pass sends every page anyway).
     pub fn start(ram: &RamRegion, others: Vec<std::sync::Arc<dyn DirtySource>>) -> anyhow::Result<DirtyLog> {
         let uffd = UffdWpTracker::start(ram)?;
-        // Drain whatever the external sources had before we started: the
-        // first pass sends every page anyway.
-        for o in &others {
-            o.take_dirty()?;
-        }
-        Ok(DirtyLog { uffd, others })
+        Ok(DirtyLog { uffd, others: Sources::start(others)? })
     }
 
     /// Like [`start`](Self::start), but nothing of our own mapping is
@@ -297,10 +330,7 @@ impl DirtyLog {
     /// be armed before it is first read for sending.
     pub fn start_unarmed(ram: &RamRegion, others: Vec<std::sync::Arc<dyn DirtySource>>) -> anyhow::Result<DirtyLog> {
         let uffd = UffdWpTracker::start_unarmed(ram)?;
-        for o in &others {
-            o.take_dirty()?;
-        }
-        Ok(DirtyLog { uffd, others })
+        Ok(DirtyLog { uffd, others: Sources::start(others)? })
     }
 
     pub fn armer(&self) -> anyhow::Result<Armer> {
@@ -314,7 +344,7 @@ impl DirtyLog {
             Some(r) => self.uffd.scan_ranges(r)?,
             None => self.uffd.scan()?,
         };
-        for o in &self.others {
+        for o in &self.others.0 {
             v.extend(o.take_dirty()?);
         }
         Ok(crate::pages::normalize(v, total_pages))

@@ -75,6 +75,16 @@ pub trait MigratableVm: Send + Sync {
         256 << 10
     }
 
+    /// The destination loaded the VM; it owns it once this returns (the
+    /// commit) and runs it on this side's go, which follows. What only one
+    /// host may hold at a time is let go here: a PVRDMA device's GID, which
+    /// the destination claims when it resumes the VM. An error fails the
+    /// migration before the commit: the VM resumes here (and takes back
+    /// whatever it had let go).
+    fn let_go(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// Keep `what` for as long as the VM's RAM stays mapped. A source that
     /// migrated away hands over its dirty tracking: the write protection
     /// no longer matters, and ending it while RAM is mapped makes the

@@ -122,6 +122,10 @@ struct Namespace {
     engine: Engine,
     udp: OwnedFd,
     senders: Senders,
+    /// Its owner claimed the GID here (rnicd added the address): it is
+    /// released when the namespace closes, so a host whose VM went away
+    /// (or died) stops answering for it.
+    claimed: bool,
 }
 
 /// Epoll tokens of namespace UDP sockets: this bit plus the GID.
@@ -137,7 +141,7 @@ impl Namespace {
             setsockopt(&udp, sockopt::UdpGroSegment, &true).context("UDP_GRO")?;
         }
         let senders = Senders::new(gid, gso)?;
-        Ok(Namespace { engine: Engine::new(gid), udp, senders })
+        Ok(Namespace { engine: Engine::new(gid), udp, senders, claimed: false })
     }
 
     /// Receives and transmits; returns (packets received, packets sent, more work pending).
@@ -668,6 +672,12 @@ impl Daemon {
         if c.ns != self.cfg.addr && !in_use {
             if let Some(ns) = self.nss.remove(&c.ns) {
                 let _ = self.ep.delete(&ns.udp);
+                if ns.claimed {
+                    match crate::gid::release(c.ns) {
+                        Ok(()) => info!("GID {} released with its namespace", c.ns),
+                        Err(e) => warn!("releasing GID {}: {e:#}", c.ns),
+                    }
+                }
                 info!("namespace {} closed", c.ns);
             }
         }
@@ -806,6 +816,34 @@ fn serve_client(
                     }
                 }
             }
+            Ok(Request::JoinRamClient) => {
+                let mut fds = fds;
+                match (fds.pop(), fds.is_empty()) {
+                    (Some(sock), true) => crate::ramclient::join(sock).map(|ram_bytes| Reply::RamClient { ram_bytes }).map_err(|e| {
+                        engine.stats.bad_client_requests += 1;
+                        format!("{e:#}")
+                    }),
+                    _ => {
+                        engine.stats.bad_client_requests += 1;
+                        Err("JoinRamClient needs one socket".into())
+                    }
+                }
+            }
+            // Process-wide figures beside the namespace's own.
+            Ok(Request::Stats) => engine
+                .control(id, Request::Stats, fds)
+                .map(|r| match r {
+                    Reply::Stats(mut v) => {
+                        v["ram_clients"] = crate::ramclient::joined().into();
+                        Reply::Stats(v)
+                    }
+                    r => r,
+                })
+                .map_err(|e| format!("{e:#}")),
+            Ok(req @ (Request::ClaimGid | Request::ReleaseGid)) => {
+                let gid = c.ns;
+                claim_or_release(nss, cfg, gid, matches!(req, Request::ClaimGid))
+            }
             Ok(req) => engine.control(id, req, fds).map_err(|e| {
                 engine.stats.bad_client_requests += 1;
                 format!("{e:#}")
@@ -816,6 +854,26 @@ fn serve_client(
             warn!("client {id}: {e:#}");
             return false;
         }
+    }
+}
+
+/// A namespace's owner moves its GID to or away from this host.
+fn claim_or_release(nss: &mut HashMap<Ipv4Addr, Namespace>, cfg: &Config, gid: Ipv4Addr, claim: bool) -> Response {
+    if gid == cfg.addr {
+        return Err(format!("{gid} is this rnicd's own address, not a namespace GID that moves"));
+    }
+    let Some(ns) = nss.get_mut(&gid) else { return Err(format!("no namespace {gid}")) };
+    let r =
+        if claim { crate::gid::claim(gid, cfg.addr).map(|iface| info!("GID {gid} claimed on {iface}")) } else { crate::gid::release(gid) };
+    match r {
+        Ok(()) => {
+            ns.claimed = claim;
+            if !claim {
+                info!("GID {gid} released");
+            }
+            Ok(Reply::Ok)
+        }
+        Err(e) => Err(format!("{e:#}")),
     }
 }
 

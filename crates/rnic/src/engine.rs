@@ -106,7 +106,7 @@ impl Engine {
     /// grouped below as device, memory, completion, QP and QP migration.
     pub fn control(&mut self, client: ClientId, req: Request, fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
         match req {
-            Request::Hello { .. } => bail!("hello is handled by the daemon"),
+            Request::Hello { .. } | Request::ClaimGid | Request::ReleaseGid | Request::JoinRamClient => bail!("handled by the daemon"),
             Request::QueryDevice => Ok(Reply::Device(self.device_attr())),
             Request::QueryPort { port } => self.query_port(port),
             Request::QueryGid { port, index } => self.query_gid(port, index),
@@ -415,7 +415,7 @@ impl Engine {
                 bail!("key {k:#x} is already in use in namespace {}", self.gid);
             }
         }
-        let map = Mapping::map_sealed(&fd, r.fd_offset, r.len as usize)?;
+        let map = Mapping::map_region(&fd, r.fd_offset, r.len as usize)?;
         let key = match r.key {
             Some(k) => k,
             None => self.alloc_qpn(),

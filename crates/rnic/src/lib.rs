@@ -7,18 +7,21 @@
 //!
 //! Dependencies run one way, from the bottom up:
 //! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd` (no crate imports);
-//! `qp_snapshot`; `objects` and `proto`; `qp`; `engine`; `daemon`; `cli`.
+//! `qp_snapshot`, `announce`, `gid`; `objects` and `proto`; `qp`; `engine`;
+//! `ramclient`; `daemon`; `cli`.
 pub mod announce;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
 pub mod eventfd;
+pub mod gid;
 pub mod keys;
 pub mod mem;
 pub mod objects;
 pub mod proto;
 pub mod qp;
 pub mod qp_snapshot;
+pub mod ramclient;
 pub mod ring;
 pub mod trace;
 pub mod types;

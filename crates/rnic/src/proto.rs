@@ -170,6 +170,18 @@ pub enum Request {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },
     Stats,
+    /// Carries one end of a vmm's RAM-client socket (`ram-client`): rnicd
+    /// joins it, so that in an incoming postcopy its accesses to guest RAM
+    /// wait for pages not yet migrated. Not bound to the caller's namespace.
+    JoinRamClient,
+    /// Makes this host answer for the client's namespace GID: adds the
+    /// address beside rnicd's own and announces it (gratuitous ARP). The
+    /// owner claims on the host it moves to, after the old host released.
+    ClaimGid,
+    /// This host stops answering for the client's namespace GID (removes
+    /// the address). A claimed GID is also released when its namespace
+    /// closes.
+    ReleaseGid,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -211,6 +223,9 @@ pub enum Reply {
     QpStates(Vec<crate::qp_snapshot::QpSnapshot>),
     Trace(crate::trace::TraceReport),
     Stats(serde_json::Value),
+    RamClient {
+        ram_bytes: u64,
+    },
     Ok,
 }
 

@@ -39,6 +39,7 @@ pub use rnic::types::{
 
 pub mod mkeys;
 pub mod peer;
+pub mod peer_bench;
 pub mod rcache;
 pub mod tools;
 
@@ -141,6 +142,17 @@ impl Context {
         self.inner.gid
     }
 
+    /// Makes rnicd a postcopy RAM client of a vmm: `sock` is the end of a
+    /// RAM-client socket that vmm admitted (`RamClients::pair`). In an
+    /// incoming postcopy, rnicd's accesses to that VM's guest RAM then wait
+    /// for pages not yet migrated. Returns the guest RAM size.
+    pub fn join_ram_client(&self, sock: OwnedFd) -> anyhow::Result<u64> {
+        match self.inner.call(&Request::JoinRamClient, &[sock.as_raw_fd()])? {
+            Reply::RamClient { ram_bytes } => Ok(ram_bytes),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     pub fn query_device(&self) -> anyhow::Result<DeviceAttr> {
         match self.inner.call(&Request::QueryDevice, &[])? {
             Reply::Device(d) => Ok(d),
@@ -166,6 +178,24 @@ impl Context {
     pub fn stats(&self) -> anyhow::Result<serde_json::Value> {
         match self.inner.call(&Request::Stats, &[])? {
             Reply::Stats(s) => Ok(s),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// Makes this host answer for the namespace's GID (rnicd adds the
+    /// address and announces it). Claim only after the previous host
+    /// released it: two hosts must never answer for one GID.
+    pub fn claim_gid(&self) -> anyhow::Result<()> {
+        match self.inner.call(&Request::ClaimGid, &[])? {
+            Reply::Ok => Ok(()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// This host stops answering for the namespace's GID.
+    pub fn release_gid(&self) -> anyhow::Result<()> {
+        match self.inner.call(&Request::ReleaseGid, &[])? {
+            Reply::Ok => Ok(()),
             r => bail!("unexpected reply {r:?}"),
         }
     }

@@ -5,17 +5,25 @@
 //! TCP/IP stack, so each side states its IDs once, as one line of
 //! `key=value` words carried by the VM's mailbox:
 //!
-//! - the guest: `gid=`, and per workload `W.qpn=` `W.psn=` plus
-//!   `ring.addr= ring.rkey= ring.slots= ring.rec=`,
-//!   `table.addr= table.rkey= table.rows=`, and `size=` `count=`;
-//! - the peer (this program's first line of output): `gid= rkey=`, per
-//!   workload `W.qpn= W.psn=`, and `ring.credit= atomic.counter= atomic.ops=`
-//!   (addresses in the peer's region `rkey`).
+//! - the guest: `gid=`, `size=`, `count=`, its QPs as `qps=N run=W,W,..
+//!   qpn=LIST psn=P` (QP i runs workload i mod the number named, with its
+//!   own buffers and checks, and starts at PSN P + i * [`PSN_STEP`]; LIST
+//!   is numbers and ranges such as `17-48`) or, one QP per workload, as
+//!   `W.qpn= W.psn=`; plus `ring.addr= ring.rkey= ring.slots= ring.rec=`,
+//!   `table.addr= table.rkey= table.rows=` (the k-th ring or table QP's
+//!   ring or table follows the k-1 before it), and for the big WRITE
+//!   `big.qpn= big.psn= big.len= big.rounds=`;
+//! - the peer (this program's first line of output): `gid= rkey=`, its QPs
+//!   in the guest's form (`qpn=LIST psn=P`, or `W.qpn= W.psn=`), and
+//!   `ring.credit= atomic.counter= atomic.ops=`, the first of one u64 per
+//!   ring or atomic QP (addresses in the peer's region `rkey`), and
+//!   `big.addr= big.rkey=`.
 //!
-//! A workload runs when the guest names its QPN. Neither side is told
+//! A workload runs when the guest names a QP for it. Neither side is told
 //! anything later: after a move the guest keeps its GID, QPNs and keys.
 //! Each guest QP first SENDs a 16-byte hello (word 0 = [`HELLO`]) once it
-//! is in RTS with its receives posted; the peer starts that workload then.
+//! is in RTS with its receives posted; the peer starts that QP then. What
+//! follows is per QP (`count` is per QP too):
 //!
 //! - **stream**: SEND/RECV both ways, `count` messages each (0: until
 //!   `--duration`), `size` bytes: word 0 = sequence number, word j =
@@ -39,6 +47,12 @@
 //!   return i; after it, the guest RDMA-WRITEs i+1 to `atomic.ops`. The
 //!   peer checks ops <= counter <= ops + 1 while it runs, and
 //!   counter == ops == `count` at the end.
+//! - **big**: round r: the guest RDMA-WRITEs `big.len` bytes (word 0 = r,
+//!   word j = `pattern(BIG, j)`) to `big.addr` in one WRITE with immediate
+//!   r. The peer checks every word, clears the buffer (so a part missing
+//!   from a later round shows as zeros), and SENDs r (u64) back; the guest
+//!   checks it and starts round r + 1. `big.rounds` rounds (0: without
+//!   end).
 //!
 //! The report (last line of output, JSON) counts, per workload and in all,
 //! what was verified, errors, lost and duplicated messages, error
@@ -165,6 +179,9 @@ pub struct WorkloadReport {
     pub max_gap_ms: f64,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub detail: BTreeMap<String, u64>,
+    /// QPs running this workload, and how many of them did their count.
+    pub qps: usize,
+    pub qps_done: usize,
     pub done: bool,
 }
 
@@ -172,6 +189,8 @@ pub struct WorkloadReport {
 pub struct PeerReport {
     pub ok: bool,
     pub seconds: f64,
+    /// QPs connected to the guest.
+    pub qps: usize,
     pub messages_verified: u64,
     pub bytes_verified: u64,
     pub errors: u64,
@@ -188,45 +207,175 @@ const MAX_VIOLATIONS: usize = 32;
 const STREAM_DEPTH: usize = 64;
 const RING_WINDOW: usize = 32;
 const SMALL: usize = 64;
+/// Most QPs one run connects (the guest's `qps=` is at most this).
+pub const MAX_QPS: usize = 256;
+/// Starting PSNs of consecutive QPs are this far apart (`psn=` is the first).
+pub const PSN_STEP: u32 = 0x100;
+/// Word 1.. of the big WRITE's data: `pattern(BIG, j)`; word 0 is the round.
+pub const BIG: u64 = 5 << 60;
+/// The most a big WRITE may be.
+pub const MAX_BIG: u64 = 1 << 30;
 
-/// Offsets in the peer's one registered region.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Kind {
+    Stream,
+    Ring,
+    Table,
+    Atomic,
+    Big,
+}
+
+impl Kind {
+    pub const WORKLOADS: [Kind; 4] = [Kind::Stream, Kind::Ring, Kind::Table, Kind::Atomic];
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Stream => "stream",
+            Kind::Ring => "ring",
+            Kind::Table => "table",
+            Kind::Atomic => "atomic",
+            Kind::Big => "big",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Kind> {
+        Kind::WORKLOADS.into_iter().find(|k| k.name() == s)
+    }
+}
+
+/// Numbers and ranges (`17-40,45`), as both sides write QPN lists.
+pub fn parse_ranges(s: &str) -> anyhow::Result<Vec<u32>> {
+    let mut out = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (a, b): (u32, u32) = (a.parse().with_context(|| format!("{part:?}"))?, b.parse().with_context(|| format!("{part:?}"))?);
+        if b < a || (b - a) as usize >= MAX_QPS || out.len() + (b - a) as usize >= MAX_QPS {
+            bail!("QPN list {s:?}: more than {MAX_QPS} QPs or a range backwards");
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
+}
+
+/// `nums` as numbers and ranges.
+pub fn write_ranges(nums: &[u32]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < nums.len() {
+        let mut j = i;
+        while j + 1 < nums.len() && nums[j + 1] == nums[j].wrapping_add(1) {
+            j += 1;
+        }
+        parts.push(if i == j { nums[i].to_string() } else { format!("{}-{}", nums[i], nums[j]) });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
+/// One guest QP as its IDs name it: the workload it runs, and where it is.
+#[derive(Debug, Clone)]
+pub struct GuestQp {
+    pub kind: Kind,
+    pub qpn: u32,
+    pub psn: u32,
+}
+
+/// The guest's QPs, in its order: either `qps=N run=W,.. qpn=LIST psn=P`
+/// (QP i runs workload i mod the number named, PSN P + i * PSN_STEP) or
+/// one `W.qpn= W.psn=` per workload; plus `big.qpn= big.psn=`.
+pub fn guest_qps(g: &Info) -> anyhow::Result<Vec<GuestQp>> {
+    let mut out = Vec::new();
+    if g.has("qps") {
+        let n = g.num("qps")? as usize;
+        let kinds: Vec<Kind> = g.0.get("run").map(|r| r.split(',').filter_map(Kind::parse).collect()).unwrap_or_default();
+        let qpns = parse_ranges(g.0.get("qpn").map(String::as_str).unwrap_or(""))?;
+        if n == 0 || n > MAX_QPS || kinds.is_empty() || qpns.len() != n {
+            bail!("qps={n} with {} QPNs and {} workloads: 1..{MAX_QPS} QPs, one QPN each", qpns.len(), kinds.len());
+        }
+        let psn = g.u32("psn")?;
+        for (i, qpn) in qpns.into_iter().enumerate() {
+            out.push(GuestQp { kind: kinds[i % kinds.len()], qpn, psn: psn.wrapping_add(i as u32 * PSN_STEP) & 0xff_ffff });
+        }
+    } else {
+        for kind in Kind::WORKLOADS {
+            let w = kind.name();
+            if g.has(&format!("{w}.qpn")) {
+                out.push(GuestQp { kind, qpn: g.u32(&format!("{w}.qpn"))?, psn: g.u32(&format!("{w}.psn"))? & 0xff_ffff });
+            }
+        }
+    }
+    if g.has("big.qpn") {
+        out.push(GuestQp { kind: Kind::Big, qpn: g.u32("big.qpn")?, psn: g.u32("big.psn")? & 0xff_ffff });
+    }
+    Ok(out)
+}
+
+/// Offsets in the peer's one registered region; every QP has its own part.
 struct Layout {
-    stream_rx: usize,
-    stream_tx: usize,
+    size: usize,
+    rec: usize,
+    stream: usize,
     hello: usize,
     ring_tx: usize,
     table_rx: usize,
     words: usize,
+    n_ring: usize,
+    n_atomic: usize,
     len: usize,
 }
 
+const TABLE_RX: usize = 2 * SMALL + TABLE_ROW;
+
 impl Layout {
-    fn new(size: usize, rec: usize) -> Layout {
-        let stream_rx = 0;
-        let stream_tx = stream_rx + STREAM_DEPTH * size;
-        let hello = stream_tx + STREAM_DEPTH * size;
-        let ring_tx = hello + 4 * SMALL;
-        let table_rx = ring_tx + RING_WINDOW * rec;
-        let words = table_rx + 2 * SMALL + TABLE_ROW;
-        Layout { stream_rx, stream_tx, hello, ring_tx, table_rx, words, len: words + 3 * 8 }
+    fn new(size: usize, rec: usize, qps: &[GuestQp]) -> Layout {
+        let n = |k| qps.iter().filter(|q| q.kind == k).count();
+        let (n_stream, n_ring, n_table, n_atomic) = (n(Kind::Stream), n(Kind::Ring), n(Kind::Table), n(Kind::Atomic));
+        let stream = 0;
+        let hello = stream + n_stream * 2 * STREAM_DEPTH * size;
+        let ring_tx = hello + qps.len() * SMALL;
+        let table_rx = ring_tx + n_ring * RING_WINDOW * rec;
+        let words = table_rx + n_table * TABLE_RX;
+        let len = words + 8 * (n_ring + 2 * n_atomic) + 8;
+        Layout { size, rec, stream, hello, ring_tx, table_rx, words, n_ring, n_atomic, len }
     }
-    fn credit(&self) -> usize {
-        self.words
+    fn stream_rx(&self, k: usize, slot: usize) -> usize {
+        self.stream + (k * 2 * STREAM_DEPTH + slot) * self.size
     }
-    fn counter(&self) -> usize {
-        self.words + 8
+    fn stream_tx(&self, k: usize, slot: usize) -> usize {
+        self.stream_rx(k, STREAM_DEPTH + slot)
     }
-    fn ops(&self) -> usize {
-        self.words + 16
+    fn ring_tx(&self, k: usize, slot: usize) -> usize {
+        self.ring_tx + (k * RING_WINDOW + slot) * self.rec
+    }
+    fn table_rx(&self, k: usize) -> usize {
+        self.table_rx + k * TABLE_RX
+    }
+    /// The credit words of the ring QPs, one each.
+    fn credit(&self, k: usize) -> usize {
+        self.words + 8 * k
+    }
+    fn counter(&self, k: usize) -> usize {
+        self.words + 8 * (self.n_ring + k)
+    }
+    fn ops(&self, k: usize) -> usize {
+        self.words + 8 * (self.n_ring + self.n_atomic + k)
+    }
+    /// The big WRITE's acknowledgement (the round, SENT back).
+    fn big_ack(&self) -> usize {
+        self.words + 8 * (self.n_ring + 2 * self.n_atomic)
     }
 }
 
-/// One workload's QP with its CQ and timing.
+/// One QP running one workload, with its CQ, timing and progress.
 struct Chan {
+    kind: Kind,
+    /// Its index among the QPs of its kind.
+    k: usize,
+    /// Its index among all QPs (selects its hello buffer).
+    idx: usize,
     qp: Qp,
     cq: Cq,
     started: bool,
     last: Option<Instant>,
+    st: State,
 }
 
 impl Chan {
@@ -245,28 +394,40 @@ const TAG_DATA: u64 = 2 << 56;
 const TAG_SEND: u64 = 3 << 56;
 const TAG_MASK: u64 = 0xff << 56;
 
+/// The peer's side of the big WRITE: the buffer the guest writes into.
+struct BigTarget {
+    buf: MemBuf,
+    mr: Mr,
+    len: usize,
+    rounds: u64,
+}
+
 struct Peer {
     buf: MemBuf,
     mr: Mr,
     lay: Layout,
+    big: Option<BigTarget>,
     rep: PeerReport,
-    size: usize,
     count: u64,
     deadline: Option<Instant>,
 }
 
 impl Peer {
-    fn violation(&mut self, w: &str, msg: String) {
-        self.rep.workloads.get_mut(w).unwrap().errors += 1;
+    fn violation(&mut self, kind: Kind, k: usize, msg: String) {
+        self.rep.workloads.get_mut(kind.name()).unwrap().errors += 1;
         if self.rep.violations.len() < MAX_VIOLATIONS {
-            self.rep.violations.push(format!("{w}: {msg}"));
+            self.rep.violations.push(format!("{} {k}: {msg}", kind.name()));
         }
     }
 
+    fn wl(&mut self, kind: Kind) -> &mut WorkloadReport {
+        self.rep.workloads.get_mut(kind.name()).unwrap()
+    }
+
     /// A completion that is not a success: the QP is in error from here on.
-    fn bad_completion(&mut self, w: &str, wc: &Wc) {
+    fn bad_completion(&mut self, kind: Kind, k: usize, wc: &Wc) {
         self.rep.error_completions += 1;
-        self.violation(w, format!("completion {:#x} failed: {:?} (opcode {:?})", wc.wr_id, wc.status, wc.opcode));
+        self.violation(kind, k, format!("completion {:#x} failed: {:?} (opcode {:?})", wc.wr_id, wc.status, wc.opcode));
     }
 
     fn running(&self) -> bool {
@@ -287,14 +448,18 @@ pub fn run(a: PeerArgs) -> anyhow::Result<()> {
         std::fs::read_to_string(&a.guest).with_context(|| format!("reading {}", a.guest.display()))?
     };
     let g = Info::parse(&text);
-    let rep = serve(&a, &g, |line| {
+    let publish = |line: &str| {
         println!("{line}");
         let _ = std::io::stdout().flush();
         if let Some(f) = &a.info_out {
             std::fs::write(f, format!("{line}\n")).with_context(|| format!("writing {}", f.display()))?;
         }
         Ok(())
-    })?;
+    };
+    if g.has("bench") {
+        return crate::peer_bench::serve(&a, &g, publish);
+    }
+    let rep = serve(&a, &g, publish)?;
     println!("{}", serde_json::to_string(&rep)?);
     if !rep.ok {
         bail!(
@@ -312,78 +477,101 @@ pub fn run(a: PeerArgs) -> anyhow::Result<()> {
 /// `publish`, runs, and reports.
 pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Result<()>) -> anyhow::Result<PeerReport> {
     let gid = g.gid()?;
+    let qps = guest_qps(g)?;
+    if qps.is_empty() {
+        bail!("the guest named no workload (no qps=, stream.qpn, ring.qpn, table.qpn, atomic.qpn or big.qpn)");
+    }
     let ctx = Context::open(a.sock.as_deref())?;
-    let (size, rec, count) = guest_params(a, g)?;
-    let lay = Layout::new(size, rec);
+    let (size, rec, count) = guest_params(a, g, &qps)?;
+    let lay = Layout::new(size, rec, &qps);
     let pd = ctx.alloc_pd()?;
     let buf = MemBuf::new(lay.len)?;
     let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL)?;
+    let big = match qps.iter().any(|q| q.kind == Kind::Big) {
+        false => None,
+        true => {
+            let len = g.num("big.len")?;
+            if len == 0 || len > MAX_BIG {
+                bail!("big.len={len}: a big WRITE is 1 byte to {MAX_BIG} bytes");
+            }
+            let b = MemBuf::new(len as usize)?;
+            let m = pd.reg_mr(&b, 0, len as usize, access::LOCAL_WRITE | access::REMOTE_WRITE)?;
+            Some(BigTarget { buf: b, mr: m, len: len as usize, rounds: g.num("big.rounds").unwrap_or(0) })
+        }
+    };
     let mtu = Mtu::from_bytes(a.mtu).context("MTU must be 256..4096")?;
     let opts = ConnectOpts { mtu, timeout: a.timeout, min_rnr_timer: 1, ..Default::default() };
 
     let mut me = Info::default();
     me.set("gid", ctx.gid());
     me.set("rkey", mr.rkey);
-    me.set("ring.credit", format!("{:#x}", mr.addr + lay.credit() as u64));
-    me.set("atomic.counter", format!("{:#x}", mr.addr + lay.counter() as u64));
-    me.set("atomic.ops", format!("{:#x}", mr.addr + lay.ops() as u64));
-    let mut chans = open_channels(&ctx, &pd, g, gid, &opts, &mut me)?;
-    if chans.is_empty() {
-        bail!("the guest named no workload (no stream.qpn, ring.qpn, table.qpn or atomic.qpn)");
+    me.set("ring.credit", format!("{:#x}", mr.addr + lay.credit(0) as u64));
+    me.set("atomic.counter", format!("{:#x}", mr.addr + lay.counter(0) as u64));
+    me.set("atomic.ops", format!("{:#x}", mr.addr + lay.ops(0) as u64));
+    if let Some(b) = &big {
+        me.set("big.addr", format!("{:#x}", b.mr.addr));
+        me.set("big.rkey", b.mr.rkey);
     }
-    let mut p = Peer { buf, mr, lay, rep: PeerReport::default(), size, count, deadline: None };
-    for &w in chans.keys() {
-        p.rep.workloads.insert(w.into(), WorkloadReport::default());
+    let mut chans = open_channels(&ctx, &pd, g, &qps, gid, &opts, &mut me)?;
+    let mut p = Peer { buf, mr, lay, big, rep: PeerReport::default(), count, deadline: None };
+    for c in &chans {
+        p.rep.workloads.entry(c.kind.name().into()).or_default().qps += 1;
     }
+    p.rep.qps = chans.len();
     post_first_receives(&p, &chans)?;
     publish(&me.line())?;
 
     let t0 = Instant::now();
     p.deadline = a.duration.map(|d| t0 + Duration::from_secs_f64(d));
-    let mut st = run_workloads(a, g, &mut p, &mut chans)?;
-    st.atomic_final(&mut p, chans.contains_key("atomic"));
+    run_workloads(a, g, &mut p, &mut chans)?;
+    for c in chans.iter_mut().filter(|c| c.kind == Kind::Atomic) {
+        c.st.atomic_final(&mut p, c.k);
+    }
     Ok(final_report(p.rep, t0))
 }
 
 /// The guest's stream message size, ring record size and count, checked
 /// before anything is allocated for them.
-fn guest_params(a: &PeerArgs, g: &Info) -> anyhow::Result<(usize, usize, u64)> {
-    let size = if g.has("stream.qpn") { g.num("size")? as usize } else { 64 };
+fn guest_params(a: &PeerArgs, g: &Info, qps: &[GuestQp]) -> anyhow::Result<(usize, usize, u64)> {
+    let has = |k| qps.iter().any(|q| q.kind == k);
+    let size = if has(Kind::Stream) { g.num("size")? as usize } else { 64 };
     if !(16..=(1 << 20)).contains(&size) || size % 8 != 0 {
         bail!("size={size}: stream messages are 16 bytes to 1 MiB, a multiple of 8");
     }
-    let rec = if g.has("ring.qpn") { g.num("ring.rec")? as usize } else { 16 };
+    let rec = if has(Kind::Ring) { g.num("ring.rec")? as usize } else { 16 };
     if !(16..=(1 << 16)).contains(&rec) || rec % 8 != 0 {
         bail!("ring.rec={rec}: records are 16 bytes to 64 KiB, a multiple of 8");
     }
-    if g.has("ring.qpn") && g.num("ring.slots")? == 0 {
+    if has(Kind::Ring) && g.num("ring.slots")? == 0 {
         bail!("ring.slots must be at least 1");
     }
-    if g.has("table.qpn") && g.num("table.rows")? == 0 {
+    if has(Kind::Table) && g.num("table.rows")? == 0 {
         bail!("table.rows must be at least 1");
     }
     let count = g.num("count").unwrap_or(0);
-    if count == 0 && a.duration.is_none() {
-        bail!("the guest runs without end (count=0): give --duration");
+    let endless_big = has(Kind::Big) && g.num("big.rounds").unwrap_or(0) == 0;
+    if (count == 0 || endless_big) && a.duration.is_none() {
+        bail!("the guest runs without end (count=0 or big.rounds=0): give --duration");
     }
     Ok((size, rec, count))
 }
 
-/// One QP (with its CQ) per workload the guest named, connected to the
-/// guest's; their QPNs and PSNs go into `me`.
+/// One QP (with its CQ) per guest QP, connected to it; their QPNs and PSNs
+/// go into `me` in the form the guest used.
 fn open_channels(
     ctx: &Context,
     pd: &Pd,
     g: &Info,
+    qps: &[GuestQp],
     gid: Ipv4Addr,
     opts: &ConnectOpts,
     me: &mut Info,
-) -> anyhow::Result<BTreeMap<&'static str, Chan>> {
-    let mut chans: BTreeMap<&'static str, Chan> = BTreeMap::new();
-    for (i, w) in ["atomic", "ring", "stream", "table"].into_iter().enumerate() {
-        if !g.has(&format!("{w}.qpn")) {
-            continue;
-        }
+) -> anyhow::Result<Vec<Chan>> {
+    let mut chans = Vec::new();
+    let psn0 = std::process::id().wrapping_mul(2654435761) & 0xff_ffff;
+    let mut per_kind = [0usize; 5];
+    let mut listed = Vec::new();
+    for (i, q) in qps.iter().enumerate() {
         let cq = ctx.create_cq(4 * STREAM_DEPTH as u32 + 64, None)?;
         let mut init = QpInitAttr::new(&cq, &cq);
         init.cap.max_send_wr = (2 * STREAM_DEPTH) as u32;
@@ -391,25 +579,43 @@ fn open_channels(
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
         let qp = pd.create_qp(&init)?;
-        let psn = (std::process::id().wrapping_mul(2654435761).wrapping_add(i as u32 * 0x1234)) & 0xff_ffff;
-        let remote = QpEndpoint { gid, qpn: g.u32(&format!("{w}.qpn"))?, psn: g.u32(&format!("{w}.psn"))? & 0xff_ffff };
-        qp.connect(&remote, &ConnectOpts { sq_psn: psn, ..*opts }).with_context(|| format!("connecting the {w} QP"))?;
-        me.set(&format!("{w}.qpn"), qp.qpn);
-        me.set(&format!("{w}.psn"), psn);
-        chans.insert(w, Chan { qp, cq, started: false, last: None });
+        let psn = psn0.wrapping_add(i as u32 * PSN_STEP) & 0xff_ffff;
+        let remote = QpEndpoint { gid, qpn: q.qpn, psn: q.psn };
+        let w = q.kind.name();
+        qp.connect(&remote, &ConnectOpts { sq_psn: psn, ..*opts }).with_context(|| format!("connecting the {w} QP {i}"))?;
+        if q.kind == Kind::Big || !g.has("qps") {
+            me.set(&format!("{w}.qpn"), qp.qpn);
+            me.set(&format!("{w}.psn"), psn);
+        } else {
+            if listed.is_empty() {
+                me.set("psn", psn);
+            }
+            listed.push(qp.qpn);
+        }
+        let k = per_kind[q.kind as usize];
+        per_kind[q.kind as usize] += 1;
+        chans.push(Chan { kind: q.kind, k, idx: i, qp, cq, started: false, last: None, st: State::default() });
+    }
+    if !listed.is_empty() {
+        me.set("qpn", write_ranges(&listed));
     }
     Ok(chans)
 }
 
 /// Receives first: the guest's hello may come the moment it learns our IDs.
-fn post_first_receives(p: &Peer, chans: &BTreeMap<&'static str, Chan>) -> anyhow::Result<()> {
-    for (i, (w, c)) in chans.iter().enumerate() {
-        c.qp.post_recv(&[RecvWr { wr_id: TAG_HELLO | i as u64, sg_list: &[p.hello_sge(i)] }])?;
-        if *w == "stream" {
-            for k in 0..STREAM_DEPTH {
-                let sge = p.mr.sge(p.lay.stream_rx + k * p.size, p.size);
-                c.qp.post_recv(&[RecvWr { wr_id: TAG_DATA | k as u64, sg_list: &[sge] }])?;
+fn post_first_receives(p: &Peer, chans: &[Chan]) -> anyhow::Result<()> {
+    for c in chans {
+        c.qp.post_recv(&[RecvWr { wr_id: TAG_HELLO, sg_list: &[p.hello_sge(c.idx)] }])?;
+        match c.kind {
+            Kind::Stream => {
+                for slot in 0..STREAM_DEPTH {
+                    let sge = p.mr.sge(p.lay.stream_rx(c.k, slot), p.lay.size);
+                    c.qp.post_recv(&[RecvWr { wr_id: TAG_DATA | slot as u64, sg_list: &[sge] }])?;
+                }
             }
+            // The WRITE with immediate of every round consumes one.
+            Kind::Big => c.qp.post_recv(&[RecvWr { wr_id: TAG_DATA, sg_list: &[] }])?,
+            _ => {}
         }
     }
     Ok(())
@@ -418,28 +624,26 @@ fn post_first_receives(p: &Peer, chans: &BTreeMap<&'static str, Chan>) -> anyhow
 /// Polls and posts until every workload is done, a completion failed, the
 /// run's time is up and everything in flight drained, or nothing completed
 /// for `--stall` seconds.
-fn run_workloads(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut BTreeMap<&'static str, Chan>) -> anyhow::Result<State> {
+fn run_workloads(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut [Chan]) -> anyhow::Result<()> {
     let stall = Duration::from_secs_f64(a.stall);
-    let mut st = State::default();
-    let hello_idx: BTreeMap<&str, usize> = chans.keys().enumerate().map(|(i, w)| (*w, i)).collect();
     let mut last_progress = Instant::now();
     let mut wcs = [Wc::default(); 32];
     loop {
-        let mut progressed = poll_all(g, p, &mut st, chans, &hello_idx, &mut wcs)?;
+        let mut progressed = poll_all(g, p, chans, &mut wcs)?;
         let running = p.running();
-        progressed |= post_all(a, g, p, &mut st, chans, running)?;
+        progressed |= post_all(a, g, p, chans, running)?;
         if progressed {
             last_progress = Instant::now();
         }
-        let all_done = p.rep.workloads.values().all(|r| r.done);
-        if all_done || p.rep.error_completions > 0 {
+        if chans.iter().all(|c| c.st.done) || p.rep.error_completions > 0 {
             break;
         }
-        if !running && st.drained(chans) {
+        if !running && chans.iter().all(|c| c.st.drained()) {
             break;
         }
         if last_progress.elapsed() > stall {
-            let waiting: Vec<_> = p.rep.workloads.iter().filter(|(_, r)| !r.done).map(|(w, _)| w.clone()).collect();
+            let mut waiting: Vec<_> = chans.iter().filter(|c| !c.st.done).map(|c| c.kind.name()).collect();
+            waiting.dedup();
             let msg = format!("nothing completed for {:.0} s; still waiting for {waiting:?}", a.stall);
             if p.rep.violations.len() < MAX_VIOLATIONS {
                 p.rep.violations.push(msg);
@@ -451,71 +655,62 @@ fn run_workloads(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut BTreeMap<&'st
             std::thread::sleep(Duration::from_micros(50));
         }
     }
-    Ok(st)
+    Ok(())
 }
 
-/// Handles every completion on every workload's CQ; whether there was any.
-fn poll_all(
-    g: &Info,
-    p: &mut Peer,
-    st: &mut State,
-    chans: &mut BTreeMap<&'static str, Chan>,
-    hello_idx: &BTreeMap<&str, usize>,
-    wcs: &mut [Wc],
-) -> anyhow::Result<bool> {
+/// Handles every completion on every QP's CQ; whether there was any.
+fn poll_all(g: &Info, p: &mut Peer, chans: &mut [Chan], wcs: &mut [Wc]) -> anyhow::Result<bool> {
     let mut progressed = false;
-    for (w, c) in chans.iter_mut() {
+    for c in chans.iter_mut() {
         let n = c.cq.poll(wcs)?;
         for wc in &wcs[..n] {
             progressed = true;
-            c.completed(p.rep.workloads.get_mut(*w).unwrap());
+            c.completed(p.wl(c.kind));
             if wc.status != WcStatus::Success {
-                p.bad_completion(w, wc);
+                p.bad_completion(c.kind, c.k, wc);
                 continue;
             }
             if wc.wr_id & TAG_MASK == TAG_HELLO {
-                let got = p.buf.read(p.lay.hello + hello_idx[w] * SMALL, 8);
+                let got = p.buf.read(p.lay.hello + c.idx * SMALL, 8);
                 if wc.byte_len != 16 || u64::from_le_bytes(got.try_into().unwrap()) != HELLO {
-                    p.violation(w, format!("the first message was not a hello ({} bytes)", wc.byte_len));
+                    p.violation(c.kind, c.k, format!("the first message was not a hello ({} bytes)", wc.byte_len));
                 }
                 c.started = true;
                 continue;
             }
-            match *w {
-                "stream" => st.stream_completion(p, c, wc)?,
-                "ring" => st.ring_completion(p, wc),
-                "table" => st.table_completion(p, g, wc),
-                _ => p.violation(w, format!("unexpected completion {wc:?}")),
+            match c.kind {
+                Kind::Stream => State::stream_completion(p, c, wc)?,
+                Kind::Ring => c.st.ring_completion(p, c.k, wc),
+                Kind::Table => c.st.table_completion(p, g, c.k, wc),
+                Kind::Big => State::big_completion(p, c, wc)?,
+                Kind::Atomic => p.violation(c.kind, c.k, format!("unexpected completion {wc:?}")),
             }
         }
     }
     Ok(progressed)
 }
 
-/// Posts the next work of every started workload not yet done; whether
-/// any moved.
-fn post_all(
-    a: &PeerArgs,
-    g: &Info,
-    p: &mut Peer,
-    st: &mut State,
-    chans: &mut BTreeMap<&'static str, Chan>,
-    running: bool,
-) -> anyhow::Result<bool> {
+/// Posts the next work of every started QP not yet done; whether any moved.
+fn post_all(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut [Chan], running: bool) -> anyhow::Result<bool> {
     let mut progressed = false;
-    for (w, c) in chans.iter_mut() {
-        if !c.started || p.rep.workloads[*w].done {
+    for c in chans.iter_mut() {
+        if !c.started || c.st.done {
             continue;
         }
-        progressed |= match *w {
-            "stream" => st.stream_post(p, c, running)?,
-            "ring" => st.ring_post(p, g, c, running)?,
-            "table" => st.table_post(p, g, c, running, a.table_reads)?,
-            _ => {
+        progressed |= match c.kind {
+            Kind::Stream => c.st.stream_post(p, &c.qp, c.k, running)?,
+            Kind::Ring => c.st.ring_post(p, g, &c.qp, c.k, running)?,
+            Kind::Table => c.st.table_post(p, g, &c.qp, c.k, running, a.table_reads)?,
+            Kind::Big => {
+                let b = p.big.as_ref().unwrap();
+                c.st.done = b.rounds > 0 && c.st.big_rounds >= b.rounds;
+                false
+            }
+            Kind::Atomic => {
                 // The peer completes nothing here: the counter moving is the event.
-                let moved = st.atomic_check(p, running);
+                let moved = c.st.atomic_check(p, c.k);
                 if moved {
-                    c.completed(p.rep.workloads.get_mut("atomic").unwrap());
+                    c.completed(p.wl(Kind::Atomic));
                 }
                 moved
             }
@@ -527,21 +722,23 @@ fn post_all(
 /// Totals over the workloads, and the verdict.
 fn final_report(mut rep: PeerReport, t0: Instant) -> PeerReport {
     rep.seconds = t0.elapsed().as_secs_f64();
-    for r in rep.workloads.values() {
+    for r in rep.workloads.values_mut() {
         rep.messages_verified += r.verified;
         rep.bytes_verified += r.bytes_verified;
         rep.errors += r.errors;
         rep.lost += r.lost;
         rep.duplicated += r.duplicated;
         rep.max_gap_ms = rep.max_gap_ms.max(r.max_gap_ms);
+        r.done = r.qps_done == r.qps;
     }
     rep.ok = rep.errors == 0 && rep.lost == 0 && rep.duplicated == 0 && rep.error_completions == 0 && rep.messages_verified > 0;
     rep
 }
 
-/// Per-workload progress of the run.
+/// One QP's progress.
 #[derive(Default)]
 struct State {
+    done: bool,
     // stream
     rx_expect: u64,
     tx_next: u64,
@@ -549,6 +746,7 @@ struct State {
     // ring
     ring_next: u64,
     ring_done: u64,
+    ring_credit: u64,
     // table
     table_next_row: u64,
     table_inflight: bool,
@@ -556,138 +754,151 @@ struct State {
     table_reads: u64,
     // atomic
     atomic_last: u64,
+    atomic_verified: u64,
+    // big
+    big_rounds: u64,
 }
 
 impl State {
-    fn drained(&self, chans: &BTreeMap<&'static str, Chan>) -> bool {
-        (!chans.contains_key("stream") || self.tx_done == self.tx_next)
-            && (!chans.contains_key("ring") || self.ring_done == self.ring_next)
-            && !self.table_inflight
+    fn drained(&self) -> bool {
+        self.tx_done == self.tx_next && self.ring_done == self.ring_next && !self.table_inflight
     }
 
-    fn stream_completion(&mut self, p: &mut Peer, c: &Chan, wc: &Wc) -> anyhow::Result<()> {
+    fn stream_completion(p: &mut Peer, c: &mut Chan, wc: &Wc) -> anyhow::Result<()> {
+        let (st, k) = (&mut c.st, c.k);
         if wc.wr_id & TAG_MASK == TAG_SEND {
-            self.tx_done += 1;
-            p.rep.workloads.get_mut("stream").unwrap().issued += 1;
+            st.tx_done += 1;
+            p.wl(Kind::Stream).issued += 1;
             return Ok(());
         }
-        let k = (wc.wr_id & !TAG_MASK) as usize;
-        let off = p.lay.stream_rx + k * p.size;
-        let data = p.buf.read(off, p.size);
+        let slot = (wc.wr_id & !TAG_MASK) as usize;
+        let off = p.lay.stream_rx(k, slot);
+        let size = p.lay.size;
+        let data = p.buf.read(off, size);
         let seq = u64::from_le_bytes(data[..8].try_into().unwrap());
-        let expect = self.rx_expect;
+        let expect = st.rx_expect;
         let imm = wc.wc_flags & wc_flags::WITH_IMM != 0;
-        if wc.byte_len as usize != p.size {
-            p.violation("stream", format!("message {seq} has {} bytes, not {}", wc.byte_len, p.size));
+        if wc.byte_len as usize != size {
+            p.violation(Kind::Stream, k, format!("message {seq} has {} bytes, not {size}", wc.byte_len));
         } else if seq < expect {
-            p.rep.workloads.get_mut("stream").unwrap().duplicated += 1;
-            p.violation("stream", format!("message {seq} again (expected {expect})"));
+            p.wl(Kind::Stream).duplicated += 1;
+            p.violation(Kind::Stream, k, format!("message {seq} again (expected {expect})"));
         } else {
             if seq > expect {
-                p.rep.workloads.get_mut("stream").unwrap().lost += seq - expect;
-                p.violation("stream", format!("messages {expect}..{seq} never came"));
+                p.wl(Kind::Stream).lost += seq - expect;
+                p.violation(Kind::Stream, k, format!("messages {expect}..{seq} never came"));
             }
             if imm != (seq % 2 == 1) || (imm && wc.imm_data != seq as u32) {
-                p.violation("stream", format!("message {seq}: immediate {imm} {:#x} (odd messages carry their number)", wc.imm_data));
+                p.violation(
+                    Kind::Stream,
+                    k,
+                    format!("message {seq}: immediate {imm} {:#x} (odd messages carry their number)", wc.imm_data),
+                );
             }
             match check(&data, seq, seq | STREAM_TO_PEER) {
-                Some(j) => p.violation("stream", format!("message {seq}: word {j} differs")),
+                Some(j) => p.violation(Kind::Stream, k, format!("message {seq}: word {j} differs")),
                 None => {
-                    let r = p.rep.workloads.get_mut("stream").unwrap();
+                    let r = p.wl(Kind::Stream);
                     r.verified += 1;
-                    r.bytes_verified += p.size as u64;
+                    r.bytes_verified += size as u64;
                 }
             }
-            self.rx_expect = seq + 1;
+            st.rx_expect = seq + 1;
         }
-        let sge = p.mr.sge(off, p.size);
+        let sge = p.mr.sge(off, size);
         c.qp.post_recv(&[RecvWr { wr_id: wc.wr_id, sg_list: &[sge] }])?;
         Ok(())
     }
 
-    fn stream_post(&mut self, p: &mut Peer, c: &Chan, running: bool) -> anyhow::Result<bool> {
+    fn stream_post(&mut self, p: &mut Peer, qp: &Qp, k: usize, running: bool) -> anyhow::Result<bool> {
         let mut posted = false;
+        let size = p.lay.size;
         while running && (p.count == 0 || self.tx_next < p.count) && self.tx_next - self.tx_done < STREAM_DEPTH as u64 {
             let seq = self.tx_next;
-            let slot = (seq % STREAM_DEPTH as u64) as usize;
-            let off = p.lay.stream_tx + slot * p.size;
-            p.buf.write(off, &fill(seq, seq | STREAM_TO_GUEST, p.size));
-            let sge = [p.mr.sge(off, p.size)];
+            let off = p.lay.stream_tx(k, (seq % STREAM_DEPTH as u64) as usize);
+            p.buf.write(off, &fill(seq, seq | STREAM_TO_GUEST, size));
+            let sge = [p.mr.sge(off, size)];
             let mut wr = SendWr::send(TAG_SEND | seq, &sge);
             if seq % 2 == 1 {
                 wr = wr.with_imm(seq as u32);
             }
-            c.qp.post_send(&[wr])?;
+            qp.post_send(&[wr])?;
             self.tx_next += 1;
             posted = true;
         }
-        let r = p.rep.workloads.get_mut("stream").unwrap();
-        r.detail.insert("sent".into(), self.tx_done);
-        r.detail.insert("received".into(), self.rx_expect);
-        r.done = p.count > 0 && self.tx_done == p.count && self.rx_expect == p.count;
+        let done = p.count > 0 && self.tx_done == p.count && self.rx_expect == p.count;
+        self.set_done(p, Kind::Stream, done);
         Ok(posted)
     }
 
-    fn ring_completion(&mut self, p: &mut Peer, wc: &Wc) {
+    /// Marks this QP done once, counting it in its workload's report.
+    fn set_done(&mut self, p: &mut Peer, kind: Kind, done: bool) {
+        if done && !self.done {
+            self.done = true;
+            p.wl(kind).qps_done += 1;
+        }
+    }
+
+    fn ring_completion(&mut self, p: &mut Peer, k: usize, wc: &Wc) {
         if wc.opcode != WcOpcode::RdmaWrite {
-            p.violation("ring", format!("unexpected completion {wc:?}"));
+            p.violation(Kind::Ring, k, format!("unexpected completion {wc:?}"));
             return;
         }
         self.ring_done += 1;
-        p.rep.workloads.get_mut("ring").unwrap().issued += 1;
+        p.wl(Kind::Ring).issued += 1;
     }
 
-    fn ring_post(&mut self, p: &mut Peer, g: &Info, c: &Chan, running: bool) -> anyhow::Result<bool> {
+    fn ring_post(&mut self, p: &mut Peer, g: &Info, qp: &Qp, k: usize, running: bool) -> anyhow::Result<bool> {
         let slots = g.num("ring.slots")?;
-        let rec = g.num("ring.rec")? as usize;
-        let (addr, rkey) = (g.num("ring.addr")?, g.u32("ring.rkey")?);
-        let credit = p.buf.read_u64(p.lay.credit());
-        let r = p.rep.workloads.get_mut("ring").unwrap();
+        let rec = p.lay.rec;
+        let (addr, rkey) = (g.num("ring.addr")? + k as u64 * slots * rec as u64, g.u32("ring.rkey")?);
+        let credit = p.buf.read_u64(p.lay.credit(k));
         if credit > self.ring_next {
             let msg = format!("the guest says it checked {credit} records of {} written", self.ring_next);
-            r.detail.insert("checked_by_guest".into(), credit);
-            p.violation("ring", msg);
+            p.violation(Kind::Ring, k, msg);
             return Ok(false);
         }
         // Records the guest checked are what the ring verified end to end.
-        if credit > r.verified {
-            r.bytes_verified += (credit - r.verified) * rec as u64;
-            r.verified = credit;
+        if credit > self.ring_credit {
+            let r = p.wl(Kind::Ring);
+            r.bytes_verified += (credit - self.ring_credit) * rec as u64;
+            r.verified += credit - self.ring_credit;
+            self.ring_credit = credit;
         }
-        r.detail.insert("checked_by_guest".into(), credit);
-        r.done = p.count > 0 && credit == p.count;
+        self.set_done(p, Kind::Ring, p.count > 0 && credit == p.count);
         let mut posted = false;
         while running
             && (p.count == 0 || self.ring_next < p.count)
             && self.ring_next - credit < slots
             && self.ring_next - self.ring_done < RING_WINDOW as u64
         {
-            let k = self.ring_next;
-            let off = p.lay.ring_tx + (k % RING_WINDOW as u64) as usize * rec;
-            p.buf.write(off, &fill(k, k | RING, rec));
+            let n = self.ring_next;
+            let off = p.lay.ring_tx(k, (n % RING_WINDOW as u64) as usize);
+            p.buf.write(off, &fill(n, n | RING, rec));
             let sge = [p.mr.sge(off, rec)];
-            let wr = SendWr::write(TAG_DATA | k, &sge, addr + (k % slots) * rec as u64, rkey).with_imm(k as u32);
-            c.qp.post_send(&[wr])?;
+            let wr = SendWr::write(TAG_DATA | n, &sge, addr + (n % slots) * rec as u64, rkey).with_imm(n as u32);
+            qp.post_send(&[wr])?;
             self.ring_next += 1;
             posted = true;
         }
         Ok(posted)
     }
 
-    fn table_post(&mut self, p: &mut Peer, g: &Info, c: &Chan, running: bool, reads: u64) -> anyhow::Result<bool> {
-        let r = p.rep.workloads.get_mut("table").unwrap();
-        r.done = reads > 0 && self.table_reads >= reads || p.count > 0 && reads == 0 && self.table_reads >= p.count;
-        if self.table_inflight || !running || r.done {
+    fn table_post(&mut self, p: &mut Peer, g: &Info, qp: &Qp, k: usize, running: bool, reads: u64) -> anyhow::Result<bool> {
+        let done = reads > 0 && self.table_reads >= reads || p.count > 0 && reads == 0 && self.table_reads >= p.count;
+        self.set_done(p, Kind::Table, done);
+        if self.table_inflight || !running || self.done {
             return Ok(false);
         }
         let rows = g.num("table.rows")?;
-        let (addr, rkey) = (g.num("table.addr")?, g.u32("table.rkey")?);
+        let addr = g.num("table.addr")? + k as u64 * rows * TABLE_ROW as u64;
+        let rkey = g.u32("table.rkey")?;
         let row = self.table_next_row % rows;
         let ra = addr + row * TABLE_ROW as u64;
-        let t = p.lay.table_rx;
+        let t = p.lay.table_rx(k);
         let (s1, s2, s3) = ([p.mr.sge(t, 8)], [p.mr.sge(t + SMALL, TABLE_ROW)], [p.mr.sge(t + 8, 8)]);
         // Three READs in order on one QP: version, row, version (a seqlock reader).
-        c.qp.post_send(&[
+        qp.post_send(&[
             SendWr::read(TAG_DATA, &s1, ra, rkey).unsignaled(),
             SendWr::read(TAG_DATA | 1, &s2, ra, rkey).unsignaled(),
             SendWr::read(TAG_DATA | 2, &s3, ra, rkey),
@@ -696,77 +907,114 @@ impl State {
         Ok(true)
     }
 
-    fn table_completion(&mut self, p: &mut Peer, g: &Info, wc: &Wc) {
+    fn table_completion(&mut self, p: &mut Peer, g: &Info, k: usize, wc: &Wc) {
         self.table_inflight = false;
         if wc.opcode != WcOpcode::RdmaRead {
-            p.violation("table", format!("unexpected completion {wc:?}"));
+            p.violation(Kind::Table, k, format!("unexpected completion {wc:?}"));
             return;
         }
         self.table_reads += 1;
         let rows = g.num("table.rows").unwrap_or(1).max(1);
         let row = self.table_next_row % rows;
         self.table_next_row += 1;
-        let t = p.lay.table_rx;
+        let t = p.lay.table_rx(k);
         let (v1, v3) = (p.buf.read_u64(t), p.buf.read_u64(t + 8));
         let data = p.buf.read(t + SMALL, TABLE_ROW);
-        let r = p.rep.workloads.get_mut("table").unwrap();
-        r.issued += 1;
+        p.wl(Kind::Table).issued += 1;
         let seen = self.table_seen.entry(row).or_insert(0);
         if v1 < *seen || v3 < v1 {
             let msg = format!("row {row}: version went backwards ({} seen, then {v1}, {v3})", *seen);
-            p.violation("table", msg);
+            p.violation(Kind::Table, k, msg);
             return;
         }
         *seen = v3;
         if v1 != v3 || v1 % 2 == 1 {
-            *r.detail.entry("busy".into()).or_insert(0) += 1;
+            *p.wl(Kind::Table).detail.entry("busy".into()).or_insert(0) += 1;
             return;
         }
         match check(&data, v1, row << 32 | v1 | TABLE) {
             None => {
+                let r = p.wl(Kind::Table);
                 r.verified += 1;
                 r.bytes_verified += TABLE_ROW as u64;
             }
             Some(j) => {
-                *r.detail.entry("torn".into()).or_insert(0) += 1;
-                p.violation("table", format!("row {row} version {v1}: torn read (word {j} differs)"));
+                *p.wl(Kind::Table).detail.entry("torn".into()).or_insert(0) += 1;
+                p.violation(Kind::Table, k, format!("row {row} version {v1}: torn read (word {j} differs)"));
             }
         }
     }
 
     /// Sandwich check: ops(t1) <= counter(t2) <= ops(t3) + 1.
-    fn atomic_check(&mut self, p: &mut Peer, _running: bool) -> bool {
-        let ops1 = p.buf.read_u64(p.lay.ops());
-        let counter = p.buf.read_u64(p.lay.counter());
-        let ops3 = p.buf.read_u64(p.lay.ops());
-        let r = p.rep.workloads.get_mut("atomic").unwrap();
+    fn atomic_check(&mut self, p: &mut Peer, k: usize) -> bool {
+        let ops1 = p.buf.read_u64(p.lay.ops(k));
+        let counter = p.buf.read_u64(p.lay.counter(k));
+        let ops3 = p.buf.read_u64(p.lay.ops(k));
         let moved = counter != self.atomic_last;
         if counter < ops1 || counter > ops3 + 1 || counter < self.atomic_last {
             let msg = format!("counter {counter} with {ops1}..{ops3} operations done (last {})", self.atomic_last);
             self.atomic_last = counter;
-            p.violation("atomic", msg);
+            p.violation(Kind::Atomic, k, msg);
             return moved;
         }
-        if counter > r.verified {
-            r.bytes_verified += 8 * (counter - r.verified);
-            r.verified = counter;
+        if counter > self.atomic_verified {
+            let r = p.wl(Kind::Atomic);
+            r.bytes_verified += 8 * (counter - self.atomic_verified);
+            r.verified += counter - self.atomic_verified;
+            self.atomic_verified = counter;
         }
         self.atomic_last = counter;
-        r.done = p.count > 0 && ops3 == p.count && counter == p.count;
+        self.set_done(p, Kind::Atomic, p.count > 0 && ops3 == p.count && counter == p.count);
         moved
     }
 
-    fn atomic_final(&mut self, p: &mut Peer, present: bool) {
-        if !present {
-            return;
-        }
-        self.atomic_check(p, false);
-        let (counter, ops) = (p.buf.read_u64(p.lay.counter()), p.buf.read_u64(p.lay.ops()));
-        let r = p.rep.workloads.get_mut("atomic").unwrap();
-        r.detail.insert("counter".into(), counter);
-        r.detail.insert("ops".into(), ops);
+    fn atomic_final(&mut self, p: &mut Peer, k: usize) {
+        self.atomic_check(p, k);
+        let (counter, ops) = (p.buf.read_u64(p.lay.counter(k)), p.buf.read_u64(p.lay.ops(k)));
+        let r = p.wl(Kind::Atomic);
+        *r.detail.entry("counter".into()).or_insert(0) += counter;
+        *r.detail.entry("ops".into()).or_insert(0) += ops;
         if p.count > 0 && p.deadline.is_none() && (counter != p.count || ops != p.count) {
-            p.violation("atomic", format!("ended with counter {counter} and {ops} operations, not {}", p.count));
+            p.violation(Kind::Atomic, k, format!("ended with counter {counter} and {ops} operations, not {}", p.count));
         }
+    }
+
+    /// The guest's WRITE with immediate of round r arrived whole: check
+    /// every word (word 0 = r, the rest `pattern(BIG, j)`), clear the
+    /// buffer so that a part missing from the next round shows, and SEND
+    /// r back. Our acknowledgement's own completion needs nothing.
+    fn big_completion(p: &mut Peer, c: &mut Chan, wc: &Wc) -> anyhow::Result<()> {
+        if wc.wr_id & TAG_MASK == TAG_SEND {
+            return Ok(());
+        }
+        let r = c.st.big_rounds;
+        let b = p.big.as_ref().unwrap();
+        let imm = wc.wc_flags & wc_flags::WITH_IMM != 0;
+        let data = b.buf.read(0, b.len);
+        let first_word = u64::from_le_bytes(data[..8].try_into().unwrap());
+        let bad = if wc.opcode != WcOpcode::RecvRdmaWithImm || !imm {
+            Some(format!("round {r}: completion {:?} without an immediate", wc.opcode))
+        } else if wc.imm_data != r as u32 || first_word != r {
+            Some(format!("round {r}: immediate {} and word 0 {first_word}", wc.imm_data))
+        } else {
+            check(&data[..b.len / 8 * 8], r, BIG).map(|j| format!("round {r}: word {j} of {} differs", b.len / 8))
+        };
+        b.buf.write(0, &vec![0u8; b.len]);
+        let len = b.len as u64;
+        match bad {
+            Some(msg) => p.violation(Kind::Big, c.k, msg),
+            None => {
+                let w = p.wl(Kind::Big);
+                w.verified += 1;
+                w.bytes_verified += len;
+            }
+        }
+        p.wl(Kind::Big).issued += 1;
+        c.st.big_rounds += 1;
+        c.qp.post_recv(&[RecvWr { wr_id: TAG_DATA, sg_list: &[] }])?;
+        p.buf.write_u64(p.lay.big_ack(), r);
+        let sge = [p.mr.sge(p.lay.big_ack(), 8)];
+        c.qp.post_send(&[SendWr::send(TAG_SEND | r, &sge)])?;
+        Ok(())
     }
 }

@@ -9,6 +9,7 @@ pub mod io;
 pub mod memory;
 pub mod oracle;
 pub mod output;
+pub mod rdma_dirty;
 pub mod savefile;
 pub mod testing;
 pub mod vcpus;

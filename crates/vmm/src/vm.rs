@@ -248,6 +248,20 @@ impl Vm {
         &self.pvrdma
     }
 
+    /// Writes to guest RAM that the vmm's own tracking cannot see (rnicd's,
+    /// through its mapping of the RAM memfd): the migration engine's extra
+    /// dirty sources.
+    pub fn dirty_sources(&self) -> Vec<Arc<dyn migration::dirty::DirtySource>> {
+        self.pvrdma.iter().map(|d| Arc::new(crate::rdma_dirty::PvrdmaTraces(d.lock().unwrap().traces())) as _).collect()
+    }
+
+    /// The VM runs on another host now: its RDMA objects go from this one.
+    pub fn close_rdma(&self) {
+        for d in &self.pvrdma {
+            d.lock().unwrap().close();
+        }
+    }
+
     pub fn nvme_controllers(&self) -> &[Arc<Mutex<NvmeController>>] {
         &self.nvme
     }
@@ -414,6 +428,14 @@ impl migration::vm::MigratableVm for Vm {
     }
     fn retire(&self, what: Box<dyn Send>) {
         self.retired.lock().unwrap().push(what);
+    }
+    /// The PVRDMA devices' GIDs leave this host (the destination claims
+    /// them when it resumes the VM).
+    fn let_go(&self) -> Result<()> {
+        for d in &self.pvrdma {
+            d.lock().unwrap().release_gid().map_err(anyhow::Error::msg)?;
+        }
+        Ok(())
     }
     /// Small for vCPUs and devices, except memory-backed NVMe namespaces:
     /// their bytes travel in the state, and the downtime estimate must see them.

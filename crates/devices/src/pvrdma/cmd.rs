@@ -182,14 +182,22 @@ impl Dev {
         }
         let mr = pd.pd.reg_mr_at(&self.be.ram, gpa as usize, length as usize, c.access_flags, None, start).map_err(|_| Errno::EINVAL)?;
         let h = self.mrs.free_handle().ok_or(Errno::ENOMEM)?;
+        // While migrating, rnicd's writes into it must reach the dirty log.
+        self.start_mr_trace(&mr).map_err(|_| Errno::ENOMEM)?;
         let key = mr.lkey;
         let info = MrInfo { pd_handle: c.pd_handle, start, length, access: c.access_flags, flags: c.flags, gpa, key };
-        self.mrs.insert(h, Mr { info, _mr: mr });
+        self.mrs.insert(h, Mr { info, mr });
         Ok(resp(CmdCreateMrResp { hdr: Default::default(), mr_handle: h, lkey: key, rkey: key, reserved: [0; 4] }))
     }
 
     fn destroy_mr(&mut self, c: CmdDestroyMr) -> Result<Vec<u8>, Errno> {
-        self.mrs.remove(c.mr_handle).ok_or(Errno::EINVAL)?;
+        let m = self.mrs.remove(c.mr_handle).ok_or(Errno::EINVAL)?;
+        if self.tracing && !self.testing.no_traces {
+            // Its last writes go to the dirty log before the trace goes.
+            let mut traced = std::mem::take(&mut self.traced);
+            self.fetch_mr_trace(&m.mr, &m.info, &mut traced);
+            self.traced = traced;
+        }
         Ok(resp(CmdRespHdr::default()))
     }
 

@@ -1,4 +1,6 @@
 //! `--pvrdma SPEC`: `gid=10.200.0.50[,rnicd=/path/to/rnicd.sock][,name=pvrdma0]`.
+//! `testing=no-traces` and `testing=shift-ids` turn a migration mechanism
+//! off, for the tests that show what it is for (never for real use).
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -10,16 +12,32 @@ pub struct PvrdmaConfig {
     pub gid: Ipv4Addr,
     /// rnicd's control socket; `None` finds the one of this network namespace.
     pub rnicd: Option<PathBuf>,
+    pub testing: Testing,
+}
+
+/// Switches that break a migration mechanism on purpose: the negative
+/// controls of the migration tests show that the peers notice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Testing {
+    /// rnicd's writes are not traced while migrating: pages a peer writes
+    /// during the rounds are not sent again.
+    pub no_traces: bool,
+    /// A restore recreates QPs and MRs with other QPNs and keys than the
+    /// saved ones (as without an identity namespace).
+    pub shift_ids: bool,
 }
 
 impl PvrdmaConfig {
     pub fn parse(spec: &str) -> Result<PvrdmaConfig, String> {
         let (mut name, mut gid, mut rnicd) = ("pvrdma0".to_string(), None, None);
+        let mut testing = Testing::default();
         for part in spec.split(',').filter(|p| !p.is_empty()) {
             let (k, v) = part.split_once('=').ok_or_else(|| format!("{part:?}: expected key=value"))?;
             match k {
                 "gid" => gid = Some(v.parse::<Ipv4Addr>().map_err(|_| format!("gid {v:?} is not an IPv4 address"))?),
                 "rnicd" if !v.is_empty() => rnicd = Some(PathBuf::from(v)),
+                "testing" if v == "no-traces" => testing.no_traces = true,
+                "testing" if v == "shift-ids" => testing.shift_ids = true,
                 "name" if !v.is_empty() && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') => name = v.to_string(),
                 _ => return Err(format!("{part:?} is not understood (gid=, rnicd=, name=)")),
             }
@@ -28,7 +46,7 @@ impl PvrdmaConfig {
         if gid.is_unspecified() || gid.is_broadcast() || gid.is_multicast() || gid.is_loopback() {
             return Err(format!("gid {gid} cannot be an RDMA address"));
         }
-        Ok(PvrdmaConfig { name, gid, rnicd })
+        Ok(PvrdmaConfig { name, gid, rnicd, testing })
     }
 }
 
@@ -47,5 +65,8 @@ mod tests {
         assert!(PvrdmaConfig::parse("gid=0.0.0.0").is_err());
         assert!(PvrdmaConfig::parse("gid=10.0.0.1,foo=1").is_err());
         assert!(PvrdmaConfig::parse("gid=10.0.0.1,name=a/b").is_err());
+        let t = PvrdmaConfig::parse("gid=10.0.0.1,testing=no-traces,testing=shift-ids").unwrap().testing;
+        assert!(t.no_traces && t.shift_ids);
+        assert!(PvrdmaConfig::parse("gid=10.0.0.1,testing=other").is_err());
     }
 }

@@ -79,6 +79,7 @@ pub(crate) struct EventRing {
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub(crate) struct Counters {
     pub commands: u64,
     pub command_errors: u64,
@@ -91,6 +92,10 @@ pub(crate) struct Counters {
     pub async_events: u64,
     pub cq_notifications: u64,
     pub dropped_events: u64,
+    /// Guest pages rnicd wrote while traced (migrations: sent again).
+    pub traced_pages: u64,
+    /// Traces that had to report a whole MR.
+    pub trace_overflows: u64,
 }
 
 /// rnicd, as this device reaches it.
@@ -121,10 +126,17 @@ pub(crate) struct Dev {
     pub counters: Counters,
     /// Set by Lifecycle::pause: no guest memory access, no rnicd work.
     pub paused: bool,
+    /// A migration runs: every MR is traced (traces.rs).
+    pub tracing: bool,
+    /// Pages traced in MRs destroyed since the last take.
+    pub traced: Vec<super::traces::PageRun>,
+    /// This host answers for the GID (claimed through rnicd).
+    pub claimed: bool,
+    pub testing: super::config::Testing,
 }
 
 impl Dev {
-    pub fn new(name: String, gid: Ipv4Addr, guest: Guest, ram_size: u64, be: Backend) -> Dev {
+    pub fn new(name: String, gid: Ipv4Addr, guest: Guest, ram_size: u64, be: Backend, testing: super::config::Testing) -> Dev {
         Dev {
             name,
             gid,
@@ -142,6 +154,10 @@ impl Dev {
             suspended: Vec::new(),
             counters: Counters::default(),
             paused: false,
+            tracing: false,
+            traced: Vec::new(),
+            claimed: false,
+            testing,
         }
     }
 
@@ -153,6 +169,11 @@ impl Dev {
 
     /// CTL RESET: every object goes (rnicd's too) and the DSR is forgotten.
     pub fn reset(&mut self) {
+        if self.tracing {
+            // What rnicd wrote into the MRs still goes to the dirty log.
+            let traced = self.take_traced();
+            self.traced = traced;
+        }
         self.qps.clear();
         self.cqs.clear();
         self.mrs.clear();

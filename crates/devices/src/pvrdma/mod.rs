@@ -20,8 +20,10 @@ mod dev;
 mod guest;
 mod objects;
 mod persist;
+mod traces;
 
-pub use config::PvrdmaConfig;
+pub use config::{PvrdmaConfig, Testing};
+pub use traces::{PageRun, TraceHandle};
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -111,7 +113,7 @@ impl Pvrdma {
         let channel = ctx.create_comp_channel().map_err(|e| format!("rnicd completion channel: {e:#}"))?;
         let ram_size = ram.len() as u64;
         let be = Backend { ctx, ram: Arc::new(ram), channel: Arc::new(channel) };
-        let shared = Arc::new(Mutex::new(Dev::new(cfg.name.clone(), cfg.gid, Guest { mem }, ram_size, be)));
+        let shared = Arc::new(Mutex::new(Dev::new(cfg.name.clone(), cfg.gid, Guest { mem }, ram_size, be, cfg.testing)));
         let mut pci = PciConfig::new(abi::PCI_VENDOR_ID_VMWARE, abi::PCI_DEVICE_ID_VMWARE_PVRDMA, 0x02, 0x80, 0);
         pci.set_bar64(abi::transit::BAR_SLOT_UAR, Bar { addr: bar_base, size: UAR_BAR_SIZE });
         pci.set_bar64(abi::transit::BAR_SLOT_MSIX, Bar { addr: bar_base + UAR_BAR_SIZE, size: MSIX_BAR_SIZE });
@@ -143,6 +145,23 @@ impl Pvrdma {
             .collect()
     }
 
+    /// The destination owns the VM now: this host stops answering for the
+    /// GID, before the destination claims it.
+    pub fn release_gid(&self) -> Result<(), String> {
+        let mut d = lock(&self.shared);
+        d.be.ctx.release_gid().map_err(|e| format!("pvrdma {}: releasing GID {}: {e:#}", d.name, d.gid))?;
+        d.claimed = false;
+        Ok(())
+    }
+
+    /// The VM runs on another host: every object goes from this host's
+    /// rnicd (the namespace itself closes with this process's connection).
+    pub fn close(&self) {
+        let mut d = lock(&self.shared);
+        d.stop_traces();
+        d.reset();
+    }
+
     /// `query-pvrdma`: objects, QP states and counters.
     pub fn query(&self) -> serde_json::Value {
         let d = lock(&self.shared);
@@ -168,6 +187,8 @@ impl Pvrdma {
             "gid": d.gid.to_string(),
             "state": format!("{:?}", d.regs.state).to_lowercase(),
             "paused": d.paused,
+            "claimed": d.claimed,
+            "tracing": d.tracing,
             "objects": {
                 "contexts": d.ucs.len(), "pds": d.pds.len(), "mrs": d.mrs.len(),
                 "cqs": d.cqs.len(), "qps": d.qps.len(),
@@ -338,10 +359,18 @@ impl Lifecycle for Pvrdma {
         d.paused = true;
     }
 
-    /// Resumes the QPs (also after a restore, where they were created
-    /// suspended), then serves doorbells again.
+    /// Claims the GID on this host unless it holds it already (a VM that
+    /// starts, is restored, or arrives by migration: the source released
+    /// it at the commit), then resumes the QPs (also after a restore, where
+    /// they were created suspended) and serves doorbells again.
     fn resume(&mut self) {
         let mut d = lock(&self.shared);
+        if !d.claimed {
+            if let Err(e) = d.be.ctx.claim_gid() {
+                tracing::warn!("pvrdma {}: claiming GID {} on this host: {e:#}", d.name, d.gid);
+            }
+            d.claimed = true;
+        }
         if !d.paused {
             return;
         }

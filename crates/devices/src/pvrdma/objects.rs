@@ -83,8 +83,8 @@ pub(crate) struct MrInfo {
 
 pub(crate) struct Mr {
     pub info: MrInfo,
-    /// Held for its life: dropping it deregisters the region in rnicd.
-    pub _mr: verbs::Mr,
+    /// Dropping it deregisters the region in rnicd.
+    pub mr: verbs::Mr,
 }
 
 /// The guest-visible side of a CQ: its ring in guest memory.

@@ -99,6 +99,13 @@ impl Persist for Pvrdma {
     }
 }
 
+/// `testing=shift-ids`: another ID than the saved one, as a destination
+/// without identity namespaces would give (the negative control of the
+/// migration tests).
+fn shifted(id: u32) -> u32 {
+    id ^ 0x0040_0000
+}
+
 fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
     if s.regs.msix.len() != d.regs.msix.len() {
         return Err("MSI-X table of another size".into());
@@ -114,7 +121,11 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         let pd = d.be.ctx.alloc_pd().map_err(|e| format!("PD {h}: {e:#}"))?;
         d.pds.insert(h, Pd { ctx_handle, pd });
     }
-    for (h, info) in s.mrs {
+    let shift = d.testing.shift_ids;
+    for (h, mut info) in s.mrs {
+        if shift {
+            info.key = shifted(info.key);
+        }
         let pd = d.pds.get(info.pd_handle).ok_or(format!("MR {h} names a missing PD"))?;
         if info.gpa.checked_add(info.length).is_none_or(|e| e > d.ram_size) {
             return Err(format!("MR {h} lies outside guest RAM"));
@@ -123,7 +134,7 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
             .pd
             .reg_mr_at(&d.be.ram, info.gpa as usize, info.length as usize, info.access, Some(info.key), info.start)
             .map_err(|e| format!("MR {h} (key {:#x}): {e:#}", info.key))?;
-        d.mrs.insert(h, Mr { info, _mr: mr });
+        d.mrs.insert(h, Mr { info, mr });
     }
     for (h, ring) in s.cqs {
         let cq = d.be.ctx.create_cq(ring.entries, Some(&d.be.channel)).map_err(|e| format!("CQ {h}: {e:#}"))?;
@@ -149,7 +160,14 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         };
         init.sq_sig_all = sq.info.sq_sig_all;
         let mut info = sq.info;
-        let qp = match &sq.state {
+        let mut state = sq.state;
+        if shift {
+            info.qpn = shifted(info.qpn) & 0xff_ffff;
+            if let Some(s) = state.as_mut() {
+                s.qpn = info.qpn;
+            }
+        }
+        let qp = match &state {
             Some(state) => {
                 if state.qpn != info.qpn {
                     return Err(format!("QP {}: state of QPN {:#x} for QPN {:#x}", sq.handle, state.qpn, info.qpn));

@@ -13,6 +13,7 @@
 //! Memory comes from a bump region of identity-mapped RAM, so a virtual
 //! address is the guest-physical one the device sees.
 
+pub mod bench;
 pub mod workloads;
 
 use crate::hw::{mmio_read32, mmio_write32, Platform};

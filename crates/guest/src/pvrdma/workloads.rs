@@ -3,15 +3,19 @@
 //! crates/verbs/src/peer.rs, keep both in step).
 //!
 //! `workload=pvrdma gid=A.B.C.D [run=stream,ring,table,atomic] [count=N]
-//! [size=256] [slots=16] [rec=128] [rows=8] [pvrdma_mem=ADDR]`
+//! [qps=N] [bigwrite=SIZE] [bigrounds=R] [size=256] [slots=16] [rec=128]
+//! [rows=8] [pvrdma_mem=ADDR]`
 //!
-//! The guest brings the device up, creates one QP per workload, publishes
-//! its IDs in the mailbox, waits for the peer's, connects, says hello on
-//! every QP and runs every workload at once: `count` of each (0: without
-//! end). Progress (everything checked so far) goes to the platform page,
-//! violations to the console; with a count it ends with a `pvrdma: PASS`
-//! or `FAIL` line on the console and in the mailbox, and keeps the device
-//! up for the peer (`exit=1`: ends the VM with exit status 0 or 1).
+//! The guest brings the device up, creates `qps` RC QPs (default: one per
+//! workload; QP i runs workload i mod the number of workloads named, each
+//! with its own buffers and checks), plus one for the big WRITE when
+//! `bigwrite` is given, publishes its IDs in the mailbox, waits for the
+//! peer's, connects, says hello on every QP and runs every workload at
+//! once: `count` of each per QP (0: without end). Progress (everything
+//! checked so far) goes to the platform page, violations to the console;
+//! with a count it ends with a `pvrdma: PASS` or `FAIL` line on the
+//! console and in the mailbox, and keeps the device up for the peer
+//! (`exit=1`: ends the VM with exit status 0 or 1).
 
 use super::{Cq, Device, Op, Qp, Remote};
 use crate::args::Args;
@@ -27,9 +31,15 @@ const STREAM_TO_PEER: u64 = 1 << 60;
 const STREAM_TO_GUEST: u64 = 2 << 60;
 const RING: u64 = 3 << 60;
 const TABLE: u64 = 4 << 60;
+const BIG: u64 = 5 << 60;
 const ROW: u64 = 64;
 const DEPTH: u64 = 32;
 const HELLO_WR: u64 = u64::MAX;
+const MAX_QPS: u64 = 256;
+/// Each QP's private words: 32 sources of small writes, the atomic result,
+/// the big WRITE's acknowledgement, then the hello.
+const WORDS: u64 = 64 * 8;
+const PSN_STEP: u32 = 0x100;
 
 fn pattern(seed: u64, j: u64) -> u64 {
     seed.wrapping_add(j).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17) ^ j
@@ -57,14 +67,14 @@ fn check(at: u64, first: u64, seed: u64, len: u64) -> Option<u64> {
     (0..len / 8).find(|&j| rd64(at + 8 * j) != if j == 0 { first } else { pattern(seed, j) })
 }
 
-fn parse_num(s: &str) -> Option<u64> {
+pub(super) fn parse_num(s: &str) -> Option<u64> {
     match s.strip_prefix("0x") {
         Some(h) => u64::from_str_radix(h, 16).ok(),
         None => s.parse().ok(),
     }
 }
 
-fn parse_ip(s: &str) -> Option<[u8; 4]> {
+pub(super) fn parse_ip(s: &str) -> Option<[u8; 4]> {
     let mut ip = [0u8; 4];
     let mut parts = s.split('.');
     for b in ip.iter_mut() {
@@ -73,50 +83,113 @@ fn parse_ip(s: &str) -> Option<[u8; 4]> {
     parts.next().is_none().then_some(ip)
 }
 
+/// The `n`-th number of a list of numbers and ranges (`17-40,45`), as both
+/// sides write QPNs.
+fn nth_in_ranges(list: &str, mut n: u64) -> Option<u64> {
+    for part in list.split(',') {
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (parse_num(a)?, parse_num(b)?),
+            None => (parse_num(part)?, parse_num(part)?),
+        };
+        let len = b.checked_sub(a)? + 1;
+        if n < len {
+            return Some(a + n);
+        }
+        n -= len;
+    }
+    None
+}
+
+/// Writes `nums` as a list of numbers and ranges.
+fn write_ranges<const N: usize>(out: &mut TextBuf<N>, mut nums: impl Iterator<Item = u64>) {
+    let Some(mut start) = nums.next() else { return };
+    let (mut end, mut first) = (start, true);
+    let flush = |out: &mut TextBuf<N>, a: u64, b: u64, first: &mut bool| {
+        let sep = if *first { "" } else { "," };
+        *first = false;
+        let _ = if a == b { write!(out, "{sep}{a}") } else { write!(out, "{sep}{a}-{b}") };
+    };
+    for n in nums {
+        if n == end + 1 {
+            end = n;
+        } else {
+            flush(out, start, end, &mut first);
+            (start, end) = (n, n);
+        }
+    }
+    flush(out, start, end, &mut first);
+}
+
 /// The peer's `key=value` words.
-struct PeerInfo<'a>(&'a str);
+pub(super) struct PeerInfo<'a>(pub(super) &'a str);
 
 impl PeerInfo<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
+    pub(super) fn get(&self, key: &str) -> Option<&str> {
         self.0.split_ascii_whitespace().find_map(|w| w.split_once('=').filter(|(k, _)| *k == key).map(|(_, v)| v))
     }
-    fn num(&self, key: &str) -> Option<u64> {
+    pub(super) fn num(&self, key: &str) -> Option<u64> {
         self.get(key).and_then(parse_num)
     }
 }
 
-struct Chan {
-    name: &'static str,
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Stream,
+    Ring,
+    Table,
+    Atomic,
+    Big,
+}
+
+const KINDS: [(Kind, &str); 4] = [(Kind::Stream, "stream"), (Kind::Ring, "ring"), (Kind::Table, "table"), (Kind::Atomic, "atomic")];
+
+/// One QP running one workload, with its buffers and progress.
+struct Inst {
+    kind: Kind,
+    /// Its index among the QPs of its kind: it selects the ring and table
+    /// here and the credit, counter and ops words on the peer.
+    k: u64,
     qp: Qp,
     cq: Cq,
     psn: u32,
-}
-
-/// Offsets in the one registered buffer.
-struct Layout {
-    size: u64,
-    slots: u64,
-    rec: u64,
-    rows: u64,
     rx: u64,
     tx: u64,
     ring: u64,
     table: u64,
     words: u64,
-    hello: u64,
-    len: u64,
+    tx_next: u64,
+    tx_done: u64,
+    rx_expect: u64,
+    ring_expect: u64,
+    table_updates: u64,
+    atomic_i: u64,
+    atomic_busy: bool,
+    /// The next of the 32 source words for small RDMA writes to the peer.
+    word: u64,
+    big_round: u64,
+    big_busy: bool,
 }
 
-impl Layout {
-    fn new(base: u64, size: u64, slots: u64, rec: u64, rows: u64) -> Layout {
-        let rx = base;
-        let tx = rx + DEPTH * size;
-        let ring = tx + DEPTH * size;
-        let table = ring + slots * rec;
-        let words = table + rows * ROW;
-        let hello = words + 64 * 8;
-        Layout { size, slots, rec, rows, rx, tx, ring, table, words, hello, len: hello + 64 - base }
+impl Inst {
+    fn hello(&self) -> u64 {
+        self.words + WORDS
     }
+    fn result_word(&self) -> u64 {
+        self.words + 32 * 8
+    }
+    fn ack_word(&self) -> u64 {
+        self.words + 33 * 8
+    }
+}
+
+/// Sizes of the workloads' buffers.
+struct Sizes {
+    size: u64,
+    slots: u64,
+    rec: u64,
+    rows: u64,
+    big: u64,
+    big_rounds: u64,
 }
 
 struct Run {
@@ -138,10 +211,11 @@ impl Run {
     }
 }
 
-fn fail(plat: Platform, what: &str, e: super::Error) -> ! {
+pub(super) fn fail(plat: Platform, what: &str, e: super::Error) -> ! {
     println!("pvrdma: FAIL {}: {:?}", what, e);
     plat.exit(1)
 }
+
 pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     let Some(gid) = args.get("gid").and_then(parse_ip) else {
         println!("pvrdma: FAIL give the VM's GID as gid=A.B.C.D (the --pvrdma gid= of the vmm)");
@@ -149,61 +223,71 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     };
     let wanted = args.get("run").unwrap_or("stream,ring,table,atomic");
     let count = args.num("count", 1000);
-    let mut s = bring_up(plat, args, boot, gid, wanted);
-    let targets = exchange_ids(plat, &mut s, gid, count);
+    let mut s = bring_up(plat, args, boot, gid, wanted, count);
+    let targets = exchange_ids(plat, &mut s, gid, wanted, count);
     post_first(plat, &s);
-    println!("pvrdma: connected, running {} with count={}", wanted, count);
+    println!("pvrdma: connected, running {} on {} QPs with count={}", wanted, s.insts.len(), count);
 
-    let mut w = Workloads::new(plat, &s.lay, &s.mr, targets, count);
-    let [stream, ring, table, atomic] = &s.chans;
+    let mut w =
+        Workloads { plat, sz: &s.sz, mr: &s.mr, big_mr: s.big_mr.as_ref(), t: targets, count, r: Run { plat, violations: 0, checked: 0 } };
     loop {
-        let stream_done = stream.is_none() || !w.n_or_inf(w.tx_done) && !w.n_or_inf(w.rx_expect);
-        let ring_done = ring.is_none() || !w.n_or_inf(w.ring_expect);
-        let atomic_done = atomic.is_none() || !w.n_or_inf(w.atomic_i);
-        let table_done = table.is_none() || !w.n_or_inf(w.table_updates);
-        if stream_done && ring_done && atomic_done && table_done {
+        let mut all_done = true;
+        for i in s.insts.iter_mut() {
+            if w.done(i) {
+                continue;
+            }
+            all_done = false;
+            match i.kind {
+                Kind::Stream => w.stream_step(i),
+                Kind::Ring => w.ring_step(i),
+                Kind::Table => w.table_step(i),
+                Kind::Atomic => w.atomic_step(i),
+                Kind::Big => w.big_step(i),
+            }
+        }
+        if all_done {
             break;
         }
-        if let Some(c) = stream {
-            w.stream_step(c);
-        }
-        if let Some(c) = ring {
-            w.ring_step(c);
-        }
-        if let Some(c) = table {
-            w.table_step(c);
-        }
-        if let Some(c) = atomic {
-            w.atomic_step(c);
-        }
     }
-    let ok = w.report(&mut s.mb);
-    after_run(plat, args, &s.chans, ok)
+    let ok = w.report(&mut s.mb, s.insts);
+    after_run(plat, args, s.insts, ok)
 }
 
 /// Everything the workloads share once the device is up: one buffer, one
-/// MR over it, one QP (with its CQ) per wanted workload.
+/// MR over it, the QPs (each with its CQ).
 struct Setup {
     mb: Mailbox,
     dev: Device,
     mr: super::Mr,
-    lay: Layout,
-    chans: [Option<Chan>; 4],
+    big_mr: Option<super::Mr>,
+    sz: Sizes,
+    ring_base: u64,
+    table_base: u64,
+    insts: &'static mut [Inst],
 }
 
-fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8; 4], wanted: &str) -> Setup {
-    let lay_size = args.num("size", 256).clamp(16, 4096) & !7;
-    let slots = args.num("slots", 16).clamp(2, 256);
-    let rec = args.num("rec", 128).clamp(16, 4096) & !7;
-    let rows = args.num("rows", 8).clamp(1, 1024);
+fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8; 4], wanted: &str, count: u64) -> Setup {
+    let big = args.num("bigwrite", 0).min(1 << 30) & !4095;
+    let sz = Sizes {
+        size: args.num("size", 256).clamp(16, 4096) & !7,
+        slots: args.num("slots", 16).clamp(2, 256),
+        rec: args.num("rec", 128).clamp(16, 4096) & !7,
+        rows: args.num("rows", 8).clamp(1, 1024),
+        big,
+        big_rounds: args.num("bigrounds", if count == 0 { 0 } else { 2 }),
+    };
+    let kinds: TextBuf<64> = kinds_of(wanted);
+    let nkinds = kinds.len as u64;
+    if nkinds == 0 && big == 0 {
+        println!("pvrdma: FAIL run= names no workload (stream, ring, table, atomic) and there is no bigwrite=");
+        plat.exit(2)
+    }
+    let nqps = if nkinds == 0 { 0 } else { args.num("qps", nkinds).clamp(1, MAX_QPS) };
     let start = args.num("pvrdma_mem", boot.firmware_end).max(boot.firmware_end);
     let mut region = Region { next: start, end: boot.ram_size };
-    let mb = match Mailbox::find(boot.mmio_base) {
-        Some(m) => m,
-        None => {
-            println!("pvrdma: FAIL no mailbox page");
-            plat.exit(1)
-        }
+    let Some(mb) = Mailbox::find(boot.mmio_base) else {
+        println!("pvrdma: FAIL no mailbox page");
+        plat.exit(1)
     };
 
     let mut dev = Device::init(plat, &mut region, gid).unwrap_or_else(|e| fail(plat, "bring-up", e));
@@ -214,26 +298,86 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
     let port = dev.query_port().unwrap_or_else(|e| fail(plat, "QUERY_PORT", e));
     println!("pvrdma: port state {} active_mtu {}", port.state, port.active_mtu);
     let pd = dev.create_pd().unwrap_or_else(|e| fail(plat, "CREATE_PD", e));
-    let lay0 = Layout::new(0, lay_size, slots, rec, rows);
-    let buf = region.alloc(lay0.len).unwrap_or_else(|| fail(plat, "memory", super::Error::NoMemory));
-    let lay = Layout::new(buf, lay_size, slots, rec, rows);
+
+    // One buffer: every ring, every table, then each QP's private part
+    // (stream buffers for stream QPs, and everyone's words and hello).
+    let kind_of = |i: u64| if i == nqps { Kind::Big } else { KINDS[kinds.buf[(i % nkinds) as usize] as usize].0 };
+    let total = nqps + (big > 0) as u64;
+    let count_of = |k: Kind| (0..total).filter(|&i| kind_of(i) == k).count() as u64;
+    let private = |k: Kind| WORDS + 64 + if k == Kind::Stream { 2 * DEPTH * sz.size } else { 0 };
+    let rings_len = count_of(Kind::Ring) * sz.slots * sz.rec;
+    let tables_len = count_of(Kind::Table) * sz.rows * ROW;
+    let len = rings_len + tables_len + (0..total).map(|i| private(kind_of(i))).sum::<u64>();
+    let buf = region.alloc(len).unwrap_or_else(|| fail(plat, "memory", super::Error::NoMemory));
     let access = pvrdma_abi::ib::access::LOCAL_WRITE
         | pvrdma_abi::ib::access::REMOTE_WRITE
         | pvrdma_abi::ib::access::REMOTE_READ
         | pvrdma_abi::ib::access::REMOTE_ATOMIC;
-    let mr = dev.reg_mr(&mut region, pd, buf, lay.len, access).unwrap_or_else(|e| fail(plat, "CREATE_MR", e));
+    let mr = dev.reg_mr(&mut region, pd, buf, len, access).unwrap_or_else(|e| fail(plat, "CREATE_MR", e));
+    let big_mr = (big > 0).then(|| {
+        let at = region.alloc(big).unwrap_or_else(|| fail(plat, "memory for bigwrite", super::Error::NoMemory));
+        // Filled once: only word 0 (the round) changes from round to round;
+        // the peer clears what it verified, so a lost part shows.
+        fill(at, 0, BIG, big);
+        dev.reg_mr(&mut region, pd, at, big, pvrdma_abi::ib::access::LOCAL_WRITE).unwrap_or_else(|e| fail(plat, "CREATE_MR", e))
+    });
 
-    let mut chans: [Option<Chan>; 4] = [None, None, None, None];
-    for (i, name) in ["stream", "ring", "table", "atomic"].into_iter().enumerate() {
-        if !wanted.split(',').any(|w| w == name) {
-            continue;
-        }
+    let arr =
+        region.alloc(total.max(1) * core::mem::size_of::<Inst>() as u64).unwrap_or_else(|| fail(plat, "memory", super::Error::NoMemory));
+    let (ring_base, table_base) = (buf, buf + rings_len);
+    let mut next_private = table_base + tables_len;
+    let mut per_kind = [0u64; 5];
+    for i in 0..total {
+        let kind = kind_of(i);
+        let k = per_kind[kind as usize];
+        per_kind[kind as usize] += 1;
         let cq = dev.create_cq(&mut region, 4 * DEPTH as u32).unwrap_or_else(|e| fail(plat, "CREATE_CQ", e));
-        let depth = if name == "ring" { (slots as u32).max(DEPTH as u32) } else { DEPTH as u32 };
+        let depth = if kind == Kind::Ring { (sz.slots as u32).max(DEPTH as u32) } else { DEPTH as u32 };
         let qp = dev.create_qp(&mut region, pd, &cq, &cq, 2 * depth, 1).unwrap_or_else(|e| fail(plat, "CREATE_QP", e));
-        chans[i] = Some(Chan { name, qp, cq, psn: 0x1000 * (i as u32 + 1) });
+        let p = next_private;
+        next_private += private(kind);
+        let inst = Inst {
+            kind,
+            k,
+            qp,
+            cq,
+            psn: (0x1000 + i as u32 * PSN_STEP) & 0xff_ffff,
+            words: p,
+            rx: p + WORDS + 64,
+            tx: p + WORDS + 64 + DEPTH * sz.size,
+            ring: ring_base + k * sz.slots * sz.rec,
+            table: table_base + k * sz.rows * ROW,
+            tx_next: 0,
+            tx_done: 0,
+            rx_expect: 0,
+            ring_expect: 0,
+            table_updates: 0,
+            atomic_i: 0,
+            atomic_busy: false,
+            word: 0,
+            big_round: 0,
+            big_busy: false,
+        };
+        // SAFETY: `arr` is fresh RAM for `total` Insts that nothing else uses.
+        unsafe { core::ptr::write((arr as *mut Inst).add(i as usize), inst) };
     }
-    Setup { mb, dev, mr, lay, chans }
+    // SAFETY: all `total` elements were written above; the RAM is never freed.
+    let insts = unsafe { core::slice::from_raw_parts_mut(arr as *mut Inst, total as usize) };
+    Setup { mb, dev, mr, big_mr, sz, ring_base, table_base, insts }
+}
+
+/// The indices into KINDS of the workloads `run=` names, in its order.
+fn kinds_of(wanted: &str) -> TextBuf<64> {
+    let mut out = TextBuf::<64>::new();
+    for w in wanted.split(',') {
+        if let Some(i) = KINDS.iter().position(|(_, n)| *n == w) {
+            if out.len < 64 {
+                out.buf[out.len] = i as u8;
+                out.len += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Where the workloads write and operate on the peer's side.
@@ -242,23 +386,38 @@ struct Targets {
     credit_at: u64,
     counter_at: u64,
     ops_at: u64,
+    big_at: u64,
+    big_rkey: u32,
 }
 
 /// Publishes our IDs, waits for the peer's (once each) and connects every QP.
-fn exchange_ids(plat: Platform, s: &mut Setup, gid: [u8; 4], count: u64) -> Targets {
-    let (lay, mr) = (&s.lay, &s.mr);
+fn exchange_ids(plat: Platform, s: &mut Setup, gid: [u8; 4], wanted: &str, count: u64) -> Targets {
+    let (sz, mr) = (&s.sz, &s.mr);
+    let nqps = s.insts.iter().filter(|i| i.kind != Kind::Big).count();
     let mut me = TextBuf::<0x700>::new();
-    let _ = write!(me, "gid={}.{}.{}.{} count={} size={}", gid[0], gid[1], gid[2], gid[3], count, lay.size);
-    for c in s.chans.iter().flatten() {
-        let _ = write!(me, " {}.qpn={} {}.psn={}", c.name, c.qp.qpn, c.name, c.psn);
+    let _ = write!(me, "gid={}.{}.{}.{} count={} size={}", gid[0], gid[1], gid[2], gid[3], count, sz.size);
+    if nqps > 0 {
+        let _ = write!(me, " run={} qps={} psn={:#x} qpn=", wanted, nqps, s.insts[0].psn);
+        write_ranges(&mut me, s.insts.iter().filter(|i| i.kind != Kind::Big).map(|i| i.qp.qpn as u64));
+        let _ = write!(me, " ring.addr={:#x} ring.rkey={} ring.slots={} ring.rec={}", s.ring_base, mr.rkey, sz.slots, sz.rec);
+        let _ = write!(me, " table.addr={:#x} table.rkey={} table.rows={}", s.table_base, mr.rkey, sz.rows);
     }
-    let _ = write!(me, " ring.addr={:#x} ring.rkey={} ring.slots={} ring.rec={}", lay.ring, mr.rkey, lay.slots, lay.rec);
-    let _ = write!(me, " table.addr={:#x} table.rkey={} table.rows={}", lay.table, mr.rkey, lay.rows);
-    for r in 0..lay.rows {
-        fill(lay.table + r * ROW, 0, r << 32 | TABLE, ROW);
+    if let Some(b) = s.insts.iter().find(|i| i.kind == Kind::Big) {
+        let _ = write!(me, " big.qpn={} big.psn={} big.len={} big.rounds={}", b.qp.qpn, b.psn, sz.big, sz.big_rounds);
     }
-    wr64(lay.hello, HELLO);
-    wr64(lay.hello + 8, 0);
+    for i in s.insts.iter() {
+        if i.kind == Kind::Table {
+            for r in 0..sz.rows {
+                fill(i.table + r * ROW, 0, r << 32 | TABLE, ROW);
+            }
+        }
+        wr64(i.hello(), HELLO);
+        wr64(i.hello() + 8, 0);
+    }
+    if me.len >= me.buf.len() {
+        println!("pvrdma: FAIL our IDs do not fit in the mailbox");
+        plat.exit(1)
+    }
     s.mb.publish(me.as_bytes());
     println!("pvrdma: published {}", core::str::from_utf8(me.as_bytes()).unwrap_or(""));
 
@@ -271,172 +430,166 @@ fn exchange_ids(plat: Platform, s: &mut Setup, gid: [u8; 4], count: u64) -> Targ
         println!("pvrdma: FAIL the peer's message has no gid=");
         plat.exit(1)
     };
-    for c in s.chans.iter().flatten() {
-        let mut k = TextBuf::<32>::new();
-        let _ = write!(k, "{}.qpn", c.name);
-        let qpn = peer.num(core::str::from_utf8(k.as_bytes()).unwrap()).unwrap_or(0) as u32;
-        let mut k = TextBuf::<32>::new();
-        let _ = write!(k, "{}.psn", c.name);
-        let psn = peer.num(core::str::from_utf8(k.as_bytes()).unwrap()).unwrap_or(0) as u32;
-        s.dev.connect(&c.qp, &Remote { gid: pgid, qpn, psn, my_psn: c.psn }).unwrap_or_else(|e| fail(plat, "MODIFY_QP", e));
+    let (qpns, psn0) = (peer.get("qpn").unwrap_or(""), peer.num("psn").unwrap_or(0));
+    let mut n = 0u64;
+    for i in s.insts.iter() {
+        let (qpn, psn) = if i.kind == Kind::Big {
+            (peer.num("big.qpn"), peer.num("big.psn").unwrap_or(0))
+        } else {
+            n += 1;
+            (nth_in_ranges(qpns, n - 1), psn0 + (n - 1) * PSN_STEP as u64)
+        };
+        let Some(qpn) = qpn else {
+            println!("pvrdma: FAIL the peer's message has no QPN for our QP {}", i.qp.qpn);
+            plat.exit(1)
+        };
+        let remote = Remote { gid: pgid, qpn: qpn as u32, psn: psn as u32 & 0xff_ffff, my_psn: i.psn };
+        s.dev.connect(&i.qp, &remote).unwrap_or_else(|e| fail(plat, "MODIFY_QP", e));
     }
     Targets {
         rkey: peer.num("rkey").unwrap_or(0) as u32,
         credit_at: peer.num("ring.credit").unwrap_or(0),
         counter_at: peer.num("atomic.counter").unwrap_or(0),
         ops_at: peer.num("atomic.ops").unwrap_or(0),
+        big_at: peer.num("big.addr").unwrap_or(0),
+        big_rkey: peer.num("big.rkey").unwrap_or(0) as u32,
     }
 }
 
 /// Receives before hellos: the peer starts the moment it hears one.
 fn post_first(plat: Platform, s: &Setup) {
-    let (lay, mr) = (&s.lay, &s.mr);
-    let [stream, ring, _, _] = &s.chans;
-    if let Some(c) = stream {
-        for k in 0..DEPTH {
-            c.qp.post_recv(k, &[mr.sge(lay.rx + k * lay.size, lay.size as u32)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+    let (sz, mr) = (&s.sz, &s.mr);
+    for i in s.insts.iter() {
+        match i.kind {
+            Kind::Stream => {
+                for k in 0..DEPTH {
+                    let sge = mr.sge(i.rx + k * sz.size, sz.size as u32);
+                    i.qp.post_recv(k, &[sge]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+                }
+            }
+            Kind::Ring => {
+                for k in 0..sz.slots {
+                    i.qp.post_recv(k, &[]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+                }
+            }
+            Kind::Big => i.qp.post_recv(0, &[mr.sge(i.ack_word(), 8)]).unwrap_or_else(|e| fail(plat, "post_recv", e)),
+            _ => {}
         }
-    }
-    if let Some(c) = ring {
-        for k in 0..lay.slots {
-            c.qp.post_recv(k, &[]).unwrap_or_else(|e| fail(plat, "post_recv", e));
-        }
-    }
-    for c in s.chans.iter().flatten() {
-        c.qp.post_send(HELLO_WR, Op::Send, &[mr.sge(lay.hello, 16)], true).unwrap_or_else(|e| fail(plat, "hello", e));
+        i.qp.post_send(HELLO_WR, Op::Send, &[mr.sge(i.hello(), 16)], true).unwrap_or_else(|e| fail(plat, "hello", e));
     }
 }
 
-/// The running workloads' counters; each step posts what it may without
-/// waiting and drains its CQ, so all four advance together in one loop.
+/// What every workload step shares; each step posts what it may without
+/// waiting and drains its CQ, so all QPs advance together in one loop.
 struct Workloads<'a> {
     plat: Platform,
-    lay: &'a Layout,
+    sz: &'a Sizes,
     mr: &'a super::Mr,
+    big_mr: Option<&'a super::Mr>,
     t: Targets,
     count: u64,
     r: Run,
-    tx_next: u64,
-    tx_done: u64,
-    rx_expect: u64,
-    ring_expect: u64,
-    table_updates: u64,
-    atomic_i: u64,
-    atomic_busy: bool,
-    /// The next of the 32 source words for small RDMA writes to the peer.
-    word: u64,
-    result_word: u64,
 }
 
-impl<'a> Workloads<'a> {
-    fn new(plat: Platform, lay: &'a Layout, mr: &'a super::Mr, t: Targets, count: u64) -> Self {
-        Workloads {
-            plat,
-            lay,
-            mr,
-            t,
-            count,
-            r: Run { plat, violations: 0, checked: 0 },
-            tx_next: 0,
-            tx_done: 0,
-            rx_expect: 0,
-            ring_expect: 0,
-            table_updates: 0,
-            atomic_i: 0,
-            atomic_busy: false,
-            word: 0,
-            result_word: lay.words + 63 * 8,
-        }
-    }
-
+impl Workloads<'_> {
     /// Whether the x-th operation is still to do (count 0: without end).
     fn n_or_inf(&self, x: u64) -> bool {
         self.count == 0 || x < self.count
     }
 
-    /// A word of ours holding `v`, as the source of an 8-byte write.
-    fn next_word(&mut self, v: u64) -> u64 {
-        let src = self.lay.words + (self.word % 32) * 8;
-        self.word += 1;
+    fn done(&self, i: &Inst) -> bool {
+        match i.kind {
+            Kind::Stream => !self.n_or_inf(i.tx_done) && !self.n_or_inf(i.rx_expect),
+            Kind::Ring => !self.n_or_inf(i.ring_expect),
+            Kind::Table => !self.n_or_inf(i.table_updates),
+            Kind::Atomic => !self.n_or_inf(i.atomic_i),
+            Kind::Big => self.sz.big_rounds != 0 && i.big_round >= self.sz.big_rounds,
+        }
+    }
+
+    /// A word of the QP's own holding `v`, as the source of an 8-byte write.
+    fn next_word(i: &mut Inst, v: u64) -> u64 {
+        let src = i.words + (i.word % 32) * 8;
+        i.word += 1;
         wr64(src, v);
         src
     }
 
-    fn stream_step(&mut self, c: &Chan) {
-        let (plat, lay, mr) = (self.plat, self.lay, self.mr);
-        while self.n_or_inf(self.tx_next) && self.tx_next - self.tx_done < DEPTH {
-            let tx_next = self.tx_next;
-            let at = lay.tx + (tx_next % DEPTH) * lay.size;
-            fill(at, tx_next, tx_next | STREAM_TO_PEER, lay.size);
+    fn stream_step(&mut self, c: &mut Inst) {
+        let (plat, sz, mr) = (self.plat, self.sz, self.mr);
+        while self.n_or_inf(c.tx_next) && c.tx_next - c.tx_done < DEPTH {
+            let tx_next = c.tx_next;
+            let at = c.tx + (tx_next % DEPTH) * sz.size;
+            fill(at, tx_next, tx_next | STREAM_TO_PEER, sz.size);
             let op = if tx_next % 2 == 1 { Op::SendImm(tx_next as u32) } else { Op::Send };
-            if c.qp.post_send(tx_next, op, &[mr.sge(at, lay.size as u32)], true).is_err() {
+            if c.qp.post_send(tx_next, op, &[mr.sge(at, sz.size as u32)], true).is_err() {
                 break;
             }
-            self.tx_next += 1;
+            c.tx_next += 1;
         }
         while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("stream: completion {:#x} status {}", w.wr_id, w.status));
+                self.r.violation(format_args!("stream {}: completion {:#x} status {}", c.k, w.wr_id, w.status));
                 continue;
             }
             if w.opcode == wc_opcode::SEND {
                 if w.wr_id != HELLO_WR {
-                    self.tx_done += 1;
+                    c.tx_done += 1;
                 }
                 continue;
             }
-            let at = lay.rx + (w.wr_id % DEPTH) * lay.size;
+            let at = c.rx + (w.wr_id % DEPTH) * sz.size;
             let seq = rd64(at);
-            let rx_expect = self.rx_expect;
+            let rx_expect = c.rx_expect;
             if seq != rx_expect {
-                self.r.violation(format_args!("stream: message {} arrived, expected {}", seq, rx_expect));
-            } else if let Some(j) = check(at, seq, seq | STREAM_TO_GUEST, lay.size) {
-                self.r.violation(format_args!("stream: message {} word {} differs", seq, j));
+                self.r.violation(format_args!("stream {}: message {} arrived, expected {}", c.k, seq, rx_expect));
+            } else if let Some(j) = check(at, seq, seq | STREAM_TO_GUEST, sz.size) {
+                self.r.violation(format_args!("stream {}: message {} word {} differs", c.k, seq, j));
             } else if (seq % 2 == 1) != (w.wc_flags & wc_flags::WITH_IMM != 0) || seq % 2 == 1 && u32::from_be(w.imm_data) != seq as u32 {
-                self.r.violation(format_args!("stream: message {} immediate {:#x}", seq, w.imm_data));
+                self.r.violation(format_args!("stream {}: message {} immediate {:#x}", c.k, seq, w.imm_data));
             } else {
                 self.r.checked();
             }
-            self.rx_expect = seq + 1;
-            c.qp.post_recv(w.wr_id, &[mr.sge(at, lay.size as u32)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+            c.rx_expect = seq + 1;
+            c.qp.post_recv(w.wr_id, &[mr.sge(at, sz.size as u32)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
         }
     }
 
-    fn ring_step(&mut self, c: &Chan) {
-        let (plat, lay, mr) = (self.plat, self.lay, self.mr);
+    fn ring_step(&mut self, c: &mut Inst) {
+        let (plat, sz, mr) = (self.plat, self.sz, self.mr);
         while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("ring: completion {:#x} status {}", w.wr_id, w.status));
+                self.r.violation(format_args!("ring {}: completion {:#x} status {}", c.k, w.wr_id, w.status));
                 continue;
             }
             if w.opcode != wc_opcode::RECV_RDMA_WITH_IMM {
                 continue;
             }
-            let ring_expect = self.ring_expect;
+            let ring_expect = c.ring_expect;
             let k = u32::from_be(w.imm_data) as u64;
-            let at = lay.ring + (ring_expect % lay.slots) * lay.rec;
+            let at = c.ring + (ring_expect % sz.slots) * sz.rec;
             if k != ring_expect as u32 as u64 {
-                self.r.violation(format_args!("ring: record {} notified, expected {}", k, ring_expect));
-            } else if let Some(j) = check(at, ring_expect, ring_expect | RING, lay.rec) {
-                self.r.violation(format_args!("ring: record {} word {} differs", ring_expect, j));
+                self.r.violation(format_args!("ring {}: record {} notified, expected {}", c.k, k, ring_expect));
+            } else if let Some(j) = check(at, ring_expect, ring_expect | RING, sz.rec) {
+                self.r.violation(format_args!("ring {}: record {} word {} differs", c.k, ring_expect, j));
             } else {
                 self.r.checked();
             }
-            self.ring_expect += 1;
+            c.ring_expect += 1;
             c.qp.post_recv(0, &[]).unwrap_or_else(|e| fail(plat, "post_recv", e));
             // Credit back every half ring, and at the very end.
-            if self.ring_expect.is_multiple_of((lay.slots / 2).max(1)) || self.ring_expect == self.count {
-                let src = self.next_word(self.ring_expect);
-                let _ = c.qp.post_send(1, Op::Write { raddr: self.t.credit_at, rkey: self.t.rkey }, &[mr.sge(src, 8)], true);
+            if c.ring_expect.is_multiple_of((sz.slots / 2).max(1)) || c.ring_expect == self.count {
+                let src = Self::next_word(c, c.ring_expect);
+                let credit = Op::Write { raddr: self.t.credit_at + 8 * c.k, rkey: self.t.rkey };
+                let _ = c.qp.post_send(1, credit, &[mr.sge(src, 8)], true);
             }
         }
     }
 
-    fn table_step(&mut self, c: &Chan) {
+    fn table_step(&mut self, c: &mut Inst) {
         // One seqlock update: odd version, data, even version.
-        let lay = self.lay;
-        let row = self.table_updates % lay.rows;
-        let at = lay.table + row * ROW;
+        let row = c.table_updates % self.sz.rows;
+        let at = c.table + row * ROW;
         let v = rd64(at);
         wr64(at, v + 1);
         fence(Ordering::SeqCst);
@@ -445,61 +598,97 @@ impl<'a> Workloads<'a> {
         }
         fence(Ordering::SeqCst);
         wr64(at, v + 2);
-        self.table_updates += 1;
+        c.table_updates += 1;
         while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(self.plat, "poll", e)) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("table: completion {:#x} status {}", w.wr_id, w.status));
+                self.r.violation(format_args!("table {}: completion {:#x} status {}", c.k, w.wr_id, w.status));
             }
         }
     }
 
-    fn atomic_step(&mut self, c: &Chan) {
-        let (plat, mr, t) = (self.plat, self.mr, &self.t);
-        let (rkey, counter_at, ops_at) = (t.rkey, t.counter_at, t.ops_at);
-        if !self.atomic_busy && self.n_or_inf(self.atomic_i) {
-            let atomic_i = self.atomic_i;
+    fn atomic_step(&mut self, c: &mut Inst) {
+        let (plat, mr) = (self.plat, self.mr);
+        let (rkey, counter_at, ops_at) = (self.t.rkey, self.t.counter_at + 8 * c.k, self.t.ops_at + 8 * c.k);
+        if !c.atomic_busy && self.n_or_inf(c.atomic_i) {
+            let atomic_i = c.atomic_i;
             let op = if atomic_i.is_multiple_of(2) {
                 Op::FetchAdd { raddr: counter_at, rkey, add: 1 }
             } else {
                 Op::CmpSwap { raddr: counter_at, rkey, compare: atomic_i, swap: atomic_i + 1 }
             };
-            self.atomic_busy = c.qp.post_send(2, op, &[mr.sge(self.result_word, 8)], true).is_ok();
+            c.atomic_busy = c.qp.post_send(2, op, &[mr.sge(c.result_word(), 8)], true).is_ok();
         }
         while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("atomic: completion {:#x} status {}", w.wr_id, w.status));
+                self.r.violation(format_args!("atomic {}: completion {:#x} status {}", c.k, w.wr_id, w.status));
                 continue;
             }
             if w.wr_id != 2 {
                 continue;
             }
-            let old = rd64(self.result_word);
-            if old != self.atomic_i {
-                self.r.violation(format_args!("atomic: operation {} returned {}", self.atomic_i, old));
+            let old = rd64(c.result_word());
+            if old != c.atomic_i {
+                self.r.violation(format_args!("atomic {}: operation {} returned {}", c.k, c.atomic_i, old));
             } else {
                 self.r.checked();
             }
-            self.atomic_i += 1;
-            self.atomic_busy = false;
-            let src = self.next_word(self.atomic_i);
+            c.atomic_i += 1;
+            c.atomic_busy = false;
+            let src = Self::next_word(c, c.atomic_i);
             let _ = c.qp.post_send(3, Op::Write { raddr: ops_at, rkey }, &[mr.sge(src, 8)], true);
         }
     }
 
+    /// Round r: the whole buffer (word 0 = r) in one RDMA WRITE with
+    /// immediate r; the peer verifies and clears it, then SENDs r back,
+    /// and only then does round r + 1 start.
+    fn big_step(&mut self, c: &mut Inst) {
+        let (plat, mr) = (self.plat, self.mr);
+        let Some(big) = self.big_mr else { return };
+        if !c.big_busy {
+            let r = c.big_round;
+            wr64(big.addr, r);
+            fence(Ordering::SeqCst);
+            let op = Op::WriteImm { raddr: self.t.big_at, rkey: self.t.big_rkey, imm: r as u32 };
+            c.big_busy = c.qp.post_send(4, op, &[big.sge(big.addr, big.len as u32)], true).is_ok();
+        }
+        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+            if w.status != wc_status::SUCCESS {
+                self.r.violation(format_args!("big: completion {:#x} status {}", w.wr_id, w.status));
+                continue;
+            }
+            if w.opcode != wc_opcode::RECV {
+                continue;
+            }
+            let ack = rd64(c.ack_word());
+            if ack != c.big_round {
+                self.r.violation(format_args!("big: round {} acknowledged as {}", c.big_round, ack));
+            } else {
+                self.r.checked();
+            }
+            c.big_round += 1;
+            c.big_busy = false;
+            c.qp.post_recv(0, &[mr.sge(c.ack_word(), 8)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+        }
+    }
+
     /// The result to the console and the mailbox; whether it passed.
-    fn report(&self, mb: &mut Mailbox) -> bool {
+    fn report(&self, mb: &mut Mailbox, insts: &[Inst]) -> bool {
         let ok = self.r.violations == 0;
+        let sum = |f: fn(&Inst) -> u64| insts.iter().map(f).sum::<u64>();
         let mut res = TextBuf::<256>::new();
         let _ = write!(
             res,
-            "pvrdma: {} checked={} violations={} stream={} ring={} table={} atomic={}",
+            "pvrdma: {} checked={} violations={} qps={} stream={} ring={} table={} atomic={} big={}",
             if ok { "PASS" } else { "FAIL" },
             self.r.checked,
             self.r.violations,
-            self.rx_expect,
-            self.ring_expect,
-            self.table_updates,
-            self.atomic_i
+            insts.len(),
+            sum(|i| i.rx_expect),
+            sum(|i| i.ring_expect),
+            sum(|i| i.table_updates),
+            sum(|i| i.atomic_i),
+            sum(|i| i.big_round),
         );
         println!("{}", core::str::from_utf8(res.as_bytes()).unwrap_or(""));
         mb.publish(res.as_bytes());
@@ -510,21 +699,21 @@ impl<'a> Workloads<'a> {
 /// The device stays up (the peer may still be finishing: its last ACKs and
 /// table reads need this side), unless `exit=1` asks the firmware to end
 /// the VM.
-fn after_run(plat: Platform, args: &Args, chans: &[Option<Chan>; 4], ok: bool) -> ! {
+fn after_run(plat: Platform, args: &Args, insts: &[Inst], ok: bool) -> ! {
     if args.get("exit") == Some("1") {
         let t0 = plat.now_ns();
         while plat.now_ns() - t0 < 500_000_000 {
-            for c in chans.iter().flatten() {
-                let _ = c.cq.poll();
+            for i in insts {
+                let _ = i.cq.poll();
             }
         }
         plat.exit(if ok { 0 } else { 1 })
     }
     loop {
-        for c in chans.iter().flatten() {
-            while let Ok(Some(w)) = c.cq.poll() {
+        for i in insts {
+            while let Ok(Some(w)) = i.cq.poll() {
                 if w.status != wc_status::SUCCESS {
-                    println!("pvrdma: after the run, {} completion {:#x} status {}", c.name, w.wr_id, w.status);
+                    println!("pvrdma: after the run, QP {} completion {:#x} status {}", i.qp.qpn, w.wr_id, w.status);
                 }
             }
         }

@@ -153,7 +153,7 @@ fn switch_over(
     }
     // Commit point: from here the destination owns the VM and this side
     // only serves its memory.
-    guard.commit();
+    guard.commit()?;
     step("destination loaded");
     let go = wire::send_msg(control, &Msg::Go);
     match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(control)) {
@@ -357,6 +357,7 @@ fn reconnect(
             channels,
             compress: compress.to_string(),
             mode: "recover".into(),
+            transport: String::new(),
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;

@@ -1,0 +1,145 @@
+//! Write traces of the device's memory regions while the VM migrates.
+//!
+//! rnicd writes guest RAM through its own mapping of the RAM memfd (a
+//! peer's WRITE, a SEND into a receive buffer, a READ response, an atomic),
+//! which the vmm's own dirty tracking cannot see. While a migration runs,
+//! rnicd traces every MR of the device (also those created meanwhile), and
+//! the migration engine takes the traced pages every round as one of its
+//! dirty sources: a page a peer wrote is sent again. A trace that rnicd could
+//! not keep in detail (too many runs) reports the whole MR. An MR destroyed
+//! while tracing gives its last trace first, so no write is lost with it.
+
+use super::dev::Dev;
+use super::objects::MrInfo;
+use super::{lock, Pvrdma};
+use std::sync::{Arc, Mutex};
+
+/// Trace blocks: one guest page.
+pub(crate) const GRANULARITY: u64 = 4096;
+
+/// Guest pages `[first, first + count)`.
+pub type PageRun = (u64, u64);
+
+/// Pages of guest RAM under `len` bytes at `off` of the MR.
+fn pages_of(mr: &MrInfo, off: u64, len: u64) -> PageRun {
+    let start = mr.gpa + off;
+    let end = (start + len).min(mr.gpa + mr.length);
+    let first = start / GRANULARITY;
+    (first, end.div_ceil(GRANULARITY).saturating_sub(first))
+}
+
+impl Dev {
+    /// The traced pages of one MR since its last fetch.
+    pub(crate) fn fetch_mr_trace(&mut self, mr: &verbs::Mr, info: &MrInfo, out: &mut Vec<PageRun>) {
+        match mr.fetch_trace() {
+            Ok(t) if !t.all_dirty => {
+                out.extend(t.runs.iter().map(|&(off, len)| pages_of(info, off, len)).filter(|r| r.1 > 0));
+            }
+            Ok(_) => {
+                self.counters.trace_overflows += 1;
+                out.push(pages_of(info, 0, info.length));
+            }
+            Err(e) => {
+                // Without its trace every page of the MR may have been written.
+                tracing::warn!("pvrdma {}: trace of MR {:#x}: {e:#}", self.name, info.key);
+                self.counters.trace_overflows += 1;
+                out.push(pages_of(info, 0, info.length));
+            }
+        }
+    }
+
+    /// Starts tracing an MR (at its creation while a migration runs).
+    pub(crate) fn start_mr_trace(&self, mr: &verbs::Mr) -> Result<(), String> {
+        if self.tracing && !self.testing.no_traces {
+            mr.start_trace(GRANULARITY).map_err(|e| format!("pvrdma {}: tracing MR {:#x}: {e:#}", self.name, mr.lkey))?;
+        }
+        Ok(())
+    }
+
+    fn start_traces(&mut self) -> Result<(), String> {
+        self.tracing = true;
+        self.traced.clear();
+        for (_, m) in self.mrs.iter() {
+            self.start_mr_trace(&m.mr)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn take_traced(&mut self) -> Vec<PageRun> {
+        let mut out = std::mem::take(&mut self.traced);
+        if !self.tracing || self.testing.no_traces {
+            return out;
+        }
+        let mrs: Vec<u32> = self.mrs.handles();
+        for h in mrs {
+            // Taken out for the call (fetch needs the counters mutably).
+            let Some(m) = self.mrs.remove(h) else { continue };
+            self.fetch_mr_trace(&m.mr, &m.info, &mut out);
+            self.mrs.insert(h, m);
+        }
+        let pages: u64 = out.iter().map(|r| r.1).sum();
+        self.counters.traced_pages += pages;
+        out
+    }
+
+    pub(crate) fn stop_traces(&mut self) {
+        if self.tracing && !self.testing.no_traces {
+            for (_, m) in self.mrs.iter() {
+                let _ = m.mr.stop_trace();
+            }
+        }
+        self.tracing = false;
+        self.traced.clear();
+    }
+}
+
+/// The device's side of the migration engine's dirty log: start, take,
+/// stop. Cloned out of the device so that the engine never holds the
+/// device itself.
+#[derive(Clone)]
+pub struct TraceHandle {
+    shared: Arc<Mutex<Dev>>,
+}
+
+impl TraceHandle {
+    /// Traces every MR from now on, and every MR created until [`stop`](Self::stop).
+    pub fn start(&self) -> Result<(), String> {
+        let mut d = lock(&self.shared);
+        let r = d.start_traces();
+        if r.is_err() {
+            d.stop_traces();
+        }
+        r
+    }
+
+    /// Guest pages rnicd wrote since the previous call (or `start`).
+    pub fn take(&self) -> Vec<PageRun> {
+        lock(&self.shared).take_traced()
+    }
+
+    pub fn stop(&self) {
+        lock(&self.shared).stop_traces();
+    }
+}
+
+impl Pvrdma {
+    pub fn traces(&self) -> TraceHandle {
+        TraceHandle { shared: self.shared.clone() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_become_guest_pages() {
+        let mr = MrInfo { pd_handle: 1, start: 0x1000, length: 3 * 4096, access: 0, flags: 0, gpa: 0x5800, key: 1 };
+        // Blocks are relative to the MR, which starts mid-page: one block
+        // touches two pages.
+        assert_eq!(pages_of(&mr, 0, 4096), (5, 2));
+        assert_eq!(pages_of(&mr, 4096, 8192), (6, 3));
+        // Clipped at the MR's end.
+        assert_eq!(pages_of(&mr, 8192, 8192), (7, 2));
+    }
+}

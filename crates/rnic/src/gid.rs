@@ -1,0 +1,78 @@
+//! Claiming and releasing a namespace's GID on this host.
+//!
+//! A namespace's GID is an IPv4 address that moves with its VM. The host
+//! that answers for it is the one whose interface holds it; two hosts must
+//! never hold it at once, or a peer's packets go to whichever ARP answered
+//! last. rnicd does the move on request of the namespace's owner (the vmm,
+//! which needs no privileges for it): a claim adds the address to the
+//! interface that holds rnicd's own address, with the same prefix, and
+//! announces it with gratuitous ARP so that every neighbour switches at
+//! once; a release removes it.
+//!
+//! The address is changed with iproute2 (`ip addr add/del`), which the
+//! project needs anyway (scripts/setup): one netlink request each, run
+//! rarely (a migration's commit), so a netlink library would buy nothing.
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+/// Gratuitous ARP requests sent by a claim (one may be lost on a busy link).
+const ANNOUNCEMENTS: usize = 3;
+
+/// The interface holding `host` and the prefix length of `host` there.
+fn interface_and_prefix(host: Ipv4Addr) -> Result<(String, u32)> {
+    let addrs = nix::ifaddrs::getifaddrs().context("listing interface addresses")?;
+    for a in addrs {
+        let Some(ip) = a.address.as_ref().and_then(|s| s.as_sockaddr_in()).map(|s| s.ip()) else { continue };
+        if ip != host {
+            continue;
+        }
+        let prefix = a.netmask.as_ref().and_then(|m| m.as_sockaddr_in()).map(|m| u32::from(m.ip()).count_ones()).unwrap_or(32);
+        return Ok((a.interface_name, prefix));
+    }
+    bail!("no interface of this host holds rnicd's address {host}")
+}
+
+/// Whether an interface of this network namespace holds `ip`.
+pub fn is_local(ip: Ipv4Addr) -> bool {
+    crate::announce::interface_of(ip).is_ok()
+}
+
+fn ip(args: &[&str]) -> Result<std::process::Output> {
+    Command::new("ip").args(args).output().with_context(|| format!("running `ip {}` (iproute2)", args.join(" ")))
+}
+
+/// Adds `gid` next to `host` (same interface and prefix) unless it is there
+/// already, then announces it. Returns the interface.
+pub fn claim(gid: Ipv4Addr, host: Ipv4Addr) -> Result<String> {
+    let (iface, prefix) = interface_and_prefix(host)?;
+    if !is_local(gid) {
+        let cidr = format!("{gid}/{prefix}");
+        let out = ip(&["-4", "addr", "add", &cidr, "dev", &iface])?;
+        // Another claimant may have added it between the look and the add.
+        if !out.status.success() && !is_local(gid) {
+            bail!("ip addr add {cidr} dev {iface}: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+    }
+    crate::announce::gratuitous_arp(gid, ANNOUNCEMENTS).with_context(|| format!("announcing {gid}"))?;
+    Ok(iface)
+}
+
+/// Removes `gid` from whichever interface holds it (nothing if none does).
+pub fn release(gid: Ipv4Addr) -> Result<()> {
+    let Ok((_, iface, _)) = crate::announce::interface_of(gid) else { return Ok(()) };
+    let addrs = nix::ifaddrs::getifaddrs().context("listing interface addresses")?;
+    let prefix = addrs
+        .filter(|a| a.interface_name == iface)
+        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == gid))
+        .and_then(|a| a.netmask.as_ref().and_then(|m| m.as_sockaddr_in()).map(|m| u32::from(m.ip()).count_ones()))
+        .unwrap_or(32);
+    let cidr = format!("{gid}/{prefix}");
+    let out = ip(&["-4", "addr", "del", &cidr, "dev", &iface])?;
+    if !out.status.success() && is_local(gid) {
+        bail!("ip addr del {cidr} dev {iface}: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}

@@ -1,0 +1,185 @@
+//! Shared by the tests of a VM with a PVRDMA device against `transit rdma
+//! peer`: three testbed hosts with real rnicd processes (VMs on 0 and 1,
+//! the peer on 2), a VM whose GID its device claims through rnicd, the IDs
+//! carried through the VM's mailbox once, as a guest agent would carry
+//! them, and the peer's JSON report. rnicd serves its default socket
+//! (`/run/transit/rnicd-ADDR.sock`), so a VM finds the rnicd of whatever
+//! host it runs on.
+#![allow(dead_code)]
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+use testbed::{HostChild, Testbed, TestbedOpts};
+use vmm::testing::{transit_bin, unique_name, VmProcess};
+
+/// Fields drop in order: VMs and peers first, then rnicd, then the testbed.
+pub struct Bed {
+    pub nics: Vec<(HostChild, PathBuf)>,
+    pub tb: Testbed,
+}
+
+impl Bed {
+    pub fn new(prefix: &str) -> Bed {
+        let tb = Testbed::create(TestbedOpts::new(prefix, 3)).expect("testbed (needs root)");
+        let mut nics = Vec::new();
+        for i in 0..3 {
+            let h = tb.host(i);
+            // ARP requests from a host name its own address, not a GID it
+            // may lose while the request is out.
+            h.sh("sysctl -qw net.ipv4.conf.all.arp_announce=2").unwrap();
+            let sock = rnic::daemon::default_socket_path(h.addr(0));
+            let _ = std::fs::remove_file(&sock);
+            let child = h.spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string()]).unwrap();
+            let t0 = Instant::now();
+            while !sock.exists() {
+                assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            nics.push((child, sock));
+        }
+        Bed { nics, tb }
+    }
+
+    /// A VM's GID: a free address of the hosts' subnet. Its device claims
+    /// it on whatever host it runs.
+    pub fn vm_gid(&self, j: usize) -> Ipv4Addr {
+        self.tb.spare_addr(0, j)
+    }
+
+    /// Whether host `h` holds `gid` on its interface.
+    pub fn holds(&self, h: usize, gid: Ipv4Addr) -> bool {
+        self.tb.host(h).sh("ip -4 -o addr show dev eth0").unwrap().contains(&format!(" {gid}/"))
+    }
+
+    /// A VM on host `h` running every workload with firmware `args`;
+    /// `extra` adds to its command line, `pvrdma` to its device spec.
+    pub fn vm_with(&self, h: usize, gid: Ipv4Addr, args: &str, pvrdma: &str, extra: &[&str]) -> VmProcess {
+        self.vm_sized(h, gid, "64M", args, pvrdma, extra)
+    }
+
+    /// As [`vm_with`](Self::vm_with) with `memory` of RAM (many QPs and a
+    /// big WRITE's buffer need more than 64 MiB).
+    pub fn vm_sized(&self, h: usize, gid: Ipv4Addr, memory: &str, args: &str, pvrdma: &str, extra: &[&str]) -> VmProcess {
+        let name = unique_name("pvrdma");
+        let spec = format!("gid={gid}{pvrdma}");
+        let fw_args = format!("gid={gid} {args}");
+        let mut all = vec!["vm", "run", "--name", &name, "--memory", memory, "--workload", "pvrdma", "--args", &fw_args, "--pvrdma", &spec];
+        all.extend_from_slice(extra);
+        VmProcess::start(self.tb.host(h).command(transit_bin()), &name, &all).unwrap()
+    }
+
+    pub fn vm(&self, h: usize, gid: Ipv4Addr, args: &str) -> VmProcess {
+        self.vm_with(h, gid, args, "", &[])
+    }
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        for (_, s) in self.nics.drain(..) {
+            let _ = std::fs::remove_file(s);
+        }
+    }
+}
+
+/// The guest's message once it has published one.
+pub fn guest_ids(vm: &VmProcess) -> String {
+    let t0 = Instant::now();
+    loop {
+        let r = vm.exec("mailbox-read", json!({})).unwrap();
+        if r["seq"].as_u64().unwrap_or(0) > 0 {
+            return r["data"].as_str().unwrap().to_string();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "the guest published nothing; console:\n{}", vm.console());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub struct Peer {
+    child: Child,
+    /// The guest's IDs as the peer read them.
+    ids: PathBuf,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.ids);
+    }
+}
+
+impl Peer {
+    /// Starts the peer on host 2 with the guest's IDs and writes its own
+    /// into the VM's mailbox.
+    pub fn start(bed: &Bed, vm: &VmProcess, extra: &[&str]) -> Peer {
+        let ids = guest_ids(vm);
+        let f = std::env::temp_dir().join(format!("{}.guest-ids", vm.name));
+        std::fs::write(&f, &ids).unwrap();
+        let mut cmd = bed.tb.host(2).command(transit_bin());
+        cmd.args(["rdma", "peer", "--guest", f.to_str().unwrap(), "--sock", bed.nics[2].1.to_str().unwrap(), "--stall", "60"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null());
+        let mut child = cmd.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.contains("gid="), "the peer did not start: {line:?}");
+        vm.exec("mailbox-write", json!({"data": line.trim()})).unwrap();
+        Peer { child, ids: f }
+    }
+
+    /// Whether the peer's run is over.
+    pub fn finished(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_some()
+    }
+
+    pub fn report(mut self) -> Value {
+        let mut out = String::new();
+        self.child.stdout.as_mut().unwrap().read_to_string(&mut out).unwrap();
+        let _ = self.child.wait();
+        let last = out.lines().last().unwrap_or("").to_string();
+        serde_json::from_str(&last).unwrap_or_else(|e| panic!("bad peer report {last:?}: {e}"))
+    }
+}
+
+/// The guest's result line once it is there.
+pub fn guest_result(vm: &VmProcess) -> String {
+    let t0 = Instant::now();
+    loop {
+        let r = vm.exec("mailbox-read", json!({})).unwrap();
+        let d = r["data"].as_str().unwrap_or("");
+        if d.starts_with("pvrdma: ") {
+            return d.to_string();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(300), "no result from the guest; console:\n{}", vm.console());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The peer saw nothing wrong: no error completion, nothing lost or twice.
+pub fn assert_peer_clean(rep: &Value) {
+    eprintln!("peer report: {rep}");
+    assert_eq!(rep["ok"], true, "{rep:#}");
+    assert_eq!(
+        (rep["lost"].as_u64(), rep["duplicated"].as_u64(), rep["error_completions"].as_u64()),
+        (Some(0), Some(0), Some(0)),
+        "{rep:#}"
+    );
+}
+
+pub fn assert_all_verified(rep: &Value, count: u64) {
+    assert_peer_clean(rep);
+    assert_eq!(rep["workloads"]["stream"]["verified"], count, "{rep:#}");
+    assert_eq!(rep["workloads"]["ring"]["verified"], count, "{rep:#}");
+    assert_eq!(rep["workloads"]["atomic"]["detail"]["counter"], count, "{rep:#}");
+    assert!(rep["workloads"]["table"]["verified"].as_u64().unwrap() > 0, "{rep:#}");
+}
+
+/// The guest's console holds no violation or failure.
+pub fn assert_guest_clean(console: &str) {
+    assert!(!console.contains("VIOLATION") && !console.contains("FAIL"), "{console}");
+}
