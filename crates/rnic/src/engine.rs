@@ -13,8 +13,9 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context as _};
 
 use crate::async_events::AsyncSinks;
+use crate::keys::{AliasTarget, IndirectKey, IndirectKind, Keys, MAX_INDIRECT, MAX_KLM};
 use crate::mem::Mapping;
-use crate::objects::{ClientId, Cq, IdMap, Mr, MrTable, Stats, Tx};
+use crate::objects::{ClientId, Cq, IdMap, Mr, Stats, Tx};
 use crate::proto::{self, Reply, Request};
 use crate::qp::{Ctx, Qp, QpSnapshot, MAX_MSG};
 use crate::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
@@ -30,7 +31,7 @@ pub struct Engine {
     pub stats: Stats,
     pub tx: Tx,
     pds: IdMap<ClientId>,
-    mrs: MrTable,
+    keys: Keys,
     cqs: IdMap<Cq>,
     qps: IdMap<Qp>,
     channels: IdMap<(ClientId, Arc<OwnedFd>)>,
@@ -49,7 +50,7 @@ impl Engine {
             stats: Stats::default(),
             tx: Tx::default(),
             pds: IdMap::default(),
-            mrs: IdMap::default(),
+            keys: Keys::default(),
             cqs: IdMap::default(),
             qps: IdMap::default(),
             channels: IdMap::default(),
@@ -72,7 +73,7 @@ impl Engine {
         loop {
             self.next_key = self.next_key.wrapping_add(1) & wire::QPN_MASK;
             let q = self.next_key;
-            if q > 1 && !self.qps.contains_key(&q) && !self.mrs.contains_key(&q) {
+            if q > 1 && !self.qps.contains_key(&q) && !self.keys.contains(q) {
                 return q;
             }
         }
@@ -80,13 +81,13 @@ impl Engine {
 
     fn ctx<'a>(
         gid: Ipv4Addr,
-        mrs: &'a MrTable,
+        keys: &'a mut Keys,
         cqs: &'a mut IdMap<Cq>,
         tx: &'a mut Tx,
         stats: &'a mut Stats,
         asyncs: &'a mut AsyncSinks,
     ) -> Ctx<'a> {
-        Ctx { gid, mrs, cqs, tx, stats, now: Instant::now(), asyncs }
+        Ctx { gid, keys, cqs, tx, stats, now: Instant::now(), asyncs }
     }
 
     pub fn device_attr(&self) -> DeviceAttr {
@@ -128,6 +129,17 @@ impl Engine {
             Request::DeregMr { lkey } => self.dereg_mr(client, lkey),
             Request::TraceMr { lkey, granularity } => self.trace_mr(client, lkey, granularity),
             Request::FetchTrace { lkey } => self.fetch_trace(client, lkey),
+            Request::CreateIndirectKey { pd, max_entries, key } => self.create_indirect_key(client, pd, max_entries, key),
+            Request::DestroyKey { key } => self.destroy_key(client, key),
+            Request::GrantKey { key, grantee } => self.grant_key(client, key, grantee, true),
+            Request::RevokeKey { key, grantee } => self.grant_key(client, key, grantee, false),
+            Request::CreateAlias { pd, owner, key, alias } => self.create_alias(client, pd, owner, key, alias),
+            Request::QueryAlias { key } => {
+                if self.keys.indirect.get(&key).is_none_or(|k| k.owner != client) {
+                    bail!("no alias {key:#x}");
+                }
+                Ok(Reply::AliasState { live: self.keys.alias_live(key) })
+            }
             Request::CreateCompChannel => self.create_comp_channel(client, fds),
             Request::DestroyCompChannel { channel } => self.destroy_comp_channel(client, channel),
             Request::CreateCq { cap, channel } => self.create_cq(client, cap, channel, fds),
@@ -175,7 +187,7 @@ impl Engine {
 
     /// Whether no client object is left (the namespace may go).
     pub fn is_empty(&self) -> bool {
-        self.qps.is_empty() && self.mrs.is_empty() && self.cqs.is_empty() && self.pds.is_empty()
+        self.qps.is_empty() && self.keys.direct.is_empty() && self.keys.indirect.is_empty() && self.cqs.is_empty() && self.pds.is_empty()
     }
 
     /// A batch names at most `max` QPs, all the client's own.
@@ -214,7 +226,7 @@ impl Engine {
         self.qps.retain(|_, q| q.owner != client);
         let qps = &self.qps;
         self.qpn_order.retain(|q| qps.contains_key(q));
-        self.mrs.retain(|_, m| m.owner != client);
+        self.keys.client_gone(client);
         self.cqs.retain(|_, c| c.owner != client);
         self.pds.retain(|_, c| *c != client);
         self.channels.retain(|_, (c, _)| *c != client);
@@ -223,8 +235,8 @@ impl Engine {
 
     /// The client rang its doorbell: look at its QPs' rings.
     pub fn doorbell(&mut self, client: ClientId) {
-        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats, asyncs);
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
         for qp in qps.values_mut().filter(|q| q.owner == client) {
             qp.doorbell(&mut ctx);
         }
@@ -261,8 +273,8 @@ impl Engine {
     }
 
     fn poll_all_rings(&mut self) -> usize {
-        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats, asyncs);
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
         qps.values_mut().filter_map(|qp| qp.poll_rings(&mut ctx).then_some(())).count()
     }
 
@@ -281,7 +293,7 @@ impl Engine {
                 return;
             }
         };
-        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
         let Some(qp) = qps.get_mut(&p.bth.dest_qpn) else {
             stats.rx_unknown_qp += 1;
             return;
@@ -291,7 +303,7 @@ impl Engine {
             stats.rx_unknown_qp += 1;
             return;
         }
-        let mut ctx = Ctx { gid: *gid, mrs, cqs, tx, stats, now, asyncs };
+        let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
         if p.bth.opcode.is_response() {
             qp.on_response(&mut ctx, &p);
         } else {
@@ -302,8 +314,8 @@ impl Engine {
     /// Runs timers and emits up to `budget` packets into `self.tx`.
     /// Returns whether more transmit work is pending.
     pub fn poll_tx(&mut self, budget: usize, now: Instant) -> bool {
-        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, qpn_order, rr, .. } = self;
-        let mut ctx = Ctx { gid: *gid, mrs, cqs, tx, stats, now, asyncs };
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, qpn_order, rr, .. } = self;
+        let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
         let n = qpn_order.len();
         let mut budget = budget;
         let mut more = false;
@@ -392,7 +404,10 @@ impl Engine {
 
     fn dealloc_pd(&mut self, client: ClientId, pd: u32) -> anyhow::Result<Reply> {
         self.owned_pd(client, pd)?;
-        if self.mrs.values().any(|m| m.pd == pd) || self.qps.values().any(|q| q.pd == pd) {
+        if self.keys.direct.values().any(|m| m.pd == pd)
+            || self.keys.indirect.values().any(|k| k.pd == pd)
+            || self.qps.values().any(|q| q.pd == pd)
+        {
             bail!("PD {pd} still has memory regions or QPs");
         }
         self.pds.remove(&pd);
@@ -413,7 +428,7 @@ impl Engine {
             bail!("remote write/atomic access needs local write (as in ibv_reg_mr)");
         }
         if let Some(k) = r.key {
-            if self.mrs.contains_key(&k) {
+            if self.keys.contains(k) {
                 bail!("key {k:#x} is already in use in namespace {}", self.gid);
             }
         }
@@ -433,17 +448,17 @@ impl Engine {
             invalidated: AtomicBool::new(false),
             trace: Default::default(),
         };
-        self.mrs.insert(key, Arc::new(mr));
+        self.keys.direct.insert(key, Arc::new(mr));
         Ok(Reply::Mr { lkey: key, rkey: key })
     }
 
     fn owned_mr(&self, client: ClientId, lkey: u32) -> anyhow::Result<&Arc<Mr>> {
-        self.mrs.get(&lkey).filter(|m| m.owner == client).ok_or_else(|| anyhow!("no MR {lkey:#x}"))
+        self.keys.direct.get(&lkey).filter(|m| m.owner == client).ok_or_else(|| anyhow!("no MR {lkey:#x}"))
     }
 
     fn dereg_mr(&mut self, client: ClientId, lkey: u32) -> anyhow::Result<Reply> {
         self.owned_mr(client, lkey)?;
-        self.mrs.remove(&lkey);
+        self.keys.remove(lkey);
         Ok(Reply::Ok)
     }
 
@@ -459,6 +474,86 @@ impl Engine {
     fn fetch_trace(&mut self, client: ClientId, lkey: u32) -> anyhow::Result<Reply> {
         let mr = self.owned_mr(client, lkey)?;
         Ok(Reply::Trace(mr.trace.fetch_and_clear().map_err(|e| anyhow!(e))?))
+    }
+}
+
+/// Indirect keys and aliases (crate::keys, docs/mkeys.md); binding and
+/// invalidating are work requests (qp), not control calls.
+impl Engine {
+    /// A caller-chosen key, or a fresh one.
+    fn pick_key(&mut self, key: Option<u32>) -> anyhow::Result<u32> {
+        if self.keys.indirect.len() >= MAX_INDIRECT {
+            bail!("this namespace already holds {MAX_INDIRECT} indirect keys and aliases");
+        }
+        match key {
+            Some(k) if self.keys.contains(k) => bail!("key {k:#x} is already in use in namespace {}", self.gid),
+            Some(k) => Ok(k),
+            None => Ok(self.alloc_qpn()),
+        }
+    }
+
+    fn create_indirect_key(&mut self, client: ClientId, pd: u32, max_entries: u32, key: Option<u32>) -> anyhow::Result<Reply> {
+        self.owned_pd(client, pd)?;
+        if max_entries == 0 || max_entries as usize > MAX_KLM {
+            bail!("an indirect key holds 1..={MAX_KLM} ranges, not {max_entries}");
+        }
+        let key = self.pick_key(key)?;
+        let generation = self.keys.new_generation();
+        let kind = IndirectKind::Indirect { max_entries: max_entries as usize, binding: None };
+        self.keys.indirect.insert(key, IndirectKey { owner: client, pd, generation, kind });
+        Ok(Reply::Key(key))
+    }
+
+    fn destroy_key(&mut self, client: ClientId, key: u32) -> anyhow::Result<Reply> {
+        if self.keys.indirect.get(&key).is_none_or(|k| k.owner != client) {
+            bail!("no indirect key or alias {key:#x}");
+        }
+        self.keys.remove(key);
+        Ok(Reply::Ok)
+    }
+
+    fn grant_key(&mut self, client: ClientId, key: u32, grantee: ClientId, grant: bool) -> anyhow::Result<Reply> {
+        if self.keys.owner(key) != Some(client) {
+            bail!("no key {key:#x}");
+        }
+        if self.keys.indirect.get(&key).is_some_and(|k| matches!(k.kind, IndirectKind::Alias { .. })) {
+            bail!("key {key:#x} is an alias; only its owner's key can be granted");
+        }
+        let g = self.keys.grants.entry(key).or_default();
+        if grant {
+            if !g.contains(&grantee) {
+                if g.len() >= 1024 {
+                    bail!("key {key:#x} already has 1024 grantees");
+                }
+                g.push(grantee);
+            }
+        } else {
+            g.retain(|c| *c != grantee);
+        }
+        Ok(Reply::Ok)
+    }
+
+    fn create_alias(&mut self, client: ClientId, pd: u32, owner: ClientId, key: u32, alias: Option<u32>) -> anyhow::Result<Reply> {
+        self.owned_pd(client, pd)?;
+        if self.keys.owner(key) != Some(owner) {
+            bail!("client {owner} has no key {key:#x}");
+        }
+        if !self.keys.grants.get(&key).is_some_and(|g| g.contains(&client)) {
+            bail!("client {owner} did not grant key {key:#x} to this client");
+        }
+        let target = match (self.keys.direct.get(&key), self.keys.indirect.get(&key)) {
+            (Some(mr), _) => AliasTarget::Direct(Arc::downgrade(mr)),
+            (None, Some(k)) if matches!(k.kind, IndirectKind::Indirect { binding: Some(_), .. }) => {
+                AliasTarget::Indirect { key, generation: k.generation }
+            }
+            _ => bail!("key {key:#x} is not bound to memory"),
+        };
+        let (iova, len, access) = self.keys.extent(key).context("key has no memory")?;
+        let alias = self.pick_key(alias)?;
+        let generation = self.keys.new_generation();
+        let kind = IndirectKind::Alias { target_key: key, target_owner: owner, target };
+        self.keys.indirect.insert(alias, IndirectKey { owner: client, pd, generation, kind });
+        Ok(Reply::Alias { key: alias, iova, len, access })
     }
 }
 
@@ -565,9 +660,9 @@ impl Engine {
     }
 
     fn modify_qp(&mut self, client: ClientId, qpn: u32, attr: &QpAttr, mask: u32) -> anyhow::Result<Reply> {
-        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
         let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
-        qp.modify(attr, mask, &mut Self::ctx(*gid, mrs, cqs, tx, stats, asyncs)).map_err(|e| anyhow!(e))?;
+        qp.modify(attr, mask, &mut Self::ctx(*gid, keys, cqs, tx, stats, asyncs)).map_err(|e| anyhow!(e))?;
         Ok(Reply::Ok)
     }
 
@@ -584,8 +679,8 @@ impl Engine {
 impl Engine {
     fn suspend_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
         self.check_batch(client, qpns, max)?;
-        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats, asyncs);
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
         for q in qpns {
             if let Some(qp) = qps.get_mut(q) {
                 qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
@@ -596,8 +691,8 @@ impl Engine {
 
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
         self.check_batch(client, qpns, max)?;
-        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats, asyncs);
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
         for q in qpns {
             if let Some(qp) = qps.get_mut(q) {
                 qp.resume(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;

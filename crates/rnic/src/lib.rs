@@ -16,6 +16,7 @@ pub mod daemon;
 pub mod engine;
 pub mod eventfd;
 pub mod gid;
+pub mod keys;
 pub mod mem;
 pub mod objects;
 pub mod proto;

@@ -10,8 +10,8 @@ use serde::Serialize;
 
 use crate::eventfd;
 use crate::mem::Mapping;
-use crate::ring::{Cqe, Ring, Sge, CQ_ERR_OVERFLOW, NOTIFY_NEXT, NOTIFY_NONE, NOTIFY_SOLICITED};
-use crate::types::{access, WcStatus};
+use crate::ring::{Cqe, Ring, CQ_ERR_OVERFLOW, NOTIFY_NEXT, NOTIFY_NONE, NOTIFY_SOLICITED};
+use crate::types::access;
 use crate::wire::{self, Flow, Headers, MAX_HDR_LEN};
 
 /// Largest packet we build: headers + largest MTU + pad + ICRC.
@@ -55,61 +55,6 @@ impl Mr {
 
 /// Tables keyed by QPN / key / ID, looked up for every packet: a fast hash.
 pub type IdMap<V> = rustc_hash::FxHashMap<u32, V>;
-
-pub type MrTable = IdMap<Arc<Mr>>;
-
-/// Copies `out.len()` bytes of the message described by `sges`, starting at
-/// message offset `off`, into `out` (local read: no access bit needed).
-pub fn gather(mrs: &MrTable, pd: u32, sges: &[Sge], mut off: u64, out: &mut [u8]) -> Result<(), WcStatus> {
-    let mut done = 0usize;
-    for s in sges {
-        if done == out.len() {
-            break;
-        }
-        let sl = s.length as u64;
-        if off >= sl {
-            off -= sl;
-            continue;
-        }
-        let n = ((sl - off) as usize).min(out.len() - done);
-        let mr = mrs.get(&s.lkey).ok_or(WcStatus::LocProtErr)?;
-        let p = mr.translate(pd, s.addr + off, n as u64, 0).ok_or(WcStatus::LocProtErr)?;
-        // SAFETY: p is valid for n bytes per translate(); out has room.
-        unsafe { std::ptr::copy_nonoverlapping(p, out[done..].as_mut_ptr(), n) };
-        done += n;
-        off = 0;
-    }
-    if done != out.len() {
-        return Err(WcStatus::LocLenErr);
-    }
-    Ok(())
-}
-
-/// Writes `data` into the message buffer `sges` at offset `off` (needs LOCAL_WRITE).
-pub fn scatter(mrs: &MrTable, pd: u32, sges: &[Sge], mut off: u64, data: &[u8]) -> Result<(), WcStatus> {
-    let mut done = 0usize;
-    for s in sges {
-        if done == data.len() {
-            break;
-        }
-        let sl = s.length as u64;
-        if off >= sl {
-            off -= sl;
-            continue;
-        }
-        let n = ((sl - off) as usize).min(data.len() - done);
-        let mr = mrs.get(&s.lkey).ok_or(WcStatus::LocProtErr)?;
-        let p = mr.translate(pd, s.addr + off, n as u64, access::LOCAL_WRITE).ok_or(WcStatus::LocProtErr)?;
-        // SAFETY: p is valid for n bytes per translate().
-        unsafe { std::ptr::copy_nonoverlapping(data[done..].as_ptr(), p, n) };
-        done += n;
-        off = 0;
-    }
-    if done != data.len() {
-        return Err(WcStatus::LocLenErr);
-    }
-    Ok(())
-}
 
 pub struct Cq {
     pub owner: ClientId,
@@ -172,6 +117,10 @@ pub struct Stats {
     /// doorbell, no packet): a doorbell the client skipped but should have
     /// rung. Expected to stay 0 (a diagnostic of ring polling).
     pub late_ring_wqes: u64,
+    /// Indirect keys bound or invalidated by work requests, and such
+    /// requests refused (bad key, owner, range or list length).
+    pub key_binds: u64,
+    pub key_bind_errors: u64,
     /// Packets that reached a suspended QP (requests get an RNR NAK).
     pub rx_while_suspended: u64,
 }

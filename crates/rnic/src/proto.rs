@@ -62,6 +62,43 @@ pub enum Request {
     FetchTrace {
         lkey: u32,
     },
+    /// An indirect key (docs/mkeys.md): no memory until a bind work request
+    /// binds it; at most `max_entries` (<= keys::MAX_KLM) ranges per bind.
+    /// `key`: the key the caller wants (refused if taken in the namespace).
+    CreateIndirectKey {
+        pd: u32,
+        max_entries: u32,
+        #[serde(default)]
+        key: Option<u32>,
+    },
+    /// Destroys an indirect key or an alias of the caller.
+    DestroyKey {
+        key: u32,
+    },
+    /// Lets client `grantee` of this namespace alias the caller's `key`
+    /// (an MR or an indirect key).
+    GrantKey {
+        key: u32,
+        grantee: u64,
+    },
+    /// Takes a grant back: the grantee's aliases of `key` turn stale.
+    RevokeKey {
+        key: u32,
+        grantee: u64,
+    },
+    /// An alias, in the caller's `pd`, of client `owner`'s `key`; it is
+    /// live while that key is not rebound, destroyed or revoked.
+    CreateAlias {
+        pd: u32,
+        owner: u64,
+        key: u32,
+        #[serde(default)]
+        alias: Option<u32>,
+    },
+    /// Whether the caller's alias `key` still reaches what it was made for.
+    QueryAlias {
+        key: u32,
+    },
     /// Carries the channel's eventfd.
     CreateCompChannel,
     DestroyCompChannel {
@@ -154,21 +191,46 @@ pub enum Request {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Reply {
-    Hello { gid: std::net::Ipv4Addr, client: u64 },
+    Hello {
+        gid: std::net::Ipv4Addr,
+        client: u64,
+    },
     Device(DeviceAttr),
     Port(PortAttr),
     Gid(std::net::Ipv4Addr),
     Pd(u32),
-    Mr { lkey: u32, rkey: u32 },
+    Mr {
+        lkey: u32,
+        rkey: u32,
+    },
+    Key(u32),
+    /// An alias and the range of its target at creation.
+    Alias {
+        key: u32,
+        iova: u64,
+        len: u64,
+        access: u32,
+    },
+    AliasState {
+        live: bool,
+    },
     Channel(u32),
     Cq(u32),
-    Qp { qpn: u32, cap: QpCap },
-    QpInfo { attr: QpAttr, cap: QpCap },
+    Qp {
+        qpn: u32,
+        cap: QpCap,
+    },
+    QpInfo {
+        attr: QpAttr,
+        cap: QpCap,
+    },
     QpState(Box<crate::qp_snapshot::QpSnapshot>),
     QpStates(Vec<crate::qp_snapshot::QpSnapshot>),
     Trace(crate::trace::TraceReport),
     Stats(serde_json::Value),
-    RamClient { ram_bytes: u64 },
+    RamClient {
+        ram_bytes: u64,
+    },
     Ok,
     AsyncEvents(Vec<crate::async_events::AsyncEvent>),
 }

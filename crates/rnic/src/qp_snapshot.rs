@@ -16,14 +16,33 @@ pub struct WriteCtx {
     pub rkey: u32,
     pub remaining: u64,
     pub total: u64,
+    /// The rkey's generation at the message's first packet (`keys`): a
+    /// later packet finding another one is refused, never half placed.
+    #[serde(default)]
+    pub key_gen: u64,
 }
 
 /// A response the responder still has to send, in PSN order.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub enum RespJob {
-    Ack { psn: u32, syndrome: u8 },
-    AtomicAck { psn: u32, orig: u64 },
-    Read { psn: u32, va: u64, rkey: u32, remaining: u64, first: bool },
+    Ack {
+        psn: u32,
+        syndrome: u8,
+    },
+    AtomicAck {
+        psn: u32,
+        orig: u64,
+    },
+    Read {
+        psn: u32,
+        va: u64,
+        rkey: u32,
+        remaining: u64,
+        first: bool,
+        /// The rkey's generation at the first response packet (as `WriteCtx`).
+        #[serde(default)]
+        key_gen: u64,
+    },
 }
 
 /// The transport state of a QP: everything but its queues and timers.

@@ -100,7 +100,14 @@ pub enum WrOpcode {
     RdmaRead = 4,
     AtomicCmpSwp = 5,
     AtomicFetchAdd = 6,
+    /// Invalidates an indirect key (`rkey`): it grants nothing until rebound.
+    LocalInv = 7,
     SendInv = 9,
+    /// Binds indirect key `rkey` (crate::keys) to `num_sge` ranges seen at
+    /// `remote_addr` with the access flags in `compare_add`: the ranges are
+    /// the SGEs, then (past 8) 16-byte `Sge`s in the inline area. The
+    /// value of IBV_WR_DRIVER1, which mlx5 uses for its UMR.
+    BindKey = 11,
 }
 
 impl WrOpcode {
@@ -113,12 +120,18 @@ impl WrOpcode {
             4 => WrOpcode::RdmaRead,
             5 => WrOpcode::AtomicCmpSwp,
             6 => WrOpcode::AtomicFetchAdd,
+            7 => WrOpcode::LocalInv,
             9 => WrOpcode::SendInv,
+            11 => WrOpcode::BindKey,
             _ => return None,
         })
     }
     pub fn is_read_or_atomic(self) -> bool {
         matches!(self, WrOpcode::RdmaRead | WrOpcode::AtomicCmpSwp | WrOpcode::AtomicFetchAdd)
+    }
+    /// Work requests that touch no wire: they act on the key table.
+    pub fn is_local(self) -> bool {
+        matches!(self, WrOpcode::LocalInv | WrOpcode::BindKey)
     }
     pub fn is_atomic(self) -> bool {
         matches!(self, WrOpcode::AtomicCmpSwp | WrOpcode::AtomicFetchAdd)
@@ -184,6 +197,8 @@ pub enum WcOpcode {
     RdmaRead = 2,
     CompSwap = 3,
     FetchAdd = 4,
+    BindKey = 5,
+    LocalInv = 6,
     Recv = 128,
     RecvRdmaWithImm = 129,
 }
@@ -196,6 +211,8 @@ impl WcOpcode {
             2 => WcOpcode::RdmaRead,
             3 => WcOpcode::CompSwap,
             4 => WcOpcode::FetchAdd,
+            5 => WcOpcode::BindKey,
+            6 => WcOpcode::LocalInv,
             129 => WcOpcode::RecvRdmaWithImm,
             _ => WcOpcode::Recv,
         }
@@ -207,6 +224,8 @@ impl WcOpcode {
             WrOpcode::RdmaRead => WcOpcode::RdmaRead,
             WrOpcode::AtomicCmpSwp => WcOpcode::CompSwap,
             WrOpcode::AtomicFetchAdd => WcOpcode::FetchAdd,
+            WrOpcode::LocalInv => WcOpcode::LocalInv,
+            WrOpcode::BindKey => WcOpcode::BindKey,
         }
     }
 }

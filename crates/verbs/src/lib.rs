@@ -38,8 +38,10 @@ pub use rnic::types::{
     access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode,
 };
 
+pub mod mkeys;
 pub mod peer;
 pub mod peer_bench;
+pub mod rcache;
 pub mod tools;
 
 struct Inner {
@@ -48,6 +50,8 @@ struct Inner {
     doorbell: OwnedFd,
     gid: Ipv4Addr,
     sock_path: PathBuf,
+    /// rnicd's ID of this connection (what another client grants keys to).
+    client: u64,
 }
 
 impl Inner {
@@ -115,12 +119,19 @@ impl Context {
         let ua = nix::sys::socket::UnixAddr::new(&path)?;
         nix::sys::socket::connect(sock.as_raw_fd(), &ua).with_context(|| format!("connect to rnicd at {}", path.display()))?;
         let doorbell = rnic::eventfd::create(true)?;
-        let mut inner = Inner { sock, lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path };
+        let mut inner =
+            Inner { sock, lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path, client: 0 };
         match inner.call(&Request::Hello { version: proto::PROTO_VERSION, namespace }, &[inner.doorbell.as_raw_fd()])? {
-            Reply::Hello { gid, .. } => inner.gid = gid,
+            Reply::Hello { gid, client } => (inner.gid, inner.client) = (gid, client),
             r => bail!("unexpected reply {r:?}"),
         }
         Ok(Context { inner: Arc::new(inner) })
+    }
+
+    /// rnicd's ID of this connection: what another client names when it
+    /// grants this one access to a key (mkeys::KeyGrant).
+    pub fn client_id(&self) -> u64 {
+        self.inner.client
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -964,6 +975,11 @@ impl Qp {
         let mut posted = 0;
         let mut result = Ok(());
         for wr in wrs {
+            if wr.opcode.is_local() {
+                // A bind's ranges do not fit an SGE list's limits: its own call builds it.
+                result = Err(anyhow!("{:?} is posted with Qp::post_key_ops", wr.opcode));
+                break;
+            }
             let mut w = SendWqe {
                 wr_id: wr.wr_id,
                 opcode: wr.opcode as u8,

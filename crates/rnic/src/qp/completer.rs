@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::{Ctx, Qp, RECOVERY_FIRST};
 use crate::async_events::AsyncKind;
-use crate::objects::scatter;
+use crate::keys::scatter;
 use crate::ring::Cqe;
 use crate::types::{QpState, WcOpcode, WcStatus, WrOpcode};
 use crate::wire::{self, psn_add, psn_diff, NakCode, OpKind, Opcode, Packet, Syndrome};
@@ -216,7 +216,7 @@ impl Qp {
             ctx.stats.rx_bad_response += 1;
             return;
         }
-        let r = scatter(ctx.mrs, self.pd, e.sges(), 0, &orig.to_ne_bytes());
+        let r = scatter(ctx.keys, self.pd, e.sges(), 0, &orig.to_ne_bytes());
         self.rt.una = psn_add(psn, 1);
         match r {
             Ok(()) => {
@@ -264,7 +264,7 @@ impl Qp {
             self.fail_wqe_at(ctx, 0, WcStatus::BadRespErr);
             return;
         }
-        if let Err(s) = scatter(ctx.mrs, self.pd, e.sges(), off, p.payload) {
+        if let Err(s) = scatter(ctx.keys, self.pd, e.sges(), off, p.payload) {
             self.fail_wqe_at(ctx, 0, s);
             return;
         }

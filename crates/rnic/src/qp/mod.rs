@@ -28,8 +28,9 @@ use std::net::Ipv4Addr;
 use std::time::Instant;
 
 use crate::async_events::{AsyncEvent, AsyncKind, AsyncSinks};
+use crate::keys::{BindError, Keys, MAX_KLM};
 use crate::mem::Mapping;
-use crate::objects::{ClientId, Cq, IdMap, MrTable, Stats, Tx};
+use crate::objects::{ClientId, Cq, IdMap, Stats, Tx};
 use crate::ring::{Cqe, RecvWqe, Ring, SendWqe, Sge, MAX_INLINE, MAX_SGE};
 use crate::types::{send_flags, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode};
 use crate::wire::{self, psn_add, Flow, Packet, ROCE_PORT};
@@ -45,6 +46,23 @@ const ATOMIC_REPLAY: usize = 16;
 const MAX_RESP_QUEUE: usize = 256;
 /// First span of a loss recovery (packets): a lost UDP GSO batch is up to ~60.
 const RECOVERY_FIRST: u32 = 64;
+
+/// The ranges of a bind WR: (address, length, MR key) from its SGEs, then
+/// from 16-byte `Sge`s in its inline area; None if it names more than fit.
+fn bind_entries(w: &SendWqe) -> Option<Vec<(u64, u64, u32)>> {
+    let n = w.num_sge as usize;
+    if n > MAX_KLM {
+        return None;
+    }
+    let mut out: Vec<(u64, u64, u32)> = w.sge[..n.min(MAX_SGE)].iter().map(|s| (s.addr, s.length as u64, s.lkey)).collect();
+    for c in w.inline.chunks_exact(16).take(n.saturating_sub(MAX_SGE)) {
+        let addr = u64::from_le_bytes(c[..8].try_into().ok()?);
+        let len = u32::from_le_bytes(c[8..12].try_into().ok()?);
+        let key = u32::from_le_bytes(c[12..16].try_into().ok()?);
+        out.push((addr, len as u64, key));
+    }
+    Some(out)
+}
 
 /// A send WQE the QP has taken from its ring.
 struct SqEntry {
@@ -67,7 +85,7 @@ impl SqEntry {
 
 pub struct Ctx<'a> {
     pub gid: Ipv4Addr,
-    pub mrs: &'a MrTable,
+    pub keys: &'a mut Keys,
     pub cqs: &'a mut IdMap<Cq>,
     pub tx: &'a mut Tx,
     pub stats: &'a mut Stats,
@@ -140,6 +158,10 @@ pub struct Qp {
     unasked_msgs: u32,
     /// Responder: requests were executed without an ACK; one goes out by then.
     ack_due: Option<Instant>,
+    /// A bind or invalidate WR waiting for every earlier WR to complete
+    /// (an implicit fence: no earlier message, resent or not, sees a binding
+    /// it was not posted under); later WRs wait behind it in the ring.
+    held_local: Option<SendWqe>,
 }
 
 impl Qp {
@@ -189,6 +211,7 @@ impl Qp {
             held_bytes: 0,
             unasked_msgs: 0,
             ack_due: None,
+            held_local: None,
         }
     }
 
@@ -206,7 +229,7 @@ impl Qp {
             return;
         }
         // WQEs left in the ring while the queue was full get no new doorbell.
-        if self.sq.len() < self.cap.max_send_wr as usize && self.sq_ring.ready() > 0 {
+        if self.sq.len() < self.cap.max_send_wr as usize && (self.sq_ring.ready() > 0 || self.local_ready()) {
             self.pull_sq(ctx);
         }
         self.responder_tx(ctx, budget);
@@ -222,8 +245,27 @@ impl Qp {
         if !matches!(st, QpState::Rts | QpState::Sqd | QpState::Err) {
             return;
         }
+        if let Some(w) = self.held_local {
+            if st != QpState::Err && !self.sq.is_empty() {
+                return;
+            }
+            self.held_local = None;
+            if !self.execute_local(ctx, &w, st) {
+                return;
+            }
+        }
         while st == QpState::Err || self.sq.len() < self.cap.max_send_wr as usize {
             let Some(w) = self.sq_ring.pop() else { break };
+            if WrOpcode::from_u8(w.opcode).is_some_and(|o| o.is_local()) {
+                if st != QpState::Err && !self.sq.is_empty() {
+                    self.held_local = Some(w);
+                    return;
+                }
+                if !self.execute_local(ctx, &w, st) {
+                    return;
+                }
+                continue;
+            }
             match self.validate_send(&w) {
                 Ok((op, len)) if st != QpState::Err => {
                     let mtu = self.mtu();
@@ -259,6 +301,56 @@ impl Qp {
                 }
             }
         }
+    }
+
+    /// A held bind/invalidate WR may run: every earlier WR completed.
+    fn local_ready(&self) -> bool {
+        self.held_local.is_some() && self.sq.is_empty()
+    }
+
+    /// Runs a bind or invalidate WR (flushes it in ERR) and completes it;
+    /// false if it failed and moved the QP to ERR.
+    fn execute_local(&mut self, ctx: &mut Ctx, w: &SendWqe, st: QpState) -> bool {
+        let op = WrOpcode::from_u8(w.opcode).unwrap_or(WrOpcode::LocalInv);
+        let status = if st == QpState::Err {
+            WcStatus::WrFlushErr
+        } else {
+            let r = match op {
+                WrOpcode::BindKey => match bind_entries(w) {
+                    Some(entries) if w.compare_add <= u32::MAX as u64 => {
+                        ctx.keys.bind(self.owner, self.pd, w.rkey, w.remote_addr, w.compare_add as u32, &entries)
+                    }
+                    Some(_) => Err(BindError::BadRange),
+                    None => Err(BindError::TooLong),
+                },
+                _ => ctx.keys.invalidate(self.owner, self.pd, w.rkey),
+            };
+            match r {
+                Ok(()) => {
+                    ctx.stats.key_binds += 1;
+                    WcStatus::Success
+                }
+                Err(e) => {
+                    ctx.stats.key_bind_errors += 1;
+                    if e == BindError::TooLong {
+                        WcStatus::LocLenErr
+                    } else {
+                        WcStatus::LocProtErr
+                    }
+                }
+            }
+        };
+        self.rt.sq_retired += 1;
+        if status != WcStatus::Success || self.sq_sig_all || w.flags & send_flags::SIGNALED != 0 {
+            let cqe =
+                Cqe { wr_id: w.wr_id, qp_num: self.qpn, status: status as u8, opcode: WcOpcode::for_wr(op) as u8, ..Default::default() };
+            ctx.complete(self.send_cq, cqe, false);
+        }
+        if status != WcStatus::Success && st != QpState::Err {
+            self.to_error(ctx);
+            return false;
+        }
+        true
     }
 
     fn validate_send(&self, w: &SendWqe) -> Result<(WrOpcode, u64), ()> {
@@ -314,7 +406,7 @@ impl Qp {
         if self.suspended {
             return false;
         }
-        let pullable = self.sq_ring.ready() > 0
+        let pullable = (self.sq_ring.ready() > 0 || self.local_ready())
             && self.sq.len() < self.cap.max_send_wr as usize
             && matches!(self.attr.qp_state, QpState::Rts | QpState::Err);
         if !self.rt.resp_queue.is_empty() || pullable {

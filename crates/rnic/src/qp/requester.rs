@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::{Ctx, Qp, RECOVERY_FIRST};
-use crate::objects::gather;
+use crate::keys::gather;
 use crate::types::{send_flags, QpState, WcStatus, WrOpcode};
 use crate::wire::{self, psn_add, psn_diff, AtomicEth, Headers, Opcode, Reth};
 
@@ -231,13 +231,13 @@ impl Qp {
                     h.ieth = Some(w.imm);
                 }
                 let inline = w.flags & send_flags::INLINE != 0;
-                let (mrs, pd) = (ctx.mrs, self.pd);
+                let (keys, pd) = (&*ctx.keys, self.pd);
                 ctx.tx.emit(&flow, &h, plen, |out| {
                     if inline {
                         out.copy_from_slice(&w.inline[off as usize..off as usize + plen]);
                         Ok(())
                     } else {
-                        gather(mrs, pd, e.sges(), off, out)
+                        gather(keys, pd, e.sges(), off, out)
                     }
                 })
             }

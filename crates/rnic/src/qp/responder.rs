@@ -2,12 +2,11 @@
 //! order, and queues its responses in PSN order.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Ctx, Qp, RespJob, WriteCtx, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE};
 use crate::async_events::AsyncKind;
-use crate::objects::{scatter, Mr};
+use crate::keys::{scatter, Span};
 use crate::ring::{Cqe, MAX_SGE};
 use crate::types::{access, wc_flags, QpState, WcOpcode, WcStatus};
 use crate::wire::{self, psn_add, psn_diff, Aeth, Headers, NakCode, Opcode, Packet, Syndrome};
@@ -75,8 +74,8 @@ impl Refusal {
 /// Where the R_Key check found the data of a packet to go.
 enum Target {
     None,
-    /// Host address of this WRITE packet's payload.
-    Write(*mut u8),
+    /// Host memory of this WRITE packet's payload.
+    Write(Span),
     /// Host address of the atomic's 8-byte word.
     Atomic(*mut u8),
 }
@@ -418,7 +417,11 @@ impl Qp {
                 (None, Some(w)) => (w.va, w.rkey),
                 (None, None) => return Err(Refusal::MissingOpcodeFirst),
             };
-            let dst = ctx.mrs.get(&rkey).and_then(|m| m.translate(self.pd, va, n, need)).ok_or(Refusal::RkeyViolation)?;
+            // A message keeps the binding its first packet saw, or is refused.
+            if p.reth.is_none() && self.rt.write.is_some_and(|w| w.key_gen != ctx.keys.generation(rkey)) {
+                return Err(Refusal::RkeyViolation);
+            }
+            let dst = ctx.keys.resolve(rkey, self.pd, va, n, need).ok_or(Refusal::RkeyViolation)?;
             Ok(Target::Write(dst))
         } else if op == Opcode::ReadRequest {
             if let Some(reth) = p.reth.filter(|r| r.len > 0) {
@@ -429,8 +432,8 @@ impl Qp {
             if a.va % 8 != 0 {
                 return Err(Refusal::MisalignedAtomic);
             }
-            let mr = self.region(ctx, a.rkey, a.va, 8, need).ok_or(Refusal::RkeyViolation)?;
-            let ptr = mr.translate(self.pd, a.va, 8, need).ok_or(Refusal::RkeyViolation)?;
+            let span = ctx.keys.resolve(a.rkey, self.pd, a.va, 8, need).ok_or(Refusal::RkeyViolation)?;
+            let ptr = span.contiguous().ok_or(Refusal::RkeyViolation)?;
             // The iova is aligned; the host address need not be (a region
             // may start anywhere in its memfd).
             if !(ptr as usize).is_multiple_of(8) {
@@ -444,10 +447,8 @@ impl Qp {
 
     /// The region `rkey` if it lies in the QP's PD and grants `need` on
     /// [va, va + len).
-    fn region(&self, ctx: &Ctx, rkey: u32, va: u64, len: u64, need: u32) -> Option<Arc<Mr>> {
-        let mr = ctx.mrs.get(&rkey)?;
-        mr.translate(self.pd, va, len, need)?;
-        Some(mr.clone())
+    fn region(&self, ctx: &Ctx, rkey: u32, va: u64, len: u64, need: u32) -> Option<()> {
+        ctx.keys.resolve(rkey, self.pd, va, len, need).map(|_| ())
     }
 
     /// Execute: every check passed; place the data or run the operation,
@@ -459,7 +460,7 @@ impl Qp {
         } else if op.is_write() {
             self.execute_write(ctx, p, target)?;
         } else if op == Opcode::ReadRequest {
-            self.execute_read(p);
+            self.execute_read(ctx, p);
             return Ok(());
         } else if op.is_atomic() {
             if let Target::Atomic(ptr) = target {
@@ -479,7 +480,7 @@ impl Qp {
         }
         let r = self.rq[0];
         let sges = &r.sge[..(r.num_sge as usize).min(MAX_SGE)];
-        match scatter(ctx.mrs, self.pd, sges, self.rt.recv_offset, p.payload) {
+        match scatter(ctx.keys, self.pd, sges, self.rt.recv_offset, p.payload) {
             Ok(()) => {}
             Err(WcStatus::LocLenErr) => return Err(Refusal::RecvLength),
             Err(_) => return Err(Refusal::MalformedWqe),
@@ -489,11 +490,7 @@ impl Qp {
             self.rt.in_send = false;
             self.rt.msn = psn_add(self.rt.msn, 1);
             if let Some(k) = p.ieth {
-                if let Some(mr) = ctx.mrs.get(&k) {
-                    if mr.pd == self.pd {
-                        mr.invalidated.store(true, Ordering::Relaxed);
-                    }
-                }
+                ctx.keys.remote_invalidate(k, self.pd);
             }
             let len = self.rt.recv_offset as u32;
             self.complete_recv(ctx, WcStatus::Success, WcOpcode::Recv, len, p.imm, p.ieth, p.bth.solicited);
@@ -503,13 +500,14 @@ impl Qp {
 
     fn execute_write(&mut self, ctx: &mut Ctx, p: &Packet, target: Target) -> Result<(), Refusal> {
         if let Some(reth) = p.reth {
-            self.rt.write = Some(WriteCtx { va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, total: reth.len as u64 });
+            let key_gen = ctx.keys.generation(reth.rkey);
+            self.rt.write = Some(WriteCtx { va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, total: reth.len as u64, key_gen });
         }
         let Some(mut w) = self.rt.write else { return Err(Refusal::MissingOpcodeFirst) };
         let n = p.payload.len() as u64;
         if let Target::Write(dst) = target {
-            // SAFETY: the R_Key check translated [va, va+n) inside the mapping.
-            unsafe { std::ptr::copy_nonoverlapping(p.payload.as_ptr(), dst, n as usize) };
+            // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
+            unsafe { dst.write(p.payload) };
         }
         w.va += n;
         w.remaining -= n;
@@ -526,12 +524,13 @@ impl Qp {
 
     /// A READ is answered from client memory as its responses go out
     /// (`responder_tx`); its PSNs are those of the responses.
-    fn execute_read(&mut self, p: &Packet) {
+    fn execute_read(&mut self, ctx: &Ctx, p: &Packet) {
         let Some(reth) = p.reth else { return };
+        let key_gen = ctx.keys.generation(reth.rkey);
         let psn = p.bth.psn;
         let n = (reth.len as u64).div_ceil(self.mtu()).max(1) as u32;
         self.rt.msn = psn_add(self.rt.msn, 1);
-        self.rt.resp_queue.push_back(RespJob::Read { psn, va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, first: true });
+        self.rt.resp_queue.push_back(RespJob::Read { psn, va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, first: true, key_gen });
         self.rt.epsn = psn_add(psn, n);
         self.rt.nak_sent = false;
     }
@@ -616,7 +615,15 @@ impl Qp {
                         psn_diff(last, psn) < 0
                     }
                 });
-                self.rt.resp_queue.push_back(RespJob::Read { psn, va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, first: true });
+                let key_gen = ctx.keys.generation(reth.rkey);
+                self.rt.resp_queue.push_back(RespJob::Read {
+                    psn,
+                    va: reth.va,
+                    rkey: reth.rkey,
+                    remaining: reth.len as u64,
+                    first: true,
+                    key_gen,
+                });
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
                 if let Some(&(_, orig)) = self.rt.atomic_results.iter().find(|(q, _)| *q == psn) {
@@ -652,7 +659,7 @@ impl Qp {
                     let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
                     self.rt.resp_queue.pop_front();
                 }
-                RespJob::Read { psn, va, rkey, remaining, first } => {
+                RespJob::Read { psn, va, rkey, remaining, first, key_gen } => {
                     let n = remaining.min(mtu);
                     let last = remaining <= mtu;
                     use Opcode::*;
@@ -666,15 +673,21 @@ impl Qp {
                     if opc != ReadRespMiddle {
                         h.aeth = Some(Aeth { syndrome: Syndrome::Ack(0x1f), msn: self.rt.msn });
                     }
-                    let (mrs, pd) = (ctx.mrs, self.pd);
+                    let (keys, pd) = (&*ctx.keys, self.pd);
+                    // A READ reads the binding current at its first response
+                    // packet; its other packets must find the same one.
+                    let key_gen = if first { keys.generation(rkey) } else { key_gen };
                     let r = ctx.tx.emit(&flow, &h, n as usize, |out| -> Result<(), ()> {
                         if n == 0 {
                             return Ok(());
                         }
                         // Re-read memory on every (re)transmission; the MR may be gone.
-                        let src = mrs.get(&rkey).and_then(|m| m.translate(pd, va, n, access::REMOTE_READ)).ok_or(())?;
-                        // SAFETY: translate() checked the range.
-                        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), n as usize) };
+                        if keys.generation(rkey) != key_gen {
+                            return Err(());
+                        }
+                        let src = keys.resolve(rkey, pd, va, n, access::REMOTE_READ).ok_or(())?;
+                        // SAFETY: resolved for n bytes just now.
+                        unsafe { src.read(out) };
                         Ok(())
                     });
                     if r.is_err() {
@@ -685,7 +698,7 @@ impl Qp {
                     if last {
                         self.rt.resp_queue.pop_front();
                     } else {
-                        *job = RespJob::Read { psn: psn_add(psn, 1), va: va + n, rkey, remaining: remaining - n, first: false };
+                        *job = RespJob::Read { psn: psn_add(psn, 1), va: va + n, rkey, remaining: remaining - n, first: false, key_gen };
                     }
                 }
             }

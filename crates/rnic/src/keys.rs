@@ -1,0 +1,423 @@
+//! The key table of one namespace: direct memory regions, indirect keys and
+//! aliases, and the translation of (key, address, length) into host memory
+//! that every data access goes through.
+//!
+//! - A **direct** key is an MR: one range of a memfd the client passed.
+//! - An **indirect** key (like a UMR mkey) is created once, with no memory,
+//!   then bound by a send-queue work request to a range of an existing MR
+//!   or to a list of ranges of several MRs (KLM style), and invalidated by
+//!   another. Each bind or invalidation gives the key a new generation.
+//! - An **alias** lets another client of the namespace reach a key it was
+//!   granted (cross-client, as a DPU agent reaches host memory). The alias
+//!   records its target's generation when created; it translates only while
+//!   the target still exists with that generation, still belongs to the
+//!   same owner and still grants the alias owner access. A rebind, a
+//!   revocation or the owner's death makes it stale: refused, never used.
+//!
+//! Bindings never point at MRs strongly: a binding entry holds a `Weak`, so
+//! deregistering an MR ends every binding through it at once.
+//!
+//! Atomicity against a rebind: the engine runs on one thread and resolves a
+//! packet's whole range in one call, so a packet sees one binding. A
+//! message of several packets records its key's generation at its first
+//! packet (`generation`); a later packet that finds another generation is
+//! refused (remote access error), so a message never lands partly in the old
+//! and partly in the new binding.
+
+use std::sync::{Arc, Weak};
+
+use crate::objects::{ClientId, IdMap, Mr};
+use crate::types::access;
+
+/// Most entries of one binding (a KLM list): 8 in the WQE's SGE array and
+/// 16 more in its inline area.
+pub const MAX_KLM: usize = 24;
+/// Most indirect keys and aliases one namespace holds.
+pub const MAX_INDIRECT: usize = 1 << 20;
+
+/// Host memory of one resolved range: one piece, or one per binding entry it crosses.
+pub enum Span {
+    One(*mut u8),
+    Many(Vec<(*mut u8, usize)>),
+}
+
+impl Span {
+    /// Copies `data` into the span (which is exactly `data.len()` bytes).
+    ///
+    /// # Safety
+    /// The span must come from `Keys::resolve` for `data.len()` bytes, in
+    /// this packet's handling (no table change in between).
+    pub unsafe fn write(&self, data: &[u8]) {
+        match self {
+            Span::One(p) => std::ptr::copy_nonoverlapping(data.as_ptr(), *p, data.len()),
+            Span::Many(v) => {
+                let mut off = 0;
+                for (p, n) in v {
+                    std::ptr::copy_nonoverlapping(data[off..].as_ptr(), *p, *n);
+                    off += n;
+                }
+            }
+        }
+    }
+
+    /// Copies the span into `out` (same conditions as `write`).
+    ///
+    /// # Safety
+    /// As `write`.
+    pub unsafe fn read(&self, out: &mut [u8]) {
+        match self {
+            Span::One(p) => std::ptr::copy_nonoverlapping(*p, out.as_mut_ptr(), out.len()),
+            Span::Many(v) => {
+                let mut off = 0;
+                for (p, n) in v {
+                    std::ptr::copy_nonoverlapping(*p, out[off..].as_mut_ptr(), *n);
+                    off += n;
+                }
+            }
+        }
+    }
+
+    /// The span as one pointer, if it is contiguous (atomics need that).
+    pub fn contiguous(&self) -> Option<*mut u8> {
+        match self {
+            Span::One(p) => Some(*p),
+            Span::Many(v) if v.len() == 1 => Some(v[0].0),
+            Span::Many(_) => None,
+        }
+    }
+}
+
+/// One range of a binding: `len` bytes of `mr` at its address `va`,
+/// `start` bytes into the bound range.
+pub struct Entry {
+    pub mr: Weak<Mr>,
+    pub va: u64,
+    pub len: u64,
+    pub start: u64,
+}
+
+/// What an indirect key currently points at.
+pub struct Binding {
+    pub iova: u64,
+    pub len: u64,
+    pub access: u32,
+    pub entries: Vec<Entry>,
+}
+
+impl Binding {
+    fn resolve(&self, va: u64, len: u64, need: u32) -> Option<Span> {
+        if self.access & need != need {
+            return None;
+        }
+        let off = va.checked_sub(self.iova)?;
+        let end = off.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        if len == 0 {
+            return Some(Span::Many(Vec::new()));
+        }
+        // First entry holding `off` (entries are sorted by start, contiguous).
+        let mut i = self.entries.partition_point(|e| e.start + e.len <= off);
+        let mut pieces = Vec::new();
+        let mut at = off;
+        while at < end {
+            let e = self.entries.get(i)?;
+            let mr = e.mr.upgrade()?;
+            let n = (e.start + e.len).min(end) - at;
+            let p = mr.translate(mr.pd, e.va + (at - e.start), n, need)?;
+            pieces.push((p, n as usize));
+            at += n;
+            i += 1;
+        }
+        Some(if pieces.len() == 1 { Span::One(pieces[0].0) } else { Span::Many(pieces) })
+    }
+}
+
+/// What an alias reaches.
+pub enum AliasTarget {
+    Direct(Weak<Mr>),
+    Indirect { key: u32, generation: u64 },
+}
+
+pub enum IndirectKind {
+    Indirect { max_entries: usize, binding: Option<Binding> },
+    Alias { target_key: u32, target_owner: ClientId, target: AliasTarget },
+}
+
+/// An indirect key or an alias (both created by a control call, neither
+/// owning memory).
+pub struct IndirectKey {
+    pub owner: ClientId,
+    pub pd: u32,
+    pub generation: u64,
+    pub kind: IndirectKind,
+}
+
+/// Why a bind work request failed (its completion status says which).
+#[derive(Debug, PartialEq, Eq)]
+pub enum BindError {
+    /// No such key, not the QP owner's, not indirect, or not in the QP's PD.
+    NotOwned,
+    /// More entries than the key was created for (or than MAX_KLM).
+    TooLong,
+    /// An entry outside its MR, an MR not the caller's or in another PD,
+    /// access the MRs do not grant, or an empty / overflowing range.
+    BadRange,
+}
+
+/// All keys of a namespace.
+#[derive(Default)]
+pub struct Keys {
+    pub direct: IdMap<Arc<Mr>>,
+    pub indirect: IdMap<IndirectKey>,
+    /// Clients a key's owner allowed to alias it.
+    pub grants: IdMap<Vec<ClientId>>,
+    /// Generations are unique in the namespace (never reused), so an alias
+    /// can tell a rebound or re-created key from the one it was made for.
+    next_generation: u64,
+}
+
+impl Keys {
+    pub fn contains(&self, key: u32) -> bool {
+        self.direct.contains_key(&key) || self.indirect.contains_key(&key)
+    }
+
+    pub fn new_generation(&mut self) -> u64 {
+        self.next_generation += 1;
+        self.next_generation
+    }
+
+    /// Host memory of [va, va+len) through `key` in protection domain `pd`
+    /// with access `need`; None if the key does not grant exactly that now.
+    pub fn resolve(&self, key: u32, pd: u32, va: u64, len: u64, need: u32) -> Option<Span> {
+        if let Some(mr) = self.direct.get(&key) {
+            return mr.translate(pd, va, len, need).map(Span::One);
+        }
+        let k = self.indirect.get(&key)?;
+        if k.pd != pd {
+            return None;
+        }
+        match &k.kind {
+            IndirectKind::Indirect { binding, .. } => binding.as_ref()?.resolve(va, len, need),
+            IndirectKind::Alias { target_key, target_owner, target } => {
+                if !self.grants.get(target_key).is_some_and(|g| g.contains(&k.owner)) {
+                    return None;
+                }
+                match target {
+                    AliasTarget::Direct(w) => {
+                        let mr = self.direct.get(target_key).filter(|m| std::ptr::eq(Arc::as_ptr(m), w.as_ptr()))?;
+                        if mr.owner != *target_owner {
+                            return None;
+                        }
+                        mr.translate(mr.pd, va, len, need).map(Span::One)
+                    }
+                    AliasTarget::Indirect { generation, .. } => {
+                        let t = self.indirect.get(target_key).filter(|t| t.generation == *generation && t.owner == *target_owner)?;
+                        match &t.kind {
+                            IndirectKind::Indirect { binding: Some(b), .. } => b.resolve(va, len, need),
+                            _ => None,
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The key's generation (0 for direct MRs, which never rebind): a
+    /// message records it at its first packet and checks it on the others.
+    pub fn generation(&self, key: u32) -> u64 {
+        self.indirect.get(&key).map_or(0, |k| k.generation)
+    }
+
+    /// Whether `key` (an alias) still reaches what it was made for.
+    pub fn alias_live(&self, key: u32) -> bool {
+        self.indirect.get(&key).is_some_and(|k| matches!(k.kind, IndirectKind::Alias { .. })) && self.resolve_any(key)
+    }
+
+    fn resolve_any(&self, key: u32) -> bool {
+        let Some(k) = self.indirect.get(&key) else { return false };
+        let IndirectKind::Alias { target_key, target_owner, target } = &k.kind else { return false };
+        if !self.grants.get(target_key).is_some_and(|g| g.contains(&k.owner)) {
+            return false;
+        }
+        match target {
+            AliasTarget::Direct(w) => {
+                self.direct.get(target_key).is_some_and(|m| std::ptr::eq(Arc::as_ptr(m), w.as_ptr()) && m.owner == *target_owner)
+            }
+            AliasTarget::Indirect { generation, .. } => self.indirect.get(target_key).is_some_and(|t| {
+                t.generation == *generation && t.owner == *target_owner && matches!(t.kind, IndirectKind::Indirect { binding: Some(_), .. })
+            }),
+        }
+    }
+
+    /// Binds indirect key `key` (owned by `client`, in `pd`) to the ranges
+    /// `entries` (address, length, MR key), seen at `iova` with `access`.
+    pub fn bind(
+        &mut self,
+        client: ClientId,
+        pd: u32,
+        key: u32,
+        iova: u64,
+        access_flags: u32,
+        entries: &[(u64, u64, u32)],
+    ) -> Result<(), BindError> {
+        let max = match self.indirect.get(&key) {
+            Some(IndirectKey { owner, pd: kpd, kind: IndirectKind::Indirect { max_entries, .. }, .. })
+                if *owner == client && *kpd == pd =>
+            {
+                *max_entries
+            }
+            _ => return Err(BindError::NotOwned),
+        };
+        if entries.len() > max || entries.len() > MAX_KLM {
+            return Err(BindError::TooLong);
+        }
+        if entries.is_empty() || access_flags & !access::ALL != 0 {
+            return Err(BindError::BadRange);
+        }
+        let mut out = Vec::with_capacity(entries.len());
+        let mut start = 0u64;
+        for &(va, len, mr_key) in entries {
+            let mr = self.direct.get(&mr_key).ok_or(BindError::BadRange)?;
+            if mr.owner != client || mr.pd != pd || len == 0 || mr.access & access_flags != access_flags {
+                return Err(BindError::BadRange);
+            }
+            let off = va.checked_sub(mr.iova).ok_or(BindError::BadRange)?;
+            if off.checked_add(len).is_none_or(|e| e > mr.len) {
+                return Err(BindError::BadRange);
+            }
+            out.push(Entry { mr: Arc::downgrade(mr), va, len, start });
+            start = start.checked_add(len).ok_or(BindError::BadRange)?;
+        }
+        if iova.checked_add(start).is_none() {
+            return Err(BindError::BadRange);
+        }
+        let generation = self.new_generation();
+        let k = self.indirect.get_mut(&key).ok_or(BindError::NotOwned)?;
+        k.generation = generation;
+        k.kind =
+            IndirectKind::Indirect { max_entries: max, binding: Some(Binding { iova, len: start, access: access_flags, entries: out }) };
+        Ok(())
+    }
+
+    /// Invalidates indirect key `key` of `client` in `pd`: it grants nothing until the next bind.
+    pub fn invalidate(&mut self, client: ClientId, pd: u32, key: u32) -> Result<(), BindError> {
+        let generation = self.new_generation();
+        match self.indirect.get_mut(&key) {
+            Some(k) if k.owner == client && k.pd == pd => match &mut k.kind {
+                IndirectKind::Indirect { binding, .. } => {
+                    *binding = None;
+                    k.generation = generation;
+                    Ok(())
+                }
+                IndirectKind::Alias { .. } => Err(BindError::NotOwned),
+            },
+            _ => Err(BindError::NotOwned),
+        }
+    }
+
+    /// SEND with invalidate from the peer: the key stops granting remote access.
+    pub fn remote_invalidate(&mut self, key: u32, pd: u32) {
+        if let Some(mr) = self.direct.get(&key) {
+            if mr.pd == pd {
+                mr.invalidated.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            return;
+        }
+        let owner = match self.indirect.get(&key) {
+            Some(k) if k.pd == pd => k.owner,
+            _ => return,
+        };
+        let _ = self.invalidate(owner, pd, key);
+    }
+
+    /// Removes a key and whatever was granted on it.
+    pub fn remove(&mut self, key: u32) {
+        self.direct.remove(&key);
+        self.indirect.remove(&key);
+        self.grants.remove(&key);
+    }
+
+    /// A client went away: its keys go (aliases of them turn stale), and so
+    /// do its aliases and grants to it.
+    pub fn client_gone(&mut self, client: ClientId) {
+        self.direct.retain(|_, m| m.owner != client);
+        self.indirect.retain(|_, k| k.owner != client);
+        let (direct, indirect) = (&self.direct, &self.indirect);
+        self.grants.retain(|key, g| {
+            g.retain(|c| *c != client);
+            direct.contains_key(key) || indirect.contains_key(key)
+        });
+    }
+
+    /// The owner of a key (direct or indirect), if any.
+    pub fn owner(&self, key: u32) -> Option<ClientId> {
+        self.direct.get(&key).map(|m| m.owner).or_else(|| self.indirect.get(&key).map(|k| k.owner))
+    }
+
+    /// The range, access and generation a key currently grants (for aliases
+    /// made of it): (iova, len, access).
+    pub fn extent(&self, key: u32) -> Option<(u64, u64, u32)> {
+        if let Some(m) = self.direct.get(&key) {
+            return Some((m.iova, m.len, m.access));
+        }
+        match &self.indirect.get(&key)?.kind {
+            IndirectKind::Indirect { binding: Some(b), .. } => Some((b.iova, b.len, b.access)),
+            _ => None,
+        }
+    }
+}
+
+/// Copies `out.len()` bytes of the message described by `sges`, starting at
+/// message offset `off`, into `out` (local read: no access bit needed).
+pub fn gather(keys: &Keys, pd: u32, sges: &[crate::ring::Sge], mut off: u64, out: &mut [u8]) -> Result<(), crate::types::WcStatus> {
+    use crate::types::WcStatus;
+    let mut done = 0usize;
+    for s in sges {
+        if done == out.len() {
+            break;
+        }
+        let sl = s.length as u64;
+        if off >= sl {
+            off -= sl;
+            continue;
+        }
+        let n = ((sl - off) as usize).min(out.len() - done);
+        let span = keys.resolve(s.lkey, pd, s.addr + off, n as u64, 0).ok_or(WcStatus::LocProtErr)?;
+        // SAFETY: resolved for n bytes just now; out has room.
+        unsafe { span.read(&mut out[done..done + n]) };
+        done += n;
+        off = 0;
+    }
+    if done != out.len() {
+        return Err(WcStatus::LocLenErr);
+    }
+    Ok(())
+}
+
+/// Writes `data` into the message buffer `sges` at offset `off` (needs LOCAL_WRITE).
+pub fn scatter(keys: &Keys, pd: u32, sges: &[crate::ring::Sge], mut off: u64, data: &[u8]) -> Result<(), crate::types::WcStatus> {
+    use crate::types::WcStatus;
+    let mut done = 0usize;
+    for s in sges {
+        if done == data.len() {
+            break;
+        }
+        let sl = s.length as u64;
+        if off >= sl {
+            off -= sl;
+            continue;
+        }
+        let n = ((sl - off) as usize).min(data.len() - done);
+        let span = keys.resolve(s.lkey, pd, s.addr + off, n as u64, access::LOCAL_WRITE).ok_or(WcStatus::LocProtErr)?;
+        // SAFETY: resolved for n bytes just now.
+        unsafe { span.write(&data[done..done + n]) };
+        done += n;
+        off = 0;
+    }
+    if done != data.len() {
+        return Err(WcStatus::LocLenErr);
+    }
+    Ok(())
+}

@@ -1,0 +1,399 @@
+//! Indirect keys, the key pool, cross-client aliases and the registration
+//! cache (docs/mkeys.md), between two testbed hosts each running a real
+//! rnicd process; data verified byte for byte.
+mod common;
+use common::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use verbs::mkeys::{AliasCache, KeyGrant, KeyPool};
+use verbs::rcache::Rcache;
+use verbs::*;
+
+const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+
+/// A QP of `pd` connected to itself: binds run on it without touching the wire.
+fn local_qp(ctx: &Context, pd: &Pd) -> (Qp, Cq) {
+    let cq = ctx.create_cq(256, None).unwrap();
+    let mut init = QpInitAttr::new(&cq, &cq);
+    init.cap.max_send_wr = 128;
+    let qp = pd.create_qp(&init).unwrap();
+    qp.connect(&qp.endpoint(0), &ConnectOpts::default()).unwrap();
+    (qp, cq)
+}
+
+#[test]
+fn indirect_key_klm_bind_use_and_invalidate() {
+    let bed = Bed::new("mkind", 2);
+    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
+    let (a, b) = pair(&bed, 0, 1, o);
+    // b binds a key to three separate ranges of its MR, seen contiguously at 0x1000_0000.
+    let k = b.pd.create_indirect_key(4, None).unwrap();
+    let ranges = [b.mr.sge(100_000, 5000), b.mr.sge(2 << 20, 3000), b.mr.sge(6 << 20, 10_000)];
+    let iova = 0x1000_0000u64;
+    b.qp.post_bind(1, k.key(), iova, RW, &ranges, true).unwrap();
+    let w = ok(&b.scq);
+    assert_eq!((w.wr_id, w.opcode), (1, WcOpcode::BindKey));
+
+    // A WRITE across all three entries lands in each range in order.
+    let data = pattern(3, 18_000);
+    a.buf.write(0, &data);
+    a.qp.post_send(&[SendWr::write(2, &[a.mr.sge(0, 18_000)], iova, k.key())]).unwrap();
+    ok(&a.scq);
+    assert_eq!(b.buf.read(100_000, 5000), data[..5000]);
+    assert_eq!(b.buf.read(2 << 20, 3000), data[5000..8000]);
+    assert_eq!(b.buf.read(6 << 20, 10_000), data[8000..]);
+    // READ back a piece crossing the first boundary; an atomic inside one entry.
+    a.qp.post_send(&[SendWr::read(3, &[a.mr.sge(1 << 20, 2000)], iova + 4000, k.key())]).unwrap();
+    ok(&a.scq);
+    assert_eq!(a.buf.read(1 << 20, 2000), data[4000..6000]);
+    b.buf.write_u64(6 << 20, 5);
+    a.qp.post_send(&[SendWr::fetch_add(4, &[a.mr.sge(2 << 20, 8)], iova + 8000, k.key(), 3)]).unwrap();
+    ok(&a.scq);
+    assert_eq!((a.buf.read_u64(2 << 20), b.buf.read_u64(6 << 20)), (5, 8));
+    // The owner uses the key as an lkey too (a SEND gathering through it).
+    a.qp.post_recv(&[RecvWr { wr_id: 5, sg_list: &[a.mr.sge(3 << 20, 18_000)] }]).unwrap();
+    b.qp.post_send(&[SendWr::send(6, &[Sge { addr: iova, length: 18_000, lkey: k.key() }])]).unwrap();
+    assert_eq!(ok(&a.rcq).byte_len, 18_000);
+    ok(&b.scq);
+    assert_eq!(a.buf.read(3 << 20, 5000), b.buf.read(100_000, 5000));
+
+    // Outside the bound range: remote access error, nothing written.
+    let before = b.buf.read(6 << 20, 10_000);
+    a.qp.post_send(&[SendWr::write(7, &[a.mr.sge(0, 100)], iova + 17_950, k.key())]).unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::RemAccessErr);
+    assert_eq!(b.buf.read(6 << 20, 10_000), before);
+
+    // Invalidated: refused on the wire (a fresh pair; the old one is in ERR).
+    let (a, b) = pair(&bed, 0, 1, o);
+    let k = b.pd.create_indirect_key(1, None).unwrap();
+    b.qp.post_bind(1, k.key(), b.mr.addr, RW, &[b.mr.sge(0, 4096)], false).unwrap();
+    b.qp.post_local_inv(2, k.key(), true).unwrap();
+    let w = ok(&b.scq);
+    assert_eq!((w.wr_id, w.opcode), (2, WcOpcode::LocalInv));
+    a.qp.post_send(&[SendWr::write(3, &[a.mr.sge(0, 64)], b.mr.addr, k.key())]).unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::RemAccessErr);
+    // The namespace's counter: the first bind, then this bind and invalidation.
+    let st = b.ctx.stats().unwrap();
+    assert_eq!(st["key_binds"], 3);
+}
+
+#[test]
+fn bad_binds_and_bad_control_requests() {
+    let bed = Bed::new("mkbad", 1);
+    let ctx = bed.ctx(0);
+    let pd = ctx.alloc_pd().unwrap();
+    let buf = MemBuf::new(1 << 20).unwrap();
+    let mr = pd.reg_mr(&buf, 0, 1 << 20, RW).unwrap();
+    let ro = pd.reg_mr(&buf, 0, 4096, access::LOCAL_WRITE | access::REMOTE_READ).unwrap();
+    let k = pd.create_indirect_key(2, None).unwrap();
+    let status = |ranges: &[Sge], key: u32, acc: u32| {
+        let (qp, cq) = local_qp(&ctx, &pd);
+        qp.post_bind(9, key, 0x5000, acc, ranges, true).unwrap();
+        let w = one(&cq);
+        (w.status, qp.state().unwrap())
+    };
+    // Outside the MR, an unknown MR, more access than the MR grants.
+    assert_eq!(status(&[mr.sge((1 << 20) - 10, 11)], k.key(), RW), (WcStatus::LocProtErr, QpState::Err));
+    assert_eq!(status(&[Sge { addr: mr.addr, length: 10, lkey: 0xdead }], k.key(), RW).0, WcStatus::LocProtErr);
+    assert_eq!(status(&[ro.sge(0, 100)], k.key(), RW).0, WcStatus::LocProtErr);
+    // A KLM list longer than the key takes, or than any key takes.
+    let three = [mr.sge(0, 10), mr.sge(100, 10), mr.sge(200, 10)];
+    assert_eq!(status(&three, k.key(), RW).0, WcStatus::LocLenErr);
+    let many: Vec<Sge> = (0..25).map(|i| mr.sge(i * 16, 16)).collect();
+    let k24 = pd.create_indirect_key(24, None).unwrap();
+    assert_eq!(status(&many, k24.key(), RW).0, WcStatus::LocLenErr);
+    assert_eq!(status(&many[..24], k24.key(), RW).0, WcStatus::Success);
+    // A rebind from a client that does not own the key (same host, another connection).
+    let other = bed.ctx(0);
+    let opd = other.alloc_pd().unwrap();
+    let obuf = MemBuf::new(4096).unwrap();
+    let omr = opd.reg_mr(&obuf, 0, 4096, RW).unwrap();
+    let (oqp, ocq) = local_qp(&other, &opd);
+    oqp.post_bind(1, k.key(), 0, RW, &[omr.sge(0, 64)], true).unwrap();
+    assert_eq!(one(&ocq).status, WcStatus::LocProtErr);
+    // Binding through another client's MR is refused too.
+    assert_eq!(status(&[omr.sge(0, 64)], k.key(), RW).0, WcStatus::LocProtErr);
+    let st = ctx.stats().unwrap();
+    assert!(st["key_bind_errors"].as_u64().unwrap() >= 7, "{st}");
+
+    // Control path: clear errors.
+    let e = pd.create_indirect_key(0, None).err().unwrap().to_string();
+    assert!(e.contains("1..=24"), "{e}");
+    assert!(pd.create_indirect_key(25, None).is_err());
+    let e = pd.create_indirect_key(1, Some(mr.lkey)).err().unwrap().to_string();
+    assert!(e.contains("already in use"), "{e}");
+    let e = opd.create_alias(ctx.client_id(), k.key()).err().unwrap().to_string();
+    assert!(e.contains("did not grant"), "{e}");
+    k.grant(other.client_id()).unwrap();
+    let e = opd.create_alias(ctx.client_id(), k.key()).err().unwrap().to_string();
+    assert!(e.contains("not bound"), "{e}");
+    let e = opd.create_alias(ctx.client_id(), 0x1234).err().unwrap().to_string();
+    assert!(e.contains("has no key"), "{e}");
+}
+
+/// Owner rebinds a key between two buffers A and B (same iova) while the
+/// peer writes (or reads) through it: every message lands wholly in A or
+/// wholly in B, or is refused with a remote access error when a rebind fell
+/// inside it; never partly in each.
+fn race(bed: &Bed, msg: usize, read: bool, pause: Duration) -> (usize, usize, usize) {
+    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
+    const N: usize = 256;
+    let (a, b) = pair_sized(bed, 0, 1, o, 2 * N * msg + 4096, 512);
+    let (off_a, off_b) = (0usize, N * msg);
+    let pool = KeyPool::new(&b.pd, 1, 1).unwrap();
+    let iova = 0x7000_0000u64;
+    let sge_of = |off: usize| Sge { addr: b.mr.addr + off as u64, length: (N * msg) as u32, lkey: b.mr.lkey };
+    if read {
+        b.buf.write(off_a, &vec![0xaa; N * msg]);
+        b.buf.write(off_b, &vec![0xbb; N * msg]);
+    } else {
+        for i in 0..N {
+            a.buf.write(i * msg, &pattern(i as u64, msg));
+        }
+    }
+    let mut key = pool.get_at(&[sge_of(off_a)], iova, RW).unwrap();
+    let rkey = key.key();
+    let stop = AtomicBool::new(false);
+    let (mut statuses, mut binds) = (Vec::new(), 0);
+    std::thread::scope(|s| {
+        let rebinder = s.spawn(|| {
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                key.rebind_at(&[sge_of(if i % 2 == 0 { off_b } else { off_a })], iova, RW).unwrap();
+                i += 1;
+                std::thread::sleep(pause);
+            }
+            i
+        });
+        for i in 0..N {
+            let sg = [a.mr.sge(i * msg, msg)];
+            let at = iova + (i * msg) as u64;
+            let wr = if read { SendWr::read(i as u64, &sg, at, rkey) } else { SendWr::write(i as u64, &sg, at, rkey) };
+            a.qp.post_send(&[wr]).unwrap();
+            if i % 8 == 7 {
+                // Spread the messages over many rebinds.
+                std::thread::sleep(Duration::from_micros(300));
+            }
+        }
+        statuses = a.scq.wait(N, T).unwrap().iter().map(|w| (w.wr_id as usize, w.status)).collect();
+        stop.store(true, Ordering::Relaxed);
+        binds = rebinder.join().unwrap();
+    });
+    let (mut whole, mut refused) = (0, 0);
+    for (i, st) in statuses {
+        match st {
+            WcStatus::Success => whole += 1,
+            WcStatus::RemAccessErr => refused += 1,
+            WcStatus::WrFlushErr => {}
+            s => panic!("message {i}: {s:?}"),
+        }
+        if read {
+            let got = a.buf.read(i * msg, msg);
+            if st == WcStatus::Success {
+                assert!(got.iter().all(|&x| x == 0xaa) || got.iter().all(|&x| x == 0xbb), "READ {i} mixed A and B");
+            }
+        } else {
+            let want = pattern(i as u64, msg);
+            let chunks = |off: usize| {
+                let got = b.buf.read(off + i * msg, msg);
+                got.chunks(1024).zip(want.chunks(1024)).filter(|(g, w)| g == w).count()
+            };
+            let (in_a, in_b) = (chunks(off_a), chunks(off_b));
+            assert!(in_a == 0 || in_b == 0, "WRITE {i} landed partly in A ({in_a} KiB) and partly in B ({in_b} KiB)");
+            if st == WcStatus::Success {
+                assert_eq!(in_a.max(in_b), msg.div_ceil(1024), "WRITE {i} completed but is not whole");
+            }
+        }
+    }
+    (whole, refused, binds)
+}
+
+#[test]
+fn peer_write_and_read_racing_rebind() {
+    let bed = Bed::new("mkrace", 2);
+    // One-packet messages resolve the binding once: never refused.
+    let (whole, refused, binds) = race(&bed, 1024, false, Duration::ZERO);
+    assert_eq!((whole, refused), (256, 0));
+    assert!(binds > 10, "{binds} rebinds");
+    let (whole, refused, _) = race(&bed, 1024, true, Duration::ZERO);
+    assert_eq!((whole, refused), (256, 0));
+    // 16-packet messages: whole, or refused when a rebind fell inside
+    // (rebinding every millisecond, so that most messages see none).
+    for read in [false, true] {
+        let (whole, refused, binds) = race(&bed, 16 << 10, read, Duration::from_millis(1));
+        eprintln!("16 KiB {}: {whole} whole, {refused} refused, {binds} rebinds", if read { "READs" } else { "WRITEs" });
+        assert!(whole > 0);
+    }
+}
+
+/// A second client of the same host ("DPU agent") reaches the owner's
+/// memory through aliases cached by owner<<32|key; rebinding, revoking and
+/// the owner's death make them stale, and stale aliases are never used.
+#[test]
+fn cross_client_aliases_and_staleness() {
+    let bed = Bed::new("mkalias", 2);
+    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
+    let (agent, peer) = pair(&bed, 0, 1, o);
+    let owner = bed.ctx(0);
+    let opd = owner.alloc_pd().unwrap();
+    let obuf = MemBuf::new(1 << 20).unwrap();
+    let omr = opd.reg_mr(&obuf, 0, 1 << 20, RW).unwrap();
+    let data = pattern(9, 64 << 10);
+    obuf.write(0, &data);
+    let pool = KeyPool::new(&opd, 2, 1).unwrap();
+    let mut k = pool.get(&[omr.sge(0, 256 << 10)], RW).unwrap();
+    k.indirect().grant(agent.ctx.client_id()).unwrap();
+    omr.grant(agent.ctx.client_id()).unwrap();
+
+    let cache = AliasCache::new(&agent.pd).unwrap();
+    let al = cache.get(owner.client_id(), k.key()).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&al, &cache.get(owner.client_id(), k.key()).unwrap()), "cached");
+    assert_eq!((al.iova, al.len), (omr.addr, 256 << 10));
+    // The agent WRITEs from and READs into the owner's memory.
+    agent.qp.post_send(&[SendWr::write(1, &[al.sge(0, 64 << 10)], peer.mr.addr, peer.mr.rkey)]).unwrap();
+    ok(&agent.scq);
+    assert_eq!(peer.buf.read(0, 64 << 10), data);
+    peer.buf.write(1 << 20, &pattern(10, 4096));
+    agent.qp.post_send(&[SendWr::read(2, &[al.sge(128 << 10, 4096)], peer.mr.addr + (1 << 20), peer.mr.rkey)]).unwrap();
+    ok(&agent.scq);
+    assert_eq!(obuf.read(128 << 10, 4096), pattern(10, 4096));
+    // An alias of the direct MR too.
+    let direct = cache.get(owner.client_id(), omr.lkey).unwrap();
+    assert!(direct.is_live().unwrap());
+
+    // The owner rebinds: stale, refused at use (LOC_PROT_ERR, nothing sent).
+    k.rebind(&[omr.sge(512 << 10, 4096)], RW).unwrap();
+    assert!(!al.is_live().unwrap());
+    peer.buf.write(0, &[0u8; 4096]);
+    agent.qp.post_send(&[SendWr::write(3, &[al.sge(0, 4096)], peer.mr.addr, peer.mr.rkey)]).unwrap();
+    assert_eq!(one(&agent.scq).status, WcStatus::LocProtErr);
+    assert_eq!(peer.buf.read(0, 4096), vec![0u8; 4096]);
+    // get_checked replaces it with a live one, for the new binding.
+    let al2 = cache.get_checked(owner.client_id(), k.key()).unwrap();
+    assert!(al2.is_live().unwrap() && al2.key != al.key);
+    assert_eq!(al2.iova, omr.addr + (512 << 10));
+
+    // Revoked: stale, and no new alias can be made.
+    k.indirect().revoke(agent.ctx.client_id()).unwrap();
+    assert!(!al2.is_live().unwrap());
+    assert!(cache.get_checked(owner.client_id(), k.key()).is_err());
+
+    // The owner dies: its MR alias turns stale, and a peer using the alias
+    // as an rkey (the agent's PD is its QP's) gets a remote access error.
+    let (agent2, peer2) = pair(&bed, 0, 1, o);
+    omr.grant(agent2.ctx.client_id()).unwrap();
+    let cache2 = AliasCache::new(&agent2.pd).unwrap();
+    let al3 = cache2.get(owner.client_id(), omr.lkey).unwrap();
+    peer2.qp.post_send(&[SendWr::write(1, &[peer2.mr.sge(0, 4096)], al3.iova, al3.key)]).unwrap();
+    ok(&peer2.scq);
+    assert!(al3.is_live().unwrap());
+    drop(k);
+    drop(pool);
+    drop((omr, opd, direct));
+    drop(owner);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!al3.is_live().unwrap());
+    peer2.qp.post_send(&[SendWr::write(2, &[peer2.mr.sge(0, 4096)], al3.iova, al3.key)]).unwrap();
+    assert_eq!(one(&peer2.scq).status, WcStatus::RemAccessErr);
+    drop(al);
+}
+
+/// Anonymous memory of `len` bytes at `hint` (MAP_FIXED when given).
+fn anon(len: usize, hint: Option<u64>) -> u64 {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if hint.is_some() { libc::MAP_FIXED } else { 0 };
+    // SAFETY: fresh anonymous memory (MAP_FIXED only over our own unmapped range).
+    let p = unsafe { libc::mmap(hint.unwrap_or(0) as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
+    assert_ne!(p, libc::MAP_FAILED);
+    p as u64
+}
+
+fn peek(addr: u64, len: usize) -> Vec<u8> {
+    // SAFETY: test memory we mapped.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len).to_vec() }
+}
+
+/// The rcache: hits, merges, LRU eviction, and invalidation on munmap,
+/// madvise(DONTNEED) and mremap. A buffer freed and mapped again at the
+/// same address never receives data a peer sends to the old one.
+#[test]
+fn rcache_hits_merges_evicts_and_invalidates() {
+    let bed = Bed::new("mkrc", 2);
+    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
+    let (a, b) = pair(&bed, 0, 1, o);
+    let rc = Rcache::new(&b.pd, RW, 4, 64 << 20).unwrap();
+    const LEN: usize = 1 << 20;
+    // A reservation of 4 MiB: the tests map and remap inside it only.
+    let buf = anon(4 * LEN, None);
+    // SAFETY: our mapping.
+    unsafe { std::ptr::write_bytes(buf as *mut u8, 0x5a, LEN) };
+    let r1 = rc.register(buf, LEN as u64).unwrap();
+    assert_eq!(peek(buf, 16), vec![0x5a; 16], "content kept when moved");
+    let data = pattern(1, 64 << 10);
+    a.buf.write(0, &data);
+    a.qp.post_send(&[SendWr::write(1, &[a.mr.sge(0, 64 << 10)], buf + 4096, r1.rkey)]).unwrap();
+    ok(&a.scq);
+    assert_eq!(peek(buf + 4096, 64 << 10), data);
+    // Hit inside; a miss overlapping it merges into one region.
+    let r2 = rc.register(buf + 8192, 1000).unwrap();
+    assert_eq!((r2.lkey, rc.stats().hits), (r1.lkey, 1));
+    let r3 = rc.register(buf + LEN as u64 - 4096, 8192).unwrap();
+    let st = rc.stats();
+    assert_eq!((st.misses, st.merges, st.regions), (2, 1, 1), "{st:?}");
+    assert_eq!((r3.addr, r3.len), (buf, LEN as u64 + 4096));
+    drop((r1, r2, r3));
+
+    // munmap, then new memory at the same address: a miss with a new key;
+    // the old key is refused and the new buffer receives nothing through it.
+    let old_rkey = rc.register(buf, LEN as u64).unwrap().rkey;
+    // SAFETY: our mapping.
+    unsafe { libc::munmap(buf as *mut libc::c_void, LEN) };
+    let again = anon(LEN, Some(buf));
+    assert_eq!(again, buf);
+    assert_eq!(peek(buf + 4096, 16), vec![0; 16]);
+    let fresh = rc.register(buf, LEN as u64).unwrap();
+    assert_ne!(fresh.rkey, old_rkey);
+    assert!(rc.stats().invalidations >= 1);
+    a.qp.post_send(&[SendWr::write(2, &[a.mr.sge(0, 64 << 10)], buf + 4096, old_rkey)]).unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::RemAccessErr);
+    assert_eq!(peek(buf, LEN), vec![0; LEN], "the reused buffer received data meant for the old one");
+    // The new key works (new QPs: the old ones are in ERR).
+    let qa = End::new(bed.ctx(0), 1 << 20, 16);
+    let qb = b.pd.create_qp(&QpInitAttr::new(&b.scq, &b.rcq)).unwrap();
+    qa.qp.connect(&qb.endpoint(0), &o).unwrap();
+    qb.connect(&qa.qp.endpoint(0), &o).unwrap();
+    qa.buf.write(0, &data);
+    qa.qp.post_send(&[SendWr::write(3, &[qa.mr.sge(0, 64 << 10)], buf + 4096, fresh.rkey)]).unwrap();
+    ok(&qa.scq);
+    assert_eq!(peek(buf + 4096, 64 << 10), data);
+    drop(fresh);
+
+    // madvise(DONTNEED) and mremap invalidate too.
+    let inv = rc.stats().invalidations;
+    let r = rc.register(buf, 4096).unwrap().rkey;
+    // SAFETY: advice on our own mapping.
+    unsafe { libc::madvise(buf as *mut libc::c_void, 4096, libc::MADV_DONTNEED) };
+    rc.sync();
+    assert!(rc.stats().invalidations > inv);
+    assert_ne!(rc.register(buf, 4096).unwrap().rkey, r);
+    let inv = rc.stats().invalidations;
+    // SAFETY: moves our own mapping.
+    let moved =
+        unsafe { libc::mremap(buf as *mut libc::c_void, LEN, LEN, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, buf + 2 * LEN as u64) };
+    assert_ne!(moved, libc::MAP_FAILED);
+    rc.sync();
+    assert!(rc.stats().invalidations > inv);
+
+    // LRU: at most 4 regions; the least recently used idle one goes.
+    rc.flush();
+    let bufs: Vec<u64> = (0..5).map(|_| anon(8192, None)).collect();
+    for &x in &bufs {
+        drop(rc.register(x, 8192).unwrap());
+    }
+    let st = rc.stats();
+    assert_eq!((st.regions, st.evictions), (4, 1), "{st:?}");
+    let hits = st.hits;
+    drop(rc.register(bufs[4], 100).unwrap());
+    assert_eq!(rc.stats().hits, hits + 1);
+    drop(rc.register(bufs[0], 100).unwrap());
+    assert_eq!(rc.stats().hits, hits + 1, "the first region was evicted");
+}
