@@ -121,6 +121,10 @@ pub enum Msg {
     /// that changed since (the destination drops its copies). Without it,
     /// no page was sent yet (pure postcopy).
     Switchover { state_bytes: u64, source_paused_unix_ns: u64, dirty_ranges: bool },
+    /// Source -> destination, several links: data channel `index` was lost
+    /// with its link; the destination stops reading it, and its pages not
+    /// confirmed by a `round_done` come again on the other channels.
+    ChannelLost { index: u32 },
     /// Destination -> source: every page is in; the source may let go.
     Complete { faults: u64, fault_p50_us: Option<f64>, fault_p99_us: Option<f64>, fault_max_us: Option<f64>, cpu_s: f64, ram_clients: u32 },
 }
