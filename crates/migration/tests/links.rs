@@ -31,6 +31,31 @@ impl Pair {
         let d = self.tb.host(1);
         format!("tcp:{}:4444,{}:4444", d.addr(0), d.addr(1))
     }
+    /// Waits until the source's channels wrote `bytes` (so a cut lands
+    /// in the middle of the migration, whatever the machine's load).
+    fn wait_sent(&self, bytes: u64) {
+        let mut q = self.src.client().unwrap();
+        let t = std::time::Instant::now();
+        loop {
+            let s = q.execute("query-migrate", json!({})).unwrap();
+            let status = s["status"].as_str().unwrap_or("none");
+            assert!(matches!(status, "none" | "setup" | "active"), "the migration ended before the cut: {s:#}");
+            if s["wire_bytes"].as_u64().unwrap_or(0) >= bytes {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "the migration does not progress: {s:#}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    /// Waits until the source dropped both channels of link 1.
+    fn wait_link_lost(&self) {
+        let mut q = self.src.client().unwrap();
+        let t = std::time::Instant::now();
+        while q.execute("query-migrate", json!({})).unwrap()["links"][1]["channels_lost"] != 2 {
+            assert!(t.elapsed() < Duration::from_secs(30), "the cut link's channels are not dropped");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
     fn cap_both(&self, mbit: u32) {
         for k in 0..2 {
             self.tb.set_rate(0, k, Some(mbit)).unwrap();
@@ -96,7 +121,7 @@ fn one_link_cut_mid_migration_completes_on_the_other() {
     // 128 MiB at 2 x 100 Mbit/s: about 5 s, so the cut lands mid-pass.
     p.cap_both(100);
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    p.wait_sent(32 << 20);
     p.tb.link_down(0, 1).unwrap();
     let s = p.source_result();
     assert_eq!(s["status"], "completed", "{s:#}");
@@ -107,14 +132,18 @@ fn one_link_cut_mid_migration_completes_on_the_other() {
 }
 
 /// The same cut while a dirtier runs (rounds and stop-and-copy after the
-/// loss): byte-exact, and the oracle holds on the destination.
+/// loss), and the link comes back once its channels were dropped (anything
+/// still queued on them must not land late): byte-exact, and the oracle
+/// holds on the destination.
 #[test]
 fn one_link_cut_under_a_dirtier_completes_with_the_oracle() {
     let p = pair("dirtier", "64M");
     p.cap_both(150);
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
-    std::thread::sleep(Duration::from_millis(1000));
+    p.wait_sent(16 << 20);
     p.tb.link_down(0, 1).unwrap();
+    p.wait_link_lost();
+    p.tb.link_up(0, 1).unwrap();
     let s = p.source_result();
     assert_eq!(s["status"], "completed", "{s:#}");
     assert_eq!(s["links"][1]["channels_lost"], 2, "{s:#}");
@@ -129,7 +158,7 @@ fn both_links_cut_fails_and_the_source_runs_on() {
     let p = pair("dirtier", "64M");
     p.cap_both(50);
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2})).unwrap();
-    std::thread::sleep(Duration::from_secs(2));
+    p.wait_sent(4 << 20);
     p.tb.link_down(0, 0).unwrap();
     p.tb.link_down(0, 1).unwrap();
     let s = wait_migration(&p.src, Duration::from_secs(120)).unwrap();
