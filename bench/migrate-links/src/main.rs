@@ -102,7 +102,7 @@ fn run(a: &Args) -> Result<Vec<Value>> {
 
 fn run_row(bin: &std::path::Path, links: usize, gib: u64, a: &Args) -> Result<Value> {
     let tb = Testbed::create(TestbedOpts::new("mlinks", 2).nics(2).rate_mbit(a.rate_mbit))?;
-    let raw = raw_tcp_over_links(&tb, links, a.channels_per_link, 3)?;
+    let raw = raw_tcp_over_links(&tb, links, a.channels_per_link, 5)?;
     let mem = format!("{gib}G");
     let spec = VmSpec { name: "bench", memory: &mem, workload: "fill", args: "" };
     let src = start_vm(bin, &tb, 0, &spec, None)?;
