@@ -90,6 +90,34 @@ pub fn start_vm(bin: &Path, tb: &Testbed, host: usize, spec: &VmSpec, incoming: 
     Ok(vm)
 }
 
+/// Wait until the destination's memfd holds all of RAM (its prealloc done).
+/// The prealloc fills the memfd through a mapping of its own, so the vmm's
+/// resident size does not show it: look at the memfd's allocated blocks.
+pub fn wait_prealloc(dst: &VmProcess, ram_gib: u64, t: Duration) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let want = ram_gib << 30;
+    let s = Instant::now();
+    // `ip netns exec` execs into the vmm: the child's pid is the vmm's.
+    let dir = format!("/proc/{}/fd", dst.pid());
+    while s.elapsed() < t {
+        let allocated: u64 = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:")))
+            .filter_map(|e| std::fs::metadata(e.path()).ok())
+            .map(|m| m.blocks() * 512)
+            .max()
+            .unwrap_or(0);
+        if allocated >= want {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("  prealloc not finished after {t:?}; migrating anyway");
+    Ok(())
+}
+
 /// Whether the process still runs.
 pub fn is_alive(vm: &mut VmProcess) -> bool {
     // A zero timeout: an error means "has not exited".

@@ -246,34 +246,6 @@ fn run_row(bin: &std::path::Path, r: &Row, prealloc: bool) -> Result<Value> {
     }))
 }
 
-/// Wait until the destination's memfd holds all of RAM (its prealloc done).
-/// The prealloc fills the memfd through a mapping of its own, so the vmm's
-/// resident size does not show it: look at the memfd's allocated blocks.
-fn wait_prealloc(dst: &VmProcess, ram_gib: u64, t: Duration) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let want = ram_gib << 30;
-    let s = Instant::now();
-    // `ip netns exec` execs into the vmm: the child's pid is the vmm's.
-    let dir = format!("/proc/{}/fd", dst.pid());
-    while s.elapsed() < t {
-        let allocated: u64 = std::fs::read_dir(&dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:")))
-            .filter_map(|e| std::fs::metadata(e.path()).ok())
-            .map(|m| m.blocks() * 512)
-            .max()
-            .unwrap_or(0);
-        if allocated >= want {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    eprintln!("  prealloc not finished after {t:?}; migrating anyway");
-    Ok(())
-}
-
 fn failed_row(r: &Row, error: String) -> Value {
     json!({"system": "transit", "mode": r.mode, "workload": r.workload, "ram_gib": r.ram_gib, "channels": r.channels,
            "compress": r.compress, "completed": false, "total_s": null, "downtime_ms": null, "throughput_gbps": null,

@@ -17,7 +17,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::receiver::{accept, accept_channels, receive_channel, RoundBarrier, RxShared, Suspects};
+use crate::receiver::{accept, accept_channels, drop_channel, receive_channel, RoundBarrier, RxShared, Suspects};
 pub use crate::receiver::{listen, IncomingParams, Prealloc, DATA_IDLE_TIMEOUT};
 
 /// Receive one migration on `listener` into the paused `vm`.
@@ -104,7 +104,7 @@ fn run_inner(
     control.set_read_timeout(None)?;
     // The source's End or Switchover starts the downtime: be there at once.
     crate::postcopy::set_priority(true);
-    let end = wire::recv_msg(&mut control);
+    let end = recv_end(&mut control, &sh);
     if let Ok(Msg::Switchover { state_bytes, source_paused_unix_ns, dirty_ranges }) = &end {
         let sw =
             crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
@@ -115,7 +115,7 @@ fn run_inner(
     if end.is_err() {
         ctl.shutdown_all();
     }
-    let stream = end_of_stream(threads, end)?;
+    let stream = end_of_stream(threads, end, sh.barrier.gone())?;
     downtime.step("channels joined");
     check_every_page(&sh)?;
     let state = load_state(vm, &mut control, &stream, ctl)?;
@@ -242,6 +242,7 @@ fn start_channels(
         placer: OnceLock::new(),
         barrier: RoundBarrier::new(hello.channels),
         acks: Mutex::new(control.try_clone()?),
+        data_socks: streams.iter().map(TcpStream::try_clone).collect::<std::io::Result<_>>()?,
         ctl: ctl.clone(),
     });
     let mut threads: ChannelThreads = streams
@@ -249,12 +250,12 @@ fn start_channels(
         .enumerate()
         .map(|(i, s)| {
             let sh = sh.clone();
-            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
+            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(i, s, sh))
         })
         .collect::<std::io::Result<_>>()?;
     for (i, rx) in rdma.into_iter().enumerate() {
         let sh = sh.clone();
-        threads.push(std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || crate::rdma::receive_channel(rx, sh))?);
+        threads.push(std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || crate::rdma::receive_channel(i, rx, sh))?);
     }
     Ok((sh, threads, urgent))
 }
@@ -282,9 +283,22 @@ struct StreamEnd {
     cpu: f64,
 }
 
+/// The source's next message after the channels started (its End or
+/// Switchover); meanwhile, with several links, it may report channels lost
+/// with their link, which stop here (see [`drop_channel`]).
+fn recv_end(control: &mut TcpStream, sh: &RxShared) -> Result<Msg, WireError> {
+    loop {
+        match wire::recv_msg(control)? {
+            Msg::ChannelLost { index } => drop_channel(sh, index as usize).map_err(|e| WireError::Corrupt(format!("{e:#}")))?,
+            m => return Ok(m),
+        }
+    }
+}
+
 /// The channels' threads joined and the End checked: every page the
-/// source counted arrived.
-fn end_of_stream(threads: ChannelThreads, end: Result<Msg, WireError>) -> Result<StreamEnd> {
+/// source counted arrived (on the channels not lost: `gone`, a bit per
+/// channel; their pages came again on others).
+fn end_of_stream(threads: ChannelThreads, end: Result<Msg, WireError>, gone: u64) -> Result<StreamEnd> {
     let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(anyhow!("channel thread panicked")))).collect();
     let mut per_channel = Vec::new();
     let mut cpu = 0.0;
@@ -300,7 +314,9 @@ fn end_of_stream(threads: ChannelThreads, end: Result<Msg, WireError>) -> Result
         Msg::Abort { reason } => bail!("source aborted: {reason}"),
         other => bail!("expected end of stream, got {other:?}"),
     };
-    if claimed != per_channel {
+    let lost = |i: usize| i < 64 && gone & (1u64 << i) != 0;
+    let kept = |v: &[u64]| v.iter().enumerate().filter(|&(i, _)| !lost(i)).map(|(_, &p)| p).collect::<Vec<_>>();
+    if claimed.len() != per_channel.len() || kept(&claimed) != kept(&per_channel) {
         bail!("incomplete stream: source sent {claimed:?} pages per channel, {per_channel:?} arrived");
     }
     Ok(stream)

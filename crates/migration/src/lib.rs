@@ -4,6 +4,7 @@
 //! - [`source`] / [`dest`]: the two ends of a migration; [`postcopy`]: its
 //!   postcopy part (userfaultfd on the destination)
 //! - [`wire`]: the versioned stream format; [`compress`]: per-page codecs
+//! - [`links`]: several destination addresses, one per link
 //! - [`qmp`]: the control-socket commands the vmm forwards
 //! - [`memvm`]: a small VM (memfd RAM + dirtier threads) for tests and benches
 
@@ -11,6 +12,7 @@ pub mod compress;
 pub mod cputime;
 pub mod dest;
 pub mod dirty;
+pub mod links;
 pub mod memvm;
 pub mod pages;
 pub mod postcopy;

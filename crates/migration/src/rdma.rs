@@ -20,6 +20,7 @@
 //! exchange before any queue pair can talk, as rdma_cm does over its own
 //! messages), the round acknowledgements, the device state and the commit.
 
+use crate::links::Links;
 use crate::ratelimit::TokenBucket;
 use crate::receiver::{apply_batch, count_batch, RxShared, DATA_IDLE_TIMEOUT};
 use crate::sender::{recv_reply, spawn_channels, ChannelSet};
@@ -135,6 +136,7 @@ fn gid_of(s: &str) -> Result<Ipv4Addr> {
 pub(crate) fn open_channels(
     control: &mut TcpStream,
     rnicd: &str,
+    links: &Links,
     n: u32,
     ram: RamRegion,
     compress: crate::compress::Compress,
@@ -170,7 +172,7 @@ pub(crate) fn open_channels(
             ep,
         }));
     }
-    spawn_channels(sinks, ram, compress, bucket, ctl, deadline)
+    spawn_channels(sinks, links, ram, compress, bucket, ctl, deadline)
 }
 
 /// The sending end of a channel.
@@ -331,8 +333,8 @@ fn post_recv(ep: &mut Endpoint, slot: usize) -> Result<()> {
 /// A receiving thread's work: messages in order, each batch checked and
 /// applied once its SEND is in (its WRITEs landed before it). Returns the
 /// pages received and the thread's CPU seconds.
-pub(crate) fn receive_channel(mut rx: RdmaReceiver, sh: Arc<RxShared>) -> Result<(u64, f64)> {
-    let r = rx.run(&sh);
+pub(crate) fn receive_channel(index: usize, mut rx: RdmaReceiver, sh: Arc<RxShared>) -> Result<(u64, f64)> {
+    let r = rx.run(index, &sh);
     if r.is_err() {
         sh.barrier.break_all();
         sh.ctl.shutdown_all();
@@ -347,7 +349,7 @@ pub(crate) fn receive_channel(mut rx: RdmaReceiver, sh: Arc<RxShared>) -> Result
 }
 
 impl RdmaReceiver {
-    fn run(&mut self, sh: &RxShared) -> Result<u64> {
+    fn run(&mut self, index: usize, sh: &RxShared) -> Result<u64> {
         let mut rd = DataReader::default();
         let mut zstd = None;
         let mut scratch = Vec::new();
@@ -373,7 +375,7 @@ impl RdmaReceiver {
                     bail!("a receive completion for slot {slot} of {len} bytes");
                 }
                 let msg = &self.ep.slot(slot)[..len];
-                let eos = handle_message(msg, &mut rd, sh, &mut scratch, &mut zstd, &mut pages)?;
+                let eos = handle_message(index, msg, &mut rd, sh, &mut scratch, &mut zstd, &mut pages)?;
                 if let Some(claimed) = eos {
                     if claimed != pages {
                         bail!("channel ended claiming {claimed} pages, {pages} arrived");
@@ -390,6 +392,7 @@ impl RdmaReceiver {
 /// (the barrier, then the acknowledgement), or the end of the stream
 /// (returned).
 fn handle_message(
+    index: usize,
     msg: &[u8],
     rd: &mut DataReader,
     sh: &RxShared,
@@ -409,7 +412,7 @@ fn handle_message(
             if !r.is_empty() {
                 return Err(WireError::Corrupt("bytes after a round's end".into()).into());
             }
-            if sh.barrier.wait()? {
+            if sh.barrier.wait(index, round)? {
                 let mut c = sh.acks.lock().unwrap();
                 wire::send_msg(&mut *c, &Msg::RoundDone { round })?;
             }

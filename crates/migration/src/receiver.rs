@@ -45,42 +45,99 @@ impl Default for IncomingParams {
     }
 }
 
-/// A barrier that a failing channel can break, so the others stop waiting.
+/// A barrier that a failing channel can break, so the others stop waiting,
+/// and that a channel lost with its link leaves (see [`RoundBarrier::leave`]).
 pub(crate) struct RoundBarrier {
-    n: usize,
-    st: Mutex<(usize, u64, bool)>, // (arrived, generation, broken)
+    /// Channels at the start.
+    pub(crate) n: usize,
+    st: Mutex<BarrierState>,
     cv: Condvar,
+}
+
+/// Channels as bits (at most 64, as the hello allows).
+struct BarrierState {
+    /// Channels the round waits for.
+    members: u64,
+    /// Members that reached this round's sync.
+    arrived: u64,
+    generation: u64,
+    broken: bool,
+    /// Channels the source lost with their link: their readers stop.
+    gone: u64,
+    /// The round being synced (what a completing [`RoundBarrier::leave`] acknowledges).
+    round: u64,
 }
 
 impl RoundBarrier {
     pub(crate) fn new(n: usize) -> RoundBarrier {
-        RoundBarrier { n, st: Mutex::new((0, 0, false)), cv: Condvar::new() }
+        let members = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+        let st = BarrierState { members, arrived: 0, generation: 0, broken: false, gone: 0, round: 0 };
+        RoundBarrier { n, st: Mutex::new(st), cv: Condvar::new() }
     }
-    /// Returns true for the last channel to arrive (it speaks for all).
-    pub(crate) fn wait(&self) -> Result<bool> {
+    /// Channel `i` reached the sync of `round`. Returns true for the last
+    /// channel to arrive (it speaks for all).
+    pub(crate) fn wait(&self, i: usize, round: u64) -> Result<bool> {
+        let bit = 1u64 << i;
         let mut g = self.st.lock().unwrap();
-        if g.2 {
+        if g.broken {
             bail!("another channel failed");
         }
-        g.0 += 1;
-        if g.0 == self.n {
-            g.0 = 0;
-            g.1 += 1;
+        if g.gone & bit != 0 {
+            bail!("channel {i} was dropped");
+        }
+        g.arrived |= bit;
+        g.round = round;
+        if g.arrived & g.members == g.members {
+            g.arrived = 0;
+            g.generation += 1;
             self.cv.notify_all();
             return Ok(true);
         }
-        let gen = g.1;
-        while g.1 == gen && !g.2 {
+        let gen = g.generation;
+        while g.generation == gen && !g.broken && g.gone & bit == 0 {
             g = self.cv.wait(g).unwrap();
         }
-        if g.2 {
+        if g.broken {
             bail!("another channel failed");
+        }
+        if g.generation == gen {
+            bail!("channel {i} was dropped");
         }
         Ok(false)
     }
     pub(crate) fn break_all(&self) {
-        self.st.lock().unwrap().2 = true;
+        self.st.lock().unwrap().broken = true;
         self.cv.notify_all();
+    }
+    /// The source lost channel `i`: its reader stops (a wait returns).
+    pub(crate) fn mark_gone(&self, i: usize) {
+        self.st.lock().unwrap().gone |= 1u64 << i;
+        self.cv.notify_all();
+    }
+    pub(crate) fn is_gone(&self, i: usize) -> bool {
+        self.st.lock().unwrap().gone & (1u64 << i) != 0
+    }
+    /// Channels the source lost.
+    pub(crate) fn gone(&self) -> u64 {
+        self.st.lock().unwrap().gone
+    }
+    /// The reader of a lost channel `i` stopped: rounds no longer wait for
+    /// it. Called by that reader as it ends, so that a round completes
+    /// only once the lost channel can write nothing more (the source sends
+    /// its pages again in the next round, which must land after). Returns
+    /// the round its leaving completed, if it did.
+    fn leave(&self, i: usize) -> Option<u64> {
+        let bit = 1u64 << i;
+        let mut g = self.st.lock().unwrap();
+        g.members &= !bit;
+        g.arrived &= !bit;
+        if g.arrived != 0 && g.arrived & g.members == g.members {
+            g.arrived = 0;
+            g.generation += 1;
+            self.cv.notify_all();
+            return Some(g.round);
+        }
+        None
     }
 }
 
@@ -105,6 +162,9 @@ pub(crate) struct RxShared {
     pub(crate) barrier: RoundBarrier,
     /// The control connection's write side, for round acknowledgements.
     pub(crate) acks: Mutex<TcpStream>,
+    /// A clone of each data connection, by channel index: a channel lost
+    /// with its link is shut so that its reader stops.
+    pub(crate) data_socks: Vec<TcpStream>,
     pub ctl: Arc<Control>,
     /// Set at a postcopy switch: pages are placed through userfaultfd from
     /// then on (the VM may be running and faulting on them).
@@ -568,7 +628,22 @@ pub(crate) fn count_batch(ctl: &Control, pages: u64, wire: u64) {
     });
 }
 
-pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
+/// The source lost channel `i` with its link (`channel_lost`): stop its
+/// reader. The reader leaves the round barrier as it ends.
+pub(crate) fn drop_channel(sh: &RxShared, i: usize) -> Result<()> {
+    if i >= sh.barrier.n {
+        bail!("the source lost channel {i}, but there are {}", sh.barrier.n);
+    }
+    let Some(sock) = sh.data_socks.get(i) else {
+        bail!("the source lost channel {i}, but only TCP channels fail over");
+    };
+    tracing::warn!("migration: the source lost data channel {i} with its link");
+    sh.barrier.mark_gone(i);
+    let _ = sock.shutdown(std::net::Shutdown::Both);
+    Ok(())
+}
+
+pub(crate) fn receive_channel(index: usize, mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u64, f64)> {
     let mut rd = DataReader::default();
     let mut zstd = None;
     let mut scratch = Vec::new();
@@ -610,7 +685,7 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
                     // Every channel applied the round: tell the source, so
                     // it measures what really arrived and never pauses the
                     // VM with a backlog still in flight.
-                    if sh.barrier.wait()? {
+                    if sh.barrier.wait(index, round)? {
                         let mut c = sh.acks.lock().unwrap();
                         wire::send_msg(&mut *c, &Msg::RoundDone { round })?;
                     }
@@ -624,6 +699,16 @@ pub(crate) fn receive_channel(mut s: TcpStream, sh: Arc<RxShared>) -> Result<(u6
             }
         }
     })();
+    if r.is_err() && sh.barrier.is_gone(index) {
+        // Lost with its link: what it applied is as good as any copy of
+        // its round, and the rest comes again on the other channels.
+        drop(postcopy);
+        if let Some(round) = sh.barrier.leave(index) {
+            let mut c = sh.acks.lock().unwrap();
+            wire::send_msg(&mut *c, &Msg::RoundDone { round })?;
+        }
+        return Ok((pages, thread_cpu_s()));
+    }
     if r.is_err() {
         sh.barrier.break_all();
         sh.ctl.shutdown_all();
@@ -704,5 +789,55 @@ pub(crate) fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) 
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RoundBarrier;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_lost_channel_leaves_the_round_once_its_reader_stopped() {
+        let b = Arc::new(RoundBarrier::new(3));
+        let waiters: Vec<_> = (0..2)
+            .map(|i| {
+                let b = b.clone();
+                std::thread::spawn(move || b.wait(i, 7))
+            })
+            .collect();
+        // Channel 2 is lost: marking it alone completes nothing.
+        b.mark_gone(2);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(waiters.iter().all(|w| !w.is_finished()), "the round waits for the lost reader to stop");
+        // Its reader stops and leaves: the round completes, and the leave
+        // reports it (the last of the others to arrive was not the last).
+        assert_eq!(b.leave(2), Some(7));
+        let lasts: Vec<bool> = waiters.into_iter().map(|w| w.join().unwrap().unwrap()).collect();
+        assert_eq!(lasts, vec![false, false]);
+        // The next round waits for the two left only.
+        let other = {
+            let b = b.clone();
+            std::thread::spawn(move || b.wait(1, 8))
+        };
+        let last_here = b.wait(0, 8).unwrap();
+        assert!(last_here ^ other.join().unwrap().unwrap(), "exactly one speaks for the round");
+    }
+
+    #[test]
+    fn a_lost_reader_waiting_in_the_barrier_is_released() {
+        let b = Arc::new(RoundBarrier::new(2));
+        let lost = {
+            let b = b.clone();
+            std::thread::spawn(move || b.wait(1, 3))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        b.mark_gone(1);
+        assert!(lost.join().unwrap().is_err(), "the lost reader stops waiting");
+        assert!(b.is_gone(1));
+        // It had arrived; leaving takes its arrival back: nothing completes
+        // until channel 0 arrives, which then is the last.
+        assert_eq!(b.leave(1), None);
+        assert!(b.wait(0, 3).unwrap());
     }
 }

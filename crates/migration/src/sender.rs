@@ -7,6 +7,7 @@
 use crate::compress::{Compress, PageCompressor};
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::{Armer, PAGE_SIZE};
+use crate::links::{self, Links};
 use crate::pages::PageRange;
 use crate::postcopy::push::PushQueue;
 use crate::ratelimit::TokenBucket;
@@ -16,7 +17,7 @@ use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, BatchWriter, Enc, Msg};
 use anyhow::{anyhow, bail, Context, Result};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,6 +49,9 @@ struct RoundWork {
     /// `migrate-start-postcopy`): no item from here on was sent.
     /// `usize::MAX` while uncut.
     cut: AtomicUsize,
+    /// The channel that took each item: a channel lost with its link
+    /// leaves its items to send again.
+    owner: Vec<AtomicU32>,
 }
 
 impl RoundWork {
@@ -121,6 +125,8 @@ pub fn nonzero_xxh3(page: &[u8]) -> Option<u64> {
 
 struct Channel {
     index: usize,
+    /// Which of the migration's links it runs over.
+    link: usize,
     sink: Box<dyn DataSink>,
     ram: RamRegion,
     compress: Compress,
@@ -179,9 +185,13 @@ impl Channel {
         let w = self.sink.send_batch(batch).map_err(|e| anyhow!("channel {}: send failed: {e}", self.index))? as u64;
         sent.wire += w;
         self.total_pages_sent += pages;
+        let link = self.link;
         self.ctl.update(|s| {
             s.wire_bytes += w;
             s.pages_sent += pages;
+            if let Some(l) = s.links.get_mut(link) {
+                l.wire_bytes += w;
+            }
         });
         Ok(())
     }
@@ -194,6 +204,7 @@ impl Channel {
             }
             let i = w.next.fetch_add(1, Ordering::Relaxed);
             let Some(item) = w.items.get(i) else { break };
+            w.owner[i].store(self.index as u32, Ordering::Relaxed);
             // Holes were armed before they were found to be holes,
             // hybrid's sample items before the first round, and pages a
             // scan found dirty by that scan (run_inner).
@@ -300,10 +311,11 @@ impl Channel {
     }
 }
 
-/// Open `n` data connections and their sender threads.
+/// Open `n` data connections and their sender threads, spread over the
+/// links round-robin.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn open_channels(
-    addr: &str,
+    links: &Links,
     session: u64,
     n: u32,
     ram: RamRegion,
@@ -314,18 +326,25 @@ pub(crate) fn open_channels(
 ) -> Result<ChannelSet> {
     let mut sinks: Vec<Box<dyn DataSink>> = Vec::new();
     for i in 0..n as usize {
-        let mut s = connect(addr, ctl)?;
+        let link = links.of_channel(i);
+        let mut s = connect(links.addr(link), ctl)?;
+        if links.several() {
+            links::shorten_timeout(&s);
+        }
         wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_DATA)?;
         wire::send_msg(&mut s, &Msg::Channel { session, index: i as u32 })?;
         s.set_write_timeout(Some(crate::receiver::DATA_IDLE_TIMEOUT))?;
         sinks.push(Box::new(s));
     }
-    spawn_channels(sinks, ram, compress, bucket, ctl, deadline)
+    spawn_channels(sinks, links, ram, compress, bucket, ctl, deadline)
 }
 
-/// A sender thread on each data channel.
+/// A sender thread on each data channel; channel `i` runs over link
+/// `links.of_channel(i)`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn spawn_channels(
     sinks: Vec<Box<dyn DataSink>>,
+    links: &Links,
     ram: RamRegion,
     compress: Compress,
     bucket: &Arc<TokenBucket>,
@@ -335,14 +354,32 @@ pub(crate) fn spawn_channels(
     let (reply_tx, reply_rx) = mpsc::channel();
     let mut job_txs = Vec::new();
     let mut threads = Vec::new();
+    let mut socks = Vec::new();
+    ctl.update(|s| s.links = links.stats(sinks.len() as u32));
     for (i, sink) in sinks.into_iter().enumerate() {
-        let ch = Channel { index: i, sink, ram, compress, bucket: bucket.clone(), ctl: ctl.clone(), total_pages_sent: 0 };
+        // Failover watches and shuts a clone of a TCP channel's socket.
+        socks.push(sink.tcp().map(TcpStream::try_clone).transpose()?);
+        let link = links.of_channel(i);
+        let ch = Channel { index: i, link, sink, ram, compress, bucket: bucket.clone(), ctl: ctl.clone(), total_pages_sent: 0 };
         let (tx, rx) = mpsc::channel();
         let rtx = reply_tx.clone();
         threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
-        job_txs.push(tx);
+        job_txs.push(Some(tx));
     }
-    Ok(ChannelSet { job_txs, threads, replies: reply_rx, ctl: ctl.clone(), deadline, arm_next: None, current: None })
+    Ok(ChannelSet {
+        job_txs,
+        threads,
+        replies: reply_rx,
+        ctl: ctl.clone(),
+        deadline,
+        arm_next: None,
+        current: None,
+        failover: None,
+        socks,
+        links: links.clone(),
+        unconfirmed: None,
+        lost_items: Vec::new(),
+    })
 }
 
 /// The postcopy urgent connection (page requests and their answers).
@@ -354,12 +391,8 @@ pub(crate) fn open_urgent(addr: &str, session: u64, ctl: &Control) -> Result<Tcp
     Ok(s)
 }
 
-pub(crate) fn parse_tcp_uri(uri: &str) -> Result<String> {
-    let a = uri.strip_prefix("tcp:").unwrap_or(uri);
-    if a.rsplit_once(':').is_none() {
-        bail!("bad migration address {uri:?} (expected tcp:HOST:PORT)");
-    }
-    Ok(a.to_string())
+pub(crate) fn parse_tcp_uri(uri: &str) -> Result<Links> {
+    Links::parse(uri)
 }
 
 pub(crate) fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
@@ -469,7 +502,8 @@ impl RoundResult {
 }
 
 pub(crate) struct ChannelSet {
-    job_txs: Vec<mpsc::Sender<Job>>,
+    /// One per channel; None once the channel was lost with its link.
+    job_txs: Vec<Option<mpsc::Sender<Job>>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     replies: mpsc::Receiver<Reply>,
     ctl: Arc<Control>,
@@ -480,6 +514,18 @@ pub(crate) struct ChannelSet {
     /// request to switch may cut it short (hybrid's rounds before the
     /// switch: what they leave goes by postcopy) rather than cancel.
     current: Option<(Arc<RoundWork>, bool)>,
+    /// Several links: the control connection, to tell the destination of a
+    /// channel lost with its link. None: any channel's failure fails all.
+    failover: Option<TcpStream>,
+    /// A clone of each data connection, to see a dead link between rounds
+    /// (None: a channel that is not a TCP connection, never failed over).
+    socks: Vec<Option<TcpStream>>,
+    links: Links,
+    /// The last round sent and not yet confirmed by the destination's
+    /// `round_done`: a lost channel's items of it go again.
+    unconfirmed: Option<Arc<RoundWork>>,
+    /// Items of lost channels, sent first in the next round.
+    lost_items: Vec<WorkItem>,
 }
 
 impl ChannelSet {
@@ -505,13 +551,28 @@ impl ChannelSet {
         }
     }
 
-    pub(crate) fn round(&mut self, round: u64, items: Vec<WorkItem>, cuttable: bool) -> Result<RoundResult> {
+    pub(crate) fn round(&mut self, round: u64, mut items: Vec<WorkItem>, cuttable: bool) -> Result<RoundResult> {
         let t = Instant::now();
-        let work =
-            Arc::new(RoundWork { round, items, next: AtomicUsize::new(0), arm: self.arm_next.take(), cut: AtomicUsize::new(usize::MAX) });
+        if !self.lost_items.is_empty() {
+            // Pages a lost channel may not have delivered go first; they
+            // are read again now, so they carry the newest bytes.
+            let mut lost = std::mem::take(&mut self.lost_items);
+            lost.append(&mut items);
+            items = lost;
+        }
+        let owner = (0..items.len()).map(|_| AtomicU32::new(u32::MAX)).collect();
+        let work = Arc::new(RoundWork {
+            round,
+            items,
+            next: AtomicUsize::new(0),
+            arm: self.arm_next.take(),
+            cut: AtomicUsize::new(usize::MAX),
+            owner,
+        });
         self.current = Some((work.clone(), cuttable));
-        let total = self.run_job(|| Job::Round(work.clone()));
+        let total = self.run_job(|| Job::Round(work.clone()), true);
         self.current = None;
+        self.unconfirmed = Some(work.clone());
         let total = total.map_err(|e| {
             if self.ctl.is_cancelled() {
                 if self.deadline.is_some_and(|d| Instant::now() >= d) {
@@ -536,23 +597,110 @@ impl ChannelSet {
     /// Postcopy: every channel pushes from `q` until it is empty; returns
     /// the pages sent.
     pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
-        let channels = self.job_txs.len();
-        let total = self.run_job(|| Job::Push(q.clone(), channels))?;
+        let channels = self.live();
+        let total = self.run_job(|| Job::Push(q.clone(), channels), false)?;
         self.ctl.update(|s| s.pages_pushed += total.pages);
         Ok(total.pages)
     }
 
-    /// Give every channel the job, wait for all, account what they sent.
-    /// The first failure stops the other channels at once.
-    fn run_job(&mut self, job: impl Fn() -> Job) -> Result<Sent> {
-        for tx in &self.job_txs {
+    /// Channels not lost.
+    fn live(&self) -> usize {
+        self.job_txs.iter().flatten().count()
+    }
+
+    /// Several links: a failing channel is lost with its link (see
+    /// [`ChannelSet::lose`]) rather than failing the migration. Only TCP
+    /// channels fail over: a lost one is seen and shut through its socket.
+    pub(crate) fn enable_failover(&mut self, control: &TcpStream) -> Result<()> {
+        if self.links.several() && self.socks.iter().all(Option::is_some) {
+            self.failover = Some(control.try_clone()?);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn failover_enabled(&self) -> bool {
+        self.failover.is_some()
+    }
+
+    /// The destination applied every round sent so far.
+    pub(crate) fn confirmed(&mut self) {
+        self.unconfirmed = None;
+    }
+
+    /// Items of lost channels not sent again yet (a switch to postcopy
+    /// counts them as missing).
+    pub(crate) fn take_lost(&mut self) -> Vec<WorkItem> {
+        std::mem::take(&mut self.lost_items)
+    }
+
+    /// Between rounds: drop every channel whose link died meanwhile (TCP
+    /// gave up on its unacknowledged bytes). Without failover, a broken
+    /// channel shows at its next write instead.
+    pub(crate) fn check_links(&mut self) -> Result<()> {
+        if self.failover.is_none() {
+            return Ok(());
+        }
+        for i in 0..self.job_txs.len() {
+            if self.job_txs[i].is_some() && self.socks[i].as_ref().is_some_and(links::socket_broken) {
+                self.lose(i, &anyhow!("channel {i}: its connection broke"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Channel `i` is lost with its link: its thread ends, its items of the
+    /// rounds not confirmed go again first in the next round, and the
+    /// destination is told to stop reading it (and to leave it out of the
+    /// round barrier, which it does only once its reader stopped, so no
+    /// late copy from it can land after a newer one). Fails when no
+    /// channel is left.
+    fn lose(&mut self, i: usize, why: &anyhow::Error) -> Result<()> {
+        tracing::warn!("migration: {why:#}; its pages go again on the other links");
+        self.job_txs[i] = None;
+        if let Some(s) = &self.socks[i] {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let rounds = self.unconfirmed.iter().chain(self.current.as_ref().map(|c| &c.0));
+        for w in rounds {
+            let mine = (0..w.items.len()).filter(|&k| w.owner[k].load(Ordering::Relaxed) == i as u32);
+            self.lost_items.extend(mine.map(|k| w.items[k]));
+        }
+        let link = self.links.of_channel(i);
+        self.ctl.update(|s| {
+            if let Some(l) = s.links.get_mut(link) {
+                l.channels_lost += 1;
+            }
+        });
+        if self.live() == 0 {
+            bail!("every link is lost (last: {why:#})");
+        }
+        let control = self.failover.as_mut().expect("failover enabled");
+        wire::send_msg(control, &Msg::ChannelLost { index: i as u32 }).map_err(|e| anyhow!("control connection: {e}"))?;
+        Ok(())
+    }
+
+    /// Give every live channel the job, wait for all, account what they
+    /// sent. The first failure stops the other channels at once, unless
+    /// `failover` (a round, with several links): then a failing channel
+    /// is lost and the others go on.
+    fn run_job(&mut self, job: impl Fn() -> Job, failover: bool) -> Result<Sent> {
+        let failover = failover && self.failover.is_some();
+        let mut expected = 0;
+        for tx in self.job_txs.iter().flatten() {
             tx.send(job()).map_err(|_| anyhow!("a channel thread died"))?;
+            expected += 1;
         }
         let mut total = Sent::default();
         let mut first_err = None;
-        for _ in 0..self.job_txs.len() {
+        for _ in 0..expected {
             match self.wait()? {
                 Reply::RoundDone(_, Ok(s)) => total.add(&s),
+                Reply::RoundDone(i, Err(e)) if failover && !self.ctl.is_cancelled() && first_err.is_none() => {
+                    if let Err(e) = self.lose(i, &e) {
+                        self.ctl.shutdown_all();
+                        first_err = Some(e);
+                    }
+                }
                 Reply::RoundDone(i, Err(e)) | Reply::Finished(i, Err(e)) => {
                     tracing::debug!("channel {i} failed: {e:#}");
                     if first_err.is_none() {
@@ -576,13 +724,14 @@ impl ChannelSet {
     }
 
     /// End every data stream; returns pages per channel and their CPU time.
+    /// A lost channel counts 0 pages (the destination leaves it out).
     pub(crate) fn finish(&mut self) -> Result<(Vec<u64>, f64)> {
-        for tx in &self.job_txs {
+        for tx in self.job_txs.iter().flatten() {
             let _ = tx.send(Job::Finish);
         }
         let mut per = vec![0u64; self.job_txs.len()];
         let mut cpu = 0.0;
-        for _ in 0..self.job_txs.len() {
+        for _ in 0..self.live() {
             match self.wait()? {
                 Reply::Finished(i, Ok((p, c))) => {
                     per[i] = p;

@@ -10,6 +10,7 @@
 use crate::compress::Compress;
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::{DirtyLog, DirtySource, PAGE_SIZE};
+use crate::links::Links;
 use crate::pages::{complement, count_pages, normalize, overlap, PageRange};
 use crate::ratelimit::TokenBucket;
 use crate::stats::{Control, Mode, Params, RoundStat, Status};
@@ -41,6 +42,9 @@ pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<A
         let secs = s.total_ms / 1e3;
         if secs > 0.0 {
             s.throughput_gbps = s.wire_bytes as f64 * 8.0 / secs / 1e9;
+            for l in &mut s.links {
+                l.throughput_gbps = l.wire_bytes as f64 * 8.0 / secs / 1e9;
+            }
             s.ram_throughput_gbps = s.pages_sent.saturating_sub(s.zero_pages) as f64 * PAGE_SIZE as f64 * 8.0 / secs / 1e9;
         }
         match &r {
@@ -83,7 +87,8 @@ fn run_inner(
 
 /// The migration's parameters, checked, and when it gives up.
 struct Plan {
-    addr: String,
+    /// The destination's addresses, one per link.
+    links: Links,
     transport: Transport,
     compress: Compress,
     mode: Mode,
@@ -98,8 +103,13 @@ impl Plan {
         let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
         let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
         let (addr, transport) = Transport::from_uri(uri, &params.transport, &params.rnicd)?;
+        let links = Links::parse(&addr)?;
         if transport != Transport::Tcp && mode != Mode::Precopy {
             bail!("the rdma transport carries precopy only; {mode} goes over tcp");
+        }
+        if transport != Transport::Tcp && links.several() {
+            // One rnicd GID per host: its queue pairs run over one link.
+            bail!("the rdma transport runs over one link; {links} names {}", links.len());
         }
         let ram = vm.ram();
         let total = ram.pages();
@@ -107,7 +117,7 @@ impl Plan {
         ctl.update(|s| {
             s.status = Status::Setup;
             s.role = "outgoing".into();
-            s.peer = addr.clone();
+            s.peer = links.to_string();
             s.channels = params.channels;
             s.transport = transport.name().into();
             s.compress = compress.to_string();
@@ -115,7 +125,7 @@ impl Plan {
             s.total_pages = total;
             s.mode = mode.to_string();
         });
-        Ok(Plan { addr, transport, compress, mode, total, deadline, t0 })
+        Ok(Plan { links, transport, compress, mode, total, deadline, t0 })
     }
 
     fn setup_step(&self, ctl: &Control, name: &str) {
@@ -138,7 +148,7 @@ struct Link {
 fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl: &Arc<Control>) -> Result<Link> {
     let ram = vm.ram();
     let session = unix_ns() ^ (std::process::id() as u64) << 32;
-    let mut control = connect(&plan.addr, ctl)?;
+    let mut control = connect(plan.links.first(), ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
     wire::send_msg(
         &mut control,
@@ -158,13 +168,14 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
     control.set_read_timeout(None)?;
     plan.setup_step(ctl, "welcomed");
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
-    let channels = match &plan.transport {
-        Transport::Tcp => open_channels(&plan.addr, session, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?,
+    let mut channels = match &plan.transport {
+        Transport::Tcp => open_channels(&plan.links, session, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?,
         Transport::Rdma { rnicd } => {
-            crate::rdma::open_channels(&mut control, rnicd, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?
+            crate::rdma::open_channels(&mut control, rnicd, &plan.links, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?
         }
     };
-    let urgent = if plan.mode != Mode::Precopy { Some(open_urgent(&plan.addr, session, ctl)?) } else { None };
+    channels.enable_failover(&control)?;
+    let urgent = if plan.mode != Mode::Precopy { Some(open_urgent(plan.links.first(), session, ctl)?) } else { None };
     plan.setup_step(ctl, "channels open");
     Ok(Link { session, bucket, control, channels, urgent })
 }
@@ -380,7 +391,7 @@ fn rounds(
     let round_deadline = give_up_at(plan.deadline, cuttable);
     let t_round = Instant::now();
     let mut last = link.channels.round(round, std::mem::take(&mut pass.items), cuttable)?;
-    wait_round_done(&mut link.control, round, ctl, round_deadline)?;
+    wait_round_done(link, round, ctl, round_deadline)?;
     last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
     let mut bw = link_rate(last.wire, last.secs, params.max_bandwidth);
@@ -449,7 +460,8 @@ fn rounds(
             NextStep::StopAndCopy => return Ok(RoundsEnd { pending: dirty, switch: false, round, throttle, unarmed_from }),
             NextStep::SwitchToPostcopy => {
                 let mut missing = dirty;
-                missing.extend(pass.rest.iter().chain(&unsent).map(|w| PageRange { first: w.first, count: w.count }));
+                let lost = link.channels.take_lost();
+                missing.extend(pass.rest.iter().chain(&unsent).chain(&lost).map(|w| PageRange { first: w.first, count: w.count }));
                 return Ok(RoundsEnd { pending: missing, switch: true, round, throttle, unarmed_from });
             }
             NextStep::GiveUp => {
@@ -487,7 +499,7 @@ fn rounds(
         items[from..].iter_mut().for_each(|w| w.armed = true);
         let t_round = Instant::now();
         last = link.channels.round(round, items, cuttable)?;
-        wait_round_done(&mut link.control, round, ctl, round_deadline)?;
+        wait_round_done(link, round, ctl, round_deadline)?;
         last.secs = t_round.elapsed().as_secs_f64();
         if last.wire >= RATE_MIN_BYTES {
             bw = link_rate(last.wire, last.secs, params.max_bandwidth);
@@ -542,7 +554,25 @@ fn stop_and_copy(
     round += 1;
     let mut items = Vec::new();
     chunk(&pending, CHUNK_PAGES, false, &mut items);
-    let fin = link.channels.round(round, items, false)?;
+    let mut fin = link.channels.round(round, items, false)?;
+    if link.channels.failover_enabled() {
+        // With several links, a channel may die with its link after its
+        // last write: the round must be confirmed, and what a lost channel
+        // may not have delivered sent again, before the streams end.
+        wait_round_done(link, round, ctl, None)?;
+        loop {
+            let lost = link.channels.take_lost();
+            if lost.is_empty() {
+                break;
+            }
+            round += 1;
+            let again = link.channels.round(round, lost, false)?;
+            fin.pages += again.pages;
+            fin.zero += again.zero;
+            fin.wire += again.wire;
+            wait_round_done(link, round, ctl, None)?;
+        }
+    }
     step("last pages sent");
     let state = vm.save_state().context("saving vCPU and device state")?;
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
@@ -714,9 +744,13 @@ fn converge_step(throttle: u8, ratio: f64, params: &Params) -> Option<u8> {
 }
 
 /// Wait for the destination to have applied `round` on every channel.
-fn wait_round_done(control: &mut TcpStream, round: u64, ctl: &Control, deadline: Option<Instant>) -> Result<()> {
+/// Meanwhile, with several links, a channel whose link died is dropped
+/// (the destination then leaves it out of the round).
+fn wait_round_done(link: &mut Link, round: u64, ctl: &Control, deadline: Option<Instant>) -> Result<()> {
     let t = Instant::now();
+    let control = &mut link.control;
     loop {
+        link.channels.check_links()?;
         // Poll for readability first: a read timeout could cut a frame.
         let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(control), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd.
@@ -724,7 +758,10 @@ fn wait_round_done(control: &mut TcpStream, round: u64, ctl: &Control, deadline:
         if n > 0 {
             control.set_read_timeout(Some(Duration::from_secs(30)))?;
             match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
-                Msg::RoundDone { round: r } if r == round => return Ok(()),
+                Msg::RoundDone { round: r } if r == round => {
+                    link.channels.confirmed();
+                    return Ok(());
+                }
                 Msg::RoundDone { .. } => continue,
                 Msg::Abort { reason } => bail!("destination refused: {reason}"),
                 other => bail!("destination sent {other:?} during round {round}"),

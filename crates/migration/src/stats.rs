@@ -222,6 +222,8 @@ pub struct Stats {
     pub recoveries: u32,
     /// Helper processes (rnicd, vhost-user backends) whose faults were served.
     pub ram_clients: u32,
+    /// Outgoing: what each link carried (one entry per destination address).
+    pub links: Vec<crate::links::LinkStat>,
 }
 
 /// Shared between the engine thread and the control socket.

@@ -23,7 +23,8 @@ pub(crate) trait DataSink: Send {
     fn raw_pages_in_ram(&self) -> bool {
         false
     }
-    /// The TCP connection under it, if any (postcopy's buffer sizing).
+    /// The TCP connection under it, if any (postcopy's buffer sizing; link
+    /// failover watches and shuts a clone of it).
     fn tcp(&self) -> Option<&TcpStream> {
         None
     }

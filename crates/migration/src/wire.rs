@@ -150,6 +150,12 @@ pub enum Msg {
         source_paused_unix_ns: u64,
         dirty_ranges: bool,
     },
+    /// Source -> destination, several links: data channel `index` was lost
+    /// with its link; the destination stops reading it, and its pages not
+    /// confirmed by a `round_done` come again on the other channels.
+    ChannelLost {
+        index: u32,
+    },
     /// Destination -> source: every page is in; the source may let go.
     /// Source -> destination after welcome, rdma transport: the GID of the
     /// source's rnicd and one RC queue pair (number, first PSN) per channel.

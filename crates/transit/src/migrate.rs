@@ -13,7 +13,10 @@ pub struct MigrateArgs {
     #[command(flatten)]
     pub target: Target,
     /// Destination HOST:PORT (where `migrate-incoming` listens); a
-    /// `tcp:` or `rdma:` prefix picks the transport too.
+    /// `tcp:` or `rdma:` prefix picks the transport too. Over TCP, several,
+    /// comma-separated, one per link between the hosts: the channels are
+    /// spread over them and a link lost midway is failed over (the rdma
+    /// transport runs over one link).
     #[arg(long)]
     pub to: String,
     /// Parallel data channels (TCP connections, or RDMA queue pairs).
@@ -291,6 +294,16 @@ fn report(st: &Value, as_json: bool) -> Result<()> {
         );
         println!("transferred       {} bytes of RAM, {} bytes on the wire", u("ram_transferred_bytes"), u("wire_bytes"));
         println!("throughput        {} Gbit/s on the wire, {} Gbit/s of RAM", f("throughput_gbps"), f("ram_throughput_gbps"));
+        for l in st["links"].as_array().into_iter().flatten().filter(|_| st["links"].as_array().is_some_and(|a| a.len() > 1)) {
+            println!(
+                "  link {:<21} {} channels ({} lost), {} bytes, {:.2} Gbit/s",
+                l["addr"].as_str().unwrap_or("?"),
+                l["channels"],
+                l["channels_lost"],
+                l["wire_bytes"],
+                l["throughput_gbps"].as_f64().unwrap_or(0.0)
+            );
+        }
         println!("rounds            {} (throttle {}%, {} steps)", u("rounds"), u("throttle_pct"), u("throttle_steps"));
         if let Some(rs) = st["round_stats"].as_array() {
             for r in rs {

@@ -431,7 +431,7 @@ fn accept_recovery(
         .enumerate()
         .map(|(i, s)| {
             let sh = sh.clone();
-            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
+            std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(i, s, sh))
         })
         .collect::<std::io::Result<Vec<_>>>()?;
     let link = Link::start(control, threads, urgent, sh, sink)?;

@@ -344,7 +344,7 @@ fn reconnect(
 ) -> Result<(TcpStream, ChannelSet, TcpStream)> {
     let addr = crate::sender::parse_tcp_uri(addr)?;
     let total = ram.pages();
-    let mut control = crate::sender::connect(&addr, ctl)?;
+    let mut control = crate::sender::connect(addr.first(), ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
     let channels = ctl.snapshot().channels.max(1);
     wire::send_msg(
@@ -373,7 +373,7 @@ fn reconnect(
     let (data, zero) = split_known_zero(&holes, &missing);
     queue.reset(total, &data, zero);
     let ch = open_channels(&addr, session, channels, *ram, compress, bucket, ctl, None)?;
-    let urgent = open_urgent(&addr, session, ctl)?;
+    let urgent = open_urgent(addr.first(), session, ctl)?;
     Ok((control, ch, urgent))
 }
 

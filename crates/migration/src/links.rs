@@ -1,0 +1,159 @@
+//! Several links between two hosts: which address each connection of a
+//! migration goes to, how a channel whose link died is noticed, and the
+//! per-link statistics.
+//!
+//! A migration address may name several destination addresses, one per
+//! link (`tcp:10.200.1.2:4444,10.201.1.2:4444`). The data channels are
+//! spread over them round-robin, as SMB multichannel spreads its
+//! connections over interfaces; the control connection and postcopy's
+//! urgent connection go to the first. With several links, a data channel
+//! whose link dies is dropped and its unconfirmed pages go again on the
+//! others ([`crate::sender::ChannelSet`]); the migration fails only when
+//! no channel is left.
+
+use anyhow::{bail, Result};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+/// How long a data channel's sent bytes may stay unacknowledged before its
+/// link counts as dead (TCP_USER_TIMEOUT), when there are other links to
+/// go on with. One link keeps the longer timeout of [`crate::wire::tune_socket`]:
+/// there is nothing to fail over to, and a slow link should not fail.
+pub const LINK_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// The destination addresses of one migration, one per link.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Links {
+    addrs: Vec<String>,
+}
+
+impl Links {
+    /// `tcp:HOST:PORT[,HOST:PORT...]` (each part may carry its own `tcp:`).
+    pub fn parse(uri: &str) -> Result<Links> {
+        let body = uri.strip_prefix("tcp:").unwrap_or(uri);
+        let mut addrs = Vec::new();
+        for part in body.split(',') {
+            let a = part.trim();
+            let a = a.strip_prefix("tcp:").unwrap_or(a);
+            let port_ok = a.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+            if !port_ok {
+                bail!("bad migration address {uri:?} (expected tcp:HOST:PORT, or several HOST:PORT separated by commas)");
+            }
+            if addrs.iter().any(|x| x == a) {
+                bail!("migration address {uri:?} names {a} twice");
+            }
+            addrs.push(a.to_string());
+        }
+        if addrs.len() > 8 {
+            bail!("migration address {uri:?} names {} links; at most 8", addrs.len());
+        }
+        Ok(Links { addrs })
+    }
+
+    /// The first link's address: control and urgent connections go there.
+    pub fn first(&self) -> &str {
+        &self.addrs[0]
+    }
+
+    pub fn len(&self) -> usize {
+        self.addrs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.addrs.is_empty()
+    }
+
+    /// More than one link: a channel lost with its link is failed over.
+    pub fn several(&self) -> bool {
+        self.addrs.len() > 1
+    }
+
+    /// The link of data channel `i`: round-robin.
+    pub fn of_channel(&self, i: usize) -> usize {
+        i % self.addrs.len()
+    }
+
+    pub fn addr(&self, link: usize) -> &str {
+        &self.addrs[link]
+    }
+
+    /// The statistics entries, one per link, before anything moved.
+    pub fn stats(&self, channels: u32) -> Vec<LinkStat> {
+        (0..self.addrs.len())
+            .map(|k| LinkStat {
+                addr: self.addrs[k].clone(),
+                channels: (0..channels as usize).filter(|&i| self.of_channel(i) == k).count() as u32,
+                ..LinkStat::default()
+            })
+            .collect()
+    }
+}
+
+impl std::fmt::Display for Links {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{}", self.addrs.join(","))
+    }
+}
+
+/// What one link carried (source side, in `query-migrate`'s `links`).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+#[serde(default)]
+pub struct LinkStat {
+    /// The destination address of this link.
+    pub addr: String,
+    /// Data channels opened on it.
+    pub channels: u32,
+    /// Of those, lost with the link (their pages went again on others).
+    pub channels_lost: u32,
+    /// Page batch bytes written to its channels.
+    pub wire_bytes: u64,
+    /// `wire_bytes` over the migration's time so far.
+    pub throughput_gbps: f64,
+}
+
+/// Data sockets on a link that died report an error or a hang-up: TCP gave
+/// up on unacknowledged bytes (`LINK_TIMEOUT`), or the peer reset them.
+pub fn socket_broken(s: &TcpStream) -> bool {
+    let mut pfd = libc::pollfd { fd: s.as_raw_fd(), events: 0, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n > 0 && pfd.revents & (libc::POLLERR | libc::POLLHUP) != 0
+}
+
+/// Give a data socket the shorter [`LINK_TIMEOUT`].
+pub fn shorten_timeout(s: &TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    if let Err(e) = setsockopt(s, sockopt::TcpUserTimeout, &(LINK_TIMEOUT.as_millis() as u32)) {
+        tracing::debug!("TCP_USER_TIMEOUT not set: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_one_and_several_addresses() {
+        let one = Links::parse("tcp:10.0.0.2:4444").unwrap();
+        assert_eq!(one.len(), 1);
+        assert!(!one.several());
+        assert_eq!(one.first(), "10.0.0.2:4444");
+        let two = Links::parse("tcp:10.0.1.2:4444,10.0.2.2:4445").unwrap();
+        assert_eq!(two.len(), 2);
+        assert_eq!(two.addr(1), "10.0.2.2:4445");
+        assert_eq!(Links::parse("tcp:a:1,tcp:b:2").unwrap().to_string(), "a:1,b:2");
+        assert_eq!(Links::parse("a:1").unwrap().first(), "a:1");
+        for bad in ["tcp:", "tcp:a", "tcp:a:1,", "tcp:a:1,b", "tcp::1", "tcp:a:99999", "tcp:a:1,a:1"] {
+            assert!(Links::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn channels_go_round_robin() {
+        let l = Links::parse("a:1,b:1").unwrap();
+        assert_eq!((0..5).map(|i| l.of_channel(i)).collect::<Vec<_>>(), vec![0, 1, 0, 1, 0]);
+        let s = l.stats(5);
+        assert_eq!((s[0].channels, s[1].channels), (3, 2));
+    }
+}

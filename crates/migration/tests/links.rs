@@ -1,0 +1,188 @@
+//! Migration over two links between two hosts: real vmm processes
+//! (`transit vm run`) in testbed hosts with two NICs, the channels spread
+//! over both destination addresses. Every migration that must complete runs
+//! with `verify_ram` (the destination compares a hash of every page with the
+//! source's at stop time and refuses to run on any difference).
+
+use migrate_transit::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+use testbed::{Testbed, TestbedOpts};
+
+struct Pair {
+    tb: Testbed,
+    src: VmProcess,
+    dst: VmProcess,
+}
+
+fn pair(workload: &str, memory: &str) -> Pair {
+    let bin = transit_bin().expect("building transit");
+    let tb = Testbed::create(TestbedOpts::new("miglinks", 2).nics(2)).unwrap();
+    let spec = VmSpec { name: "links", memory, workload, args: "" };
+    let src = start_vm(&bin, &tb, 0, &spec, None).unwrap();
+    let dst = start_vm(&bin, &tb, 1, &spec, Some(Incoming::Uri("tcp:0.0.0.0:4444"))).unwrap();
+    wait_guest_progress(&src, 1, Duration::from_secs(120)).unwrap();
+    Pair { tb, src, dst }
+}
+
+impl Pair {
+    /// Both of the destination's addresses, one per link.
+    fn uri(&self) -> String {
+        let d = self.tb.host(1);
+        format!("tcp:{}:4444,{}:4444", d.addr(0), d.addr(1))
+    }
+    /// Waits until the source's channels wrote `bytes` (so a cut lands
+    /// in the middle of the migration, whatever the machine's load).
+    fn wait_sent(&self, bytes: u64) {
+        let mut q = self.src.client().unwrap();
+        let t = std::time::Instant::now();
+        loop {
+            let s = q.execute("query-migrate", json!({})).unwrap();
+            let status = s["status"].as_str().unwrap_or("none");
+            assert!(matches!(status, "none" | "setup" | "active"), "the migration ended before the cut: {s:#}");
+            if s["wire_bytes"].as_u64().unwrap_or(0) >= bytes {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "the migration does not progress: {s:#}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    /// Waits until the source dropped both channels of link 1.
+    fn wait_link_lost(&self) {
+        let mut q = self.src.client().unwrap();
+        let t = std::time::Instant::now();
+        while q.execute("query-migrate", json!({})).unwrap()["links"][1]["channels_lost"] != 2 {
+            assert!(t.elapsed() < Duration::from_secs(30), "the cut link's channels are not dropped");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    fn cap_both(&self, mbit: u32) {
+        for k in 0..2 {
+            self.tb.set_rate(0, k, Some(mbit)).unwrap();
+        }
+    }
+    /// The source's figures once it ended (it exits 2 s after completing).
+    fn source_result(&self) -> Value {
+        wait_migration(&self.src, Duration::from_secs(400)).unwrap()
+    }
+    fn destination_completed(&self) -> Value {
+        let d = wait_migration(&self.dst, Duration::from_secs(60)).unwrap();
+        assert_eq!(d["status"], "completed", "destination {d:#}");
+        assert_eq!(d["verified_pages"], d["total_pages"], "every page hash compared");
+        d
+    }
+    /// The destination runs, and after a while the dirtier oracle holds.
+    fn check_dirtier_on_destination(&self) {
+        let mut q = self.dst.client().unwrap();
+        let p0 = q.execute("query-status", json!({})).unwrap()["guest_progress"].as_u64().unwrap_or(0);
+        let t = std::time::Instant::now();
+        while q.execute("query-status", json!({})).unwrap()["guest_progress"].as_u64().unwrap_or(0) < p0 + 2 {
+            assert!(t.elapsed() < Duration::from_secs(60), "the guest makes no progress on the destination");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        q.execute("stop", json!({})).unwrap();
+        let r = q.execute("check-dirtier", json!({})).unwrap();
+        assert_eq!(r["bad_pages"], 0, "dirtier oracle on the destination: {r}");
+    }
+}
+
+/// Bytes each link carried, from the source's `links` statistics.
+fn link_bytes(s: &Value) -> Vec<u64> {
+    s["links"].as_array().expect("links in the statistics").iter().map(|l| l["wire_bytes"].as_u64().unwrap()).collect()
+}
+
+/// A filled idle VM and a dirtier over two links: byte-exact, both links
+/// carry pages, and the dirtier's oracle holds on the destination.
+#[test]
+fn two_links_byte_exact_and_dirtier_oracle() {
+    for (wl, channels) in [("fill", 4), ("dirtier", 3)] {
+        eprintln!("links: {wl} over 2 links, {channels} channels");
+        let p = pair(wl, "64M");
+        p.src.exec("migrate", json!({"uri": p.uri(), "channels": channels, "verify_ram": true, "timeout_s": 300})).unwrap();
+        let s = p.source_result();
+        assert_eq!(s["status"], "completed", "{s:#}");
+        p.destination_completed();
+        let bytes = link_bytes(&s);
+        assert_eq!(bytes.len(), 2, "{s:#}");
+        assert!(bytes.iter().all(|&b| b > 1 << 20), "both links carry pages: {bytes:?}");
+        assert_eq!(bytes.iter().sum::<u64>(), s["wire_bytes"].as_u64().unwrap(), "the links account for every byte");
+        if wl == "dirtier" {
+            p.check_dirtier_on_destination();
+        }
+    }
+}
+
+/// The second link is cut in the middle of the first pass: its channels
+/// are dropped, what they may not have delivered goes again on the first
+/// link, and the migration completes byte-exact.
+#[test]
+fn one_link_cut_mid_migration_completes_on_the_other() {
+    let p = pair("fill", "128M");
+    // 128 MiB at 2 x 100 Mbit/s: about 5 s, so the cut lands mid-pass.
+    p.cap_both(100);
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
+    p.wait_sent(32 << 20);
+    p.tb.link_down(0, 1).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    p.destination_completed();
+    let links = s["links"].as_array().unwrap();
+    assert_eq!(links[1]["channels_lost"], 2, "both channels of the cut link are lost: {s:#}");
+    assert_eq!(links[0]["channels_lost"], 0, "{s:#}");
+}
+
+/// The same cut while a dirtier runs (rounds and stop-and-copy after the
+/// loss), and the link comes back once its channels were dropped (anything
+/// still queued on them must not land late): byte-exact, and the oracle
+/// holds on the destination.
+#[test]
+fn one_link_cut_under_a_dirtier_completes_with_the_oracle() {
+    let p = pair("dirtier", "64M");
+    p.cap_both(150);
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
+    p.wait_sent(16 << 20);
+    p.tb.link_down(0, 1).unwrap();
+    p.wait_link_lost();
+    p.tb.link_up(0, 1).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    assert_eq!(s["links"][1]["channels_lost"], 2, "{s:#}");
+    p.destination_completed();
+    p.check_dirtier_on_destination();
+}
+
+/// Both links cut: the migration fails as with one link, the source runs
+/// on with its oracle holding, and the destination never ran.
+#[test]
+fn both_links_cut_fails_and_the_source_runs_on() {
+    let p = pair("dirtier", "64M");
+    p.cap_both(50);
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2})).unwrap();
+    p.wait_sent(4 << 20);
+    p.tb.link_down(0, 0).unwrap();
+    p.tb.link_down(0, 1).unwrap();
+    let s = wait_migration(&p.src, Duration::from_secs(120)).unwrap();
+    assert!(matches!(s["status"].as_str(), Some("failed" | "cancelled")), "{s:#}");
+    let mut q = p.src.client().unwrap();
+    assert_eq!(q.execute("query-status", json!({})).unwrap()["status"], "running");
+    q.execute("stop", json!({})).unwrap();
+    assert_eq!(q.execute("check-dirtier", json!({})).unwrap()["bad_pages"], 0);
+    let st = p.dst.exec("query-status", json!({}));
+    if let Ok(st) = st {
+        assert_ne!(st["status"], "running", "a destination with incomplete state must never run");
+    }
+}
+
+/// Postcopy over two links: the push spreads over both, the urgent
+/// connection is on the first, and RAM arrives byte-exact.
+#[test]
+fn postcopy_over_two_links_is_byte_exact() {
+    let p = pair("dirtier", "64M");
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2, "mode": "postcopy", "timeout_s": 300})).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
+    assert_eq!(d["status"], "completed", "destination {d:#}");
+    assert!(link_bytes(&s).iter().all(|&b| b > 0), "both links carry pages: {s:#}");
+    p.check_dirtier_on_destination();
+}
