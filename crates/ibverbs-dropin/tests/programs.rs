@@ -6,42 +6,14 @@
 //! <infiniband/verbs.h>, and the exported symbol set against rdma-core's.
 //! Needs root (network namespaces) and scripts/setup's packages.
 
-use std::io::Read;
-use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use common::{finish, lib_dir, profile_dir, Nic};
 use testbed::{HostChild, Testbed, TestbedOpts};
-
-/// target/<profile>: the test binary lives in its deps/.
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-/// The drop-in, linked from this build's staticlib once per test process.
-fn lib_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let so = ibverbs_dropin::link::link(&profile_dir()).expect("link libibverbs.so.1");
-        so.parent().unwrap().to_path_buf()
-    })
-}
-
-struct Nic {
-    child: Option<HostChild>,
-    sock: PathBuf,
-    addr: Ipv4Addr,
-}
-
-impl Drop for Nic {
-    fn drop(&mut self) {
-        self.child.take();
-        let _ = std::fs::remove_file(&self.sock);
-    }
-}
 
 /// Hosts with an rnicd each; rnicds stop before the testbed goes.
 struct Bed {
@@ -51,28 +23,8 @@ struct Bed {
 
 impl Bed {
     fn new(prefix: &str, hosts: usize) -> Bed {
-        let rnicd = profile_dir().join("rnicd");
-        assert!(rnicd.exists(), "{} is missing: cargo build --release -p rnic", rnicd.display());
         let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
-        let mut nics = Vec::new();
-        for i in 0..hosts {
-            let h = tb.host(i);
-            let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-            let _ = std::fs::remove_file(&sock);
-            let child = h
-                .spawn(rnicd.to_str().unwrap(), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
-                .expect("start rnicd");
-            let mut nic = Nic { child: Some(child), sock, addr: h.addr(0) };
-            let t0 = Instant::now();
-            while !nic.sock.exists() {
-                if let Some(st) = nic.child.as_mut().unwrap().try_wait().unwrap() {
-                    panic!("rnicd exited: {st}");
-                }
-                assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            nics.push(nic);
-        }
+        let nics = (0..hosts).map(|i| Nic::start(&tb, i)).collect();
         Bed { nics, tb }
     }
 
@@ -170,34 +122,6 @@ fn rc_pingpong_between_hosts() {
             assert!(out.contains(&format!("GID ::ffff:{}", bed.nics[0].addr)), "{out}");
         }
     }
-}
-
-/// Waits for a program (at most two minutes, then kills it) and returns
-/// its output. A test that fails leaves nothing running: the HostChild
-/// kills the program when dropped.
-fn finish(mut child: HostChild) -> Output {
-    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let readers = (
-        std::thread::spawn(move || {
-            let mut v = Vec::new();
-            let _ = out.read_to_end(&mut v);
-            v
-        }),
-        std::thread::spawn(move || {
-            let mut v = Vec::new();
-            let _ = err.read_to_end(&mut v);
-            v
-        }),
-    );
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(120), "program still running after 2 minutes");
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    Output { status, stdout: readers.0.join().unwrap(), stderr: readers.1.join().unwrap() }
 }
 
 /// rnicd's clients still connected (the stats query's own connection included).

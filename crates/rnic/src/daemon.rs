@@ -33,8 +33,8 @@ const SPIN: Duration = Duration::from_micros(200);
 const SOL_UDP: i32 = 17;
 const UDP_SEGMENT: i32 = 103;
 const UDP_GRO: i32 = 104;
-/// Most segments of one UDP GSO send (and 64 KiB in all; the ICRC covers
-/// ids below wire::MAX_GSO_SEGS).
+/// Most segments of one UDP GSO send (and 64 KiB in all); segment j is
+/// sealed for IP id j.
 const GSO_MAX_SEGS: usize = 60;
 const TOKEN_LISTEN: u64 = 1;
 /// While polling, epoll_wait runs every this many rounds; the UDP sockets

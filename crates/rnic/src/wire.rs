@@ -386,9 +386,6 @@ pub fn icrc(flow: &Flow, pkt: &[u8]) -> u32 {
     icrc_with_ip_id(flow, pkt, 0)
 }
 
-/// Most segments of one UDP GSO batch whose IP ids an ICRC may cover.
-pub const MAX_GSO_SEGS: u16 = 64;
-
 /// The ICRC for a packet that leaves with IP id `ip_id`: segment k of a UDP
 /// GSO batch of DF packets gets id k from the kernel's segmentation (the
 /// first gets 0), so a batched packet carries the ICRC for its own id and is
@@ -426,36 +423,80 @@ pub fn icrc_with_ip_id(flow: &Flow, pkt: &[u8], ip_id: u16) -> u32 {
 }
 
 /// What changing the IP id from 0 to `ip_id` does to the ICRC of a packet
-/// of `len` bytes (without its ICRC). The CRC is linear, so this does not
-/// depend on the packet's contents: ICRC(id k) = ICRC(id 0) ^ delta(len, k).
+/// of `len` bytes (without its ICRC). The CRC is linear over GF(2), so this
+/// does not depend on the packet's contents: ICRC(id) = ICRC(id 0) ^
+/// delta(len, id), and delta is the XOR of one column per set bit of the id.
 pub fn ip_id_delta(len: usize, ip_id: u16) -> u32 {
-    ip_id_deltas(len, |d| d[ip_id as usize % MAX_GSO_SEGS as usize])
+    with_ip_id_solver(len, |s| s.delta(ip_id))
 }
 
-/// Which GSO segment IP id (1..MAX_GSO_SEGS) turns an ICRC mismatch `diff`
-/// (received ^ computed for id 0) into a match, if any.
+/// Which IP id turns an ICRC mismatch `diff` (received ^ computed for id 0)
+/// into a match, if any. Senders whose IP ids we cannot see through a UDP
+/// socket: our own GSO segments (ids 1..), and stacks that number every
+/// datagram, such as Linux's soft-RoCE (rdma_rxe), whose ids look random.
 fn ip_id_for_delta(len: usize, diff: u32) -> Option<u16> {
-    ip_id_deltas(len, |d| d.iter().position(|&x| x == diff && x != 0).map(|k| k as u16))
+    with_ip_id_solver(len, |s| s.solve(diff))
 }
 
-fn ip_id_deltas<R>(len: usize, f: impl FnOnce(&[u32; MAX_GSO_SEGS as usize]) -> R) -> R {
-    thread_local! {
-        static DELTAS: std::cell::RefCell<std::collections::HashMap<usize, Box<[u32; MAX_GSO_SEGS as usize]>>> = Default::default();
-    }
-    DELTAS.with(|t| {
-        let mut t = t.borrow_mut();
-        let d = t.entry(len).or_insert_with(|| {
-            let zeros = vec![0u8; len];
-            let f0 = Flow { src: Ipv4Addr::UNSPECIFIED, dst: Ipv4Addr::UNSPECIFIED, sport: 0, dport: 0 };
-            let base = icrc_with_ip_id(&f0, &zeros, 0);
-            let mut d = Box::new([0u32; MAX_GSO_SEGS as usize]);
-            for (k, x) in d.iter_mut().enumerate() {
-                *x = icrc_with_ip_id(&f0, &zeros, k as u16) ^ base;
+/// The ICRC's dependence on the 16 IP id bits for one packet length, as a
+/// linear map from 16 to 32 bits, with an echelon basis to invert it. A
+/// CRC-32 tells apart all error patterns of up to 32 bits, so the map is
+/// one-to-one and every diff has at most one id.
+struct IpIdSolver {
+    /// columns[i]: the ICRC delta of id bit i.
+    columns: [u32; 16],
+    /// (vector, which id bits XOR to it), distinct leading bits, highest first.
+    basis: Vec<(u32, u16)>,
+}
+
+impl IpIdSolver {
+    fn new(len: usize) -> IpIdSolver {
+        let zeros = vec![0u8; len];
+        let f0 = Flow { src: Ipv4Addr::UNSPECIFIED, dst: Ipv4Addr::UNSPECIFIED, sport: 0, dport: 0 };
+        let base = icrc_with_ip_id(&f0, &zeros, 0);
+        let mut columns = [0u32; 16];
+        for (i, c) in columns.iter_mut().enumerate() {
+            *c = icrc_with_ip_id(&f0, &zeros, 1 << i) ^ base;
+        }
+        let mut basis: Vec<(u32, u16)> = Vec::with_capacity(16);
+        for (i, &c) in columns.iter().enumerate() {
+            let (v, m) = Self::reduce(&basis, c, 1 << i);
+            if v != 0 {
+                basis.push((v, m));
+                basis.sort_by_key(|b| b.0.leading_zeros());
             }
-            d
-        });
-        f(d)
-    })
+        }
+        IpIdSolver { columns, basis }
+    }
+
+    /// Clears from `v` every leading bit the basis has, tracking the id bits used.
+    fn reduce(basis: &[(u32, u16)], mut v: u32, mut mask: u16) -> (u32, u16) {
+        for &(b, bm) in basis {
+            if v & (1 << (31 - b.leading_zeros())) != 0 {
+                v ^= b;
+                mask ^= bm;
+            }
+        }
+        (v, mask)
+    }
+
+    fn delta(&self, ip_id: u16) -> u32 {
+        (0..16).filter(|i| ip_id & (1 << i) != 0).fold(0, |d, i| d ^ self.columns[i])
+    }
+
+    fn solve(&self, diff: u32) -> Option<u16> {
+        match Self::reduce(&self.basis, diff, 0) {
+            (0, id) if id != 0 => Some(id),
+            _ => None,
+        }
+    }
+}
+
+fn with_ip_id_solver<R>(len: usize, f: impl FnOnce(&IpIdSolver) -> R) -> R {
+    thread_local! {
+        static SOLVERS: std::cell::RefCell<std::collections::HashMap<usize, Box<IpIdSolver>>> = Default::default();
+    }
+    SOLVERS.with(|t| f(t.borrow_mut().entry(len).or_insert_with(|| Box::new(IpIdSolver::new(len)))))
 }
 
 /// Parses and validates one UDP payload. `flow` enables the ICRC check.
@@ -466,8 +507,8 @@ pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, Parse
     let (body, crc) = buf.split_at(buf.len() - ICRC_LEN);
     if let Some(f) = flow {
         let diff = icrc(f, body) ^ u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]);
-        // A segment of a GSO batch: sealed for IP id 1..64 (we see only the
-        // UDP payload, not the id it had on the wire).
+        // Sealed for an IP id other than 0: we see only the UDP payload, not
+        // the id it had on the wire, so solve for it.
         if diff != 0 && ip_id_for_delta(body.len(), diff).is_none() {
             return Err(ParseError::Icrc);
         }
@@ -725,6 +766,18 @@ mod tests {
         assert_eq!(c5, icrc(&f, &h5[..body]) ^ ip_id_delta(body, 5));
         h5[body..].copy_from_slice(&c5.to_le_bytes());
         assert!(parse(&h5, Some(&f)).is_ok());
+        // Sealed for any other IP id, as Linux's soft-RoCE numbers its
+        // datagrams: the id is solved for, and a corrupted one still fails.
+        for id in [1u16, 0x8000, 0x1234, 0xbeef, 0xffff] {
+            let mut hx = b.clone();
+            let cx = icrc_with_ip_id(&f, &hx[..body], id);
+            assert_eq!(cx, icrc(&f, &hx[..body]) ^ ip_id_delta(body, id));
+            hx[body..].copy_from_slice(&cx.to_le_bytes());
+            assert_eq!(ip_id_for_delta(body, icrc(&f, &hx[..body]) ^ cx), Some(id));
+            assert!(parse(&hx, Some(&f)).is_ok());
+            hx[13] ^= 0x01;
+            assert_eq!(parse(&hx, Some(&f)), Err(ParseError::Icrc));
+        }
         // Resealed for another source port, it is valid for that port only.
         reseal(&g, &mut b);
         assert!(parse(&b, Some(&g)).is_ok());

@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+//! What the drop-in's integration tests share: where this build's drop-in
+//! and rnicd are, an rnicd per testbed host, and waiting for a program.
+
+use std::io::Read;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use testbed::{HostChild, Testbed};
+
+/// target/<profile>: the test binary lives in its deps/.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+/// The drop-in, linked from this build's staticlib once per test process.
+pub fn lib_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let so = ibverbs_dropin::link::link(&profile_dir()).expect("link libibverbs.so.1");
+        so.parent().unwrap().to_path_buf()
+    })
+}
+
+pub struct Nic {
+    child: Option<HostChild>,
+    pub sock: PathBuf,
+    pub addr: Ipv4Addr,
+}
+
+impl Nic {
+    /// Starts rnicd on host `i`'s eth0 address and waits for its control socket.
+    pub fn start(tb: &Testbed, i: usize) -> Nic {
+        let rnicd = profile_dir().join("rnicd");
+        assert!(rnicd.exists(), "{} is missing: cargo build --release -p rnic", rnicd.display());
+        let h = tb.host(i);
+        let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
+        let _ = std::fs::remove_file(&sock);
+        let child =
+            h.spawn(rnicd.to_str().unwrap(), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).expect("start rnicd");
+        let mut nic = Nic { child: Some(child), sock, addr: h.addr(0) };
+        let t0 = Instant::now();
+        while !nic.sock.exists() {
+            if let Some(st) = nic.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("rnicd exited: {st}");
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        nic
+    }
+}
+
+impl Drop for Nic {
+    fn drop(&mut self) {
+        self.child.take();
+        let _ = std::fs::remove_file(&self.sock);
+    }
+}
+
+/// Waits for a program (at most two minutes, then kills it) and returns
+/// its output. A test that fails leaves nothing running: the HostChild
+/// kills the program when dropped.
+pub fn finish(mut child: HostChild) -> Output {
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let readers = (
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = out.read_to_end(&mut v);
+            v
+        }),
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = err.read_to_end(&mut v);
+            v
+        }),
+    );
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "program still running after 2 minutes");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Output { status, stdout: readers.0.join().unwrap(), stderr: readers.1.join().unwrap() }
+}
