@@ -86,7 +86,9 @@ fn mailbox_msg(vm: &VmProcess) -> Result<String> {
         if r["seq"].as_u64().unwrap_or(0) > 0 {
             return Ok(r["data"].as_str().unwrap_or("").to_string());
         }
-        if t0.elapsed() > Duration::from_secs(60) {
+        // Filling the big WRITE's source (64 MiB by default) on an emulated
+        // vCPU of a loaded machine can take a minute.
+        if t0.elapsed() > WAIT {
             bail!("the guest published no IDs; console:\n{}", vm.console());
         }
         std::thread::sleep(Duration::from_millis(50));
