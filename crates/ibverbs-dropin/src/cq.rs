@@ -258,6 +258,7 @@ unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *
         (*chan).ch.refcnt += 1;
         (*chan).cqs.lock().unwrap_or_else(|e| e.into_inner()).push(b as usize);
     }
+    cx.events.add_cq((*b).inner.handle(), b as *mut ibv_cq);
     b
 }
 
@@ -273,13 +274,32 @@ pub unsafe extern "C" fn ibv_destroy_cq(c: *mut ibv_cq) -> c_int {
         (*chan).pending.lock().unwrap_or_else(|e| e.into_inner()).retain(|x| *x != c as usize);
         (*chan).ch.refcnt -= 1;
     }
+    if let Some(cx) = ctx(q.cq.context) {
+        cx.events.remove(c as usize);
+    }
     drop(Box::from_raw(c as *mut Cq));
     0
 }
 
+/// rnicd's CQ ring is fixed at creation (a power of two at least the size
+/// asked), so a CQ "resizes" within its ring: any size from the completions
+/// it holds up to the ring succeeds and `cqe` stays the ring's size, as a
+/// driver may give more than asked. Fewer than the completions it holds, or
+/// past the device's limit, fail with EINVAL as on kernel drivers; more
+/// than the ring, but within the limit, fails with EOPNOTSUPP (the ring
+/// would have to move).
 #[no_mangle]
-pub unsafe extern "C" fn ibv_resize_cq(_c: *mut ibv_cq, _cqe: c_int) -> c_int {
-    libc::EOPNOTSUPP
+pub unsafe extern "C" fn ibv_resize_cq(c: *mut ibv_cq, cqe: c_int) -> c_int {
+    let Some(q) = cq(c) else { return libc::EINVAL };
+    let Some(cx) = ctx(q.cq.context) else { return libc::EINVAL };
+    let max = cx.inner.query_device().map(|d| d.max_cqe).unwrap_or(1 << 16);
+    if cqe < 1 || cqe as u32 > max || (cqe as u32) < q.inner.ready() {
+        return libc::EINVAL;
+    }
+    if cqe as u32 > q.inner.cap {
+        return libc::EOPNOTSUPP;
+    }
+    0
 }
 
 pub unsafe extern "C" fn poll_cq(c: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {

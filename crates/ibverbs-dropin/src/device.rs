@@ -31,9 +31,10 @@ pub struct Device {
 pub struct Context {
     pub vctx: verbs_context,
     pub inner: verbs::Context,
-    /// Never signalled: rnicd reports no asynchronous events yet, and a
-    /// program waiting for one sleeps as on a quiet real device.
+    /// The eventfd rnicd signals when it queues an asynchronous event for
+    /// this context (async_events.rs).
     pub async_fd: OwnedFd,
+    pub events: crate::async_events::Events,
     /// Stands for the kernel command fd: some programs dup it (to import
     /// the context elsewhere, which this device refuses), so it must be a
     /// real descriptor.
@@ -164,7 +165,12 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
         set_errno(libc::EMFILE);
         return std::ptr::null_mut();
     };
-    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, idle, port });
+    if inner.open_async(async_fd.as_raw_fd()).is_err() {
+        set_errno(libc::ENODEV);
+        return std::ptr::null_mut();
+    }
+    let events = Default::default();
+    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, events, idle, port });
     let v = &mut c.vctx;
     v.sz = std::mem::size_of::<verbs_context>();
     v.query_port = Some(query_port_ex);
@@ -406,18 +412,3 @@ pub unsafe extern "C" fn ibv_get_pkey_index(c: *mut ibv_context, port: u8, pkey:
     }
     0
 }
-
-#[no_mangle]
-pub unsafe extern "C" fn ibv_get_async_event(c: *mut ibv_context, _ev: *mut ibv_async_event) -> c_int {
-    let Some(cx) = ctx(c) else {
-        set_errno(libc::EINVAL);
-        return -1;
-    };
-    // No event ever comes: block (or EAGAIN if the program made it non-blocking).
-    let mut v = 0u64;
-    libc::read(cx.async_fd.as_raw_fd(), &mut v as *mut u64 as *mut c_void, 8);
-    -1
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn ibv_ack_async_event(_ev: *mut ibv_async_event) {}

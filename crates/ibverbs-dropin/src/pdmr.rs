@@ -22,6 +22,9 @@ pub struct Mr {
     /// The process range that was shared with rnicd (addr, length).
     shared: (u64, u64),
     pd: *const Pd,
+    /// What ibv_rereg_mr keeps when told to change something else.
+    iova: u64,
+    access: c_uint,
 }
 
 pub unsafe fn pd<'a>(p: *mut ibv_pd) -> Option<&'a Pd> {
@@ -62,44 +65,60 @@ pub unsafe extern "C" fn ibv_dealloc_pd(p: *mut ibv_pd) -> c_int {
 const ACCESS_OPTIONAL_RANGE: c_uint = ((1 << 30) - 1) & !((1 << 20) - 1);
 const KNOWN_ACCESS: c_uint = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
 
+/// The access flags rnicd is given, or the errno a kernel driver returns
+/// for them. Optional flags (relaxed ordering and the rest of the optional
+/// range) may be ignored by a device; MW binding, zero-based, ODP and the
+/// others are not supported here.
+fn check_access(access: c_uint) -> Result<c_uint, c_int> {
+    let access = access & !ACCESS_OPTIONAL_RANGE;
+    if access & !KNOWN_ACCESS != 0 {
+        return Err(libc::EOPNOTSUPP);
+    }
+    if access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC) != 0 && access & IBV_ACCESS_LOCAL_WRITE == 0 {
+        return Err(libc::EINVAL);
+    }
+    Ok(access)
+}
+
+/// Shares `len` bytes at `addr` with rnicd and registers them in `pdr`
+/// (with the key `key` when given); on failure nothing stays shared.
+unsafe fn share_and_register(pdr: &Pd, addr: u64, len: usize, iova: u64, access: c_uint, key: Option<u32>) -> Result<verbs::Mr, c_int> {
+    mem::share(addr, len as u64)?;
+    let fd = match mem::memfd() {
+        Ok(fd) => fd,
+        Err(e) => {
+            mem::unshare(addr, len as u64);
+            return Err(e);
+        }
+    };
+    pdr.inner.reg_mr_fd_keyed(fd, addr, len, access, iova, key).map_err(|_| {
+        mem::unshare(addr, len as u64);
+        libc::EINVAL
+    })
+}
+
 unsafe fn reg(p: *mut ibv_pd, addr: *mut c_void, len: usize, iova: u64, access: c_uint) -> *mut ibv_mr {
     let fail = |e: i32| {
         set_errno(e);
         std::ptr::null_mut()
     };
     let Some(pdr) = pd(p) else { return fail(libc::EINVAL) };
-    // Optional flags (relaxed ordering and the rest of the optional range)
-    // may be ignored by a device; MW binding, zero-based, ODP and the others
-    // are not supported here.
-    let access = access & !ACCESS_OPTIONAL_RANGE;
-    if access & !KNOWN_ACCESS != 0 {
-        return fail(libc::EOPNOTSUPP);
-    }
+    let access = match check_access(access) {
+        Ok(a) => a,
+        Err(e) => return fail(e),
+    };
     if len == 0 {
         return fail(libc::EINVAL);
     }
-    if access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC) != 0 && access & IBV_ACCESS_LOCAL_WRITE == 0 {
-        return fail(libc::EINVAL);
-    }
     let a = addr as u64;
-    if let Err(e) = mem::share(a, len as u64) {
-        return fail(e);
-    }
-    let fd = match mem::memfd() {
-        Ok(fd) => fd,
-        Err(e) => return fail(e),
-    };
-    match pdr.inner.reg_mr_fd(fd, a, len, access, iova) {
+    match share_and_register(pdr, a, len, iova, access, None) {
         Ok(m) => {
             let mr = ibv_mr { context: pdr.pd.context, pd: p, addr, length: len, handle: m.lkey, lkey: m.lkey, rkey: m.rkey };
             pdr.users.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-            let b = Box::into_raw(Box::new(Mr { mr, inner: Some(m), shared: (a, len as u64), pd: pdr }));
+            let b = Box::into_raw(Box::new(Mr { mr, inner: Some(m), shared: (a, len as u64), pd: pdr, iova, access }));
             &mut (*b).mr
         }
-        Err(_) => {
-            mem::unshare(a, len as u64);
-            fail(libc::EINVAL)
-        }
+        Err(e) => fail(e),
     }
 }
 
@@ -131,16 +150,88 @@ pub unsafe extern "C" fn ibv_dereg_mr(m: *mut ibv_mr) -> c_int {
     0
 }
 
+/// Re-registers an MR with another range, PD or access, keeping its lkey
+/// and rkey (rnicd registers with a chosen key): rnicd drops the old
+/// registration and makes the new one under the same key. As on a kernel
+/// driver, an MR whose re-registration failed in the command
+/// (IBV_REREG_MR_ERR_CMD) can only be deregistered.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_rereg_mr(
-    _m: *mut ibv_mr,
-    _flags: c_int,
-    _pd: *mut ibv_pd,
-    _addr: *mut c_void,
-    _len: usize,
-    _access: c_int,
-) -> c_int {
-    // IBV_REREG_MR_ERR_INPUT: "the input is invalid, the MR is unchanged".
-    set_errno(libc::EOPNOTSUPP);
-    IBV_REREG_MR_ERR_INPUT as c_int
+pub unsafe extern "C" fn ibv_rereg_mr(m: *mut ibv_mr, flags: c_int, p: *mut ibv_pd, addr: *mut c_void, len: usize, access: c_int) -> c_int {
+    let input = |e: i32| {
+        set_errno(e);
+        IBV_REREG_MR_ERR_INPUT
+    };
+    if m.is_null() || flags < 0 || flags as c_uint & !IBV_REREG_MR_FLAGS_SUPPORTED != 0 {
+        return input(libc::EINVAL);
+    }
+    let flags = flags as c_uint;
+    let translation = flags & IBV_REREG_MR_CHANGE_TRANSLATION != 0;
+    if translation && (len == 0 || addr.is_null()) {
+        return input(libc::EINVAL);
+    }
+    if access != 0 && flags & IBV_REREG_MR_CHANGE_ACCESS == 0 {
+        return input(libc::EINVAL);
+    }
+    let b = &mut *(m as *mut Mr);
+    let new_pd = if flags & IBV_REREG_MR_CHANGE_PD != 0 { p } else { b.mr.pd };
+    let Some(pdr) = pd(new_pd) else { return input(libc::EINVAL) };
+    let new_access = if flags & IBV_REREG_MR_CHANGE_ACCESS != 0 {
+        match check_access(access as c_uint) {
+            Ok(a) => a,
+            Err(e) => return input(e),
+        }
+    } else {
+        b.access
+    };
+    let (new_addr, new_len, new_iova) =
+        if translation { (addr as u64, len, addr as u64) } else { (b.shared.0, b.shared.1 as usize, b.iova) };
+    let Some(key) = b.inner.as_ref().map(|i| i.lkey) else {
+        // An earlier re-registration failed: the MR is only deregistrable.
+        return input(libc::EINVAL);
+    };
+    // The new pages are shared before the old ones are let go, so that
+    // pages of both ranges stay on the memfd throughout.
+    if translation {
+        if let Err(e) = mem::share(new_addr, new_len as u64) {
+            return input(e);
+        }
+    }
+    drop(b.inner.take());
+    let r = share_and_register(pdr, new_addr, new_len, new_iova, new_access, Some(key));
+    if translation {
+        // Drop the extra share taken above and the old range's.
+        mem::unshare(new_addr, new_len as u64);
+        mem::unshare(b.shared.0, b.shared.1);
+    }
+    let old_pd = b.pd;
+    match r {
+        Ok(mr) => {
+            if !translation {
+                // share_and_register shared the same range once more.
+                mem::unshare(new_addr, new_len as u64);
+            }
+            b.inner = Some(mr);
+            b.shared = (new_addr, new_len as u64);
+            b.iova = new_iova;
+            b.access = new_access;
+            if !std::ptr::eq(old_pd, pdr) {
+                (*old_pd).users.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                pdr.users.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                b.pd = pdr;
+                b.mr.pd = new_pd;
+            }
+            b.mr.addr = new_addr as *mut c_void;
+            b.mr.length = new_len;
+            0
+        }
+        Err(e) => {
+            // Nothing is registered any more; what the MR still shares is
+            // let go by ibv_dereg_mr.
+            if translation {
+                b.shared = (0, 0);
+            }
+            set_errno(e);
+            IBV_REREG_MR_ERR_CMD
+        }
+    }
 }

@@ -142,6 +142,9 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     rcq.users.fetch_add(1, Ordering::AcqRel);
     pdr.users.fetch_add(1, Ordering::AcqRel);
     let b = Box::into_raw(Box::new(Qp { qpx: x, inner, send_cq: scq, recv_cq: rcq, pd: pdr, extended, batch: Default::default() }));
+    if let Some(cx) = crate::device::ctx(c) {
+        cx.events.add_qp((*b).inner.qpn, b as *mut ibv_qp);
+    }
     b as *mut ibv_qp
 }
 
@@ -200,6 +203,9 @@ pub unsafe extern "C" fn ibv_qp_to_qp_ex(q: *mut ibv_qp) -> *mut ibv_qp_ex {
 pub unsafe extern "C" fn ibv_destroy_qp(q: *mut ibv_qp) -> c_int {
     if q.is_null() {
         return libc::EINVAL;
+    }
+    if let Some(cx) = crate::device::ctx((*q).context) {
+        cx.events.remove(q as usize);
     }
     let b = Box::from_raw(q as *mut Qp);
     (*b.send_cq).users.fetch_sub(1, Ordering::AcqRel);
@@ -328,6 +334,12 @@ pub unsafe extern "C" fn ibv_modify_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, m
         Ok(()) => {
             if mask & IBV_QP_STATE != 0 {
                 (*(q as *mut Qp)).qpx.qp_base.state = a.qp_state;
+                if a.qp_state == IBV_QPS_RESET {
+                    // As kernel drivers do: a QP back in RESET leaves no
+                    // completions behind in its CQs.
+                    (*x.send_cq).inner.discard_qp(x.inner.qpn);
+                    (*x.recv_cq).inner.discard_qp(x.inner.qpn);
+                }
             }
             0
         }

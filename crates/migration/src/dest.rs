@@ -88,7 +88,7 @@ fn run_inner(
     *t0 = Instant::now();
     *control_out = Some(control.try_clone()?);
     let hello = handshake(vm, &mut control, ctl)?;
-    let (sh, threads, urgent) = start_channels(vm, listener, &control, &hello, data_before, prealloc.as_ref(), ctl, *t0)?;
+    let (sh, threads, urgent) = start_channels(vm, listener, &control, &hello, data_before, prealloc.as_ref(), &params.rnicd, ctl, *t0)?;
 
     // The source pauses the VM only once we can take the switch at once:
     // setup here must not count as downtime.
@@ -131,6 +131,8 @@ struct Hello {
     channels: usize,
     compress: Compress,
     mode: Mode,
+    /// The rdma transport (queue pairs) rather than TCP data connections.
+    rdma: bool,
 }
 
 /// The control connection's preamble and hello, answered with a welcome.
@@ -150,7 +152,7 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control)
         bail!("first connection is not a control connection");
     }
     let hello = match wire::recv_msg(control)? {
-        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode } => {
+        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode, transport } => {
             let mine = vm.shape();
             if shape != mine {
                 bail!("VM shape differs: source {shape:?}, destination {mine:?}");
@@ -167,13 +169,20 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control)
                 bail!("{channels} channels is out of range");
             }
             let compress: Compress = compress.parse().map_err(|e: String| anyhow!(e))?;
-            Hello { session, channels: channels as usize, compress, mode }
+            let rdma = match transport.as_str() {
+                "" | "tcp" => false,
+                "rdma" if mode == Mode::Precopy => true,
+                "rdma" => bail!("the rdma transport carries precopy only, not {mode}"),
+                other => bail!("transport {other:?} is not supported by this destination"),
+            };
+            Hello { session, channels: channels as usize, compress, mode, rdma }
         }
         other => bail!("expected hello, got {other:?}"),
     };
     wire::send_msg(control, &Msg::Welcome)?;
     ctl.update(|s| {
         s.channels = hello.channels as u32;
+        s.transport = if hello.rdma { "rdma" } else { "tcp" }.into();
         s.compress = hello.compress.to_string();
         s.ram_bytes = ram.len;
         s.total_pages = ram.pages();
@@ -194,13 +203,19 @@ fn start_channels(
     hello: &Hello,
     data_before: Vec<PageRange>,
     prealloc: Option<&Prealloc>,
+    rnicd: &str,
     ctl: &Arc<Control>,
     t0: Instant,
 ) -> Result<(Arc<RxShared>, ChannelThreads, Option<TcpStream>)> {
     let ram = vm.ram();
     let total = ram.pages();
     let mode = hello.mode;
-    let (streams, urgent) = accept_channels(listener, ctl, hello.session, hello.channels, mode != Mode::Precopy)?;
+    let (streams, urgent, rdma) = if hello.rdma {
+        (Vec::new(), None, crate::rdma::accept_channels(control, rnicd, &ram, hello.channels)?)
+    } else {
+        let (s, u) = accept_channels(listener, ctl, hello.session, hello.channels, mode != Mode::Precopy)?;
+        (s, u, Vec::new())
+    };
     ctl.update(|s| {
         s.status = Status::Active;
         s.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -229,7 +244,7 @@ fn start_channels(
         acks: Mutex::new(control.try_clone()?),
         ctl: ctl.clone(),
     });
-    let threads: ChannelThreads = streams
+    let mut threads: ChannelThreads = streams
         .into_iter()
         .enumerate()
         .map(|(i, s)| {
@@ -237,6 +252,10 @@ fn start_channels(
             std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(s, sh))
         })
         .collect::<std::io::Result<_>>()?;
+    for (i, rx) in rdma.into_iter().enumerate() {
+        let sh = sh.clone();
+        threads.push(std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || crate::rdma::receive_channel(rx, sh))?);
+    }
     Ok((sh, threads, urgent))
 }
 

@@ -34,11 +34,14 @@ pub struct IncomingParams {
     /// Allocate all of guest RAM while waiting for the source (see
     /// [`Prealloc`]).
     pub prealloc: bool,
+    /// rnicd's control socket, if the source picks the rdma transport
+    /// ("": the rnicd serving an address of this network namespace).
+    pub rnicd: String,
 }
 
 impl Default for IncomingParams {
     fn default() -> Self {
-        IncomingParams { resume: true, accept_timeout_s: 0, prealloc: false }
+        IncomingParams { resume: true, accept_timeout_s: 0, prealloc: false, rnicd: String::new() }
     }
 }
 
@@ -54,7 +57,7 @@ impl RoundBarrier {
         RoundBarrier { n, st: Mutex::new((0, 0, false)), cv: Condvar::new() }
     }
     /// Returns true for the last channel to arrive (it speaks for all).
-    fn wait(&self) -> Result<bool> {
+    pub(crate) fn wait(&self) -> Result<bool> {
         let mut g = self.st.lock().unwrap();
         if g.2 {
             bail!("another channel failed");
@@ -75,7 +78,7 @@ impl RoundBarrier {
         }
         Ok(false)
     }
-    fn break_all(&self) {
+    pub(crate) fn break_all(&self) {
         self.st.lock().unwrap().2 = true;
         self.cv.notify_all();
     }
@@ -318,7 +321,12 @@ fn wait_for_bytes(s: &TcpStream, n: usize) {
 /// Check and account the pages of a batch that [`read_batch_into_ram`]
 /// read: decompress, zero, and mark each page good or suspect. Returns the
 /// pages it held.
-fn apply_batch(rd: &DataReader, sh: &RxShared, scratch: &[u8], zstd: &mut Option<zstd::bulk::Decompressor<'static>>) -> Result<u64> {
+pub(crate) fn apply_batch(
+    rd: &DataReader,
+    sh: &RxShared,
+    scratch: &[u8],
+    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
+) -> Result<u64> {
     let mut t = rd.entries(sh.total);
     let (mut n, mut off) = (0u64, 0);
     // Bitmap updates go per run of pages, after the copies: an atomic per
@@ -553,7 +561,7 @@ fn unpack(
 }
 
 /// A batch arrived: its pages and wire bytes count in the stats.
-fn count_batch(ctl: &Control, pages: u64, wire: u64) {
+pub(crate) fn count_batch(ctl: &Control, pages: u64, wire: u64) {
     ctl.update(|st| {
         st.pages_sent += pages;
         st.wire_bytes += wire;
@@ -660,9 +668,11 @@ pub(crate) fn accept_channels(
     Ok((streams.into_iter().map(|s| s.expect("all channels connected")).collect(), urgent))
 }
 
-/// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks one).
+/// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks
+/// one). "rdma:ADDR:PORT" is the same: the control connection is TCP with
+/// either transport, and the source's hello picks the transport.
 pub fn listen(uri: &str) -> Result<TcpListener> {
-    let a = uri.strip_prefix("tcp:").unwrap_or(uri);
+    let a = uri.strip_prefix("tcp:").or_else(|| uri.strip_prefix("rdma:")).unwrap_or(uri);
     TcpListener::bind(a).with_context(|| format!("listening on {a}"))
 }
 

@@ -13,6 +13,7 @@ use crate::dirty::{DirtyLog, DirtySource, PAGE_SIZE};
 use crate::pages::{complement, count_pages, normalize, overlap, PageRange};
 use crate::ratelimit::TokenBucket;
 use crate::stats::{Control, Mode, Params, RoundStat, Status};
+use crate::transport::Transport;
 use crate::vm::MigratableVm;
 use crate::wire::{self, Msg};
 use anyhow::{anyhow, bail, Context, Result};
@@ -21,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::sender::{
-    chunk, connect, give_up_at, open_channels, open_urgent, parse_tcp_uri, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing,
-    WorkItem, CHUNK_PAGES, ZERO_CHUNK_PAGES,
+    chunk, connect, give_up_at, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing, WorkItem,
+    CHUNK_PAGES, ZERO_CHUNK_PAGES,
 };
 pub use crate::sender::{is_zero, nonzero_xxh3};
 
@@ -83,6 +84,7 @@ fn run_inner(
 /// The migration's parameters, checked, and when it gives up.
 struct Plan {
     addr: String,
+    transport: Transport,
     compress: Compress,
     mode: Mode,
     total: u64,
@@ -95,7 +97,10 @@ impl Plan {
         params.validate().map_err(|e| anyhow!(e))?;
         let compress: Compress = params.compress.parse().map_err(|e: String| anyhow!(e))?;
         let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
-        let addr = parse_tcp_uri(uri)?;
+        let (addr, transport) = Transport::from_uri(uri, &params.transport, &params.rnicd)?;
+        if transport != Transport::Tcp && mode != Mode::Precopy {
+            bail!("the rdma transport carries precopy only; {mode} goes over tcp");
+        }
         let ram = vm.ram();
         let total = ram.pages();
         let deadline = (params.timeout_s > 0).then(|| t0 + Duration::from_secs(params.timeout_s));
@@ -104,12 +109,13 @@ impl Plan {
             s.role = "outgoing".into();
             s.peer = addr.clone();
             s.channels = params.channels;
+            s.transport = transport.name().into();
             s.compress = compress.to_string();
             s.ram_bytes = ram.len;
             s.total_pages = total;
             s.mode = mode.to_string();
         });
-        Ok(Plan { addr, compress, mode, total, deadline, t0 })
+        Ok(Plan { addr, transport, compress, mode, total, deadline, t0 })
     }
 
     fn setup_step(&self, ctl: &Control, name: &str) {
@@ -144,6 +150,7 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
             channels: params.channels,
             compress: plan.compress.to_string(),
             mode: plan.mode.to_string(),
+            transport: plan.transport.name().into(),
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -151,7 +158,12 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
     control.set_read_timeout(None)?;
     plan.setup_step(ctl, "welcomed");
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
-    let channels = open_channels(&plan.addr, session, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?;
+    let channels = match &plan.transport {
+        Transport::Tcp => open_channels(&plan.addr, session, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?,
+        Transport::Rdma { rnicd } => {
+            crate::rdma::open_channels(&mut control, rnicd, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?
+        }
+    };
     let urgent = if plan.mode != Mode::Precopy { Some(open_urgent(&plan.addr, session, ctl)?) } else { None };
     plan.setup_step(ctl, "channels open");
     Ok(Link { session, bucket, control, channels, urgent })
@@ -567,7 +579,9 @@ fn commit(
     fin: Copied,
     ctl: &Control,
 ) -> Result<()> {
-    let Link { mut control, .. } = link;
+    // The channels go after the commit: tearing down RDMA queue pairs and
+    // registrations takes rnicd round trips that the downtime need not wait for.
+    let Link { mut control, channels, .. } = link;
     let Copied { pause, rounds, per_channel, state: blob } = fin;
     let (paused_at, t_pause) = (pause.paused_at, pause.since);
     let step = |name: &str| pause.step(name);
@@ -611,6 +625,7 @@ fn commit(
     // The VM never runs here again (after the downtime: a VM that does
     // not keep it unregisters now).
     vm.retire(Box::new(log.into_tracker()));
+    drop(channels);
     Ok(())
 }
 

@@ -31,6 +31,12 @@ pub struct Params {
     /// rest fits the downtime; sooner if the guest dirties RAM fast, or on
     /// `migrate-start-postcopy`).
     pub mode: String,
+    /// tcp | rdma (queue pairs through the host's rnicd; precopy only).
+    /// A `rdma:HOST:PORT` uri asks for it too.
+    pub transport: String,
+    /// rnicd's control socket for the rdma transport ("": the rnicd
+    /// serving an address of this network namespace).
+    pub rnicd: String,
 }
 
 impl Default for Params {
@@ -46,6 +52,8 @@ impl Default for Params {
             throttle_increment: 10,
             verify_ram: false,
             mode: "precopy".into(),
+            transport: "tcp".into(),
+            rnicd: String::new(),
         }
     }
 }
@@ -71,6 +79,9 @@ impl Params {
         }
         self.compress.parse::<crate::compress::Compress>()?;
         self.mode.parse::<Mode>()?;
+        if !matches!(self.transport.as_str(), "tcp" | "rdma") {
+            return Err(format!("transport must be tcp or rdma, not {:?}", self.transport));
+        }
         if self.throttle_initial > 99 || self.throttle_increment == 0 {
             return Err("throttle_initial must be <= 99 and throttle_increment > 0".into());
         }
@@ -157,6 +168,8 @@ pub struct Stats {
     pub error: Option<String>,
     pub peer: String,
     pub channels: u32,
+    /// "tcp" or "rdma" (how the pages travel).
+    pub transport: String,
     pub compress: String,
     pub ram_bytes: u64,
     pub total_pages: u64,
@@ -217,6 +230,9 @@ pub struct Control {
     pub stats: Mutex<Stats>,
     cancelled: AtomicBool,
     socks: Mutex<Vec<TcpStream>>,
+    /// Set by [`shutdown_all`](Self::shutdown_all): channels that are not
+    /// sockets (RDMA queue pairs) look at it while they wait.
+    shut: AtomicBool,
     start_postcopy: AtomicBool,
     /// `migrate-recover` / `migrate resume`: the address to go on with.
     recover: Mutex<Option<RecoverRequest>>,
@@ -274,11 +290,18 @@ impl Control {
     /// Forget connections of a broken attempt (they are shut already).
     pub fn forget_connections(&self) {
         self.socks.lock().unwrap().clear();
+        self.shut.store(false, Ordering::SeqCst);
     }
     pub fn shutdown_all(&self) {
+        self.shut.store(true, Ordering::SeqCst);
         for s in self.socks.lock().unwrap().iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+    }
+    /// Whether [`shutdown_all`](Self::shutdown_all) ran (and no
+    /// [`forget_connections`](Self::forget_connections) since).
+    pub fn is_shut(&self) -> bool {
+        self.shut.load(Ordering::SeqCst)
     }
     pub fn register(&self, s: &TcpStream) {
         if let Ok(c) = s.try_clone() {

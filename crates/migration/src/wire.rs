@@ -86,14 +86,28 @@ pub fn read_preamble(r: &mut impl Read) -> Result<u8, WireError> {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Msg {
     /// Source -> destination, first message.
-    Hello { session: u64, shape: String, ram_bytes: u64, page_size: u64, channels: u32, compress: String, mode: String },
+    Hello {
+        session: u64,
+        shape: String,
+        ram_bytes: u64,
+        page_size: u64,
+        channels: u32,
+        compress: String,
+        mode: String,
+        /// How pages travel: "tcp" (data connections; also when absent)
+        /// or "rdma" (queue pairs, set up by `rdma_connect`).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        transport: String,
+    },
     /// Destination accepts; data connections may follow.
     Welcome,
     /// Destination -> source, postcopy: every connection is accepted and
     /// served; the source may pause the VM.
     Ready,
     /// Either side gives up; the text says why.
-    Abort { reason: String },
+    Abort {
+        reason: String,
+    },
     /// Source -> destination after the last page batch; the vCPU/device
     /// state blob follows as the next frame.
     End {
@@ -106,23 +120,59 @@ pub enum Msg {
         ram_hashes: bool,
     },
     /// Destination -> source: every channel applied this round.
-    RoundDone { round: u64 },
+    RoundDone {
+        round: u64,
+    },
     /// Destination holds the complete state and loaded it.
-    Loaded { cpu_s: f64 },
+    Loaded {
+        cpu_s: f64,
+    },
     /// Source committed: the destination may run.
     Go,
     /// Destination vCPUs run (or stay paused if asked to).
-    Resumed { unix_ns: u64, resumed: bool, cpu_s: f64 },
+    Resumed {
+        unix_ns: u64,
+        resumed: bool,
+        cpu_s: f64,
+    },
     /// First message of each data connection.
-    Channel { session: u64, index: u32 },
+    Channel {
+        session: u64,
+        index: u32,
+    },
     /// Source -> destination: the source paused; from here the destination
     /// runs and fetches what it misses. Followed by the state blob and, if
     /// `dirty_ranges`, a blob of (first, count) u64 pairs: pages sent before
     /// that changed since (the destination drops its copies). Without it,
     /// no page was sent yet (pure postcopy).
-    Switchover { state_bytes: u64, source_paused_unix_ns: u64, dirty_ranges: bool },
+    Switchover {
+        state_bytes: u64,
+        source_paused_unix_ns: u64,
+        dirty_ranges: bool,
+    },
     /// Destination -> source: every page is in; the source may let go.
-    Complete { faults: u64, fault_p50_us: Option<f64>, fault_p99_us: Option<f64>, fault_max_us: Option<f64>, cpu_s: f64, ram_clients: u32 },
+    /// Source -> destination after welcome, rdma transport: the GID of the
+    /// source's rnicd and one RC queue pair (number, first PSN) per channel.
+    RdmaConnect {
+        gid: String,
+        qps: Vec<(u32, u32)>,
+    },
+    /// Destination -> source: its queue pairs, connected to the source's
+    /// and with receives posted, and the key of its guest RAM, registered
+    /// with its rnicd at I/O address 0 (guest physical addresses).
+    RdmaAccept {
+        gid: String,
+        qps: Vec<(u32, u32)>,
+        rkey: u32,
+    },
+    Complete {
+        faults: u64,
+        fault_p50_us: Option<f64>,
+        fault_p99_us: Option<f64>,
+        fault_max_us: Option<f64>,
+        cpu_s: f64,
+        ram_clients: u32,
+    },
 }
 
 const FRAME_MSG: u8 = 1;
@@ -321,6 +371,8 @@ pub struct BatchWriter<'a> {
     /// The open raw run: where its count is in the table and the page that
     /// would extend it.
     run: Option<(usize, u64)>,
+    /// Some raw page is a private copy in `own` (see [`split_ram`](Self::split_ram)).
+    copied_raw: bool,
     _ram: std::marker::PhantomData<&'a [u8]>,
 }
 
@@ -342,6 +394,7 @@ impl<'a> BatchWriter<'a> {
             data_len: 0,
             own: Vec::new(),
             run: None,
+            copied_raw: false,
             _ram: std::marker::PhantomData,
         }
     }
@@ -378,6 +431,7 @@ impl<'a> BatchWriter<'a> {
     pub fn raw_copy(&mut self, pfn: u64, page: &[u8]) {
         self.raw_entry(pfn, page_hash(pfn, &page[..PAGE]));
         self.push_own(&page[..PAGE]);
+        self.copied_raw = true;
     }
     /// The table side of a raw page: a new run, or one more page of the
     /// open run (which is the table's last record, so its hashes end it).
@@ -425,10 +479,8 @@ impl<'a> BatchWriter<'a> {
     pub fn wire_len(&self) -> usize {
         self.table.len() + 8 + self.data_len
     }
-    /// Write the batch to `w` (vectored: guest pages straight from RAM)
-    /// and start a new one; returns the bytes written.
-    pub fn write_to(&mut self, w: &mut impl Write) -> io::Result<usize> {
-        let n = self.wire_len();
+    /// Fill in the head and append the table's checksum.
+    fn seal(&mut self) {
         let table_len = (self.table.len() - BATCH_HEAD) as u32;
         self.table[0] = DATA_PAGES;
         self.table[1..5].copy_from_slice(&table_len.to_le_bytes());
@@ -436,6 +488,12 @@ impl<'a> BatchWriter<'a> {
         self.table[9..13].copy_from_slice(&(self.data_len as u32).to_le_bytes());
         let sum = xxh3(&self.table[BATCH_HEAD..]);
         self.table.extend_from_slice(&sum.to_le_bytes());
+    }
+    /// Write the batch to `w` (vectored: guest pages straight from RAM)
+    /// and start a new one; returns the bytes written.
+    pub fn write_to(&mut self, w: &mut impl Write) -> io::Result<usize> {
+        let n = self.wire_len();
+        self.seal();
         let mut iov: Vec<io::IoSlice> = Vec::with_capacity(self.pieces.len() + 1);
         iov.push(io::IoSlice::new(&self.table));
         for p in &self.pieces {
@@ -450,7 +508,47 @@ impl<'a> BatchWriter<'a> {
         self.reset();
         r.map(|_| n)
     }
+    /// End the batch for a transport that moves the raw pages itself (RDMA
+    /// WRITEs from guest RAM into the peer's guest RAM): `ram` gets each
+    /// run of raw pages (its address in guest RAM and length, in record
+    /// order), and `out` the frame without their bytes: head, table,
+    /// checksum, then the compressed bytes. The head still counts all the
+    /// data, so the reader finds every record's offset. Refused for a
+    /// batch holding private copies of raw pages ([`raw_copy`](Self::raw_copy)),
+    /// which the reader could not tell from the rest. Starts a new batch;
+    /// returns (bytes of `out` used, bytes the batch counts on the wire).
+    pub fn split_ram(&mut self, out: &mut [u8], mut ram: impl FnMut(*const u8, usize)) -> io::Result<(usize, usize)> {
+        let n = self.wire_len();
+        if self.copied_raw {
+            self.reset();
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a batch with copied raw pages cannot leave its pages in RAM"));
+        }
+        self.seal();
+        let own: usize = self.pieces.iter().map(|p| if let Piece::Own(_, l) = p { *l } else { 0 }).sum();
+        let len = self.table.len() + own;
+        if len > out.len() {
+            self.reset();
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a batch frame of {len} bytes exceeds the {}-byte buffer", out.len()),
+            ));
+        }
+        out[..self.table.len()].copy_from_slice(&self.table);
+        let mut at = self.table.len();
+        for p in &self.pieces {
+            match *p {
+                Piece::Ram(ptr, l) => ram(ptr, l),
+                Piece::Own(o, l) => {
+                    out[at..at + l].copy_from_slice(&self.own[o..o + l]);
+                    at += l;
+                }
+            }
+        }
+        self.reset();
+        Ok((len, n))
+    }
     pub fn reset(&mut self) {
+        self.copied_raw = false;
         self.table.truncate(BATCH_HEAD);
         self.records = 0;
         self.pages = 0;

@@ -816,6 +816,30 @@ fn serve_client(
                     }
                 }
             }
+            Ok(Request::JoinRamClient) => {
+                let mut fds = fds;
+                match (fds.pop(), fds.is_empty()) {
+                    (Some(sock), true) => crate::ramclient::join(sock).map(|ram_bytes| Reply::RamClient { ram_bytes }).map_err(|e| {
+                        engine.stats.bad_client_requests += 1;
+                        format!("{e:#}")
+                    }),
+                    _ => {
+                        engine.stats.bad_client_requests += 1;
+                        Err("JoinRamClient needs one socket".into())
+                    }
+                }
+            }
+            // Process-wide figures beside the namespace's own.
+            Ok(Request::Stats) => engine
+                .control(id, Request::Stats, fds)
+                .map(|r| match r {
+                    Reply::Stats(mut v) => {
+                        v["ram_clients"] = crate::ramclient::joined().into();
+                        Reply::Stats(v)
+                    }
+                    r => r,
+                })
+                .map_err(|e| format!("{e:#}")),
             Ok(req @ (Request::ClaimGid | Request::ReleaseGid)) => {
                 let gid = c.ns;
                 claim_or_release(nss, cfg, gid, matches!(req, Request::ClaimGid))

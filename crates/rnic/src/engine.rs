@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context as _};
 
+use crate::async_events::AsyncSinks;
 use crate::mem::Mapping;
 use crate::objects::{ClientId, Cq, IdMap, Mr, MrTable, Stats, Tx};
 use crate::proto::{self, Reply, Request};
@@ -38,6 +39,7 @@ pub struct Engine {
     /// Round-robin start for transmit fairness.
     rr: usize,
     qpn_order: Vec<u32>,
+    asyncs: AsyncSinks,
 }
 
 impl Engine {
@@ -57,6 +59,7 @@ impl Engine {
             next_key: (std::process::id().wrapping_mul(2654435761) & 0xffff) << 8 | 0x11,
             rr: 0,
             qpn_order: Vec::new(),
+            asyncs: AsyncSinks::default(),
         }
     }
 
@@ -75,8 +78,15 @@ impl Engine {
         }
     }
 
-    fn ctx<'a>(gid: Ipv4Addr, mrs: &'a MrTable, cqs: &'a mut IdMap<Cq>, tx: &'a mut Tx, stats: &'a mut Stats) -> Ctx<'a> {
-        Ctx { gid, mrs, cqs, tx, stats, now: Instant::now() }
+    fn ctx<'a>(
+        gid: Ipv4Addr,
+        mrs: &'a MrTable,
+        cqs: &'a mut IdMap<Cq>,
+        tx: &'a mut Tx,
+        stats: &'a mut Stats,
+        asyncs: &'a mut AsyncSinks,
+    ) -> Ctx<'a> {
+        Ctx { gid, mrs, cqs, tx, stats, now: Instant::now(), asyncs }
     }
 
     pub fn device_attr(&self) -> DeviceAttr {
@@ -105,7 +115,7 @@ impl Engine {
     /// grouped below as device, memory, completion, QP and QP migration.
     pub fn control(&mut self, client: ClientId, req: Request, fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
         match req {
-            Request::Hello { .. } | Request::ClaimGid | Request::ReleaseGid => bail!("handled by the daemon"),
+            Request::Hello { .. } | Request::ClaimGid | Request::ReleaseGid | Request::JoinRamClient => bail!("handled by the daemon"),
             Request::QueryDevice => Ok(Reply::Device(self.device_attr())),
             Request::QueryPort { port } => self.query_port(port),
             Request::QueryGid { port, index } => self.query_gid(port, index),
@@ -142,6 +152,12 @@ impl Engine {
             Request::ResumeQp { qpn } => self.resume_qps(client, &[qpn], 1),
             Request::ResumeQps { qpns } => self.resume_qps(client, &qpns, proto::MAX_BATCH),
             Request::RestoreQps { states } => self.restore_qps(client, &states),
+            Request::OpenAsync => {
+                let fd = fds.into_iter().next().context("OpenAsync needs an eventfd")?;
+                self.asyncs.open(client, fd);
+                Ok(Reply::Ok)
+            }
+            Request::FetchAsync => Ok(Reply::AsyncEvents(self.asyncs.fetch(client))),
         }
     }
 
@@ -202,12 +218,13 @@ impl Engine {
         self.cqs.retain(|_, c| c.owner != client);
         self.pds.retain(|_, c| *c != client);
         self.channels.retain(|_, (c, _)| *c != client);
+        self.asyncs.close(client);
     }
 
     /// The client rang its doorbell: look at its QPs' rings.
     pub fn doorbell(&mut self, client: ClientId) {
-        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats, asyncs);
         for qp in qps.values_mut().filter(|q| q.owner == client) {
             qp.doorbell(&mut ctx);
         }
@@ -244,8 +261,8 @@ impl Engine {
     }
 
     fn poll_all_rings(&mut self) -> usize {
-        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats, asyncs);
         qps.values_mut().filter_map(|qp| qp.poll_rings(&mut ctx).then_some(())).count()
     }
 
@@ -264,7 +281,7 @@ impl Engine {
                 return;
             }
         };
-        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
         let Some(qp) = qps.get_mut(&p.bth.dest_qpn) else {
             stats.rx_unknown_qp += 1;
             return;
@@ -274,7 +291,7 @@ impl Engine {
             stats.rx_unknown_qp += 1;
             return;
         }
-        let mut ctx = Ctx { gid: *gid, mrs, cqs, tx, stats, now };
+        let mut ctx = Ctx { gid: *gid, mrs, cqs, tx, stats, now, asyncs };
         if p.bth.opcode.is_response() {
             qp.on_response(&mut ctx, &p);
         } else {
@@ -285,8 +302,8 @@ impl Engine {
     /// Runs timers and emits up to `budget` packets into `self.tx`.
     /// Returns whether more transmit work is pending.
     pub fn poll_tx(&mut self, budget: usize, now: Instant) -> bool {
-        let Engine { gid, mrs, cqs, tx, stats, qps, qpn_order, rr, .. } = self;
-        let mut ctx = Ctx { gid: *gid, mrs, cqs, tx, stats, now };
+        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, qpn_order, rr, .. } = self;
+        let mut ctx = Ctx { gid: *gid, mrs, cqs, tx, stats, now, asyncs };
         let n = qpn_order.len();
         let mut budget = budget;
         let mut more = false;
@@ -400,7 +417,7 @@ impl Engine {
                 bail!("key {k:#x} is already in use in namespace {}", self.gid);
             }
         }
-        let map = Mapping::map_sealed(&fd, r.fd_offset, r.len as usize)?;
+        let map = Mapping::map_region(&fd, r.fd_offset, r.len as usize)?;
         let key = match r.key {
             Some(k) => k,
             None => self.alloc_qpn(),
@@ -548,9 +565,9 @@ impl Engine {
     }
 
     fn modify_qp(&mut self, client: ClientId, qpn: u32, attr: &QpAttr, mask: u32) -> anyhow::Result<Reply> {
-        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
+        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
         let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
-        qp.modify(attr, mask, &mut Self::ctx(*gid, mrs, cqs, tx, stats)).map_err(|e| anyhow!(e))?;
+        qp.modify(attr, mask, &mut Self::ctx(*gid, mrs, cqs, tx, stats, asyncs)).map_err(|e| anyhow!(e))?;
         Ok(Reply::Ok)
     }
 
@@ -567,8 +584,8 @@ impl Engine {
 impl Engine {
     fn suspend_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
         self.check_batch(client, qpns, max)?;
-        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats, asyncs);
         for q in qpns {
             if let Some(qp) = qps.get_mut(q) {
                 qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
@@ -579,8 +596,8 @@ impl Engine {
 
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
         self.check_batch(client, qpns, max)?;
-        let Engine { gid, mrs, cqs, tx, stats, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats);
+        let Engine { gid, mrs, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, mrs, cqs, tx, stats, asyncs);
         for q in qpns {
             if let Some(qp) = qps.get_mut(q) {
                 qp.resume(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;

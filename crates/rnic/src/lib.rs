@@ -7,8 +7,10 @@
 //!
 //! Dependencies run one way, from the bottom up:
 //! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd` (no crate imports);
-//! `qp_snapshot`, `announce`, `gid`; `objects` and `proto`; `qp`; `engine`; `daemon`; `cli`.
+//! `qp_snapshot`, `announce`, `gid`; `objects`; `async_events` and `proto`; `qp`;
+//! `engine`; `ramclient`; `daemon`; `cli`.
 pub mod announce;
+pub mod async_events;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
@@ -19,6 +21,7 @@ pub mod objects;
 pub mod proto;
 pub mod qp;
 pub mod qp_snapshot;
+pub mod ramclient;
 pub mod ring;
 pub mod trace;
 pub mod types;

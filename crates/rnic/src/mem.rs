@@ -3,15 +3,62 @@
 //! A client could shrink a memfd under rnicd and make its next access fault
 //! (SIGBUS). rnicd therefore maps only memfds sealed against shrinking and
 //! checks the size first.
+//!
+//! A memfd sealed against growing too (guest RAM is one) is mapped once,
+//! whole: its *window*, shared by every memory region on it, whichever
+//! client or namespace registered them. A process that must watch its
+//! accesses to that memory (rnicd as a postcopy RAM client, `ramclient`)
+//! then has one mapping to register, which covers the regions registered
+//! later as well as those already there.
 
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 
 use anyhow::{bail, Context as _};
 
-/// A MAP_SHARED mapping, unmapped on drop.
+/// A MAP_SHARED mapping, unmapped on drop; or a view into a window, which
+/// keeps the window mapped while it lives.
 pub struct Mapping {
     ptr: *mut u8,
     len: usize,
+    window: Option<Arc<Mapping>>,
+}
+
+/// A file: (device, inode).
+type FileId = (u64, u64);
+
+/// The windows mapped now, by file. Only the control path (registering a
+/// memory region) takes this lock.
+static WINDOWS: LazyLock<Mutex<HashMap<FileId, Weak<Mapping>>>> = LazyLock::new(Default::default);
+
+/// The window of `fd`, a memfd sealed against shrinking and growing and
+/// open for reading and writing: all of it, mapped once per process.
+pub fn window(fd: &OwnedFd) -> anyhow::Result<Arc<Mapping>> {
+    // SAFETY: fcntl/fstat on an owned fd.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) != libc::F_SEAL_SHRINK | libc::F_SEAL_GROW {
+        bail!("a shared window needs a memfd sealed with F_SEAL_SHRINK and F_SEAL_GROW");
+    }
+    // The window is mapped read-write for every region on the file: a
+    // descriptor that could not map it so itself gets nothing from it.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 || flags & libc::O_ACCMODE != libc::O_RDWR {
+        bail!("memory must be open for reading and writing");
+    }
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+        bail!("fstat failed");
+    }
+    let id = (st.st_dev, st.st_ino);
+    let mut windows = WINDOWS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(w) = windows.get(&id).and_then(Weak::upgrade) {
+        return Ok(w);
+    }
+    let w = Arc::new(Mapping::map(fd, 0, st.st_size as usize)?);
+    windows.retain(|_, w| w.strong_count() > 0);
+    windows.insert(id, Arc::downgrade(&w));
+    Ok(w)
 }
 
 // SAFETY: the mapping is plain shared memory; users synchronise as DMA would.
@@ -22,7 +69,7 @@ impl Mapping {
     /// Maps `len` bytes of `fd` at `offset` (page aligned), read-write.
     pub fn map(fd: &OwnedFd, offset: u64, len: usize) -> anyhow::Result<Mapping> {
         if len == 0 {
-            return Ok(Mapping { ptr: std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8, len: 0 });
+            return Ok(Mapping { ptr: std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8, len: 0, window: None });
         }
         if !offset.is_multiple_of(4096) {
             bail!("mapping offset {offset} is not page aligned");
@@ -41,7 +88,21 @@ impl Mapping {
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error()).context("mmap");
         }
-        Ok(Mapping { ptr: p as *mut u8, len })
+        Ok(Mapping { ptr: p as *mut u8, len, window: None })
+    }
+
+    /// Maps a memory region's `len` bytes at `offset` of a memfd from a
+    /// client: a view of the file's window when it has one (sealed against
+    /// growing too), else a mapping of its own ([`Mapping::map_sealed`]).
+    pub fn map_region(fd: &OwnedFd, offset: u64, len: usize) -> anyhow::Result<Mapping> {
+        let Ok(w) = window(fd) else { return Mapping::map_sealed(fd, offset, len) };
+        let end = offset.checked_add(len as u64).context("range overflows")?;
+        if end > w.len as u64 {
+            bail!("range {offset}+{len} is beyond the memfd size {}", w.len);
+        }
+        // SAFETY: inside the window, which the view keeps mapped.
+        let ptr = unsafe { w.ptr.add(offset as usize) };
+        Ok(Mapping { ptr, len, window: Some(w) })
     }
 
     /// Maps a memfd received from a client after checking it cannot shrink.
@@ -64,7 +125,7 @@ impl Mapping {
         // SAFETY: the offset is inside the fresh mapping; Drop re-derives the page base.
         let ptr = unsafe { m.ptr.add((offset - page_off) as usize) };
         std::mem::forget(m);
-        Ok(Mapping { ptr, len })
+        Ok(Mapping { ptr, len, window: None })
     }
 
     /// Faults the whole mapping in now (MADV_POPULATE_WRITE). For queue
@@ -94,7 +155,8 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        if self.len > 0 {
+        // A view: the window unmaps itself when its last view is gone.
+        if self.len > 0 && self.window.is_none() {
             let base = self.ptr as usize & !4095;
             let len = self.len + (self.ptr as usize - base);
             // SAFETY: unmapping the pages this value mapped.

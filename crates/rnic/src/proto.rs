@@ -133,6 +133,10 @@ pub enum Request {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },
     Stats,
+    /// Carries one end of a vmm's RAM-client socket (`ram-client`): rnicd
+    /// joins it, so that in an incoming postcopy its accesses to guest RAM
+    /// wait for pages not yet migrated. Not bound to the caller's namespace.
+    JoinRamClient,
     /// Makes this host answer for the client's namespace GID: adds the
     /// address beside rnicd's own and announces it (gratuitous ARP). The
     /// owner claims on the host it moves to, after the old host released.
@@ -141,6 +145,11 @@ pub enum Request {
     /// the address). A claimed GID is also released when its namespace
     /// closes.
     ReleaseGid,
+    /// Carries an eventfd that rnicd signals when it queues an asynchronous
+    /// event for this client (async_events.rs).
+    OpenAsync,
+    /// Takes the asynchronous events queued for this client.
+    FetchAsync,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -159,7 +168,9 @@ pub enum Reply {
     QpStates(Vec<crate::qp_snapshot::QpSnapshot>),
     Trace(crate::trace::TraceReport),
     Stats(serde_json::Value),
+    RamClient { ram_bytes: u64 },
     Ok,
+    AsyncEvents(Vec<crate::async_events::AsyncEvent>),
 }
 
 pub type Response = Result<Reply, String>;

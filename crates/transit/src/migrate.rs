@@ -12,12 +12,22 @@ use vmm::control::Client;
 pub struct MigrateArgs {
     #[command(flatten)]
     pub target: Target,
-    /// Destination HOST:PORT (where `migrate-incoming` listens).
+    /// Destination HOST:PORT (where `migrate-incoming` listens); a
+    /// `tcp:` or `rdma:` prefix picks the transport too.
     #[arg(long)]
     pub to: String,
-    /// Parallel TCP data connections.
+    /// Parallel data channels (TCP connections, or RDMA queue pairs).
     #[arg(long, default_value_t = 1)]
     pub channels: u32,
+    /// tcp: pages over TCP connections; rdma: RDMA WRITEs from this guest
+    /// RAM into the destination's through both hosts' rnicd (precopy only;
+    /// docs/migration.md).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+    pub transport: String,
+    /// rnicd's control socket for --transport rdma (default: the rnicd
+    /// serving an address of this host).
+    #[arg(long, default_value = "")]
+    pub rnicd: String,
     /// none | lz4 | zstd | zstd:LEVEL (used per page only where it pays).
     #[arg(long, default_value = "none")]
     pub compress: String,
@@ -91,6 +101,10 @@ pub struct MigrateIncomingArgs {
     /// so that receiving a page is only a copy.
     #[arg(long)]
     pub prealloc: bool,
+    /// rnicd's control socket, for a source that picks the rdma transport
+    /// (default: the rnicd serving an address of this host).
+    #[arg(long, default_value = "")]
+    pub rnicd: String,
     /// Wait until the migration ends and print its report.
     #[arg(long)]
     pub wait: bool,
@@ -119,7 +133,9 @@ pub fn migrate(a: MigrateArgs) -> Result<()> {
         "migrate",
         json!({
             "mode": a.mode,
-            "uri": format!("tcp:{}", a.to),
+            "uri": if a.to.starts_with("tcp:") || a.to.starts_with("rdma:") { a.to.clone() } else { format!("{}:{}", a.transport, a.to) },
+            "transport": a.transport,
+            "rnicd": a.rnicd,
             "channels": a.channels,
             "compress": a.compress,
             "max_bandwidth": max_bandwidth,
@@ -161,7 +177,10 @@ pub fn start_postcopy(t: Target) -> Result<()> {
 
 pub fn migrate_incoming(a: MigrateIncomingArgs) -> Result<()> {
     let mut c = a.target.client()?;
-    let r = c.execute("migrate-incoming", json!({"uri": format!("tcp:{}", a.listen), "resume": !a.no_resume, "prealloc": a.prealloc}))?;
+    let r = c.execute(
+        "migrate-incoming",
+        json!({"uri": format!("tcp:{}", a.listen), "resume": !a.no_resume, "prealloc": a.prealloc, "rnicd": a.rnicd}),
+    )?;
     if !a.json {
         eprintln!("listening on port {}", r["port"]);
     }

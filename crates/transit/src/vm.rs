@@ -348,6 +348,42 @@ fn during_incoming_postcopy(vm: &Vm, cmd: &str, st: &migration::stats::Stats) ->
     }
 }
 
+/// The processes that map guest RAM besides this one and take part in an
+/// incoming postcopy: whoever joins at `--ram-socket`, and, on a
+/// destination (`--incoming`) with PVRDMA devices, the rnicd of each, which
+/// joins through a socket pair before any migration can start, so that
+/// postcopy and hybrid of a PVRDMA VM need nothing from the operator.
+fn ram_clients(
+    vm: &Vm,
+    vm_dyn: &Arc<dyn MigratableVm>,
+    slot: &MigrationSlot,
+    opts: &ServeOpts,
+) -> Result<Option<Arc<migration::postcopy::clients::RamClients>>> {
+    use migration::postcopy::clients::RamClients;
+    let mut rnicds = Vec::new();
+    if opts.incoming.is_some() {
+        for spec in &vm.config.pvrdma {
+            let cfg = devices::pvrdma::PvrdmaConfig::parse(spec).map_err(|e| anyhow::anyhow!("--pvrdma {spec:?}: {e}"))?;
+            if !rnicds.contains(&cfg.rnicd) {
+                rnicds.push(cfg.rnicd);
+            }
+        }
+    }
+    let clients = match &opts.ram_socket {
+        Some(p) => RamClients::bind(p, vm_dyn.ram())?,
+        None if !rnicds.is_empty() => RamClients::new(vm_dyn.ram()),
+        None => return Ok(None),
+    };
+    for rnicd in rnicds {
+        // rnicd's own namespace: the VM's GID may not be served here yet.
+        let ctx = verbs::Context::open(rnicd.as_deref()).context("rnicd of the PVRDMA device, to join it as a RAM client")?;
+        ctx.join_ram_client(clients.pair("rnicd")?)
+            .with_context(|| format!("rnicd at {} joining as a RAM client", ctx.socket_path().display()))?;
+    }
+    slot.set_ram_clients(clients.clone());
+    Ok(Some(clients))
+}
+
 /// How long a source that migrated away stays up so clients can read the
 /// final `query-migrate`.
 const POSTMIGRATE_GRACE: Duration = Duration::from_secs(2);
@@ -410,15 +446,10 @@ fn serve(vm: Arc<Vm>, socket: &std::path::Path, opts: ServeOpts) -> Result<()> {
             }))
         }));
     }
+    // Before the control socket answers: whoever sees it can migrate into
+    // this VM, and every RAM client must be in by then.
+    let _ram_clients = ram_clients(&vm, &vm_dyn, &slot, &opts)?;
     control.serve(socket)?;
-    let _ram_clients = match &opts.ram_socket {
-        Some(p) => {
-            let c = migration::postcopy::clients::RamClients::bind(p, vm_dyn.ram())?;
-            slot.set_ram_clients(c.clone());
-            Some(c)
-        }
-        None => None,
-    };
     tracing::info!(name = %vm.config.name, socket = %socket.display(), "VM ready");
     if let Some(uri) = &opts.incoming {
         migration::qmp::handle(&vm_dyn, &slot, "migrate-incoming", &json!({"uri": uri, "resume": opts.start, "prealloc": opts.prealloc}))

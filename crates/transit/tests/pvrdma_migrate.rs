@@ -56,8 +56,22 @@ fn assert_qps_running(vm: &VmProcess) {
 
 /// A destination for `gid` on host `h`, waiting for the migration.
 fn destination(bed: &Bed, h: usize, gid: Ipv4Addr, pvrdma: &str) -> VmProcess {
-    bed.vm_with(h, gid, "count=0", pvrdma, &["--incoming", "tcp:0.0.0.0:4444", "--keep-after-migrate"])
+    sized_destination(bed, h, gid, "64M", pvrdma)
 }
+
+fn sized_destination(bed: &Bed, h: usize, gid: Ipv4Addr, memory: &str, pvrdma: &str) -> VmProcess {
+    bed.vm_sized(h, gid, memory, "count=0", pvrdma, &["--incoming", "tcp:0.0.0.0:4444", "--keep-after-migrate"])
+}
+
+/// What runs in the VM: firmware arguments and RAM.
+#[derive(Clone, Copy)]
+struct Load {
+    args: &'static str,
+    memory: &'static str,
+}
+
+/// Every workload on one QP each.
+const PLAIN: Load = Load { args: "count=0", memory: "64M" };
 
 fn start_migration(bed: &Bed, src: &VmProcess, to: usize, params: Value) {
     let mut a = params;
@@ -78,8 +92,8 @@ fn wait_end(src: &VmProcess) -> Value {
 /// Moves the VM from `src` to a new destination on host `to`; returns the
 /// destination and the source's migration report. The source stays up
 /// (`--keep-after-migrate`) for the checks, then quits.
-fn hop(bed: &Bed, src: &mut VmProcess, to: usize, gid: Ipv4Addr, params: Value) -> (VmProcess, Value) {
-    let dst = destination(bed, to, gid, "");
+fn hop(bed: &Bed, src: &mut VmProcess, to: usize, gid: Ipv4Addr, memory: &str, params: Value) -> (VmProcess, Value) {
+    let dst = sized_destination(bed, to, gid, memory, "");
     start_migration(bed, src, to, params);
     let st = wait_end(src);
     assert_eq!(st["status"], "completed", "{st:#}\nsource console:\n{}", src.console());
@@ -101,21 +115,22 @@ fn check_hop(bed: &Bed, src: &mut VmProcess, dst: &VmProcess, (from, to): (usize
     src.wait_exit(Duration::from_secs(20)).unwrap();
 }
 
-/// A -> B -> A with every workload running and `params` for each hop.
-fn there_and_back(tag: &str, params: Value, during: impl Fn(&Bed, usize)) {
+/// A -> B -> A with every workload of `load` running and `params` for
+/// each hop; returns the peer's report.
+fn there_and_back(tag: &str, load: Load, params: Value, during: impl Fn(&Bed, usize)) -> Value {
     let bed = Bed::new(tag);
     let gid = bed.vm_gid(1);
-    let mut a = bed.vm_with(0, gid, "count=0", "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "30"]].concat());
+    let mut a = bed.vm_sized(0, gid, load.memory, load.args, "", &["--keep-after-migrate"]);
+    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "40"]].concat());
     let p0 = a.wait_progress(STEP, LONG).unwrap();
     assert!(bed.holds(0, gid));
     during(&bed, 1);
-    let (mut b, st) = hop(&bed, &mut a, 1, gid, params.clone());
+    let (mut b, st) = hop(&bed, &mut a, 1, gid, load.memory, params.clone());
     eprintln!("A -> B: downtime {} ms, total {} ms", st["downtime_ms"], st["total_ms"]);
     check_hop(&bed, &mut a, &b, (0, 1), gid, true);
     let p1 = b.wait_progress(p0 + STEP, LONG).unwrap();
     during(&bed, 0);
-    let (c, st) = hop(&bed, &mut b, 0, gid, params);
+    let (c, st) = hop(&bed, &mut b, 0, gid, load.memory, params);
     eprintln!("B -> A: downtime {} ms, total {} ms", st["downtime_ms"], st["total_ms"]);
     check_hop(&bed, &mut b, &c, (1, 0), gid, true);
     c.wait_progress(p1 + STEP, LONG).unwrap();
@@ -131,16 +146,38 @@ fn there_and_back(tag: &str, params: Value, during: impl Fn(&Bed, usize)) {
     for w in ["stream", "ring", "table", "atomic"] {
         assert!(rep["workloads"][w]["verified"].as_u64().unwrap() > 0, "{w}: {rep:#}");
     }
+    rep
 }
 
 #[test]
 fn every_workload_across_a_b_a_in_precopy() {
-    there_and_back("pvm-aba", json!({"channels": 2}), |_, _| {});
+    there_and_back("pvm-aba", PLAIN, json!({"channels": 2}), |_, _| {});
+}
+
+/// 16 QPs (4 of each workload) and a 64 MiB RDMA WRITE the guest repeats
+/// without end: the switches land in the middle of WRITEs, partly
+/// acknowledged, which the restored QP finishes from its oldest
+/// unacknowledged PSN; the peer verifies every WRITE whole.
+#[test]
+fn sixteen_qps_and_a_64_mib_write_across_a_b_a() {
+    let load = Load { args: "count=0 qps=16 bigwrite=64M", memory: "256M" };
+    let rep = there_and_back("pvm-big", load, json!({"channels": 2}), |_, _| {});
+    assert_eq!(rep["qps"], 17, "16 and the big WRITE's: {rep:#}");
+    let big = &rep["workloads"]["big"];
+    eprintln!("64 MiB WRITEs verified whole: {}", big["verified"]);
+    assert!(big["verified"].as_u64().unwrap() > 0, "{rep:#}");
+}
+
+#[test]
+fn two_hundred_fifty_six_qps_across_a_b_a() {
+    let load = Load { args: "count=0 qps=256", memory: "256M" };
+    let rep = there_and_back("pvm-q256", load, json!({"channels": 2}), |_, _| {});
+    assert_eq!(rep["qps"], 256, "{rep:#}");
 }
 
 #[test]
 fn across_a_b_a_at_one_percent_loss() {
-    there_and_back("pvm-loss", json!({"channels": 2}), |bed, _| {
+    there_and_back("pvm-loss", PLAIN, json!({"channels": 2}), |bed, _| {
         for h in 0..3 {
             bed.tb.set_loss(h, 0, 1.0).unwrap();
         }
@@ -197,7 +234,7 @@ fn fails_then_succeeds(tag: &str, abort: impl Fn(&Bed, &VmProcess, &mut VmProces
         p = a.wait_progress(p + STEP, LONG).unwrap();
         drop(b);
     }
-    let (mut b, _) = hop(&bed, &mut a, 1, gid, json!({"channels": 2}));
+    let (mut b, _) = hop(&bed, &mut a, 1, gid, "64M", json!({"channels": 2}));
     check_hop(&bed, &mut a, &b, (0, 1), gid, true);
     b.wait_progress(p + STEP, LONG).unwrap();
     let consoles = [a.console(), b.console()];

@@ -30,6 +30,7 @@ use rnic::mem::{sealed_memfd, Mapping};
 use rnic::proto::{self, Reply, Request};
 use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE, NOTIFY_NEXT, NOTIFY_SOLICITED};
 
+pub use rnic::async_events::{AsyncEvent, AsyncKind};
 pub use rnic::qp::{QpRuntime, QpSnapshot, QP_SNAPSHOT_VERSION};
 pub use rnic::ring::Sge;
 pub use rnic::trace::TraceReport;
@@ -131,6 +132,17 @@ impl Context {
         self.inner.gid
     }
 
+    /// Makes rnicd a postcopy RAM client of a vmm: `sock` is the end of a
+    /// RAM-client socket that vmm admitted (`RamClients::pair`). In an
+    /// incoming postcopy, rnicd's accesses to that VM's guest RAM then wait
+    /// for pages not yet migrated. Returns the guest RAM size.
+    pub fn join_ram_client(&self, sock: OwnedFd) -> anyhow::Result<u64> {
+        match self.inner.call(&Request::JoinRamClient, &[sock.as_raw_fd()])? {
+            Reply::RamClient { ram_bytes } => Ok(ram_bytes),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     pub fn query_device(&self) -> anyhow::Result<DeviceAttr> {
         match self.inner.call(&Request::QueryDevice, &[])? {
             Reply::Device(d) => Ok(d),
@@ -228,6 +240,23 @@ impl Context {
         Ok(())
     }
 
+    /// Asks rnicd to queue this client's asynchronous events and signal
+    /// the eventfd `fd` when it does (rnic::async_events).
+    pub fn open_async(&self, fd: RawFd) -> anyhow::Result<()> {
+        match self.inner.call(&Request::OpenAsync, &[fd])? {
+            Reply::Ok => Ok(()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// Takes the asynchronous events rnicd queued for this client.
+    pub fn fetch_async(&self) -> anyhow::Result<Vec<AsyncEvent>> {
+        match self.inner.call(&Request::FetchAsync, &[])? {
+            Reply::AsyncEvents(v) => Ok(v),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     pub fn alloc_pd(&self) -> anyhow::Result<Pd> {
         match self.inner.call(&Request::AllocPd, &[])? {
             Reply::Pd(h) => Ok(Pd { ctx: self.clone(), handle: h }),
@@ -252,7 +281,7 @@ impl Context {
         // SAFETY: the mapping has `len` bytes and is kept in the Cq.
         let ring = unsafe { Ring::new(map.ptr(), len, cap) }.context("ring")?;
         match self.inner.call(&Request::CreateCq { cap, channel: channel.map(|c| c.handle) }, &[fd.as_raw_fd()])? {
-            Reply::Cq(h) => Ok(Cq { ctx: self.clone(), handle: h, ring: Mutex::new(ring), _map: map, cap }),
+            Reply::Cq(h) => Ok(Cq { ctx: self.clone(), handle: h, ring: Mutex::new(ring), held: Default::default(), _map: map, cap }),
             r => bail!("unexpected reply {r:?}"),
         }
     }
@@ -364,7 +393,13 @@ impl Pd {
     /// peers as `iova`. The drop-in libibverbs registers ordinary process
     /// memory this way after moving it onto its memfd.
     pub fn reg_mr_fd(&self, fd: RawFd, fd_offset: u64, len: usize, access: u32, iova: u64) -> anyhow::Result<Mr> {
-        let req = Request::RegMr { pd: self.handle, iova, len: len as u64, access, fd_offset, key: None };
+        self.reg_mr_fd_keyed(fd, fd_offset, len, access, iova, None)
+    }
+
+    /// [`Pd::reg_mr_fd`] with the lkey/rkey `key` when given (refused if
+    /// taken): the drop-in's `ibv_rereg_mr` keeps an MR's keys this way.
+    pub fn reg_mr_fd_keyed(&self, fd: RawFd, fd_offset: u64, len: usize, access: u32, iova: u64, key: Option<u32>) -> anyhow::Result<Mr> {
+        let req = Request::RegMr { pd: self.handle, iova, len: len as u64, access, fd_offset, key };
         match self.ctx.inner.call(&req, &[fd])? {
             Reply::Mr { lkey, rkey } => Ok(Mr { ctx: self.ctx.clone(), lkey, rkey, addr: iova, len }),
             r => bail!("unexpected reply {r:?}"),
@@ -567,20 +602,46 @@ pub struct Cq {
     ctx: Context,
     handle: u32,
     ring: Mutex<Ring<Cqe>>,
+    /// Completions taken off the ring by `discard_qp` and not yet polled,
+    /// handed out before the ring's (lock order: ring, then held).
+    held: Mutex<std::collections::VecDeque<Cqe>>,
     _map: Mapping,
     pub cap: u32,
 }
 
 impl Cq {
+    /// rnicd's handle of this CQ (the object of its asynchronous events).
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+
+    /// Completions in the ring not yet polled.
+    pub fn ready(&self) -> u32 {
+        let r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        r.ready() + self.held.lock().unwrap_or_else(|e| e.into_inner()).len() as u32
+    }
+
+    /// Drops the unpolled completions of QP `qpn`, as kernel drivers clean
+    /// a CQ when a QP of theirs goes to RESET; the others stay in order.
+    pub fn discard_qp(&self, qpn: u32) {
+        let mut r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(c) = r.pop() {
+            held.push_back(c);
+        }
+        held.retain(|c| c.qp_num != qpn);
+    }
+
     /// ibv_poll_cq: fills `wc` with up to `wc.len()` completions.
     pub fn poll(&self, wc: &mut [Wc]) -> anyhow::Result<usize> {
         let mut r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         if r.header().error.load(Ordering::Acquire) != 0 {
             bail!("CQ overrun: completions were lost");
         }
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let mut n = 0;
         while n < wc.len() {
-            let Some(c) = r.pop() else { break };
+            let Some(c) = held.pop_front().or_else(|| r.pop()) else { break };
             wc[n] = Wc {
                 wr_id: c.wr_id,
                 status: WcStatus::from_u8(c.status),

@@ -5,7 +5,8 @@
  * one rnicd (loopback) move data between ordinary buffers (malloc'd at an
  * odd address, memalign'd, on the stack, mmap'd), then bad calls get the
  * errors real drivers give, and a forked child gets its own copy of
- * registered memory. Prints "ok NAME" per check, "FAIL NAME: why" and exits
+ * registered memory, QPs that fail raise asynchronous events, and MRs keep
+ * their keys across ibv_rereg_mr. Prints "ok NAME" per check, "FAIL NAME: why" and exits
  * 1 at the first failure.
  */
 #include <errno.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -95,6 +97,17 @@ static struct ibv_wc wait_wc(const char *what)
 	}
 	CHECK(what, 0, "no completion");
 	return wc;
+}
+
+/* The next asynchronous event, waiting for the context's async fd as a
+ * program polling it would (at most 5 s). */
+static struct ibv_async_event next_async_event(const char *what)
+{
+	struct pollfd p = { .fd = ctx->async_fd, .events = POLLIN };
+	CHECK(what, poll(&p, 1, 5000) == 1, "async fd not readable");
+	struct ibv_async_event ev;
+	CHECK(what, ibv_get_async_event(ctx, &ev) == 0, "errno %d", errno);
+	return ev;
 }
 
 static void write_between(const char *name, char *src, char *dst, size_t len, struct ibv_qp *qp)
@@ -246,9 +259,104 @@ int main(void)
 		CHECK("stale rkey", wc.status == IBV_WC_REM_ACCESS_ERR, "status %d", wc.status);
 		CHECK("stale rkey", ibv_query_qp(x, &qa, IBV_QP_STATE, &qi) == 0 && qa.qp_state == IBV_QPS_ERR, "state %d",
 		      qa.qp_state);
+		/* Both QPs went to ERR on their own: the requester on the NAK
+		 * (QP_FATAL), the responder on the access violation
+		 * (QP_ACCESS_ERR), in either order. */
+		int fatal = 0, access = 0;
+		for (int i = 0; i < 2; i++) {
+			struct ibv_async_event ev = next_async_event("async event");
+			fatal += ev.event_type == IBV_EVENT_QP_FATAL && ev.element.qp == x;
+			access += ev.event_type == IBV_EVENT_QP_ACCESS_ERR && ev.element.qp == y;
+			ibv_ack_async_event(&ev);
+		}
+		CHECK("async events", fatal == 1 && access == 1, "fatal %d access %d", fatal, access);
+		CHECK("async events acked", x->events_completed == 1 && y->events_completed == 1, "acked");
+		struct pollfd pf = { .fd = ctx->async_fd, .events = POLLIN };
+		CHECK("async fd quiet", poll(&pf, 1, 0) == 0, "still readable");
+		OK("a failed QP raises its asynchronous event");
 		CHECK("stale rkey", ibv_destroy_qp(x) == 0 && ibv_destroy_qp(y) == 0, "destroy");
 		OK("deregistered rkey gives REM_ACCESS_ERR");
+
+		/* ibv_rereg_mr keeps the keys: new access, then a new range. */
+		uint64_t *u = aligned_alloc(64, 4096), *v = aligned_alloc(64, 4096);
+		u[0] = 7;
+		v[0] = 8;
+		struct ibv_mr *um = ibv_reg_mr(pd, u, 4096, IBV_ACCESS_LOCAL_WRITE);
+		CHECK("rereg", um, "errno %d", errno);
+		uint32_t lkey = um->lkey, rkey = um->rkey;
+		CHECK("rereg access", ibv_rereg_mr(um, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0,
+						   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ) == 0,
+		      "errno %d", errno);
+		CHECK("rereg keeps keys", um->lkey == lkey && um->rkey == rkey, "keys changed");
+		w.opcode = IBV_WR_RDMA_READ;
+		w.wr.rdma.remote_addr = (uintptr_t)u;
+		w.wr.rdma.rkey = rkey;
+		l[0] = 0;
+		CHECK("read after rereg", ibv_post_send(a, &w, &bad) == 0, "post");
+		wc = wait_wc("read after rereg");
+		CHECK("read after rereg", wc.status == 0 && l[0] == 7, "status %d value %lu", wc.status,
+		      (unsigned long)l[0]);
+		CHECK("rereg translation", ibv_rereg_mr(um, IBV_REREG_MR_CHANGE_TRANSLATION, NULL, v, 4096, 0) == 0,
+		      "errno %d", errno);
+		CHECK("rereg translation", um->addr == v && um->rkey == rkey, "mr not moved");
+		w.wr.rdma.remote_addr = (uintptr_t)v;
+		CHECK("read new range", ibv_post_send(a, &w, &bad) == 0, "post");
+		wc = wait_wc("read new range");
+		CHECK("read new range", wc.status == 0 && l[0] == 8, "status %d value %lu", wc.status,
+		      (unsigned long)l[0]);
+		CHECK("rereg bad flags", ibv_rereg_mr(um, 1 << 5, NULL, NULL, 0, 0) == IBV_REREG_MR_ERR_INPUT &&
+						 errno == EINVAL,
+		      "errno %d", errno);
+		CHECK("rereg access without flag",
+		      ibv_rereg_mr(um, 0, NULL, NULL, 0, IBV_ACCESS_LOCAL_WRITE) == IBV_REREG_MR_ERR_INPUT, "accepted");
+		CHECK("rereg dereg", ibv_dereg_mr(um) == 0, "dereg");
+		CHECK("rereg old range", u[0] == 7 && v[0] == 8, "data");
+		free(u);
+		free(v);
+		OK("rereg_mr keeps lkey and rkey");
 		ibv_dereg_mr(lm);
+	}
+
+	/* ibv_resize_cq within the CQ's ring; the errors kernel drivers give. */
+	{
+		struct ibv_cq *rc = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+		CHECK("resize_cq", rc, "errno %d", errno);
+		CHECK("resize_cq smaller", ibv_resize_cq(rc, 4) == 0 && rc->cqe >= 4, "cqe %d", rc->cqe);
+		CHECK("resize_cq 0", ibv_resize_cq(rc, 0) == EINVAL, "accepted");
+		CHECK("resize_cq past the device", ibv_resize_cq(rc, 1 << 30) == EINVAL, "accepted");
+		CHECK("resize_cq destroy", ibv_destroy_cq(rc) == 0, "destroy");
+		OK("resize_cq");
+	}
+
+	/* More completions than a CQ holds: IBV_EVENT_CQ_ERR on that CQ. */
+	{
+		struct ibv_cq *small = ibv_create_cq(ctx, 2, NULL, NULL, 0), *keep = cq;
+		CHECK("cq overrun", small && small->cqe == 2, "errno %d", errno);
+		cq = small;
+		struct ibv_qp *x = make_qp(8), *y = make_qp(8);
+		cq = keep;
+		connect_qp(x, y->qp_num);
+		connect_qp(y, x->qp_num);
+		uint64_t *m = aligned_alloc(64, 4096);
+		struct ibv_mr *mm = ibv_reg_mr(pd, m, 4096, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+		CHECK("cq overrun", mm, "errno %d", errno);
+		struct ibv_sge sg = { (uintptr_t)m, 8, mm->lkey };
+		struct ibv_send_wr w = { .sg_list = &sg, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+					 .send_flags = IBV_SEND_SIGNALED }, *bad;
+		w.wr.rdma.remote_addr = (uintptr_t)(m + 8);
+		w.wr.rdma.rkey = mm->rkey;
+		for (int i = 0; i < 4; i++)
+			CHECK("cq overrun", ibv_post_send(x, &w, &bad) == 0, "post %d", i);
+		struct ibv_async_event ev = next_async_event("cq overrun");
+		CHECK("cq overrun", ev.event_type == IBV_EVENT_CQ_ERR && ev.element.cq == small, "event %d",
+		      ev.event_type);
+		ibv_ack_async_event(&ev);
+		CHECK("cq overrun", small->async_events_completed == 1, "acked");
+		CHECK("cq overrun", ibv_destroy_qp(x) == 0 && ibv_destroy_qp(y) == 0 && ibv_destroy_cq(small) == 0,
+		      "destroy");
+		ibv_dereg_mr(mm);
+		free(m);
+		OK("CQ overrun raises IBV_EVENT_CQ_ERR");
 	}
 
 	/* The extended API: ibv_cq_ex polling and the ibv_wr_* builders. */

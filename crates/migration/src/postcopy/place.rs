@@ -128,27 +128,7 @@ impl Drop for Alias {
 unsafe impl Send for Alias {}
 unsafe impl Sync for Alias {}
 
-/// Register `len` bytes at `addr` of a guest RAM mapping for postcopy.
-pub fn register_ram(uffd: &Uffd, addr: *mut libc::c_void, len: usize) -> std::io::Result<()> {
-    use userfaultfd::RegisterMode;
-    uffd.register_with_mode(addr, len, RegisterMode::MISSING | RegisterMode::MINOR)
-        .map(|_| ())
-        .map_err(|e| std::io::Error::other(format!("registering guest RAM for missing and minor faults: {e}")))
-}
-
-/// Drop this process's page table entries for `len` bytes at `addr` of a
-/// shared mapping (the memfd keeps its pages): the next touch faults.
-///
-/// # Safety
-/// `addr..addr + len` must be (part of) a shared mapping of guest RAM: for
-/// a private mapping this would throw data away.
-pub unsafe fn zap(addr: *mut libc::c_void, len: usize) -> std::io::Result<()> {
-    // SAFETY: the caller's promise; for a shared mapping this only unmaps.
-    if unsafe { libc::madvise(addr, len, libc::MADV_DONTNEED) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
+pub use ram_client::{register_ram, zap};
 
 /// A process's userfaultfd over (part of) guest RAM (missing and minor
 /// faults).

@@ -357,6 +357,7 @@ fn reconnect(
             channels,
             compress: compress.to_string(),
             mode: "recover".into(),
+            transport: String::new(),
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;

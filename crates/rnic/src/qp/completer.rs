@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::{Ctx, Qp, RECOVERY_FIRST};
+use crate::async_events::AsyncKind;
 use crate::objects::scatter;
 use crate::ring::Cqe;
 use crate::types::{QpState, WcOpcode, WcStatus, WrOpcode};
@@ -42,7 +43,7 @@ impl Qp {
             self.complete_front(ctx, WcStatus::Success);
         }
         self.complete_front(ctx, status);
-        self.to_error(ctx);
+        self.fail(ctx, AsyncKind::QpFatal);
     }
 
     fn progress(&mut self, ctx: &mut Ctx) {

@@ -27,6 +27,7 @@ use std::collections::VecDeque;
 use std::net::Ipv4Addr;
 use std::time::Instant;
 
+use crate::async_events::{AsyncEvent, AsyncKind, AsyncSinks};
 use crate::mem::Mapping;
 use crate::objects::{ClientId, Cq, IdMap, MrTable, Stats, Tx};
 use crate::ring::{Cqe, RecvWqe, Ring, SendWqe, Sge, MAX_INLINE, MAX_SGE};
@@ -71,12 +72,17 @@ pub struct Ctx<'a> {
     pub tx: &'a mut Tx,
     pub stats: &'a mut Stats,
     pub now: Instant,
+    pub asyncs: &'a mut AsyncSinks,
 }
 
 impl Ctx<'_> {
     fn complete(&mut self, cq: u32, cqe: Cqe, solicited: bool) {
         if let Some(c) = self.cqs.get_mut(&cq) {
+            let overflows = self.stats.cq_overflows;
             c.push(&cqe, solicited, self.stats);
+            if self.stats.cq_overflows != overflows {
+                self.asyncs.raise(c.owner, AsyncEvent { kind: AsyncKind::CqErr, object: cq });
+            }
         }
     }
 }
@@ -247,7 +253,7 @@ impl Qp {
                     };
                     ctx.complete(self.send_cq, cqe, false);
                     if st != QpState::Err {
-                        self.to_error(ctx);
+                        self.fail(ctx, AsyncKind::QpFatal);
                         return;
                     }
                 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Ctx, Qp, RespJob, WriteCtx, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE};
+use crate::async_events::AsyncKind;
 use crate::objects::{scatter, Mr};
 use crate::ring::{Cqe, MAX_SGE};
 use crate::types::{access, wc_flags, QpState, WcOpcode, WcStatus};
@@ -111,7 +112,12 @@ impl Qp {
         let mut h = Headers::new(Opcode::Ack, self.attr.dest_qp_num, psn);
         h.aeth = Some(Aeth { syndrome: Syndrome::Nak(code), msn: self.rt.msn });
         let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
-        self.to_error(ctx);
+        let kind = match code {
+            NakCode::RemoteAccessError => AsyncKind::QpAccessErr,
+            NakCode::InvalidRequest | NakCode::InvalidRdRequest => AsyncKind::QpReqErr,
+            _ => AsyncKind::QpFatal,
+        };
+        self.fail(ctx, kind);
     }
 
     fn rq_head(&mut self, ctx: &mut Ctx) -> bool {

@@ -2,6 +2,7 @@
 //! its attributes, then applies it; reset, error and flush.
 
 use super::{Ctx, Qp, QpRuntime};
+use crate::async_events::{AsyncEvent, AsyncKind};
 use crate::ring::Cqe;
 use crate::types::mask as m;
 use crate::types::{QpAttr, QpState, WcOpcode, WcStatus};
@@ -237,6 +238,15 @@ impl Qp {
         let keep = (self.attr.port_num, self.attr.path_mtu);
         self.attr = QpAttr::default();
         (self.attr.port_num, self.attr.path_mtu) = keep;
+    }
+
+    /// Moves to ERR on an error the QP found itself (not a modify), and
+    /// raises the asynchronous event that says why.
+    pub fn fail(&mut self, ctx: &mut Ctx, kind: AsyncKind) {
+        if self.attr.qp_state != QpState::Err {
+            ctx.asyncs.raise(self.owner, AsyncEvent { kind, object: self.qpn });
+        }
+        self.to_error(ctx);
     }
 
     /// Moves to ERR and flushes every outstanding and queued WQE.

@@ -58,10 +58,16 @@ impl Bed {
     /// A VM on host `h` running every workload with firmware `args`;
     /// `extra` adds to its command line, `pvrdma` to its device spec.
     pub fn vm_with(&self, h: usize, gid: Ipv4Addr, args: &str, pvrdma: &str, extra: &[&str]) -> VmProcess {
+        self.vm_sized(h, gid, "64M", args, pvrdma, extra)
+    }
+
+    /// As [`vm_with`](Self::vm_with) with `memory` of RAM (many QPs and a
+    /// big WRITE's buffer need more than 64 MiB).
+    pub fn vm_sized(&self, h: usize, gid: Ipv4Addr, memory: &str, args: &str, pvrdma: &str, extra: &[&str]) -> VmProcess {
         let name = unique_name("pvrdma");
         let spec = format!("gid={gid}{pvrdma}");
         let fw_args = format!("gid={gid} {args}");
-        let mut all = vec!["vm", "run", "--name", &name, "--memory", "64M", "--workload", "pvrdma", "--args", &fw_args, "--pvrdma", &spec];
+        let mut all = vec!["vm", "run", "--name", &name, "--memory", memory, "--workload", "pvrdma", "--args", &fw_args, "--pvrdma", &spec];
         all.extend_from_slice(extra);
         VmProcess::start(self.tb.host(h).command(transit_bin()), &name, &all).unwrap()
     }

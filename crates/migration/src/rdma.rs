@@ -1,0 +1,488 @@
+//! The RDMA transport: each data channel is an RC queue pair between the
+//! rnicd of the source's host and the destination's (`--transport rdma`).
+//!
+//! Both ends register their guest RAM's memfd with their rnicd at I/O
+//! address 0, so a guest physical address is also the RDMA address. A page
+//! batch leaves as RDMA WRITEs of its raw pages, from the source's guest RAM
+//! straight into the destination's (neither vmm copies or touches the
+//! bytes), then one SEND with the rest of the frame: head, table with the
+//! page hashes, and the compressed pages. An RC queue pair executes its
+//! work requests in order, so when the destination sees the SEND complete,
+//! every WRITE before it has landed; only then are the pages checked
+//! against their hashes and counted as arrived, exactly as the TCP
+//! receiver does after reading a batch ([`crate::receiver::apply_batch`]).
+//! A page the guest changed while rnicd read it fails the check and stays
+//! suspect until a later round sends it again (it is dirty). Round
+//! barriers and the end of stream are SENDs too.
+//!
+//! The control connection stays TCP: it carries the hello, the exchange of
+//! queue pair numbers and of the destination RAM's key (RDMA needs that
+//! exchange before any queue pair can talk, as rdma_cm does over its own
+//! messages), the round acknowledgements, the device state and the commit.
+
+use crate::ratelimit::TokenBucket;
+use crate::receiver::{apply_batch, count_batch, RxShared, DATA_IDLE_TIMEOUT};
+use crate::sender::{recv_reply, spawn_channels, ChannelSet};
+use crate::stats::Control;
+use crate::transport::DataSink;
+use crate::vm::RamRegion;
+use crate::wire::{self, BatchWriter, DataItem, DataReader, Entry, Msg, WireError};
+use anyhow::{anyhow, bail, Context as _, Result};
+use std::io;
+use std::net::{Ipv4Addr, TcpStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use verbs::{access, CompChannel, ConnectOpts, Context, Cq, MemBuf, Mr, Pd, Qp, QpEndpoint, QpInitAttr, RecvWr, SendWr, Sge, Wc, WcStatus};
+
+/// One message buffer: a batch frame without its raw pages (head, table,
+/// checksum, compressed pages: at most the batch size plus a page) fits.
+const SLOT: usize = 320 << 10;
+/// Messages a sending channel has in flight.
+const SEND_SLOTS: usize = 8;
+/// Receives posted per channel, twice the sender's messages in flight: a
+/// SEND that meets no posted receive is refused (RNR) and retried later.
+const RECV_SLOTS: usize = 16;
+/// Send queue depth: each message in flight may take one WRITE per run of
+/// raw pages (64 at most) and its SEND.
+const SQ_DEPTH: u32 = 1024;
+/// How often a waiting channel looks at the migration's state.
+const POLL: Duration = Duration::from_millis(50);
+/// The first packet sequence number of every queue pair (fresh ones).
+const PSN: u32 = 0;
+
+/// The protection domain and the guest RAM registered in it; the queue
+/// pairs of one migration share it. Fields drop in order: the RAM's
+/// registration before its domain.
+struct Ram {
+    mr: Mr,
+    pd: Pd,
+}
+
+/// The rnicd at `rnicd`, or the one serving this network namespace.
+fn open_rnicd(rnicd: &str) -> Result<Context> {
+    let path = (!rnicd.is_empty()).then(|| Path::new(rnicd));
+    Context::open(path).context("rdma transport: opening rnicd")
+}
+
+fn register_ram(ctx: &Context, ram: &RamRegion, access: u32) -> Result<Arc<Ram>> {
+    let pd = ctx.alloc_pd()?;
+    let mr = pd.reg_mr_fd(ram.memfd, 0, ram.len as usize, access, 0).context("registering guest RAM with rnicd")?;
+    Ok(Arc::new(Ram { mr, pd }))
+}
+
+/// A queue pair, its completion queue and its message buffers. Fields
+/// drop in order: the queue pair before its CQ, the buffers' registration
+/// before the buffers, the shared RAM registration last.
+struct Endpoint {
+    qp: Qp,
+    cq: Cq,
+    chan: CompChannel,
+    buf_mr: Mr,
+    buf: MemBuf,
+    ram: Arc<Ram>,
+}
+
+impl Endpoint {
+    fn new(ram: &Arc<Ram>, slots: usize) -> Result<Endpoint> {
+        let ctx = ram.pd.context();
+        let chan = ctx.create_comp_channel()?;
+        let cq = ctx.create_cq(SQ_DEPTH + RECV_SLOTS as u32, Some(&chan))?;
+        let mut init = QpInitAttr::new(&cq, &cq);
+        init.cap.max_send_wr = SQ_DEPTH;
+        init.cap.max_recv_wr = RECV_SLOTS as u32;
+        init.cap.max_send_sge = 1;
+        init.cap.max_recv_sge = 1;
+        let qp = ram.pd.create_qp(&init)?;
+        let buf = MemBuf::new(slots * SLOT)?;
+        let buf_mr = ram.pd.reg_mr(&buf, 0, buf.len(), access::LOCAL_WRITE)?;
+        Ok(Endpoint { qp, cq, chan, buf_mr, buf, ram: ram.clone() })
+    }
+
+    fn connect(&self, gid: Ipv4Addr, (qpn, psn): (u32, u32), access: u32) -> Result<()> {
+        let o = ConnectOpts { access, sq_psn: PSN, ..Default::default() };
+        self.qp.connect(&QpEndpoint { gid, qpn, psn }, &o).context("connecting a queue pair")
+    }
+
+    /// Message buffer `slot`.
+    fn slot(&mut self, slot: usize) -> &mut [u8] {
+        // SAFETY: inside the buffer; rnicd reads or writes a slot only
+        // while its work request is posted, and the callers touch a slot
+        // only while it is not.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr().add(slot * SLOT), SLOT) }
+    }
+
+    /// Wait up to [`POLL`] for completions; an error completion is an
+    /// error.
+    fn completions<'a>(&self, wc: &'a mut [Wc]) -> io::Result<&'a [Wc]> {
+        let n = self.cq.poll_or_wait(wc, &self.chan, Duration::ZERO, POLL).map_err(io::Error::other)?;
+        if let Some(w) = wc[..n].iter().find(|w| w.status != WcStatus::Success) {
+            return Err(io::Error::other(format!("RDMA {:?} failed: {:?}", w.opcode, w.status)));
+        }
+        Ok(&wc[..n])
+    }
+}
+
+fn gid_of(s: &str) -> Result<Ipv4Addr> {
+    s.parse().map_err(|_| anyhow!("bad GID {s:?} from the peer"))
+}
+
+// --- the source ---
+
+/// Source: a queue pair per channel, connected through the control
+/// connection's exchange, and a sender thread on each.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn open_channels(
+    control: &mut TcpStream,
+    rnicd: &str,
+    n: u32,
+    ram: RamRegion,
+    compress: crate::compress::Compress,
+    bucket: &Arc<TokenBucket>,
+    ctl: &Arc<Control>,
+    deadline: Option<Instant>,
+) -> Result<ChannelSet> {
+    let ctx = open_rnicd(rnicd)?;
+    // Read by the local rnicd only (the source of WRITEs): no remote access.
+    let shared = register_ram(&ctx, &ram, 0)?;
+    let eps = (0..n).map(|_| Endpoint::new(&shared, SEND_SLOTS)).collect::<Result<Vec<_>>>()?;
+    let qps = eps.iter().map(|e| (e.qp.qpn, PSN)).collect();
+    wire::send_msg(control, &Msg::RdmaConnect { gid: ctx.gid().to_string(), qps })?;
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let (gid, qps, rkey) = match recv_reply(control)? {
+        Msg::RdmaAccept { gid, qps, rkey } => (gid_of(&gid)?, qps, rkey),
+        other => bail!("destination answered {other:?} to the queue pairs"),
+    };
+    control.set_read_timeout(None)?;
+    if qps.len() != eps.len() {
+        bail!("destination answered {} queue pairs for {} channels", qps.len(), eps.len());
+    }
+    let mut sinks: Vec<Box<dyn DataSink>> = Vec::new();
+    for (ep, remote) in eps.into_iter().zip(qps) {
+        ep.connect(gid, remote, access::LOCAL_WRITE)?;
+        sinks.push(Box::new(RdmaSink {
+            free: (0..SEND_SLOTS).collect(),
+            ram_base: ram.host_addr as usize,
+            ram_len: ram.len as usize,
+            rkey,
+            ctl: ctl.clone(),
+            runs: Vec::new(),
+            ep,
+        }));
+    }
+    spawn_channels(sinks, ram, compress, bucket, ctl, deadline)
+}
+
+/// The sending end of a channel.
+struct RdmaSink {
+    ep: Endpoint,
+    /// Message buffers not in flight.
+    free: Vec<usize>,
+    /// Guest RAM in this process, to turn a page's address into its
+    /// guest physical address (the RDMA address on both ends).
+    ram_base: usize,
+    ram_len: usize,
+    /// The destination's key for its guest RAM.
+    rkey: u32,
+    ctl: Arc<Control>,
+    /// The raw page runs of the batch being sent (guest physical, bytes).
+    runs: Vec<(u64, u32)>,
+}
+
+impl RdmaSink {
+    /// Take in the completions that arrived, waiting for at least one.
+    /// Only SENDs are signalled: each frees its message buffer, and with
+    /// it the WRITEs before it are done.
+    fn reap(&mut self) -> io::Result<()> {
+        let t = Instant::now();
+        let mut wc = [Wc::default(); 16];
+        loop {
+            let done = self.ep.completions(&mut wc)?;
+            if !done.is_empty() {
+                self.free.extend(done.iter().map(|w| w.wr_id as usize));
+                return Ok(());
+            }
+            if self.ctl.is_shut() || self.ctl.is_cancelled() {
+                return Err(io::Error::other("the migration stopped"));
+            }
+            if t.elapsed() > DATA_IDLE_TIMEOUT {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "the destination acknowledged nothing for 30 s"));
+            }
+        }
+    }
+
+    fn take_slot(&mut self) -> io::Result<usize> {
+        while self.free.is_empty() {
+            self.reap()?;
+        }
+        Ok(self.free.pop().expect("a free slot"))
+    }
+
+    /// Post the WRITEs of `self.runs`, then the SEND of `len` bytes of
+    /// buffer `slot`.
+    fn post(&mut self, slot: usize, len: usize) -> io::Result<()> {
+        let lkey = self.ep.ram.mr.lkey;
+        let sges: Vec<Sge> = self.runs.iter().map(|&(gpa, l)| Sge { addr: gpa, length: l, lkey }).collect();
+        let msg = [self.ep.buf_mr.sge(slot * SLOT, len)];
+        let mut wrs: Vec<SendWr> = self
+            .runs
+            .iter()
+            .zip(&sges)
+            .map(|(&(gpa, _), sge)| SendWr::write(0, std::slice::from_ref(sge), gpa, self.rkey).unsignaled())
+            .collect();
+        wrs.push(SendWr::send(slot as u64, &msg));
+        while (self.ep.qp.send_slots() as usize) < wrs.len() {
+            if self.free.len() == SEND_SLOTS {
+                return Err(io::Error::other("the send queue is full with nothing in flight"));
+            }
+            self.reap()?;
+        }
+        self.ep.qp.post_send(&wrs).map_err(io::Error::other)
+    }
+
+    /// Send a small frame (`write` fills it).
+    fn send_small(&mut self, write: impl FnOnce(&mut &mut [u8]) -> io::Result<()>) -> io::Result<()> {
+        let slot = self.take_slot()?;
+        let buf = self.ep.slot(slot);
+        let room = buf.len();
+        let mut w: &mut [u8] = buf;
+        write(&mut w)?;
+        let len = room - w.len();
+        self.runs.clear();
+        self.post(slot, len)
+    }
+}
+
+impl DataSink for RdmaSink {
+    fn send_batch(&mut self, batch: &mut BatchWriter<'_>) -> io::Result<usize> {
+        let slot = self.take_slot()?;
+        let (base, end) = (self.ram_base, self.ram_base + self.ram_len);
+        let mut runs = std::mem::take(&mut self.runs);
+        runs.clear();
+        let mut outside = false;
+        let (len, wire) = batch.split_ram(self.ep.slot(slot), |p, l| {
+            let p = p as usize;
+            outside |= p < base || p + l > end;
+            runs.push(((p.wrapping_sub(base)) as u64, l as u32));
+        })?;
+        self.runs = runs;
+        if outside {
+            self.free.push(slot);
+            return Err(io::Error::other("a raw page outside guest RAM"));
+        }
+        self.post(slot, len)?;
+        Ok(wire)
+    }
+    fn send_sync(&mut self, round: u64) -> io::Result<()> {
+        self.send_small(|w| wire::write_sync(w, round))
+    }
+    fn send_eos(&mut self, pages: u64) -> io::Result<()> {
+        self.send_small(|w| wire::write_eos(w, pages))?;
+        while self.free.len() < SEND_SLOTS {
+            self.reap()?;
+        }
+        Ok(())
+    }
+    fn raw_pages_in_ram(&self) -> bool {
+        true
+    }
+}
+
+// --- the destination ---
+
+/// The receiving end of a channel: its queue pair, receives posted.
+pub(crate) struct RdmaReceiver {
+    ep: Endpoint,
+}
+
+/// Destination: answer the source's queue pairs with ours, connected and
+/// with receives posted, and the key of our guest RAM.
+pub(crate) fn accept_channels(control: &TcpStream, rnicd: &str, ram: &RamRegion, channels: usize) -> Result<Vec<RdmaReceiver>> {
+    let mut c = control;
+    c.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let (gid, qps) = match wire::recv_msg(&mut c)? {
+        Msg::RdmaConnect { gid, qps } => (gid_of(&gid)?, qps),
+        other => bail!("expected the source's queue pairs, got {other:?}"),
+    };
+    if qps.len() != channels {
+        bail!("{} queue pairs for {channels} channels", qps.len());
+    }
+    let ctx = open_rnicd(rnicd)?;
+    let shared = register_ram(&ctx, ram, access::LOCAL_WRITE | access::REMOTE_WRITE)?;
+    let mut rxs = Vec::new();
+    for remote in qps {
+        let mut ep = Endpoint::new(&shared, RECV_SLOTS)?;
+        ep.connect(gid, remote, access::LOCAL_WRITE | access::REMOTE_WRITE)?;
+        for slot in 0..RECV_SLOTS {
+            post_recv(&mut ep, slot)?;
+        }
+        rxs.push(RdmaReceiver { ep });
+    }
+    let ours = rxs.iter().map(|r| (r.ep.qp.qpn, PSN)).collect();
+    wire::send_msg(&mut c, &Msg::RdmaAccept { gid: ctx.gid().to_string(), qps: ours, rkey: shared.mr.rkey })?;
+    Ok(rxs)
+}
+
+fn post_recv(ep: &mut Endpoint, slot: usize) -> Result<()> {
+    let sge = [ep.buf_mr.sge(slot * SLOT, SLOT)];
+    ep.qp.post_recv(&[RecvWr { wr_id: slot as u64, sg_list: &sge }])
+}
+
+/// A receiving thread's work: messages in order, each batch checked and
+/// applied once its SEND is in (its WRITEs landed before it). Returns the
+/// pages received and the thread's CPU seconds.
+pub(crate) fn receive_channel(mut rx: RdmaReceiver, sh: Arc<RxShared>) -> Result<(u64, f64)> {
+    let r = rx.run(&sh);
+    if r.is_err() {
+        sh.barrier.break_all();
+        sh.ctl.shutdown_all();
+    } else {
+        // Tearing down the queue pair and the registrations takes rnicd
+        // round trips; the VM need not wait for them to start (the source
+        // sends nothing more).
+        let _ = std::thread::Builder::new().name("migrate-rdma-down".into()).spawn(move || drop(rx));
+        return r.map(|p| (p, crate::cputime::thread_cpu_s()));
+    }
+    r.map(|p| (p, crate::cputime::thread_cpu_s()))
+}
+
+impl RdmaReceiver {
+    fn run(&mut self, sh: &RxShared) -> Result<u64> {
+        let mut rd = DataReader::default();
+        let mut zstd = None;
+        let mut scratch = Vec::new();
+        let mut pages = 0u64;
+        let mut idle = Instant::now();
+        let mut wc = [Wc::default(); 16];
+        loop {
+            let done = self.ep.completions(&mut wc)?.to_vec();
+            if done.is_empty() {
+                if sh.ctl.is_shut() {
+                    bail!("stopped: another channel or the control connection failed");
+                }
+                if idle.elapsed() > DATA_IDLE_TIMEOUT {
+                    bail!("nothing from the source for {DATA_IDLE_TIMEOUT:?}");
+                }
+                continue;
+            }
+            idle = Instant::now();
+            for w in done {
+                let slot = w.wr_id as usize;
+                let len = w.byte_len as usize;
+                if slot >= RECV_SLOTS || len > SLOT {
+                    bail!("a receive completion for slot {slot} of {len} bytes");
+                }
+                let msg = &self.ep.slot(slot)[..len];
+                let eos = handle_message(msg, &mut rd, sh, &mut scratch, &mut zstd, &mut pages)?;
+                if let Some(claimed) = eos {
+                    if claimed != pages {
+                        bail!("channel ended claiming {claimed} pages, {pages} arrived");
+                    }
+                    return Ok(pages);
+                }
+                post_recv(&mut self.ep, slot)?;
+            }
+        }
+    }
+}
+
+/// One message: a batch (its raw pages are in RAM already), a round's end
+/// (the barrier, then the acknowledgement), or the end of the stream
+/// (returned).
+fn handle_message(
+    msg: &[u8],
+    rd: &mut DataReader,
+    sh: &RxShared,
+    scratch: &mut Vec<u8>,
+    zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
+    pages: &mut u64,
+) -> Result<Option<u64>> {
+    let mut r = msg;
+    match rd.next_head(&mut r)? {
+        DataItem::Pages { data_len, .. } => {
+            unpack_frame(rd, sh.total, data_len, r, scratch)?;
+            let n = apply_batch(rd, sh, scratch, zstd)?;
+            *pages += n;
+            count_batch(&sh.ctl, n, rd.batch_wire_len(data_len));
+        }
+        DataItem::Sync(round) => {
+            if !r.is_empty() {
+                return Err(WireError::Corrupt("bytes after a round's end".into()).into());
+            }
+            if sh.barrier.wait()? {
+                let mut c = sh.acks.lock().unwrap();
+                wire::send_msg(&mut *c, &Msg::RoundDone { round })?;
+            }
+        }
+        DataItem::Eos(claimed) => return Ok(Some(claimed)),
+    }
+    Ok(None)
+}
+
+/// Lay out a batch's data as the TCP stream would carry it, in `scratch`:
+/// compressed bytes from the message at their offsets; the raw pages'
+/// offsets stay unused (their bytes are in guest RAM). The records must
+/// account for exactly `data_len` bytes and the message for exactly the
+/// compressed ones.
+fn unpack_frame(rd: &DataReader, total: u64, data_len: usize, mut rest: &[u8], scratch: &mut Vec<u8>) -> Result<()> {
+    scratch.resize(data_len, 0);
+    let (mut off, mut t) = (0usize, rd.entries(total));
+    while let Some(e) = t.next_entry()? {
+        let len = e.data_len();
+        if let Entry::Compressed { .. } = e {
+            if rest.len() < len || off + len > data_len {
+                return Err(WireError::Corrupt("compressed page past the end of its message".into()).into());
+            }
+            scratch[off..off + len].copy_from_slice(&rest[..len]);
+            rest = &rest[len..];
+        }
+        off += len;
+    }
+    if off != data_len || !rest.is_empty() {
+        return Err(WireError::Corrupt(format!(
+            "page batch with {data_len} data bytes for records of {off}, {} bytes left in its message",
+            rest.len()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_split_batch_leaves_raw_pages_in_ram_and_keeps_the_rest() {
+        let ram = vec![7u8; 4 * wire::PAGE];
+        let mut b = BatchWriter::new();
+        b.raw(1, &ram[wire::PAGE..2 * wire::PAGE]);
+        b.raw(2, &ram[2 * wire::PAGE..3 * wire::PAGE]);
+        b.compressed(3, wire::Enc::Lz4, &[1, 2, 3], 42);
+        b.zero_run(4, 10);
+        let mut out = vec![0u8; SLOT];
+        let mut runs = Vec::new();
+        let (len, wire_len) = b.split_ram(&mut out, |p, l| runs.push((p as usize - ram.as_ptr() as usize, l))).unwrap();
+        assert_eq!(runs, vec![(wire::PAGE, 2 * wire::PAGE)], "one WRITE for the two adjacent pages");
+        assert_eq!(wire_len, len + 2 * wire::PAGE, "the frame counts the pages it leaves out");
+        let mut rd = DataReader::default();
+        let mut r = &out[..len];
+        let DataItem::Pages { data_len, .. } = rd.next_head(&mut r).unwrap() else { panic!("not a batch") };
+        let mut scratch = Vec::new();
+        unpack_frame(&rd, 100, data_len, r, &mut scratch).unwrap();
+        assert_eq!(&scratch[2 * wire::PAGE..], &[1, 2, 3]);
+        // A message cut short, or with bytes to spare, is damage.
+        assert!(unpack_frame(&rd, 100, data_len, &r[..2], &mut scratch).is_err());
+        let mut longer = r.to_vec();
+        longer.push(0);
+        assert!(unpack_frame(&rd, 100, data_len, &longer, &mut scratch).is_err());
+    }
+
+    #[test]
+    fn a_batch_with_copied_raw_pages_is_not_split() {
+        let mut b = BatchWriter::new();
+        b.raw_copy(1, &[1u8; wire::PAGE]);
+        let mut out = vec![0u8; SLOT];
+        assert!(b.split_ram(&mut out, |_, _| {}).is_err());
+    }
+}
