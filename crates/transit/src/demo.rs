@@ -1,7 +1,10 @@
-//! `transit demo`: the main demo. Two hosts (network namespaces), a VM
-//! running the memory dirtier on host A is live-migrated A -> B -> A while
-//! it runs, and after each hop every page must be consistent (QEMU's dirtier
-//! oracle). `--save-restore` moves it once by save file instead.
+//! `transit demo`: the main demo. By default the RDMA headline
+//! (crates/transit/src/demo_rdma.rs): a VM with a PVRDMA device and a
+//! bare-metal peer, live-migrated A -> B -> A. With `--no-rdma`, the memory
+//! demo: two hosts (network namespaces), a VM running the memory dirtier on
+//! host A is live-migrated A -> B -> A while it runs, and after each hop
+//! every page must be consistent (QEMU's dirtier oracle); `--save-restore`
+//! moves it once by save file instead.
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
@@ -26,9 +29,19 @@ pub struct DemoArgs {
     /// the destination at once and fetches pages on fault) or hybrid.
     #[arg(long, default_value = "precopy", value_parser = ["precopy", "postcopy", "hybrid"])]
     pub mode: String,
+    /// The memory demo (a VM running the dirtier, no RDMA) instead of the
+    /// RDMA headline.
+    #[arg(long)]
+    pub no_rdma: bool,
+    /// RDMA demo: RC QPs the guest's workloads spread over (4 to 256).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(4..=256))]
+    pub qps: u32,
+    /// RDMA demo: the size of the guest's big RDMA WRITE, repeated (0: none).
+    #[arg(long, default_value = "64M")]
+    pub bigwrite: String,
 }
 
-fn step(msg: &str) {
+pub(crate) fn step(msg: &str) {
     eprintln!("==> {msg}");
 }
 
@@ -41,6 +54,9 @@ fn oracle(vm: &VmProcess) -> Result<Value> {
 }
 
 pub fn run(a: DemoArgs) -> Result<()> {
+    if !a.no_rdma && !a.save_restore {
+        return crate::demo_rdma::run(a);
+    }
     if a.save_restore {
         save_restore(a)
     } else {

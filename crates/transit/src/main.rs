@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod demo_rdma;
 mod migrate;
 mod vm;
 
@@ -29,7 +30,8 @@ enum Cmd {
     /// RDMA utilities: device info and perftest-style benchmarks.
     #[command(subcommand)]
     Rdma(verbs::tools::RdmaCmd),
-    /// The main demo: a VM running the memory dirtier moves between hosts.
+    /// The main demo: a VM talking RDMA to a bare-metal peer moves A -> B -> A
+    /// (`--no-rdma`: a VM running the memory dirtier).
     Demo(demo::DemoArgs),
 }
 

@@ -142,7 +142,8 @@ pub struct PeerArgs {
     /// Also write this side's IDs (the first line of output) to this file.
     #[arg(long)]
     pub info_out: Option<PathBuf>,
-    /// Stop after this many seconds (default: when every workload did its count).
+    /// Stop after this many seconds (default: when every workload did its
+    /// count). SIGINT or SIGTERM end the run the same way at any time.
     #[arg(long)]
     pub duration: Option<f64>,
     /// Give up if nothing completes for this many seconds.
@@ -431,7 +432,7 @@ impl Peer {
     }
 
     fn running(&self) -> bool {
-        self.deadline.is_none_or(|d| Instant::now() < d)
+        self.deadline.is_none_or(|d| Instant::now() < d) && !STOP.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn hello_sge(&self, i: usize) -> Sge {
@@ -439,7 +440,20 @@ impl Peer {
     }
 }
 
+/// Set by SIGINT or SIGTERM: the run ends as at the end of `--duration`
+/// (nothing new is posted, what is in flight drains, the report follows).
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn stop_on_signal(_: libc::c_int) {
+    STOP.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 pub fn run(a: PeerArgs) -> anyhow::Result<()> {
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, stop_on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, stop_on_signal as *const () as libc::sighandler_t);
+    }
     let text = if a.guest.as_os_str() == "-" {
         let mut l = String::new();
         std::io::stdin().lock().read_line(&mut l)?;
