@@ -21,39 +21,6 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 use vmm::testing::VmProcess;
 
-/// The peer waits out a move of seconds: 7 retries of a 4 s ACK timeout.
-const PEER: &[&str] = &["--timeout", "20"];
-/// Progress (checked operations) the guest makes between two steps.
-const STEP: u64 = 300;
-const LONG: Duration = Duration::from_secs(180);
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn migration(vm: &VmProcess) -> Value {
-    vm.exec("query-migrate", json!({})).unwrap()
-}
-
-fn pvrdma(vm: &VmProcess) -> Value {
-    vm.exec("query-pvrdma", json!({"device": "pvrdma0"})).unwrap()
-}
-
-/// Every QP of the device is connected and running.
-fn assert_qps_running(vm: &VmProcess) {
-    let d = pvrdma(vm);
-    assert_eq!(d["paused"], false, "{d:#}");
-    let qps = d["qps"].as_array().unwrap();
-    assert!(!qps.is_empty(), "{d:#}");
-    for q in qps {
-        assert_eq!(q["state"], "RTS", "{d:#}");
-    }
-}
-
 /// A destination for `gid` on host `h`, waiting for the migration.
 fn destination(bed: &Bed, h: usize, gid: Ipv4Addr, pvrdma: &str) -> VmProcess {
     sized_destination(bed, h, gid, "64M", pvrdma)

@@ -183,3 +183,38 @@ pub fn assert_all_verified(rep: &Value, count: u64) {
 pub fn assert_guest_clean(console: &str) {
     assert!(!console.contains("VIOLATION") && !console.contains("FAIL"), "{console}");
 }
+
+// --- shared by the live-migration tests (pvrdma_migrate, pvrdma_postcopy) ---
+
+/// The peer waits out a move of seconds: 7 retries of a 4 s ACK timeout.
+pub const PEER: &[&str] = &["--timeout", "20"];
+/// Progress (checked operations) the guest makes between two steps.
+pub const STEP: u64 = 300;
+pub const LONG: Duration = Duration::from_secs(180);
+
+pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub fn migration(vm: &VmProcess) -> Value {
+    vm.exec("query-migrate", json!({})).unwrap()
+}
+
+pub fn pvrdma(vm: &VmProcess) -> Value {
+    vm.exec("query-pvrdma", json!({"device": "pvrdma0"})).unwrap()
+}
+
+/// Every QP of the device is connected and running.
+pub fn assert_qps_running(vm: &VmProcess) {
+    let d = pvrdma(vm);
+    assert_eq!(d["paused"], false, "{d:#}");
+    let qps = d["qps"].as_array().unwrap();
+    assert!(!qps.is_empty(), "{d:#}");
+    for q in qps {
+        assert_eq!(q["state"], "RTS", "{d:#}");
+    }
+}
