@@ -425,7 +425,10 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             err = libc::ENOMEM;
             break;
         }
-        let Some(op) = verbs::WrOpcode::from_u8(r.opcode as u8).filter(|_| r.opcode <= 9) else {
+        // Key-table work requests (LOCAL_INV, rnicd's key binds) need memory
+        // windows or indirect keys, which this device does not offer through
+        // libibverbs: refused as an unsupported opcode, as drivers do.
+        let Some(op) = verbs::WrOpcode::from_u8(r.opcode as u8).filter(|op| r.opcode <= 9 && !op.is_local()) else {
             err = libc::EINVAL;
             break;
         };

@@ -476,6 +476,8 @@ int main(void)
 		}
 		struct ibv_send_wr bw = { .sg_list = &s, .num_sge = 1, .opcode = 77 }, *sbad;
 		CHECK("bad opcode", ibv_post_send(c, &bw, &sbad) == EINVAL && sbad == &bw, "opcode");
+		bw.opcode = IBV_WR_LOCAL_INV; /* no memory windows on this device */
+		CHECK("LOCAL_INV", ibv_post_send(c, &bw, &sbad) == EINVAL && sbad == &bw, "opcode");
 		CHECK("dealloc busy pd", ibv_dealloc_pd(pd) == EBUSY, "ebusy");
 		CHECK("destroy busy cq", ibv_destroy_cq(cq) == EBUSY, "ebusy");
 		CHECK("destroy busy channel", ibv_destroy_comp_channel(ch) == EBUSY, "ebusy");
