@@ -2,8 +2,11 @@
 //! testbed hosts over one link and over two (each capped at the same rate),
 //! with the channels spread over the links; beside the ideal (RAM over the
 //! line rate of the links used) and raw TCP (iperf3, the same streams per
-//! link, all links at once) measured over the same links in the same run.
-//! CPU seconds are the migration engine's threads on both sides.
+//! link, all links at once) measured over the same links in the same run,
+//! with the tcp and the rdma transports. For rdma, one rnicd per host
+//! serves both of its links. CPU seconds are the migration engine's
+//! threads on both sides, plus both rnicd processes' CPU during the
+//! migration for rdma.
 //!
 //! Output contract: a table, then as the last line one JSON object
 //! `{"rows": [{"transport", "links", "ram_gib", "total_s", "downtime_ms",
@@ -26,10 +29,13 @@ struct Args {
     /// next to its other work; 1 with --quick).
     #[arg(long)]
     gib: Option<u64>,
-    /// tcp, rdma or all. Only tcp is measured here: rdma rows (one link;
-    /// that transport does not run over two) are bench/migrate-rdma's.
-    #[arg(long, default_value = "tcp")]
+    /// tcp, rdma or all.
+    #[arg(long, default_value = "all")]
     transport: String,
+    /// MTU of every link, for TCP and rnicd alike (9000: jumbo frames
+    /// carry rnicd's 4096-byte packets whole, as RoCE NICs are set up).
+    #[arg(long, default_value_t = 9000)]
+    link_mtu: u32,
     /// Rate cap of every link, each direction, Mbit/s.
     #[arg(long, default_value_t = 10_000)]
     rate_mbit: u32,
@@ -62,7 +68,8 @@ fn main() {
 fn run(a: &Args) -> Result<Vec<Value>> {
     let transports: Vec<&str> = match a.transport.as_str() {
         "tcp" => vec!["tcp"],
-        "rdma" | "all" => bail!("this bench measures tcp only; the rdma transport's rows (one link) are bench/migrate-rdma/run's"),
+        "rdma" => vec!["rdma"],
+        "all" => vec!["tcp", "rdma"],
         t => bail!("unknown transport {t:?} (tcp, rdma or all)"),
     };
     if a.links.is_empty() || a.links.iter().any(|&l| !(1..=2).contains(&l)) {
@@ -75,13 +82,17 @@ fn run(a: &Args) -> Result<Vec<Value>> {
     if gib == 0 {
         bail!("--gib is at least 1");
     }
+    if !(1280..=65535).contains(&a.link_mtu) {
+        bail!("--link-mtu is 1280 to 65535");
+    }
     let bin = transit_bin()?;
     if !vmm_supports_migration(&bin) {
         bail!("{} cannot take migrations", bin.display());
     }
     eprintln!(
-        "migrate-links: {gib} GiB idle filled VM, links capped at {} Mbit/s, {} channels per link{}",
+        "migrate-links: {gib} GiB idle filled VM, links capped at {} Mbit/s, MTU {}, {} channels per link{}",
         a.rate_mbit,
+        a.link_mtu,
         a.channels_per_link,
         if a.quick { " (--quick: a smaller VM)" } else { "" }
     );
@@ -89,7 +100,7 @@ fn run(a: &Args) -> Result<Vec<Value>> {
     for t in &transports {
         for &links in &a.links {
             eprintln!("migrate-links: {t}, {links} link(s)");
-            let row = run_row(&bin, links, gib, a).unwrap_or_else(|e| {
+            let row = run_row(&bin, t, links, gib, a).unwrap_or_else(|e| {
                 json!({"transport": t, "links": links, "ram_gib": gib, "completed": false, "total_s": null, "downtime_ms": null,
                        "line_rate_fraction": null, "cpu_s_per_gb": null, "raw_tcp_gbps": null, "error": format!("{e:#}")})
             });
@@ -100,9 +111,11 @@ fn run(a: &Args) -> Result<Vec<Value>> {
     Ok(rows)
 }
 
-fn run_row(bin: &std::path::Path, links: usize, gib: u64, a: &Args) -> Result<Value> {
+fn run_row(bin: &std::path::Path, transport: &str, links: usize, gib: u64, a: &Args) -> Result<Value> {
     let tb = Testbed::create(TestbedOpts::new("mlinks", 2).nics(2).rate_mbit(a.rate_mbit))?;
+    set_link_mtu(&tb, a.link_mtu)?;
     let raw = raw_tcp_with_retries(&tb, links, a.channels_per_link, 5)?;
+    let rnicds = if transport == "rdma" { (0..2).map(|h| Rnicd::start(bin, &tb, h)).collect::<Result<Vec<_>>>()? } else { Vec::new() };
     let mem = format!("{gib}G");
     let spec = VmSpec { name: "bench", memory: &mem, workload: "fill", args: "" };
     let src = start_vm(bin, &tb, 0, &spec, None)?;
@@ -110,10 +123,13 @@ fn run_row(bin: &std::path::Path, links: usize, gib: u64, a: &Args) -> Result<Va
     wait_guest_progress(&src, 1, Duration::from_secs(60 + 60 * gib)).context("the fill workload did not cover RAM")?;
     wait_prealloc(&dst, gib, Duration::from_secs(10 * gib))?;
     let d = tb.host(1);
-    let uri = format!("tcp:{}", (0..links).map(|k| format!("{}:4444", d.addr(k))).collect::<Vec<_>>().join(","));
+    let uri = format!("{transport}:{}", (0..links).map(|k| format!("{}:4444", d.addr(k))).collect::<Vec<_>>().join(","));
     let channels = a.channels_per_link * links as u32;
+    let rnicd_cpu = || rnicds.iter().map(Rnicd::cpu_s).sum::<Result<f64>>();
+    let rnicd0 = rnicd_cpu()?;
     src.exec("migrate", json!({"uri": uri, "channels": channels, "downtime_ms": 300, "timeout_s": 600}))?;
     let s = wait_migration(&src, Duration::from_secs(660))?;
+    let cpu_rnicd = rnicd_cpu()? - rnicd0;
     let dd = wait_migration(&dst, Duration::from_secs(30))?;
     if s["status"] != "completed" || dd["status"] != "completed" {
         bail!("migration {}: {}", s["status"], s["error"].as_str().or(dd["error"].as_str()).unwrap_or("?"));
@@ -125,8 +141,9 @@ fn run_row(bin: &std::path::Path, links: usize, gib: u64, a: &Args) -> Result<Va
     let cpu_src = s["cpu_s_source"].as_f64().unwrap_or(0.0);
     let cpu_dst = dd["cpu_s_dest"].as_f64().or(s["cpu_s_dest"].as_f64()).unwrap_or(0.0);
     let tput = s["wire_bytes"].as_f64().unwrap_or(0.0) * 8.0 / total_s / 1e9;
+    let gb = gib as f64 * GB_PER_GIB;
     Ok(json!({
-        "transport": "tcp",
+        "transport": transport,
         "links": links,
         "ram_gib": gib,
         "completed": true,
@@ -136,14 +153,41 @@ fn run_row(bin: &std::path::Path, links: usize, gib: u64, a: &Args) -> Result<Va
         "line_rate_fraction": ideal_s / total_s,
         "cpu_s_source": cpu_src,
         "cpu_s_dest": cpu_dst,
-        "cpu_s_per_gb": (cpu_src + cpu_dst) / (gib as f64 * GB_PER_GIB),
+        "cpu_s_rnicd": cpu_rnicd,
+        "cpu_s_per_gb": (cpu_src + cpu_dst + cpu_rnicd) / gb,
+        "cpu_s_per_gb_vmm": (cpu_src + cpu_dst) / gb,
+        "cpu_s_per_gb_rnicd": cpu_rnicd / gb,
         "raw_tcp_gbps": raw,
         "throughput_gbps": tput,
         "fraction_of_raw_tcp": tput / raw,
         "rate_mbit_per_link": a.rate_mbit,
         "channels": channels,
+        "link_mtu": a.link_mtu,
         "per_link_gbps": s["links"].as_array().map(|l| l.iter().map(|x| x["throughput_gbps"].clone()).collect::<Vec<_>>()),
     }))
+}
+
+/// Every link of the testbed at `mtu`: both ends of each veth and the
+/// bridges (the testbed makes them at 1500).
+fn set_link_mtu(tb: &Testbed, mtu: u32) -> Result<()> {
+    let m = mtu.to_string();
+    let fab = tb.fabric();
+    for k in 0..tb.nics() {
+        for h in 0..tb.hosts().len() {
+            run_ip(&["-n", &fab, "link", "set", &format!("h{h}e{k}"), "mtu", &m])?;
+            tb.host(h).sh(&format!("ip link set eth{k} mtu {m}"))?;
+        }
+        run_ip(&["-n", &fab, "link", "set", &format!("br{k}"), "mtu", &m])?;
+    }
+    Ok(())
+}
+
+fn run_ip(args: &[&str]) -> Result<()> {
+    let st = std::process::Command::new("ip").args(args).status()?;
+    if !st.success() {
+        bail!("ip {} failed", args.join(" "));
+    }
+    Ok(())
 }
 
 /// Raw TCP host 0 -> host 1 over the first `links` links at once, `streams`
@@ -227,11 +271,13 @@ fn print_table(rows: &[Value]) {
             println!("  error: {e}");
         }
     }
-    let one = rows.iter().find(|r| r["links"] == 1 && r["total_s"].is_number());
-    let two = rows.iter().find(|r| r["links"] == 2 && r["total_s"].is_number());
-    if let (Some(o), Some(t)) = (one, two) {
-        let speedup = o["total_s"].as_f64().unwrap() / t["total_s"].as_f64().unwrap();
-        let raw = t["raw_tcp_gbps"].as_f64().unwrap_or(0.0) / o["raw_tcp_gbps"].as_f64().unwrap_or(1.0).max(1e-9);
-        println!("two links vs one: migration {speedup:.2}x faster; raw TCP {raw:.2}x");
+    for t in ["tcp", "rdma"] {
+        let one = rows.iter().find(|r| r["transport"] == t && r["links"] == 1 && r["total_s"].is_number());
+        let two = rows.iter().find(|r| r["transport"] == t && r["links"] == 2 && r["total_s"].is_number());
+        if let (Some(o), Some(w)) = (one, two) {
+            let speedup = o["total_s"].as_f64().unwrap() / w["total_s"].as_f64().unwrap();
+            let raw = w["raw_tcp_gbps"].as_f64().unwrap_or(0.0) / o["raw_tcp_gbps"].as_f64().unwrap_or(1.0).max(1e-9);
+            println!("{t}: two links vs one: migration {speedup:.2}x faster; raw TCP {raw:.2}x");
+        }
     }
 }

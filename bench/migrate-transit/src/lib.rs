@@ -247,3 +247,52 @@ fn fill(b: &mut [u8]) {
         w.copy_from_slice(&(if i % 2 == 0 { x } else { i as u64 | 1 }).to_le_bytes());
     }
 }
+
+/// rnicd in a testbed host, started with the host's first address: its
+/// default socket is the one a vmm there finds, and the host's other
+/// addresses (its other links) are served as namespaces of the same
+/// process. Killed, and its socket removed, when dropped.
+pub struct Rnicd {
+    child: testbed::HostChild,
+    sock: PathBuf,
+}
+
+impl Rnicd {
+    pub fn start(bin: &Path, tb: &Testbed, host: usize) -> Result<Rnicd> {
+        let h = tb.host(host);
+        let sock = rnic::daemon::default_socket_path(h.addr(0));
+        let _ = std::fs::remove_file(&sock);
+        let child = h.spawn(bin.to_str().context("binary path")?, ["rnicd", "--addr", &h.addr(0).to_string()])?;
+        let r = Rnicd { child, sock };
+        let t0 = Instant::now();
+        while !r.sock.exists() {
+            if t0.elapsed() > Duration::from_secs(20) {
+                bail!("rnicd in host {host} did not start");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(r)
+    }
+
+    /// Its CPU seconds so far, user and system (`ip netns exec` execs
+    /// into rnicd, so the child's pid is rnicd's).
+    pub fn cpu_s(&self) -> Result<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
+        // Fields after the command name (which ends with the last ')'):
+        // utime and stime are the 12th and 13th.
+        let rest = stat.rsplit_once(')').map(|x| x.1).context("/proc stat")?;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: f64 = f.get(11).context("utime")?.parse::<f64>()? + f.get(12).context("stime")?.parse::<f64>()?;
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        Ok(ticks / hz)
+    }
+}
+
+impl Drop for Rnicd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.sock);
+    }
+}

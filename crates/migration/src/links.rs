@@ -10,9 +10,17 @@
 //! whose link dies is dropped and its unconfirmed pages go again on the
 //! others ([`crate::sender::ChannelSet`]); the migration fails only when
 //! no channel is left.
+//!
+//! The rdma transport spreads its queue pairs the same way. One rnicd per
+//! host serves every link: each link's queue pairs live in the rnicd
+//! namespace of the local address that faces that link (the address the
+//! kernel routes the peer's address from, [`local_addr_towards`]), as one
+//! RNIC with a port per link would. A queue pair on a dead link fails
+//! with retry exceeded after about [`LINK_TIMEOUT`] ([`RDMA_LINK_TIMEOUT`],
+//! [`RDMA_LINK_RETRIES`]), and its channel is failed over like a TCP one.
 
-use anyhow::{bail, Result};
-use std::net::TcpStream;
+use anyhow::{anyhow, bail, Context as _, Result};
+use std::net::{IpAddr, Ipv4Addr, TcpStream, ToSocketAddrs, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
@@ -21,6 +29,17 @@ use std::time::Duration;
 /// go on with. One link keeps the longer timeout of [`crate::wire::tune_socket`]:
 /// there is nothing to fail over to, and a slow link should not fail.
 pub const LINK_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// The IB ACK timeout exponent of an rdma channel's queue pair with
+/// several links: 4.096 us x 2^17 = 0.54 s without an acknowledgement.
+/// rnicd doubles the wait on each consecutive timeout and resets its
+/// retries on any progress, so [`RDMA_LINK_RETRIES`] retries make
+/// 0.54 + 1.07 + 2.15 = 3.8 s of silence, about [`LINK_TIMEOUT`], before
+/// the queue pair fails with retry exceeded. With one link the queue
+/// pairs keep verbs' defaults (about 13 s): there is nothing to fail over to.
+pub const RDMA_LINK_TIMEOUT: u8 = 17;
+/// Retransmissions after the first timeout (see [`RDMA_LINK_TIMEOUT`]).
+pub const RDMA_LINK_RETRIES: u8 = 2;
 
 /// The destination addresses of one migration, one per link.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,6 +131,20 @@ pub struct LinkStat {
     pub throughput_gbps: f64,
 }
 
+/// The local IPv4 address the kernel sends from towards `addr`
+/// (`HOST:PORT`): the address of the link that reaches it. No packet is
+/// sent (a connected UDP socket only looks the route up).
+pub fn local_addr_towards(addr: &str) -> Result<Ipv4Addr> {
+    let sa =
+        addr.to_socket_addrs().with_context(|| format!("resolving {addr}"))?.next().ok_or_else(|| anyhow!("{addr} resolves to nothing"))?;
+    let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    s.connect(sa).with_context(|| format!("no route to {addr}"))?;
+    match s.local_addr()?.ip() {
+        IpAddr::V4(ip) if !ip.is_unspecified() => Ok(ip),
+        ip => bail!("the route to {addr} leaves from {ip}, not an IPv4 address rnicd can serve"),
+    }
+}
+
 /// Data sockets on a link that died report an error or a hang-up: TCP gave
 /// up on unacknowledged bytes (`LINK_TIMEOUT`), or the peer reset them.
 pub fn socket_broken(s: &TcpStream) -> bool {
@@ -155,5 +188,11 @@ mod tests {
         assert_eq!((0..5).map(|i| l.of_channel(i)).collect::<Vec<_>>(), vec![0, 1, 0, 1, 0]);
         let s = l.stats(5);
         assert_eq!((s[0].channels, s[1].channels), (3, 2));
+    }
+
+    #[test]
+    fn the_local_address_towards_a_peer_is_the_routed_one() {
+        assert_eq!(local_addr_towards("127.0.0.1:4791").unwrap(), Ipv4Addr::LOCALHOST);
+        assert!(local_addr_towards("nohost.invalid:1").is_err());
     }
 }

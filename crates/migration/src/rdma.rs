@@ -19,8 +19,14 @@
 //! queue pair numbers and of the destination RAM's key (RDMA needs that
 //! exchange before any queue pair can talk, as rdma_cm does over its own
 //! messages), the round acknowledgements, the device state and the commit.
+//!
+//! Several links: the queue pairs are spread over them round-robin as TCP
+//! channels are, each in the rnicd namespace of the local address facing
+//! its link (guest RAM registered once per namespace); see
+//! [`crate::links`]. A queue pair on a dead link fails with retry exceeded
+//! and its channel is failed over ([`crate::sender::ChannelSet`]).
 
-use crate::links::Links;
+use crate::links::{self, Links};
 use crate::ratelimit::TokenBucket;
 use crate::receiver::{apply_batch, count_batch, RxShared, DATA_IDLE_TIMEOUT};
 use crate::sender::{recv_reply, spawn_channels, ChannelSet};
@@ -60,10 +66,23 @@ struct Ram {
     pd: Pd,
 }
 
-/// The rnicd at `rnicd`, or the one serving this network namespace.
-fn open_rnicd(rnicd: &str) -> Result<Context> {
+/// The rnicd at `rnicd`, or the one serving this network namespace, in
+/// the RDMA namespace of `local` (this host's address on one link; the
+/// rnicd's own address is its default namespace).
+fn open_rnicd(rnicd: &str, local: Ipv4Addr) -> Result<Context> {
     let path = (!rnicd.is_empty()).then(|| Path::new(rnicd));
-    Context::open(path).context("rdma transport: opening rnicd")
+    Context::open_namespace(path, local).with_context(|| format!("rdma transport: opening rnicd for {local}"))
+}
+
+/// Queue pair options: with several links, a dead link fails its queue
+/// pairs in about [`links::LINK_TIMEOUT`] so that their channels fail over.
+fn connect_opts(access: u32, several_links: bool) -> ConnectOpts {
+    let mut o = ConnectOpts { access, sq_psn: PSN, ..Default::default() };
+    if several_links {
+        o.timeout = links::RDMA_LINK_TIMEOUT;
+        o.retry_cnt = links::RDMA_LINK_RETRIES;
+    }
+    o
 }
 
 fn register_ram(ctx: &Context, ram: &RamRegion, access: u32) -> Result<Arc<Ram>> {
@@ -100,9 +119,8 @@ impl Endpoint {
         Ok(Endpoint { qp, cq, chan, buf_mr, buf, ram: ram.clone() })
     }
 
-    fn connect(&self, gid: Ipv4Addr, (qpn, psn): (u32, u32), access: u32) -> Result<()> {
-        let o = ConnectOpts { access, sq_psn: PSN, ..Default::default() };
-        self.qp.connect(&QpEndpoint { gid, qpn, psn }, &o).context("connecting a queue pair")
+    fn connect(&self, gid: Ipv4Addr, (qpn, psn): (u32, u32), o: &ConnectOpts) -> Result<()> {
+        self.qp.connect(&QpEndpoint { gid, qpn, psn }, o).context("connecting a queue pair")
     }
 
     /// Message buffer `slot`.
@@ -128,6 +146,16 @@ fn gid_of(s: &str) -> Result<Ipv4Addr> {
     s.parse().map_err(|_| anyhow!("bad GID {s:?} from the peer"))
 }
 
+/// Queue pair `i`'s entry of a per-queue-pair list, or `one` when the
+/// peer sent none (one link); a list of another length is refused.
+fn per_qp<T: Clone>(list: &[T], one: &T, n: usize, what: &str) -> Result<Vec<T>> {
+    match list.len() {
+        0 => Ok(vec![one.clone(); n]),
+        l if l == n => Ok(list.to_vec()),
+        l => bail!("the peer sent {l} {what} for {n} queue pairs"),
+    }
+}
+
 // --- the source ---
 
 /// Source: a queue pair per channel, connected through the control
@@ -144,24 +172,36 @@ pub(crate) fn open_channels(
     ctl: &Arc<Control>,
     deadline: Option<Instant>,
 ) -> Result<ChannelSet> {
-    let ctx = open_rnicd(rnicd)?;
-    // Read by the local rnicd only (the source of WRITEs): no remote access.
-    let shared = register_ram(&ctx, &ram, 0)?;
-    let eps = (0..n).map(|_| Endpoint::new(&shared, SEND_SLOTS)).collect::<Result<Vec<_>>>()?;
+    // Guest RAM registered in each link's namespace, read by the local
+    // rnicd only (the source of WRITEs): no remote access.
+    let per_link = (0..links.len())
+        .map(|k| {
+            let ctx = open_rnicd(rnicd, links::local_addr_towards(links.addr(k))?)?;
+            register_ram(&ctx, &ram, 0)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let eps = (0..n as usize).map(|i| Endpoint::new(&per_link[links.of_channel(i)], SEND_SLOTS)).collect::<Result<Vec<_>>>()?;
     let qps = eps.iter().map(|e| (e.qp.qpn, PSN)).collect();
-    wire::send_msg(control, &Msg::RdmaConnect { gid: ctx.gid().to_string(), qps })?;
+    let gids: Vec<String> = eps.iter().map(|e| e.ram.pd.context().gid().to_string()).collect();
+    let gid = gids.first().cloned().unwrap_or_default();
+    let gids = if links.several() { gids } else { Vec::new() };
+    wire::send_msg(control, &Msg::RdmaConnect { gid, qps, gids })?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let (gid, qps, rkey) = match recv_reply(control)? {
-        Msg::RdmaAccept { gid, qps, rkey } => (gid_of(&gid)?, qps, rkey),
+    let (gids, qps, rkeys) = match recv_reply(control)? {
+        Msg::RdmaAccept { gid, qps, rkey, gids, rkeys } => {
+            let n = qps.len();
+            (per_qp(&gids, &gid, n, "GIDs")?, qps, per_qp(&rkeys, &rkey, n, "keys")?)
+        }
         other => bail!("destination answered {other:?} to the queue pairs"),
     };
     control.set_read_timeout(None)?;
     if qps.len() != eps.len() {
         bail!("destination answered {} queue pairs for {} channels", qps.len(), eps.len());
     }
+    let opts = connect_opts(access::LOCAL_WRITE, links.several());
     let mut sinks: Vec<Box<dyn DataSink>> = Vec::new();
-    for (ep, remote) in eps.into_iter().zip(qps) {
-        ep.connect(gid, remote, access::LOCAL_WRITE)?;
+    for (((ep, remote), gid), rkey) in eps.into_iter().zip(qps).zip(gids).zip(rkeys) {
+        ep.connect(gid_of(&gid)?, remote, &opts)?;
         sinks.push(Box::new(RdmaSink {
             free: (0..SEND_SLOTS).collect(),
             ram_base: ram.host_addr as usize,
@@ -288,6 +328,24 @@ impl DataSink for RdmaSink {
     fn raw_pages_in_ram(&self) -> bool {
         true
     }
+    fn fails_over(&self) -> bool {
+        true
+    }
+    /// An idle queue pair on a dead link fails only once its last posted
+    /// work retried out: take in its completions without waiting.
+    fn check_idle(&mut self) -> io::Result<()> {
+        let mut wc = [Wc::default(); 16];
+        loop {
+            let n = self.ep.cq.poll(&mut wc).map_err(io::Error::other)?;
+            if let Some(w) = wc[..n].iter().find(|w| w.status != WcStatus::Success) {
+                return Err(io::Error::other(format!("RDMA {:?} failed: {:?}", w.opcode, w.status)));
+            }
+            self.free.extend(wc[..n].iter().map(|w| w.wr_id as usize));
+            if n < wc.len() {
+                return Ok(());
+            }
+        }
+    }
 }
 
 // --- the destination ---
@@ -295,6 +353,8 @@ impl DataSink for RdmaSink {
 /// The receiving end of a channel: its queue pair, receives posted.
 pub(crate) struct RdmaReceiver {
     ep: Endpoint,
+    /// Pages received and checked.
+    pages: u64,
 }
 
 /// Destination: answer the source's queue pairs with ours, connected and
@@ -302,26 +362,43 @@ pub(crate) struct RdmaReceiver {
 pub(crate) fn accept_channels(control: &TcpStream, rnicd: &str, ram: &RamRegion, channels: usize) -> Result<Vec<RdmaReceiver>> {
     let mut c = control;
     c.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let (gid, qps) = match wire::recv_msg(&mut c)? {
-        Msg::RdmaConnect { gid, qps } => (gid_of(&gid)?, qps),
+    let (gids, qps) = match wire::recv_msg(&mut c)? {
+        Msg::RdmaConnect { gid, qps, gids } => (per_qp(&gids, &gid, qps.len(), "GIDs")?, qps),
         other => bail!("expected the source's queue pairs, got {other:?}"),
     };
     if qps.len() != channels {
         bail!("{} queue pairs for {channels} channels", qps.len());
     }
-    let ctx = open_rnicd(rnicd)?;
-    let shared = register_ram(&ctx, ram, access::LOCAL_WRITE | access::REMOTE_WRITE)?;
+    let gids = gids.iter().map(|g| gid_of(g)).collect::<Result<Vec<_>>>()?;
+    // One namespace per source address (per link), guest RAM registered
+    // in each: the local address the kernel routes that source address from.
+    let mut spaces: Vec<(Ipv4Addr, Arc<Ram>)> = Vec::new();
+    for g in &gids {
+        if !spaces.iter().any(|(s, _)| s == g) {
+            if spaces.len() == 8 {
+                bail!("the source's queue pairs come from more than 8 addresses");
+            }
+            let ctx = open_rnicd(rnicd, links::local_addr_towards(&format!("{g}:4791"))?)?;
+            spaces.push((*g, register_ram(&ctx, ram, access::LOCAL_WRITE | access::REMOTE_WRITE)?));
+        }
+    }
+    let opts = connect_opts(access::LOCAL_WRITE | access::REMOTE_WRITE, spaces.len() > 1);
     let mut rxs = Vec::new();
-    for remote in qps {
-        let mut ep = Endpoint::new(&shared, RECV_SLOTS)?;
-        ep.connect(gid, remote, access::LOCAL_WRITE | access::REMOTE_WRITE)?;
+    for (remote, g) in qps.into_iter().zip(&gids) {
+        let shared = &spaces.iter().find(|(s, _)| s == g).expect("a namespace per source address").1;
+        let mut ep = Endpoint::new(shared, RECV_SLOTS)?;
+        ep.connect(*g, remote, &opts)?;
         for slot in 0..RECV_SLOTS {
             post_recv(&mut ep, slot)?;
         }
-        rxs.push(RdmaReceiver { ep });
+        rxs.push(RdmaReceiver { ep, pages: 0 });
     }
     let ours = rxs.iter().map(|r| (r.ep.qp.qpn, PSN)).collect();
-    wire::send_msg(&mut c, &Msg::RdmaAccept { gid: ctx.gid().to_string(), qps: ours, rkey: shared.mr.rkey })?;
+    let gids: Vec<String> = rxs.iter().map(|r| r.ep.ram.pd.context().gid().to_string()).collect();
+    let rkeys: Vec<u32> = rxs.iter().map(|r| r.ep.ram.mr.rkey).collect();
+    let (gid, rkey) = (gids.first().cloned().unwrap_or_default(), rkeys.first().copied().unwrap_or_default());
+    let (gids, rkeys) = if spaces.len() > 1 { (gids, rkeys) } else { (Vec::new(), Vec::new()) };
+    wire::send_msg(&mut c, &Msg::RdmaAccept { gid, qps: ours, rkey, gids, rkeys })?;
     Ok(rxs)
 }
 
@@ -335,6 +412,15 @@ fn post_recv(ep: &mut Endpoint, slot: usize) -> Result<()> {
 /// pages received and the thread's CPU seconds.
 pub(crate) fn receive_channel(index: usize, mut rx: RdmaReceiver, sh: Arc<RxShared>) -> Result<(u64, f64)> {
     let r = rx.run(index, &sh);
+    if r.is_err() && sh.barrier.is_gone(index) {
+        // Lost with its link: its queue pair is destroyed before the
+        // channel leaves the round, so no late WRITE of it can land after
+        // the copies the other channels send again.
+        let pages = rx.pages;
+        drop(rx);
+        crate::receiver::lost_reader_stopped(&sh, index)?;
+        return Ok((pages, crate::cputime::thread_cpu_s()));
+    }
     if r.is_err() {
         sh.barrier.break_all();
         sh.ctl.shutdown_all();
@@ -353,10 +439,12 @@ impl RdmaReceiver {
         let mut rd = DataReader::default();
         let mut zstd = None;
         let mut scratch = Vec::new();
-        let mut pages = 0u64;
         let mut idle = Instant::now();
         let mut wc = [Wc::default(); 16];
         loop {
+            if sh.barrier.is_gone(index) {
+                bail!("channel {index} was dropped with its link");
+            }
             let done = self.ep.completions(&mut wc)?.to_vec();
             if done.is_empty() {
                 if sh.ctl.is_shut() {
@@ -375,12 +463,12 @@ impl RdmaReceiver {
                     bail!("a receive completion for slot {slot} of {len} bytes");
                 }
                 let msg = &self.ep.slot(slot)[..len];
-                let eos = handle_message(index, msg, &mut rd, sh, &mut scratch, &mut zstd, &mut pages)?;
+                let eos = handle_message(index, msg, &mut rd, sh, &mut scratch, &mut zstd, &mut self.pages)?;
                 if let Some(claimed) = eos {
-                    if claimed != pages {
-                        bail!("channel ended claiming {claimed} pages, {pages} arrived");
+                    if claimed != self.pages {
+                        bail!("channel ended claiming {claimed} pages, {} arrived", self.pages);
                     }
-                    return Ok(pages);
+                    return Ok(self.pages);
                 }
                 post_recv(&mut self.ep, slot)?;
             }

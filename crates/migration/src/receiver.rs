@@ -634,12 +634,24 @@ pub(crate) fn drop_channel(sh: &RxShared, i: usize) -> Result<()> {
     if i >= sh.barrier.n {
         bail!("the source lost channel {i}, but there are {}", sh.barrier.n);
     }
-    let Some(sock) = sh.data_socks.get(i) else {
-        bail!("the source lost channel {i}, but only TCP channels fail over");
-    };
     tracing::warn!("migration: the source lost data channel {i} with its link");
     sh.barrier.mark_gone(i);
-    let _ = sock.shutdown(std::net::Shutdown::Both);
+    // A TCP reader stops at once; an rdma one sees the mark within its
+    // poll period (crate::rdma::receive_channel).
+    if let Some(sock) = sh.data_socks.get(i) {
+        let _ = sock.shutdown(std::net::Shutdown::Both);
+    }
+    Ok(())
+}
+
+/// The reader of lost channel `index` stopped and can place nothing more:
+/// it leaves the round barrier, and if that completes the round, the
+/// source hears so.
+pub(crate) fn lost_reader_stopped(sh: &RxShared, index: usize) -> Result<()> {
+    if let Some(round) = sh.barrier.leave(index) {
+        let mut c = sh.acks.lock().unwrap();
+        wire::send_msg(&mut *c, &Msg::RoundDone { round })?;
+    }
     Ok(())
 }
 
@@ -703,10 +715,7 @@ pub(crate) fn receive_channel(index: usize, mut s: TcpStream, sh: Arc<RxShared>)
         // Lost with its link: what it applied is as good as any copy of
         // its round, and the rest comes again on the other channels.
         drop(postcopy);
-        if let Some(round) = sh.barrier.leave(index) {
-            let mut c = sh.acks.lock().unwrap();
-            wire::send_msg(&mut *c, &Msg::RoundDone { round })?;
-        }
+        lost_reader_stopped(&sh, index)?;
         return Ok((pages, thread_cpu_s()));
     }
     if r.is_err() {

@@ -17,7 +17,7 @@ use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, BatchWriter, Enc, Msg};
 use anyhow::{anyhow, bail, Context, Result};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -133,7 +133,12 @@ struct Channel {
     bucket: Arc<TokenBucket>,
     ctl: Arc<Control>,
     total_pages_sent: u64,
+    /// Set when the idle channel finds itself broken ([`DataSink::check_idle`]).
+    broken: Arc<AtomicBool>,
 }
+
+/// How often an idle channel checks itself.
+const IDLE_CHECK: Duration = Duration::from_millis(100);
 
 impl Channel {
     fn run(mut self, jobs: mpsc::Receiver<Job>, replies: mpsc::Sender<Reply>) {
@@ -146,7 +151,20 @@ impl Channel {
         };
         let mut batch = BatchWriter::new();
         let mut cbuf = Vec::with_capacity(2 * PAGE_SIZE as usize);
-        while let Ok(job) = jobs.recv() {
+        loop {
+            let job = match jobs.recv_timeout(IDLE_CHECK) {
+                Ok(job) => job,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if !self.broken.load(Ordering::Relaxed) {
+                        if let Err(e) = self.sink.check_idle() {
+                            tracing::debug!("channel {} broke while idle: {e}", self.index);
+                            self.broken.store(true, Ordering::Relaxed);
+                        }
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            };
             match job {
                 Job::Round(w) => {
                     let r = self.send_round(&w, &mut comp, &mut batch, &mut cbuf);
@@ -355,12 +373,25 @@ pub(crate) fn spawn_channels(
     let mut job_txs = Vec::new();
     let mut threads = Vec::new();
     let mut socks = Vec::new();
+    let mut broken = Vec::new();
+    let fails_over = sinks.iter().all(|s| s.fails_over());
     ctl.update(|s| s.links = links.stats(sinks.len() as u32));
     for (i, sink) in sinks.into_iter().enumerate() {
         // Failover watches and shuts a clone of a TCP channel's socket.
         socks.push(sink.tcp().map(TcpStream::try_clone).transpose()?);
         let link = links.of_channel(i);
-        let ch = Channel { index: i, link, sink, ram, compress, bucket: bucket.clone(), ctl: ctl.clone(), total_pages_sent: 0 };
+        broken.push(Arc::new(AtomicBool::new(false)));
+        let ch = Channel {
+            index: i,
+            link,
+            sink,
+            ram,
+            compress,
+            bucket: bucket.clone(),
+            ctl: ctl.clone(),
+            total_pages_sent: 0,
+            broken: broken[i].clone(),
+        };
         let (tx, rx) = mpsc::channel();
         let rtx = reply_tx.clone();
         threads.push(std::thread::Builder::new().name(format!("migrate-tx{i}")).spawn(move || ch.run(rx, rtx))?);
@@ -375,7 +406,9 @@ pub(crate) fn spawn_channels(
         arm_next: None,
         current: None,
         failover: None,
+        fails_over,
         socks,
+        broken,
         links: links.clone(),
         unconfirmed: None,
         lost_items: Vec::new(),
@@ -517,9 +550,13 @@ pub(crate) struct ChannelSet {
     /// Several links: the control connection, to tell the destination of a
     /// channel lost with its link. None: any channel's failure fails all.
     failover: Option<TcpStream>,
+    /// Every channel's transport can fail over ([`DataSink::fails_over`]).
+    fails_over: bool,
     /// A clone of each data connection, to see a dead link between rounds
-    /// (None: a channel that is not a TCP connection, never failed over).
+    /// (None: a channel that is not a TCP connection).
     socks: Vec<Option<TcpStream>>,
+    /// Each channel's own finding that it broke while idle.
+    broken: Vec<Arc<AtomicBool>>,
     links: Links,
     /// The last round sent and not yet confirmed by the destination's
     /// `round_done`: a lost channel's items of it go again.
@@ -609,10 +646,10 @@ impl ChannelSet {
     }
 
     /// Several links: a failing channel is lost with its link (see
-    /// [`ChannelSet::lose`]) rather than failing the migration. Only TCP
-    /// channels fail over: a lost one is seen and shut through its socket.
+    /// [`ChannelSet::lose`]) rather than failing the migration, if every
+    /// channel's transport can fail over.
     pub(crate) fn enable_failover(&mut self, control: &TcpStream) -> Result<()> {
-        if self.links.several() && self.socks.iter().all(Option::is_some) {
+        if self.links.several() && self.fails_over {
             self.failover = Some(control.try_clone()?);
         }
         Ok(())
@@ -634,14 +671,16 @@ impl ChannelSet {
     }
 
     /// Between rounds: drop every channel whose link died meanwhile (TCP
-    /// gave up on its unacknowledged bytes). Without failover, a broken
-    /// channel shows at its next write instead.
+    /// gave up on its unacknowledged bytes, or an idle queue pair's last
+    /// work retried out). Without failover, a broken channel shows at its
+    /// next write instead.
     pub(crate) fn check_links(&mut self) -> Result<()> {
         if self.failover.is_none() {
             return Ok(());
         }
         for i in 0..self.job_txs.len() {
-            if self.job_txs[i].is_some() && self.socks[i].as_ref().is_some_and(links::socket_broken) {
+            let broken = self.socks[i].as_ref().is_some_and(links::socket_broken) || self.broken[i].load(Ordering::Relaxed);
+            if self.job_txs[i].is_some() && broken {
                 self.lose(i, &anyhow!("channel {i}: its connection broke"))?;
             }
         }

@@ -107,10 +107,6 @@ impl Plan {
         if transport != Transport::Tcp && mode != Mode::Precopy {
             bail!("the rdma transport carries precopy only; {mode} goes over tcp");
         }
-        if transport != Transport::Tcp && links.several() {
-            // One rnicd GID per host: its queue pairs run over one link.
-            bail!("the rdma transport runs over one link; {links} names {}", links.len());
-        }
         let ram = vm.ram();
         let total = ram.pages();
         let deadline = (params.timeout_s > 0).then(|| t0 + Duration::from_secs(params.timeout_s));

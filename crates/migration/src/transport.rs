@@ -23,6 +23,16 @@ pub(crate) trait DataSink: Send {
     fn raw_pages_in_ram(&self) -> bool {
         false
     }
+    /// With several links, a failure of this channel is taken for its
+    /// link's: the channel is dropped and its pages go on the others.
+    fn fails_over(&self) -> bool {
+        self.tcp().is_some()
+    }
+    /// Called while the channel idles between jobs: an error means it is
+    /// broken (its link died under work it had posted).
+    fn check_idle(&mut self) -> io::Result<()> {
+        Ok(())
+    }
     /// The TCP connection under it, if any (postcopy's buffer sizing; link
     /// failover watches and shuts a clone of it).
     fn tcp(&self) -> Option<&TcpStream> {

@@ -162,6 +162,10 @@ pub enum Msg {
     RdmaConnect {
         gid: String,
         qps: Vec<(u32, u32)>,
+        /// Several links: the GID of each queue pair (its link's local
+        /// address); absent, all are `gid`.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gids: Vec<String>,
     },
     /// Destination -> source: its queue pairs, connected to the source's
     /// and with receives posted, and the key of its guest RAM, registered
@@ -170,6 +174,12 @@ pub enum Msg {
         gid: String,
         qps: Vec<(u32, u32)>,
         rkey: u32,
+        /// Several links: the GID of each queue pair and the key of guest
+        /// RAM in its link's rnicd namespace; absent, `gid` and `rkey`.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gids: Vec<String>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        rkeys: Vec<u32>,
     },
     Complete {
         faults: u64,

@@ -3,33 +3,42 @@
 //! over both destination addresses. Every migration that must complete runs
 //! with `verify_ram` (the destination compares a hash of every page with the
 //! source's at stop time and refuses to run on any difference).
+//!
+//! Each test runs over both transports (`tcp::NAME`, `rdma::NAME`): for
+//! rdma, one rnicd per host serves both of its addresses, and the channels
+//! are queue pairs between them.
 
 use migrate_transit::*;
 use serde_json::{json, Value};
 use std::time::Duration;
 use testbed::{Testbed, TestbedOpts};
 
+/// Fields drop in order: the VMs, then the rnicds, then the testbed.
 struct Pair {
-    tb: Testbed,
     src: VmProcess,
     dst: VmProcess,
+    _rnicds: Vec<Rnicd>,
+    tb: Testbed,
+    transport: &'static str,
 }
 
-fn pair(workload: &str, memory: &str) -> Pair {
+fn pair(transport: &'static str, workload: &str, memory: &str) -> Pair {
     let bin = transit_bin().expect("building transit");
     let tb = Testbed::create(TestbedOpts::new("miglinks", 2).nics(2)).unwrap();
+    let rnicds = if transport == "rdma" { (0..2).map(|h| Rnicd::start(&bin, &tb, h).unwrap()).collect() } else { Vec::new() };
     let spec = VmSpec { name: "links", memory, workload, args: "" };
     let src = start_vm(&bin, &tb, 0, &spec, None).unwrap();
-    let dst = start_vm(&bin, &tb, 1, &spec, Some(Incoming::Uri("tcp:0.0.0.0:4444"))).unwrap();
+    let incoming = format!("{transport}:0.0.0.0:4444");
+    let dst = start_vm(&bin, &tb, 1, &spec, Some(Incoming::Uri(&incoming))).unwrap();
     wait_guest_progress(&src, 1, Duration::from_secs(120)).unwrap();
-    Pair { tb, src, dst }
+    Pair { src, dst, _rnicds: rnicds, tb, transport }
 }
 
 impl Pair {
     /// Both of the destination's addresses, one per link.
     fn uri(&self) -> String {
         let d = self.tb.host(1);
-        format!("tcp:{}:4444,{}:4444", d.addr(0), d.addr(1))
+        format!("{}:{}:4444,{}:4444", self.transport, d.addr(0), d.addr(1))
     }
     /// Waits until the source's channels wrote `bytes` (so a cut lands
     /// in the middle of the migration, whatever the machine's load).
@@ -68,6 +77,7 @@ impl Pair {
     fn destination_completed(&self) -> Value {
         let d = wait_migration(&self.dst, Duration::from_secs(60)).unwrap();
         assert_eq!(d["status"], "completed", "destination {d:#}");
+        assert_eq!(d["transport"], self.transport, "{d:#}");
         assert_eq!(d["verified_pages"], d["total_pages"], "every page hash compared");
         d
     }
@@ -91,13 +101,37 @@ fn link_bytes(s: &Value) -> Vec<u64> {
     s["links"].as_array().expect("links in the statistics").iter().map(|l| l["wire_bytes"].as_u64().unwrap()).collect()
 }
 
+/// Each test over both transports: `tcp::NAME` and `rdma::NAME`.
+macro_rules! over_both_transports {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $(#[test]
+            fn $name() {
+                super::$name("tcp")
+            })*
+        }
+        mod rdma {
+            $(#[test]
+            fn $name() {
+                super::$name("rdma")
+            })*
+        }
+    };
+}
+
+over_both_transports!(
+    two_links_byte_exact_and_dirtier_oracle,
+    one_link_cut_mid_migration_completes_on_the_other,
+    one_link_cut_under_a_dirtier_completes_with_the_oracle,
+    both_links_cut_fails_and_the_source_runs_on,
+);
+
 /// A filled idle VM and a dirtier over two links: byte-exact, both links
 /// carry pages, and the dirtier's oracle holds on the destination.
-#[test]
-fn two_links_byte_exact_and_dirtier_oracle() {
+fn two_links_byte_exact_and_dirtier_oracle(transport: &'static str) {
     for (wl, channels) in [("fill", 4), ("dirtier", 3)] {
-        eprintln!("links: {wl} over 2 links, {channels} channels");
-        let p = pair(wl, "64M");
+        eprintln!("links: {wl} over 2 {transport} links, {channels} channels");
+        let p = pair(transport, wl, "64M");
         p.src.exec("migrate", json!({"uri": p.uri(), "channels": channels, "verify_ram": true, "timeout_s": 300})).unwrap();
         let s = p.source_result();
         assert_eq!(s["status"], "completed", "{s:#}");
@@ -114,10 +148,10 @@ fn two_links_byte_exact_and_dirtier_oracle() {
 
 /// The second link is cut in the middle of the first pass: its channels
 /// are dropped, what they may not have delivered goes again on the first
-/// link, and the migration completes byte-exact.
-#[test]
-fn one_link_cut_mid_migration_completes_on_the_other() {
-    let p = pair("fill", "128M");
+/// link, and the migration completes byte-exact. (Over rdma the cut
+/// link's queue pairs fail with retry exceeded.)
+fn one_link_cut_mid_migration_completes_on_the_other(transport: &'static str) {
+    let p = pair(transport, "fill", "128M");
     // 128 MiB at 2 x 100 Mbit/s: about 5 s, so the cut lands mid-pass.
     p.cap_both(100);
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
@@ -135,9 +169,8 @@ fn one_link_cut_mid_migration_completes_on_the_other() {
 /// loss), and the link comes back once its channels were dropped (anything
 /// still queued on them must not land late): byte-exact, and the oracle
 /// holds on the destination.
-#[test]
-fn one_link_cut_under_a_dirtier_completes_with_the_oracle() {
-    let p = pair("dirtier", "64M");
+fn one_link_cut_under_a_dirtier_completes_with_the_oracle(transport: &'static str) {
+    let p = pair(transport, "dirtier", "64M");
     p.cap_both(150);
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
     p.wait_sent(16 << 20);
@@ -153,9 +186,8 @@ fn one_link_cut_under_a_dirtier_completes_with_the_oracle() {
 
 /// Both links cut: the migration fails as with one link, the source runs
 /// on with its oracle holding, and the destination never ran.
-#[test]
-fn both_links_cut_fails_and_the_source_runs_on() {
-    let p = pair("dirtier", "64M");
+fn both_links_cut_fails_and_the_source_runs_on(transport: &'static str) {
+    let p = pair(transport, "dirtier", "64M");
     p.cap_both(50);
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2})).unwrap();
     p.wait_sent(4 << 20);
@@ -174,10 +206,11 @@ fn both_links_cut_fails_and_the_source_runs_on() {
 }
 
 /// Postcopy over two links: the push spreads over both, the urgent
-/// connection is on the first, and RAM arrives byte-exact.
+/// connection is on the first, and RAM arrives byte-exact. (TCP only: the
+/// rdma transport carries precopy.)
 #[test]
 fn postcopy_over_two_links_is_byte_exact() {
-    let p = pair("dirtier", "64M");
+    let p = pair("tcp", "dirtier", "64M");
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2, "mode": "postcopy", "timeout_s": 300})).unwrap();
     let s = p.source_result();
     assert_eq!(s["status"], "completed", "{s:#}");
