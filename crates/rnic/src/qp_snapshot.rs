@@ -44,6 +44,10 @@ pub enum RespJob {
         /// answer of the READ a duplicate resends (`ReadExec`).
         #[serde(default)]
         key_gen: Option<u64>,
+        /// Answers a duplicate: if its binding is gone it stops silently
+        /// (the requester may not need it; one that does times out).
+        #[serde(default)]
+        resent: bool,
     },
 }
 

@@ -536,6 +536,7 @@ impl Qp {
             remaining: reth.len as u64,
             first: true,
             key_gen: None,
+            resent: false,
         });
         self.rt.read_history.push_back(ReadExec { psn, last: psn_add(psn, n - 1), rkey: reth.rkey, key_gen: None });
         while self.rt.read_history.len() > ATOMIC_REPLAY.max(self.attr.max_dest_rd_atomic as usize) {
@@ -609,7 +610,12 @@ impl Qp {
         match p.bth.opcode {
             Opcode::ReadRequest => {
                 let Some(reth) = p.reth else { return };
-                if self.check_op_valid(Opcode::ReadRequest).is_err() {
+                // A duplicate whose key no longer grants the range is not
+                // answered (the requester may have its data already; one
+                // that does not fails after its retries).
+                let readable = self.check_op_valid(Opcode::ReadRequest).is_ok()
+                    && (reth.len == 0 || self.region(ctx, reth.rkey, reth.va, reth.len as u64, access::REMOTE_READ).is_some());
+                if !readable {
                     return;
                 }
                 // The requester went back to `psn` and resends everything from
@@ -623,14 +629,16 @@ impl Qp {
                         psn_diff(last, psn) < 0
                     }
                 });
-                // A duplicate is executed again (C9-107), but from the
-                // binding its first answer read: if the key was rebound or
-                // invalidated since, the resent responses are refused
-                // (remote access error NAK) rather than mixing the old
-                // binding's data with the new one's, and the new memory is
-                // never read for a request made before the rebind. A READ
-                // older than the history (not one a conforming requester
-                // can still resend) reads the current binding.
+                // A duplicate is executed again, but from the binding its
+                // first answer read: if the key was rebound or invalidated
+                // since, it is not answered (as a duplicate whose key no
+                // longer resolves), rather than mixing the old binding's
+                // data with the new one's; the new memory is never read for
+                // a request made before the rebind. Not a NAK: the requester
+                // may have had all the first answer meanwhile and would
+                // drop the NAK while this QP went to ERR. A READ older than
+                // the history (not one a conforming requester can still
+                // resend) reads the current binding.
                 let key_gen = self
                     .rt
                     .read_history
@@ -638,6 +646,9 @@ impl Qp {
                     .rev()
                     .find(|r| r.rkey == reth.rkey && psn_diff(psn, r.psn) >= 0 && psn_diff(r.last, psn) >= 0)
                     .and_then(|r| r.key_gen);
+                if key_gen.is_some_and(|g| g != ctx.keys.generation(reth.rkey)) {
+                    return;
+                }
                 self.rt.resp_queue.push_back(RespJob::Read {
                     psn,
                     va: reth.va,
@@ -645,6 +656,7 @@ impl Qp {
                     remaining: reth.len as u64,
                     first: true,
                     key_gen,
+                    resent: true,
                 });
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
@@ -681,7 +693,7 @@ impl Qp {
                     let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
                     self.rt.resp_queue.pop_front();
                 }
-                RespJob::Read { psn, va, rkey, remaining, first, key_gen } => {
+                RespJob::Read { psn, va, rkey, remaining, first, key_gen, resent } => {
                     let n = remaining.min(mtu);
                     let last = remaining <= mtu;
                     use Opcode::*;
@@ -722,6 +734,11 @@ impl Qp {
                         unsafe { src.read(out) };
                         Ok(())
                     });
+                    if r.is_err() && resent {
+                        // Rebound while answering a duplicate: stop (above).
+                        self.rt.resp_queue.pop_front();
+                        continue;
+                    }
                     if r.is_err() {
                         self.rt.resp_queue.clear();
                         self.responder_error(ctx, psn, NakCode::RemoteAccessError);
@@ -737,6 +754,7 @@ impl Qp {
                             remaining: remaining - n,
                             first: false,
                             key_gen: Some(key_gen),
+                            resent,
                         };
                     }
                 }
