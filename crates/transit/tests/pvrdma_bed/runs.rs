@@ -46,18 +46,19 @@ pub fn link_cut_across_the_switch(tag: &str, modes: &[Mode]) {
 }
 
 /// Starts a migration in `mode` that stays before its switch for a long
-/// while: 2 MB/s for a 64 MiB VM, a precopy that never converges, a hybrid
-/// whose first pass takes half a minute.
+/// while: a precopy at 2 MB/s that never converges (downtime target 1 ms);
+/// a hybrid at 50 kB/s, whose first pass then takes about 10 s (the 64 MiB
+/// VM is mostly zero pages, about 30 bytes each on the wire) and whose
+/// dirty-rate check after the first eighth sees a guest far slower than
+/// the link, so it goes on with the pass rather than switch.
 pub fn start_slow(bed: &Bed, src: &VmProcess, to: usize, mode: Mode) {
     let mut p = params(mode, &PLAIN);
-    p["max_bandwidth"] = json!(2_000_000);
     if mode == Mode::Precopy {
+        p["max_bandwidth"] = json!(2_000_000);
         p["downtime_ms"] = json!(1);
         p["auto_converge"] = json!(false);
     } else {
-        // The default target: hybrid decides on its own after its first
-        // eighth, which takes 4 s at this rate.
-        p.as_object_mut().unwrap().remove("downtime_ms");
+        p["max_bandwidth"] = json!(50_000);
     }
     start_migration(bed, src, to, p);
 }
@@ -78,7 +79,8 @@ pub fn fails_then_succeeds(
     let bed = Bed::new(tag);
     let gid = bed.vm_gid(1);
     let mut a = bed.vm_with(0, gid, "count=0", spec, &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "60"]].concat());
+    let duration = (30 + 10 * attempts).to_string();
+    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", &duration]].concat());
     let mut p = a.wait_progress(STEP, LONG).unwrap();
     for i in 0..attempts {
         let mut b = destination(&bed, 1, gid, &PLAIN, "");
@@ -116,7 +118,7 @@ pub fn cancels_then_succeeds(tag: &str, mode: Mode) {
 
 /// Three migrations in `mode` whose destination is killed before the
 /// switch: while the first pass runs, later, and (precopy) after the
-/// second round or (hybrid) just before its first decision to switch.
+/// second round or (hybrid) after its dirty-rate check, later in the pass.
 /// Then one that succeeds.
 pub fn destinations_killed_then_succeeds(tag: &str, mode: Mode) {
     fails_then_succeeds(tag, mode, "", 3, |bed, a, b, i| {
@@ -125,8 +127,8 @@ pub fn destinations_killed_then_succeeds(tag: &str, mode: Mode) {
             (0, _) => std::thread::sleep(Duration::from_millis(200)),
             (1, _) => std::thread::sleep(Duration::from_millis(1500)),
             (_, Mode::Precopy) => wait_for("a second round", LONG, || migration(a)["rounds"].as_u64().unwrap_or(0) >= 2),
-            // Hybrid decides after its first eighth (8 MiB, 4 s at 2 MB/s).
-            _ => std::thread::sleep(Duration::from_millis(3000)),
+            // Hybrid: after its dirty-rate check, late in the first pass.
+            _ => std::thread::sleep(Duration::from_millis(5000)),
         }
         let st = migration(a);
         assert!(!matches!(st["status"].as_str(), Some("postcopy-active" | "completed")), "killed before the switch: {st:#}");
