@@ -16,8 +16,8 @@
 mod pvrdma_bed;
 
 use pvrdma_bed::*;
-use Mode::*;
 use std::time::{Duration, Instant};
+use Mode::*;
 
 #[test]
 fn every_workload_across_a_b_a_in_precopy() {

@@ -85,20 +85,24 @@ fn the_peers_link_cut_across_the_switch_in_postcopy_then_hybrid() {
     link_cut_across_the_switch("pvm-pccut", &[Postcopy, Hybrid]);
 }
 
-/// Cancelled during hybrid's first pass (before its switch): the VM and its
-/// QPs run on the source again; then a hybrid migration succeeds. (Pure
-/// postcopy switches as soon as the destination is ready: its only time
-/// before the switch is the set-up.)
+/// Before hybrid's switch (during its first pass) a migration cancelled,
+/// then one whose destination is killed early, then one whose destination
+/// is killed after the dirty-rate check: after each the VM and its QPs run
+/// on the source again; then a hybrid migration succeeds. (Pure postcopy
+/// switches as soon as the destination is ready: its only time before the
+/// switch is the set-up. The precopy tests run each failure three times.)
 #[test]
-fn cancel_before_the_hybrid_switch_resumes_the_qps_on_the_source() {
-    cancels_then_succeeds("pvm-hycancel", Hybrid);
-}
-
-/// The destination killed during hybrid's first pass, three times: the VM
-/// and its QPs run on the source again; then a hybrid migration succeeds.
-#[test]
-fn a_destination_killed_before_the_hybrid_switch_leaves_the_vm_on_the_source() {
-    destinations_killed_then_succeeds("pvm-hykill", Hybrid);
+fn cancel_and_killed_destinations_before_the_hybrid_switch_leave_the_vm_on_the_source() {
+    fails_then_succeeds("pvm-hyfail", Hybrid, "", 3, |bed, a, b, i| {
+        start_slow(bed, a, 1, Hybrid);
+        std::thread::sleep(Duration::from_millis([700, 1500, 5000][i]));
+        let st = migration(a);
+        assert!(matches!(st["status"].as_str(), Some("setup" | "active")), "still before the switch: {st:#}");
+        match i {
+            0 => drop(a.exec("migrate-cancel", json!({})).unwrap()),
+            _ => b.kill(),
+        }
+    });
 }
 
 /// The destination killed after the postcopy switch: the VM ran there, so

@@ -69,13 +69,7 @@ pub fn start_slow(bed: &Bed, src: &VmProcess, to: usize, mode: Mode) {
 /// run on the source again, the source kept its GID and stopped its traces.
 /// Then a migration in `mode` succeeds, and neither the guest nor the peer
 /// saw anything wrong.
-pub fn fails_then_succeeds(
-    tag: &str,
-    mode: Mode,
-    spec: &str,
-    attempts: usize,
-    attempt: impl Fn(&Bed, &VmProcess, &mut VmProcess, usize),
-) {
+pub fn fails_then_succeeds(tag: &str, mode: Mode, spec: &str, attempts: usize, attempt: impl Fn(&Bed, &VmProcess, &mut VmProcess, usize)) {
     let bed = Bed::new(tag);
     let gid = bed.vm_gid(1);
     let mut a = bed.vm_with(0, gid, "count=0", spec, &["--keep-after-migrate"]);
