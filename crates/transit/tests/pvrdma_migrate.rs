@@ -16,6 +16,7 @@
 mod pvrdma_bed;
 
 use pvrdma_bed::*;
+use serde_json::json;
 use std::time::{Duration, Instant};
 use Mode::*;
 
@@ -61,14 +62,30 @@ fn the_peers_link_cut_for_a_second_across_the_switch() {
     link_cut_across_the_switch("pvm-cut", &[Precopy]);
 }
 
+/// Three migrations cancelled at different times in their rounds, then one
+/// that succeeds.
 #[test]
 fn cancel_resumes_the_qps_on_the_source() {
-    cancels_then_succeeds("pvm-cancel", Precopy);
+    fails_then_succeeds("pvm-cancel", Precopy, "", 3, |bed, a, _, i| {
+        start_slow(bed, a, 1, Precopy);
+        std::thread::sleep(Duration::from_millis(300 + 700 * i as u64));
+        a.exec("migrate-cancel", json!({})).unwrap();
+    });
 }
 
+/// The destination killed while the first pass runs, later, and after the
+/// second round; then a migration that succeeds.
 #[test]
 fn a_killed_destination_leaves_the_vm_running_on_the_source() {
-    destinations_killed_then_succeeds("pvm-kill", Precopy);
+    fails_then_succeeds("pvm-kill", Precopy, "", 3, |bed, a, b, i| {
+        start_slow(bed, a, 1, Precopy);
+        match i {
+            0 => std::thread::sleep(Duration::from_millis(200)),
+            1 => std::thread::sleep(Duration::from_millis(1500)),
+            _ => wait_for("a second round", LONG, || migration(a)["rounds"].as_u64().unwrap_or(0) >= 2),
+        }
+        b.kill();
+    });
 }
 
 /// A destination whose device cannot take the state (here: a device of

@@ -121,9 +121,11 @@ fn a_destination_killed_after_the_postcopy_switch_leaves_the_source_paused() {
     let mut a = bed.vm_sized(0, gid, WORKLOADS.memory, WORKLOADS.args, "", &["--keep-after-migrate"]);
     let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "40"]].concat());
     a.wait_progress(STEP, LONG).unwrap();
-    let mut b = destination(&bed, 1, gid, &WORKLOADS, "");
-    // 4 MB/s: 16 s of pages still to come when the destination dies.
-    start_migration(&bed, &a, 1, params(Postcopy, &WORKLOADS));
+    // 50 kB/s: about 10 s of pages (mostly zero pages, ~30 bytes each on
+    // the wire) still to come when the destination dies.
+    let load = Load { max_bandwidth: 50_000, ..WORKLOADS };
+    let mut b = destination(&bed, 1, gid, &load, "");
+    start_migration(&bed, &a, 1, params(Postcopy, &load));
     let st = wait_switched(&a);
     assert_eq!(st["status"], "postcopy-active", "{st:#}");
     wait_for("the destination to run", LONG, || b.status().unwrap()["running"] == true);
@@ -132,6 +134,7 @@ fn a_destination_killed_after_the_postcopy_switch_leaves_the_source_paused() {
     let mut st = serde_json::Value::Null;
     wait_for("the source to see the destination gone", LONG, || {
         st = migration(&a);
+        assert_ne!(st["status"], "completed", "every page was in before the destination died: {st:#}");
         st["status"] == "postcopy-paused"
     });
     eprintln!("the source after the destination died: {st}");

@@ -99,33 +99,3 @@ pub fn fails_then_succeeds(tag: &str, mode: Mode, spec: &str, attempts: usize, a
     assert_peer_clean(&rep);
     b.kill();
 }
-
-/// Three migrations in `mode` cancelled before their switch, at different
-/// times, then one that succeeds.
-pub fn cancels_then_succeeds(tag: &str, mode: Mode) {
-    fails_then_succeeds(tag, mode, "", 3, |bed, a, _, i| {
-        start_slow(bed, a, 1, mode);
-        std::thread::sleep(Duration::from_millis(300 + 700 * i as u64));
-        a.exec("migrate-cancel", json!({})).unwrap();
-    });
-}
-
-/// Three migrations in `mode` whose destination is killed before the
-/// switch: while the first pass runs, later, and (precopy) after the
-/// second round or (hybrid) after its dirty-rate check, later in the pass.
-/// Then one that succeeds.
-pub fn destinations_killed_then_succeeds(tag: &str, mode: Mode) {
-    fails_then_succeeds(tag, mode, "", 3, |bed, a, b, i| {
-        start_slow(bed, a, 1, mode);
-        match (i, mode) {
-            (0, _) => std::thread::sleep(Duration::from_millis(200)),
-            (1, _) => std::thread::sleep(Duration::from_millis(1500)),
-            (_, Mode::Precopy) => wait_for("a second round", LONG, || migration(a)["rounds"].as_u64().unwrap_or(0) >= 2),
-            // Hybrid: after its dirty-rate check, late in the first pass.
-            _ => std::thread::sleep(Duration::from_millis(5000)),
-        }
-        let st = migration(a);
-        assert!(!matches!(st["status"].as_str(), Some("postcopy-active" | "completed")), "killed before the switch: {st:#}");
-        b.kill();
-    });
-}
