@@ -25,12 +25,17 @@ impl GuestRam {
     pub fn new(len: u64) -> std::io::Result<GuestRam> {
         let name = std::ffi::CString::new("transit-guest-ram").unwrap();
         // SAFETY: plain syscalls; results checked.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as i64) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // Sealed as the vmm's guest RAM is: rnicd maps only such memfds
+        // (the rdma transport registers this one).
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } < 0 {
             return Err(std::io::Error::last_os_error());
         }
         let addr = unsafe {
