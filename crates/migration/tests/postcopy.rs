@@ -36,10 +36,10 @@ fn assert_same(a: &[u64], b: &[u64]) {
 /// A source running the dirtier, and a destination listening (with
 /// `prealloc` or not) on the returned port.
 fn dirtier_pair(net: &Net, prealloc: bool) -> (Side, Side, u16) {
-    let src = Side::new(64 * MIB, 2);
+    let src = Side::on(net, 64 * MIB, 2);
     src.vm.resume().unwrap();
     std::thread::sleep(Duration::from_millis(100));
-    let dst = Side::new(64 * MIB, 2);
+    let dst = Side::on(net, 64 * MIB, 2);
     let port = dst.incoming_on(net, true, prealloc);
     (src, dst, port)
 }
@@ -77,9 +77,9 @@ fn postcopy_idle_vm_arrives_byte_exact() {
 
 fn postcopy_idle(net: &Net, channels: u32) {
     {
-        let src = Side::new(64 * MIB, 1);
+        let src = Side::on(net, 64 * MIB, 1);
         src.vm.fill(16, 12000); // the rest stays zero (memfd holes)
-        let dst = Side::new(64 * MIB, 1);
+        let dst = Side::on(net, 64 * MIB, 1);
         let port = dst.incoming_on(net, false, false);
         src.cmd("migrate", net.migrate_args(port, json!({"mode": "postcopy", "channels": channels}))).unwrap();
         let (s, d) = finish(&src, &dst);
@@ -207,9 +207,9 @@ fn postcopy_push_outlives_the_timeout() {
 
 fn push_outlives_the_timeout(net: &Net, mode: &str) {
     {
-        let src = Side::new(64 * MIB, 1);
+        let src = Side::on(net, 64 * MIB, 1);
         src.vm.fill(16, 16000);
-        let dst = Side::new(64 * MIB, 1);
+        let dst = Side::on(net, 64 * MIB, 1);
         let port = dst.incoming_on(net, false, false);
         // 62 MiB of data at 20 MB/s: about 3 s, against a 1 s timeout.
         let args = json!({"mode": mode, "timeout_s": 1, "max_bandwidth": 20_000_000u64, "downtime_ms": 1});
@@ -255,9 +255,9 @@ fn helper_process_reads_missing_pages_correctly() {
 
 fn helper_reads(net: &Net, prealloc: bool) {
     // No dirtier: what the helper reads must be exactly the source's RAM.
-    let src = Side::new(64 * MIB, 0);
+    let src = Side::on(net, 64 * MIB, 0);
     src.vm.fill(0, 16384);
-    let dst = Side::new(64 * MIB, 0);
+    let dst = Side::on(net, 64 * MIB, 0);
     let sock = std::env::temp_dir().join(format!("transit-ramc-{}-{prealloc}-{}.sock", std::process::id(), net.name()));
     let clients = RamClients::bind(&sock, dst.dynvm.ram()).unwrap();
     dst.slot.set_ram_clients(clients.clone());
@@ -324,10 +324,10 @@ fn postcopy_recovers_after_the_connections_break() {
 fn recovers_after_the_connections_break(net: &Net) {
     // 128 MiB at 10 MB/s and a guest that faults its way through: the
     // cut below lands long before the last page.
-    let src = Side::new(128 * MIB, 2);
+    let src = Side::on(net, 128 * MIB, 2);
     src.vm.resume().unwrap();
     std::thread::sleep(Duration::from_millis(50));
-    let dst = Side::new(128 * MIB, 2);
+    let dst = Side::on(net, 128 * MIB, 2);
     let port = dst.incoming_on(net, true, false);
     let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
     src.cmd("migrate", net.migrate_args(proxy.port, json!({"mode": "postcopy", "channels": 2, "max_bandwidth": 10_000_000u64}))).unwrap();
