@@ -113,6 +113,10 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     Ok(())
 }
 
+/// What the switch leaves: the pages the destination lacks (`None`: all),
+/// the push queue, and the urgent server (tcp only).
+type Switched = (Option<Vec<PageRange>>, Arc<PushQueue>, Option<UrgentServer>);
+
 /// The switch, all of it downtime: pause, the stale pages, the state; the
 /// destination loads it and owns the VM from then on (the commit), and is
 /// told to run it. Returns the pages the destination still lacks (`None`:
@@ -123,7 +127,7 @@ fn switch_over(
     urgent: Option<TcpStream>,
     log: Option<(DirtyLog, Option<Vec<PageRange>>)>,
     pending: Vec<PageRange>,
-) -> Result<(Option<Vec<PageRange>>, Arc<PushQueue>, Option<UrgentServer>)> {
+) -> Result<Switched> {
     let (vm, ctl) = (guard.vm.clone(), guard.ctl.clone());
     let ram = vm.ram();
     let total = ram.pages();
