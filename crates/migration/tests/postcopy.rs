@@ -348,3 +348,30 @@ fn recovers_after_the_connections_break(net: &Net) {
     assert!(d["paused_ms"].as_f64().unwrap() > 0.0);
     oracle_holds_on_destination(&src, &dst);
 }
+
+/// The destination goes away during a hybrid's precopy part (its
+/// connections cut, and it gives up): before the switch nothing is
+/// committed, so the source runs on with its oracle intact and the
+/// destination never runs.
+#[test]
+fn hybrid_destination_gone_before_the_switch() {
+    for net in Net::each("pcgone") {
+        let (src, dst, port) = dirtier_pair(&net, false);
+        let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
+        // The first eighth (8 MiB) takes 2 s at 4 MB/s: the cut lands in it.
+        src.cmd("migrate", net.migrate_args(proxy.port, json!({"mode": "hybrid", "channels": 2, "max_bandwidth": 4_000_000u64}))).unwrap();
+        wait_until("the first round", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
+        std::thread::sleep(Duration::from_millis(300));
+        proxy.cut_all();
+        dst.cmd("migrate-cancel", json!({})).unwrap();
+        let os = src.slot.wait();
+        let s = src.cmd("query-migrate", json!({})).unwrap();
+        assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{}: {os:?} {s:#}", net.name());
+        assert_eq!(s["postcopy_ms"].as_f64().unwrap_or(0.0), 0.0, "{}: switched: {s:#}", net.name());
+        let od = dst.slot.wait();
+        assert!(matches!(od, Some(Outcome::IncomingFailed(_))), "{}: destination {od:?}", net.name());
+        assert!(dst.vm.is_paused(), "{}: the destination must never run", net.name());
+        assert!(!src.vm.is_paused(), "{}: the source must run on", net.name());
+        run_and_check_oracle(&src.vm, Duration::from_millis(100));
+    }
+}
