@@ -22,11 +22,7 @@ static SEQ: AtomicU32 = AtomicU32::new(1);
 /// (RTM_DELADDR) of `addr/prefix` on interface `index`.
 pub fn address_request(add: bool, index: u32, addr: Ipv4Addr, prefix: u8, seq: u32) -> Vec<u8> {
     let len = NLMSG_HDR + IFADDRMSG + 2 * RTA_IPV4;
-    let (kind, mut flags) = if add {
-        (libc::RTM_NEWADDR, libc::NLM_F_CREATE | libc::NLM_F_EXCL)
-    } else {
-        (libc::RTM_DELADDR, 0)
-    };
+    let (kind, mut flags) = if add { (libc::RTM_NEWADDR, libc::NLM_F_CREATE | libc::NLM_F_EXCL) } else { (libc::RTM_DELADDR, 0) };
     flags |= libc::NLM_F_REQUEST | libc::NLM_F_ACK;
     let mut m = Vec::with_capacity(len);
     m.extend_from_slice(&(len as u32).to_ne_bytes());
@@ -34,7 +30,7 @@ pub fn address_request(add: bool, index: u32, addr: Ipv4Addr, prefix: u8, seq: u
     m.extend_from_slice(&(flags as u16).to_ne_bytes());
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes()); // to the kernel
-    // ifaddrmsg: family, prefix length, flags, scope (universe), index.
+                                              // ifaddrmsg: family, prefix length, flags, scope (universe), index.
     m.extend_from_slice(&[libc::AF_INET as u8, prefix, 0, 0]);
     m.extend_from_slice(&index.to_ne_bytes());
     for kind in [libc::IFA_LOCAL, libc::IFA_ADDRESS] {

@@ -68,8 +68,7 @@ impl Persist for Pvrdma {
         let mut states: std::collections::HashMap<u32, QpSnapshot> = handles.into_iter().zip(states).collect();
         d.switch.record("query QP states", t);
         let t = Instant::now();
-        let qps: Vec<SavedQp> =
-            d.qps.iter().map(|(h, q)| SavedQp { handle: *h, info: q.info.clone(), state: states.remove(h) }).collect();
+        let qps: Vec<SavedQp> = d.qps.iter().map(|(h, q)| SavedQp { handle: *h, info: q.info.clone(), state: states.remove(h) }).collect();
         let saved = Saved {
             gid: d.gid,
             regs: d.regs.clone(),
