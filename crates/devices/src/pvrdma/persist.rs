@@ -81,10 +81,13 @@ impl Persist for Pvrdma {
             qps,
             counters: d.counters.clone(),
         };
-        let section = Section::encode(&self.name, VERSION, &saved);
+        let mut section = Section::encode(&self.name, VERSION, &saved);
         d.switch.record("encode state", t);
         d.switch.state_bytes = section.data.len() as u64;
         d.switch.objects = [saved.pds.len(), saved.mrs.len(), saved.cqs.len(), saved.qps.len(), 0];
+        if std::mem::take(&mut d.testing.corrupt_state) {
+            damage(&mut section.data);
+        }
         Ok(section)
     }
 
@@ -108,6 +111,20 @@ impl Persist for Pvrdma {
             d.reset();
         }
         r
+    }
+}
+
+/// `testing=corrupt-state`: flips the top bit of three bytes spread over
+/// the encoded state, as damage on a path would. The section's checksum is
+/// taken after this, so the damage reaches the destination's decoder,
+/// which must refuse it: every byte of the JSON encoding is ASCII, so a
+/// flipped top bit is never valid there.
+fn damage(data: &mut [u8]) {
+    let n = data.len();
+    for at in [n / 4, n / 2, 3 * n / 4] {
+        if let Some(b) = data.get_mut(at) {
+            *b ^= 0x80;
+        }
     }
 }
 
