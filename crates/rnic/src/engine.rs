@@ -160,6 +160,7 @@ impl Engine {
             Request::DestroyQp { qpn } => self.destroy_qp(client, qpn),
             Request::SuspendQp { qpn } => self.suspend_qps(client, &[qpn], 1),
             Request::SuspendQps { qpns } => self.suspend_qps(client, &qpns, proto::MAX_BATCH),
+            Request::SuspendConnected { qpns } => self.suspend_connected(client, &qpns),
             Request::QueryQpState { qpn } => {
                 let s = self.owned_qp(client, qpn)?.snapshot().map_err(|e| anyhow!(e))?;
                 Ok(Reply::QpState(Box::new(s)))
@@ -715,6 +716,23 @@ impl Engine {
             }
         }
         Ok(Reply::Ok)
+    }
+
+    /// Suspends the connected QPs of `qpns`, skips the others; replies with
+    /// the QPNs suspended.
+    fn suspend_connected(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Reply> {
+        self.check_batch(client, qpns, proto::MAX_BATCH)?;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        let mut done = Vec::new();
+        for q in qpns {
+            let Some(qp) = qps.get_mut(q) else { continue };
+            if matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) && !done.contains(q) {
+                qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                done.push(*q);
+            }
+        }
+        Ok(Reply::Qpns(done))
     }
 
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {

@@ -9,12 +9,12 @@
 //! announces it with gratuitous ARP so that every neighbour switches at
 //! once; a release removes it.
 //!
-//! The address is changed with iproute2 (`ip addr add/del`), which the
-//! project needs anyway (scripts/setup): one netlink request each, run
-//! rarely (a migration's commit), so a netlink library would buy nothing.
+//! The address is changed with one rtnetlink request (RTM_NEWADDR or
+//! RTM_DELADDR, netlink.rs) from rnicd itself: both happen inside a
+//! migration's downtime, where spawning `ip` cost 10-30 ms each on a busy
+//! host.
 
 use std::net::Ipv4Addr;
-use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
@@ -40,20 +40,17 @@ pub fn is_local(ip: Ipv4Addr) -> bool {
     crate::announce::interface_of(ip).is_ok()
 }
 
-fn ip(args: &[&str]) -> Result<std::process::Output> {
-    Command::new("ip").args(args).output().with_context(|| format!("running `ip {}` (iproute2)", args.join(" ")))
-}
-
 /// Adds `gid` next to `host` (same interface and prefix) unless it is there
 /// already, then announces it. Returns the interface.
 pub fn claim(gid: Ipv4Addr, host: Ipv4Addr) -> Result<String> {
     let (iface, prefix) = interface_and_prefix(host)?;
     if !is_local(gid) {
-        let cidr = format!("{gid}/{prefix}");
-        let out = ip(&["-4", "addr", "add", &cidr, "dev", &iface])?;
+        let (index, _, _) = crate::announce::interface_of(host).with_context(|| format!("the interface of {host}"))?;
         // Another claimant may have added it between the look and the add.
-        if !out.status.success() && !is_local(gid) {
-            bail!("ip addr add {cidr} dev {iface}: {}", String::from_utf8_lossy(&out.stderr).trim());
+        if let Err(e) = crate::netlink::change_address(true, index, gid, prefix as u8) {
+            if !is_local(gid) {
+                bail!("adding {gid}/{prefix} to {iface}: {e}");
+            }
         }
     }
     crate::announce::gratuitous_arp(gid, ANNOUNCEMENTS).with_context(|| format!("announcing {gid}"))?;
@@ -62,17 +59,17 @@ pub fn claim(gid: Ipv4Addr, host: Ipv4Addr) -> Result<String> {
 
 /// Removes `gid` from whichever interface holds it (nothing if none does).
 pub fn release(gid: Ipv4Addr) -> Result<()> {
-    let Ok((_, iface, _)) = crate::announce::interface_of(gid) else { return Ok(()) };
+    let Ok((index, iface, _)) = crate::announce::interface_of(gid) else { return Ok(()) };
     let addrs = nix::ifaddrs::getifaddrs().context("listing interface addresses")?;
     let prefix = addrs
         .filter(|a| a.interface_name == iface)
         .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == gid))
         .and_then(|a| a.netmask.as_ref().and_then(|m| m.as_sockaddr_in()).map(|m| u32::from(m.ip()).count_ones()))
         .unwrap_or(32);
-    let cidr = format!("{gid}/{prefix}");
-    let out = ip(&["-4", "addr", "del", &cidr, "dev", &iface])?;
-    if !out.status.success() && is_local(gid) {
-        bail!("ip addr del {cidr} dev {iface}: {}", String::from_utf8_lossy(&out.stderr).trim());
+    if let Err(e) = crate::netlink::change_address(false, index, gid, prefix as u8) {
+        if is_local(gid) {
+            bail!("removing {gid}/{prefix} from {iface}: {e}");
+        }
     }
     Ok(())
 }

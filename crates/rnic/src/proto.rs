@@ -191,6 +191,14 @@ pub enum Request {
     OpenAsync,
     /// Takes the asynchronous events queued for this client.
     FetchAsync,
+    /// Suspends those of `qpns` that are connected (RTR, RTS or SQD) and
+    /// leaves the others (RESET, INIT, ERR...) as they are: a migration's
+    /// pause in one round trip, without asking each QP's state first. All
+    /// QPNs are checked first (the caller's, at most MAX_BATCH); the reply
+    /// (`Qpns`) lists the QPs now suspended, in the request's order.
+    SuspendConnected {
+        qpns: Vec<u32>,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -237,6 +245,8 @@ pub enum Reply {
     },
     Ok,
     AsyncEvents(Vec<crate::async_events::AsyncEvent>),
+    /// QPNs (SuspendConnected: the QPs it suspended).
+    Qpns(Vec<u32>),
 }
 
 pub type Response = Result<Reply, String>;

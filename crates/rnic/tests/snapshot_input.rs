@@ -65,3 +65,27 @@ fn bad_states_and_requests_are_refused() {
     // rnicd is still fine.
     assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 8);
 }
+
+/// SuspendConnected (a migration's pause): only the connected QPs of the
+/// batch are suspended and named; a batch with a QP that is not the
+/// caller's is refused whole and suspends nothing.
+#[test]
+fn suspend_connected_takes_the_connected_qps_only() {
+    let bed = Bed::new("rnsusc", 2);
+    let (a, _b) = pair(&bed, 0, 1, ConnectOpts::default());
+    let fresh = a.pd.create_qp(&QpInitAttr::new(&a.scq, &a.rcq)).unwrap();
+    let other = End::new(bed.ctx(0), 4096, 4);
+
+    let e = a.ctx.suspend_connected(&[&a.qp, &other.qp]).unwrap_err();
+    assert!(format!("{e:#}").contains("no QP"), "{e:#}");
+    assert!(a.qp.query_state().is_err(), "a refused batch suspends nothing");
+
+    let done = a.ctx.suspend_connected(&[&fresh, &a.qp, &a.qp]).unwrap();
+    assert_eq!(done, vec![a.qp.qpn], "the RESET QP is left alone, a repeated QPN named once");
+    a.qp.query_state().unwrap();
+    assert!(fresh.query_state().is_err());
+    assert_eq!(a.ctx.suspend_connected(&[&a.qp]).unwrap(), vec![a.qp.qpn], "a suspended QP stays suspended");
+    assert_eq!(a.ctx.suspend_connected(&[]).unwrap(), Vec::<u32>::new());
+    a.ctx.resume_qps(&[&a.qp]).unwrap();
+    assert!(a.qp.query_state().is_err(), "running again");
+}

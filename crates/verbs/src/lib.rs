@@ -213,6 +213,21 @@ impl Context {
         Ok(())
     }
 
+    /// Suspends those of `qps` that are connected (RTR, RTS, SQD) in one
+    /// request per MAX_BATCH QPs and leaves the others alone; returns the
+    /// QPNs it suspended.
+    pub fn suspend_connected(&self, qps: &[&Qp]) -> anyhow::Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for chunk in qps.chunks(proto::MAX_BATCH) {
+            let qpns = chunk.iter().map(|q| q.qpn).collect();
+            match self.inner.call(&Request::SuspendConnected { qpns }, &[])? {
+                Reply::Qpns(v) => out.extend(v),
+                r => bail!("unexpected reply {r:?}"),
+            }
+        }
+        Ok(out)
+    }
+
     /// The states of many suspended QPs, in their order (see [`Qp::query_state`]).
     pub fn query_qp_states(&self, qps: &[&Qp]) -> anyhow::Result<Vec<QpSnapshot>> {
         let mut out = Vec::with_capacity(qps.len());

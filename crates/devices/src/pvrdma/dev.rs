@@ -133,6 +133,8 @@ pub(crate) struct Dev {
     /// This host answers for the GID (claimed through rnicd).
     pub claimed: bool,
     pub testing: super::config::Testing,
+    /// The phases of the last switchover (query-pvrdma `switch`).
+    pub switch: super::switch::SwitchLog,
 }
 
 impl Dev {
@@ -158,6 +160,7 @@ impl Dev {
             traced: Vec::new(),
             claimed: false,
             testing,
+            switch: Default::default(),
         }
     }
 

@@ -20,6 +20,7 @@ mod dev;
 mod guest;
 mod objects;
 mod persist;
+mod switch;
 mod traces;
 
 pub use config::{PvrdmaConfig, Testing};
@@ -29,7 +30,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pvrdma_abi as abi;
 use serde_json::json;
@@ -149,7 +150,9 @@ impl Pvrdma {
     /// GID, before the destination claims it.
     pub fn release_gid(&self) -> Result<(), String> {
         let mut d = lock(&self.shared);
+        let t = Instant::now();
         d.be.ctx.release_gid().map_err(|e| format!("pvrdma {}: releasing GID {}: {e:#}", d.name, d.gid))?;
+        d.switch.record("release GID", t);
         d.claimed = false;
         Ok(())
     }
@@ -196,6 +199,7 @@ impl Pvrdma {
             "qps": qps,
             "mrs": mrs,
             "counters": serde_json::to_value(&d.counters).unwrap_or_default(),
+            "switch": serde_json::to_value(&d.switch).unwrap_or_default(),
         })
     }
 }
@@ -339,23 +343,32 @@ impl Lifecycle for Pvrdma {
         if d.paused {
             return;
         }
+        d.switch.begin();
+        let t = Instant::now();
         // Only connected QPs have a transport to suspend; the others hold
-        // nothing but their attributes and posted WQEs.
-        let live: Vec<u32> = d
-            .qps
-            .iter()
-            .filter(|(_, q)| matches!(q.qp.state(), Ok(verbs::QpState::Rtr | verbs::QpState::Rts | verbs::QpState::Sqd)))
-            .map(|(h, _)| *h)
-            .collect();
-        let qps: Vec<&verbs::Qp> = live.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
-        if let Err(e) = d.be.ctx.suspend_qps(&qps) {
-            tracing::warn!("pvrdma {}: suspending QPs: {e:#}", d.name);
-        }
+        // nothing but their attributes and posted WQEs. rnicd knows which
+        // are connected (a QP may have gone to ERR on its own): one batched
+        // request suspends those and names them.
+        let handles = d.qps.handles();
+        let qps: Vec<&verbs::Qp> = handles.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
+        let live = match d.be.ctx.suspend_connected(&qps) {
+            Ok(qpns) => {
+                let qpns: std::collections::HashSet<u32> = qpns.into_iter().collect();
+                handles.into_iter().filter(|h| d.qps.get(*h).is_some_and(|q| qpns.contains(&q.qp.qpn))).collect()
+            }
+            Err(e) => {
+                tracing::warn!("pvrdma {}: suspending QPs: {e:#}", d.name);
+                Vec::new()
+            }
+        };
         d.suspended = live;
+        d.switch.record("suspend QPs", t);
+        let t = Instant::now();
         for h in d.cqs.handles() {
             while d.drain_cq(h) > 0 {}
             d.pull_cq(h);
         }
+        d.switch.record("drain CQs", t);
         d.paused = true;
     }
 
@@ -366,23 +379,29 @@ impl Lifecycle for Pvrdma {
     fn resume(&mut self) {
         let mut d = lock(&self.shared);
         if !d.claimed {
+            let t = Instant::now();
             if let Err(e) = d.be.ctx.claim_gid() {
                 tracing::warn!("pvrdma {}: claiming GID {} on this host: {e:#}", d.name, d.gid);
             }
             d.claimed = true;
+            d.switch.record("claim GID", t);
         }
         if !d.paused {
             return;
         }
+        let t = Instant::now();
         let suspended = std::mem::take(&mut d.suspended);
         let qps: Vec<&verbs::Qp> = suspended.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
         if let Err(e) = d.be.ctx.resume_qps(&qps) {
             tracing::warn!("pvrdma {}: resuming QPs: {e:#}", d.name);
         }
+        d.switch.record("resume QPs", t);
+        let t = Instant::now();
         d.paused = false;
         for h in d.cqs.handles() {
             d.drain_cq(h);
         }
+        d.switch.record("drain CQs after resume", t);
     }
 }
 

@@ -13,6 +13,8 @@
 //! suspended from their states, reposts the outstanding WQEs rnicd had not
 //! retired, in order, and leaves the device paused: `resume` resumes the QPs.
 
+use std::time::Instant;
+
 use pvrdma_abi::ib;
 use serde::{Deserialize, Serialize};
 use snapshot::{Persist, Result, Section, StateError};
@@ -57,16 +59,16 @@ impl Persist for Pvrdma {
         if !d.paused && d.qps.len() > 0 {
             return Err(err("the device must be paused (QPs suspended) before its state is taken".into()));
         }
-        let mut qps = Vec::new();
-        for (h, q) in d.qps.iter() {
-            let state = if d.suspended.contains(h) {
-                let s = d.be.ctx.query_qp_states(&[&q.qp]).map_err(|e| err(format!("QP {:#x}: {e:#}", q.info.qpn)))?;
-                s.into_iter().next()
-            } else {
-                None
-            };
-            qps.push(SavedQp { handle: *h, info: q.info.clone(), state });
-        }
+        // The suspended QPs' states in batched requests (one round trip per
+        // MAX_QUERY_BATCH QPs, not one per QP).
+        let t = Instant::now();
+        let handles: Vec<u32> = d.qps.handles().into_iter().filter(|h| d.suspended.contains(h)).collect();
+        let live: Vec<&verbs::Qp> = handles.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
+        let states = d.be.ctx.query_qp_states(&live).map_err(|e| err(format!("querying the suspended QPs: {e:#}")))?;
+        let mut states: std::collections::HashMap<u32, QpSnapshot> = handles.into_iter().zip(states).collect();
+        d.switch.record("query QP states", t);
+        let t = Instant::now();
+        let qps: Vec<SavedQp> = d.qps.iter().map(|(h, q)| SavedQp { handle: *h, info: q.info.clone(), state: states.remove(h) }).collect();
         let saved = Saved {
             gid: d.gid,
             regs: d.regs.clone(),
@@ -80,6 +82,9 @@ impl Persist for Pvrdma {
             counters: d.counters.clone(),
         };
         let mut section = Section::encode(&self.name, VERSION, &saved);
+        d.switch.record("encode state", t);
+        d.switch.state_bytes = section.data.len() as u64;
+        d.switch.objects = [saved.pds.len(), saved.mrs.len(), saved.cqs.len(), saved.qps.len(), 0];
         if std::mem::take(&mut d.testing.corrupt_state) {
             damage(&mut section.data);
         }
@@ -88,13 +93,19 @@ impl Persist for Pvrdma {
 
     fn restore(&mut self, section: &Section) -> Result<()> {
         let name = self.name.clone();
+        let t = Instant::now();
         let saved: Saved = section.decode(VERSION)?;
         let err = |why: String| StateError::Mismatch { name: name.clone(), why };
         let mut d = lock(&self.shared);
+        d.switch.begin();
+        d.switch.record("decode state", t);
+        d.switch.state_bytes = section.data.len() as u64;
         if saved.gid != d.gid {
             return Err(err(format!("the state is of GID {}, this device is {}", saved.gid, d.gid)));
         }
+        let t = Instant::now();
         d.reset();
+        d.switch.record("reset", t);
         let r = restore_into(&mut d, saved).map_err(err);
         if r.is_err() {
             d.reset();
@@ -135,10 +146,14 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
     for (h, u) in s.ucs {
         d.ucs.insert(h, u);
     }
+    let t = Instant::now();
+    let counts = [s.pds.len(), s.mrs.len(), s.cqs.len(), s.qps.len(), 0];
     for (h, ctx_handle) in s.pds {
         let pd = d.be.ctx.alloc_pd().map_err(|e| format!("PD {h}: {e:#}"))?;
         d.pds.insert(h, Pd { ctx_handle, pd });
     }
+    d.switch.record("PDs", t);
+    let t = Instant::now();
     let shift = d.testing.shift_ids;
     for (h, mut info) in s.mrs {
         if shift {
@@ -154,6 +169,8 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
             .map_err(|e| format!("MR {h} (key {:#x}): {e:#}", info.key))?;
         d.mrs.insert(h, Mr { info, mr });
     }
+    d.switch.record("MRs", t);
+    let t = Instant::now();
     for (h, ring) in s.cqs {
         let cq = d.be.ctx.create_cq(ring.entries, Some(&d.be.channel)).map_err(|e| format!("CQ {h}: {e:#}"))?;
         if ring.armed != 0 {
@@ -161,6 +178,9 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         }
         d.cqs.insert(h, Cq { ring, cq });
     }
+    d.switch.record("CQs", t);
+    let t = Instant::now();
+    let mut reposted = 0;
     let mut suspended = Vec::new();
     for sq in s.qps {
         let pd = d.pds.get(sq.info.pd_handle).ok_or(format!("QP {} names a missing PD", sq.handle))?;
@@ -225,12 +245,16 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         if !recvs.is_empty() {
             qp.post_recv_quiet(&recvs).map_err(|e| format!("QP {:#x}: reposting receives: {e:#}", info.qpn))?;
         }
+        reposted += recvs.len() + info.sq_out.len();
         let sends: Vec<verbs::SendWr> = info.sq_out.iter().map(super::datapath::to_send_wr).collect();
         if !sends.is_empty() {
             qp.post_send(&sends).map_err(|e| format!("QP {:#x}: reposting sends: {e:#}", info.qpn))?;
         }
         d.qps.insert(sq.handle, Qp { info, qp });
     }
+    d.switch.record("QPs (created suspended, WQEs reposted)", t);
+    d.switch.objects = counts;
+    d.switch.objects[4] = reposted;
     d.suspended = suspended;
     d.paused = true;
     Ok(())

@@ -70,6 +70,7 @@ impl Dev {
         if !self.tracing || self.testing.no_traces {
             return out;
         }
+        let t = std::time::Instant::now();
         let mrs: Vec<u32> = self.mrs.handles();
         for h in mrs {
             // Taken out for the call (fetch needs the counters mutably).
@@ -79,6 +80,10 @@ impl Dev {
         }
         let pages: u64 = out.iter().map(|r| r.1).sum();
         self.counters.traced_pages += pages;
+        if self.paused {
+            // The switch's last scan: inside the downtime.
+            self.switch.record("last trace fetch", t);
+        }
         out
     }
 

@@ -181,6 +181,10 @@ impl Qp {
                 self.recovery = Some(RECOVERY_FIRST);
             }
             Syndrome::Nak(NakCode::PsnSeqError) => {
+                // The responder names the PSN it expects: it is ready, so an
+                // RNR wait (a suspended QP that resumed, maybe on another
+                // host) ends now and the resend starts at once.
+                self.rnr_until = None;
                 if !self.ack_through(ctx, prev) {
                     self.rewind_once(ctx);
                     return;

@@ -19,6 +19,9 @@ const ACK_DELAY_US: u64 = 100;
 /// Requests a responder keeps when they arrive ahead of a gap (see `Qp::hold`).
 const HOLD_MAX_PKTS: usize = 2048;
 const HOLD_MAX_BYTES: usize = 4 << 20;
+/// The shortest RNR wait a suspended QP asks of its peers: 0.96 ms (IBTA
+/// RNR timer code 13).
+const SUSPENDED_RNR_TIMER: u8 = 13;
 
 /// What the PSN check found.
 enum PsnCheck {
@@ -166,12 +169,27 @@ impl Qp {
 
     /// Suspended answer to any request: RNR NAK for its PSN (or for the
     /// expected one if it is ahead), sent at once and touching no memory.
+    /// The RNR timer a suspended QP's NAKs ask for: its own
+    /// `min_rnr_timer`, but at least SUSPENDED_RNR_TIMER. A move takes
+    /// milliseconds; peers told to retry every 10 us (a common
+    /// `min_rnr_timer`) flood the host of the suspended QPs with retries
+    /// that delay the move's own control requests. The resume's sequence
+    /// NAK tells the peer to resend at once, before this timer ends.
+    pub(super) fn suspended_rnr_timer(&self) -> u8 {
+        let own = self.attr.min_rnr_timer;
+        if wire::rnr_timer_us(own) >= wire::rnr_timer_us(SUSPENDED_RNR_TIMER) {
+            own
+        } else {
+            SUSPENDED_RNR_TIMER
+        }
+    }
+
     pub(super) fn suspended_nak(&mut self, ctx: &mut Ctx, psn: u32) {
         let nak_psn = if psn_diff(psn, self.rt.epsn) <= 0 { psn } else { self.rt.epsn };
         ctx.stats.rnr_naks_sent += 1;
         let flow = self.flow(ctx.gid);
         let mut h = Headers::new(Opcode::Ack, self.attr.dest_qp_num, nak_psn);
-        h.aeth = Some(Aeth { syndrome: Syndrome::RnrNak(self.attr.min_rnr_timer), msn: self.rt.msn });
+        h.aeth = Some(Aeth { syndrome: Syndrome::RnrNak(self.suspended_rnr_timer()), msn: self.rt.msn });
         let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
     }
 
@@ -275,7 +293,7 @@ impl Qp {
     /// again (a storm of retransmissions that takes the CPU while the QP moves).
     fn suspended_request(&mut self, ctx: &mut Ctx, psn: u32) {
         ctx.stats.rx_while_suspended += 1;
-        let period = Duration::from_micros(wire::rnr_timer_us(self.attr.min_rnr_timer));
+        let period = Duration::from_micros(wire::rnr_timer_us(self.suspended_rnr_timer()));
         if self.suspended_nak_at.is_some_and(|t| ctx.now < t + period) {
             return;
         }
