@@ -64,7 +64,7 @@ fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
         let batch = next..(next + 8).min(N);
         for i in batch.clone() {
             peer.buf.write(i as usize * 8, &i.to_le_bytes());
-            peer.qp.post_send(&[SendWr::send(i, &[peer.mr.sge(i * 8, 8)])]).unwrap();
+            peer.qp.post_send(&[SendWr::send(i, &[peer.mr.sge(i as usize * 8, 8)])]).unwrap();
         }
         while next < batch.end {
             assert!(Instant::now() < deadline, "timed out after {next} of {N} messages");

@@ -190,8 +190,7 @@ impl Bench<'_> {
             // queue moving; only the pong is waited for.
             let signaled = i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
             let t0 = plat.now_ns();
-            qp.post_send(0, Op::Send, &[self.mr.sge(self.ping, size as u32)], signaled)
-                .unwrap_or_else(|e| fail(plat, "post_send", e));
+            qp.post_send(0, Op::Send, &[self.mr.sge(self.ping, size as u32)], signaled).unwrap_or_else(|e| fail(plat, "post_send", e));
             let (mut sent, mut got, mut dt) = (!signaled, false, 0);
             while !(sent && got) {
                 // Sleep for the first completion, then take what else came.
