@@ -16,111 +16,13 @@
 mod pvrdma_bed;
 
 use pvrdma_bed::*;
-use serde_json::{json, Value};
-use std::net::Ipv4Addr;
+use serde_json::json;
 use std::time::{Duration, Instant};
-use vmm::testing::VmProcess;
-
-/// A destination for `gid` on host `h`, waiting for the migration.
-fn destination(bed: &Bed, h: usize, gid: Ipv4Addr, pvrdma: &str) -> VmProcess {
-    sized_destination(bed, h, gid, "64M", pvrdma)
-}
-
-fn sized_destination(bed: &Bed, h: usize, gid: Ipv4Addr, memory: &str, pvrdma: &str) -> VmProcess {
-    bed.vm_sized(h, gid, memory, "count=0", pvrdma, &["--incoming", "tcp:0.0.0.0:4444", "--keep-after-migrate"])
-}
-
-/// What runs in the VM: firmware arguments and RAM.
-#[derive(Clone, Copy)]
-struct Load {
-    args: &'static str,
-    memory: &'static str,
-}
-
-/// Every workload on one QP each.
-const PLAIN: Load = Load { args: "count=0", memory: "64M" };
-
-fn start_migration(bed: &Bed, src: &VmProcess, to: usize, params: Value) {
-    let mut a = params;
-    a["uri"] = json!(format!("tcp:{}:4444", bed.tb.host(to).addr(0)));
-    src.exec("migrate", a).unwrap();
-}
-
-/// The outgoing migration's last status once it ended.
-fn wait_end(src: &VmProcess) -> Value {
-    let mut last = Value::Null;
-    wait_for("the migration to end", LONG, || {
-        last = migration(src);
-        matches!(last["status"].as_str(), Some("completed" | "failed" | "cancelled"))
-    });
-    last
-}
-
-/// Moves the VM from `src` to a new destination on host `to`; returns the
-/// destination and the source's migration report. The source stays up
-/// (`--keep-after-migrate`) for the checks, then quits.
-fn hop(bed: &Bed, src: &mut VmProcess, to: usize, gid: Ipv4Addr, memory: &str, params: Value) -> (VmProcess, Value) {
-    let dst = sized_destination(bed, to, gid, memory, "");
-    start_migration(bed, src, to, params);
-    let st = wait_end(src);
-    assert_eq!(st["status"], "completed", "{st:#}\nsource console:\n{}", src.console());
-    wait_for("the destination to run", LONG, || dst.status().unwrap()["running"] == true);
-    (dst, st)
-}
-
-/// After a hop: the destination holds the GID, the source does not, the
-/// source's device (`traced`: while the peer could reach it) traced the
-/// peer's writes during the rounds, and it holds no objects any more.
-fn check_hop(bed: &Bed, src: &mut VmProcess, dst: &VmProcess, (from, to): (usize, usize), gid: Ipv4Addr, traced: bool) {
-    assert!(bed.holds(to, gid) && !bed.holds(from, gid), "the GID must be on host {to} only");
-    let d = pvrdma(src);
-    eprintln!("source device after the hop: {}", d["counters"]);
-    assert!(!traced || d["counters"]["traced_pages"].as_u64().unwrap() > 0, "the peer's writes were traced: {d:#}");
-    // The source closes its namespace when its main loop sees the
-    // migration completed, which may be just after query-migrate says so.
-    wait_for("the source's namespace to hold nothing", LONG, || pvrdma(src)["objects"]["qps"] == 0);
-    assert_qps_running(dst);
-    src.exec("quit", json!({})).unwrap();
-    src.wait_exit(Duration::from_secs(20)).unwrap();
-}
-
-/// A -> B -> A with every workload of `load` running and `params` for
-/// each hop; returns the peer's report.
-fn there_and_back(tag: &str, load: Load, params: Value, during: impl Fn(&Bed, usize)) -> Value {
-    let bed = Bed::new(tag);
-    let gid = bed.vm_gid(1);
-    let mut a = bed.vm_sized(0, gid, load.memory, load.args, "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "40"]].concat());
-    let p0 = a.wait_progress(STEP, LONG).unwrap();
-    assert!(bed.holds(0, gid));
-    during(&bed, 1);
-    let (mut b, st) = hop(&bed, &mut a, 1, gid, load.memory, params.clone());
-    eprintln!("A -> B: downtime {} ms, total {} ms", st["downtime_ms"], st["total_ms"]);
-    check_hop(&bed, &mut a, &b, (0, 1), gid, true);
-    let p1 = b.wait_progress(p0 + STEP, LONG).unwrap();
-    during(&bed, 0);
-    let (c, st) = hop(&bed, &mut b, 0, gid, load.memory, params);
-    eprintln!("B -> A: downtime {} ms, total {} ms", st["downtime_ms"], st["total_ms"]);
-    check_hop(&bed, &mut b, &c, (1, 0), gid, true);
-    c.wait_progress(p1 + STEP, LONG).unwrap();
-    // Read before the peer's run ends: once it is gone, the guest's next
-    // operations fail, as they should.
-    let consoles = [a.console(), b.console(), c.console()];
-    assert_qps_running(&c);
-    let rep = peer.report();
-    for con in &consoles {
-        assert_guest_clean(con);
-    }
-    assert_peer_clean(&rep);
-    for w in ["stream", "ring", "table", "atomic"] {
-        assert!(rep["workloads"][w]["verified"].as_u64().unwrap() > 0, "{w}: {rep:#}");
-    }
-    rep
-}
+use Mode::*;
 
 #[test]
 fn every_workload_across_a_b_a_in_precopy() {
-    there_and_back("pvm-aba", PLAIN, json!({"channels": 2}), |_, _| {});
+    there_and_back("pvm-aba", PLAIN, [Precopy, Precopy], |_, _| {});
 }
 
 /// 16 QPs (4 of each workload) and a 64 MiB RDMA WRITE the guest repeats
@@ -129,8 +31,8 @@ fn every_workload_across_a_b_a_in_precopy() {
 /// unacknowledged PSN; the peer verifies every WRITE whole.
 #[test]
 fn sixteen_qps_and_a_64_mib_write_across_a_b_a() {
-    let load = Load { args: "count=0 qps=16 bigwrite=64M", memory: "256M" };
-    let rep = there_and_back("pvm-big", load, json!({"channels": 2}), |_, _| {});
+    let load = Load { args: "count=0 qps=16 bigwrite=64M", memory: "256M", max_bandwidth: 0 };
+    let rep = there_and_back("pvm-big", load, [Precopy, Precopy], |_, _| {});
     assert_eq!(rep["qps"], 17, "16 and the big WRITE's: {rep:#}");
     let big = &rep["workloads"]["big"];
     eprintln!("64 MiB WRITEs verified whole: {}", big["verified"]);
@@ -139,14 +41,14 @@ fn sixteen_qps_and_a_64_mib_write_across_a_b_a() {
 
 #[test]
 fn two_hundred_fifty_six_qps_across_a_b_a() {
-    let load = Load { args: "count=0 qps=256", memory: "256M" };
-    let rep = there_and_back("pvm-q256", load, json!({"channels": 2}), |_, _| {});
+    let load = Load { args: "count=0 qps=256", memory: "256M", max_bandwidth: 0 };
+    let rep = there_and_back("pvm-q256", load, [Precopy, Precopy], |_, _| {});
     assert_eq!(rep["qps"], 256, "{rep:#}");
 }
 
 #[test]
 fn across_a_b_a_at_one_percent_loss() {
-    there_and_back("pvm-loss", PLAIN, json!({"channels": 2}), |bed, _| {
+    there_and_back("pvm-loss", PLAIN, [Precopy, Precopy], |bed, _| {
         for h in 0..3 {
             bed.tb.set_loss(h, 0, 1.0).unwrap();
         }
@@ -157,80 +59,29 @@ fn across_a_b_a_at_one_percent_loss() {
 /// second later: the switch happens while the peer hears nothing.
 #[test]
 fn the_peers_link_cut_for_a_second_across_the_switch() {
-    let bed = Bed::new("pvm-cut");
-    let gid = bed.vm_gid(1);
-    let mut a = bed.vm_with(0, gid, "count=0", "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "45"]].concat());
-    let p0 = a.wait_progress(STEP, LONG).unwrap();
-    let b = destination(&bed, 1, gid, "");
-    bed.tb.link_down(2, 0).unwrap();
-    let cut = Instant::now();
-    start_migration(&bed, &a, 1, json!({"channels": 2}));
-    let st = wait_end(&a);
-    assert_eq!(st["status"], "completed", "{st:#}");
-    let switched = cut.elapsed();
-    std::thread::sleep(Duration::from_secs(1).saturating_sub(switched));
-    bed.tb.link_up(2, 0).unwrap();
-    eprintln!("switch {switched:?} after the cut; link down for {:?}", cut.elapsed());
-    check_hop(&bed, &mut a, &b, (0, 1), gid, false);
-    b.wait_progress(p0 + STEP, LONG).unwrap();
-    let console = b.console();
-    let rep = peer.report();
-    assert_guest_clean(&console);
-    assert_peer_clean(&rep);
+    link_cut_across_the_switch("pvm-cut", &[Precopy]);
 }
 
-/// The migration stops before its commit (`abort` does it): the VM and its
-/// QPs run on the source again, the source kept its GID, and a second
-/// migration succeeds.
-fn fails_then_succeeds(tag: &str, abort: impl Fn(&Bed, &VmProcess, &mut VmProcess, usize)) {
-    let bed = Bed::new(tag);
-    let gid = bed.vm_gid(1);
-    let mut a = bed.vm_with(0, gid, "count=0", "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "60"]].concat());
-    let mut p = a.wait_progress(STEP, LONG).unwrap();
-    for attempt in 0..3 {
-        let mut b = destination(&bed, 1, gid, "");
-        // Slow and never converging: the failure lands in the rounds.
-        start_migration(&bed, &a, 1, json!({"channels": 2, "max_bandwidth": 2_000_000, "downtime_ms": 1, "auto_converge": false}));
-        abort(&bed, &a, &mut b, attempt);
-        let st = wait_end(&a);
-        assert_ne!(st["status"], "completed", "{st:#}");
-        assert!(bed.holds(0, gid) && !bed.holds(1, gid), "the GID stays on the source");
-        let d = pvrdma(&a);
-        assert_eq!(d["tracing"], false, "traces end with the migration: {d:#}");
-        assert_qps_running(&a);
-        p = a.wait_progress(p + STEP, LONG).unwrap();
-        drop(b);
-    }
-    let (mut b, _) = hop(&bed, &mut a, 1, gid, "64M", json!({"channels": 2}));
-    check_hop(&bed, &mut a, &b, (0, 1), gid, true);
-    b.wait_progress(p + STEP, LONG).unwrap();
-    let consoles = [a.console(), b.console()];
-    let rep = peer.report();
-    for con in &consoles {
-        assert_guest_clean(con);
-    }
-    assert_peer_clean(&rep);
-    b.kill();
-}
-
+/// Three migrations cancelled at different times in their rounds, then one
+/// that succeeds.
 #[test]
 fn cancel_resumes_the_qps_on_the_source() {
-    fails_then_succeeds("pvm-cancel", |_, a, _, attempt| {
-        std::thread::sleep(Duration::from_millis(300 + 700 * attempt as u64));
+    fails_then_succeeds("pvm-cancel", Precopy, "", 3, |bed, a, _, i| {
+        start_slow(bed, a, 1, Precopy);
+        std::thread::sleep(Duration::from_millis(300 + 700 * i as u64));
         a.exec("migrate-cancel", json!({})).unwrap();
     });
 }
 
+/// The destination killed while the first pass runs, later, and after the
+/// second round; then a migration that succeeds.
 #[test]
 fn a_killed_destination_leaves_the_vm_running_on_the_source() {
-    fails_then_succeeds("pvm-kill", |_, a, b, attempt| {
-        match attempt {
-            // While the first pass runs, and in a later round.
+    fails_then_succeeds("pvm-kill", Precopy, "", 3, |bed, a, b, i| {
+        start_slow(bed, a, 1, Precopy);
+        match i {
             0 => std::thread::sleep(Duration::from_millis(200)),
             1 => std::thread::sleep(Duration::from_millis(1500)),
-            // As soon as the source is past its first round.
             _ => wait_for("a second round", LONG, || migration(a)["rounds"].as_u64().unwrap_or(0) >= 2),
         }
         b.kill();
@@ -242,16 +93,31 @@ fn a_killed_destination_leaves_the_vm_running_on_the_source() {
 /// GID, and the source resumes its QPs.
 #[test]
 fn a_device_state_the_destination_cannot_take_is_refused() {
-    fails_then_succeeds("pvm-refuse", |bed, a, b, _| {
+    fails_then_succeeds("pvm-refuse", Precopy, "", 3, |bed, a, b, _| {
         // Replace the waiting destination by one with another GID.
         b.kill();
-        *b = destination(bed, 1, bed.vm_gid(2), "");
-        let _ = a.exec("migrate-cancel", json!({}));
-        wait_end(a);
-        start_migration(bed, a, 1, json!({"channels": 2}));
+        *b = destination(bed, 1, bed.vm_gid(2), &PLAIN, "");
+        start_migration(bed, a, 1, params(Precopy, &PLAIN));
         let st = wait_end(a);
         assert_eq!(st["status"], "failed", "{st:#}");
         assert!(st["error"].as_str().unwrap_or("").contains("GID"), "{st:#}");
+        assert!(b.wait_exit(Duration::from_secs(20)).unwrap() != Some(0), "the destination exits, never having run");
+    });
+}
+
+/// A device state with damaged bytes (`testing=corrupt-state` on the
+/// source flips bytes of the next state it saves, under the section's
+/// checksum, so they reach the destination's device): the destination
+/// refuses it and exits without running, the source resumes its QPs, the
+/// peer sees no error, and the next migration (a sound state) succeeds.
+#[test]
+fn a_device_state_with_damaged_bytes_is_refused() {
+    fails_then_succeeds("pvm-damage", Precopy, ",testing=corrupt-state", 1, |bed, a, b, _| {
+        start_migration(bed, a, 1, params(Precopy, &PLAIN));
+        let st = wait_end(a);
+        assert_eq!(st["status"], "failed", "{st:#}");
+        eprintln!("the source's report: {}", st["error"]);
+        assert!(st["error"].as_str().unwrap_or("").contains("pvrdma0"), "the device's state is what was refused: {st:#}");
         assert!(b.wait_exit(Duration::from_secs(20)).unwrap() != Some(0), "the destination exits, never having run");
     });
 }
@@ -266,8 +132,8 @@ fn without_traces_the_guest_sees_the_peers_lost_writes() {
     let a = bed.vm_with(0, gid, "count=0", ",testing=no-traces", &["--keep-after-migrate"]);
     let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "40"]].concat());
     let p0 = a.wait_progress(STEP, LONG).unwrap();
-    let b = destination(&bed, 1, gid, "");
-    start_migration(&bed, &a, 1, json!({"channels": 2}));
+    let b = destination(&bed, 1, gid, &PLAIN, "");
+    start_migration(&bed, &a, 1, params(Precopy, &PLAIN));
     let st = wait_end(&a);
     assert_eq!(st["status"], "completed", "{st:#}");
     let d = pvrdma(&a);
@@ -300,12 +166,125 @@ fn with_ids_that_change_the_peers_operations_fail() {
     let a = bed.vm_with(0, gid, "count=0", "", &["--keep-after-migrate"]);
     let peer = Peer::start(&bed, &a, &["--timeout", "14", "--duration", "40"]);
     a.wait_progress(STEP, LONG).unwrap();
-    let b = destination(&bed, 1, gid, ",testing=shift-ids");
-    start_migration(&bed, &a, 1, json!({"channels": 2}));
+    let b = destination(&bed, 1, gid, &PLAIN, ",testing=shift-ids");
+    start_migration(&bed, &a, 1, params(Precopy, &PLAIN));
     let st = wait_end(&a);
     assert_eq!(st["status"], "completed", "{st:#}");
     let rep = peer.report();
     eprintln!("peer report: {rep}");
     assert_eq!(rep["ok"], false, "the peer should have failed: {rep:#}");
     drop(b);
+}
+
+/// nftables rules in table `inet pvhalf` of host `h`, replacing earlier
+/// ones (and their counters) in one transaction.
+fn nft_rules(h: &testbed::Host, chains: &str) {
+    h.sh(&format!("nft -f - <<'EOF'\nadd table inet pvhalf\ndelete table inet pvhalf\ntable inet pvhalf {{\n{chains}\n}}\nEOF")).unwrap();
+}
+
+fn nft_counter(h: &testbed::Host, name: &str) -> u64 {
+    let out = h.sh(&format!("nft list counter inet pvhalf {name}")).unwrap();
+    let w: Vec<&str> = out.split_whitespace().collect();
+    w.iter().position(|x| *x == "packets").and_then(|i| w[i + 1].parse().ok()).unwrap_or_else(|| panic!("counter {name}: {out}"))
+}
+
+/// The number after `key=` in a line of IDs.
+fn id(line: &str, key: &str) -> u32 {
+    let v = line.split_whitespace().find_map(|w| w.strip_prefix(&format!("{key}="))).unwrap_or_else(|| panic!("no {key} in {line:?}"));
+    match v.strip_prefix("0x") {
+        Some(h) => u32::from_str_radix(h, 16).unwrap(),
+        None => v.parse().unwrap(),
+    }
+}
+
+/// A hop in every mode, each starting at the moment the guest's 64 MiB
+/// RDMA WRITE is exactly half acknowledged, made with nftables on the
+/// peer's host (rnicd without GSO, so the rules see each packet's own BTH):
+///
+/// 1. a rule counts the peer's SEND that ends a round (it verified the
+///    whole WRITE); once it moves, the next WRITE has not passed its half;
+/// 2. then the guest's WRITE packets of the second half of every round
+///    (PSN ranges from the guest's `big.psn`) are dropped before the
+///    peer's rnicd, whose ACK timer acknowledges the last packet of the
+///    first half; a counter sees that ACK leave. The guest's QP then holds
+///    exactly half the WRITE unacknowledged and resends it in vain;
+/// 3. the migration starts; once the VM runs on the destination the drop
+///    goes, the restored QP resends from the WRITE's middle, and the peer
+///    verifies the whole WRITE (every word: a missing part reads as the
+///    zeros it cleared) and SENDs the round back.
+///
+/// The peer's report then shows every big WRITE once and in order, no
+/// error completion; the guest's checks hold on every VM.
+#[test]
+fn a_64_mib_write_half_acknowledged_at_each_switch() {
+    let bed = Bed::with_rnicd_args("pvm-half", &["--no-gso"]);
+    let h = bed.tb.host(2);
+    let gid = bed.vm_gid(1);
+    let load = Load { args: "count=0 bigwrite=64M", memory: "256M", max_bandwidth: 0 };
+    let mut src = bed.vm_sized(0, gid, load.memory, load.args, "", &["--keep-after-migrate"]);
+    let ids = guest_ids(&src);
+    let peer = Peer::start(&bed, &src, &[PEER, &["--duration", "45"]].concat());
+    let (vm_qpn, first_psn, peer_qpn) = (id(&ids, "big.qpn"), id(&ids, "big.psn") & 0xff_ffff, id(&peer.line, "big.qpn"));
+    // Packets per WRITE at the guest's path MTU (1024 bytes).
+    let per_round = id(&ids, "big.len") / 1024;
+    assert_eq!((1 << 24) % per_round, 0, "rounds tile the PSN space");
+    let half = per_round / 2;
+    let (mut second_halves, mut half_acks) = (Vec::new(), Vec::new());
+    for r in 0..(1 << 24) / per_round {
+        let mid = (first_psn + r * per_round + half) & 0xff_ffff;
+        let end = mid + (per_round - half) - 1;
+        if end > 0xff_ffff {
+            second_halves.push(format!("{mid:#x}-0xffffff"));
+            second_halves.push(format!("0x0-{:#x}", end & 0xff_ffff));
+        } else {
+            second_halves.push(format!("{mid:#x}-{end:#x}"));
+        }
+        half_acks.push(format!("{:#x}", (mid + 0xff_ffff) & 0xff_ffff));
+    }
+    let (udp, bth_qpn, bth_psn, opcode) = ("udp dport 4791", "@th,104,24", "@th,136,24", "@th,64,8");
+    // The peer's SEND of a round's number (SEND only: 0x04) to the guest.
+    let round_end = format!(
+        "counter round_end {{ }}\nchain out {{ type filter hook output priority -10; policy accept;\n\
+           {udp} {bth_qpn} {vm_qpn:#x} {opcode} 0x04 counter name \"round_end\"\n}}"
+    );
+    let hold = format!(
+        "counter held {{ }}\ncounter half_ack {{ }}\n\
+         chain in {{ type filter hook input priority -10; policy accept;\n\
+           {udp} {bth_qpn} {peer_qpn:#x} {opcode} 0x06-0x0b {bth_psn} {{ {} }} counter name \"held\" drop\n}}\n\
+         chain out {{ type filter hook output priority -10; policy accept;\n\
+           {udp} {bth_qpn} {vm_qpn:#x} {opcode} 0x11 @th,160,8 & 0xe0 == 0x00 {bth_psn} {{ {} }} counter name \"half_ack\"\n}}",
+        second_halves.join(", "),
+        half_acks.join(", ")
+    );
+    let mut p = src.wait_progress(STEP, LONG).unwrap();
+    let (mut consoles, mut from) = (Vec::new(), 0);
+    for mode in [Precopy, Postcopy, Hybrid] {
+        let to = 1 - from;
+        let dst = destination(&bed, to, gid, &load, "");
+        nft_rules(h, &round_end);
+        wait_for("a big WRITE verified by the peer", LONG, || nft_counter(h, "round_end") > 0);
+        nft_rules(h, &hold);
+        wait_for("the big WRITE half acknowledged", Duration::from_secs(20), || nft_counter(h, "half_ack") > 0);
+        let held = nft_counter(h, "held");
+        start_migration(&bed, &src, to, params(mode, &load));
+        let st = wait_switched(&src);
+        let held_then = nft_counter(h, "held");
+        // Keep counting the peer's verified rounds, now from the new host.
+        nft_rules(h, &round_end);
+        eprintln!("{}: switched ({}) with the WRITE half acknowledged; second-half packets dropped: {held} before the migration, {held_then} at the switch", mode.name(), st["status"]);
+        assert_ne!(st["status"], "failed", "{st:#}");
+        finish_hop(&src, &dst, mode);
+        check_hop(&bed, &mut src, &dst, (from, to), gid, mode == Precopy);
+        wait_for("the held WRITE finished from the new host", LONG, || nft_counter(h, "round_end") > 0);
+        p = dst.wait_progress(p + STEP, LONG).unwrap();
+        consoles.push(src.console());
+        (src, from) = (dst, to);
+    }
+    consoles.push(src.console());
+    assert_qps_running(&src);
+    let rep = peer.report();
+    assert_run_clean(&consoles, &rep);
+    let big = &rep["workloads"]["big"];
+    eprintln!("64 MiB WRITEs verified whole: {}", big["verified"]);
+    assert!(big["verified"].as_u64().unwrap() >= 3, "{rep:#}");
 }

@@ -1,6 +1,8 @@
 //! `--pvrdma SPEC`: `gid=10.200.0.50[,rnicd=/path/to/rnicd.sock][,name=pvrdma0]`.
 //! `testing=no-traces` and `testing=shift-ids` turn a migration mechanism
-//! off, for the tests that show what it is for (never for real use).
+//! off, for the tests that show what it is for; `testing=corrupt-state`
+//! damages the next saved state, for the test that shows a destination
+//! refuses it (never for real use).
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -25,6 +27,9 @@ pub struct Testing {
     /// A restore recreates QPs and MRs with other QPNs and keys than the
     /// saved ones (as without an identity namespace).
     pub shift_ids: bool,
+    /// The next saved state has damaged bytes (then the switch is spent:
+    /// the migration after the refused one carries a sound state).
+    pub corrupt_state: bool,
 }
 
 impl PvrdmaConfig {
@@ -38,6 +43,7 @@ impl PvrdmaConfig {
                 "rnicd" if !v.is_empty() => rnicd = Some(PathBuf::from(v)),
                 "testing" if v == "no-traces" => testing.no_traces = true,
                 "testing" if v == "shift-ids" => testing.shift_ids = true,
+                "testing" if v == "corrupt-state" => testing.corrupt_state = true,
                 "name" if !v.is_empty() && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') => name = v.to_string(),
                 _ => return Err(format!("{part:?} is not understood (gid=, rnicd=, name=)")),
             }
@@ -66,7 +72,8 @@ mod tests {
         assert!(PvrdmaConfig::parse("gid=10.0.0.1,foo=1").is_err());
         assert!(PvrdmaConfig::parse("gid=10.0.0.1,name=a/b").is_err());
         let t = PvrdmaConfig::parse("gid=10.0.0.1,testing=no-traces,testing=shift-ids").unwrap().testing;
-        assert!(t.no_traces && t.shift_ids);
+        assert!(t.no_traces && t.shift_ids && !t.corrupt_state);
+        assert!(PvrdmaConfig::parse("gid=10.0.0.1,testing=corrupt-state").unwrap().testing.corrupt_state);
         assert!(PvrdmaConfig::parse("gid=10.0.0.1,testing=other").is_err());
     }
 }

@@ -52,7 +52,7 @@ impl Persist for Pvrdma {
     }
 
     fn save(&self) -> Result<Section> {
-        let d = lock(&self.shared);
+        let mut d = lock(&self.shared);
         let err = |why: String| StateError::Mismatch { name: self.name.clone(), why };
         if !d.paused && d.qps.len() > 0 {
             return Err(err("the device must be paused (QPs suspended) before its state is taken".into()));
@@ -79,7 +79,11 @@ impl Persist for Pvrdma {
             qps,
             counters: d.counters.clone(),
         };
-        Ok(Section::encode(&self.name, VERSION, &saved))
+        let mut section = Section::encode(&self.name, VERSION, &saved);
+        if std::mem::take(&mut d.testing.corrupt_state) {
+            damage(&mut section.data);
+        }
+        Ok(section)
     }
 
     fn restore(&mut self, section: &Section) -> Result<()> {
@@ -96,6 +100,20 @@ impl Persist for Pvrdma {
             d.reset();
         }
         r
+    }
+}
+
+/// `testing=corrupt-state`: flips the top bit of three bytes spread over
+/// the encoded state, as damage on a path would. The section's checksum is
+/// taken after this, so the damage reaches the destination's decoder,
+/// which must refuse it: every byte of the JSON encoding is ASCII, so a
+/// flipped top bit is never valid there.
+fn damage(data: &mut [u8]) {
+    let n = data.len();
+    for at in [n / 4, n / 2, 3 * n / 4] {
+        if let Some(b) = data.get_mut(at) {
+            *b ^= 0x80;
+        }
     }
 }
 

@@ -24,6 +24,12 @@ pub struct Bed {
 
 impl Bed {
     pub fn new(prefix: &str) -> Bed {
+        Bed::with_rnicd_args(prefix, &[])
+    }
+
+    /// As [`new`](Self::new) with `args` for every rnicd (`--no-gso` for
+    /// tests whose nftables rules must see each packet's own headers).
+    pub fn with_rnicd_args(prefix: &str, args: &[&str]) -> Bed {
         let tb = Testbed::create(TestbedOpts::new(prefix, 3)).expect("testbed (needs root)");
         let mut nics = Vec::new();
         for i in 0..3 {
@@ -33,7 +39,8 @@ impl Bed {
             h.sh("sysctl -qw net.ipv4.conf.all.arp_announce=2").unwrap();
             let sock = rnic::daemon::default_socket_path(h.addr(0));
             let _ = std::fs::remove_file(&sock);
-            let child = h.spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string()]).unwrap();
+            let addr = h.addr(0).to_string();
+            let child = h.spawn(transit_bin().to_str().unwrap(), [&["rnicd", "--addr", &addr], args].concat()).unwrap();
             let t0 = Instant::now();
             while !sock.exists() {
                 assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
@@ -100,6 +107,8 @@ pub fn guest_ids(vm: &VmProcess) -> String {
 
 pub struct Peer {
     child: Child,
+    /// The peer's IDs (its first line of output, as the guest got them).
+    pub line: String,
     /// The guest's IDs as the peer read them.
     ids: PathBuf,
 }
@@ -128,8 +137,9 @@ impl Peer {
         let mut line = String::new();
         BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
         assert!(line.contains("gid="), "the peer did not start: {line:?}");
-        vm.exec("mailbox-write", json!({"data": line.trim()})).unwrap();
-        Peer { child, ids: f }
+        let line = line.trim().to_string();
+        vm.exec("mailbox-write", json!({"data": line})).unwrap();
+        Peer { child, line, ids: f }
     }
 
     /// Whether the peer's run is over.
@@ -185,6 +195,14 @@ pub fn assert_guest_clean(console: &str) {
 }
 
 // --- shared by the live-migration tests (pvrdma_migrate, pvrdma_postcopy) ---
+
+mod hop;
+mod runs;
+// Not every test binary that includes the bed migrates.
+#[allow(unused_imports)]
+pub use hop::*;
+#[allow(unused_imports)]
+pub use runs::*;
 
 /// The peer waits out a move of seconds: 7 retries of a 4 s ACK timeout.
 pub const PEER: &[&str] = &["--timeout", "20"];
