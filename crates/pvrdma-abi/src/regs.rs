@@ -120,4 +120,16 @@ pub mod transit {
     pub const BAR_SLOT_MSIX: usize = 0;
     pub const BAR_SLOT_REG: usize = 2;
     pub const BAR_SLOT_UAR: usize = 4;
+
+    /// Transit's extension of the CQ doorbell, with `UAR_CQ_POLL`: when the
+    /// CQ ring is still empty after the poll, the doorbell write returns
+    /// only once a completion has reached the ring, or after at most
+    /// `CQ_WAIT_MAX_US`. It stands in for "arm the CQ, HLT, take the
+    /// interrupt" in a guest that takes no interrupts: the vCPU sleeps
+    /// instead of spinning on POLL doorbells. Linux never sets bit 28
+    /// (between the handle and ARM_SOL), so for it nothing changes.
+    pub const UAR_CQ_WAIT: u32 = 1 << 28;
+    /// The longest a WAIT doorbell holds the vCPU (a timer tick's worth):
+    /// a pause or a stop of the vCPU waits at most this long for it.
+    pub const CQ_WAIT_MAX_US: u64 = 1000;
 }

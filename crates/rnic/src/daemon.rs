@@ -462,6 +462,9 @@ struct LoopKnobs {
     /// RNICD_LEAN_LOOP=0: loop again at once after any packet.
     lean_loop: bool,
     /// RNICD_SPIN_US: how long to keep polling after the last activity.
+    /// 0 by default under a real-time policy (`--sched-fifo`): a spinning
+    /// real-time loop would keep ordinary processes (its clients, the peer)
+    /// off its CPU, where sleeping costs nothing since its wake-up preempts.
     spin: Duration,
 }
 
@@ -472,9 +475,20 @@ impl LoopKnobs {
             ring_poll: on("RNICD_RING_POLL"),
             direct_rx: on("RNICD_DIRECT_RX"),
             lean_loop: on("RNICD_LEAN_LOOP"),
-            spin: std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(SPIN),
+            spin: std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(if realtime() {
+                Duration::ZERO
+            } else {
+                SPIN
+            }),
         }
     }
+}
+
+/// Whether this thread runs under a real-time scheduling policy.
+fn realtime() -> bool {
+    // SAFETY: plain system call about the calling thread.
+    let policy = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
+    policy == libc::SCHED_FIFO || policy == libc::SCHED_RR
 }
 
 /// The running daemon: its namespaces, clients, sockets and loop state.

@@ -574,6 +574,16 @@ impl CompChannel {
         self.efd.as_raw_fd()
     }
 
+    /// A waiter of its own on this channel: an edge-triggered epoll that
+    /// never reads the eventfd, so several threads, each with its waiter,
+    /// all see every event rnicd raises (a thread that drained the eventfd
+    /// would hide it from the others).
+    pub fn waiter(&self) -> anyhow::Result<ChannelWaiter> {
+        let ep = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).context("epoll_create1")?;
+        ep.add(&self.efd, EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLET, 0)).context("epoll_ctl")?;
+        Ok(ChannelWaiter { ep })
+    }
+
     /// Waits for the next channel event without reading the eventfd: an
     /// edge-triggered epoll reports every write rnicd makes after the last
     /// wait, whatever the count, so a wakeup costs one syscall, not a poll
@@ -592,6 +602,30 @@ impl CompChannel {
         let ms = EpollTimeout::try_from(timeout).unwrap_or(EpollTimeout::MAX);
         let mut ev = [EpollEvent::empty()];
         match ep.wait(&mut ev, ms) {
+            Ok(n) => Ok(n > 0),
+            Err(nix::errno::Errno::EINTR) => Ok(false),
+            Err(e) => Err(e).context("epoll_wait"),
+        }
+    }
+}
+
+/// One thread's view of a completion channel (`CompChannel::waiter`).
+pub struct ChannelWaiter {
+    ep: Epoll,
+}
+
+impl ChannelWaiter {
+    /// Waits for a channel event raised since the last wait (or since the
+    /// waiter was made); false on timeout or signal. An event may belong to
+    /// an earlier arm or another CQ of the channel: callers look at their
+    /// CQ afterwards anyway.
+    /// epoll counts in milliseconds: a timeout is rounded up to the next
+    /// one (rounding down would make a sub-millisecond wait a spin).
+    pub fn wait(&self, timeout: Duration) -> anyhow::Result<bool> {
+        let ms = Duration::from_millis(timeout.as_micros().div_ceil(1000) as u64);
+        let ms = EpollTimeout::try_from(ms).unwrap_or(EpollTimeout::MAX);
+        let mut ev = [EpollEvent::empty()];
+        match self.ep.wait(&mut ev, ms) {
             Ok(n) => Ok(n > 0),
             Err(nix::errno::Errno::EINTR) => Ok(false),
             Err(e) => Err(e).context("epoll_wait"),

@@ -309,14 +309,53 @@ impl Dev {
 
     /// Drains every armed CQ that has completions and notifies the driver
     /// (the notifier thread, after rnicd's completion event).
+    /// For a WAIT doorbell on CQ `handle`: whether the guest has something
+    /// to look at (a completion in its ring, or a device or CQ that no
+    /// longer serves doorbells). If not, rnicd's CQ is armed so that its
+    /// next completion raises a channel event (the guest's own arming, for
+    /// CQ notifications, stays as it was).
+    pub fn cq_wait_done(&mut self, handle: u32) -> bool {
+        if self.paused || self.regs.state != super::dev::DevState::Active {
+            return true;
+        }
+        if self.drain_and_notify(handle) > 0 || !self.guest_cq_empty(handle) {
+            return true;
+        }
+        let Some(cq) = self.cqs.get(handle) else { return true };
+        cq.cq.req_notify(false);
+        // A completion that landed before the arm raised no event.
+        cq.cq.ready() > 0 && self.drain_and_notify(handle) > 0
+    }
+
+    /// Drains CQ `handle` into the guest ring; if the guest armed the CQ and
+    /// completions arrived, it gets its CQ notification (whoever drained:
+    /// the notifier thread or a vCPU in a WAIT doorbell).
+    fn drain_and_notify(&mut self, handle: u32) -> usize {
+        let moved = self.drain_cq(handle);
+        if moved > 0 {
+            if let Some(c) = self.cqs.get_mut(handle).filter(|c| c.ring.armed != 0) {
+                c.ring.armed = 0;
+                self.cq_notify(handle);
+            }
+        }
+        moved
+    }
+
+    /// Whether CQ `handle`'s guest ring holds no completion (true when it
+    /// cannot be read: there is nothing for the guest to take there).
+    fn guest_cq_empty(&self, handle: u32) -> bool {
+        let Some(cq) = self.cqs.get(handle) else { return true };
+        let r = &cq.ring;
+        match r.pages.gpa(RING_STATE_RX_CONS_HEAD, 4).and_then(|a| self.guest.load_u32(a)) {
+            Ok(head) => !matches!(ring_has_data(r.tail, head, r.entries), Ok(Some(_))),
+            Err(_) => true,
+        }
+    }
+
     pub fn notify_armed(&mut self) {
         for h in self.cqs.handles() {
-            let armed = self.cqs.get(h).is_some_and(|c| c.ring.armed != 0);
-            if armed && self.drain_cq(h) > 0 {
-                if let Some(c) = self.cqs.get_mut(h) {
-                    c.ring.armed = 0;
-                }
-                self.cq_notify(h);
+            if self.cqs.get(h).is_some_and(|c| c.ring.armed != 0) {
+                self.drain_and_notify(h);
             }
         }
     }

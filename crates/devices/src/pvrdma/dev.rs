@@ -96,6 +96,10 @@ pub(crate) struct Counters {
     pub traced_pages: u64,
     /// Traces that had to report a whole MR.
     pub trace_overflows: u64,
+    /// WAIT doorbells that slept, and those of them that ended at the bound
+    /// rather than with a completion.
+    pub cq_waits: u64,
+    pub cq_wait_timeouts: u64,
 }
 
 /// rnicd, as this device reaches it.

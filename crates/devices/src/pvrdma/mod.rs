@@ -10,8 +10,9 @@
 //!
 //! Threading: the vCPU thread runs commands and doorbells inline (datapath.rs).
 //! One notifier thread per device waits for rnicd's completion events and
-//! turns them into CQ notifications for armed CQs. All state sits behind one
-//! lock.
+//! turns them into CQ notifications for armed CQs. A WAIT doorbell sleeps on
+//! the vCPU thread for the next completion event, without the lock. All state
+//! sits behind one lock.
 
 mod cmd;
 mod config;
@@ -91,12 +92,16 @@ pub struct Pvrdma {
     pci: PciConfig,
     stop: Arc<AtomicBool>,
     notifier: Option<JoinHandle<()>>,
+    /// What a WAIT doorbell sleeps on (the vCPU's own view of rnicd's
+    /// completion channel).
+    cq_waiter: Arc<verbs::ChannelWaiter>,
 }
 
 /// One of the device's BARs on the MMIO bus.
 pub struct PvrdmaBar {
     shared: Arc<Mutex<Dev>>,
     slot: usize,
+    cq_waiter: Arc<verbs::ChannelWaiter>,
 }
 
 impl Pvrdma {
@@ -112,6 +117,8 @@ impl Pvrdma {
         let ctx =
             verbs::Context::open_namespace(cfg.rnicd.as_deref(), cfg.gid).map_err(|e| format!("rnicd namespace {}: {e:#}", cfg.gid))?;
         let channel = ctx.create_comp_channel().map_err(|e| format!("rnicd completion channel: {e:#}"))?;
+        let waiter = |who: &str| channel.waiter().map_err(|e| format!("{who} on the completion channel: {e:#}"));
+        let (notifier_waiter, cq_waiter) = (waiter("notifier")?, Arc::new(waiter("CQ waiter")?));
         let ram_size = ram.len() as u64;
         let be = Backend { ctx, ram: Arc::new(ram), channel: Arc::new(channel) };
         let shared = Arc::new(Mutex::new(Dev::new(cfg.name.clone(), cfg.gid, Guest { mem }, ram_size, be, cfg.testing)));
@@ -122,13 +129,12 @@ impl Pvrdma {
         let stop = Arc::new(AtomicBool::new(false));
         let notifier = {
             let (shared, stop) = (shared.clone(), stop.clone());
-            let channel = lock(&shared).be.channel.clone();
             std::thread::Builder::new()
                 .name(format!("pvrdma-{}", cfg.name))
-                .spawn(move || notifier(shared, channel, stop))
+                .spawn(move || notifier(shared, notifier_waiter, stop))
                 .map_err(|e| format!("notifier thread: {e}"))?
         };
-        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier) })
+        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter })
     }
 
     pub fn name(&self) -> &str {
@@ -141,7 +147,8 @@ impl Pvrdma {
             .into_iter()
             .map(|slot| {
                 let b = self.pci.bar(slot).expect("declared in new");
-                (Arc::new(Mutex::new(PvrdmaBar { shared: self.shared.clone(), slot })), b.addr, b.size)
+                let bar = PvrdmaBar { shared: self.shared.clone(), slot, cq_waiter: self.cq_waiter.clone() };
+                (Arc::new(Mutex::new(bar)), b.addr, b.size)
             })
             .collect()
     }
@@ -204,10 +211,12 @@ impl Pvrdma {
     }
 }
 
-/// Waits for rnicd's completion events and notifies armed CQs.
-fn notifier(shared: Arc<Mutex<Dev>>, channel: Arc<verbs::CompChannel>, stop: Arc<AtomicBool>) {
+/// Waits for rnicd's completion events and notifies armed CQs. Its waiter
+/// leaves the eventfd alone, so a vCPU in a WAIT doorbell sees the same
+/// events.
+fn notifier(shared: Arc<Mutex<Dev>>, waiter: verbs::ChannelWaiter, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Acquire) {
-        match channel.get_cq_event(Some(Duration::from_millis(50))) {
+        match waiter.wait(Duration::from_millis(50)) {
             Ok(true) => {
                 let mut d = lock(&shared);
                 if !d.paused && d.regs.state == DevState::Active {
@@ -221,6 +230,36 @@ fn notifier(shared: Arc<Mutex<Dev>>, channel: Arc<verbs::CompChannel>, stop: Arc
 }
 
 impl PvrdmaBar {
+    /// The WAIT doorbell (`abi::transit::UAR_CQ_WAIT`, after its POLL ran):
+    /// sleeps on rnicd's completion channel, without the device lock, until
+    /// a completion reaches CQ `handle`'s guest ring or the bound passes.
+    /// The analogue of a guest that arms its CQ and halts until the
+    /// interrupt, on a platform that cannot inject one.
+    fn wait_cq(&self, handle: u32) {
+        let deadline = Instant::now() + Duration::from_micros(abi::transit::CQ_WAIT_MAX_US);
+        let mut slept = false;
+        loop {
+            let mut d = lock(&self.shared);
+            if d.cq_wait_done(handle) {
+                return;
+            }
+            if !slept {
+                d.counters.cq_waits += 1;
+                slept = true;
+            }
+            drop(d);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !self.cq_waiter.wait(left).unwrap_or(false) {
+                // The bound passed: one last look, as after a timer tick.
+                let mut d = lock(&self.shared);
+                if !d.cq_wait_done(handle) {
+                    d.counters.cq_wait_timeouts += 1;
+                }
+                return;
+            }
+        }
+    }
+
     fn read_reg(d: &mut Dev, offset: u64) -> u32 {
         match offset {
             abi::REG_VERSION => abi::VERSION_QPHANDLE,
@@ -323,7 +362,14 @@ impl BusDevice for PvrdmaBar {
         match self.slot {
             abi::transit::BAR_SLOT_REG => Self::write_reg(&mut d, offset, v),
             abi::transit::BAR_SLOT_MSIX => Self::write_msix(&mut d, offset, v),
-            _ => d.doorbell(offset % 4096, v),
+            _ => {
+                d.doorbell(offset % 4096, v);
+                let wait = abi::transit::UAR_CQ_WAIT | abi::UAR_CQ_POLL;
+                if offset % 4096 == abi::UAR_CQ_OFFSET && v & wait == wait {
+                    drop(d);
+                    self.wait_cq(v & abi::UAR_HANDLE_MASK);
+                }
+            }
         }
     }
 }

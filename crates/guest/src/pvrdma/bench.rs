@@ -15,6 +15,11 @@
 //! - `lat size=S iters=N`: N SEND round trips of S bytes; answers `result
 //!   test=lat size=S iters=N p50_ns= p99_ns= avg_ns=`, each sample half a
 //!   round trip as `ib_send_lat` counts it.
+//!
+//! Either order takes `wait=1` (the default) or `wait=0`: whether the guest
+//! waits for completions with the WAIT doorbell (`Cq::wait`, the vCPU
+//! sleeps in the device) or spins on POLL doorbells (`Cq::poll`, as
+//! `pvrdma_poll_cq` in a busy-polling application).
 
 use super::workloads::{fail, parse_ip, PeerInfo};
 use super::{Cq, Op, Qp, Remote};
@@ -28,6 +33,8 @@ use pvrdma_abi::ib::{wc_opcode, wc_status};
 const MAX_SIZE: u64 = 1 << 20;
 const DEPTH: u32 = 64;
 const MAX_ITERS: u64 = 100_000;
+/// One ping in this many is signaled in the latency test.
+const SIGNAL_EVERY: usize = 16;
 
 pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     let Some(gid) = args.get("gid").and_then(parse_ip) else {
@@ -87,13 +94,14 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     println!("pvrdma-bench: connected; waiting for orders in the mailbox");
     mb.publish(b"ready");
 
-    let b = Bench { plat, mr: &mr, src: buf, ping, pong, samples, raddr: addr, rkey: rkey as u32 };
+    let mut b = Bench { plat, mr: &mr, src: buf, ping, pong, samples, raddr: addr, rkey: rkey as u32, wait: true };
     loop {
         let (seq, n) = mb.wait_host(host_seq, &mut pbuf);
         host_seq = seq;
         let order = PeerInfo(core::str::from_utf8(&pbuf[..n]).unwrap_or(""));
         let mut out = TextBuf::<256>::new();
         let size = order.num("size").unwrap_or(0);
+        b.wait = order.num("wait").unwrap_or(1) != 0;
         if order.0.starts_with("write ") && (1..=MAX_SIZE).contains(&size) {
             let secs = order.num("secs").unwrap_or(1).clamp(1, 60);
             let depth = order.num("depth").unwrap_or(32).clamp(1, DEPTH as u64 - 1);
@@ -119,9 +127,18 @@ struct Bench<'a> {
     samples: u64,
     raddr: u64,
     rkey: u32,
+    /// Wait for completions with the WAIT doorbell rather than spin.
+    wait: bool,
 }
 
 impl Bench<'_> {
+    /// The next completion of `cq`: when `block`, and the bench waits
+    /// rather than spins, sleeping in the device until one comes.
+    fn next(&self, cq: &Cq, block: bool) -> Option<super::Cqe> {
+        let r = if block && self.wait { cq.wait() } else { cq.poll() };
+        r.unwrap_or_else(|e| fail(self.plat, "poll", e))
+    }
+
     /// (bytes completed, ns, WQEs posted, ns spent posting).
     fn write_bw(&self, qp: &Qp, cq: &Cq, size: u64, ns: u64, depth: u64) -> (u64, u64, u64, u64) {
         let plat = self.plat;
@@ -145,7 +162,11 @@ impl Bench<'_> {
                     post_ns += plat.now_ns() - p0;
                 }
             }
-            while let Some(w) = cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+            // Nothing more to post: sleep for the next completion.
+            let full = posted - done >= depth || now - t0 >= ns;
+            let mut block = full;
+            while let Some(w) = self.next(cq, block) {
+                block = false;
                 if w.status != wc_status::SUCCESS {
                     println!("pvrdma-bench: WRITE {} failed with status {}", w.wr_id, w.status);
                     plat.exit(1)
@@ -163,12 +184,19 @@ impl Bench<'_> {
         // SAFETY: `samples` is our RAM for MAX_ITERS u32s.
         let samples = unsafe { core::slice::from_raw_parts_mut(self.samples as *mut u32, iters as usize) };
         let mut total = 0u64;
-        for s in samples.iter_mut() {
+        for (i, s) in samples.iter_mut().enumerate() {
+            // As ib_send_lat and `transit rdma send-lat`: the pings are
+            // unsignaled but every SIGNAL_EVERY-th, which keeps the send
+            // queue moving; only the pong is waited for.
+            let signaled = i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
             let t0 = plat.now_ns();
-            qp.post_send(0, Op::Send, &[self.mr.sge(self.ping, size as u32)], true).unwrap_or_else(|e| fail(plat, "post_send", e));
-            let (mut sent, mut got, mut dt) = (false, false, 0);
+            qp.post_send(0, Op::Send, &[self.mr.sge(self.ping, size as u32)], signaled).unwrap_or_else(|e| fail(plat, "post_send", e));
+            let (mut sent, mut got, mut dt) = (!signaled, false, 0);
             while !(sent && got) {
-                while let Some(w) = cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+                // Sleep for the first completion, then take what else came.
+                let mut block = true;
+                while let Some(w) = self.next(cq, block) {
+                    block = false;
                     if w.status != wc_status::SUCCESS {
                         println!("pvrdma-bench: SEND round trip failed with status {}", w.status);
                         plat.exit(1)

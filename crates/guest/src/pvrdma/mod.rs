@@ -9,7 +9,8 @@
 //! interrupts (IMR = 0), ACTIVATE and require ERR == 0, then CREATE_BIND the
 //! VM's GID at index 0. The firmware takes no interrupts: it polls the
 //! response slot for a command's answer, and CQs the way `pvrdma_poll_cq`
-//! does (ring the POLL doorbell when a CQ looks empty, then look again).
+//! does (ring the POLL doorbell when a CQ looks empty, then look again), or
+//! waits for a completion with Transit's WAIT doorbell (`Cq::wait`).
 //! Memory comes from a bump region of identity-mapped RAM, so a virtual
 //! address is the guest-physical one the device sees.
 
@@ -420,6 +421,21 @@ impl Cq {
             return Ok(Some(c));
         }
         mmio_write32(self.uar + UAR_CQ_OFFSET, UAR_CQ_POLL | (self.handle & UAR_HANDLE_MASK));
+        self.take()
+    }
+
+    /// One completion, sleeping for it if there is none: the WAIT doorbell
+    /// (`pvrdma_abi::transit::UAR_CQ_WAIT`, the device's stand-in for arming
+    /// the CQ and halting until its interrupt) returns once a completion is
+    /// in the ring or after at most `CQ_WAIT_MAX_US`. The vCPU sleeps in
+    /// the device meanwhile instead of taking one MMIO exit per look, which
+    /// leaves the host's CPUs to rnicd and the peer.
+    pub fn wait(&self) -> Result<Option<Cqe>> {
+        if let Some(c) = self.take()? {
+            return Ok(Some(c));
+        }
+        let doorbell = UAR_CQ_POLL | transit::UAR_CQ_WAIT | (self.handle & UAR_HANDLE_MASK);
+        mmio_write32(self.uar + UAR_CQ_OFFSET, doorbell);
         self.take()
     }
 }

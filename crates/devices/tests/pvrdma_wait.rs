@@ -1,0 +1,119 @@
+//! Transit's WAIT doorbell (`pvrdma_abi::transit::UAR_CQ_WAIT`): a guest
+//! that takes no interrupts sleeps in the device until a completion reaches
+//! its CQ ring, instead of spinning on POLL doorbells. Real rnicd processes
+//! on testbed hosts and a bare-metal verbs peer, as in pvrdma_device.rs.
+mod pvrdma;
+
+use std::time::{Duration, Instant};
+
+use devices::Lifecycle;
+use pvrdma::*;
+use pvrdma_abi::ib::{wc_opcode, wc_status};
+use pvrdma_abi::*;
+use verbs::SendWr;
+
+const WAIT: u32 = UAR_CQ_POLL | transit::UAR_CQ_WAIT;
+
+/// Takes the next completion from the guest ring without ringing anything.
+fn take(d: &Drv, cq: &mut GCq) -> Option<Cqe> {
+    let tail: u32 = d.get(cq.base + RING_STATE_RX_PROD_TAIL);
+    let slot = ring_has_data(tail, cq.head, cq.entries).ok()??;
+    let cqe: Cqe = d.get(cq.base + CQ_FIRST_CQE_OFFSET + slot as u64 * 64);
+    cq.head = idx_inc(cq.head, cq.entries);
+    d.put(cq.base + RING_STATE_RX_CONS_HEAD, &cq.head);
+    Some(cqe)
+}
+
+/// A stream of peer SENDs taken with WAIT doorbells only (no POLL loop):
+/// every message arrives, once, in order; a WAIT with nothing coming
+/// returns on its own; a WAIT on a CQ the guest armed for notification
+/// leaves the notification intact; bad handles and a paused device answer
+/// at once.
+#[test]
+fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
+    let bed = Bed::new("pvwait", 2);
+    let gid = bed.vm_gid(0, 1);
+    let mut d = Drv::new(&bed.nics[0].sock, gid);
+    d.bring_up();
+    let pd = d.create_pd();
+    let (buf, _mrh, key) = d.create_mr(pd, 1 << 20);
+    let mut scq = d.create_cq(64);
+    let mut rcq = d.create_cq(64);
+    let mut qp = d.create_qp(pd, &scq, &rcq, 32, 4);
+    let peer = Peer::new(bed.ctx(1));
+    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 500, 700);
+    peer.connect(gid, qp.qpn, 700, 500);
+
+    // Nothing is coming: the WAIT returns by itself (bounded) with an
+    // empty ring and no error.
+    let t0 = Instant::now();
+    d.doorbell(UAR_CQ_OFFSET, WAIT | rcq.handle);
+    assert!(t0.elapsed() < Duration::from_secs(5), "a WAIT with nothing coming must end");
+    assert!(take(&d, &mut rcq).is_none());
+    assert_eq!(d.rd(REG_ERR), 0);
+
+    // The peer sends a stream, eight messages at a time, while the guest
+    // takes them with WAIT doorbells only.
+    const N: u64 = 200;
+    for i in 0..16 {
+        d.post_recv(&mut qp, i, &[Sge { addr: buf + i * 256, length: 256, lkey: key }]);
+    }
+    let mut next = 0u64;
+    let deadline = Instant::now() + T;
+    while next < N {
+        let batch = next..(next + 8).min(N);
+        for i in batch.clone() {
+            peer.buf.write(i as usize * 8, &i.to_le_bytes());
+            peer.qp.post_send(&[SendWr::send(i, &[peer.mr.sge(i as usize * 8, 8)])]).unwrap();
+        }
+        while next < batch.end {
+            assert!(Instant::now() < deadline, "timed out after {next} of {N} messages");
+            let Some(c) = take(&d, &mut rcq) else {
+                d.doorbell(UAR_CQ_OFFSET, WAIT | rcq.handle);
+                continue;
+            };
+            assert_eq!((c.status, c.opcode), (wc_status::SUCCESS, wc_opcode::RECV), "{c:?}");
+            let slot = c.wr_id;
+            let got = u64::from_le_bytes(d.get_bytes(buf + slot * 256, 8).try_into().unwrap());
+            assert_eq!(got, next, "message {next} (receive slot {slot})");
+            next += 1;
+            d.post_recv(&mut qp, slot, &[Sge { addr: buf + slot * 256, length: 256, lkey: key }]);
+        }
+        let w = peer.cq.wait(batch.count(), T).unwrap();
+        assert!(w.iter().all(|w| w.status == verbs::WcStatus::Success), "{w:?}");
+    }
+    assert_eq!(d.rd(REG_ERR), 0);
+    assert!(take(&d, &mut rcq).is_none(), "no completion twice");
+
+    // A CQ the guest armed for notification: a WAIT on it still returns with
+    // the completion, and the armed CQ's notification still comes.
+    let notes_before: u32 = d.get(d.cq_ring + RING_STATE_RX_PROD_TAIL);
+    d.doorbell(UAR_CQ_OFFSET, UAR_CQ_ARM | scq.handle);
+    d.put_bytes(buf + 512 * 1024, b"ping");
+    peer.qp.post_recv(&[verbs::RecvWr { wr_id: 1, sg_list: &[peer.mr.sge(4096, 64)] }]).unwrap();
+    d.post_send(&mut qp, sq(77, pvrdma_abi::ib::wr_opcode::SEND), &[Sge { addr: buf + 512 * 1024, length: 4, lkey: key }]);
+    let deadline = Instant::now() + T;
+    let c = loop {
+        if let Some(c) = take(&d, &mut scq) {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "the SEND completion never came");
+        d.doorbell(UAR_CQ_OFFSET, WAIT | scq.handle);
+    };
+    assert_eq!((c.wr_id, c.status, c.opcode), (77, wc_status::SUCCESS, wc_opcode::SEND), "{c:?}");
+    let deadline = Instant::now() + T;
+    while d.get::<u32>(d.cq_ring + RING_STATE_RX_PROD_TAIL) == notes_before {
+        assert!(Instant::now() < deadline, "the armed CQ was never notified");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    // Bad handles get ERR and return at once; so does a paused device.
+    d.doorbell(UAR_CQ_OFFSET, WAIT | 999);
+    assert_eq!(d.rd(REG_ERR), 22, "EINVAL for a WAIT on no CQ");
+    d.dev.lock().unwrap().pause();
+    d.doorbell(UAR_CQ_OFFSET, WAIT | rcq.handle);
+    assert_eq!(d.rd(REG_ERR), 1, "EPERM for a WAIT on a paused device");
+    d.dev.lock().unwrap().resume();
+    let slot = notes_before % event_ring_slots(EVENT_RING_PAGES, 4);
+    assert_eq!(d.get::<Cqne>(d.cq_ring + EVENT_RING_FIRST_OFFSET + slot as u64 * 4).info, scq.handle);
+}
