@@ -14,6 +14,7 @@
 // man page (valid objects of this library, buffers of the sizes given).
 #![allow(clippy::missing_safety_doc)]
 
+pub mod ah;
 pub mod async_events;
 pub mod cq;
 pub mod device;

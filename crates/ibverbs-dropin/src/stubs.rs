@@ -106,12 +106,12 @@ errno_stubs!(
     execute_ioctl,
 );
 
-// Verbs this device lacks: multicast and address handles (UD), SRQs, ECE,
+// Verbs this device lacks: multicast and address handles from completions
+// (UD), SRQs, ECE,
 // resolving L2 addresses, importing objects of another process.
 errno_stubs!(
     ibv_attach_mcast,
     ibv_detach_mcast,
-    ibv_destroy_ah,
     ibv_destroy_srq,
     ibv_modify_srq,
     ibv_query_srq,
@@ -121,7 +121,6 @@ errno_stubs!(
     ibv_resolve_eth_l2_from_gid,
 );
 null_stubs!(
-    ibv_create_ah,
     ibv_create_ah_from_wc,
     ibv_create_srq,
     ibv_import_device,

@@ -6,7 +6,8 @@ use crate::compress::Compress;
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
-use crate::postcopy::clients::RamClients;
+use crate::postcopy::clients::{RamClients, RNICD_CLIENT};
+use crate::postcopy::dest::PageSource;
 use crate::postcopy::place::Alias;
 use crate::stats::{Control, Mode, Status};
 use crate::vm::MigratableVm;
@@ -87,7 +88,7 @@ fn run_inner(
     let mut control = accept(listener, ctl, timeout)?;
     *t0 = Instant::now();
     *control_out = Some(control.try_clone()?);
-    let hello = handshake(vm, &mut control, ctl)?;
+    let hello = handshake(vm, &mut control, ctl, clients.as_deref())?;
     let (sh, threads, urgent) = start_channels(vm, listener, &control, &hello, data_before, prealloc.as_ref(), &params.rnicd, ctl, *t0)?;
 
     // The source pauses the VM only once we can take the switch at once:
@@ -108,8 +109,8 @@ fn run_inner(
     if let Ok(Msg::Switchover { state_bytes, source_paused_unix_ns, dirty_ranges }) = &end {
         let sw =
             crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
-        let urgent = urgent.ok_or_else(|| anyhow!("postcopy without an urgent connection"))?;
-        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, urgent, hello.session, sw, clients, armed);
+        let pages = urgent.ok_or_else(|| anyhow!("postcopy without an urgent connection"))?;
+        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, pages, hello.session, sw, clients, armed);
     }
     let downtime = Steps { since: Instant::now(), ctl };
     if end.is_err() {
@@ -136,7 +137,7 @@ struct Hello {
 }
 
 /// The control connection's preamble and hello, answered with a welcome.
-fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control) -> Result<Hello> {
+fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control, clients: Option<&RamClients>) -> Result<Hello> {
     let ram = vm.ram();
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     let role = match wire::read_preamble(control) {
@@ -171,8 +172,10 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control)
             let compress: Compress = compress.parse().map_err(|e: String| anyhow!(e))?;
             let rdma = match transport.as_str() {
                 "" | "tcp" => false,
-                "rdma" if mode == Mode::Precopy => true,
-                "rdma" => bail!("the rdma transport carries precopy only, not {mode}"),
+                "rdma" if mode != Mode::Precopy && clients.is_some_and(|c| c.has(RNICD_CLIENT)) => bail!(
+                    "{mode} over the rdma transport is not possible for a VM whose rnicd is a RAM client (PVRDMA): rnicd would write the pages it READs through its own mapping of guest RAM, which waits for those very pages; migrate it over tcp"
+                ),
+                "rdma" => true,
                 other => bail!("transport {other:?} is not supported by this destination"),
             };
             Hello { session, channels: channels as usize, compress, mode, rdma }
@@ -206,15 +209,21 @@ fn start_channels(
     rnicd: &str,
     ctl: &Arc<Control>,
     t0: Instant,
-) -> Result<(Arc<RxShared>, ChannelThreads, Option<TcpStream>)> {
+) -> Result<(Arc<RxShared>, ChannelThreads, Option<PageSource>)> {
     let ram = vm.ram();
     let total = ram.pages();
     let mode = hello.mode;
     let (streams, urgent, rdma) = if hello.rdma {
-        (Vec::new(), None, crate::rdma::accept_channels(control, rnicd, &ram, hello.channels)?)
+        let rxs = crate::rdma::accept_channels(control, rnicd, &ram, hello.channels)?;
+        // Postcopy and hybrid: the queue pairs this side READs pages through.
+        let reads = match mode {
+            Mode::Precopy => None,
+            _ => Some(PageSource::Reads(crate::rdma::accept_reader(control, rnicd, &ram)?)),
+        };
+        (Vec::new(), reads, rxs)
     } else {
         let (s, u) = accept_channels(listener, ctl, hello.session, hello.channels, mode != Mode::Precopy)?;
-        (s, u, Vec::new())
+        (s, u.map(PageSource::Urgent), Vec::new())
     };
     ctl.update(|s| {
         s.status = Status::Active;

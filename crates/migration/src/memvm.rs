@@ -25,7 +25,7 @@ impl GuestRam {
     pub fn new(len: u64) -> std::io::Result<GuestRam> {
         let name = std::ffi::CString::new("transit-guest-ram").unwrap();
         // SAFETY: plain syscalls; results checked.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -33,6 +33,7 @@ impl GuestRam {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as i64) } < 0 {
             return Err(std::io::Error::last_os_error());
         }
+
         let addr = unsafe {
             libc::mmap(std::ptr::null_mut(), len as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
         };
@@ -40,6 +41,15 @@ impl GuestRam {
             return Err(std::io::Error::last_os_error());
         }
         Ok(GuestRam { fd, addr: addr as *mut u8, len })
+    }
+    /// Seal the memfd against shrinking and growing, as the vmm's guest
+    /// RAM is: rnicd registers only such memfds (the rdma transport).
+    pub fn seal(&self) -> std::io::Result<()> {
+        // SAFETY: fcntl on our own memfd.
+        if unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
     }
     pub fn region(&self) -> RamRegion {
         RamRegion { host_addr: self.addr, len: self.len, memfd: self.fd.as_raw_fd() }

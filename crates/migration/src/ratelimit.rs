@@ -13,6 +13,11 @@ impl TokenBucket {
         TokenBucket { rate: bytes_per_s as f64, state: Mutex::new((0.0, Instant::now())) }
     }
 
+    /// The cap in bytes per second (0: none).
+    pub fn rate(&self) -> u64 {
+        self.rate as u64
+    }
+
     /// Take `n` bytes worth of tokens, sleeping as long as needed. A burst of
     /// at most 50 ms worth of bytes is allowed so channels stay busy.
     pub fn take(&self, n: usize) {

@@ -451,6 +451,138 @@ fn unpack_frame(rd: &DataReader, total: u64, data_len: usize, mut rest: &[u8], s
     Ok(())
 }
 
+// --- postcopy: the destination reads the pages it lacks ---
+
+/// Queue pairs a postcopy destination reads through: [`READ_URGENT`] for
+/// the pages threads fault on, [`READ_BULK`] for the rest. An RC queue pair
+/// answers its READs in order, so a fault's READ on the bulk one would wait
+/// behind every bulk READ before it (QEMU's postcopy-preempt keeps a
+/// separate channel for the same reason).
+pub(crate) const READ_QPS: usize = 2;
+pub(crate) const READ_URGENT: usize = 0;
+pub(crate) const READ_BULK: usize = 1;
+/// READs one queue pair keeps outstanding: the responder's limit
+/// (`max_rd_atomic` of the connection).
+pub(crate) const READS_IN_FLIGHT: usize = 16;
+
+/// Source, postcopy and hybrid: guest RAM registered with this host's
+/// rnicd for remote reads, and the queue pairs the destination reads it
+/// through. After the switch this is all the source does for a page:
+/// rnicd answers each READ from its own mapping of the memfd, no vmm
+/// thread runs. Kept until the destination has every page or the link
+/// breaks (a recovery offers new ones). Fields drop in order: the queue
+/// pairs before their CQ, the registration last.
+pub(crate) struct ReadableRam {
+    _qps: Vec<Qp>,
+    _cq: Cq,
+    _ram: Arc<Ram>,
+}
+
+/// Offer the destination our guest RAM to read (`RdmaReadOffer` on the
+/// control connection) and connect the queue pairs it answers with.
+pub(crate) fn offer_ram(control: &mut TcpStream, rnicd: &str, ram: &RamRegion) -> Result<ReadableRam> {
+    let ctx = open_rnicd(rnicd)?;
+    let shared = register_ram(&ctx, ram, access::REMOTE_READ)?;
+    // The responder side never completes anything of its own.
+    let cq = ctx.create_cq(READ_QPS as u32, None)?;
+    let mut init = QpInitAttr::new(&cq, &cq);
+    init.cap.max_send_wr = 1;
+    init.cap.max_recv_wr = 1;
+    init.cap.max_send_sge = 1;
+    init.cap.max_recv_sge = 1;
+    let qps = (0..READ_QPS).map(|_| shared.pd.create_qp(&init)).collect::<Result<Vec<_>>>()?;
+    let offer = Msg::RdmaReadOffer { gid: ctx.gid().to_string(), qpns: qps.iter().map(|q| q.qpn).collect(), rkey: shared.mr.rkey };
+    wire::send_msg(control, &offer)?;
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let (gid, qpns) = match recv_reply(control)? {
+        Msg::RdmaReadAccept { gid, qpns } => (gid_of(&gid)?, qpns),
+        other => bail!("destination answered {other:?} to the offer of guest RAM to read"),
+    };
+    control.set_read_timeout(None)?;
+    if qpns.len() != READ_QPS {
+        bail!("destination answered {} queue pairs to read through, not {READ_QPS}", qpns.len());
+    }
+    for (qp, qpn) in qps.iter().zip(qpns) {
+        let o = ConnectOpts { access: access::REMOTE_READ, sq_psn: PSN, max_rd_atomic: READS_IN_FLIGHT as u8, ..Default::default() };
+        qp.connect(&QpEndpoint { gid, qpn, psn: PSN }, &o).context("connecting a queue pair to read through")?;
+    }
+    Ok(ReadableRam { _qps: qps, _cq: cq, _ram: shared })
+}
+
+/// Destination, postcopy and hybrid: queue pairs that READ pages from the
+/// source's guest RAM straight into ours (rnicd writes them through its own
+/// mapping of the memfd, which no userfaultfd of the vmm watches; the vmm
+/// maps a page into the guest only once its READ completed). One CQ for
+/// both queue pairs. Fields drop in order.
+pub(crate) struct PageReader {
+    qps: Vec<Qp>,
+    cq: Cq,
+    chan: CompChannel,
+    ram: Arc<Ram>,
+    /// The source's key for its guest RAM.
+    rkey: u32,
+}
+
+/// Take the source's offer (`RdmaReadOffer`, next on the control
+/// connection) and answer with our connected queue pairs.
+pub(crate) fn accept_reader(control: &TcpStream, rnicd: &str, ram: &RamRegion) -> Result<PageReader> {
+    let mut c = control;
+    c.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let (gid, qpns, rkey) = match wire::recv_msg(&mut c)? {
+        Msg::RdmaReadOffer { gid, qpns, rkey } => (gid_of(&gid)?, qpns, rkey),
+        other => bail!("expected the source's guest RAM to read, got {other:?}"),
+    };
+    c.set_read_timeout(None)?;
+    if qpns.len() != READ_QPS {
+        bail!("{} queue pairs to read through, not {READ_QPS}", qpns.len());
+    }
+    let ctx = open_rnicd(rnicd)?;
+    // Written by the local rnicd only (READ responses): no remote access.
+    let shared = register_ram(&ctx, ram, access::LOCAL_WRITE)?;
+    let chan = ctx.create_comp_channel()?;
+    let cq = ctx.create_cq((READ_QPS * READS_IN_FLIGHT) as u32, Some(&chan))?;
+    let mut init = QpInitAttr::new(&cq, &cq);
+    init.cap.max_send_wr = READS_IN_FLIGHT as u32;
+    init.cap.max_recv_wr = 1;
+    init.cap.max_send_sge = 1;
+    init.cap.max_recv_sge = 1;
+    let mut qps = Vec::new();
+    for qpn in qpns {
+        let qp = shared.pd.create_qp(&init)?;
+        let o = ConnectOpts { access: access::LOCAL_WRITE, sq_psn: PSN, max_rd_atomic: READS_IN_FLIGHT as u8, ..Default::default() };
+        qp.connect(&QpEndpoint { gid, qpn, psn: PSN }, &o).context("connecting a queue pair to read through")?;
+        qps.push(qp);
+    }
+    let accept = Msg::RdmaReadAccept { gid: ctx.gid().to_string(), qpns: qps.iter().map(|q| q.qpn).collect() };
+    wire::send_msg(&mut c, &accept)?;
+    Ok(PageReader { qps, cq, chan, ram: shared, rkey })
+}
+
+impl PageReader {
+    /// READ pages `[first, first + count)` of the source's guest RAM into
+    /// the same pages of ours, on queue pair `qp` ([`READ_URGENT`] or
+    /// [`READ_BULK`]); its completion carries `wr_id`. The caller keeps at
+    /// most [`READS_IN_FLIGHT`] outstanding per queue pair and checked the
+    /// range against guest RAM.
+    pub(crate) fn read(&self, qp: usize, wr_id: u64, first: u64, count: u64) -> Result<()> {
+        let (addr, len) = (first * wire::PAGE as u64, count * wire::PAGE as u64);
+        let len = u32::try_from(len).map_err(|_| anyhow!("a READ of {count} pages"))?;
+        let sge = [Sge { addr, length: len, lkey: self.ram.mr.lkey }];
+        self.qps[qp].post_send(&[SendWr::read(wr_id, &sge, addr, self.rkey)])
+    }
+
+    /// Completions that arrived, waiting up to `wait` for one. A READ that
+    /// failed (the link, the source's rnicd) is an error: the queue pair is
+    /// dead then.
+    pub(crate) fn completions<'a>(&self, wc: &'a mut [Wc], wait: Duration) -> io::Result<&'a [Wc]> {
+        let n = self.cq.poll_or_wait(wc, &self.chan, Duration::ZERO, wait).map_err(io::Error::other)?;
+        if let Some(w) = wc[..n].iter().find(|w| w.status != WcStatus::Success) {
+            return Err(io::Error::other(format!("RDMA READ failed: {:?}", w.status)));
+        }
+        Ok(&wc[..n])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

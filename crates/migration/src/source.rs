@@ -104,9 +104,6 @@ impl Plan {
         let mode: Mode = params.mode.parse().map_err(|e: String| anyhow!(e))?;
         let (addr, transport) = Transport::from_uri(uri, &params.transport, &params.rnicd)?;
         let links = Links::parse(&addr)?;
-        if transport != Transport::Tcp && mode != Mode::Precopy {
-            bail!("the rdma transport carries precopy only; {mode} goes over tcp");
-        }
         if transport != Transport::Tcp && links.several() {
             // One rnicd GID per host: its queue pairs run over one link.
             bail!("the rdma transport runs over one link; {links} names {}", links.len());
@@ -142,6 +139,9 @@ struct Link {
     channels: ChannelSet,
     /// Postcopy and hybrid: the channel for pages the destination faults on.
     urgent: Option<TcpStream>,
+    /// Postcopy and hybrid over rdma: our guest RAM, for the destination
+    /// to READ what it lacks after the switch (no urgent connection then).
+    reads: Option<crate::rdma::ReadableRam>,
 }
 
 /// Setup: the control connection, the handshake, the data connections.
@@ -175,9 +175,13 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
         }
     };
     channels.enable_failover(&control)?;
-    let urgent = if plan.mode != Mode::Precopy { Some(open_urgent(plan.links.first(), session, ctl)?) } else { None };
+    let (urgent, reads) = match (&plan.transport, plan.mode) {
+        (_, Mode::Precopy) => (None, None),
+        (Transport::Tcp, _) => (Some(open_urgent(plan.links.first(), session, ctl)?), None),
+        (Transport::Rdma { rnicd }, _) => (None, Some(crate::rdma::offer_ram(&mut control, rnicd, &ram)?)),
+    };
     plan.setup_step(ctl, "channels open");
-    Ok(Link { session, bucket, control, channels, urgent })
+    Ok(Link { session, bucket, control, channels, urgent, reads })
 }
 
 /// Postcopy: nothing moves before the switch. The destination runs at
@@ -215,7 +219,9 @@ fn hand_over(
         compress: plan.compress,
         bucket: link.bucket,
         control: link.control,
-        urgent: link.urgent.expect("urgent connection"),
+        urgent: link.urgent,
+        reads: link.reads,
+        transport: plan.transport.clone(),
         channels: link.channels,
         log,
         holes,

@@ -31,7 +31,8 @@ pub struct Params {
     /// rest fits the downtime; sooner if the guest dirties RAM fast, or on
     /// `migrate-start-postcopy`).
     pub mode: String,
-    /// tcp | rdma (queue pairs through the host's rnicd; precopy only).
+    /// tcp | rdma (queue pairs through the host's rnicd; after a postcopy
+    /// switch the destination READs the pages it lacks).
     /// A `rdma:HOST:PORT` uri asks for it too.
     pub transport: String,
     /// rnicd's control socket for the rdma transport ("": the rnicd

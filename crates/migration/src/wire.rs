@@ -105,9 +105,7 @@ pub enum Msg {
     /// served; the source may pause the VM.
     Ready,
     /// Either side gives up; the text says why.
-    Abort {
-        reason: String,
-    },
+    Abort { reason: String },
     /// Source -> destination after the last page batch; the vCPU/device
     /// state blob follows as the next frame.
     End {
@@ -120,57 +118,33 @@ pub enum Msg {
         ram_hashes: bool,
     },
     /// Destination -> source: every channel applied this round.
-    RoundDone {
-        round: u64,
-    },
+    RoundDone { round: u64 },
     /// Destination holds the complete state and loaded it.
-    Loaded {
-        cpu_s: f64,
-    },
+    Loaded { cpu_s: f64 },
     /// Source committed: the destination may run.
     Go,
     /// Destination vCPUs run (or stay paused if asked to).
-    Resumed {
-        unix_ns: u64,
-        resumed: bool,
-        cpu_s: f64,
-    },
+    Resumed { unix_ns: u64, resumed: bool, cpu_s: f64 },
     /// First message of each data connection.
-    Channel {
-        session: u64,
-        index: u32,
-    },
+    Channel { session: u64, index: u32 },
     /// Source -> destination: the source paused; from here the destination
     /// runs and fetches what it misses. Followed by the state blob and, if
     /// `dirty_ranges`, a blob of (first, count) u64 pairs: pages sent before
     /// that changed since (the destination drops its copies). Without it,
     /// no page was sent yet (pure postcopy).
-    Switchover {
-        state_bytes: u64,
-        source_paused_unix_ns: u64,
-        dirty_ranges: bool,
-    },
+    Switchover { state_bytes: u64, source_paused_unix_ns: u64, dirty_ranges: bool },
     /// Source -> destination, several links: data channel `index` was lost
     /// with its link; the destination stops reading it, and its pages not
     /// confirmed by a `round_done` come again on the other channels.
-    ChannelLost {
-        index: u32,
-    },
+    ChannelLost { index: u32 },
     /// Destination -> source: every page is in; the source may let go.
     /// Source -> destination after welcome, rdma transport: the GID of the
     /// source's rnicd and one RC queue pair (number, first PSN) per channel.
-    RdmaConnect {
-        gid: String,
-        qps: Vec<(u32, u32)>,
-    },
+    RdmaConnect { gid: String, qps: Vec<(u32, u32)> },
     /// Destination -> source: its queue pairs, connected to the source's
     /// and with receives posted, and the key of its guest RAM, registered
     /// with its rnicd at I/O address 0 (guest physical addresses).
-    RdmaAccept {
-        gid: String,
-        qps: Vec<(u32, u32)>,
-        rkey: u32,
-    },
+    RdmaAccept { gid: String, qps: Vec<(u32, u32)>, rkey: u32 },
     Complete {
         faults: u64,
         fault_p50_us: Option<f64>,
@@ -178,7 +152,26 @@ pub enum Msg {
         fault_max_us: Option<f64>,
         cpu_s: f64,
         ram_clients: u32,
+        /// Pages the destination read itself (rdma transport), pushed and
+        /// for faults: the source's CPU never saw them.
+        #[serde(default)]
+        pages_read: Option<(u64, u64)>,
     },
+    /// Source -> destination, postcopy and hybrid over the rdma transport:
+    /// the GID of the source's rnicd, the queue pairs the destination reads
+    /// pages through (one for faults, one for the background), and the key of the source's guest RAM, registered for
+    /// remote reads at I/O address 0 (guest physical addresses).
+    RdmaReadOffer { gid: String, qpns: Vec<u32>, rkey: u32 },
+    /// Destination -> source: its GID and queue pairs, connected to the
+    /// offered ones.
+    RdmaReadAccept { gid: String, qpns: Vec<u32> },
+    /// Source -> destination after the switch, rdma transport: the pages
+    /// the destination lacks are its to read. Two blobs follow, each of
+    /// (first, count) u64 pairs: pages with data to read, and pages known
+    /// to be zero (memfd holes on the source, nothing to read). The
+    /// background reads keep to `max_bandwidth` (bytes/s, 0: no cap), the
+    /// source's cap; reads for faults do not wait for it.
+    PullPlan { max_bandwidth: u64 },
 }
 
 const FRAME_MSG: u8 = 1;

@@ -1,6 +1,9 @@
 //! Postcopy and hybrid between two VMs of one process over real loopback
 //! TCP, real userfaultfd and a real helper process: byte-exact RAM, the
 //! dirtier oracle on the destination, RAM clients, recovery after a cut.
+//! The tests that name a [`Net`] run over the rdma transport as well: the
+//! same bodies, with the pages READ by the destination through the real
+//! rnicds of two testbed hosts.
 
 mod common;
 use common::*;
@@ -32,12 +35,12 @@ fn assert_same(a: &[u64], b: &[u64]) {
 
 /// A source running the dirtier, and a destination listening (with
 /// `prealloc` or not) on the returned port.
-fn dirtier_pair(prealloc: bool) -> (Side, Side, u16) {
-    let src = Side::new(64 * MIB, 2);
+fn dirtier_pair(net: &Net, prealloc: bool) -> (Side, Side, u16) {
+    let src = Side::on(net, 64 * MIB, 2);
     src.vm.resume().unwrap();
     std::thread::sleep(Duration::from_millis(100));
-    let dst = Side::new(64 * MIB, 2);
-    let port = dst.incoming_with(true, prealloc);
+    let dst = Side::on(net, 64 * MIB, 2);
+    let port = dst.incoming_on(net, true, prealloc);
     (src, dst, port)
 }
 
@@ -65,14 +68,23 @@ fn finish(src: &Side, dst: &Side) -> (Value, Value) {
 
 #[test]
 fn postcopy_idle_vm_arrives_byte_exact() {
-    for channels in [1, 4] {
-        let src = Side::new(64 * MIB, 1);
+    for net in Net::each("pcidle") {
+        for channels in [1, 4] {
+            postcopy_idle(&net, channels);
+        }
+    }
+}
+
+fn postcopy_idle(net: &Net, channels: u32) {
+    {
+        let src = Side::on(net, 64 * MIB, 1);
         src.vm.fill(16, 12000); // the rest stays zero (memfd holes)
-        let dst = Side::new(64 * MIB, 1);
-        let port = dst.incoming(false);
-        src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "channels": channels})).unwrap();
+        let dst = Side::on(net, 64 * MIB, 1);
+        let port = dst.incoming_on(net, false, false);
+        src.cmd("migrate", net.migrate_args(port, json!({"mode": "postcopy", "channels": channels}))).unwrap();
         let (s, d) = finish(&src, &dst);
         assert_eq!(s["mode"], "postcopy");
+        assert_eq!(d["transport"], net.name());
         assert!(src.vm.is_paused());
         assert_same(&src.hashes(), &dst.hashes());
         assert_eq!(d["remaining_pages"], 0);
@@ -105,16 +117,17 @@ fn hybrid_of_an_idle_vm_ends_as_precopy() {
 /// caught as minor faults.
 #[test]
 fn postcopy_dirtier_runs_on_destination_at_once() {
-    for prealloc in [false, true] {
-        postcopy_dirtier(prealloc);
+    for net in Net::each("pcdirt") {
+        for prealloc in [false, true] {
+            postcopy_dirtier(&net, prealloc);
+        }
     }
 }
 
-fn postcopy_dirtier(prealloc: bool) {
-    let (src, dst, port) = dirtier_pair(prealloc);
+fn postcopy_dirtier(net: &Net, prealloc: bool) {
+    let (src, dst, port) = dirtier_pair(net, prealloc);
     // A slow push, so the running guest must fault for most pages.
-    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "channels": 2, "max_bandwidth": 40_000_000u64}))
-        .unwrap();
+    src.cmd("migrate", net.migrate_args(port, json!({"mode": "postcopy", "channels": 2, "max_bandwidth": 40_000_000u64}))).unwrap();
     let (s, d) = finish(&src, &dst);
     assert!(d["faults"].as_u64().unwrap() > 0, "the guest never waited for a page: {d:#}");
     assert!(s["pages_requested"].as_u64().unwrap() > 0, "{s:#}");
@@ -127,21 +140,20 @@ fn postcopy_dirtier(prealloc: bool) {
 /// target never fits), then the switch.
 #[test]
 fn hybrid_switches_when_the_rest_cannot_fit() {
-    for prealloc in [false, true] {
-        hybrid_no_shrink(prealloc);
+    for net in Net::each("pchyb") {
+        for prealloc in [false, true] {
+            hybrid_no_shrink(&net, prealloc);
+        }
     }
 }
 
-fn hybrid_no_shrink(prealloc: bool) {
-    let (src, dst, port) = dirtier_pair(prealloc);
+fn hybrid_no_shrink(net: &Net, prealloc: bool) {
+    let (src, dst, port) = dirtier_pair(net, prealloc);
     // Capped so that the first eighth (8 MiB) takes 0.2 s: uncapped it took a
     // few ms on loopback, and on a loaded machine the vCPU could get no CPU in
     // that window, so the sample saw no writes and hybrid rightly went on.
-    src.cmd(
-        "migrate",
-        json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "hybrid", "channels": 2, "downtime_ms": 0, "max_bandwidth": 40_000_000u64}),
-    )
-    .unwrap();
+    src.cmd("migrate", net.migrate_args(port, json!({"mode": "hybrid", "channels": 2, "downtime_ms": 0, "max_bandwidth": 40_000_000u64})))
+        .unwrap();
     let (s, _) = finish(&src, &dst);
     assert_eq!(s["mode"], "hybrid");
     assert!(s["rounds"].as_u64().unwrap() >= 2, "{s:#}");
@@ -186,17 +198,22 @@ fn hybrid_switches_on_migrate_start_postcopy() {
 /// VM split between two hosts).
 #[test]
 fn postcopy_push_outlives_the_timeout() {
-    for mode in ["postcopy", "hybrid"] {
-        let src = Side::new(64 * MIB, 1);
+    for net in Net::each("pctime") {
+        for mode in ["postcopy", "hybrid"] {
+            push_outlives_the_timeout(&net, mode);
+        }
+    }
+}
+
+fn push_outlives_the_timeout(net: &Net, mode: &str) {
+    {
+        let src = Side::on(net, 64 * MIB, 1);
         src.vm.fill(16, 16000);
-        let dst = Side::new(64 * MIB, 1);
-        let port = dst.incoming(false);
+        let dst = Side::on(net, 64 * MIB, 1);
+        let port = dst.incoming_on(net, false, false);
         // 62 MiB of data at 20 MB/s: about 3 s, against a 1 s timeout.
-        src.cmd(
-            "migrate",
-            json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": mode, "timeout_s": 1, "max_bandwidth": 20_000_000u64, "downtime_ms": 1}),
-        )
-        .unwrap();
+        let args = json!({"mode": mode, "timeout_s": 1, "max_bandwidth": 20_000_000u64, "downtime_ms": 1});
+        src.cmd("migrate", net.migrate_args(port, args)).unwrap();
         let (s, d) = finish(&src, &dst);
         assert!(s["postcopy_ms"].as_f64().unwrap() > 1000.0, "{mode}: {s:#}");
         if mode == "hybrid" {
@@ -228,18 +245,20 @@ fn postcopy_commands_refused_where_they_make_no_sense() {
 /// arrived: it gets their real bytes, never zeros.
 #[test]
 fn helper_process_reads_missing_pages_correctly() {
-    // Preallocated too: the helper must not read the prealloc's zeros.
-    for prealloc in [false, true] {
-        helper_reads(prealloc);
+    for net in Net::each("pchelp") {
+        // Preallocated too: the helper must not read the prealloc's zeros.
+        for prealloc in [false, true] {
+            helper_reads(&net, prealloc);
+        }
     }
 }
 
-fn helper_reads(prealloc: bool) {
+fn helper_reads(net: &Net, prealloc: bool) {
     // No dirtier: what the helper reads must be exactly the source's RAM.
-    let src = Side::new(64 * MIB, 0);
+    let src = Side::on(net, 64 * MIB, 0);
     src.vm.fill(0, 16384);
-    let dst = Side::new(64 * MIB, 0);
-    let sock = std::env::temp_dir().join(format!("transit-ramc-{}-{prealloc}.sock", std::process::id()));
+    let dst = Side::on(net, 64 * MIB, 0);
+    let sock = std::env::temp_dir().join(format!("transit-ramc-{}-{prealloc}-{}.sock", std::process::id(), net.name()));
     let clients = RamClients::bind(&sock, dst.dynvm.ram()).unwrap();
     dst.slot.set_ram_clients(clients.clone());
     let mut child =
@@ -260,9 +279,9 @@ fn helper_reads(prealloc: bool) {
     wait_until("the client joined", || clients.count() == 1);
 
     let want = src.hashes();
-    let port = dst.incoming_with(true, prealloc);
+    let port = dst.incoming_on(net, true, prealloc);
     // 10 MB/s: 64 MiB takes seconds, the reads below come long before.
-    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "mode": "postcopy", "max_bandwidth": 10_000_000u64})).unwrap();
+    src.cmd("migrate", net.migrate_args(port, json!({"mode": "postcopy", "max_bandwidth": 10_000_000u64}))).unwrap();
     wait_until("postcopy", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-active");
     let before = dst.cmd("query-migrate", json!({})).unwrap();
     assert!(before["remaining_pages"].as_u64().unwrap() > 8000, "{before:#}");
@@ -293,19 +312,25 @@ fn helper_reads(prealloc: bool) {
 /// lost or stale.
 #[test]
 fn postcopy_recovers_after_the_connections_break() {
+    // Over rdma the proxy carries the control connection only: its cut
+    // pauses both ends as over tcp, the READs of the old queue pairs stop,
+    // and the recovery sets up new ones. (A cut of the link itself:
+    // rdma_postcopy.rs.)
+    for net in Net::each("pcrecov") {
+        recovers_after_the_connections_break(&net);
+    }
+}
+
+fn recovers_after_the_connections_break(net: &Net) {
     // 128 MiB at 10 MB/s and a guest that faults its way through: the
     // cut below lands long before the last page.
-    let src = Side::new(128 * MIB, 2);
+    let src = Side::on(net, 128 * MIB, 2);
     src.vm.resume().unwrap();
     std::thread::sleep(Duration::from_millis(50));
-    let dst = Side::new(128 * MIB, 2);
-    let port = dst.incoming(true);
+    let dst = Side::on(net, 128 * MIB, 2);
+    let port = dst.incoming_on(net, true, false);
     let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
-    src.cmd(
-        "migrate",
-        json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "mode": "postcopy", "channels": 2, "max_bandwidth": 10_000_000u64}),
-    )
-    .unwrap();
+    src.cmd("migrate", net.migrate_args(proxy.port, json!({"mode": "postcopy", "channels": 2, "max_bandwidth": 10_000_000u64}))).unwrap();
     wait_until("postcopy", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-active");
     std::thread::sleep(Duration::from_millis(100));
     proxy.cut_all();
@@ -316,10 +341,37 @@ fn postcopy_recovers_after_the_connections_break() {
     let e = src.cmd("migrate-cancel", json!({})).unwrap_err();
     assert!(e.desc.contains("postcopy"), "{e}");
     std::thread::sleep(Duration::from_millis(200));
-    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{}", proxy.port), "resume": true})).unwrap();
+    src.cmd("migrate", net.migrate_args(proxy.port, json!({"resume": true}))).unwrap();
     let (s, d) = finish(&src, &dst);
     assert_eq!(s["recoveries"], 1, "{s:#}");
     assert_eq!(d["recoveries"], 1, "{d:#}");
     assert!(d["paused_ms"].as_f64().unwrap() > 0.0);
     oracle_holds_on_destination(&src, &dst);
+}
+
+/// The destination goes away during a hybrid's precopy part (its
+/// connections cut, and it gives up): before the switch nothing is
+/// committed, so the source runs on with its oracle intact and the
+/// destination never runs.
+#[test]
+fn hybrid_destination_gone_before_the_switch() {
+    for net in Net::each("pcgone") {
+        let (src, dst, port) = dirtier_pair(&net, false);
+        let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
+        // The first eighth (8 MiB) takes 2 s at 4 MB/s: the cut lands in it.
+        src.cmd("migrate", net.migrate_args(proxy.port, json!({"mode": "hybrid", "channels": 2, "max_bandwidth": 4_000_000u64}))).unwrap();
+        wait_until("the first round", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
+        std::thread::sleep(Duration::from_millis(300));
+        proxy.cut_all();
+        dst.cmd("migrate-cancel", json!({})).unwrap();
+        let os = src.slot.wait();
+        let s = src.cmd("query-migrate", json!({})).unwrap();
+        assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{}: {os:?} {s:#}", net.name());
+        assert_eq!(s["postcopy_ms"].as_f64().unwrap_or(0.0), 0.0, "{}: switched: {s:#}", net.name());
+        let od = dst.slot.wait();
+        assert!(matches!(od, Some(Outcome::IncomingFailed(_))), "{}: destination {od:?}", net.name());
+        assert!(dst.vm.is_paused(), "{}: the destination must never run", net.name());
+        assert!(!src.vm.is_paused(), "{}: the source must run on", net.name());
+        run_and_check_oracle(&src.vm, Duration::from_millis(100));
+    }
 }

@@ -844,6 +844,9 @@ fn serve_client(
                 let gid = c.ns;
                 claim_or_release(nss, cfg, gid, matches!(req, Request::ClaimGid))
             }
+            Ok(Request::CreateAlias { pd, owner, key, alias, owner_namespace: Some(g) }) if g != c.ns => {
+                alias_across(nss, c.ns, id, pd, (owner, key), g, alias)
+            }
             Ok(req) => engine.control(id, req, fds).map_err(|e| {
                 engine.stats.bad_client_requests += 1;
                 format!("{e:#}")
@@ -855,6 +858,31 @@ fn serve_client(
             return false;
         }
     }
+}
+
+/// An alias, in the caller's namespace `ns`, of `target` (owner, key) of
+/// namespace `owner_ns` (crate::keys, foreign aliases): the owner's table
+/// exports weak references to the key's memory and grant, the caller's
+/// table keeps them.
+fn alias_across(
+    nss: &mut HashMap<Ipv4Addr, Namespace>,
+    ns: Ipv4Addr,
+    client: ClientId,
+    pd: u32,
+    target: (ClientId, u32),
+    owner_ns: Ipv4Addr,
+    alias: Option<u32>,
+) -> Response {
+    let export = match nss.get(&owner_ns) {
+        Some(o) => o.engine.export_key(target.0, target.1, client),
+        None => Err(format!("no namespace {owner_ns} in this rnicd")),
+    };
+    let Some(mine) = nss.get_mut(&ns) else { return Err(format!("no namespace {ns}")) };
+    let r = export.and_then(|e| mine.engine.create_foreign_alias(client, pd, target, e, alias).map_err(|e| format!("{e:#}")));
+    if r.is_err() {
+        mine.engine.stats.bad_client_requests += 1;
+    }
+    r
 }
 
 /// A namespace's owner moves its GID to or away from this host.

@@ -13,7 +13,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context as _};
 
 use crate::async_events::AsyncSinks;
-use crate::keys::{AliasTarget, IndirectKey, IndirectKind, Keys, MAX_INDIRECT, MAX_KLM};
+use crate::keys::{AliasTarget, Export, Grant, IndirectKey, IndirectKind, Keys, MAX_INDIRECT, MAX_KLM};
 use crate::mem::Mapping;
 use crate::objects::{ClientId, Cq, IdMap, Mr, Stats, Tx};
 use crate::proto::{self, Reply, Request};
@@ -133,7 +133,11 @@ impl Engine {
             Request::DestroyKey { key } => self.destroy_key(client, key),
             Request::GrantKey { key, grantee } => self.grant_key(client, key, grantee, true),
             Request::RevokeKey { key, grantee } => self.grant_key(client, key, grantee, false),
-            Request::CreateAlias { pd, owner, key, alias } => self.create_alias(client, pd, owner, key, alias),
+            Request::CreateAlias { pd, owner, key, alias, owner_namespace } => match owner_namespace {
+                // The daemon serves these: they need two namespaces' tables.
+                Some(ns) if ns != self.gid => bail!("no namespace {ns} in this rnicd"),
+                _ => self.create_alias(client, pd, owner, key, alias),
+            },
             Request::QueryAlias { key } => {
                 if self.keys.indirect.get(&key).is_none_or(|k| k.owner != client) {
                     bail!("no alias {key:#x}");
@@ -521,14 +525,14 @@ impl Engine {
         }
         let g = self.keys.grants.entry(key).or_default();
         if grant {
-            if !g.contains(&grantee) {
+            if !g.iter().any(|x| x.grantee == grantee) {
                 if g.len() >= 1024 {
                     bail!("key {key:#x} already has 1024 grantees");
                 }
-                g.push(grantee);
+                g.push(Arc::new(Grant { grantee }));
             }
         } else {
-            g.retain(|c| *c != grantee);
+            g.retain(|x| x.grantee != grantee);
         }
         Ok(Reply::Ok)
     }
@@ -538,7 +542,7 @@ impl Engine {
         if self.keys.owner(key) != Some(owner) {
             bail!("client {owner} has no key {key:#x}");
         }
-        if !self.keys.grants.get(&key).is_some_and(|g| g.contains(&client)) {
+        if !self.keys.granted(key, client) {
             bail!("client {owner} did not grant key {key:#x} to this client");
         }
         let target = match (self.keys.direct.get(&key), self.keys.indirect.get(&key)) {
@@ -552,6 +556,30 @@ impl Engine {
         let alias = self.pick_key(alias)?;
         let generation = self.keys.new_generation();
         let kind = IndirectKind::Alias { target_key: key, target_owner: owner, target };
+        self.keys.indirect.insert(alias, IndirectKey { owner: client, pd, generation, kind });
+        Ok(Reply::Alias { key: alias, iova, len, access })
+    }
+
+    /// What an alias in another namespace of `owner`'s `key` for client
+    /// `grantee` holds (`Keys::export`), with the range it reaches now.
+    pub fn export_key(&self, owner: ClientId, key: u32, grantee: ClientId) -> Result<(Export, (u64, u64, u32)), String> {
+        self.keys.export(owner, key, grantee)
+    }
+
+    /// An alias, in the caller's `pd`, of a key of another namespace
+    /// (`export` from that namespace's `export_key`).
+    pub fn create_foreign_alias(
+        &mut self,
+        client: ClientId,
+        pd: u32,
+        (owner, key): (ClientId, u32),
+        (export, (iova, len, access)): (Export, (u64, u64, u32)),
+        alias: Option<u32>,
+    ) -> anyhow::Result<Reply> {
+        self.owned_pd(client, pd)?;
+        let alias = self.pick_key(alias)?;
+        let generation = self.keys.new_generation();
+        let kind = IndirectKind::Alias { target_key: key, target_owner: owner, target: AliasTarget::Foreign(export) };
         self.keys.indirect.insert(alias, IndirectKey { owner: client, pd, generation, kind });
         Ok(Reply::Alias { key: alias, iova, len, access })
     }

@@ -7,12 +7,19 @@
 //!   then bound by a send-queue work request to a range of an existing MR
 //!   or to a list of ranges of several MRs (KLM style), and invalidated by
 //!   another. Each bind or invalidation gives the key a new generation.
-//! - An **alias** lets another client of the namespace reach a key it was
-//!   granted (cross-client, as a DPU agent reaches host memory). The alias
+//! - An **alias** lets another client reach a key it was granted
+//!   (cross-client, as a DPU agent reaches host memory). The alias
 //!   records its target's generation when created; it translates only while
 //!   the target still exists with that generation, still belongs to the
 //!   same owner and still grants the alias owner access. A rebind, a
 //!   revocation or the owner's death makes it stale: refused, never used.
+//! - A **foreign alias** does the same for a key of another namespace of
+//!   this rnicd. It cannot look the target up in its own table, so it holds
+//!   weak references to what it was made for ([`Export`]): the MR, or the
+//!   binding of that generation (every bind makes a new one), and the
+//!   grant. A rebind, invalidation, revocation, deregistration, the owner's
+//!   death and the closing of its namespace all drop the strong side, and
+//!   the alias turns stale at once without either table knowing the other.
 //!
 //! Bindings never point at MRs strongly: a binding entry holds a `Weak`, so
 //! deregistering an MR ends every binding through it at once.
@@ -96,7 +103,8 @@ pub struct Entry {
     pub start: u64,
 }
 
-/// What an indirect key currently points at.
+/// What an indirect key currently points at (shared with foreign aliases
+/// of it, which hold it weakly: a new bind replaces it).
 pub struct Binding {
     pub iova: u64,
     pub len: u64,
@@ -137,11 +145,56 @@ impl Binding {
 /// What an alias reaches.
 pub enum AliasTarget {
     Direct(Weak<Mr>),
-    Indirect { key: u32, generation: u64 },
+    Indirect {
+        key: u32,
+        generation: u64,
+    },
+    /// A key of another namespace.
+    Foreign(Export),
+}
+
+/// What an alias in another namespace holds of the key it reaches: weak
+/// references that die with the binding (rebind, invalidation), the MR,
+/// the grant (revocation) or the owner (its death, its namespace closing).
+pub struct Export {
+    pub memory: ExportedMemory,
+    pub grant: Weak<Grant>,
+}
+
+pub enum ExportedMemory {
+    Mr(Weak<Mr>),
+    Binding(Weak<Binding>),
+}
+
+impl Export {
+    fn resolve(&self, va: u64, len: u64, need: u32) -> Option<Span> {
+        self.grant.upgrade()?;
+        match &self.memory {
+            ExportedMemory::Mr(w) => {
+                let mr = w.upgrade()?;
+                mr.translate(mr.pd, va, len, need).map(Span::One)
+            }
+            ExportedMemory::Binding(w) => w.upgrade()?.resolve(va, len, need),
+        }
+    }
+
+    fn live(&self) -> bool {
+        self.grant.strong_count() > 0
+            && match &self.memory {
+                ExportedMemory::Mr(w) => w.strong_count() > 0,
+                ExportedMemory::Binding(w) => w.strong_count() > 0,
+            }
+    }
+}
+
+/// A client's permission to alias a key; foreign aliases hold it weakly,
+/// so taking it back (or the key going) makes them stale.
+pub struct Grant {
+    pub grantee: ClientId,
 }
 
 pub enum IndirectKind {
-    Indirect { max_entries: usize, binding: Option<Binding> },
+    Indirect { max_entries: usize, binding: Option<Arc<Binding>> },
     Alias { target_key: u32, target_owner: ClientId, target: AliasTarget },
 }
 
@@ -172,7 +225,7 @@ pub struct Keys {
     pub direct: IdMap<Arc<Mr>>,
     pub indirect: IdMap<IndirectKey>,
     /// Clients a key's owner allowed to alias it.
-    pub grants: IdMap<Vec<ClientId>>,
+    pub grants: IdMap<Vec<Arc<Grant>>>,
     /// Generations are unique in the namespace (never reused), so an alias
     /// can tell a rebound or re-created key from the one it was made for.
     next_generation: u64,
@@ -181,6 +234,28 @@ pub struct Keys {
 impl Keys {
     pub fn contains(&self, key: u32) -> bool {
         self.direct.contains_key(&key) || self.indirect.contains_key(&key)
+    }
+
+    /// Whether `client` may alias `key`.
+    pub fn granted(&self, key: u32, client: ClientId) -> bool {
+        self.grants.get(&key).is_some_and(|g| g.iter().any(|x| x.grantee == client))
+    }
+
+    /// What a foreign alias of `owner`'s `key` for `grantee` holds, and the
+    /// range it reaches now; None (with the reason) if it may not be made.
+    pub fn export(&self, owner: ClientId, key: u32, grantee: ClientId) -> Result<(Export, (u64, u64, u32)), String> {
+        if self.owner(key) != Some(owner) {
+            return Err(format!("client {owner} has no key {key:#x}"));
+        }
+        let grant = self.grants.get(&key).and_then(|g| g.iter().find(|x| x.grantee == grantee));
+        let Some(grant) = grant else { return Err(format!("client {owner} did not grant key {key:#x} to this client")) };
+        let memory = match (self.direct.get(&key), self.indirect.get(&key).map(|k| &k.kind)) {
+            (Some(mr), _) => ExportedMemory::Mr(Arc::downgrade(mr)),
+            (None, Some(IndirectKind::Indirect { binding: Some(b), .. })) => ExportedMemory::Binding(Arc::downgrade(b)),
+            _ => return Err(format!("key {key:#x} is not bound to memory")),
+        };
+        let extent = self.extent(key).ok_or_else(|| format!("key {key:#x} has no memory"))?;
+        Ok((Export { memory, grant: Arc::downgrade(grant) }, extent))
     }
 
     pub fn new_generation(&mut self) -> u64 {
@@ -200,11 +275,13 @@ impl Keys {
         }
         match &k.kind {
             IndirectKind::Indirect { binding, .. } => binding.as_ref()?.resolve(va, len, need),
+            IndirectKind::Alias { target: AliasTarget::Foreign(e), .. } => e.resolve(va, len, need),
             IndirectKind::Alias { target_key, target_owner, target } => {
-                if !self.grants.get(target_key).is_some_and(|g| g.contains(&k.owner)) {
+                if !self.granted(*target_key, k.owner) {
                     return None;
                 }
                 match target {
+                    AliasTarget::Foreign(_) => None,
                     AliasTarget::Direct(w) => {
                         let mr = self.direct.get(target_key).filter(|m| std::ptr::eq(Arc::as_ptr(m), w.as_ptr()))?;
                         if mr.owner != *target_owner {
@@ -238,10 +315,14 @@ impl Keys {
     fn resolve_any(&self, key: u32) -> bool {
         let Some(k) = self.indirect.get(&key) else { return false };
         let IndirectKind::Alias { target_key, target_owner, target } = &k.kind else { return false };
-        if !self.grants.get(target_key).is_some_and(|g| g.contains(&k.owner)) {
+        if let AliasTarget::Foreign(e) = target {
+            return e.live();
+        }
+        if !self.granted(*target_key, k.owner) {
             return false;
         }
         match target {
+            AliasTarget::Foreign(_) => false,
             AliasTarget::Direct(w) => {
                 self.direct.get(target_key).is_some_and(|m| std::ptr::eq(Arc::as_ptr(m), w.as_ptr()) && m.owner == *target_owner)
             }
@@ -296,8 +377,10 @@ impl Keys {
         let generation = self.new_generation();
         let k = self.indirect.get_mut(&key).ok_or(BindError::NotOwned)?;
         k.generation = generation;
-        k.kind =
-            IndirectKind::Indirect { max_entries: max, binding: Some(Binding { iova, len: start, access: access_flags, entries: out }) };
+        k.kind = IndirectKind::Indirect {
+            max_entries: max,
+            binding: Some(Arc::new(Binding { iova, len: start, access: access_flags, entries: out })),
+        };
         Ok(())
     }
 
@@ -346,7 +429,7 @@ impl Keys {
         self.indirect.retain(|_, k| k.owner != client);
         let (direct, indirect) = (&self.direct, &self.indirect);
         self.grants.retain(|key, g| {
-            g.retain(|c| *c != client);
+            g.retain(|x| x.grantee != client);
             direct.contains_key(key) || indirect.contains_key(key)
         });
     }

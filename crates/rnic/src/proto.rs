@@ -94,6 +94,10 @@ pub enum Request {
         key: u32,
         #[serde(default)]
         alias: Option<u32>,
+        /// The owner's namespace (GID) when it is not the caller's: the
+        /// key of another namespace of this rnicd.
+        #[serde(default)]
+        owner_namespace: Option<std::net::Ipv4Addr>,
     },
     /// Whether the caller's alias `key` still reaches what it was made for.
     QueryAlias {

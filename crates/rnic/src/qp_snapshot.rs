@@ -39,10 +39,29 @@ pub enum RespJob {
         rkey: u32,
         remaining: u64,
         first: bool,
-        /// The rkey's generation at the first response packet (as `WriteCtx`).
+        /// The rkey generation the READ reads (as `WriteCtx`): fixed by
+        /// its first response packet (None until then), or by the first
+        /// answer of the READ a duplicate resends (`ReadExec`).
         #[serde(default)]
-        key_gen: u64,
+        key_gen: Option<u64>,
+        /// Answers a duplicate: if its binding is gone it stops silently
+        /// (the requester may not need it; one that does times out).
+        #[serde(default)]
+        resent: bool,
     },
+}
+
+/// A READ the responder executed, kept while its requester may still send
+/// it again: a duplicate, whole or from the middle, reads the binding the
+/// first answer read, or is refused; never a mix of two bindings.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ReadExec {
+    /// PSNs of its first and last response.
+    pub psn: u32,
+    pub last: u32,
+    pub rkey: u32,
+    /// The rkey's generation when the first response went out.
+    pub key_gen: Option<u64>,
 }
 
 /// The transport state of a QP: everything but its queues and timers.
@@ -72,6 +91,9 @@ pub struct QpRuntime {
     pub in_send: bool,
     pub write: Option<WriteCtx>,
     pub atomic_results: VecDeque<(u32, u64)>,
+    /// The latest READs executed (as many as atomics replayed).
+    #[serde(default)]
+    pub read_history: VecDeque<ReadExec>,
     pub nak_sent: bool,
     pub resp_queue: VecDeque<RespJob>,
     /// Send WQEs retired (completed, signaled or not) since the QP was

@@ -185,7 +185,7 @@ fn race(bed: &Bed, msg: usize, read: bool, pause: Duration) -> (usize, usize, us
             WcStatus::Success => whole += 1,
             WcStatus::RemAccessErr => refused += 1,
             WcStatus::WrFlushErr => {}
-            s => panic!("message {i}: {s:?}"),
+            s => panic!("message {i}: {s:?}\nA {}\nB {}", a.ctx.stats().unwrap(), b.ctx.stats().unwrap()),
         }
         if read {
             let got = a.buf.read(i * msg, msg);
@@ -223,6 +223,74 @@ fn peer_write_and_read_racing_rebind() {
         let (whole, refused, binds) = race(&bed, 16 << 10, read, Duration::from_millis(1));
         eprintln!("16 KiB {}: {whole} whole, {refused} refused, {binds} rebinds", if read { "READs" } else { "WRITEs" });
         assert!(whole > 0);
+    }
+}
+
+/// Drops READ responses (RoCE packets over 200 bytes) from `from` arriving
+/// at host `h` once about `bytes` bytes of them passed (an nft quota); ACKs
+/// and NAKs always pass. `None` lets everything through again.
+fn stall_after(bed: &Bed, h: usize, from: std::net::Ipv4Addr, bytes: Option<usize>) {
+    let host = bed.tb.host(h);
+    let _ = host.sh("nft delete table inet mkstall");
+    if let Some(b) = bytes {
+        host.sh(&format!(
+            "nft add table inet mkstall && nft add chain inet mkstall in '{{ type filter hook input priority 0; }}' && \
+             nft add rule inet mkstall in ip saddr {from} udp dport 4791 meta length gt 200 quota over {b} bytes drop"
+        ))
+        .unwrap();
+    }
+}
+
+/// A READ whose responses stop after a few packets is resent from the
+/// middle after the requester's timeout. Without a rebind in between, the
+/// resent part comes from the same memory. With the key rebound in between,
+/// the resent READ is not answered (the requester fails it after its
+/// retries) and never returns data of the new binding after data of the
+/// old one; the responder's QP stays usable.
+#[test]
+fn read_resent_after_rebind_is_not_answered_not_mixed() {
+    // No GSO: the quota counts single response packets.
+    let bed = Bed::with_args("mkrd", 2, &["--no-gso"]);
+    let o = ConnectOpts { mtu: Mtu::M1024, timeout: 12, retry_cnt: 7, ..Default::default() };
+    const MSG: usize = 16 << 10;
+    let iova = 0x6000_0000u64;
+    let responder_addr = bed.nics[1].addr;
+    for rebind in [false, true] {
+        let (a, b) = pair_sized(&bed, 0, 1, o, 4 * MSG, 64);
+        b.buf.write(0, &vec![0xaa; MSG]);
+        b.buf.write(MSG, &vec![0xbb; MSG]);
+        let pool = KeyPool::new(&b.pd, 1, 1).unwrap();
+        let mut key = pool.get_at(&[b.mr.sge(0, MSG)], iova, RW).unwrap();
+        let dups = b.ctx.stats().unwrap()["dup_requests"].as_u64().unwrap_or(0);
+        // About 4 of the 16 responses (1 KiB payload, about 1.07 KB each) pass.
+        stall_after(&bed, 0, responder_addr, Some(4400));
+        a.qp.post_send(&[SendWr::read(1, &[a.mr.sge(0, MSG)], iova, key.key())]).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        // The requester probes and resends from the first lost response;
+        // until the stall is lifted its resent responses are lost too.
+        if rebind {
+            key.rebind_at(&[b.mr.sge(MSG, MSG)], iova, RW).unwrap();
+        }
+        stall_after(&bed, 0, responder_addr, None);
+        let w = one(&a.scq);
+        let got = a.buf.read(0, MSG);
+        assert!(b.ctx.stats().unwrap()["dup_requests"].as_u64().unwrap_or(0) > dups, "the READ was resent");
+        if rebind {
+            assert_eq!(
+                w.status,
+                WcStatus::RetryExcErr,
+                "a READ resent across a rebind is not answered\nA {}\nB {}",
+                a.ctx.stats().unwrap(),
+                b.ctx.stats().unwrap()
+            );
+            assert!(!got.contains(&0xbb), "the resent READ read the new binding after the old one ({w:?})");
+            assert!(got[..1024].iter().all(|&x| x == 0xaa), "its first responses came from the old binding");
+            assert_eq!(b.qp.state().unwrap(), QpState::Rts, "the responder's QP is not in error");
+        } else {
+            assert_eq!(w.status, WcStatus::Success);
+            assert!(got.iter().all(|&x| x == 0xaa), "the resent part comes from the same binding");
+        }
+        drop(key);
     }
 }
 
@@ -396,4 +464,109 @@ fn rcache_hits_merges_evicts_and_invalidates() {
     assert_eq!(rc.stats().hits, hits + 1);
     drop(rc.register(bufs[0], 100).unwrap());
     assert_eq!(rc.stats().hits, hits + 1, "the first region was evicted");
+}
+
+/// A QP of `pd` (on host 0) connected to a fresh peer on host 1: a link
+/// for one step that may leave its QPs in ERR.
+fn link(bed: &Bed, ctx: &Context, pd: &Pd, o: ConnectOpts) -> (Qp, Cq, End) {
+    let cq = ctx.create_cq(64, None).unwrap();
+    let mut init = QpInitAttr::new(&cq, &cq);
+    init.cap.max_send_wr = 16;
+    let qp = pd.create_qp(&init).unwrap();
+    let peer = End::new(bed.ctx(1), 2 << 20, 16);
+    qp.connect(&peer.qp.endpoint(0x100), &ConnectOpts { sq_psn: 0x200, ..o }).unwrap();
+    peer.qp.connect(&qp.endpoint(0x200), &ConnectOpts { sq_psn: 0x100, ..o }).unwrap();
+    (qp, cq, peer)
+}
+
+/// Aliases across namespaces (the seed's cross-GVMI keys): an owner in a
+/// second namespace of host 0's rnicd grants its keys to an agent of the
+/// default namespace, which reaches the owner's memory through aliases
+/// (as an lkey, and as an rkey its peer uses); a rebind, a revocation and
+/// the owner's death (its namespace closing) make them stale: refused at
+/// use, locally and on the wire.
+#[test]
+fn aliases_across_namespaces_and_staleness() {
+    let bed = Bed::new("mkxns", 2);
+    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
+    let gid = bed.tb.spare_addr(0, 1);
+    bed.tb.host(0).sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    let actx = bed.ctx(0);
+    let apd = actx.alloc_pd().unwrap();
+    let owner = Context::open_namespace(Some(&bed.nics[0].sock), gid).unwrap();
+    assert_ne!(owner.gid(), actx.gid());
+    let opd = owner.alloc_pd().unwrap();
+    let obuf = MemBuf::new(1 << 20).unwrap();
+    let omr = opd.reg_mr(&obuf, 0, 1 << 20, RW).unwrap();
+    let data = pattern(21, 64 << 10);
+    obuf.write(0, &data);
+    let pool = KeyPool::new(&opd, 1, 1).unwrap();
+    let mut k = pool.get(&[omr.sge(0, 256 << 10)], RW).unwrap();
+
+    // Not granted yet; an unknown namespace.
+    let e = apd.create_alias_in(gid, owner.client_id(), k.key()).err().unwrap().to_string();
+    assert!(e.contains("did not grant"), "{e}");
+    let nowhere = bed.tb.spare_addr(0, 2);
+    let e = apd.create_alias_in(nowhere, owner.client_id(), k.key()).err().unwrap().to_string();
+    assert!(e.contains("no namespace"), "{e}");
+
+    k.indirect().grant(actx.client_id()).unwrap();
+    omr.grant(actx.client_id()).unwrap();
+    let cache = AliasCache::of_namespace(&apd, gid).unwrap();
+    let al = cache.get(owner.client_id(), k.key()).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&al, &cache.get(owner.client_id(), k.key()).unwrap()), "cached");
+    assert!(al.is_live().unwrap());
+    assert_eq!((al.iova, al.len), (omr.addr, 256 << 10));
+    // The agent WRITEs from the owner's memory and READs into it; its peer
+    // WRITEs into it with the alias as rkey.
+    let (qp, cq, peer) = link(&bed, &actx, &apd, o);
+    qp.post_send(&[SendWr::write(1, &[al.sge(0, 64 << 10)], peer.mr.addr, peer.mr.rkey)]).unwrap();
+    ok(&cq);
+    assert_eq!(peer.buf.read(0, 64 << 10), data);
+    peer.buf.write(1 << 20, &pattern(22, 8192));
+    qp.post_send(&[SendWr::read(2, &[al.sge(128 << 10, 8192)], peer.mr.addr + (1 << 20), peer.mr.rkey)]).unwrap();
+    ok(&cq);
+    assert_eq!(obuf.read(128 << 10, 8192), pattern(22, 8192));
+    peer.buf.write(0, &pattern(23, 4096));
+    peer.qp.post_send(&[SendWr::write(3, &[peer.mr.sge(0, 4096)], al.iova + 4096, al.key)]).unwrap();
+    ok(&peer.scq);
+    assert_eq!(obuf.read(4096, 4096), pattern(23, 4096));
+    // Past the bound range: refused, nothing sent.
+    peer.buf.write(0, &[0u8; 8192]);
+    qp.post_send(&[SendWr::write(4, &[al.sge(252 << 10, 8192)], peer.mr.addr, peer.mr.rkey)]).unwrap();
+    assert_eq!(one(&cq).status, WcStatus::LocProtErr);
+    assert_eq!(peer.buf.read(0, 8192), vec![0u8; 8192]);
+
+    // The owner rebinds: stale, refused on the wire; get_checked makes a
+    // new alias for the new binding.
+    k.rebind(&[omr.sge(512 << 10, 4096)], RW).unwrap();
+    assert!(!al.is_live().unwrap());
+    let before = obuf.read(0, 1 << 20);
+    let (_qp, _cq, peer) = link(&bed, &actx, &apd, o);
+    peer.qp.post_send(&[SendWr::write(1, &[peer.mr.sge(0, 4096)], al.iova, al.key)]).unwrap();
+    assert_eq!(one(&peer.scq).status, WcStatus::RemAccessErr);
+    assert_eq!(obuf.read(0, 1 << 20), before, "nothing written through a stale alias");
+    let al2 = cache.get_checked(owner.client_id(), k.key()).unwrap();
+    assert!(al2.is_live().unwrap() && al2.key != al.key);
+    assert_eq!(al2.iova, omr.addr + (512 << 10));
+
+    // Revoked: stale for good, no new alias.
+    k.indirect().revoke(actx.client_id()).unwrap();
+    assert!(!al2.is_live().unwrap());
+    assert!(cache.get_checked(owner.client_id(), k.key()).is_err());
+
+    // The owner dies (its namespace closes): the MR alias turns stale and
+    // the peer using it as an rkey gets a remote access error.
+    let al3 = apd.create_alias_in(gid, owner.client_id(), omr.lkey).unwrap();
+    let (_qp, _cq, peer) = link(&bed, &actx, &apd, o);
+    peer.qp.post_send(&[SendWr::write(1, &[peer.mr.sge(0, 4096)], al3.iova, al3.key)]).unwrap();
+    ok(&peer.scq);
+    drop(k);
+    drop(pool);
+    drop((omr, opd));
+    drop(owner);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!al3.is_live().unwrap());
+    peer.qp.post_send(&[SendWr::write(2, &[peer.mr.sge(0, 4096)], al3.iova, al3.key)]).unwrap();
+    assert_eq!(one(&peer.scq).status, WcStatus::RemAccessErr);
 }

@@ -23,8 +23,8 @@ pub struct MigrateArgs {
     #[arg(long, default_value_t = 1)]
     pub channels: u32,
     /// tcp: pages over TCP connections; rdma: RDMA WRITEs from this guest
-    /// RAM into the destination's through both hosts' rnicd (precopy only;
-    /// docs/migration.md).
+    /// RAM into the destination's through both hosts' rnicd; after a
+    /// postcopy switch the destination READs what it lacks (docs/migration.md).
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
     pub transport: String,
     /// rnicd's control socket for --transport rdma (default: the rnicd

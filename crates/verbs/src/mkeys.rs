@@ -10,6 +10,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::net::Ipv4Addr;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -49,8 +50,8 @@ fn create_indirect_key(ctx: &Context, pd: u32, max_entries: u32, key: Option<u32
     }
 }
 
-fn create_alias(ctx: &Context, pd: u32, owner: u64, key: u32) -> anyhow::Result<Alias> {
-    match ctx.inner.call(&Request::CreateAlias { pd, owner, key, alias: None }, &[])? {
+fn create_alias(ctx: &Context, pd: u32, owner_namespace: Option<Ipv4Addr>, owner: u64, key: u32) -> anyhow::Result<Alias> {
+    match ctx.inner.call(&Request::CreateAlias { pd, owner, key, alias: None, owner_namespace }, &[])? {
         Reply::Alias { key: alias, iova, len, access } => Ok(Alias { ctx: ctx.clone(), key: alias, owner, target: key, iova, len, access }),
         r => bail!("unexpected reply {r:?}"),
     }
@@ -67,7 +68,14 @@ impl Pd {
     /// granted to this one): usable as an lkey (or an rkey) while the target
     /// is neither rebound, revoked nor gone.
     pub fn create_alias(&self, owner: u64, key: u32) -> anyhow::Result<Alias> {
-        create_alias(&self.ctx, self.handle, owner, key)
+        create_alias(&self.ctx, self.handle, None, owner, key)
+    }
+
+    /// As `create_alias`, for a key of a client of another namespace
+    /// (`namespace`, its GID) of the same rnicd. The alias turns stale in
+    /// the same cases, and when that namespace closes.
+    pub fn create_alias_in(&self, namespace: Ipv4Addr, owner: u64, key: u32) -> anyhow::Result<Alias> {
+        create_alias(&self.ctx, self.handle, Some(namespace), owner, key)
     }
 }
 
@@ -162,7 +170,8 @@ pub trait KeyGrant {
     fn context(&self) -> &Context;
     fn granted_key(&self) -> u32;
 
-    /// Lets client `grantee` (its [`Context::client_id`]) of this namespace alias this key.
+    /// Lets client `grantee` (its [`Context::client_id`], unique in the
+    /// rnicd) alias this key, from this namespace or another.
     fn grant(&self, grantee: u64) -> anyhow::Result<()> {
         ok(self.context().inner.call(&Request::GrantKey { key: self.granted_key(), grantee }, &[])?)
     }
@@ -241,12 +250,23 @@ impl Drop for Alias {
 pub struct AliasCache {
     ctx: Context,
     pd: u32,
+    /// The owners' namespace, when not this cache's.
+    owner_namespace: Option<Ipv4Addr>,
     map: Mutex<HashMap<u64, std::sync::Arc<Alias>>>,
 }
 
 impl AliasCache {
+    /// A cache of aliases of keys of this PD's namespace.
     pub fn new(pd: &Pd) -> anyhow::Result<AliasCache> {
-        Ok(AliasCache { ctx: pd.ctx.clone(), pd: pd.handle, map: Mutex::new(HashMap::new()) })
+        Ok(AliasCache { ctx: pd.ctx.clone(), pd: pd.handle, owner_namespace: None, map: Mutex::new(HashMap::new()) })
+    }
+
+    /// A cache of aliases of keys of clients of namespace `owner_namespace`
+    /// (a GID of the same rnicd), made in this PD (cross-namespace keys, as
+    /// the seed's cross-GVMI mkeys).
+    pub fn of_namespace(pd: &Pd, owner_namespace: Ipv4Addr) -> anyhow::Result<AliasCache> {
+        let owner_namespace = (owner_namespace != pd.ctx.gid()).then_some(owner_namespace);
+        Ok(AliasCache { ctx: pd.ctx.clone(), pd: pd.handle, owner_namespace, map: Mutex::new(HashMap::new()) })
     }
 
     fn slot(owner: u64, key: u32) -> u64 {
@@ -259,7 +279,7 @@ impl AliasCache {
         if let Some(a) = m.get(&Self::slot(owner, key)) {
             return Ok(a.clone());
         }
-        let a = std::sync::Arc::new(create_alias(&self.ctx, self.pd, owner, key)?);
+        let a = std::sync::Arc::new(create_alias(&self.ctx, self.pd, self.owner_namespace, owner, key)?);
         m.insert(Self::slot(owner, key), a.clone());
         Ok(a)
     }

@@ -85,6 +85,11 @@ pub struct PerfArgs {
     /// Local ACK timeout (IB code: 4.096 us * 2^t; 14 = 67 ms, the usual default).
     #[arg(long, default_value_t = 14)]
     pub timeout: u8,
+    /// Minimum RNR timer both QPs announce in their RNR NAKs (IB code: 1 =
+    /// 10 us; 12 = 640 us, what perftest sets): how long a sender waits
+    /// when the receiver has no receive posted.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=31))]
+    pub min_rnr_timer: u8,
     #[arg(long)]
     pub sock: Option<PathBuf>,
     /// Print one JSON object instead of the table.
@@ -103,6 +108,12 @@ struct Hello {
     iters: usize,
     tx_depth: u32,
     timeout: u8,
+    #[serde(default = "default_min_rnr_timer")]
+    min_rnr_timer: u8,
+}
+
+fn default_min_rnr_timer() -> u8 {
+    1
 }
 
 /// One measured result (also the JSON the bench reads).
@@ -285,7 +296,7 @@ fn opts(h: &Hello) -> anyhow::Result<ConnectOpts> {
     Ok(ConnectOpts {
         mtu: Mtu::from_bytes(h.mtu).context("MTU must be 256..4096 or 8192/16384/32768")?,
         timeout: h.timeout,
-        min_rnr_timer: 1,
+        min_rnr_timer: h.min_rnr_timer,
         ..Default::default()
     })
 }
@@ -333,6 +344,7 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
                 iters: a.iters,
                 tx_depth: a.tx_depth,
                 timeout: a.timeout,
+                min_rnr_timer: a.min_rnr_timer,
             };
             send_line(&mut w, &me)?;
             let sh: Hello = read_line(&mut r)?;

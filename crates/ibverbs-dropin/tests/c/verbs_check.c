@@ -488,8 +488,19 @@ int main(void)
 				     errno == EOPNOTSUPP, "errno %d", errno);
 		union ibv_gid mgid = {};
 		CHECK("multicast", ibv_attach_mcast(c, &mgid, 0) == EOPNOTSUPP, "mcast");
-		struct ibv_ah_attr aha = { .is_global = 1, .port_num = 1 };
-		CHECK("address handle", !ibv_create_ah(pd, &aha) && errno == EOPNOTSUPP, "errno %d", errno);
+		struct ibv_ah_attr aha = { .is_global = 1, .port_num = 1, .grh = { .dgid = gid, .hop_limit = 64 } };
+		struct ibv_ah *ah = ibv_create_ah(pd, &aha);
+		CHECK("address handle", ah && ah->pd == pd && ah->context == ctx, "errno %d", errno);
+		CHECK("destroy address handle", ibv_destroy_ah(ah) == 0, "destroy");
+		struct ibv_pd *ahpd = ibv_alloc_pd(ctx);
+		ah = ibv_create_ah(ahpd, &aha);
+		CHECK("an address handle holds its PD", ah && ibv_dealloc_pd(ahpd) == EBUSY && ibv_destroy_ah(ah) == 0 &&
+				 ibv_dealloc_pd(ahpd) == 0, "ebusy");
+		aha.is_global = 0;
+		CHECK("address handle without GRH", !ibv_create_ah(pd, &aha) && errno == EINVAL, "errno %d", errno);
+		aha.is_global = 1;
+		aha.grh.sgid_index = 200;
+		CHECK("address handle past the GID table", !ibv_create_ah(pd, &aha) && errno == EINVAL, "errno %d", errno);
 		CHECK("sysfs path", !strcmp(ibv_get_sysfs_path(), "/sys"), "path");
 		CHECK("destroy qp", ibv_destroy_qp(c) == 0, "destroy");
 		ibv_dereg_mr(hm);

@@ -32,6 +32,10 @@ pub struct RamClients {
     conns: Mutex<Vec<Conn>>,
 }
 
+/// The name a vmm gives the rnicd of its PVRDMA devices when it makes it a
+/// RAM client ([`RamClients::pair`]).
+pub const RNICD_CLIENT: &str = "rnicd";
+
 impl RamClients {
     /// Clients of `ram` that the vmm invites itself ([`RamClients::pair`]).
     pub fn new(ram: RamRegion) -> Arc<RamClients> {
@@ -87,6 +91,11 @@ impl RamClients {
         tracing::info!("RAM client {name:?} invited");
         self.conns.lock().unwrap().push(Conn { fd: ours, name: name.chars().take(64).collect() });
         Ok(theirs)
+    }
+
+    /// A client named `name` is connected now.
+    pub fn has(&self, name: &str) -> bool {
+        self.conns.lock().unwrap().iter().any(|c| c.name == name)
     }
 
     /// Clients connected now.

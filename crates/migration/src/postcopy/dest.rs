@@ -7,8 +7,11 @@
 //! listener or on the one `migrate-recover` gives).
 
 use super::faults::{FaultThread, RequestSink};
+use super::fetch::Fetcher;
 use super::place::{Placer, Via};
+use super::push::PushQueue;
 use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
+use crate::pages::{normalize, PageRange};
 use crate::receiver::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::MigratableVm;
@@ -29,28 +32,54 @@ pub(crate) struct Switch {
 
 type ChannelThread = JoinHandle<Result<(u64, f64)>>;
 
-/// One connected set: data channel threads and the urgent receiver.
+/// Where the pages a destination lacks come from after the switch.
+pub(crate) enum PageSource {
+    /// The source sends them: pushed on the data channels, asked for on
+    /// this urgent connection.
+    Urgent(TcpStream),
+    /// This side READs them from the source's guest RAM (the rdma
+    /// transport, [`super::fetch`]); the source's plan of what to read
+    /// comes on the control connection (`PullPlan`).
+    Reads(crate::rdma::PageReader),
+}
+
+/// One connected set: data channel threads and the urgent receiver, or
+/// the fetcher that READs the pages.
 struct Link {
     control: TcpStream,
     channels: Vec<ChannelThread>,
-    urgent: TcpStream,
+    urgent: Option<TcpStream>,
     urgent_rx: Option<JoinHandle<Result<()>>>,
+    fetch: Option<(Fetcher, Arc<PushQueue>)>,
 }
 
 impl Link {
-    fn start(control: TcpStream, channels: Vec<ChannelThread>, urgent: TcpStream, sh: &Arc<RxShared>, sink: &RequestSink) -> Result<Link> {
+    fn start(control: TcpStream, channels: Vec<ChannelThread>, pages: PageSource, sh: &Arc<RxShared>, sink: &RequestSink) -> Result<Link> {
         let placer = sh.placer.get().expect("placer set before the link starts").clone();
-        let rx = urgent.try_clone()?;
         let total = sh.total;
         let ctl = sh.ctl.clone();
-        let t = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || receive_urgent(rx, &placer, total, &ctl))?;
-        sink.connect(urgent.try_clone()?);
-        Ok(Link { control, channels, urgent, urgent_rx: Some(t) })
+        match pages {
+            PageSource::Urgent(urgent) => {
+                let rx = urgent.try_clone()?;
+                let t =
+                    std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || receive_urgent(rx, &placer, total, &ctl))?;
+                sink.connect(urgent.try_clone()?);
+                Ok(Link { control, channels, urgent: Some(urgent), urgent_rx: Some(t), fetch: None })
+            }
+            PageSource::Reads(reader) => {
+                // Empty until the source's plan comes; faults are read at once.
+                let queue = Arc::new(PushQueue::new(total, &[], Vec::new()));
+                let (tx, rx) = super::fetch::ask_channel();
+                let f = Fetcher::start(reader, placer, queue.clone(), rx, ctl)?;
+                sink.connect_reads(tx);
+                Ok(Link { control, channels, urgent: None, urgent_rx: None, fetch: Some((f, queue)) })
+            }
+        }
     }
 
     /// Something broke: the error, if any thread or the control
     /// connection says so. Channels that ended cleanly are reaped.
-    fn check(&mut self) -> Option<String> {
+    fn check(&mut self, total: u64) -> Option<String> {
         let mut i = 0;
         while i < self.channels.len() {
             if self.channels[i].is_finished() {
@@ -63,6 +92,12 @@ impl Link {
             }
             i += 1;
         }
+        if let Some((f, _)) = self.fetch.as_mut().filter(|(f, _)| f.is_finished()) {
+            return Some(match f.stop() {
+                Err(e) => format!("RDMA READs: {e:#}"),
+                Ok(()) => "the RDMA fetcher ended".into(),
+            });
+        }
         if self.urgent_rx.as_ref().is_some_and(|t| t.is_finished()) {
             let r = self.urgent_rx.take().unwrap().join();
             return Some(match r {
@@ -74,6 +109,10 @@ impl Link {
         // SAFETY: one valid pollfd.
         if unsafe { libc::poll(&mut pfd, 1, 0) } > 0 {
             return Some(match wire::recv_msg(&mut self.control) {
+                Ok(Msg::PullPlan { max_bandwidth }) if self.fetch.is_some() => match self.take_plan(total, max_bandwidth) {
+                    Ok(()) => return None,
+                    Err(e) => format!("the source's plan of pages to read: {e:#}"),
+                },
                 Ok(Msg::Abort { reason }) => format!("source aborted: {reason}"),
                 Ok(other) => format!("source sent {other:?} during postcopy"),
                 Err(e) => format!("control connection: {e}"),
@@ -82,10 +121,28 @@ impl Link {
         None
     }
 
+    /// The source's `PullPlan`: pages with data to read, pages known zero.
+    fn take_plan(&mut self, total: u64, max_bandwidth: u64) -> Result<()> {
+        self.control.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let data = ranges_blob(&wire::recv_blob(&mut self.control)?, total)?;
+        let zero = ranges_blob(&wire::recv_blob(&mut self.control)?, total)?;
+        self.control.set_read_timeout(None)?;
+        if let Some((f, q)) = &self.fetch {
+            f.set_cap(max_bandwidth);
+            q.reset(total, &data, zero);
+        }
+        Ok(())
+    }
+
     fn close(mut self, ctl: &Control, sink: &RequestSink) {
         sink.disconnect();
         ctl.shutdown_all();
-        let _ = self.urgent.shutdown(std::net::Shutdown::Both);
+        if let Some((mut f, _)) = self.fetch.take() {
+            let _ = f.stop();
+        }
+        if let Some(u) = &self.urgent {
+            let _ = u.shutdown(std::net::Shutdown::Both);
+        }
         for t in self.channels.drain(..) {
             let _ = t.join();
         }
@@ -93,6 +150,24 @@ impl Link {
             let _ = t.join();
         }
     }
+}
+
+/// A blob of (first, count) u64 pairs inside guest RAM, as sorted,
+/// disjoint ranges.
+fn ranges_blob(b: &[u8], total: u64) -> Result<Vec<PageRange>> {
+    if !b.len().is_multiple_of(16) {
+        bail!("page ranges of {} bytes", b.len());
+    }
+    let mut out = Vec::with_capacity(b.len() / 16);
+    for c in b.chunks(16) {
+        let first = u64::from_le_bytes(c[..8].try_into().unwrap());
+        let count = u64::from_le_bytes(c[8..].try_into().unwrap());
+        if count == 0 || first.checked_add(count).is_none_or(|e| e > total) {
+            bail!("pages {first} (+{count}) outside guest RAM");
+        }
+        out.push(PageRange { first, count });
+    }
+    Ok(normalize(out, total))
 }
 
 fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) -> Result<()> {
@@ -169,13 +244,13 @@ pub(crate) fn run(
     control: TcpStream,
     sh: Arc<RxShared>,
     channels: Vec<ChannelThread>,
-    urgent: TcpStream,
+    pages: PageSource,
     session: u64,
     sw: Switch,
     clients: Option<Arc<super::clients::RamClients>>,
     armed: Option<Armed>,
 ) -> Result<bool> {
-    let running = load_at_switch(vm, params, ctl, control, &sh, channels, urgent, &sw, clients.as_deref(), armed)?;
+    let running = load_at_switch(vm, params, ctl, control, &sh, channels, pages, &sw, clients.as_deref(), armed)?;
     let Running { resumed, resumed_at: t, placer, sink, mut faults, link, n_clients } = running;
     // Pages that came before the switch (a hybrid's precopy rounds) are not
     // mapped into the vmm yet: map them in the background.
@@ -199,7 +274,7 @@ pub(crate) fn run(
         s.remaining_pages = placer.missing();
     });
 
-    let mut link = wait_for_every_page(listener, ctl, session, &sh, &placer, &sink, link);
+    let mut link = wait_for_every_page(listener, &params.rnicd, ctl, session, &sh, &placer, &sink, link);
     // Every page is in.
     faults.stop();
     if let Some(t) = premap {
@@ -226,8 +301,19 @@ pub(crate) fn run(
         s.remaining_pages = 0;
     });
     if let Some(mut l) = link.take() {
-        let complete =
-            Msg::Complete { faults: faults_n, fault_p50_us: p50, fault_p99_us: p99, fault_max_us: max, cpu_s: cpu, ram_clients: n_clients };
+        let pages_read = l.fetch.is_some().then(|| {
+            let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+            (n(&placer.pushed), n(&placer.requested))
+        });
+        let complete = Msg::Complete {
+            faults: faults_n,
+            fault_p50_us: p50,
+            fault_p99_us: p99,
+            fault_max_us: max,
+            cpu_s: cpu,
+            ram_clients: n_clients,
+            pages_read,
+        };
         if let Err(e) = wire::send_msg(&mut l.control, &complete) {
             tracing::warn!("could not tell the source that postcopy completed: {e}");
         }
@@ -265,8 +351,8 @@ fn load_at_switch(
     ctl: &Arc<Control>,
     mut control: TcpStream,
     sh: &Arc<RxShared>,
-    channels: Vec<ChannelThread>,
-    urgent: TcpStream,
+    mut channels: Vec<ChannelThread>,
+    pages: PageSource,
     sw: &Switch,
     clients: Option<&super::clients::RamClients>,
     armed: Option<Armed>,
@@ -286,6 +372,15 @@ fn load_at_switch(
         bail!("state is {} bytes, source announced {}", blob.len(), sw.state_bytes);
     }
     let state = StateSet::read_from(&mut blob.as_slice()).context("decoding vCPU and device state")?;
+    if matches!(pages, PageSource::Reads(_)) {
+        // The source ended its data channels before it paused: every WRITE
+        // of the precopy rounds has landed and is checked once their
+        // threads are through, and none can land on a page placed from
+        // here on.
+        for t in channels.drain(..) {
+            t.join().map_err(|_| anyhow!("a data channel panicked"))?.context("data channel")?;
+        }
+    }
     if sw.dirty_ranges {
         let stale = wire::recv_blob(&mut control).map_err(|e| anyhow!("stale page list: {e}"))?;
         drop_pages(sh, &stale)?;
@@ -302,7 +397,7 @@ fn load_at_switch(
             n_clients += 1;
         }
     }
-    let link = Some(Link::start(control.try_clone()?, channels, urgent, sh, &sink)?);
+    let link = Some(Link::start(control.try_clone()?, channels, pages, sh, &sink)?);
     step("faults armed");
     vm.restore_state(&state).context("loading vCPU and device state")?;
     step("state restored");
@@ -325,8 +420,10 @@ fn load_at_switch(
 /// Serve faults until every page is here; on a break, pause and wait for
 /// the source to recover (a new listener from `migrate-recover`, or the
 /// old one). Returns the link that delivered the last page, if any.
+#[allow(clippy::too_many_arguments)]
 fn wait_for_every_page(
     listener: &TcpListener,
+    rnicd: &str,
     ctl: &Arc<Control>,
     session: u64,
     sh: &Arc<RxShared>,
@@ -341,7 +438,7 @@ fn wait_for_every_page(
         }
         ctl.update(|s| s.remaining_pages = placer.missing());
         let broken = match link.as_mut() {
-            Some(l) => l.check(),
+            Some(l) => l.check(sh.total),
             None => Some("not connected".into()),
         };
         let Some(why) = broken else { continue };
@@ -369,7 +466,7 @@ fn wait_for_every_page(
                 break None;
             }
             let lis = listener_now.as_ref().unwrap_or(listener);
-            match accept_recovery(lis, ctl, session, sh, placer, sink) {
+            match accept_recovery(lis, rnicd, ctl, session, sh, placer, sink) {
                 Ok(Some(l)) => break Some(l),
                 Ok(None) => {}
                 Err(e) => tracing::warn!("recovery attempt refused: {e:#}"),
@@ -392,6 +489,7 @@ fn wait_for_every_page(
 /// our received-pages bitmap and reconnects its channels.
 fn accept_recovery(
     l: &TcpListener,
+    rnicd: &str,
     ctl: &Control,
     session: u64,
     sh: &Arc<RxShared>,
@@ -406,9 +504,9 @@ fn accept_recovery(
     if wire::read_preamble(&mut control)? != wire::ROLE_CONTROL {
         bail!("first connection is not a control connection");
     }
-    let channels = match wire::recv_msg(&mut control)? {
-        Msg::Hello { session: s, mode, channels, .. } if mode == "recover" && s == session && (1..=64).contains(&channels) => {
-            channels as usize
+    let (channels, rdma) = match wire::recv_msg(&mut control)? {
+        Msg::Hello { session: s, mode, channels, transport, .. } if mode == "recover" && s == session && (1..=64).contains(&channels) => {
+            (channels as usize, transport == "rdma")
         }
         Msg::Hello { mode, session: s, .. } => {
             let why = if mode != "recover" {
@@ -424,6 +522,18 @@ fn accept_recovery(
     wire::send_msg(&mut control, &Msg::Welcome)?;
     wire::send_blob(&mut control, &sh.seen.to_le_bytes())?;
     control.set_read_timeout(None)?;
+    if rdma {
+        // New queue pairs to read through; the source's plan of what is
+        // left follows on the control connection.
+        let reader = crate::rdma::accept_reader(&control, rnicd, &sh.ram)?;
+        let link = Link::start(control, Vec::new(), PageSource::Reads(reader), sh, sink)?;
+        placer.forget_asked();
+        let mut waiting = placer.waiting();
+        if !waiting.is_empty() {
+            sink.request(&mut waiting, &mut []);
+        }
+        return Ok(Some(link));
+    }
     let (streams, urgent) = accept_channels(l, ctl, session, channels, true)?;
     let urgent = urgent.ok_or_else(|| anyhow!("recovery without an urgent connection"))?;
     let threads = streams
@@ -434,7 +544,7 @@ fn accept_recovery(
             std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(i, s, sh))
         })
         .collect::<std::io::Result<Vec<_>>>()?;
-    let link = Link::start(control, threads, urgent, sh, sink)?;
+    let link = Link::start(control, threads, PageSource::Urgent(urgent), sh, sink)?;
     // Ask again for what threads wait on: those requests died with the link.
     placer.forget_asked();
     let mut waiting = placer.waiting();

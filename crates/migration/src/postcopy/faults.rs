@@ -14,23 +14,32 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use userfaultfd::Event;
 
-/// The write side of the urgent connection; absent while reconnecting
-/// (the waiters remember what to ask for again).
+/// The write side of the urgent connection, or over the rdma transport
+/// the fetcher that READs the pages ([`super::fetch`]); absent while
+/// reconnecting (the waiters remember what to ask for again).
 #[derive(Default)]
 pub struct RequestSink {
     conn: Mutex<Option<TcpStream>>,
+    reads: Mutex<Option<std::sync::mpsc::Sender<super::fetch::Ask>>>,
 }
 
 impl RequestSink {
     pub fn connect(&self, s: TcpStream) {
         *self.conn.lock().unwrap() = Some(s);
     }
+    pub(crate) fn connect_reads(&self, tx: std::sync::mpsc::Sender<super::fetch::Ask>) {
+        *self.reads.lock().unwrap() = Some(tx);
+    }
     pub fn disconnect(&self) {
         *self.conn.lock().unwrap() = None;
+        *self.reads.lock().unwrap() = None;
     }
     /// Ask for `pages` (threads wait on them) and `soon` (prefetch), in
     /// runs; false if there is no connection.
     pub fn request(&self, pages: &mut [u64], soon: &mut [u64]) -> bool {
+        if let Some(tx) = self.reads.lock().unwrap().as_ref() {
+            return tx.send((pages.to_vec(), soon.to_vec())).is_ok();
+        }
         let mut buf = Vec::with_capacity((pages.len() + soon.len()) * 13);
         for (kind, pfns) in [(wire::DATA_REQUEST, pages), (wire::DATA_PREFETCH, soon)] {
             pfns.sort_unstable();

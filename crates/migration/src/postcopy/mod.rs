@@ -5,12 +5,14 @@
 //! - [`dest`]: the switch, fault handling, completion and recovery
 //! - [`place`]: atomic page placement and waking faulting threads
 //! - [`faults`]: the destination's fault-reading thread and page requests
+//! - [`fetch`]: the rdma transport's destination, which READs the pages
 //! - [`push`]: the order of the background push (near recent faults first)
 //! - [`clients`]: processes other than the vmm that map guest RAM
 
 pub mod clients;
 pub(crate) mod dest;
 pub mod faults;
+pub(crate) mod fetch;
 pub mod place;
 pub mod push;
 pub(crate) mod source;

@@ -281,6 +281,11 @@ impl Placer {
         self.domains.read().unwrap().get(i).cloned()
     }
 
+    /// Pages of guest RAM.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
     pub fn is_complete(&self) -> bool {
         self.present.load(Ordering::Acquire) == self.total
     }

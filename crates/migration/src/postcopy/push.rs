@@ -95,6 +95,18 @@ impl PushQueue {
         g.cursor = (first + count) % self.total.max(1);
     }
 
+    /// Claimed pages that were not sent after all: queue them again.
+    pub fn give_back(&self, first: u64, count: u64) {
+        let mut g = self.inner.lock().unwrap();
+        for p in first..(first + count).min(self.total) {
+            let (w, b) = ((p / 64) as usize, p % 64);
+            if g.bits[w] & (1 << b) == 0 {
+                g.bits[w] |= 1 << b;
+                g.left += 1;
+            }
+        }
+    }
+
     /// Up to `max` pages from the cursor on (wrapping), as runs.
     pub fn claim(&self, max: u64, out: &mut Vec<Claim>) -> bool {
         out.clear();

@@ -11,8 +11,10 @@ use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
+use crate::rdma::ReadableRam;
 use crate::sender::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
 use crate::stats::{Control, RecoverRequest, Status};
+use crate::transport::Transport;
 use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, Msg};
 use anyhow::{anyhow, bail, Context, Result};
@@ -26,7 +28,12 @@ pub(crate) struct Start {
     pub compress: Compress,
     pub bucket: Arc<TokenBucket>,
     pub control: TcpStream,
-    pub urgent: TcpStream,
+    /// The tcp transport: the connection page requests come on.
+    pub urgent: Option<TcpStream>,
+    /// The rdma transport: our guest RAM, registered for the destination
+    /// to READ (it fetches every page itself, see [`run_reads`]).
+    pub reads: Option<ReadableRam>,
+    pub transport: Transport,
     pub channels: ChannelSet,
     /// Hybrid: the dirty log and, before all of RAM was sent, the part of
     /// it that is armed (what was sent lies within; the rest is pending).
@@ -75,13 +82,20 @@ fn split_known_zero(holes: &[PageRange], pages: &[PageRange]) -> (Vec<PageRange>
 /// (the downtime), planning the push, then serving the destination until
 /// it has every page, through any number of recoveries.
 pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
-    let Start { session, compress, bucket, mut control, urgent, mut channels, log, holes, pending, round } = st;
+    let Start { session, compress, bucket, mut control, urgent, reads, transport, mut channels, log, holes, pending, round } = st;
     // The timeout bounds the precopy part only: from the switch on, the
     // destination runs and needs every page, however long the push takes.
     channels.clear_deadline();
+    if let Some(reads) = reads {
+        let Transport::Rdma { rnicd } = transport else { bail!("RDMA reads without the rdma transport") };
+        let st = ReadsStart { session, control, channels, reads, log, holes, pending, round, rnicd, cap: bucket.rate() };
+        return run_reads(guard, st);
+    }
+    let urgent = urgent.ok_or_else(|| anyhow!("postcopy over tcp without an urgent connection"))?;
     let ctl = guard.ctl.clone();
     let ram = guard.vm.ram();
-    let (missing, queue, server) = switch_over(guard, &mut control, urgent, log, pending)?;
+    let (missing, queue, server) = switch_over(guard, &mut control, Some(urgent), log, pending)?;
+    let server = server.expect("an urgent server for the urgent connection");
     plan_push(ram, missing, holes, &queue)?;
     let t_post = Instant::now();
     ctl.update(|s| {
@@ -99,6 +113,10 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     Ok(())
 }
 
+/// What the switch leaves: the pages the destination lacks (`None`: all),
+/// the push queue, and the urgent server (tcp only).
+type Switched = (Option<Vec<PageRange>>, Arc<PushQueue>, Option<UrgentServer>);
+
 /// The switch, all of it downtime: pause, the stale pages, the state; the
 /// destination loads it and owns the VM from then on (the commit), and is
 /// told to run it. Returns the pages the destination still lacks (`None`:
@@ -106,10 +124,10 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
 fn switch_over(
     guard: &mut Outgoing,
     control: &mut TcpStream,
-    urgent: TcpStream,
+    urgent: Option<TcpStream>,
     log: Option<(DirtyLog, Option<Vec<PageRange>>)>,
     pending: Vec<PageRange>,
-) -> Result<(Option<Vec<PageRange>>, Arc<PushQueue>, UrgentServer)> {
+) -> Result<Switched> {
     let (vm, ctl) = (guard.vm.clone(), guard.ctl.clone());
     let ram = vm.ram();
     let total = ram.pages();
@@ -135,7 +153,7 @@ fn switch_over(
     // Requests are served from now on, even while the destination loads
     // the state (a device may touch RAM); the push queue fills below.
     let queue = Arc::new(PushQueue::new(total, &[], Vec::new()));
-    let server = UrgentServer::start(urgent, ram, queue.clone(), ctl.clone())?;
+    let server = urgent.map(|u| UrgentServer::start(u, ram, queue.clone(), ctl.clone())).transpose()?;
     wire::send_msg(
         control,
         &Msg::Switchover { state_bytes: blob.len() as u64, source_paused_unix_ns: paused_at, dirty_ranges: missing.is_some() },
@@ -176,8 +194,13 @@ fn switch_over(
 }
 
 /// Plan the push: everything the destination lacks, split into pages to
-/// read and memfd holes (known zero).
-fn plan_push(ram: RamRegion, missing: Option<Vec<PageRange>>, holes: Vec<PageRange>, queue: &Arc<PushQueue>) -> Result<()> {
+/// read and memfd holes (known zero); returns both.
+fn plan_push(
+    ram: RamRegion,
+    missing: Option<Vec<PageRange>>,
+    holes: Vec<PageRange>,
+    queue: &Arc<PushQueue>,
+) -> Result<(Vec<PageRange>, Vec<PageRange>)> {
     let total = ram.pages();
     // Everything the destination lacks, split into pages to read and memfd
     // holes (known zero): looking at the old holes again takes a few
@@ -200,11 +223,11 @@ fn plan_push(ram: RamRegion, missing: Option<Vec<PageRange>>, holes: Vec<PageRan
                 (pages.to_vec(), Vec::new())
             }
         };
-        q2.reset(total, &data, zero);
+        q2.reset(total, &data, zero.clone());
+        (data, zero)
     });
     // The push can only start once it knows what to push.
-    fill.join().map_err(|_| anyhow!("the push planner panicked"))?;
-    Ok(())
+    fill.join().map_err(|_| anyhow!("the push planner panicked"))
 }
 
 /// What a reconnection after a break needs.
@@ -314,7 +337,7 @@ fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQue
     }
     let complete = reader.join().map_err(|_| anyhow!("postcopy control reader panicked"))?;
     match complete {
-        Ok(Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients }) => {
+        Ok(Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, .. }) => {
             // Whatever the push did after this, the destination has it all.
             ctl.update(|s| {
                 s.faults = faults;
@@ -375,6 +398,180 @@ fn reconnect(
     let ch = open_channels(&addr, session, channels, *ram, compress, bucket, ctl, None)?;
     let urgent = open_urgent(addr.first(), session, ctl)?;
     Ok((control, ch, urgent))
+}
+
+/// What the rdma transport's postcopy source starts from.
+struct ReadsStart {
+    session: u64,
+    control: TcpStream,
+    channels: ChannelSet,
+    reads: ReadableRam,
+    log: Option<(DirtyLog, Option<Vec<PageRange>>)>,
+    holes: Vec<PageRange>,
+    pending: Vec<PageRange>,
+    round: u64,
+    rnicd: String,
+    /// The bandwidth cap (bytes/s), which the destination's reads keep to.
+    cap: u64,
+}
+
+/// Postcopy over the rdma transport. The data channels end before the
+/// pause (the precopy rounds' WRITEs have landed once they have), then
+/// the switch as over tcp, then the plan: which pages the destination
+/// lacks, with data or known zero. From there the destination READs them
+/// from our guest RAM, registered with our rnicd ([`ReadableRam`]): no
+/// thread of this vmm runs for a page, this one only waits for
+/// `Complete` on the control connection. A break pauses, as over tcp;
+/// `migrate resume` offers the RAM again on a new connection with the
+/// plan of what is still missing.
+fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
+    let ReadsStart { session, mut control, mut channels, reads, log, holes, pending, round, rnicd, cap } = st;
+    let ctl = guard.ctl.clone();
+    let ram = guard.vm.ram();
+    // After the switch the destination places pages itself: a WRITE that
+    // landed later could overwrite a page the guest changed since. Each
+    // channel's end waits for the completion of its last SEND, and so of
+    // every WRITE before it. Before the pause: not downtime.
+    let (_, cpu) = channels.finish()?;
+    ctl.add_cpu(false, cpu);
+    // Kept (ended) until the migration ends: dropping the set shuts every
+    // connection of the migration down, the control connection too.
+    let _channels = channels;
+    let (missing, queue, _) = switch_over(guard, &mut control, None, log, pending)?;
+    let (data, zero) = plan_push(ram, missing, holes, &queue)?;
+    let t_post = Instant::now();
+    ctl.update(|s| {
+        s.status = Status::PostcopyActive;
+        s.rounds = round + 1;
+        s.remaining_pages = queue.left();
+    });
+    let mut conn = match send_plan(&mut control, &data, &zero, cap) {
+        Ok(()) => Some((control, reads)),
+        Err(e) => {
+            tracing::warn!("the plan of pages to read did not go out: {e:#}");
+            None
+        }
+    };
+    loop {
+        let r = match conn.take() {
+            // The RAM stays readable until the destination has it all.
+            Some((mut c, _reads)) => wait_complete(&mut c, &ctl),
+            None => Err(anyhow!("not connected")),
+        };
+        let Err(e) = r else { break };
+        let why = format!("{e:#}");
+        tracing::warn!("postcopy paused: {why}");
+        let t_paused = Instant::now();
+        ctl.update(|s| {
+            s.status = Status::PostcopyPaused;
+            s.error = Some(format!(
+                "postcopy paused: {why}; the destination runs the VM and this host still holds its missing pages: recover with migrate-recover on the destination and migrate resume here"
+            ));
+        });
+        let target = loop {
+            match ctl.wait_recovery() {
+                RecoverRequest::Connect(a) => break a,
+                RecoverRequest::Listen(_) => tracing::warn!("migrate-recover is for the destination"),
+            }
+        };
+        ctl.forget_connections();
+        match reconnect_reads(&target, session, &ram, &rnicd, cap, &ctl) {
+            Ok(c) => {
+                conn = Some(c);
+                ctl.update(|s| {
+                    s.status = Status::PostcopyActive;
+                    s.error = None;
+                    s.recoveries += 1;
+                    s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3;
+                    s.peer = target.clone();
+                });
+            }
+            Err(e) => {
+                ctl.update(|s| s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3);
+                tracing::warn!("recovery failed: {e:#}");
+            }
+        }
+    }
+    let postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
+    ctl.update(|s| {
+        s.postcopy_ms = postcopy_ms;
+        s.remaining_pages = 0;
+    });
+    Ok(())
+}
+
+/// `PullPlan` and its two blobs: pages with data, pages known zero.
+fn send_plan(control: &mut TcpStream, data: &[PageRange], zero: &[PageRange], max_bandwidth: u64) -> Result<()> {
+    let blob = |rs: &[PageRange]| -> Vec<u8> { rs.iter().flat_map(|r| [r.first.to_le_bytes(), r.count.to_le_bytes()]).flatten().collect() };
+    wire::send_msg(control, &Msg::PullPlan { max_bandwidth })?;
+    wire::send_blob(control, &blob(data))?;
+    wire::send_blob(control, &blob(zero))?;
+    Ok(())
+}
+
+/// Wait for the destination's `Complete` (it READs every page itself).
+fn wait_complete(control: &mut TcpStream, ctl: &Control) -> Result<()> {
+    control.set_read_timeout(None)?;
+    loop {
+        match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
+            Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, pages_read } => {
+                let (pushed, requested) = pages_read.unwrap_or_default();
+                ctl.update(|s| {
+                    s.faults = faults;
+                    s.fault_p50_us = fault_p50_us;
+                    s.fault_p99_us = fault_p99_us;
+                    s.fault_max_us = fault_max_us;
+                    s.cpu_s_dest = Some(cpu_s);
+                    s.ram_clients = ram_clients;
+                    // Read by the destination from this RAM, not sent.
+                    s.pages_pushed = pushed;
+                    s.pages_requested = requested;
+                    s.pages_sent += pushed + requested;
+                });
+                return Ok(());
+            }
+            Msg::Abort { reason } => bail!("destination: {reason}"),
+            Msg::RoundDone { .. } => {}
+            other => bail!("destination sent {other:?} during postcopy"),
+        }
+    }
+}
+
+/// Over rdma: a new control connection to a destination that kept its RAM;
+/// it says which pages it has, and READs the rest through new queue pairs.
+fn reconnect_reads(target: &str, session: u64, ram: &RamRegion, rnicd: &str, cap: u64, ctl: &Control) -> Result<(TcpStream, ReadableRam)> {
+    let (addr, _) = Transport::from_uri(target, "rdma", rnicd)?;
+    let addr = crate::sender::parse_tcp_uri(&addr)?;
+    let total = ram.pages();
+    let mut control = crate::sender::connect(addr.first(), ctl)?;
+    wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
+    wire::send_msg(
+        &mut control,
+        &Msg::Hello {
+            session,
+            shape: String::new(),
+            ram_bytes: ram.len,
+            page_size: PAGE_SIZE,
+            channels: ctl.snapshot().channels.max(1),
+            compress: String::new(),
+            mode: "recover".into(),
+            transport: "rdma".into(),
+        },
+    )?;
+    control.set_read_timeout(Some(Duration::from_secs(30)))?;
+    recv_welcome(&mut control, "recovery hello")?;
+    let have = wire::recv_blob(&mut control).map_err(|e| anyhow!("received-pages bitmap: {e}"))?;
+    let have = AtomicBitmap::from_le_bytes(total, &have)
+        .ok_or_else(|| anyhow!("received-pages bitmap of {} bytes for {total} pages", have.len()))?;
+    control.set_read_timeout(None)?;
+    let missing: Vec<PageRange> = (0..total).filter(|&p| !have.get(p)).map(|p| PageRange { first: p, count: 1 }).collect();
+    let missing = normalize(missing, total);
+    // The VM is paused on both sides: one full walk is exact.
+    let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
+    let (data, zero) = split_known_zero(&holes, &missing);
+    let reads = crate::rdma::offer_ram(&mut control, rnicd, ram)?;
+    send_plan(&mut control, &data, &zero, cap)?;
+    Ok((control, reads))
 }
 
 /// Answers page requests on the urgent connection, one batch per request.

@@ -26,6 +26,15 @@ impl Side {
         let dynvm: Arc<dyn MigratableVm> = vm.clone();
         Side { vm, dynvm, slot: MigrationSlot::default() }
     }
+    /// A side for a migration over `net` (rdma: guest RAM sealed, as rnicd
+    /// registers only sealed memfds).
+    pub fn on(net: &Net, ram: u64, dirtiers: usize) -> Side {
+        let s = Side::new(ram, dirtiers);
+        if let Net::Rdma(_) = net {
+            s.vm.ram_pages().seal().unwrap();
+        }
+        s
+    }
     pub fn cmd(&self, c: &str, a: Value) -> Result<Value, migration::qmp::QmpError> {
         handle(&self.dynvm, &self.slot, c, &a)
     }
@@ -37,7 +46,12 @@ impl Side {
     /// Listen with `prealloc` (or not), and once preallocated, wait until
     /// the memfd holds every page: the migration then meets a full memfd.
     pub fn incoming_with(&self, resume: bool, prealloc: bool) -> u16 {
-        let r = self.cmd("migrate-incoming", json!({"uri": "tcp:127.0.0.1:0", "resume": resume, "prealloc": prealloc})).unwrap();
+        self.incoming_on(&Net::Tcp, resume, prealloc)
+    }
+    /// [`incoming_with`](Self::incoming_with), for a source that uses `net`.
+    pub fn incoming_on(&self, net: &Net, resume: bool, prealloc: bool) -> u16 {
+        let args = net.incoming_args(json!({"uri": "tcp:127.0.0.1:0", "resume": resume, "prealloc": prealloc}));
+        let r = self.cmd("migrate-incoming", args).unwrap();
         if prealloc {
             let ram = self.dynvm.ram();
             wait_until("the prealloc", || {
@@ -185,4 +199,82 @@ fn pump(mut from: TcpStream, mut to: TcpStream, f: Fault, fired: Arc<AtomicBool>
     }
     let _ = from.shutdown(Shutdown::Both);
     let _ = to.shutdown(Shutdown::Both);
+}
+
+/// How pages travel in a test: TCP on loopback, or the rdma transport
+/// between the real rnicds of two testbed hosts (the vmm side of each rnicd
+/// is this process: its control socket is a path; the control connection
+/// stays on loopback, only the queue pairs cross the testbed's link).
+pub enum Net {
+    Tcp,
+    Rdma(RdmaBed),
+}
+
+impl Net {
+    /// Both transports, each test body runs once over each. The testbed
+    /// and its rnicds start only for the rdma run: they take CPU that a
+    /// tcp run's timing-sensitive guest would miss.
+    pub fn each(name: &str) -> impl Iterator<Item = Net> + '_ {
+        (0..2).map(move |i| if i == 0 { Net::Tcp } else { Net::Rdma(RdmaBed::new(name)) })
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            Net::Tcp => "tcp",
+            Net::Rdma(_) => "rdma",
+        }
+    }
+    /// `migrate`'s arguments to a destination listening on `port` (or a
+    /// proxy in front of it), with `extra`.
+    pub fn migrate_args(&self, port: u16, extra: Value) -> Value {
+        let mut a = extra;
+        a["uri"] = json!(format!("{}:127.0.0.1:{port}", self.name()));
+        if let Net::Rdma(b) = self {
+            a["rnicd"] = json!(b.socket(0));
+        }
+        a
+    }
+    /// What `migrate-incoming` needs beside its address.
+    pub fn incoming_args(&self, mut a: Value) -> Value {
+        if let Net::Rdma(b) = self {
+            a["rnicd"] = json!(b.socket(1));
+        }
+        a
+    }
+}
+
+/// Two testbed hosts, an rnicd on each. Fields drop in order: the rnicds
+/// before the testbed.
+pub struct RdmaBed {
+    nics: Vec<(testbed::HostChild, std::path::PathBuf)>,
+    pub tb: testbed::Testbed,
+}
+
+impl RdmaBed {
+    pub fn new(name: &str) -> RdmaBed {
+        let bin = migrate_transit::transit_bin().expect("building transit");
+        let tb = testbed::Testbed::create(testbed::TestbedOpts::new(name, 2)).unwrap();
+        let nics = (0..2)
+            .map(|i| {
+                let h = tb.host(i);
+                let sock = rnic::daemon::default_socket_path(h.addr(0));
+                let _ = std::fs::remove_file(&sock);
+                let child = h.spawn(bin.to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string()]).unwrap();
+                wait_until("rnicd", || sock.exists());
+                (child, sock)
+            })
+            .collect();
+        RdmaBed { nics, tb }
+    }
+    /// rnicd's control socket on host `i`.
+    pub fn socket(&self, i: usize) -> String {
+        self.nics[i].1.to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for RdmaBed {
+    fn drop(&mut self) {
+        for (_, s) in self.nics.drain(..) {
+            let _ = std::fs::remove_file(s);
+        }
+    }
 }

@@ -35,7 +35,7 @@ use crate::ring::{Cqe, RecvWqe, Ring, SendWqe, Sge, MAX_INLINE, MAX_SGE};
 use crate::types::{send_flags, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode};
 use crate::wire::{self, psn_add, Flow, Packet, ROCE_PORT};
 
-pub use crate::qp_snapshot::{QpRuntime, QpSnapshot, RespJob, WriteCtx, QP_SNAPSHOT_VERSION};
+pub use crate::qp_snapshot::{QpRuntime, QpSnapshot, ReadExec, RespJob, WriteCtx, QP_SNAPSHOT_VERSION};
 pub use requester::{WINDOW, WINDOW_BYTES};
 
 /// Largest message (bytes) a WQE or a request may describe.

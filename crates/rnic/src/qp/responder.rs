@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::{Ctx, Qp, RespJob, WriteCtx, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE};
+use super::{Ctx, Qp, ReadExec, RespJob, WriteCtx, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE};
 use crate::async_events::AsyncKind;
 use crate::keys::{scatter, Span};
 use crate::ring::{Cqe, MAX_SGE};
@@ -460,7 +460,7 @@ impl Qp {
         } else if op.is_write() {
             self.execute_write(ctx, p, target)?;
         } else if op == Opcode::ReadRequest {
-            self.execute_read(ctx, p);
+            self.execute_read(p);
             return Ok(());
         } else if op.is_atomic() {
             if let Target::Atomic(ptr) = target {
@@ -524,13 +524,24 @@ impl Qp {
 
     /// A READ is answered from client memory as its responses go out
     /// (`responder_tx`); its PSNs are those of the responses.
-    fn execute_read(&mut self, ctx: &Ctx, p: &Packet) {
+    fn execute_read(&mut self, p: &Packet) {
         let Some(reth) = p.reth else { return };
-        let key_gen = ctx.keys.generation(reth.rkey);
         let psn = p.bth.psn;
         let n = (reth.len as u64).div_ceil(self.mtu()).max(1) as u32;
         self.rt.msn = psn_add(self.rt.msn, 1);
-        self.rt.resp_queue.push_back(RespJob::Read { psn, va: reth.va, rkey: reth.rkey, remaining: reth.len as u64, first: true, key_gen });
+        self.rt.resp_queue.push_back(RespJob::Read {
+            psn,
+            va: reth.va,
+            rkey: reth.rkey,
+            remaining: reth.len as u64,
+            first: true,
+            key_gen: None,
+            resent: false,
+        });
+        self.rt.read_history.push_back(ReadExec { psn, last: psn_add(psn, n - 1), rkey: reth.rkey, key_gen: None });
+        while self.rt.read_history.len() > ATOMIC_REPLAY.max(self.attr.max_dest_rd_atomic as usize) {
+            self.rt.read_history.pop_front();
+        }
         self.rt.epsn = psn_add(psn, n);
         self.rt.nak_sent = false;
     }
@@ -599,6 +610,9 @@ impl Qp {
         match p.bth.opcode {
             Opcode::ReadRequest => {
                 let Some(reth) = p.reth else { return };
+                // A duplicate whose key no longer grants the range is not
+                // answered (the requester may have its data already; one
+                // that does not fails after its retries).
                 let readable = self.check_op_valid(Opcode::ReadRequest).is_ok()
                     && (reth.len == 0 || self.region(ctx, reth.rkey, reth.va, reth.len as u64, access::REMOTE_READ).is_some());
                 if !readable {
@@ -615,7 +629,26 @@ impl Qp {
                         psn_diff(last, psn) < 0
                     }
                 });
-                let key_gen = ctx.keys.generation(reth.rkey);
+                // A duplicate is executed again, but from the binding its
+                // first answer read: if the key was rebound or invalidated
+                // since, it is not answered (as a duplicate whose key no
+                // longer resolves), rather than mixing the old binding's
+                // data with the new one's; the new memory is never read for
+                // a request made before the rebind. Not a NAK: the requester
+                // may have had all the first answer meanwhile and would
+                // drop the NAK while this QP went to ERR. A READ older than
+                // the history (not one a conforming requester can still
+                // resend) reads the current binding.
+                let key_gen = self
+                    .rt
+                    .read_history
+                    .iter()
+                    .rev()
+                    .find(|r| r.rkey == reth.rkey && psn_diff(psn, r.psn) >= 0 && psn_diff(r.last, psn) >= 0)
+                    .and_then(|r| r.key_gen);
+                if key_gen.is_some_and(|g| g != ctx.keys.generation(reth.rkey)) {
+                    return;
+                }
                 self.rt.resp_queue.push_back(RespJob::Read {
                     psn,
                     va: reth.va,
@@ -623,6 +656,7 @@ impl Qp {
                     remaining: reth.len as u64,
                     first: true,
                     key_gen,
+                    resent: true,
                 });
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
@@ -659,7 +693,7 @@ impl Qp {
                     let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
                     self.rt.resp_queue.pop_front();
                 }
-                RespJob::Read { psn, va, rkey, remaining, first, key_gen } => {
+                RespJob::Read { psn, va, rkey, remaining, first, key_gen, resent } => {
                     let n = remaining.min(mtu);
                     let last = remaining <= mtu;
                     use Opcode::*;
@@ -675,8 +709,18 @@ impl Qp {
                     }
                     let (keys, pd) = (&*ctx.keys, self.pd);
                     // A READ reads the binding current at its first response
-                    // packet; its other packets must find the same one.
-                    let key_gen = if first { keys.generation(rkey) } else { key_gen };
+                    // packet; its other packets, and any resent ones, must
+                    // find the same one.
+                    let key_gen = match key_gen {
+                        Some(g) => g,
+                        None => {
+                            let g = keys.generation(rkey);
+                            if let Some(h) = self.rt.read_history.iter_mut().rev().find(|h| h.psn == psn && h.key_gen.is_none()) {
+                                h.key_gen = Some(g);
+                            }
+                            g
+                        }
+                    };
                     let r = ctx.tx.emit(&flow, &h, n as usize, |out| -> Result<(), ()> {
                         if n == 0 {
                             return Ok(());
@@ -690,6 +734,11 @@ impl Qp {
                         unsafe { src.read(out) };
                         Ok(())
                     });
+                    if r.is_err() && resent {
+                        // Rebound while answering a duplicate: stop (above).
+                        self.rt.resp_queue.pop_front();
+                        continue;
+                    }
                     if r.is_err() {
                         self.rt.resp_queue.clear();
                         self.responder_error(ctx, psn, NakCode::RemoteAccessError);
@@ -698,7 +747,15 @@ impl Qp {
                     if last {
                         self.rt.resp_queue.pop_front();
                     } else {
-                        *job = RespJob::Read { psn: psn_add(psn, 1), va: va + n, rkey, remaining: remaining - n, first: false, key_gen };
+                        *job = RespJob::Read {
+                            psn: psn_add(psn, 1),
+                            va: va + n,
+                            rkey,
+                            remaining: remaining - n,
+                            first: false,
+                            key_gen: Some(key_gen),
+                            resent,
+                        };
                     }
                 }
             }

@@ -73,7 +73,11 @@ impl Qp {
             return Err("bad QP attributes in the state".into());
         }
         let r = &s.runtime;
-        if r.resp_queue.len() > MAX_RESP_QUEUE || r.atomic_results.len() > 2 * ATOMIC_REPLAY.max(256) || r.recv_offset > MAX_MSG {
+        if r.resp_queue.len() > MAX_RESP_QUEUE
+            || r.atomic_results.len() > 2 * ATOMIC_REPLAY.max(256)
+            || r.read_history.len() > 2 * ATOMIC_REPLAY.max(256)
+            || r.recv_offset > MAX_MSG
+        {
             return Err("QP state queues too long".into());
         }
         if r.write.is_some_and(|w| w.remaining > MAX_MSG || w.total > MAX_MSG) {

@@ -2,7 +2,8 @@
 //!
 //! - `ops`: cost per operation on one host for a range of sizes: reg_mr +
 //!   dereg_mr, an indirect key's rebind + invalidate (pipelined, and one
-//!   waited-for pair), alias creation, rcache hit and miss.
+//!   waited-for pair), measured in rounds that alternate the sizes (median
+//!   and 99th percentile), then alias creation, rcache hit and miss.
 //! - `alltoallv`: one rank of an alltoallv-like exchange between the ranks
 //!   of two hosts: every iteration each rank allocates fresh send and
 //!   receive buffers, makes them reachable (registering them, binding pool
@@ -115,13 +116,66 @@ fn unmap(addr: u64, len: usize) {
     unsafe { libc::munmap(addr as *mut libc::c_void, len) };
 }
 
+/// Quantile `q` (0..=1) of `v` (sorted in place).
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Bind + invalidation pairs per timed batch of the pipelined rebind: one
+/// doorbell and one wait per batch, as a pool's user posts an iteration's
+/// binds together (the wait, a wake-up of rnicd and of us, is spread over
+/// the batch).
+const REBIND_BATCH: usize = 512;
+
+/// reg_mr + dereg_mr and an indirect key's rebind + invalidate at every
+/// size, measured in `rounds` rounds that visit the sizes in turn (each
+/// round starting at another size), so that load on the host falls on all
+/// sizes alike and the baseline runs beside the rebind. Rows give the
+/// median and the 99th percentile over rounds.
+fn interleaved_rows(pd: &Pd, pool: &KeyPool, sizes: &[u64], rounds: usize) -> anyhow::Result<Vec<serde_json::Value>> {
+    // The buffers are not touched: neither a registration nor a bind in
+    // rnicd reads or maps pages one by one (docs/mkeys.md).
+    let bufs = sizes.iter().map(|&s| MemBuf::new(s as usize)).collect::<anyhow::Result<Vec<_>>>()?;
+    let mrs = bufs.iter().map(|b| pd.reg_mr(b, 0, b.len(), RW)).collect::<anyhow::Result<Vec<_>>>()?;
+    let keys = sizes.iter().map(|_| pool.make_key()).collect::<anyhow::Result<Vec<_>>>()?;
+    let mut reg = vec![Vec::with_capacity(rounds); sizes.len()];
+    let mut rebind = vec![Vec::with_capacity(rounds); sizes.len()];
+    let mut sync = vec![Vec::with_capacity(rounds); sizes.len()];
+    for r in 0..rounds {
+        for j in 0..sizes.len() {
+            let i = (r + j) % sizes.len();
+            let t = Instant::now();
+            drop(pd.reg_mr(&bufs[i], 0, bufs[i].len(), RW)?);
+            reg[i].push(us_per(t, 1));
+            let range = [mrs[i].sge(0, bufs[i].len())];
+            let t = Instant::now();
+            pool.churn(&keys[i], &range, RW, REBIND_BATCH)?;
+            rebind[i].push(us_per(t, REBIND_BATCH));
+            let t = Instant::now();
+            drop(pool.get(&range, RW)?);
+            sync[i].push(us_per(t, 1));
+        }
+    }
+    let mut rows = Vec::new();
+    for (op, per_size) in [("reg_mr+dereg_mr", reg), ("rebind+invalidate", rebind), ("rebind+invalidate_sync", sync)] {
+        for (&size, mut v) in sizes.iter().zip(per_size) {
+            let (med, p99) = (quantile(&mut v, 0.5), quantile(&mut v, 0.99));
+            eprintln!("{op:>22} {size:>11} B {med:>10.2} us (p99 {p99:.2}, {rounds} rounds)");
+            let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+            rows.push(serde_json::json!({"op": op, "size": size, "us": r3(med), "p99": r3(p99), "rounds": rounds}));
+        }
+    }
+    Ok(rows)
+}
+
 fn ops(sock: &std::path::Path, sizes: &[u64], iters: usize) -> anyhow::Result<()> {
     let ctx = Context::open(Some(sock))?;
     let pd = ctx.alloc_pd()?;
     let agent = Context::open(Some(sock))?;
     let apd = agent.alloc_pd()?;
     let pool = KeyPool::new(&pd, 1, 1)?;
-    let mut rows = Vec::new();
+    let mut rows = interleaved_rows(&pd, &pool, sizes, 2 * iters)?;
     let mut row = |op: &str, size: u64, us: f64| {
         eprintln!("{op:>22} {size:>11} B {us:>10.2} us");
         rows.push(serde_json::json!({"op": op, "size": size, "us": (us * 1000.0).round() / 1000.0}));
@@ -129,35 +183,7 @@ fn ops(sock: &std::path::Path, sizes: &[u64], iters: usize) -> anyhow::Result<()
     for &size in sizes {
         let buf = MemBuf::new(size as usize)?;
         buf.fill(1);
-        // reg_mr + dereg_mr.
-        let us = median_of(|| {
-            let t = Instant::now();
-            for _ in 0..iters / ROUNDS {
-                drop(pd.reg_mr(&buf, 0, size as usize, RW)?);
-            }
-            Ok(us_per(t, iters / ROUNDS))
-        })?;
-        row("reg_mr+dereg_mr", size, us);
         let mr = pd.reg_mr(&buf, 0, size as usize, RW)?;
-        // Indirect rebind + invalidate: pipelined (what a pool's user pays
-        // per buffer when binds ride on its send queue), and one pair waited
-        // for (bind, wait for its completion, invalidate, wait).
-        let key = pool.make_key()?;
-        let n = iters * 4;
-        let us = median_of(|| {
-            let t = Instant::now();
-            pool.churn(&key, &[mr.sge(0, size as usize)], RW, n)?;
-            Ok(us_per(t, n))
-        })?;
-        row("rebind+invalidate", size, us);
-        let us = median_of(|| {
-            let t = Instant::now();
-            for _ in 0..iters / ROUNDS {
-                drop(pool.get(&[mr.sge(0, size as usize)], RW)?);
-            }
-            Ok(us_per(t, iters / ROUNDS))
-        })?;
-        row("rebind+invalidate_sync", size, us);
         // Alias creation (the owner granted once; made, then dropped untimed).
         mr.grant(agent.client_id())?;
         let cache_owner = ctx.client_id();
@@ -177,7 +203,7 @@ fn ops(sock: &std::path::Path, sizes: &[u64], iters: usize) -> anyhow::Result<()
             cache.get(cache_owner, mr.lkey)?;
         }
         row("alias_cache_hit", size, us_per(t, iters * 100));
-        drop((mr, key));
+        drop(mr);
         drop(buf);
         // rcache: a miss moves the pages onto the cache's memfd and
         // registers; a hit finds the region.

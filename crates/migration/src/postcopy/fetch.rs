@@ -1,0 +1,295 @@
+//! Postcopy over the rdma transport, destination side: the pages the
+//! destination lacks are READ from the source's registered guest RAM by
+//! this side's rnicd, straight into the memfd (no vmm thread on either
+//! side touches their bytes, and the source's CPU does nothing for them).
+//!
+//! One thread, the *fetcher*, does all of it: the pages threads fault on
+//! (asked by the fault thread through [`RequestSink`](super::faults::RequestSink))
+//! go first, on their own queue pair, with the pages after them (prefetch);
+//! the rest of the source's plan follows on the bulk queue pair, near the
+//! latest fault first ([`PushQueue`]). A page is claimed in the placer
+//! *before* its READ is posted, so it is written once, by rnicd, while no
+//! process maps it: a fault on it waits for the claim; a second ask for
+//! it is dropped. Only when the READ completed is the page mapped into the
+//! vmm (`UFFDIO_CONTINUE`, which wakes its waiters): it counts as arrived
+//! then. READs carry no hashes: after the switch the source's vCPUs are
+//! stopped, so the page read is the page the source holds, and each packet
+//! is checked by its ICRC on the way.
+
+use super::place::{Placer, Via};
+use super::push::{Claim, PushQueue};
+use crate::pages::PageRange;
+use crate::rdma::{PageReader, READS_IN_FLIGHT, READ_BULK, READ_QPS, READ_URGENT};
+use crate::stats::Control;
+use anyhow::{anyhow, Result};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use verbs::Wc;
+
+/// Most pages of one READ: a whole raw run, as a batch's WRITE.
+const READ_RUN: u64 = crate::wire::MAX_RAW_RUN as u64;
+/// Bulk READs outstanding: 8 x 256 KiB is several milliseconds of a
+/// 10 Gbit/s link, enough to keep it busy, and a fault on a page the bulk
+/// claimed waits for at most that.
+const BULK_IN_FLIGHT: usize = 8;
+/// How long the fetcher sleeps on the CQ while READs are out: asks that
+/// arrive meanwhile wait at most this.
+const CQ_WAIT: Duration = Duration::from_micros(200);
+/// How long an idle fetcher sleeps on its asks (it then looks whether it
+/// must stop).
+const IDLE_WAIT: Duration = Duration::from_millis(20);
+
+/// Pages a fault wants now, and the prefetch after them.
+pub(crate) type Ask = (Vec<u64>, Vec<u64>);
+
+/// A READ in flight.
+#[derive(Clone, Copy)]
+struct Pending {
+    qp: usize,
+    run: PageRange,
+    via: Via,
+}
+
+/// The fetcher thread of one connection to the source.
+pub(crate) struct Fetcher {
+    /// The background's cap in bytes/s (0: none).
+    cap: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<Result<()>>>,
+}
+
+impl Fetcher {
+    /// Start fetching with `reader`: asks come on `asks`, the background
+    /// plan is `queue` (filled when the source's plan arrives, refilled
+    /// on a recovery).
+    pub(crate) fn start(
+        reader: PageReader,
+        placer: Arc<Placer>,
+        queue: Arc<PushQueue>,
+        asks: Receiver<Ask>,
+        ctl: Arc<Control>,
+    ) -> Result<Fetcher> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let cap = Arc::new(AtomicU64::new(0));
+        let c2 = cap.clone();
+        let thread = std::thread::Builder::new().name("postcopy-rdma-read".into()).spawn(move || {
+            let tally = ctl.clone();
+            let _cpu = crate::cputime::CpuTally::new(&tally, true);
+            super::fault_path_priority();
+            let slots = vec![None; READ_QPS * READS_IN_FLIGHT];
+            let mut f = Fetch { reader, placer, queue, asks, ctl, slots, claims: Vec::new(), cap: c2, next_bulk: Instant::now() };
+            let r = f.run(&s2);
+            // Whatever did not land goes back: a recovery reads it again.
+            f.give_back();
+            r
+        })?;
+        Ok(Fetcher { cap, stop, thread: Some(thread) })
+    }
+
+    /// Keep the background reads to `bytes_per_s` (0: no cap).
+    pub(crate) fn set_cap(&self, bytes_per_s: u64) {
+        self.cap.store(bytes_per_s, Ordering::Relaxed);
+    }
+
+    /// The thread ended: with an error if its queue pairs broke.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Stop (if running) and say why it ended.
+    pub(crate) fn stop(&mut self) -> Result<()> {
+        self.stop.store(true, Ordering::SeqCst);
+        match self.thread.take() {
+            Some(t) => t.join().map_err(|_| anyhow!("the RDMA fetcher panicked"))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Fetcher {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// The channel a fault thread asks through.
+pub(crate) fn ask_channel() -> (Sender<Ask>, Receiver<Ask>) {
+    std::sync::mpsc::channel()
+}
+
+struct Fetch {
+    reader: PageReader,
+    placer: Arc<Placer>,
+    queue: Arc<PushQueue>,
+    asks: Receiver<Ask>,
+    ctl: Arc<Control>,
+    /// READs in flight by work request id.
+    slots: Vec<Option<Pending>>,
+    claims: Vec<Claim>,
+    cap: Arc<AtomicU64>,
+    /// Under a cap: no bulk READ is posted before this.
+    next_bulk: Instant,
+}
+
+impl Fetch {
+    fn run(&mut self, stop: &AtomicBool) -> Result<()> {
+        let mut wc = [Wc::default(); 32];
+        let (mut now, mut soon) = (Vec::new(), Vec::new());
+        while !stop.load(Ordering::SeqCst) && !self.placer.is_complete() {
+            let busy = self.slots.iter().any(Option::is_some);
+            // Asks first: a thread waits on each. With nothing in flight,
+            // sleep on them until the bulk may go on.
+            let idle = match (busy, self.queue.left() > 0) {
+                (true, _) => Duration::ZERO,
+                (false, true) => self.next_bulk.saturating_duration_since(Instant::now()).min(IDLE_WAIT),
+                (false, false) => IDLE_WAIT,
+            };
+            let first = if idle.is_zero() {
+                self.asks.try_recv().ok()
+            } else {
+                match self.asks.recv_timeout(idle) {
+                    Ok(a) => Some(a),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    // The sink is gone: the connection is being closed.
+                    Err(RecvTimeoutError::Disconnected) => return Ok(()),
+                }
+            };
+            for (n, s) in first.into_iter().chain(std::iter::from_fn(|| self.asks.try_recv().ok())) {
+                now.extend(n);
+                soon.extend(s);
+            }
+            if !now.is_empty() || !soon.is_empty() {
+                self.read_asked(&mut now, &mut soon)?;
+            }
+            self.read_bulk()?;
+            if self.slots.iter().any(Option::is_some) {
+                let done = self.reader.completions(&mut wc, CQ_WAIT)?.to_vec();
+                for w in done {
+                    self.landed(w.wr_id as usize)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// READ what faults ask for, on the urgent queue pair: the pages
+    /// nobody claimed yet, in runs. Pages that find no free slot stay in
+    /// `now`/`soon` for the next turn.
+    fn read_asked(&mut self, now: &mut Vec<u64>, soon: &mut Vec<u64>) -> Result<()> {
+        for (list, via) in [(now, Via::Request), (soon, Via::Push)] {
+            list.sort_unstable();
+            list.dedup();
+            let mut i = 0;
+            while i < list.len() {
+                let p = list[i];
+                let mut n = 1;
+                while i + (n as usize) < list.len() && list[i + n as usize] == p + n && n < READ_RUN {
+                    n += 1;
+                }
+                // The background must not read these again; it goes on
+                // from here (the guest will likely touch what follows).
+                self.queue.requested(p, n);
+                if let Some(stopped) = self.read_claimed(READ_URGENT, p, n, via)? {
+                    list.retain(|&q| q >= stopped);
+                    return Ok(());
+                }
+                i += n as usize;
+            }
+            list.clear();
+        }
+        Ok(())
+    }
+
+    /// Keep the bulk queue pair busy with the source's plan.
+    fn read_bulk(&mut self) -> Result<()> {
+        while self.in_flight(READ_BULK) < BULK_IN_FLIGHT {
+            let cap = self.cap.load(Ordering::Relaxed);
+            let now = Instant::now();
+            if cap > 0 && now < self.next_bulk {
+                return Ok(());
+            }
+            if !self.queue.claim(READ_RUN, &mut self.claims) {
+                return Ok(());
+            }
+            let claims = std::mem::take(&mut self.claims);
+            if cap > 0 {
+                // Charged as claimed (a burst of at most 50 ms, as the
+                // source's bucket allows).
+                let bytes: u64 = claims.iter().filter(|c| !c.known_zero).map(|c| c.count * crate::dirty::PAGE_SIZE).sum();
+                let start = self.next_bulk.max(now - Duration::from_millis(50));
+                self.next_bulk = start + Duration::from_secs_f64(bytes as f64 / cap as f64);
+            }
+            for (k, c) in claims.iter().enumerate() {
+                if c.known_zero {
+                    self.placer.place_zero(c.first, c.count, Via::Push);
+                    continue;
+                }
+                if let Some(stopped) = self.read_claimed(READ_BULK, c.first, c.count, Via::Push)? {
+                    // No free slot: what is left goes back to the plan.
+                    self.queue.give_back(stopped, c.first + c.count - stopped);
+                    for r in &claims[k + 1..] {
+                        self.queue.give_back(r.first, r.count);
+                    }
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn in_flight(&self, qp: usize) -> usize {
+        self.slots.iter().flatten().filter(|p| p.qp == qp).count()
+    }
+
+    /// Claim the pages of `[first, first + count)` nobody claimed yet and
+    /// post one READ per run of them on `qp`. `Some(page)` if `qp` ran
+    /// out of slots there (that page and those after it are not claimed).
+    fn read_claimed(&mut self, qp: usize, first: u64, count: u64, via: Via) -> Result<Option<u64>> {
+        let end = (first + count).min(self.placer.total());
+        let mut p = first;
+        while p < end {
+            if self.in_flight(qp) >= READS_IN_FLIGHT {
+                return Ok(Some(p));
+            }
+            if !self.placer.claim(p) {
+                p += 1;
+                continue;
+            }
+            let run = p;
+            p += 1;
+            while p < end && self.placer.claim(p) {
+                p += 1;
+            }
+            let r = PageRange { first: run, count: p - run };
+            let slot = self.slots.iter().position(Option::is_none).expect("a free slot below the limit");
+            if let Err(e) = self.reader.read(qp, slot as u64, r.first, r.count) {
+                self.placer.unclaim(r);
+                return Err(e);
+            }
+            self.slots[slot] = Some(Pending { qp, run: r, via });
+        }
+        Ok(None)
+    }
+
+    /// READ `slot` completed: its pages are in the memfd, map them.
+    fn landed(&mut self, slot: usize) -> Result<()> {
+        let Some(p) = self.slots.get_mut(slot).and_then(Option::take) else {
+            return Err(anyhow!("a READ completion for slot {slot}, which has none in flight"));
+        };
+        let bytes = p.run.count * crate::dirty::PAGE_SIZE;
+        crate::receiver::count_batch(&self.ctl, p.run.count, bytes);
+        self.placer.map_claimed(p.run, p.via)
+    }
+
+    /// The connection ends with READs out: their pages did not (surely)
+    /// land; whoever comes next reads them again.
+    fn give_back(&mut self) {
+        for p in self.slots.iter_mut().filter_map(Option::take) {
+            self.placer.unclaim(p.run);
+        }
+    }
+}
