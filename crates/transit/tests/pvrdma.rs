@@ -115,8 +115,7 @@ fn save_on_one_host_restore_on_another_mid_stream() {
     let bed = Bed::new("pvg-move");
     let gid = bed.vm_gid(1);
     let mut vm = bed.vm(0, gid, "count=0");
-    // The peer waits out the move: 7 retries of a 4 s ACK timeout.
-    let peer = Peer::start(&bed, &vm, &["--duration", "30", "--timeout", "20"]);
+    let mut peer = Peer::start(&bed, &vm, PEER);
     let before = vm.wait_progress(300, Duration::from_secs(120)).unwrap();
     let save = TempPath::new(&format!("{}.save", vm.name));
     vm.exec("save", json!({"filename": save.path()})).unwrap();
@@ -133,10 +132,11 @@ fn save_on_one_host_restore_on_another_mid_stream() {
     let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.path().to_str().unwrap()]).unwrap();
     let after = moved.wait_progress(before + 300, Duration::from_secs(120)).unwrap();
     assert!(bed.holds(1, gid) && !bed.holds(0, gid));
+    peer.wait_progress(PEER_STEP, Duration::from_secs(120));
     // Read before the peer's run ends: once it is gone, the guest's next
     // operations fail, as they should.
     let console = moved.console();
-    let rep = peer.report();
+    let rep = peer.stop();
     assert_guest_clean(&console);
     assert!(after > before);
     assert_peer_clean(&rep);

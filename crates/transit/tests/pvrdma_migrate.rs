@@ -130,7 +130,7 @@ fn without_traces_the_guest_sees_the_peers_lost_writes() {
     let bed = Bed::new("pvm-notr");
     let gid = bed.vm_gid(1);
     let a = bed.vm_with(0, gid, "count=0", ",testing=no-traces", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "40"]].concat());
+    let peer = Peer::start(&bed, &a, PEER);
     let p0 = a.wait_progress(STEP, LONG).unwrap();
     let b = destination(&bed, 1, gid, &PLAIN, "");
     start_migration(&bed, &a, 1, params(Precopy, &PLAIN));
@@ -223,7 +223,7 @@ fn a_64_mib_write_half_acknowledged_at_each_switch() {
     let load = Load { args: "count=0 bigwrite=64M", memory: "256M", max_bandwidth: 0 };
     let mut src = bed.vm_sized(0, gid, load.memory, load.args, "", &["--keep-after-migrate"]);
     let ids = guest_ids(&src);
-    let peer = Peer::start(&bed, &src, &[PEER, &["--duration", "45"]].concat());
+    let mut peer = Peer::start(&bed, &src, PEER);
     let (vm_qpn, first_psn, peer_qpn) = (id(&ids, "big.qpn"), id(&ids, "big.psn") & 0xff_ffff, id(&peer.line, "big.qpn"));
     // Packets per WRITE at the guest's path MTU (1024 bytes).
     let per_round = id(&ids, "big.len") / 1024;
@@ -280,9 +280,10 @@ fn a_64_mib_write_half_acknowledged_at_each_switch() {
         consoles.push(src.console());
         (src, from) = (dst, to);
     }
+    peer.wait_progress(PEER_STEP, LONG);
     consoles.push(src.console());
     assert_qps_running(&src);
-    let rep = peer.report();
+    let rep = peer.stop();
     assert_run_clean(&consoles, &rep);
     let big = &rep["workloads"]["big"];
     eprintln!("64 MiB WRITEs verified whole: {}", big["verified"]);

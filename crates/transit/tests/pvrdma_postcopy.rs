@@ -119,7 +119,7 @@ fn a_destination_killed_after_the_postcopy_switch_leaves_the_source_paused() {
     let bed = Bed::new("pvm-pckill");
     let gid = bed.vm_gid(1);
     let mut a = bed.vm_sized(0, gid, WORKLOADS.memory, WORKLOADS.args, "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "40"]].concat());
+    let peer = Peer::start(&bed, &a, PEER);
     a.wait_progress(STEP, LONG).unwrap();
     // 50 kB/s: about 10 s of pages (mostly zero pages, ~30 bytes each on
     // the wire) still to come when the destination dies.

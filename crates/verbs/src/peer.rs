@@ -162,6 +162,11 @@ pub struct PeerArgs {
     pub table_reads: u64,
     #[arg(long)]
     pub sock: Option<PathBuf>,
+    /// Print a progress line (JSON: `{"progress":{WORKLOAD:verified,..}}`)
+    /// every this many seconds, so a caller can end the run (SIGTERM) once
+    /// it has seen what it needs; the report stays the last line.
+    #[arg(long)]
+    pub progress: Option<f64>,
 }
 
 /// What one workload verified.
@@ -641,8 +646,14 @@ fn post_first_receives(p: &Peer, chans: &[Chan]) -> anyhow::Result<()> {
 fn run_workloads(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut [Chan]) -> anyhow::Result<()> {
     let stall = Duration::from_secs_f64(a.stall);
     let mut last_progress = Instant::now();
+    let progress_every = a.progress.map(Duration::from_secs_f64);
+    let mut last_line = Instant::now();
     let mut wcs = [Wc::default(); 32];
     loop {
+        if progress_every.is_some_and(|e| last_line.elapsed() >= e) {
+            print_progress(&p.rep);
+            last_line = Instant::now();
+        }
         let mut progressed = poll_all(g, p, chans, &mut wcs)?;
         let running = p.running();
         progressed |= post_all(a, g, p, chans, running)?;
@@ -670,6 +681,12 @@ fn run_workloads(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut [Chan]) -> an
         }
     }
     Ok(())
+}
+
+/// What each workload verified so far, as one line of JSON on stdout.
+fn print_progress(rep: &PeerReport) {
+    let verified: BTreeMap<&str, u64> = rep.workloads.iter().map(|(w, r)| (w.as_str(), r.verified)).collect();
+    println!("{}", serde_json::json!({ "progress": verified }));
 }
 
 /// Handles every completion on every QP's CQ; whether there was any.

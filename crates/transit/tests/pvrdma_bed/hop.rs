@@ -161,7 +161,7 @@ pub fn there_and_back(tag: &str, load: Load, modes: [Mode; 2], during: impl Fn(&
     let bed = Bed::new(tag);
     let gid = bed.vm_gid(1);
     let mut a = bed.vm_sized(0, gid, load.memory, load.args, "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", "40"]].concat());
+    let mut peer = Peer::start(&bed, &a, PEER);
     let p0 = a.wait_progress(STEP, LONG).unwrap();
     assert!(bed.holds(0, gid));
     during(&bed, 1);
@@ -172,11 +172,12 @@ pub fn there_and_back(tag: &str, load: Load, modes: [Mode; 2], during: impl Fn(&
     let (c, _) = hop(&bed, &b, 0, gid, &load, modes[1]);
     check_hop(&bed, &mut b, &c, (1, 0), gid, modes[1] == Mode::Precopy);
     c.wait_progress(p1 + STEP, LONG).unwrap();
+    peer.wait_progress(PEER_STEP, LONG);
     // Read before the peer's run ends: once it is gone, the guest's next
     // operations fail, as they should.
     let consoles = [a.console(), b.console(), c.console()];
     assert_qps_running(&c);
-    let rep = peer.report();
+    let rep = peer.stop();
     assert_run_clean(&consoles, &rep);
     rep
 }

@@ -8,10 +8,12 @@
 #![allow(dead_code)]
 
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 use testbed::{HostChild, Testbed, TestbedOpts};
 use vmm::testing::{transit_bin, unique_name, VmProcess};
@@ -111,6 +113,13 @@ pub struct Peer {
     pub line: String,
     /// The guest's IDs as the peer read them.
     ids: PathBuf,
+    /// The peer's later lines of output, read by a thread; it ends when
+    /// the peer closes its output.
+    lines: Receiver<String>,
+    /// What each workload had verified at the last progress line.
+    verified: BTreeMap<String, u64>,
+    /// The report, once its line came.
+    last: Option<String>,
 }
 
 impl Drop for Peer {
@@ -121,6 +130,9 @@ impl Drop for Peer {
     }
 }
 
+/// How often the peer prints what it verified (`--progress`), seconds.
+const PROGRESS_EVERY: &str = "0.2";
+
 impl Peer {
     /// Starts the peer on host 2 with the guest's IDs and writes its own
     /// into the VM's mailbox.
@@ -130,16 +142,61 @@ impl Peer {
         std::fs::write(&f, &ids).unwrap();
         let mut cmd = bed.tb.host(2).command(transit_bin());
         cmd.args(["rdma", "peer", "--guest", f.to_str().unwrap(), "--sock", bed.nics[2].1.to_str().unwrap(), "--stall", "60"])
+            .args(["--progress", PROGRESS_EVERY])
             .args(extra)
             .stdout(Stdio::piped())
             .stdin(Stdio::null());
         let mut child = cmd.spawn().unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+        out.read_line(&mut line).unwrap();
         assert!(line.contains("gid="), "the peer did not start: {line:?}");
         let line = line.trim().to_string();
         vm.exec("mailbox-write", json!({"data": line})).unwrap();
-        Peer { child, line, ids: f }
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for l in out.lines() {
+                let Ok(l) = l else { break };
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Peer { child, line, ids: f, lines, verified: BTreeMap::new(), last: None }
+    }
+
+    /// Takes one line of output: a progress line updates `verified`, any
+    /// other is the report. False once the output ended.
+    fn take(&mut self, timeout: Duration) -> bool {
+        match self.lines.recv_timeout(timeout) {
+            Ok(l) => {
+                match serde_json::from_str::<Value>(&l).ok().and_then(|v| v.get("progress").cloned()) {
+                    Some(Value::Object(m)) => {
+                        self.verified = m.into_iter().map(|(w, n)| (w, n.as_u64().unwrap_or(0))).collect();
+                    }
+                    _ => self.last = Some(l),
+                }
+                true
+            }
+            Err(RecvTimeoutError::Timeout) => true,
+            Err(RecvTimeoutError::Disconnected) => false,
+        }
+    }
+
+    /// Waits until every workload has verified `more` further operations
+    /// (the big WRITE: one further round) by the peer's own count: traffic
+    /// goes on where the VM runs now. Fails if the peer's run ends first.
+    pub fn wait_progress(&mut self, more: u64, timeout: Duration) {
+        let t = Instant::now();
+        while self.verified.is_empty() {
+            assert!(self.take(Duration::from_millis(100)), "the peer ended before its first progress line");
+            assert!(t.elapsed() < timeout, "no progress line from the peer");
+        }
+        let need: BTreeMap<String, u64> = self.verified.iter().map(|(w, &n)| (w.clone(), n + if w == "big" { 1 } else { more })).collect();
+        while let Some((w, n)) = need.iter().find(|(w, n)| self.verified.get(*w).copied().unwrap_or(0) < **n) {
+            assert!(t.elapsed() < timeout, "the peer's {w} did not reach {n} verified (at {:?})", self.verified.get(w));
+            assert!(self.take(Duration::from_millis(100)), "the peer's run ended before its {w} reached {n} verified");
+        }
     }
 
     /// Whether the peer's run is over.
@@ -147,11 +204,20 @@ impl Peer {
         self.child.try_wait().unwrap().is_some()
     }
 
+    /// Ends the peer's run as at the end of `--duration` (SIGTERM: nothing
+    /// new is posted, what is in flight drains) and reads its report.
+    pub fn stop(self) -> Value {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        // `ip netns exec` execs the peer, so this is the peer itself.
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        self.report()
+    }
+
+    /// The peer's report once its run ended by itself (or by [`stop`](Self::stop)).
     pub fn report(mut self) -> Value {
-        let mut out = String::new();
-        self.child.stdout.as_mut().unwrap().read_to_string(&mut out).unwrap();
+        while self.take(Duration::from_secs(1)) {}
         let _ = self.child.wait();
-        let last = out.lines().last().unwrap_or("").to_string();
+        let last = self.last.clone().unwrap_or_default();
         serde_json::from_str(&last).unwrap_or_else(|e| panic!("bad peer report {last:?}: {e}"))
     }
 }
@@ -205,9 +271,14 @@ pub use hop::*;
 pub use runs::*;
 
 /// The peer waits out a move of seconds: 7 retries of a 4 s ACK timeout.
-pub const PEER: &[&str] = &["--timeout", "20"];
+/// Its `--duration` is only an upper bound: a test ends the run
+/// ([`Peer::stop`]) once the peer saw [`PEER_STEP`] more on the final host.
+pub const PEER: &[&str] = &["--timeout", "20", "--duration", "300"];
 /// Progress (checked operations) the guest makes between two steps.
 pub const STEP: u64 = 300;
+/// Operations every workload verifies on the peer's side after the last
+/// move before a test ends the peer's run (the big WRITE: one round).
+pub const PEER_STEP: u64 = 100;
 pub const LONG: Duration = Duration::from_secs(180);
 
 pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {

@@ -16,7 +16,7 @@ pub fn link_cut_across_the_switch(tag: &str, modes: &[Mode]) {
     let gid = bed.vm_gid(1);
     let load = PLAIN;
     let mut src = bed.vm_sized(0, gid, load.memory, load.args, "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &src, &[PEER, &["--duration", "45"]].concat());
+    let mut peer = Peer::start(&bed, &src, PEER);
     let mut p = src.wait_progress(STEP, LONG).unwrap();
     let mut consoles = Vec::new();
     let mut from = 0;
@@ -37,8 +37,9 @@ pub fn link_cut_across_the_switch(tag: &str, modes: &[Mode]) {
         consoles.push(src.console());
         (src, from) = (dst, to);
     }
+    peer.wait_progress(PEER_STEP, LONG);
     consoles.push(src.console());
-    let rep = peer.report();
+    let rep = peer.stop();
     for con in &consoles {
         assert_guest_clean(con);
     }
@@ -73,8 +74,7 @@ pub fn fails_then_succeeds(tag: &str, mode: Mode, spec: &str, attempts: usize, a
     let bed = Bed::new(tag);
     let gid = bed.vm_gid(1);
     let mut a = bed.vm_with(0, gid, "count=0", spec, &["--keep-after-migrate"]);
-    let duration = (30 + 10 * attempts).to_string();
-    let peer = Peer::start(&bed, &a, &[PEER, &["--duration", &duration]].concat());
+    let mut peer = Peer::start(&bed, &a, PEER);
     let mut p = a.wait_progress(STEP, LONG).unwrap();
     for i in 0..attempts {
         let mut b = destination(&bed, 1, gid, &PLAIN, "");
@@ -91,8 +91,9 @@ pub fn fails_then_succeeds(tag: &str, mode: Mode, spec: &str, attempts: usize, a
     let (mut b, _) = hop(&bed, &a, 1, gid, &PLAIN, mode);
     check_hop(&bed, &mut a, &b, (0, 1), gid, mode == Mode::Precopy);
     b.wait_progress(p + STEP, LONG).unwrap();
+    peer.wait_progress(PEER_STEP, LONG);
     let consoles = [a.console(), b.console()];
-    let rep = peer.report();
+    let rep = peer.stop();
     for con in &consoles {
         assert_guest_clean(con);
     }
