@@ -182,7 +182,11 @@ pub(crate) fn open_channels(
     // rnicd only (the source of WRITEs): no remote access.
     let per_link = (0..links.len())
         .map(|k| {
-            let ctx = open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)?;
+            // One link: the rnicd's own namespace, whatever address the
+            // control connection took (a loopback or proxied control
+            // address names no namespace a peer can reach). Several: the
+            // namespace of the local address facing each link.
+            let ctx = if links.len() == 1 { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)? };
             register_ram(&ctx, &ram, 0)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -378,13 +382,16 @@ pub(crate) fn accept_channels(control: &TcpStream, rnicd: &str, ram: &RamRegion,
     let gids = gids.iter().map(|g| gid_of(g)).collect::<Result<Vec<_>>>()?;
     // One namespace per source address (per link), guest RAM registered
     // in each: the local address the kernel routes that source address from.
+    // From one source address (one link): the rnicd's own namespace, as
+    // the source does.
+    let one_link = gids.windows(2).all(|w| w[0] == w[1]);
     let mut spaces: Vec<(Ipv4Addr, Arc<Ram>)> = Vec::new();
     for g in &gids {
         if !spaces.iter().any(|(s, _)| s == g) {
             if spaces.len() == 8 {
                 bail!("the source's queue pairs come from more than 8 addresses");
             }
-            let ctx = open_rnicd_for(rnicd, links::local_addr_towards(&format!("{g}:4791"))?)?;
+            let ctx = if one_link { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(&format!("{g}:4791"))?)? };
             spaces.push((*g, register_ram(&ctx, ram, access::LOCAL_WRITE | access::REMOTE_WRITE)?));
         }
     }
