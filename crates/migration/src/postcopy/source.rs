@@ -263,22 +263,7 @@ fn serve_with_recovery(
                 // every page and wait for a way to go on.
                 ctl.shutdown_all();
                 server.stop();
-                let why = format!("{e:#}");
-                tracing::warn!("postcopy paused: {why}");
-                let t_paused = Instant::now();
-                ctl.update(|s| {
-                    s.status = Status::PostcopyPaused;
-                    s.error = Some(format!(
-                        "postcopy paused: {why}; the destination runs the VM and this host still holds its missing pages: recover with migrate-recover on the destination and migrate resume here"
-                    ));
-                });
-                let target = loop {
-                    match ctl.wait_recovery() {
-                        RecoverRequest::Connect(a) => break a,
-                        RecoverRequest::Listen(_) => tracing::warn!("migrate-recover is for the destination"),
-                    }
-                };
-                ctl.forget_connections();
+                let (target, t_paused) = pause_until_resume(ctl, &e);
                 // A failure here leaves the source paused and holding its
                 // pages, as a failed reconnection does: returning an error
                 // would end the migration with the pages unreachable.
@@ -288,13 +273,7 @@ fn serve_with_recovery(
                     Ok((c, ch, s)) => {
                         server = s;
                         conn = Some((c, ch));
-                        ctl.update(|s| {
-                            s.status = Status::PostcopyActive;
-                            s.error = None;
-                            s.recoveries += 1;
-                            s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3;
-                            s.peer = target.clone();
-                        });
+                        mark_resumed(ctl, &target, t_paused);
                     }
                     Err(e) => {
                         ctl.update(|s| s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3);
@@ -459,32 +438,11 @@ fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
             None => Err(anyhow!("not connected")),
         };
         let Err(e) = r else { break };
-        let why = format!("{e:#}");
-        tracing::warn!("postcopy paused: {why}");
-        let t_paused = Instant::now();
-        ctl.update(|s| {
-            s.status = Status::PostcopyPaused;
-            s.error = Some(format!(
-                "postcopy paused: {why}; the destination runs the VM and this host still holds its missing pages: recover with migrate-recover on the destination and migrate resume here"
-            ));
-        });
-        let target = loop {
-            match ctl.wait_recovery() {
-                RecoverRequest::Connect(a) => break a,
-                RecoverRequest::Listen(_) => tracing::warn!("migrate-recover is for the destination"),
-            }
-        };
-        ctl.forget_connections();
+        let (target, t_paused) = pause_until_resume(&ctl, &e);
         match reconnect_reads(&target, session, &ram, &rnicd, cap, &ctl) {
             Ok(c) => {
                 conn = Some(c);
-                ctl.update(|s| {
-                    s.status = Status::PostcopyActive;
-                    s.error = None;
-                    s.recoveries += 1;
-                    s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3;
-                    s.peer = target.clone();
-                });
+                mark_resumed(&ctl, &target, t_paused);
             }
             Err(e) => {
                 ctl.update(|s| s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3);
@@ -498,6 +456,40 @@ fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
         s.remaining_pages = 0;
     });
     Ok(())
+}
+
+/// After a break in postcopy: report `postcopy-paused` with what the user
+/// can do, and wait for `migrate resume` (the target to reconnect to).
+/// Returns the target and when the pause began.
+fn pause_until_resume(ctl: &Control, e: &anyhow::Error) -> (String, Instant) {
+    let why = format!("{e:#}");
+    tracing::warn!("postcopy paused: {why}");
+    let t_paused = Instant::now();
+    ctl.update(|s| {
+        s.status = Status::PostcopyPaused;
+        s.error = Some(format!(
+            "postcopy paused: {why}; the destination runs the VM and this host still holds its missing pages: recover with migrate-recover on the destination and migrate resume here"
+        ));
+    });
+    let target = loop {
+        match ctl.wait_recovery() {
+            RecoverRequest::Connect(a) => break a,
+            RecoverRequest::Listen(_) => tracing::warn!("migrate-recover is for the destination"),
+        }
+    };
+    ctl.forget_connections();
+    (target, t_paused)
+}
+
+/// A reconnection after a pause succeeded: postcopy is active again.
+fn mark_resumed(ctl: &Control, target: &str, t_paused: Instant) {
+    ctl.update(|s| {
+        s.status = Status::PostcopyActive;
+        s.error = None;
+        s.recoveries += 1;
+        s.paused_ms += t_paused.elapsed().as_secs_f64() * 1e3;
+        s.peer = target.to_string();
+    });
 }
 
 /// `PullPlan` and its two blobs: pages with data, pages known zero.
