@@ -333,22 +333,22 @@ fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQue
     }
 }
 
-/// A new set of connections to a destination that kept its RAM: it tells
-/// which pages it has, the queue becomes the rest.
-fn reconnect(
+/// The recovery handshake with a destination that kept its RAM: a
+/// `recover` hello, its welcome and its bitmap of the pages it has. Returns
+/// the control connection and what it lacks, split into pages with data
+/// and pages known to be zero.
+fn recover_hello(
     addr: &str,
     session: u64,
     ram: &RamRegion,
-    compress: Compress,
-    bucket: &Arc<TokenBucket>,
-    ctl: &Arc<Control>,
-    queue: &Arc<PushQueue>,
-) -> Result<(TcpStream, ChannelSet, TcpStream)> {
-    let addr = crate::sender::parse_tcp_uri(addr)?;
+    channels: u32,
+    compress: &str,
+    transport: &str,
+    ctl: &Control,
+) -> Result<(TcpStream, Vec<PageRange>, Vec<PageRange>)> {
     let total = ram.pages();
-    let mut control = crate::sender::connect(addr.first(), ctl)?;
+    let mut control = crate::sender::connect(addr, ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
-    let channels = ctl.snapshot().channels.max(1);
     wire::send_msg(
         &mut control,
         &Msg::Hello {
@@ -357,9 +357,9 @@ fn reconnect(
             ram_bytes: ram.len,
             page_size: PAGE_SIZE,
             channels,
-            compress: compress.to_string(),
+            compress: compress.into(),
             mode: "recover".into(),
-            transport: String::new(),
+            transport: transport.into(),
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -373,7 +373,24 @@ fn reconnect(
     // The VM is paused on both sides: one full walk is exact.
     let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
     let (data, zero) = split_known_zero(&holes, &missing);
-    queue.reset(total, &data, zero);
+    Ok((control, data, zero))
+}
+
+/// A new set of connections to a destination that kept its RAM: it tells
+/// which pages it has, the queue becomes the rest.
+fn reconnect(
+    addr: &str,
+    session: u64,
+    ram: &RamRegion,
+    compress: Compress,
+    bucket: &Arc<TokenBucket>,
+    ctl: &Arc<Control>,
+    queue: &Arc<PushQueue>,
+) -> Result<(TcpStream, ChannelSet, TcpStream)> {
+    let addr = crate::sender::parse_tcp_uri(addr)?;
+    let channels = ctl.snapshot().channels.max(1);
+    let (control, data, zero) = recover_hello(addr.first(), session, ram, channels, &compress.to_string(), "", ctl)?;
+    queue.reset(ram.pages(), &data, zero);
     let ch = open_channels(&addr, session, channels, *ram, compress, bucket, ctl, None)?;
     let urgent = open_urgent(addr.first(), session, ctl)?;
     Ok((control, ch, urgent))
@@ -534,33 +551,8 @@ fn wait_complete(control: &mut TcpStream, ctl: &Control) -> Result<()> {
 fn reconnect_reads(target: &str, session: u64, ram: &RamRegion, rnicd: &str, cap: u64, ctl: &Control) -> Result<(TcpStream, ReadableRam)> {
     let (addr, _) = Transport::from_uri(target, "rdma", rnicd)?;
     let addr = crate::sender::parse_tcp_uri(&addr)?;
-    let total = ram.pages();
-    let mut control = crate::sender::connect(addr.first(), ctl)?;
-    wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
-    wire::send_msg(
-        &mut control,
-        &Msg::Hello {
-            session,
-            shape: String::new(),
-            ram_bytes: ram.len,
-            page_size: PAGE_SIZE,
-            channels: ctl.snapshot().channels.max(1),
-            compress: String::new(),
-            mode: "recover".into(),
-            transport: "rdma".into(),
-        },
-    )?;
-    control.set_read_timeout(Some(Duration::from_secs(30)))?;
-    recv_welcome(&mut control, "recovery hello")?;
-    let have = wire::recv_blob(&mut control).map_err(|e| anyhow!("received-pages bitmap: {e}"))?;
-    let have = AtomicBitmap::from_le_bytes(total, &have)
-        .ok_or_else(|| anyhow!("received-pages bitmap of {} bytes for {total} pages", have.len()))?;
-    control.set_read_timeout(None)?;
-    let missing: Vec<PageRange> = (0..total).filter(|&p| !have.get(p)).map(|p| PageRange { first: p, count: 1 }).collect();
-    let missing = normalize(missing, total);
-    // The VM is paused on both sides: one full walk is exact.
-    let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
-    let (data, zero) = split_known_zero(&holes, &missing);
+    let channels = ctl.snapshot().channels.max(1);
+    let (mut control, data, zero) = recover_hello(addr.first(), session, ram, channels, "", "rdma", ctl)?;
     let reads = crate::rdma::offer_ram(&mut control, rnicd, ram)?;
     send_plan(&mut control, &data, &zero, cap)?;
     Ok((control, reads))
