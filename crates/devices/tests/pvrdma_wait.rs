@@ -14,16 +14,6 @@ use verbs::SendWr;
 
 const WAIT: u32 = UAR_CQ_POLL | transit::UAR_CQ_WAIT;
 
-/// Takes the next completion from the guest ring without ringing anything.
-fn take(d: &Drv, cq: &mut GCq) -> Option<Cqe> {
-    let tail: u32 = d.get(cq.base + RING_STATE_RX_PROD_TAIL);
-    let slot = ring_has_data(tail, cq.head, cq.entries).ok()??;
-    let cqe: Cqe = d.get(cq.base + CQ_FIRST_CQE_OFFSET + slot as u64 * 64);
-    cq.head = idx_inc(cq.head, cq.entries);
-    d.put(cq.base + RING_STATE_RX_CONS_HEAD, &cq.head);
-    Some(cqe)
-}
-
 /// A stream of peer SENDs taken with WAIT doorbells only (no POLL loop):
 /// every message arrives, once, in order; a WAIT with nothing coming
 /// returns on its own; a WAIT on a CQ the guest armed for notification
@@ -49,7 +39,7 @@ fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
     let t0 = Instant::now();
     d.doorbell(UAR_CQ_OFFSET, WAIT | rcq.handle);
     assert!(t0.elapsed() < Duration::from_secs(5), "a WAIT with nothing coming must end");
-    assert!(take(&d, &mut rcq).is_none());
+    assert!(d.take(&mut rcq).is_none());
     assert_eq!(d.rd(REG_ERR), 0);
 
     // The peer sends a stream, eight messages at a time, while the guest
@@ -68,7 +58,7 @@ fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
         }
         while next < batch.end {
             assert!(Instant::now() < deadline, "timed out after {next} of {N} messages");
-            let Some(c) = take(&d, &mut rcq) else {
+            let Some(c) = d.take(&mut rcq) else {
                 d.doorbell(UAR_CQ_OFFSET, WAIT | rcq.handle);
                 continue;
             };
@@ -83,7 +73,7 @@ fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
         assert!(w.iter().all(|w| w.status == verbs::WcStatus::Success), "{w:?}");
     }
     assert_eq!(d.rd(REG_ERR), 0);
-    assert!(take(&d, &mut rcq).is_none(), "no completion twice");
+    assert!(d.take(&mut rcq).is_none(), "no completion twice");
 
     // A CQ the guest armed for notification: a WAIT on it still returns with
     // the completion, and the armed CQ's notification still comes.
@@ -94,7 +84,7 @@ fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
     d.post_send(&mut qp, sq(77, pvrdma_abi::ib::wr_opcode::SEND), &[Sge { addr: buf + 512 * 1024, length: 4, lkey: key }]);
     let deadline = Instant::now() + T;
     let c = loop {
-        if let Some(c) = take(&d, &mut scq) {
+        if let Some(c) = d.take(&mut scq) {
             break c;
         }
         assert!(Instant::now() < deadline, "the SEND completion never came");

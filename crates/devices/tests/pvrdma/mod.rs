@@ -437,19 +437,21 @@ impl Drv {
 
     /// Polls as pvrdma_poll_cq does: read the ring, ring POLL when empty.
     pub fn poll(&self, cq: &mut GCq) -> Option<Cqe> {
-        for attempt in 0..2 {
-            let tail: u32 = self.get(cq.base + RING_STATE_RX_PROD_TAIL);
-            if let Ok(Some(slot)) = ring_has_data(tail, cq.head, cq.entries) {
-                let cqe: Cqe = self.get(cq.base + CQ_FIRST_CQE_OFFSET + slot as u64 * 64);
-                cq.head = idx_inc(cq.head, cq.entries);
-                self.put(cq.base + RING_STATE_RX_CONS_HEAD, &cq.head);
-                return Some(cqe);
-            }
-            if attempt == 0 {
-                self.doorbell(UAR_CQ_OFFSET, UAR_CQ_POLL | cq.handle);
-            }
-        }
-        None
+        self.take(cq).or_else(|| {
+            self.doorbell(UAR_CQ_OFFSET, UAR_CQ_POLL | cq.handle);
+            self.take(cq)
+        })
+    }
+
+    /// Takes the next completion from the guest's CQ ring without ringing
+    /// anything.
+    pub fn take(&self, cq: &mut GCq) -> Option<Cqe> {
+        let tail: u32 = self.get(cq.base + RING_STATE_RX_PROD_TAIL);
+        let slot = ring_has_data(tail, cq.head, cq.entries).ok()??;
+        let cqe: Cqe = self.get(cq.base + CQ_FIRST_CQE_OFFSET + slot as u64 * 64);
+        cq.head = idx_inc(cq.head, cq.entries);
+        self.put(cq.base + RING_STATE_RX_CONS_HEAD, &cq.head);
+        Some(cqe)
     }
 
     pub fn wait_cqes(&self, cq: &mut GCq, n: usize) -> Vec<Cqe> {
