@@ -553,7 +553,21 @@ impl Engine {
             }
             _ => bail!("key {key:#x} is not bound to memory"),
         };
-        let (iova, len, access) = self.keys.extent(key).context("key has no memory")?;
+        let extent = self.keys.extent(key).context("key has no memory")?;
+        self.insert_alias(client, pd, (owner, key), target, extent, alias)
+    }
+
+    /// Enters `alias` (or a key picked for it), in the caller's `pd`, for
+    /// `target`, which reaches `(iova, len, access)` now.
+    fn insert_alias(
+        &mut self,
+        client: ClientId,
+        pd: u32,
+        (owner, key): (ClientId, u32),
+        target: AliasTarget,
+        (iova, len, access): (u64, u64, u32),
+        alias: Option<u32>,
+    ) -> anyhow::Result<Reply> {
         let alias = self.pick_key(alias)?;
         let generation = self.keys.new_generation();
         let kind = IndirectKind::Alias { target_key: key, target_owner: owner, target };
@@ -573,16 +587,12 @@ impl Engine {
         &mut self,
         client: ClientId,
         pd: u32,
-        (owner, key): (ClientId, u32),
-        (export, (iova, len, access)): (Export, (u64, u64, u32)),
+        target: (ClientId, u32),
+        (export, extent): (Export, (u64, u64, u32)),
         alias: Option<u32>,
     ) -> anyhow::Result<Reply> {
         self.owned_pd(client, pd)?;
-        let alias = self.pick_key(alias)?;
-        let generation = self.keys.new_generation();
-        let kind = IndirectKind::Alias { target_key: key, target_owner: owner, target: AliasTarget::Foreign(export) };
-        self.keys.indirect.insert(alias, IndirectKey { owner: client, pd, generation, kind });
-        Ok(Reply::Alias { key: alias, iova, len, access })
+        self.insert_alias(client, pd, target, AliasTarget::Foreign(export), extent, alias)
     }
 }
 
