@@ -21,18 +21,17 @@ use anyhow::{bail, Context, Result};
 /// Gratuitous ARP requests sent by a claim (one may be lost on a busy link).
 const ANNOUNCEMENTS: usize = 3;
 
-/// The interface holding `host` and the prefix length of `host` there.
-fn interface_and_prefix(host: Ipv4Addr) -> Result<(String, u32)> {
+/// The interface holding `ip` (its index and name) and the prefix length
+/// of `ip` there; `None` if no interface of this network namespace holds it.
+fn address_of(ip: Ipv4Addr) -> Result<Option<(u32, String, u8)>> {
+    let Ok((index, iface, _)) = crate::announce::interface_of(ip) else { return Ok(None) };
     let addrs = nix::ifaddrs::getifaddrs().context("listing interface addresses")?;
-    for a in addrs {
-        let Some(ip) = a.address.as_ref().and_then(|s| s.as_sockaddr_in()).map(|s| s.ip()) else { continue };
-        if ip != host {
-            continue;
-        }
-        let prefix = a.netmask.as_ref().and_then(|m| m.as_sockaddr_in()).map(|m| u32::from(m.ip()).count_ones()).unwrap_or(32);
-        return Ok((a.interface_name, prefix));
-    }
-    bail!("no interface of this host holds rnicd's address {host}")
+    let prefix = addrs
+        .filter(|a| a.interface_name == iface)
+        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == ip))
+        .and_then(|a| a.netmask.as_ref().and_then(|m| m.as_sockaddr_in()).map(|m| u32::from(m.ip()).count_ones()))
+        .unwrap_or(32);
+    Ok(Some((index, iface, prefix as u8)))
 }
 
 /// Whether an interface of this network namespace holds `ip`.
@@ -43,11 +42,10 @@ pub fn is_local(ip: Ipv4Addr) -> bool {
 /// Adds `gid` next to `host` (same interface and prefix) unless it is there
 /// already, then announces it. Returns the interface.
 pub fn claim(gid: Ipv4Addr, host: Ipv4Addr) -> Result<String> {
-    let (iface, prefix) = interface_and_prefix(host)?;
+    let Some((index, iface, prefix)) = address_of(host)? else { bail!("no interface of this host holds rnicd's address {host}") };
     if !is_local(gid) {
-        let (index, _, _) = crate::announce::interface_of(host).with_context(|| format!("the interface of {host}"))?;
         // Another claimant may have added it between the look and the add.
-        if let Err(e) = crate::netlink::change_address(true, index, gid, prefix as u8) {
+        if let Err(e) = crate::netlink::change_address(true, index, gid, prefix) {
             if !is_local(gid) {
                 bail!("adding {gid}/{prefix} to {iface}: {e}");
             }
@@ -59,14 +57,8 @@ pub fn claim(gid: Ipv4Addr, host: Ipv4Addr) -> Result<String> {
 
 /// Removes `gid` from whichever interface holds it (nothing if none does).
 pub fn release(gid: Ipv4Addr) -> Result<()> {
-    let Ok((index, iface, _)) = crate::announce::interface_of(gid) else { return Ok(()) };
-    let addrs = nix::ifaddrs::getifaddrs().context("listing interface addresses")?;
-    let prefix = addrs
-        .filter(|a| a.interface_name == iface)
-        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == gid))
-        .and_then(|a| a.netmask.as_ref().and_then(|m| m.as_sockaddr_in()).map(|m| u32::from(m.ip()).count_ones()))
-        .unwrap_or(32);
-    if let Err(e) = crate::netlink::change_address(false, index, gid, prefix as u8) {
+    let Some((index, iface, prefix)) = address_of(gid)? else { return Ok(()) };
+    if let Err(e) = crate::netlink::change_address(false, index, gid, prefix) {
         if is_local(gid) {
             bail!("removing {gid}/{prefix} from {iface}: {e}");
         }
