@@ -125,6 +125,8 @@ over_transport!(tcp:
 // docs/migration.md, "Several links", limits).
 over_transport!(rdma:
     two_links_byte_exact_and_dirtier_oracle,
+    one_link_cut_mid_migration_completes_on_the_other,
+    one_link_cut_under_a_dirtier_completes_with_the_oracle,
     both_links_cut_fails_and_the_source_runs_on,
 );
 
