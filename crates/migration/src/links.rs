@@ -136,6 +136,11 @@ pub struct LinkStat {
     pub channels: u32,
     /// Of those, lost with the link (their pages went again on others).
     pub channels_lost: u32,
+    /// Every channel of it was lost: the link is out of the migration.
+    pub failed: bool,
+    /// Why its first channel was lost (the transport's error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
     /// Page batch bytes written to its channels.
     pub wire_bytes: u64,
     /// `wire_bytes` over the migration's time so far.
@@ -204,6 +209,15 @@ fn interface_mtu(addr: Ipv4Addr) -> Option<usize> {
     (r == 0).then(|| unsafe { req.ifr_ifru.ifru_mtu } as usize)
 }
 
+impl LinkStat {
+    /// One of its channels was lost with it, for `why`.
+    pub fn channel_lost(&mut self, why: &anyhow::Error) {
+        self.channels_lost += 1;
+        self.failed = self.channels_lost >= self.channels;
+        self.error.get_or_insert_with(|| format!("{why:#}"));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -228,8 +242,13 @@ mod tests {
     fn channels_go_round_robin() {
         let l = Links::parse("a:1,b:1").unwrap();
         assert_eq!((0..5).map(|i| l.of_channel(i)).collect::<Vec<_>>(), vec![0, 1, 0, 1, 0]);
-        let s = l.stats(5);
+        let mut s = l.stats(5);
         assert_eq!((s[0].channels, s[1].channels), (3, 2));
+        s[1].channel_lost(&anyhow!("first"));
+        assert!(!s[1].failed, "one channel of two lost: the link still carries");
+        s[1].channel_lost(&anyhow!("second"));
+        assert!(s[1].failed);
+        assert_eq!(s[1].error.as_deref(), Some("first"), "the first loss says why");
     }
 
     #[test]
