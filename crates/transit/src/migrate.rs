@@ -302,7 +302,10 @@ fn report(st: &Value, as_json: bool) -> Result<()> {
                 l["channels_lost"],
                 l["wire_bytes"],
                 l["throughput_gbps"].as_f64().unwrap_or(0.0),
-                l["error"].as_str().map(|e| format!(", {}: {e}", if l["failed"] == true { "failed" } else { "degraded" })).unwrap_or_default()
+                l["error"]
+                    .as_str()
+                    .map(|e| format!(", {}: {e}", if l["failed"] == true { "failed" } else { "degraded" }))
+                    .unwrap_or_default()
             );
         }
         println!("rounds            {} (throttle {}%, {} steps)", u("rounds"), u("throttle_pct"), u("throttle_steps"));
