@@ -205,8 +205,8 @@ fn interface_mtu(addr: Ipv4Addr) -> Option<usize> {
     }
     // SAFETY: SIOCGIFMTU fills ifru_mtu of the ifreq it is given.
     let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU, &mut req) };
-    // SAFETY: the kernel filled ifru_mtu.
-    (r == 0).then(|| unsafe { req.ifr_ifru.ifru_mtu } as usize)
+    // SAFETY: an int of the ifreq, zeroed or filled by the kernel.
+    (r == 0).then_some(unsafe { req.ifr_ifru.ifru_mtu } as usize)
 }
 
 impl LinkStat {
