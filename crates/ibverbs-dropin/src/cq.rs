@@ -281,13 +281,12 @@ pub unsafe extern "C" fn ibv_destroy_cq(c: *mut ibv_cq) -> c_int {
     0
 }
 
-/// rnicd's CQ ring is fixed at creation (a power of two at least the size
-/// asked), so a CQ "resizes" within its ring: any size from the completions
-/// it holds up to the ring succeeds and `cqe` stays the ring's size, as a
-/// driver may give more than asked. Fewer than the completions it holds, or
-/// past the device's limit, fail with EINVAL as on kernel drivers; more
-/// than the ring, but within the limit, fails with EOPNOTSUPP (the ring
-/// would have to move).
+/// A CQ's ring (a power of two at least the size asked) shrinks never and
+/// grows by moving: a size within the ring succeeds at once and `cqe` stays
+/// the ring's size, as a driver may give more than asked; a larger one moves
+/// the CQ to a new ring (`verbs::Cq::resize`, rnicd's ResizeCq), its
+/// unpolled completions still first. Fewer than the completions it holds,
+/// or past the device's limit, fail with EINVAL as on kernel drivers.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_resize_cq(c: *mut ibv_cq, cqe: c_int) -> c_int {
     let Some(q) = cq(c) else { return libc::EINVAL };
@@ -296,8 +295,11 @@ pub unsafe extern "C" fn ibv_resize_cq(c: *mut ibv_cq, cqe: c_int) -> c_int {
     if cqe < 1 || cqe as u32 > max || (cqe as u32) < q.inner.ready() {
         return libc::EINVAL;
     }
-    if cqe as u32 > q.inner.cap {
-        return libc::EOPNOTSUPP;
+    if cqe > (*c).cqe {
+        match q.inner.resize(cqe as u32) {
+            Ok(cap) => (*c).cqe = cap as c_int,
+            Err(_) => return libc::ENOMEM,
+        }
     }
     0
 }
