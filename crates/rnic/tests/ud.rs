@@ -124,6 +124,9 @@ fn datagrams_between_hosts_and_within_one_rnicd() {
     }
     assert_eq!(a.stat("ud_sent"), 19);
     assert_eq!(b.stat("ud_delivered"), 18);
+    // Sends posted while rnicd polled the rings (no doorbell) never waited
+    // for a timer to be found.
+    assert_eq!(a.stat("late_ring_wqes"), 0);
 }
 
 #[test]

@@ -455,6 +455,11 @@ impl Qp {
 
     /// Reads the rings as a doorbell would; true if it took any WQE.
     pub fn poll_rings(&mut self, ctx: &mut Ctx) -> bool {
+        if self.is_ud() {
+            // Its sends leave from the ring in the transmit round (and its
+            // receive ring holds posted receives until datagrams come).
+            return self.ud_has_tx_work();
+        }
         let before = self.sq_ring.ready() + self.rq_ring.ready();
         if before == 0 {
             return false;
