@@ -178,35 +178,11 @@ pub fn shorten_timeout(s: &TcpStream) {
     }
 }
 
-/// Bytes a RoCEv2 packet adds to its payload at most: IPv4 20, UDP 8,
-/// BTH 12, RETH 16, immediate 4, ICRC 4.
-const ROCE_OVERHEAD: usize = 64;
-
 /// The path MTU for rdma queue pairs whose packets leave from `local`:
-/// the largest of 4096..256 whose packets fit the MTU of the interface
-/// holding `local` (4096 is the largest RoCE uses, on jumbo links). When
-/// no interface holds it, 1024, which fits any Ethernet link.
+/// the one rnicd's port of that address reports as active
+/// ([`verbs::link::path_mtu_from`]).
 pub fn rdma_path_mtu(local: Ipv4Addr) -> Mtu {
-    let Some(link) = interface_mtu(local) else { return Mtu::M1024 };
-    [Mtu::M4096, Mtu::M2048, Mtu::M1024, Mtu::M512].into_iter().find(|m| m.bytes() + ROCE_OVERHEAD <= link).unwrap_or(Mtu::M256)
-}
-
-/// The MTU of the interface holding `addr` in this network namespace.
-fn interface_mtu(addr: Ipv4Addr) -> Option<usize> {
-    let name = nix::ifaddrs::getifaddrs()
-        .ok()?
-        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == addr))?
-        .interface_name;
-    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).ok()?;
-    // SAFETY: a zeroed ifreq is valid; the name is copied NUL-terminated.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes().take(libc::IFNAMSIZ - 1)) {
-        *d = s as libc::c_char;
-    }
-    // SAFETY: SIOCGIFMTU fills ifru_mtu of the ifreq it is given.
-    let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU, &mut req) };
-    // SAFETY: an int of the ifreq, zeroed or filled by the kernel.
-    (r == 0).then_some(unsafe { req.ifr_ifru.ifru_mtu } as usize)
+    verbs::link::path_mtu_from(local)
 }
 
 impl LinkStat {
@@ -255,13 +231,5 @@ mod tests {
     fn the_local_address_towards_a_peer_is_the_routed_one() {
         assert_eq!(local_addr_towards("127.0.0.1:4791").unwrap(), Ipv4Addr::LOCALHOST);
         assert!(local_addr_towards("nohost.invalid:1").is_err());
-    }
-
-    #[test]
-    fn the_rdma_path_mtu_fits_the_link() {
-        // Loopback's MTU (64 KiB) carries the largest.
-        assert_eq!(rdma_path_mtu(Ipv4Addr::LOCALHOST), Mtu::M4096);
-        // An address no interface holds: what fits any Ethernet link.
-        assert_eq!(rdma_path_mtu(Ipv4Addr::new(192, 0, 2, 77)), Mtu::M1024);
     }
 }

@@ -141,7 +141,9 @@ impl Namespace {
             setsockopt(&udp, sockopt::UdpGroSegment, &true).context("UDP_GRO")?;
         }
         let senders = Senders::new(gid, gso)?;
-        Ok(Namespace { engine: Engine::new(gid), udp, senders, claimed: false })
+        let mut engine = Engine::new(gid);
+        engine.active_mtu = crate::link::path_mtu_from(gid);
+        Ok(Namespace { engine, udp, senders, claimed: false })
     }
 
     /// Receives and transmits; returns (packets received, packets sent, more work pending).
@@ -190,29 +192,6 @@ pub struct Config {
     pub gso: bool,
 }
 
-/// The MTU of the interface holding `addr` (None if no interface has it yet,
-/// e.g. a namespace opened before its address moved here).
-fn link_mtu(addr: Ipv4Addr) -> Option<usize> {
-    let ifname = nix::ifaddrs::getifaddrs()
-        .ok()?
-        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == addr))?
-        .interface_name;
-    // SAFETY: a throwaway socket for the SIOCGIFMTU ioctl, closed by OwnedFd.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return None;
-    }
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: a zeroed ifreq with a NUL-terminated name is a valid argument.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(ifname.bytes().take(libc::IFNAMSIZ - 1)) {
-        *d = s as libc::c_char;
-    }
-    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU, &mut req) };
-    // SAFETY: the kernel filled ifru_mtu.
-    (r == 0).then_some(unsafe { req.ifr_ifru.ifru_mtu } as usize).filter(|m| *m >= 576)
-}
-
 /// Link MTU assumed when the address is not on any interface yet.
 const DEFAULT_LINK_MTU: usize = 1500;
 
@@ -256,7 +235,7 @@ impl Senders {
         let df = udp_socket(addr, 0, true, false)?;
         let frag = udp_socket(addr, 0, false, false)?;
         let (pdf, pfrag) = (bound_port(&df)?, bound_port(&frag)?);
-        let mtu = link_mtu(addr);
+        let mtu = crate::link::interface_mtu(addr);
         info!("{addr}: link MTU {}", mtu.map_or("unknown, assuming 1500".into(), |m| m.to_string()));
         Ok(Senders {
             addr,
@@ -322,7 +301,7 @@ impl Senders {
         if self.too_big {
             self.too_big = false;
             let old = self.link_mtu;
-            self.link_mtu = match link_mtu(self.addr) {
+            self.link_mtu = match crate::link::interface_mtu(self.addr) {
                 Some(m) if m < old => m,
                 _ if DEFAULT_LINK_MTU < old => DEFAULT_LINK_MTU,
                 _ => 576,
@@ -330,13 +309,13 @@ impl Senders {
             self.mtu_known = true;
             warn!("{}: a packet was too big for the link; MTU {old} -> {}", self.addr, self.link_mtu);
         } else if std::mem::take(&mut self.maybe_too_big) {
-            if let Some(m) = link_mtu(self.addr).filter(|m| *m < self.link_mtu) {
+            if let Some(m) = crate::link::interface_mtu(self.addr).filter(|m| *m < self.link_mtu) {
                 warn!("{}: the link shrank; MTU {} -> {m}", self.addr, self.link_mtu);
                 self.link_mtu = m;
             }
         } else if !self.mtu_known && self.mtu_checked.elapsed() > Duration::from_secs(1) {
             self.mtu_checked = Instant::now();
-            if let Some(m) = link_mtu(self.addr) {
+            if let Some(m) = crate::link::interface_mtu(self.addr) {
                 info!("{}: link MTU {m}", self.addr);
                 (self.link_mtu, self.mtu_known) = (m, true);
             }
@@ -910,7 +889,11 @@ fn claim_or_release(nss: &mut HashMap<Ipv4Addr, Namespace>, cfg: &Config, gid: I
     match r {
         Ok(()) => {
             ns.claimed = claim;
-            if !claim {
+            if claim {
+                // The address is on an interface now: the port follows its link.
+                ns.engine.active_mtu = crate::link::path_mtu_from(gid);
+                info!("GID {gid}: active MTU {}", ns.engine.active_mtu.bytes());
+            } else {
                 info!("GID {gid} released");
             }
             Ok(Reply::Ok)

@@ -41,6 +41,9 @@ pub struct Engine {
     rr: usize,
     qpn_order: Vec<u32>,
     asyncs: AsyncSinks,
+    /// The port's active MTU: the path MTU the link under the GID carries
+    /// whole, set by the daemon from the interface (`crate::link`).
+    pub active_mtu: Mtu,
 }
 
 impl Engine {
@@ -61,6 +64,7 @@ impl Engine {
             rr: 0,
             qpn_order: Vec::new(),
             asyncs: AsyncSinks::default(),
+            active_mtu: crate::link::UNKNOWN_LINK_PATH_MTU,
         }
     }
 
@@ -391,7 +395,7 @@ impl Engine {
         Ok(Reply::Port(PortAttr {
             state: "ACTIVE".into(),
             max_mtu: Mtu::M32768,
-            active_mtu: Mtu::M4096,
+            active_mtu: self.active_mtu,
             gid_tbl_len: 1,
             link_layer: "Ethernet".into(),
             port_num: 1,

@@ -7,7 +7,7 @@
 //!
 //! Dependencies run one way, from the bottom up:
 //! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd` (no crate imports);
-//! `qp_snapshot`, `announce`, `netlink`, `gid`; `objects`; `async_events` and `proto`; `qp`;
+//! `qp_snapshot`, `announce`, `netlink`, `gid`, `link`; `objects`; `async_events` and `proto`; `qp`;
 //! `engine`; `ramclient`; `daemon`; `cli`.
 pub mod announce;
 pub mod async_events;
@@ -17,6 +17,7 @@ pub mod engine;
 pub mod eventfd;
 pub mod gid;
 pub mod keys;
+pub mod link;
 pub mod mem;
 pub mod netlink;
 pub mod objects;

@@ -31,6 +31,8 @@ use rnic::proto::{self, Reply, Request};
 use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE, NOTIFY_NEXT, NOTIFY_SOLICITED};
 
 pub use rnic::async_events::{AsyncEvent, AsyncKind};
+/// The link's MTU and the path MTU it carries whole (the port's active MTU).
+pub use rnic::link;
 /// A UD receive buffer starts with this many bytes of GRH.
 pub use rnic::qp::ud::GRH_LEN;
 pub use rnic::qp::{QpRuntime, QpSnapshot, QP_SNAPSHOT_VERSION};
@@ -956,6 +958,10 @@ pub struct QpEndpoint {
 
 #[derive(Clone, Copy, Debug)]
 pub struct ConnectOpts {
+    /// The largest path MTU wanted. An IB size (256..4096) is capped at the
+    /// port's active MTU, so that packets fit the link whole (the default,
+    /// 4096, thus takes the port's); the software-link sizes above 4096
+    /// are taken as asked, for rnicd peers that want IP to fragment.
     pub mtu: Mtu,
     pub access: u32,
     pub timeout: u8,
@@ -1050,7 +1056,7 @@ impl Qp {
         let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: o.access, port_num: 1, ..Default::default() };
         self.modify(&a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)?;
         a.qp_state = QpState::Rtr;
-        a.path_mtu = o.mtu;
+        a.path_mtu = self.path_mtu(o.mtu)?;
         a.dest_gid = remote.gid;
         a.dest_qp_num = remote.qpn;
         a.rq_psn = remote.psn;
@@ -1067,6 +1073,15 @@ impl Qp {
         a.rnr_retry = o.rnr_retry;
         a.max_rd_atomic = o.max_rd_atomic;
         self.modify(&a, mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC)
+    }
+
+    /// The path MTU `connect` sets for `wanted` (see [`ConnectOpts::mtu`]).
+    fn path_mtu(&self, wanted: Mtu) -> anyhow::Result<Mtu> {
+        if wanted.bytes() > Mtu::M4096.bytes() {
+            return Ok(wanted);
+        }
+        let active = self.ctx.query_port(1)?.active_mtu;
+        Ok(if active.bytes() < wanted.bytes() { active } else { wanted })
     }
 
     /// A UD QP from RESET to RTS as UD programs do: INIT with P_Key index
