@@ -55,6 +55,10 @@ pub struct VcpuState {
     pub efer: u64,
     pub gdtr: (u64, u32),
     pub idtr: (u64, u32),
+    /// Task register: selector, base, limit, attribute flags (the TSS
+    /// holds the interrupt stacks, IST).
+    #[serde(default)]
+    pub tr: (u16, u64, u32, u32),
     pub mxcsr: u32,
     /// xmm0..xmm15, 16 bytes each
     pub xmm: Vec<[u8; 16]>,

@@ -224,6 +224,25 @@ impl UnicornVcpu {
         Ok(())
     }
 
+    /// The task register as (selector, base, limit, flags).
+    fn read_tr(&self) -> Result<(u16, u64, u32, u32)> {
+        let mut m = sys::uc_x86_mmr { selector: 0, base: 0, limit: 0, flags: 0 };
+        let rc = unsafe { sys::uc_reg_read(self.uc.get_handle(), RegisterX86::TR as i32, &mut m as *mut _ as *mut _) };
+        if rc != uc_error::OK {
+            return Err(anyhow!("reading TR: {rc:?}"));
+        }
+        Ok((m.selector, m.base, m.limit, m.flags))
+    }
+
+    fn write_tr(&mut self, tr: (u16, u64, u32, u32)) -> Result<()> {
+        let mut m = sys::uc_x86_mmr { selector: tr.0, base: tr.1, limit: tr.2, flags: tr.3 };
+        let rc = unsafe { sys::uc_reg_write(self.uc.get_handle(), RegisterX86::TR as i32, &mut m as *mut _ as *mut _) };
+        if rc != uc_error::OK {
+            return Err(anyhow!("writing TR: {rc:?}"));
+        }
+        Ok(())
+    }
+
     fn msr(&self, rid: u32) -> Result<u64> {
         let mut m = sys::uc_x86_msr { rid, value: 0 };
         let rc = unsafe { sys::uc_reg_read(self.uc.get_handle(), RegisterX86::MSR as i32, &mut m as *mut _ as *mut _) };
@@ -276,13 +295,24 @@ impl UnicornVcpu {
                 return Err(anyhow!("interrupt vector {vector:#x}: IDT gate attributes {attr:#x} are not a present interrupt or trap gate"))
             }
         };
-        if ist != 0 {
-            return Err(anyhow!("interrupt vector {vector:#x}: its gate asks for IST stack {ist}, which this vCPU does not support"));
-        }
         let rsp = self.uc.reg_read(RegisterX86::RSP).map_err(uerr("RSP"))?;
         let cs = self.uc.reg_read(RegisterX86::CS).map_err(uerr("CS"))?;
         let ss = self.uc.reg_read(RegisterX86::SS).map_err(uerr("SS"))?;
-        let frame_at = (rsp & !0xF).wrapping_sub(40);
+        // An IST gate switches to the TSS's interrupt stack `ist`, leaving
+        // the interrupted stack (and the red zone below its RSP) alone.
+        let stack = if ist == 0 {
+            rsp
+        } else {
+            let (_, tss, limit, _) = self.read_tr()?;
+            let at = 0x24 + (ist as u64 - 1) * 8;
+            if at + 7 > limit as u64 {
+                return Err(anyhow!("interrupt vector {vector:#x}: its gate asks for IST {ist}, beyond the TSS limit {limit:#x}"));
+            }
+            let mut b = [0u8; 8];
+            self.uc.mem_read(tss + at, &mut b).map_err(|e| anyhow!("interrupt vector {vector:#x}: reading IST {ist}: {e:?}"))?;
+            u64::from_le_bytes(b)
+        };
+        let frame_at = (stack & !0xF).wrapping_sub(40);
         let mut frame = [0u8; 40];
         for (i, v) in [rip, cs, rflags, rsp, ss].iter().enumerate() {
             frame[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
@@ -368,6 +398,7 @@ impl Vcpu for UnicornVcpu {
         s.efer = self.msr(MSR_EFER)?;
         s.gdtr = self.read_mmr(RegisterX86::GDTR)?;
         s.idtr = self.read_mmr(RegisterX86::IDTR)?;
+        s.tr = self.read_tr()?;
         s.mxcsr = uc.reg_read(RegisterX86::MXCSR).map_err(uerr("MXCSR"))? as u32;
         for i in 0..16 {
             let v = uc.reg_read_long(RegisterX86::XMM0 as i32 + i).map_err(uerr("XMM"))?;
@@ -421,6 +452,9 @@ impl Vcpu for UnicornVcpu {
         }
         if s.idtr != cur.idtr {
             self.write_mmr(RegisterX86::IDTR, s.idtr)?;
+        }
+        if s.tr != cur.tr {
+            self.write_tr(s.tr)?;
         }
         self.uc.reg_write(RegisterX86::FS_BASE, s.fs_base).map_err(uerr("FS_BASE"))?;
         self.uc.reg_write(RegisterX86::GS_BASE, s.gs_base).map_err(uerr("GS_BASE"))?;
