@@ -35,13 +35,6 @@ pub struct UnicornHypervisor;
 /// engine can report the PC of a block whose first store already ran, so a
 /// resumed guest would execute that store twice (a lost-update the dirtier
 /// oracle catches).
-
-/// Kicks are delivered at the next translation-block boundary by a block
-/// hook that stops the engine from inside the vCPU thread. Calling
-/// `uc_emu_stop` from another thread is not precise in unicorn 2.1: the
-/// engine can report the PC of a block whose first store already ran, so a
-/// resumed guest would execute that store twice (a lost-update the dirtier
-/// oracle catches).
 /// The same hook stops the engine for an interrupt (see the module docs).
 struct UcKicker {
     kicked: AtomicBool,
