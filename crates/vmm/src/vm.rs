@@ -6,7 +6,7 @@ use crate::io::Buses;
 use crate::memory::GuestRam;
 use crate::vcpus::VcpuSet;
 use anyhow::{anyhow, bail, Context, Result};
-use devices::apic::{Apics, LAPIC_ADDR};
+use devices::apic::Apics;
 use devices::console::DebugConsole;
 use devices::layout::*;
 use devices::mailbox::Mailbox;
@@ -108,12 +108,6 @@ impl Vm {
         }
 
         let mut pvrdma = Vec::new();
-        if !config.pvrdma.is_empty() && config.memory > LAPIC_ADDR {
-            bail!(
-                "a PVRDMA device needs interrupts, and a VM with more than {} MiB of RAM has no room for the local APIC page at {LAPIC_ADDR:#x}",
-                LAPIC_ADDR >> 20
-            );
-        }
         for spec in &config.pvrdma {
             let cfg = PvrdmaConfig::parse(spec).map_err(|e| anyhow!("--pvrdma {spec:?}: {e}"))?;
             let name = cfg.name.clone();

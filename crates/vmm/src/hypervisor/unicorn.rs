@@ -127,8 +127,8 @@ impl Hypervisor for UnicornHypervisor {
         )
         .map_err(|e| anyhow!("mapping the MMIO window: {e:?}"))?;
         // The local APIC page, where RAM leaves room for it (a guest with
-        // more RAM has no local APIC page, and so no interrupts: vm.rs
-        // refuses devices that need them there).
+        // more RAM has no local APIC page, and so no interrupts: VmConfig
+        // refuses devices that need them there, config.rs).
         if ram_size <= LAPIC_ADDR {
             let (r, w) = (lapic.clone(), lapic.clone());
             uc.mmio_map(
