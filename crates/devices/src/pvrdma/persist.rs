@@ -110,6 +110,8 @@ impl Persist for Pvrdma {
         if r.is_err() {
             d.reset();
         }
+        // The guest reads the MSI-X enable bit in configuration space.
+        self.pci.set_msix_enabled(d.regs.msix_enabled);
         r
     }
 }
