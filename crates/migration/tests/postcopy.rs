@@ -155,13 +155,14 @@ fn hybrid_switches_when_the_rest_cannot_fit() {
 
 fn hybrid_no_shrink(net: &Net, prealloc: bool) {
     let (src, dst, port) = dirtier_pair(net, prealloc);
-    // Until each dirtier has written its slice once, most of RAM is
-    // never-written memory (memfd holes): the first eighth is then mostly
-    // zero runs and ends in a few ms, and the sample, one data item in
-    // eight, covers little of what the dirtiers go on to write. On a loaded
-    // machine the dirtiers get little CPU in the 100 ms before migrating, so
-    // the sample saw no writes and hybrid rightly went on. Wait for a whole
-    // pass of every dirtier: the eighth is then all data.
+    // Until each dirtier has written its slice once, it writes memory that
+    // was a memfd hole when the pass was planned: hybrid's sample takes data
+    // items only and its scans look at the first eighth and the sample, so
+    // writes to holes past the eighth are not seen. On a loaded machine the
+    // dirtiers get too little CPU in the 100 ms before migrating to finish
+    // that pass, and the sample saw no writes at all (the eighth itself was
+    // all data and took its 0.2 s). Wait for a whole pass of every dirtier:
+    // from then on each writes pages the sample covers, one in eight.
     wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
     // Capped so that the first eighth (8 MiB) takes 0.2 s: uncapped it took a
     // few ms on loopback, too short a window for a vCPU on a loaded machine.
