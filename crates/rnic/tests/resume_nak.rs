@@ -49,7 +49,10 @@ fn a_resumed_qps_sequence_nak_makes_the_peer_resend_after_a_lost_rnr_resend() {
     // Its host stops answering: the next resend is lost, and no timer of the
     // peer resends again.
     let h = bed.tb.host(0);
-    nft(h, "counter lost { }\nchain in { type filter hook input priority -300; policy accept;\n udp dport 4791 counter name \"lost\" drop\n}");
+    nft(
+        h,
+        "counter lost { }\nchain in { type filter hook input priority -300; policy accept;\n udp dport 4791 counter name \"lost\" drop\n}",
+    );
     wait_until("a resend of the peer was lost", || counter(h, "lost") > 0);
     std::thread::sleep(Duration::from_millis(50));
     h.sh("nft delete table inet rnnak").unwrap();

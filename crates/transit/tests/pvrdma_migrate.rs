@@ -144,7 +144,8 @@ fn without_traces_the_guest_sees_the_peers_lost_writes() {
     // The loss is made, not waited for: the source's pause held until the
     // peer had filled a receive queue the guest could no longer read
     // (devices/src/pvrdma/negative.rs).
-    let held = d["switch"]["phases"].as_array().is_some_and(|p| p.iter().any(|x| x[0] == "negative control: a peer filled a receive queue"));
+    let held =
+        d["switch"]["phases"].as_array().is_some_and(|p| p.iter().any(|x| x[0] == "negative control: a peer filled a receive queue"));
     assert!(held, "the pause did not see the peer fill a receive queue: {d:#}");
     let t0 = Instant::now();
     let detected = loop {
