@@ -19,6 +19,7 @@ mod config;
 mod datapath;
 mod dev;
 mod guest;
+mod negative;
 mod objects;
 mod persist;
 mod switch;
@@ -415,6 +416,9 @@ impl Lifecycle for Pvrdma {
             return;
         }
         d.switch.begin();
+        if d.testing.no_traces {
+            d.hold_until_peers_fill_a_receive_queue();
+        }
         let t = Instant::now();
         // Only connected QPs have a transport to suspend; the others hold
         // nothing but their attributes and posted WQEs. rnicd knows which
