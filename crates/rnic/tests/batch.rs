@@ -51,6 +51,7 @@ fn qp(pd: u32, cq: u32, qpn: u32, page: u64) -> Create {
         rq_slots: 16,
         qpn: Some(qpn),
         restore: None,
+        qp_type: Default::default(),
         fd: 1,
         sq_offset: page * PAGE,
         rq_offset: page * PAGE + sq_len,

@@ -123,7 +123,14 @@ impl Context {
                     let map = maps.next().context("ring mapping")?;
                     // SAFETY: the mapping holds the ring's bytes and is kept in the Cq.
                     let ring = unsafe { Ring::new(map.ptr(), map.len(), cap) }.context("ring")?;
-                    Made::Cq(Cq { ctx: self.clone(), handle: h, ring: Mutex::new(ring), held: Default::default(), _map: map, cap })
+                    Made::Cq(Cq {
+                        ctx: self.clone(),
+                        handle: h,
+                        ring: Mutex::new(ring),
+                        held: Default::default(),
+                        map: Mutex::new(map),
+                        cap,
+                    })
                 }
                 (NewObject::Qp { init, .. }, Reply::Qp { qpn, cap }) => {
                     let (sqm, rqm) = (maps.next().context("ring mapping")?, maps.next().context("ring mapping")?);
@@ -193,6 +200,7 @@ fn item(o: &NewObject, mr_fds: &[RawFd], rings_len: usize) -> anyhow::Result<(Cr
                 rq_slots,
                 qpn: qpn.or(state.map(|s| s.qpn)),
                 restore: state.map(|s| Box::new(s.clone())),
+                qp_type: init.qp_type,
                 fd: 0,
                 sq_offset,
                 rq_offset,

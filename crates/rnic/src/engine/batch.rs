@@ -56,11 +56,25 @@ impl Engine {
                 let Reply::Cq(h) = r else { bail!("CreateCq made no CQ") };
                 Ok((Made::Cq(h), r))
             }
-            Create::Qp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, fd: f, sq_offset, rq_offset } => {
+            Create::Qp {
+                pd,
+                send_cq,
+                recv_cq,
+                cap,
+                sq_sig_all,
+                sq_slots,
+                rq_slots,
+                qpn,
+                restore,
+                qp_type,
+                fd: f,
+                sq_offset,
+                rq_offset,
+            } => {
                 ring_aligned(sq_offset)?;
                 ring_aligned(rq_offset)?;
                 let ring = fd(f)?;
-                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn };
+                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type };
                 let r = self.create_qp(client, q, restore, (ring, sq_offset), (ring, rq_offset)).context("QP")?;
                 let Reply::Qp { qpn, .. } = r else { bail!("CreateQp made no QP") };
                 Ok((Made::Qp(qpn), r))
