@@ -42,6 +42,8 @@ const UDP_GRO: i32 = 104;
 /// sealed for IP id j.
 const GSO_MAX_SEGS: usize = 60;
 const TOKEN_LISTEN: u64 = 1;
+/// The control epoll (listener, client sockets, doorbells) inside the main one.
+const TOKEN_CTL: u64 = 1 << 61;
 /// While polling, epoll_wait runs every this many rounds; the UDP sockets
 /// of up to DIRECT_RX_MAX_NS namespaces are read directly in the others.
 const EPOLL_EVERY: u32 = 8;
@@ -466,6 +468,10 @@ struct LoopKnobs {
     direct_rx: bool,
     /// RNICD_LEAN_LOOP=0: loop again at once after any packet.
     lean_loop: bool,
+    /// RNICD_CONTROL_FIRST=0: look at the control side only with the
+    /// UDP sockets (every EPOLL_EVERY-th round while polling), to measure
+    /// what serving it every round gains.
+    control_first: bool,
     /// RNICD_SPIN_US: how long to keep polling after the last activity.
     /// 0 by default under a real-time policy (`--sched-fifo`): a spinning
     /// real-time loop would keep ordinary processes (its clients, the peer)
@@ -480,6 +486,7 @@ impl LoopKnobs {
             ring_poll: on("RNICD_RING_POLL"),
             direct_rx: on("RNICD_DIRECT_RX"),
             lean_loop: on("RNICD_LEAN_LOOP"),
+            control_first: on("RNICD_CONTROL_FIRST"),
             spin: std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(if realtime() {
                 Duration::ZERO
             } else {
@@ -502,7 +509,15 @@ struct Daemon {
     knobs: LoopKnobs,
     nss: HashMap<Ipv4Addr, Namespace>,
     listener: OwnedFd,
+    /// UDP sockets of the namespaces, and `ctl`.
     ep: Epoll,
+    /// The control side alone: the listener, client sockets and doorbells.
+    /// It is looked at every round, also in the rounds that skip `ep` to
+    /// read UDP sockets directly, so a control request waits for at most
+    /// one round of packet work, not EPOLL_EVERY of them.
+    ctl: Epoll,
+    /// Events of `ctl` when `ep` reported it.
+    ctl_evs: Vec<EpollEvent>,
     clients: HashMap<ClientId, Client>,
     next_client: ClientId,
     rxbufs: Vec<Vec<u8>>,
@@ -552,8 +567,10 @@ impl Daemon {
         let ns = Namespace::open(cfg.addr, cfg.gso)?;
         let listener = bind_control(&cfg.sock)?;
         let ep = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).context("epoll")?;
+        let ctl = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).context("epoll")?;
         ep.add(&ns.udp, readable(TOKEN_NS | u64::from(u32::from(cfg.addr))))?;
-        ep.add(&listener, readable(TOKEN_LISTEN))?;
+        ctl.add(&listener, readable(TOKEN_LISTEN))?;
+        ep.add(&ctl.0, readable(TOKEN_CTL))?;
         nss.insert(cfg.addr, ns);
         info!("rnicd serving {} (UDP {ROCE_PORT}), control socket {}", cfg.addr, cfg.sock.display());
         Ok(Daemon {
@@ -562,6 +579,8 @@ impl Daemon {
             nss,
             listener,
             ep,
+            ctl,
+            ctl_evs: vec![EpollEvent::empty(); 64],
             clients: HashMap::new(),
             next_client: 1,
             rxbufs: (0..RX_CHUNK).map(|_| vec![0u8; RX_BUF]).collect(),
@@ -597,7 +616,13 @@ impl Daemon {
         let direct_rx = polling && self.knobs.direct_rx && self.nss.len() <= DIRECT_RX_MAX_NS && self.rounds_without_epoll < EPOLL_EVERY;
         let events = if direct_rx {
             self.rounds_without_epoll += 1;
-            0
+            // Control first: a request must not wait behind the rounds of
+            // packet work until the next look at `ep`.
+            if self.knobs.control_first {
+                self.ctl.wait(evs, 0u16).unwrap_or(0)
+            } else {
+                0
+            }
         } else {
             self.rounds_without_epoll = 0;
             self.ep.wait(evs, timeout_ms).unwrap_or(0)
@@ -641,17 +666,33 @@ impl Daemon {
         for token in evs.iter().map(|e| e.data()) {
             match token {
                 t if t & TOKEN_NS != 0 => udp_ready.push(Ipv4Addr::from(t as u32)),
-                TOKEN_LISTEN => self.accept_clients(),
-                t if t & 1 == 1 => self.doorbell(t >> 1),
-                t => {
-                    let id = t >> 1;
-                    if !serve_client(&mut self.nss, &self.cfg, &self.ep, &mut self.clients, id, &mut self.ctlbuf) {
-                        self.client_gone(id);
+                TOKEN_CTL => {
+                    let mut ctl_evs = std::mem::take(&mut self.ctl_evs);
+                    let n = self.ctl.wait(&mut ctl_evs, 0u16).unwrap_or(0);
+                    for t in ctl_evs[..n].iter().map(|e| e.data()) {
+                        self.control_event(t);
                     }
+                    self.ctl_evs = ctl_evs;
                 }
+                t => self.control_event(t),
             }
         }
         udp_ready
+    }
+
+    /// A new client, a doorbell or a client's control messages.
+    fn control_event(&mut self, token: u64) {
+        match token {
+            TOKEN_LISTEN => self.accept_clients(),
+            t if t & 1 == 1 => self.doorbell(t >> 1),
+            t => {
+                let id = t >> 1;
+                let eps = Eps { udp: &self.ep, ctl: &self.ctl };
+                if !serve_client(&mut self.nss, &self.cfg, eps, &mut self.clients, id, &mut self.ctlbuf) {
+                    self.client_gone(id);
+                }
+            }
+        }
     }
 
     fn accept_clients(&mut self) {
@@ -660,7 +701,7 @@ impl Daemon {
             let sock = unsafe { OwnedFd::from_raw_fd(fd) };
             let id = self.next_client;
             self.next_client += 1;
-            if self.ep.add(&sock, readable(id << 1)).is_ok() {
+            if self.ctl.add(&sock, readable(id << 1)).is_ok() {
                 self.clients.insert(id, Client { sock, doorbell: None, ns: self.cfg.addr });
             }
         }
@@ -679,9 +720,9 @@ impl Daemon {
     /// daemon's own goes with its last client.
     fn client_gone(&mut self, id: ClientId) {
         let Some(c) = self.clients.remove(&id) else { return };
-        let _ = self.ep.delete(&c.sock);
+        let _ = self.ctl.delete(&c.sock);
         if let Some(d) = &c.doorbell {
-            let _ = self.ep.delete(d);
+            let _ = self.ctl.delete(d);
         }
         if let Some(ns) = self.nss.get_mut(&c.ns) {
             ns.engine.client_gone(id);
@@ -794,11 +835,18 @@ fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
     n as usize
 }
 
+/// The daemon's two epolls: namespaces' UDP sockets, and the control side.
+#[derive(Clone, Copy)]
+struct Eps<'a> {
+    udp: &'a Epoll,
+    ctl: &'a Epoll,
+}
+
 /// Handles every pending control message of one client; false if it is gone.
 fn serve_client(
     nss: &mut HashMap<Ipv4Addr, Namespace>,
     cfg: &Config,
-    ep: &Epoll,
+    eps: Eps,
     clients: &mut HashMap<ClientId, Client>,
     id: ClientId,
     buf: &mut [u8],
@@ -827,10 +875,10 @@ fn serve_client(
                 match (version == proto::PROTO_VERSION, fds.pop()) {
                     (true, Some(db)) if c.doorbell.is_none() => {
                         let gid = namespace.unwrap_or(cfg.addr);
-                        match enter_namespace(nss, cfg, ep, gid) {
+                        match enter_namespace(nss, cfg, eps.udp, gid) {
                             Err(e) => Err(format!("{e:#}")),
                             Ok(()) => {
-                                let r = ep.add(&db, readable(id << 1 | 1));
+                                let r = eps.ctl.add(&db, readable(id << 1 | 1));
                                 if let Some(c) = clients.get_mut(&id) {
                                     c.doorbell = Some(db);
                                     c.ns = gid;
