@@ -4,6 +4,7 @@
 //! [`snapshot::Persist`] for its state; the vmm and the migration engine know
 //! devices only through these two traits.
 
+pub mod apic;
 pub mod bus;
 pub mod console;
 pub mod layout;

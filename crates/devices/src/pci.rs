@@ -12,7 +12,18 @@ use std::sync::{Arc, Mutex};
 /// A PCI function: owns its configuration header.
 pub trait PciFunction: Send {
     fn pci_config(&mut self) -> &mut PciConfig;
+    /// The guest wrote configuration dword `reg` (after the header took
+    /// it): for functions whose device state follows a register, such as
+    /// the MSI-X enable bit.
+    fn config_written(&mut self, _reg: usize) {}
 }
+
+/// Where the MSI-X capability sits in configuration space (the only
+/// capability a function here has).
+pub const MSIX_CAP_OFFSET: usize = 0x40;
+/// MSI-X message control: enable, function mask.
+pub const MSIX_CTRL_ENABLE: u16 = 1 << 15;
+pub const MSIX_CTRL_FUNCTION_MASK: u16 = 1 << 14;
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Bar {
@@ -65,6 +76,39 @@ impl PciConfig {
         self.bars[index] = Some(bar);
     }
 
+    /// Declare an MSI-X capability: `vectors` table entries at
+    /// `table_offset` of BAR `table_bar`, the pending bits at `pba_offset`
+    /// of BAR `pba_bar`. Starts disabled, as after reset.
+    pub fn set_msix_capability(&mut self, vectors: u16, table_bar: u8, table_offset: u32, pba_bar: u8, pba_offset: u32) {
+        assert!((1..=2048).contains(&vectors) && table_bar < 6 && pba_bar < 6);
+        let c = MSIX_CAP_OFFSET;
+        self.regs[0x06] |= 0x10; // status: capabilities list
+        self.regs[0x34] = c as u8;
+        self.regs[c] = 0x11; // MSI-X
+        self.regs[c + 1] = 0; // last capability
+        self.regs[c + 2..c + 4].copy_from_slice(&(vectors - 1).to_le_bytes());
+        self.regs[c + 4..c + 8].copy_from_slice(&(table_offset | table_bar as u32).to_le_bytes());
+        self.regs[c + 8..c + 12].copy_from_slice(&(pba_offset | pba_bar as u32).to_le_bytes());
+    }
+
+    /// The MSI-X message control word (enable, function mask, table size).
+    pub fn msix_control(&self) -> u16 {
+        u16::from_le_bytes([self.regs[MSIX_CAP_OFFSET + 2], self.regs[MSIX_CAP_OFFSET + 3]])
+    }
+
+    /// Whether MSI-X is enabled and not masked as a whole.
+    pub fn msix_enabled(&self) -> bool {
+        self.regs[MSIX_CAP_OFFSET] == 0x11 && self.msix_control() & (MSIX_CTRL_ENABLE | MSIX_CTRL_FUNCTION_MASK) == MSIX_CTRL_ENABLE
+    }
+
+    /// Sets the MSI-X enable bit (a restored function), function mask clear.
+    pub fn set_msix_enabled(&mut self, enabled: bool) {
+        if self.regs[MSIX_CAP_OFFSET] == 0x11 {
+            let ctrl = self.msix_control() & !(MSIX_CTRL_ENABLE | MSIX_CTRL_FUNCTION_MASK) | if enabled { MSIX_CTRL_ENABLE } else { 0 };
+            self.regs[MSIX_CAP_OFFSET + 2..MSIX_CAP_OFFSET + 4].copy_from_slice(&ctrl.to_le_bytes());
+        }
+    }
+
     pub fn bar(&self, index: usize) -> Option<Bar> {
         self.bars.get(index).copied().flatten()
     }
@@ -114,6 +158,12 @@ impl PciConfig {
                 self.sizing[slot] = value == 0xffff_ffff;
             }
             0x3c => self.regs[0x3c] = value as u8, // interrupt line
+            // MSI-X message control: only enable and function mask are writable.
+            MSIX_CAP_OFFSET if self.regs[MSIX_CAP_OFFSET] == 0x11 => {
+                let writable = MSIX_CTRL_ENABLE | MSIX_CTRL_FUNCTION_MASK;
+                let ctrl = (self.msix_control() & !writable) | ((value >> 16) as u16 & writable);
+                self.regs[MSIX_CAP_OFFSET + 2..MSIX_CAP_OFFSET + 4].copy_from_slice(&ctrl.to_le_bytes());
+            }
             _ => {}
         }
     }
@@ -183,7 +233,9 @@ impl BusDevice for PciRoot {
             4 if data.len() == 4 => {
                 if let Some((f, reg)) = self.target() {
                     let v = u32::from_le_bytes(data.try_into().unwrap());
-                    f.lock().unwrap().pci_config().write_dword(reg, v);
+                    let mut f = f.lock().unwrap();
+                    f.pci_config().write_dword(reg, v);
+                    f.config_written(reg);
                 }
             }
             // Sub-dword config writes: read-modify-write the dword.
@@ -198,6 +250,7 @@ impl BusDevice for PciRoot {
                         }
                     }
                     f.pci_config().write_dword(reg, u32::from_le_bytes(b));
+                    f.config_written(reg);
                 }
             }
             _ => {}
@@ -238,5 +291,22 @@ mod tests {
         root.write(4, &0xffff_ffffu32.to_le_bytes());
         assert_eq!(rd(&mut root, 0, 4), 0xffff_c004);
         assert_eq!(rd(&mut root, 0, 5), 0x80, "the high half was not being sized");
+    }
+
+    #[test]
+    fn msix_capability_enable_and_mask() {
+        let mut cfg = PciConfig::new(0x15ad, 0x0820, 0x02, 0x80, 0);
+        assert!(!cfg.msix_enabled());
+        cfg.set_msix_capability(16, 0, 0, 0, 0x2000);
+        assert_eq!(cfg.read_dword(1) >> 16 & 0x10, 0x10, "status lists capabilities");
+        assert_eq!(cfg.read_dword(0x34 / 4) & 0xff, MSIX_CAP_OFFSET as u32);
+        assert_eq!(cfg.read_dword(MSIX_CAP_OFFSET / 4), 15 << 16 | 0x11);
+        assert_eq!(cfg.read_dword(MSIX_CAP_OFFSET / 4 + 2), 0x2000);
+        // The table size is read only; enable and mask are not.
+        cfg.write_dword(MSIX_CAP_OFFSET / 4, 0xffff_0000);
+        assert_eq!(cfg.read_dword(MSIX_CAP_OFFSET / 4), 0xc00f_0011);
+        assert!(!cfg.msix_enabled(), "masked as a whole");
+        cfg.write_dword(MSIX_CAP_OFFSET / 4, 0x8000_0000);
+        assert!(cfg.msix_enabled());
     }
 }

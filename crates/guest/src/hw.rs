@@ -66,8 +66,9 @@ impl Platform {
     }
 }
 
+/// Halts with interrupts disabled: the vCPU is done for good.
 pub fn halt_forever() -> ! {
     loop {
-        unsafe { asm!("hlt", options(nomem, nostack)) }
+        unsafe { asm!("cli", "hlt", options(nomem, nostack)) }
     }
 }

@@ -21,6 +21,7 @@ mod boot;
 mod clockcheck;
 mod dirtier;
 mod fill;
+mod irq;
 mod mem;
 #[macro_use]
 #[allow(dead_code)]

@@ -44,6 +44,12 @@ fn dirtier_pair(net: &Net, prealloc: bool) -> (Side, Side, u16) {
     (src, dst, port)
 }
 
+/// Every dirtier has written each page of its slice at least once (its
+/// first page holds its pass count, 2 once the second pass began).
+fn whole_pass_done(vm: &Side) -> bool {
+    vm.vm.slices().iter().all(|&(first, _)| vm.vm.ram_pages().page(first)[0] >= 2)
+}
+
 /// The destination, paused, holds what the source stopped with (but for
 /// the dirtier's counters, which the oracle checks), and keeps holding the
 /// oracle while it runs on.
@@ -149,9 +155,17 @@ fn hybrid_switches_when_the_rest_cannot_fit() {
 
 fn hybrid_no_shrink(net: &Net, prealloc: bool) {
     let (src, dst, port) = dirtier_pair(net, prealloc);
+    // Until each dirtier has written its slice once, it writes memory that
+    // was a memfd hole when the pass was planned: hybrid's sample takes data
+    // items only and its scans look at the first eighth and the sample, so
+    // writes to holes past the eighth are not seen. On a loaded machine the
+    // dirtiers get too little CPU in the 100 ms before migrating to finish
+    // that pass, and the sample saw no writes at all (the eighth itself was
+    // all data and took its 0.2 s). Wait for a whole pass of every dirtier:
+    // from then on each writes pages the sample covers, one in eight.
+    wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
     // Capped so that the first eighth (8 MiB) takes 0.2 s: uncapped it took a
-    // few ms on loopback, and on a loaded machine the vCPU could get no CPU in
-    // that window, so the sample saw no writes and hybrid rightly went on.
+    // few ms on loopback, too short a window for a vCPU on a loaded machine.
     src.cmd("migrate", net.migrate_args(port, json!({"mode": "hybrid", "channels": 2, "downtime_ms": 0, "max_bandwidth": 40_000_000u64})))
         .unwrap();
     let (s, _) = finish(&src, &dst);

@@ -25,7 +25,12 @@ use crate::objects::{ClientId, OutPkt};
 use crate::proto::{self, Reply, Request, Response};
 use crate::wire::{self, Flow, ROCE_PORT};
 
+/// Most datagrams one receive pass takes (then the engine transmits).
 const RX_BATCH: usize = 64;
+/// Datagrams per recvmmsg: with GRO each holds up to 64 KiB, and 8 of them
+/// (512 KiB) stay in the L2 cache between the kernel's copy and the ICRC
+/// check and placement that read them again.
+const RX_CHUNK: usize = 8;
 const RX_BUF: usize = 65536;
 const TX_BUDGET: usize = 256;
 /// How long the event loop keeps polling after the last activity.
@@ -37,6 +42,8 @@ const UDP_GRO: i32 = 104;
 /// sealed for IP id j.
 const GSO_MAX_SEGS: usize = 60;
 const TOKEN_LISTEN: u64 = 1;
+/// The control epoll (listener, client sockets, doorbells) inside the main one.
+const TOKEN_CTL: u64 = 1 << 61;
 /// While polling, epoll_wait runs every this many rounds; the UDP sockets
 /// of up to DIRECT_RX_MAX_NS namespaces are read directly in the others.
 const EPOLL_EVERY: u32 = 8;
@@ -440,6 +447,10 @@ struct LoopKnobs {
     direct_rx: bool,
     /// RNICD_LEAN_LOOP=0: loop again at once after any packet.
     lean_loop: bool,
+    /// RNICD_CONTROL_FIRST=0: look at the control side only with the
+    /// UDP sockets (every EPOLL_EVERY-th round while polling), to measure
+    /// what serving it every round gains.
+    control_first: bool,
     /// RNICD_SPIN_US: how long to keep polling after the last activity.
     /// 0 by default under a real-time policy (`--sched-fifo`): a spinning
     /// real-time loop would keep ordinary processes (its clients, the peer)
@@ -454,6 +465,7 @@ impl LoopKnobs {
             ring_poll: on("RNICD_RING_POLL"),
             direct_rx: on("RNICD_DIRECT_RX"),
             lean_loop: on("RNICD_LEAN_LOOP"),
+            control_first: on("RNICD_CONTROL_FIRST"),
             spin: std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(if realtime() {
                 Duration::ZERO
             } else {
@@ -476,7 +488,15 @@ struct Daemon {
     knobs: LoopKnobs,
     nss: HashMap<Ipv4Addr, Namespace>,
     listener: OwnedFd,
+    /// UDP sockets of the namespaces, and `ctl`.
     ep: Epoll,
+    /// The control side alone: the listener, client sockets and doorbells.
+    /// It is looked at every round, also in the rounds that skip `ep` to
+    /// read UDP sockets directly, so a control request waits for at most
+    /// one round of packet work, not EPOLL_EVERY of them.
+    ctl: Epoll,
+    /// Events of `ctl` when `ep` reported it.
+    ctl_evs: Vec<EpollEvent>,
     clients: HashMap<ClientId, Client>,
     next_client: ClientId,
     rxbufs: Vec<Vec<u8>>,
@@ -526,8 +546,10 @@ impl Daemon {
         let ns = Namespace::open(cfg.addr, cfg.gso)?;
         let listener = bind_control(&cfg.sock)?;
         let ep = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).context("epoll")?;
+        let ctl = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).context("epoll")?;
         ep.add(&ns.udp, readable(TOKEN_NS | u64::from(u32::from(cfg.addr))))?;
-        ep.add(&listener, readable(TOKEN_LISTEN))?;
+        ctl.add(&listener, readable(TOKEN_LISTEN))?;
+        ep.add(&ctl.0, readable(TOKEN_CTL))?;
         nss.insert(cfg.addr, ns);
         info!("rnicd serving {} (UDP {ROCE_PORT}), control socket {}", cfg.addr, cfg.sock.display());
         Ok(Daemon {
@@ -536,9 +558,11 @@ impl Daemon {
             nss,
             listener,
             ep,
+            ctl,
+            ctl_evs: vec![EpollEvent::empty(); 64],
             clients: HashMap::new(),
             next_client: 1,
-            rxbufs: (0..RX_BATCH).map(|_| vec![0u8; RX_BUF]).collect(),
+            rxbufs: (0..RX_CHUNK).map(|_| vec![0u8; RX_BUF]).collect(),
             ctlbuf: vec![0u8; fdmsg::MAX_MSG],
             busy: false,
             rings_polled: false,
@@ -571,7 +595,13 @@ impl Daemon {
         let direct_rx = polling && self.knobs.direct_rx && self.nss.len() <= DIRECT_RX_MAX_NS && self.rounds_without_epoll < EPOLL_EVERY;
         let events = if direct_rx {
             self.rounds_without_epoll += 1;
-            0
+            // Control first: a request must not wait behind the rounds of
+            // packet work until the next look at `ep`.
+            if self.knobs.control_first {
+                self.ctl.wait(evs, 0u16).unwrap_or(0)
+            } else {
+                0
+            }
         } else {
             self.rounds_without_epoll = 0;
             self.ep.wait(evs, timeout_ms).unwrap_or(0)
@@ -615,17 +645,33 @@ impl Daemon {
         for token in evs.iter().map(|e| e.data()) {
             match token {
                 t if t & TOKEN_NS != 0 => udp_ready.push(Ipv4Addr::from(t as u32)),
-                TOKEN_LISTEN => self.accept_clients(),
-                t if t & 1 == 1 => self.doorbell(t >> 1),
-                t => {
-                    let id = t >> 1;
-                    if !serve_client(&mut self.nss, &self.cfg, &self.ep, &mut self.clients, id, &mut self.ctlbuf) {
-                        self.client_gone(id);
+                TOKEN_CTL => {
+                    let mut ctl_evs = std::mem::take(&mut self.ctl_evs);
+                    let n = self.ctl.wait(&mut ctl_evs, 0u16).unwrap_or(0);
+                    for t in ctl_evs[..n].iter().map(|e| e.data()) {
+                        self.control_event(t);
                     }
+                    self.ctl_evs = ctl_evs;
                 }
+                t => self.control_event(t),
             }
         }
         udp_ready
+    }
+
+    /// A new client, a doorbell or a client's control messages.
+    fn control_event(&mut self, token: u64) {
+        match token {
+            TOKEN_LISTEN => self.accept_clients(),
+            t if t & 1 == 1 => self.doorbell(t >> 1),
+            t => {
+                let id = t >> 1;
+                let eps = Eps { udp: &self.ep, ctl: &self.ctl };
+                if !serve_client(&mut self.nss, &self.cfg, eps, &mut self.clients, id, &mut self.ctlbuf) {
+                    self.client_gone(id);
+                }
+            }
+        }
     }
 
     fn accept_clients(&mut self) {
@@ -634,7 +680,7 @@ impl Daemon {
             let sock = unsafe { OwnedFd::from_raw_fd(fd) };
             let id = self.next_client;
             self.next_client += 1;
-            if self.ep.add(&sock, readable(id << 1)).is_ok() {
+            if self.ctl.add(&sock, readable(id << 1)).is_ok() {
                 self.clients.insert(id, Client { sock, doorbell: None, ns: self.cfg.addr });
             }
         }
@@ -653,9 +699,9 @@ impl Daemon {
     /// daemon's own goes with its last client.
     fn client_gone(&mut self, id: ClientId) {
         let Some(c) = self.clients.remove(&id) else { return };
-        let _ = self.ep.delete(&c.sock);
+        let _ = self.ctl.delete(&c.sock);
         if let Some(d) = &c.doorbell {
-            let _ = self.ep.delete(d);
+            let _ = self.ctl.delete(d);
         }
         if let Some(ns) = self.nss.get_mut(&c.ns) {
             ns.engine.client_gone(id);
@@ -704,14 +750,27 @@ fn readable(token: u64) -> EpollEvent {
     EpollEvent::new(EpollFlags::EPOLLIN, token)
 }
 
+/// Receives and handles up to RX_BATCH datagrams, RX_CHUNK per recvmmsg.
 fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize {
+    let mut got = 0;
+    while got < RX_BATCH {
+        let n = recv_chunk(udp, bufs, engine);
+        got += n;
+        if n < RX_CHUNK {
+            break;
+        }
+    }
+    got
+}
+
+fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize {
     // SAFETY: zeroed structs are valid; every pointer refers to live buffers.
-    let mut addrs: [libc::sockaddr_in; RX_BATCH] = unsafe { std::mem::zeroed() };
-    let mut cbufs = [[0u64; 4]; RX_BATCH];
+    let mut addrs: [libc::sockaddr_in; RX_CHUNK] = unsafe { std::mem::zeroed() };
+    let mut cbufs = [[0u64; 4]; RX_CHUNK];
     let mut iovs: Vec<libc::iovec> =
         bufs.iter_mut().map(|b| libc::iovec { iov_base: b.as_mut_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
-    let mut hdrs: [libc::mmsghdr; RX_BATCH] = unsafe { std::mem::zeroed() };
-    for k in 0..RX_BATCH {
+    let mut hdrs: [libc::mmsghdr; RX_CHUNK] = unsafe { std::mem::zeroed() };
+    for k in 0..RX_CHUNK {
         hdrs[k].msg_hdr.msg_name = &mut addrs[k] as *mut _ as *mut libc::c_void;
         hdrs[k].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
         hdrs[k].msg_hdr.msg_iov = &mut iovs[k];
@@ -719,7 +778,7 @@ fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
         hdrs[k].msg_hdr.msg_control = cbufs[k].as_mut_ptr() as *mut libc::c_void;
         hdrs[k].msg_hdr.msg_controllen = std::mem::size_of::<[u64; 4]>();
     }
-    let n = unsafe { libc::recvmmsg(udp.as_raw_fd(), hdrs.as_mut_ptr(), RX_BATCH as u32, libc::MSG_DONTWAIT, std::ptr::null_mut()) };
+    let n = unsafe { libc::recvmmsg(udp.as_raw_fd(), hdrs.as_mut_ptr(), RX_CHUNK as u32, libc::MSG_DONTWAIT, std::ptr::null_mut()) };
     if n <= 0 {
         return 0;
     }
@@ -755,11 +814,18 @@ fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
     n as usize
 }
 
+/// The daemon's two epolls: namespaces' UDP sockets, and the control side.
+#[derive(Clone, Copy)]
+struct Eps<'a> {
+    udp: &'a Epoll,
+    ctl: &'a Epoll,
+}
+
 /// Handles every pending control message of one client; false if it is gone.
 fn serve_client(
     nss: &mut HashMap<Ipv4Addr, Namespace>,
     cfg: &Config,
-    ep: &Epoll,
+    eps: Eps,
     clients: &mut HashMap<ClientId, Client>,
     id: ClientId,
     buf: &mut [u8],
@@ -788,10 +854,10 @@ fn serve_client(
                 match (version == proto::PROTO_VERSION, fds.pop()) {
                     (true, Some(db)) if c.doorbell.is_none() => {
                         let gid = namespace.unwrap_or(cfg.addr);
-                        match enter_namespace(nss, cfg, ep, gid) {
+                        match enter_namespace(nss, cfg, eps.udp, gid) {
                             Err(e) => Err(format!("{e:#}")),
                             Ok(()) => {
-                                let r = ep.add(&db, readable(id << 1 | 1));
+                                let r = eps.ctl.add(&db, readable(id << 1 | 1));
                                 if let Some(c) = clients.get_mut(&id) {
                                     c.doorbell = Some(db);
                                     c.ns = gid;

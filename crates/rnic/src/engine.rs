@@ -22,6 +22,8 @@ use crate::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
 use crate::types::{access, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, QpType};
 use crate::wire::{self, Flow, ROCE_PORT};
 
+mod batch;
+
 pub const MAX_QP: u32 = 1 << 16;
 pub const MAX_WR: u32 = 1 << 14;
 pub const MAX_CQE: u32 = 1 << 20;
@@ -128,7 +130,8 @@ impl Engine {
             Request::AllocPd => Ok(self.alloc_pd(client)),
             Request::DeallocPd { pd } => self.dealloc_pd(client, pd),
             Request::RegMr { pd, iova, len, access, fd_offset, key } => {
-                self.reg_mr(client, MrRequest { pd, iova, len, access, fd_offset, key }, fds)
+                let fd = fds.first().context("RegMr needs a memfd")?;
+                self.reg_mr(client, MrRequest { pd, iova, len, access, fd_offset, key }, fd)
             }
             Request::DeregMr { lkey } => self.dereg_mr(client, lkey),
             Request::TraceMr { lkey, granularity } => self.trace_mr(client, lkey, granularity),
@@ -150,13 +153,19 @@ impl Engine {
             }
             Request::CreateCompChannel => self.create_comp_channel(client, fds),
             Request::DestroyCompChannel { channel } => self.destroy_comp_channel(client, channel),
-            Request::CreateCq { cap, channel } => self.create_cq(client, cap, channel, fds),
+            Request::CreateCq { cap, channel } => {
+                let fd = fds.first().context("CQ needs a ring memfd")?;
+                self.create_cq(client, cap, channel, (fd, 0))
+            }
             Request::DestroyCq { cq } => self.destroy_cq(client, cq),
             Request::ResizeCq { cq, cap } => self.resize_cq(client, cq, cap, fds),
             Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, qp_type } => {
                 let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type };
-                self.create_qp(client, q, restore, fds)
+                let [sq, rq] = &fds[..] else { bail!("CreateQp needs the SQ and RQ ring memfds") };
+                self.create_qp(client, q, restore, (sq, 0), (rq, 0))
             }
+            Request::CreateBatch { items } => self.create_batch(client, items, &fds),
+            Request::FetchTraces { lkeys } => self.fetch_traces(client, &lkeys),
             Request::ModifyQp { qpn, attr, mask } => self.modify_qp(client, qpn, &attr, mask),
             Request::QueryQp { qpn } => {
                 let qp = self.owned_qp(client, qpn)?;
@@ -430,9 +439,8 @@ impl Engine {
         Ok(Reply::Ok)
     }
 
-    fn reg_mr(&mut self, client: ClientId, r: MrRequest, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
+    fn reg_mr(&mut self, client: ClientId, r: MrRequest, fd: &OwnedFd) -> anyhow::Result<Reply> {
         self.owned_pd(client, r.pd)?;
-        let fd = fds.pop().context("RegMr needs a memfd")?;
         if r.len == 0 || r.len > 1 << 40 || r.access & !access::ALL != 0 {
             bail!("bad MR length or access flags");
         }
@@ -448,7 +456,7 @@ impl Engine {
                 bail!("key {k:#x} is already in use in namespace {}", self.gid);
             }
         }
-        let map = Mapping::map_region(&fd, r.fd_offset, r.len as usize)?;
+        let map = Mapping::map_region(fd, r.fd_offset, r.len as usize)?;
         let key = match r.key {
             Some(k) => k,
             None => self.alloc_qpn(),
@@ -490,6 +498,18 @@ impl Engine {
     fn fetch_trace(&mut self, client: ClientId, lkey: u32) -> anyhow::Result<Reply> {
         let mr = self.owned_mr(client, lkey)?;
         Ok(Reply::Trace(mr.trace.fetch_and_clear().map_err(|e| anyhow!(e))?))
+    }
+
+    /// The traces of many MRs in one round trip: all keys are checked
+    /// first, so a bad one clears no trace.
+    fn fetch_traces(&mut self, client: ClientId, lkeys: &[u32]) -> anyhow::Result<Reply> {
+        if lkeys.len() > proto::MAX_TRACE_BATCH {
+            bail!("at most {} MRs per FetchTraces", proto::MAX_TRACE_BATCH);
+        }
+        let mrs = lkeys.iter().map(|k| self.owned_mr(client, *k)).collect::<anyhow::Result<Vec<_>>>()?;
+        let traces =
+            mrs.iter().map(|m| m.trace.fetch_and_clear().map_err(|e| anyhow!("MR {:#x}: {e}", m.key))).collect::<anyhow::Result<_>>()?;
+        Ok(Reply::Traces(traces))
     }
 }
 
@@ -628,8 +648,8 @@ impl Engine {
         Ok(Reply::Ok)
     }
 
-    fn create_cq(&mut self, client: ClientId, cap: u32, channel: Option<u32>, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
-        let fd = fds.pop().context("CQ needs a ring memfd")?;
+    /// A CQ whose ring lives at `ring.1` of the memfd `ring.0`.
+    fn create_cq(&mut self, client: ClientId, cap: u32, channel: Option<u32>, ring: (&OwnedFd, u64)) -> anyhow::Result<Reply> {
         if cap == 0 || cap > MAX_CQE || !cap.is_power_of_two() {
             bail!("CQ size must be a power of two up to {MAX_CQE}");
         }
@@ -641,7 +661,7 @@ impl Engine {
             },
         };
         let len = ring_bytes::<Cqe>(cap);
-        let map = Mapping::map_sealed(&fd, 0, len)?;
+        let map = Mapping::map_sealed(ring.0, ring.1, len)?;
         // SAFETY: the mapping is `len` bytes and lives in the Cq beside the ring.
         let ring = unsafe { Ring::new(map.ptr(), len, cap) }.ok_or_else(|| anyhow!("bad CQ ring"))?;
         let id = self.alloc_id();
@@ -684,15 +704,13 @@ impl Engine {
         client: ClientId,
         q: QpRequest,
         restore: Option<Box<QpSnapshot>>,
-        mut fds: Vec<OwnedFd>,
+        sq_ring: (&OwnedFd, u64),
+        rq_ring: (&OwnedFd, u64),
     ) -> anyhow::Result<Reply> {
         let qpn = q.qpn.or(restore.as_ref().map(|s| s.qpn));
         self.owned_pd(client, q.pd)?;
         self.owned_cq(client, q.send_cq)?;
         self.owned_cq(client, q.recv_cq)?;
-        if fds.len() != 2 {
-            bail!("CreateQp needs the SQ and RQ ring memfds");
-        }
         if self.qps.len() as u32 >= MAX_QP {
             bail!("too many QPs");
         }
@@ -714,9 +732,8 @@ impl Engine {
                 bail!("ring sizes must be powers of two");
             }
         }
-        let (rq_fd, sq_fd) = (fds.pop().unwrap(), fds.pop().unwrap());
-        let sq = map_ring::<SendWqe>(&sq_fd, q.sq_slots, "SQ")?;
-        let rq = map_ring::<RecvWqe>(&rq_fd, q.rq_slots, "RQ")?;
+        let sq = map_ring::<SendWqe>(sq_ring, q.sq_slots, "SQ")?;
+        let rq = map_ring::<RecvWqe>(rq_ring, q.rq_slots, "RQ")?;
         let qpn = match qpn {
             Some(q) => q,
             None => self.alloc_qpn(),
@@ -812,10 +829,11 @@ impl Engine {
     }
 }
 
-/// Maps a ring of `slots` entries from its memfd; the mapping travels with it.
-fn map_ring<T: Copy>(fd: &OwnedFd, slots: u32, what: &str) -> anyhow::Result<(Ring<T>, Mapping)> {
+/// Maps a ring of `slots` entries at an offset of its memfd; the mapping
+/// travels with it.
+fn map_ring<T: Copy>(at: (&OwnedFd, u64), slots: u32, what: &str) -> anyhow::Result<(Ring<T>, Mapping)> {
     let len = ring_bytes::<T>(slots);
-    let map = Mapping::map_sealed(fd, 0, len)?;
+    let map = Mapping::map_sealed(at.0, at.1, len)?;
     map.populate();
     // SAFETY: a mapping of the checked length, kept beside the ring.
     let ring = unsafe { Ring::new(map.ptr(), len, slots) }.ok_or_else(|| anyhow!("bad {what} ring"))?;

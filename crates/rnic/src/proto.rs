@@ -14,6 +14,10 @@ pub const PROTO_VERSION: u32 = 1;
 pub const MAX_BATCH: usize = 4096;
 /// Most QP states in one QueryQpStates reply (it must fit in `fdmsg::MAX_MSG`).
 pub const MAX_QUERY_BATCH: usize = 48;
+/// Most objects in one CreateBatch (its reply must fit one message).
+pub const MAX_CREATE_BATCH: usize = 256;
+/// Most MRs in one FetchTraces (a trace reply holds up to 1,024 runs).
+pub const MAX_TRACE_BATCH: usize = 16;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Request {
@@ -209,6 +213,48 @@ pub enum Request {
     SuspendConnected {
         qpns: Vec<u32>,
     },
+    /// Creates MRs, CQs and QPs in one round trip (a migrated device's
+    /// restore), in order, each as its own request would. The memfds
+    /// travel once beside the message (the guest RAM for every MR, one
+    /// memfd holding many rings); each item names its fd by index and the
+    /// offset it lives at. All or nothing: if an item fails, those made
+    /// before it are destroyed and the error names the item. At most
+    /// MAX_CREATE_BATCH items; the reply (`Created`) has one reply per item.
+    CreateBatch {
+        items: Vec<Create>,
+    },
+    /// The write traces of many MRs (each as FetchTrace), in their order;
+    /// all keys are checked first. At most MAX_TRACE_BATCH.
+    FetchTraces {
+        lkeys: Vec<u32>,
+    },
+}
+
+/// One object of a CreateBatch; `fd` indexes the request's memfds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Create {
+    /// As RegMr.
+    Mr { pd: u32, iova: u64, len: u64, access: u32, fd: u8, fd_offset: u64, key: Option<u32> },
+    /// As CreateCq; the ring at `ring_offset` (page aligned).
+    Cq { cap: u32, channel: Option<u32>, fd: u8, ring_offset: u64 },
+    /// As CreateQp; both rings in memfd `fd` (page aligned offsets).
+    Qp {
+        pd: u32,
+        send_cq: u32,
+        recv_cq: u32,
+        cap: QpCap,
+        sq_sig_all: bool,
+        sq_slots: u32,
+        rq_slots: u32,
+        qpn: Option<u32>,
+        restore: Option<Box<crate::qp_snapshot::QpSnapshot>>,
+        /// RC unless said otherwise.
+        #[serde(default)]
+        qp_type: crate::types::QpType,
+        fd: u8,
+        sq_offset: u64,
+        rq_offset: u64,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -257,6 +303,10 @@ pub enum Reply {
     AsyncEvents(Vec<crate::async_events::AsyncEvent>),
     /// QPNs (SuspendConnected: the QPs it suspended).
     Qpns(Vec<u32>),
+    /// CreateBatch: one reply per item (Mr, Cq or Qp).
+    Created(Vec<Reply>),
+    /// FetchTraces: one report per MR, in the request's order.
+    Traces(Vec<crate::trace::TraceReport>),
 }
 
 pub type Response = Result<Reply, String>;

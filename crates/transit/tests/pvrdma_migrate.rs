@@ -124,7 +124,10 @@ fn a_device_state_with_damaged_bytes_is_refused() {
 
 /// Negative control: without write traces the pages the peer writes during
 /// the rounds are not sent again, and the guest's checks on the
-/// destination see the old contents.
+/// destination see the old contents. `testing=no-traces` also makes the
+/// source's pause wait, vCPUs stopped, until the peer filled a receive
+/// queue: messages written after every RAM round that the guest reads only
+/// on the destination, so a loss is there to be seen on every run.
 #[test]
 fn without_traces_the_guest_sees_the_peers_lost_writes() {
     let bed = Bed::new("pvm-notr");
@@ -138,6 +141,12 @@ fn without_traces_the_guest_sees_the_peers_lost_writes() {
     assert_eq!(st["status"], "completed", "{st:#}");
     let d = pvrdma(&a);
     assert_eq!(d["counters"]["traced_pages"], 0, "{d:#}");
+    // The loss is made, not waited for: the source's pause held until the
+    // peer had filled a receive queue the guest could no longer read
+    // (devices/src/pvrdma/negative.rs).
+    let held =
+        d["switch"]["phases"].as_array().is_some_and(|p| p.iter().any(|x| x[0] == "negative control: a peer filled a receive queue"));
+    assert!(held, "the pause did not see the peer fill a receive queue: {d:#}");
     let t0 = Instant::now();
     let detected = loop {
         let c = b.console();

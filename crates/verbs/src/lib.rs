@@ -30,6 +30,7 @@ use rnic::mem::{sealed_memfd, Mapping};
 use rnic::proto::{self, Reply, Request};
 use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE, NOTIFY_NEXT, NOTIFY_SOLICITED};
 
+pub use batch::{Made, NewObject};
 pub use rnic::async_events::{AsyncEvent, AsyncKind};
 /// The link's MTU and the path MTU it carries whole (the port's active MTU).
 pub use rnic::link;
@@ -42,6 +43,7 @@ pub use rnic::types::{
     access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, QpType, WcOpcode, WcStatus, WrOpcode,
 };
 
+mod batch;
 pub mod mkeys;
 pub mod peer;
 pub mod peer_bench;
@@ -361,6 +363,11 @@ impl MemBuf {
         self.map.is_empty()
     }
     /// The virtual address of byte 0 (what a peer puts in remote_addr).
+    /// The memfd (for [`NewObject::Mr`], which names memory by descriptor).
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
     pub fn addr(&self) -> u64 {
         self.map.ptr() as u64
     }

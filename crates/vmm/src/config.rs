@@ -34,6 +34,15 @@ impl VmConfig {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             bail!("vcpus must be between 1 and {MAX_VCPUS} (got {})", self.vcpus);
         }
+        // RAM is one range from 0: above the local APIC page there is none,
+        // and a PVRDMA device needs interrupts.
+        if !self.pvrdma.is_empty() && self.memory > devices::apic::LAPIC_ADDR {
+            bail!(
+                "a PVRDMA device needs interrupts, and a VM with more than {} MiB of RAM has no room for the local APIC page at {:#x}",
+                devices::apic::LAPIC_ADDR >> 20,
+                devices::apic::LAPIC_ADDR
+            );
+        }
         if self.cmdline.len() >= devices::layout::CMDLINE_MAX {
             bail!("command line is longer than {} bytes", devices::layout::CMDLINE_MAX - 1);
         }
@@ -44,5 +53,30 @@ impl VmConfig {
     pub fn shape(&self) -> String {
         let pvrdma = if self.pvrdma.is_empty() { String::new() } else { format!(" pvrdma={}", self.pvrdma.len()) };
         format!("mem={} vcpus={} nvme={}{pvrdma}", self.memory, self.vcpus, self.nvme.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pvrdma_device_needs_ram_below_the_local_apic() {
+        let mut c = VmConfig {
+            name: "vm".into(),
+            memory: 4 << 30,
+            vcpus: 1,
+            firmware: PathBuf::new(),
+            cmdline: String::new(),
+            nvme: vec![],
+            pvrdma: vec!["gid=10.200.0.50".into()],
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("local APIC") && e.contains("4078 MiB"), "{e}");
+        c.memory = 1 << 30;
+        c.validate().unwrap();
+        c.memory = 4 << 30;
+        c.pvrdma.clear();
+        c.validate().unwrap();
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::hypervisor::{Hypervisor, IoHandler, Kicker, VcpuExit, VcpuState};
 use anyhow::{anyhow, Result};
+use devices::apic::{Apics, LocalApic};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -44,6 +45,7 @@ const THROTTLE_SLICE: Duration = Duration::from_millis(10);
 
 pub struct VcpuSet {
     shared: Arc<Shared>,
+    lapics: Vec<Arc<LocalApic>>,
     threads: Vec<JoinHandle<()>>,
     ticker: Option<JoinHandle<()>>,
 }
@@ -70,8 +72,18 @@ fn in_userfault(tid: libc::pid_t) -> bool {
 const SHUTDOWN_BOUND: Duration = Duration::from_secs(3);
 
 impl VcpuSet {
-    /// Create `n` vCPU threads, all paused in their reset state.
-    pub fn start(hv: Arc<dyn Hypervisor>, n: u32, ram_addr: *mut u8, ram_size: u64, io: Arc<dyn IoHandler>) -> Result<VcpuSet> {
+    /// Create `n` vCPU threads, all paused in their reset state; vCPU `i`
+    /// takes its interrupts from local APIC `i` of `apics`.
+    pub fn start(
+        hv: Arc<dyn Hypervisor>,
+        n: u32,
+        ram_addr: *mut u8,
+        ram_size: u64,
+        io: Arc<dyn IoHandler>,
+        apics: Arc<Apics>,
+    ) -> Result<VcpuSet> {
+        let lapics: Vec<Arc<LocalApic>> =
+            (0..n as usize).map(|i| apics.cpu(i).cloned().ok_or_else(|| anyhow!("no local APIC for vCPU {i}"))).collect::<Result<_>>()?;
         let shared = Arc::new(Shared {
             ctl: Mutex::new(Ctl {
                 want: Want::Pause,
@@ -84,15 +96,15 @@ impl VcpuSet {
         });
         let ram_addr = ram_addr as usize;
         let mut threads = Vec::new();
-        for i in 0..n {
+        for (i, lapic) in lapics.iter().cloned().enumerate() {
             let (hv, io, sh) = (hv.clone(), io.clone(), shared.clone());
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("vcpu{i}"))
-                    .spawn(move || vcpu_thread(i as usize, hv, ram_addr as *mut u8, ram_size, io, sh))?,
+                    .spawn(move || vcpu_thread(i, hv, ram_addr as *mut u8, ram_size, io, lapic, sh))?,
             );
         }
-        let mut set = VcpuSet { shared, threads, ticker: None };
+        let mut set = VcpuSet { shared, lapics, threads, ticker: None };
         // Wait until every vCPU exists and has published its reset state.
         let mut c = set.shared.ctl.lock().unwrap();
         while !c.cpus.iter().all(|p| p.paused || p.error.is_some()) {
@@ -173,13 +185,24 @@ impl VcpuSet {
         c.want != Want::Run && c.cpus.iter().all(|p| p.paused)
     }
 
-    /// States of all vCPUs; the set must be paused.
+    /// States of all vCPUs; the set must be paused. The local APICs are
+    /// read now rather than at the pause: devices go on raising interrupts
+    /// while the vCPUs are paused (a PVRDMA device draining its CQs as it
+    /// pauses), and those must travel too.
     pub fn states(&self) -> Result<Vec<VcpuState>> {
         let c = self.shared.ctl.lock().unwrap();
         if !c.cpus.iter().all(|p| p.paused) {
             return Err(anyhow!("vCPU state can only be read while the VM is paused"));
         }
-        c.cpus.iter().map(|p| p.state.clone().ok_or_else(|| anyhow!("vCPU has no state"))).collect()
+        c.cpus
+            .iter()
+            .zip(&self.lapics)
+            .map(|(p, lapic)| {
+                let mut s = p.state.clone().ok_or_else(|| anyhow!("vCPU has no state"))?;
+                s.lapic = lapic.save();
+                Ok(s)
+            })
+            .collect()
     }
 
     /// Load states into all vCPUs; the set must be paused.
@@ -310,8 +333,16 @@ impl Drop for PriorityLoan {
     }
 }
 
-fn vcpu_thread(i: usize, hv: Arc<dyn Hypervisor>, ram_addr: *mut u8, ram_size: u64, io: Arc<dyn IoHandler>, sh: Arc<Shared>) {
-    let mut vcpu = match hv.create_vcpu(i as u32, ram_addr, ram_size, io) {
+fn vcpu_thread(
+    i: usize,
+    hv: Arc<dyn Hypervisor>,
+    ram_addr: *mut u8,
+    ram_size: u64,
+    io: Arc<dyn IoHandler>,
+    lapic: Arc<LocalApic>,
+    sh: Arc<Shared>,
+) {
+    let mut vcpu = match hv.create_vcpu(i as u32, ram_addr, ram_size, io, lapic) {
         Ok(v) => v,
         Err(e) => {
             let mut c = sh.ctl.lock().unwrap();
@@ -336,7 +367,9 @@ fn vcpu_thread(i: usize, hv: Arc<dyn Hypervisor>, ram_addr: *mut u8, ram_size: u
                         c.cpus[i].error = Some(format!("{e:#}"));
                     }
                     c.cpus[i].state = vcpu.state().ok();
-                    c.cpus[i].halted = s.halted;
+                    // Whether a loaded HLT is for good (IF clear) is for
+                    // `run` to find out: it returns Halted at once then.
+                    c.cpus[i].halted = false;
                     sh.cv.notify_all();
                 }
                 match c.want {

@@ -6,6 +6,7 @@ use crate::io::Buses;
 use crate::memory::GuestRam;
 use crate::vcpus::VcpuSet;
 use anyhow::{anyhow, bail, Context, Result};
+use devices::apic::Apics;
 use devices::console::DebugConsole;
 use devices::layout::*;
 use devices::mailbox::Mailbox;
@@ -47,6 +48,7 @@ pub struct Vm {
     nvme: Vec<Arc<Mutex<NvmeController>>>,
     pvrdma: Vec<Arc<Mutex<Pvrdma>>>,
     vcpus: Mutex<VcpuSet>,
+    apics: Arc<Apics>,
     clock: Arc<GuestClock>,
     events: Arc<PlatformEvents>,
     console_history: Arc<Mutex<Vec<String>>>,
@@ -65,6 +67,7 @@ impl Vm {
         config.validate()?;
         let ram = GuestRam::new(&config.name, config.memory)?;
         let buses = Arc::new(Buses::default());
+        let apics = Apics::new(config.vcpus);
         let clock = GuestClock::new();
         let mut devices: Vec<(String, Arc<Mutex<dyn VmDevice>>)> = Vec::new();
 
@@ -115,6 +118,7 @@ impl Vm {
             // rnicd maps guest RAM itself for the device's memory regions.
             let memfd = std::os::fd::OwnedFd::from(ram.memfd().try_clone().context("duplicating the guest RAM memfd")?);
             let dev = Pvrdma::new(cfg, ram.memory().clone(), memfd, bar).map_err(|e| anyhow!("PVRDMA device {name}: {e}"))?;
+            dev.set_msi_sink(apics.clone());
             for (b, addr, size) in dev.bars() {
                 buses.mmio.insert(b, addr, size)?;
             }
@@ -126,7 +130,7 @@ impl Vm {
         }
 
         let hv: Arc<dyn Hypervisor> = Arc::new(UnicornHypervisor);
-        let vcpus = VcpuSet::start(hv, config.vcpus, ram.host_addr(), ram.size(), buses.clone())?;
+        let vcpus = VcpuSet::start(hv, config.vcpus, ram.host_addr(), ram.size(), buses.clone(), apics.clone())?;
         Ok(Arc::new(Vm {
             config,
             ram,
@@ -137,6 +141,7 @@ impl Vm {
             nvme,
             pvrdma,
             vcpus: Mutex::new(vcpus),
+            apics,
             clock,
             events,
             console_history,
@@ -225,6 +230,11 @@ impl Vm {
 
     pub fn buses(&self) -> &Arc<Buses> {
         &self.buses
+    }
+
+    /// The vCPUs' local APICs, where devices deliver their MSIs.
+    pub fn apics(&self) -> &Arc<Apics> {
+        &self.apics
     }
 
     pub fn pci(&self) -> &Arc<Mutex<PciRoot>> {

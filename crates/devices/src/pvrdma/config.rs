@@ -22,7 +22,9 @@ pub struct PvrdmaConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Testing {
     /// rnicd's writes are not traced while migrating: pages a peer writes
-    /// during the rounds are not sent again.
+    /// during the rounds are not sent again. The pause then also waits,
+    /// with the vCPUs stopped, until a peer has used up a QP's posted
+    /// receives, so that the loss is certain (negative.rs).
     pub no_traces: bool,
     /// A restore recreates QPs and MRs with other QPNs and keys than the
     /// saved ones (as without an identity namespace).

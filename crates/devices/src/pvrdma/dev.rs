@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::guest::{Guest, PageList};
 use super::objects::{Cq, Mr, Pd, Qp, Table, Uc};
 use super::Errno;
+use crate::apic::MsiSink;
 
 /// Limits the device reports in its caps; also the sizes of its tables.
 pub(crate) const MAX_QP: u32 = 1024;
@@ -29,6 +30,8 @@ pub(crate) const MAX_PKEYS: u16 = 1;
 pub(crate) const MAX_RD_ATOM: u32 = 16;
 /// MSI-X vectors the table holds (response, async, CQ and spares).
 pub(crate) const MSIX_VECTORS: usize = 16;
+/// Vector control bit 0 of an MSI-X table entry: masked.
+pub(crate) const MSIX_ENTRY_MASKED: u32 = 1;
 /// UAR pages in BAR2: the kernel's page 0 and one per user context.
 pub(crate) const UAR_PAGES: u64 = MAX_UC as u64;
 
@@ -55,9 +58,14 @@ pub(crate) struct Regs {
     pub mac: [u8; 6],
     /// MSI-X table: address low/high, data, control per vector.
     pub msix: Vec<[u32; 4]>,
-    /// Pending bits (no interrupt controller: pending stays pending until the
-    /// guest reads ICR, which clears both).
+    /// MSI-X pending bits: vectors raised while their entry or the whole
+    /// function was masked, sent when unmasked. Reading ICR clears them
+    /// too (a driver that polls ICR has handled them).
     pub pba: u64,
+    /// The configuration space's MSI-X enable, without function mask
+    /// (kept here so that the device's threads see it under its lock).
+    #[serde(default)]
+    pub msix_enabled: bool,
 }
 
 /// What the device took from the DSR at DSRHIGH.
@@ -100,6 +108,10 @@ pub(crate) struct Counters {
     /// rather than with a completion.
     pub cq_waits: u64,
     pub cq_wait_timeouts: u64,
+    /// MSI-X messages sent, and those the platform refused (an entry whose
+    /// address or data names no vCPU or no valid vector).
+    pub interrupts: u64,
+    pub lost_interrupts: u64,
 }
 
 /// rnicd, as this device reaches it.
@@ -139,6 +151,9 @@ pub(crate) struct Dev {
     pub testing: super::config::Testing,
     /// The phases of the last switchover (query-pvrdma `switch`).
     pub switch: super::switch::SwitchLog,
+    /// Where MSI-X messages go (the vCPUs' local APICs); none: interrupts
+    /// stay pending.
+    pub msi: Option<Arc<dyn MsiSink>>,
 }
 
 impl Dev {
@@ -165,6 +180,7 @@ impl Dev {
             claimed: false,
             testing,
             switch: Default::default(),
+            msi: None,
         }
     }
 
@@ -189,9 +205,11 @@ impl Dev {
         self.ucs.clear();
         self.gids.clear();
         self.dsr = None;
-        let msix = std::mem::take(&mut self.regs.msix);
+        // MSI-X belongs to the PCI function, not to the device's reset.
+        let (msix, enabled) = (std::mem::take(&mut self.regs.msix), self.regs.msix_enabled);
         self.regs = Regs::reset(self.gid);
         self.regs.msix = msix;
+        self.regs.msix_enabled = enabled;
     }
 
     pub fn caps(&self) -> abi::DeviceCaps {
@@ -270,11 +288,35 @@ impl Dev {
         }
     }
 
-    /// Marks `vector` pending: ICR bit and, when MSI-X is in use, the PBA bit.
+    /// Raises interrupt `vector`: its ICR bit, and unless IMR masks it, its
+    /// MSI-X message (the table entry's address and data) when MSI-X is
+    /// enabled and the entry unmasked, else its pending bit.
     pub fn raise(&mut self, vector: u32) {
         self.regs.icr |= 1 << vector.min(31);
-        if (vector as usize) < MSIX_VECTORS {
-            self.regs.pba |= 1 << vector;
+        if vector as usize >= MSIX_VECTORS || self.regs.imr & (1 << vector) != 0 {
+            return;
+        }
+        self.regs.pba |= 1 << vector;
+        self.send_pending();
+    }
+
+    /// Sends the message of every pending vector whose entry is unmasked,
+    /// when MSI-X is enabled (after a raise, an entry unmasked, MSI-X
+    /// enabled or a restore).
+    pub fn send_pending(&mut self) {
+        let Some(sink) = self.msi.as_ref().filter(|_| self.regs.msix_enabled) else { return };
+        for v in 0..MSIX_VECTORS {
+            let e = self.regs.msix[v];
+            if self.regs.pba & (1 << v) == 0 || e[3] & MSIX_ENTRY_MASKED != 0 {
+                continue;
+            }
+            self.regs.pba &= !(1 << v);
+            let addr = (e[1] as u64) << 32 | e[0] as u64;
+            if sink.send(addr, e[2]) {
+                self.counters.interrupts += 1;
+            } else {
+                self.counters.lost_interrupts += 1;
+            }
         }
     }
 
@@ -330,8 +372,9 @@ impl Regs {
             icr: 0,
             imr: !0,
             mac: Dev::mac(gid),
-            msix: vec![[0, 0, 0, 1]; MSIX_VECTORS],
+            msix: vec![[0, 0, 0, MSIX_ENTRY_MASKED]; MSIX_VECTORS],
             pba: 0,
+            msix_enabled: false,
         }
     }
 }

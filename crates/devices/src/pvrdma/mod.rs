@@ -19,6 +19,7 @@ mod config;
 mod datapath;
 mod dev;
 mod guest;
+mod negative;
 mod objects;
 mod persist;
 mod switch;
@@ -126,6 +127,8 @@ impl Pvrdma {
         pci.set_bar64(abi::transit::BAR_SLOT_UAR, Bar { addr: bar_base, size: UAR_BAR_SIZE });
         pci.set_bar64(abi::transit::BAR_SLOT_MSIX, Bar { addr: bar_base + UAR_BAR_SIZE, size: MSIX_BAR_SIZE });
         pci.set_bar64(abi::transit::BAR_SLOT_REG, Bar { addr: bar_base + UAR_BAR_SIZE + MSIX_BAR_SIZE, size: REG_BAR_SIZE });
+        let msix_bar = abi::transit::BAR_SLOT_MSIX as u8;
+        pci.set_msix_capability(MSIX_VECTORS as u16, msix_bar, abi::MSIX_TABLE_OFFSET as u32, msix_bar, abi::MSIX_PBA_OFFSET as u32);
         let stop = Arc::new(AtomicBool::new(false));
         let notifier = {
             let (shared, stop) = (shared.clone(), stop.clone());
@@ -139,6 +142,12 @@ impl Pvrdma {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Where the device sends its MSI-X messages (the platform's local
+    /// APICs). Without one, raised vectors stay pending in the PBA and ICR.
+    pub fn set_msi_sink(&self, sink: Arc<dyn crate::apic::MsiSink>) {
+        lock(&self.shared).msi = Some(sink);
     }
 
     /// The BARs to put on the MMIO bus: (device, address, size).
@@ -267,8 +276,8 @@ impl PvrdmaBar {
             abi::REG_DSRHIGH => d.regs.dsr_high,
             abi::REG_ERR => d.regs.err,
             abi::REG_ICR => {
-                // Read to clear: with no interrupt controller the guest polls
-                // ICR, and what it read is what it handles.
+                // Read to clear: a guest that polls ICR (or takes INTx-style
+                // interrupts) handles what it read.
                 let v = d.regs.icr;
                 d.regs.icr = 0;
                 d.regs.pba = 0;
@@ -306,7 +315,11 @@ impl PvrdmaBar {
                 };
             }
             abi::REG_REQUEST => d.request(),
-            abi::REG_IMR => d.regs.imr = v,
+            abi::REG_IMR => {
+                d.regs.imr = v;
+                // Vectors raised while masked by IMR are not pending in the
+                // PBA (as on a device that does not signal them at all).
+            }
             abi::REG_MACL => d.regs.mac[..4].copy_from_slice(&v.to_le_bytes()),
             abi::REG_MACH => d.regs.mac[4..].copy_from_slice(&v.to_le_bytes()[..2]),
             _ => {}
@@ -331,7 +344,12 @@ impl PvrdmaBar {
         let table_end = abi::MSIX_TABLE_OFFSET + MSIX_VECTORS as u64 * abi::MSIX_ENTRY_SIZE;
         if (abi::MSIX_TABLE_OFFSET..table_end).contains(&offset) {
             let e = ((offset - abi::MSIX_TABLE_OFFSET) / abi::MSIX_ENTRY_SIZE) as usize;
-            d.regs.msix[e][((offset % abi::MSIX_ENTRY_SIZE) / 4) as usize] = v;
+            let word = ((offset % abi::MSIX_ENTRY_SIZE) / 4) as usize;
+            d.regs.msix[e][word] = v;
+            if word == 3 {
+                // Unmasking an entry sends what it held pending.
+                d.send_pending();
+            }
         }
     }
 }
@@ -378,6 +396,14 @@ impl PciFunction for Pvrdma {
     fn pci_config(&mut self) -> &mut PciConfig {
         &mut self.pci
     }
+
+    fn config_written(&mut self, reg: usize) {
+        if reg * 4 == crate::pci::MSIX_CAP_OFFSET {
+            let mut d = lock(&self.shared);
+            d.regs.msix_enabled = self.pci.msix_enabled();
+            d.send_pending();
+        }
+    }
 }
 
 impl Lifecycle for Pvrdma {
@@ -390,6 +416,9 @@ impl Lifecycle for Pvrdma {
             return;
         }
         d.switch.begin();
+        if d.testing.no_traces {
+            d.hold_until_peers_fill_a_receive_queue();
+        }
         let t = Instant::now();
         // Only connected QPs have a transport to suspend; the others hold
         // nothing but their attributes and posted WQEs. rnicd knows which
@@ -448,6 +477,8 @@ impl Lifecycle for Pvrdma {
             d.drain_cq(h);
         }
         d.switch.record("drain CQs after resume", t);
+        // Vectors raised before a save are sent on the destination.
+        d.send_pending();
     }
 }
 

@@ -28,24 +28,27 @@ fn pages_of(mr: &MrInfo, off: u64, len: u64) -> PageRun {
     (first, end.div_ceil(GRANULARITY).saturating_sub(first))
 }
 
+/// Adds the pages of an MR's trace to `out`; returns 1 if the trace was
+/// not kept in detail (or not fetched: then every page of the MR may have
+/// been written, and all of them are).
+fn add_trace(info: &MrInfo, trace: Result<verbs::TraceReport, ()>, out: &mut Vec<PageRun>) -> u64 {
+    match trace {
+        Ok(t) if !t.all_dirty => {
+            out.extend(t.runs.iter().map(|&(off, len)| pages_of(info, off, len)).filter(|r| r.1 > 0));
+            0
+        }
+        _ => {
+            out.push(pages_of(info, 0, info.length));
+            1
+        }
+    }
+}
+
 impl Dev {
     /// The traced pages of one MR since its last fetch.
     pub(crate) fn fetch_mr_trace(&mut self, mr: &verbs::Mr, info: &MrInfo, out: &mut Vec<PageRun>) {
-        match mr.fetch_trace() {
-            Ok(t) if !t.all_dirty => {
-                out.extend(t.runs.iter().map(|&(off, len)| pages_of(info, off, len)).filter(|r| r.1 > 0));
-            }
-            Ok(_) => {
-                self.counters.trace_overflows += 1;
-                out.push(pages_of(info, 0, info.length));
-            }
-            Err(e) => {
-                // Without its trace every page of the MR may have been written.
-                tracing::warn!("pvrdma {}: trace of MR {:#x}: {e:#}", self.name, info.key);
-                self.counters.trace_overflows += 1;
-                out.push(pages_of(info, 0, info.length));
-            }
-        }
+        let t = mr.fetch_trace().map_err(|e| tracing::warn!("pvrdma {}: trace of MR {:#x}: {e:#}", self.name, info.key));
+        self.counters.trace_overflows += add_trace(info, t, out);
     }
 
     /// Starts tracing an MR (at its creation while a migration runs).
@@ -71,13 +74,24 @@ impl Dev {
             return out;
         }
         let t = std::time::Instant::now();
-        let mrs: Vec<u32> = self.mrs.handles();
-        for h in mrs {
-            // Taken out for the call (fetch needs the counters mutably).
-            let Some(m) = self.mrs.remove(h) else { continue };
-            self.fetch_mr_trace(&m.mr, &m.info, &mut out);
-            self.mrs.insert(h, m);
+        // Batched: a round trip per few MRs (FetchTraces), not one per MR.
+        // If it fails, every page of every MR may have been written.
+        let mrs: Vec<&super::objects::Mr> = self.mrs.iter().map(|(_, m)| m).collect();
+        let live: Vec<&verbs::Mr> = mrs.iter().map(|m| &m.mr).collect();
+        let mut traces = self
+            .be
+            .ctx
+            .fetch_traces(&live)
+            .unwrap_or_else(|e| {
+                tracing::warn!("pvrdma {}: traces of {} MRs: {e:#}", self.name, mrs.len());
+                Vec::new()
+            })
+            .into_iter();
+        let mut overflows = 0;
+        for m in &mrs {
+            overflows += add_trace(&m.info, traces.next().ok_or(()), &mut out);
         }
+        self.counters.trace_overflows += overflows;
         let pages: u64 = out.iter().map(|r| r.1).sum();
         self.counters.traced_pages += pages;
         if self.paused {

@@ -16,9 +16,10 @@
 //!   test=lat size=S iters=N p50_ns= p99_ns= avg_ns=`, each sample half a
 //!   round trip as `ib_send_lat` counts it.
 //!
-//! Either order takes `wait=1` (the default) or `wait=0`: whether the guest
-//! waits for completions with the WAIT doorbell (`Cq::wait`, the vCPU
-//! sleeps in the device) or spins on POLL doorbells (`Cq::poll`, as
+//! Either order takes `wait=1` (the default), `wait=2` or `wait=0`: how
+//! the guest waits for completions: by interrupt (`Cq::wait`: arm the CQ,
+//! HLT until its notification), in the device with the WAIT doorbell
+//! (`Cq::wait_doorbell`), or spinning on POLL doorbells (`Cq::poll`, as
 //! `pvrdma_poll_cq` in a busy-polling application).
 
 use super::workloads::{fail, parse_ip, PeerInfo};
@@ -94,14 +95,18 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     println!("pvrdma-bench: connected; waiting for orders in the mailbox");
     mb.publish(b"ready");
 
-    let mut b = Bench { plat, mr: &mr, src: buf, ping, pong, samples, raddr: addr, rkey: rkey as u32, wait: true };
+    let mut b = Bench { plat, mr: &mr, src: buf, ping, pong, samples, raddr: addr, rkey: rkey as u32, wait: Wait::Interrupt };
     loop {
         let (seq, n) = mb.wait_host(host_seq, &mut pbuf);
         host_seq = seq;
         let order = PeerInfo(core::str::from_utf8(&pbuf[..n]).unwrap_or(""));
         let mut out = TextBuf::<256>::new();
         let size = order.num("size").unwrap_or(0);
-        b.wait = order.num("wait").unwrap_or(1) != 0;
+        b.wait = match order.num("wait").unwrap_or(1) {
+            0 => Wait::Spin,
+            2 => Wait::Doorbell,
+            _ => Wait::Interrupt,
+        };
         if order.0.starts_with("write ") && (1..=MAX_SIZE).contains(&size) {
             let secs = order.num("secs").unwrap_or(1).clamp(1, 60);
             let depth = order.num("depth").unwrap_or(32).clamp(1, DEPTH as u64 - 1);
@@ -127,15 +132,26 @@ struct Bench<'a> {
     samples: u64,
     raddr: u64,
     rkey: u32,
-    /// Wait for completions with the WAIT doorbell rather than spin.
-    wait: bool,
+    wait: Wait,
+}
+
+/// How the bench waits for a completion it needs before going on.
+#[derive(Clone, Copy, PartialEq)]
+enum Wait {
+    Spin,
+    Interrupt,
+    Doorbell,
 }
 
 impl Bench<'_> {
     /// The next completion of `cq`: when `block`, and the bench waits
     /// rather than spins, sleeping in the device until one comes.
     fn next(&self, cq: &Cq, block: bool) -> Option<super::Cqe> {
-        let r = if block && self.wait { cq.wait() } else { cq.poll() };
+        let r = match (block, self.wait) {
+            (true, Wait::Interrupt) => cq.wait(),
+            (true, Wait::Doorbell) => cq.wait_doorbell(),
+            _ => cq.poll(),
+        };
         r.unwrap_or_else(|e| fail(self.plat, "poll", e))
     }
 

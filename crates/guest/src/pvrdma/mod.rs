@@ -7,10 +7,13 @@
 //! async and CQ-notification rings (DSRLOW, then DSRHIGH, on which the
 //! device fills in its capabilities), check the capabilities, unmask
 //! interrupts (IMR = 0), ACTIVATE and require ERR == 0, then CREATE_BIND the
-//! VM's GID at index 0. The firmware takes no interrupts: it polls the
+//! VM's GID at index 0. Before that it sets up MSI-X as
+//! `pvrdma_alloc_intrs` does: table entries for the response, async and
+//! CQ vectors, aimed at vCPU 0's local APIC (firmware vectors
+//! `irq::VECTOR_BASE + n`), then the capability's enable bit. It polls the
 //! response slot for a command's answer, and CQs the way `pvrdma_poll_cq`
-//! does (ring the POLL doorbell when a CQ looks empty, then look again), or
-//! waits for a completion with Transit's WAIT doorbell (`Cq::wait`).
+//! does (ring the POLL doorbell when a CQ looks empty, then look again);
+//! `Cq::wait` arms the CQ and halts until its notification interrupt.
 //! Memory comes from a bump region of identity-mapped RAM, so a virtual
 //! address is the guest-physical one the device sees.
 
@@ -20,7 +23,7 @@ pub mod workloads;
 use crate::hw::{mmio_read32, mmio_write32, Platform};
 use crate::nvme::Region;
 use core::ptr::{read_volatile, write_volatile};
-use core::sync::atomic::{fence, Ordering};
+use core::sync::atomic::{fence, AtomicU64, Ordering};
 use pvrdma_abi::ib::{mtu, qp_attr_mask as mask, qp_state, qp_type, wr_opcode};
 use pvrdma_abi::*;
 
@@ -140,6 +143,40 @@ fn memory_bars(dev: u8) -> [u64; 3] {
     out
 }
 
+/// The CQ-notification ring's state page (its first page), which `Cq::wait`
+/// consumes after an interrupt: the device posts (and interrupts) only
+/// while the ring has room.
+static CQ_NOTIFY_RING: AtomicU64 = AtomicU64::new(0);
+
+/// MSI-X capability ID in the PCI capability list.
+const PCI_CAP_MSIX: u32 = 0x11;
+
+/// Points the table entries of the device's vectors (response, async, CQ)
+/// at vCPU 0's local APIC with firmware vectors `irq::VECTOR_BASE + n`,
+/// unmasked, then enables MSI-X and the CPU's interrupts. A device
+/// without the capability is left to polling.
+fn setup_msix(dev: u8, msix_bar: u64) {
+    let mut at = crate::pci::read32(dev, 0x34) as u8;
+    while at != 0 && crate::pci::read32(dev, at) & 0xff != PCI_CAP_MSIX {
+        at = (crate::pci::read32(dev, at) >> 8) as u8;
+    }
+    if at == 0 {
+        return;
+    }
+    let table = msix_bar + (crate::pci::read32(dev, at + 4) & !7) as u64;
+    for v in [INTR_VECTOR_RESPONSE, INTR_VECTOR_ASYNC, INTR_VECTOR_CQ] {
+        let e = table + v as u64 * MSIX_ENTRY_SIZE;
+        mmio_write32(e, 0xFEE0_0000); // destination APIC ID 0, physical
+        mmio_write32(e + 4, 0);
+        mmio_write32(e + 8, crate::irq::VECTOR_BASE as u32 + v);
+        mmio_write32(e + 12, 0); // unmasked
+    }
+    crate::irq::init();
+    let ctrl = crate::pci::read32(dev, at);
+    crate::pci::write32(dev, at, (ctrl & 0x3fff_ffff) | 1 << 31);
+    crate::irq::enable();
+}
+
 impl Device {
     /// Finds and brings up the device, and binds `gid` (an IPv4 address) at
     /// GID index 0.
@@ -154,7 +191,7 @@ impl Device {
         let cmd_slot = region.alloc(PAGE).ok_or(Error::NoMemory)?;
         let resp_slot = region.alloc(PAGE).ok_or(Error::NoMemory)?;
         let (async_pdir, _) = page_list(region, EVENT_RING_PAGES)?;
-        let (cq_pdir, _) = page_list(region, EVENT_RING_PAGES)?;
+        let (cq_pdir, cq_ring) = page_list(region, EVENT_RING_PAGES)?;
         let dsr = Dsr {
             driver_version: VERSION_QPHANDLE,
             gos_info: GosInfo::new(GOS_BITS_64, GOS_TYPE_LINUX, 1, 0),
@@ -180,6 +217,8 @@ impl Device {
             return Err(Error::ActivateFailed(err));
         }
         let mut d = Device { regs, uar, cmd_slot, resp_slot, version, caps, plat, next_response: 1 };
+        CQ_NOTIFY_RING.store(cq_ring, Ordering::SeqCst);
+        setup_msix(dev, bars[BAR_MSIX as usize]);
         // As pvrdma_add_gid_at_index: the MTU in bytes, no VLAN, and the
         // GID type as a GID_TYPE_FLAG_* value (ib_gid_type_to_pvrdma).
         let gid_type = if caps.gid_types & GID_TYPE_FLAG_ROCE_V2 != 0 { GID_TYPE_FLAG_ROCE_V2 } else { GID_TYPE_FLAG_ROCE_V1 };
@@ -424,13 +463,38 @@ impl Cq {
         self.take()
     }
 
-    /// One completion, sleeping for it if there is none: the WAIT doorbell
-    /// (`pvrdma_abi::transit::UAR_CQ_WAIT`, the device's stand-in for arming
-    /// the CQ and halting until its interrupt) returns once a completion is
-    /// in the ring or after at most `CQ_WAIT_MAX_US`. The vCPU sleeps in
-    /// the device meanwhile instead of taking one MMIO exit per look, which
-    /// leaves the host's CPUs to rnicd and the peer.
+    /// One completion, sleeping for it if there is none, as a driver with
+    /// interrupts does: arm the CQ, look once more (a completion that came
+    /// before the arm notifies nothing), then halt until the CQ
+    /// notification interrupt. May return None after a notification that
+    /// was for another CQ. Without interrupts (no MSI-X), the WAIT
+    /// doorbell.
     pub fn wait(&self) -> Result<Option<Cqe>> {
+        if !crate::irq::ready() {
+            return self.wait_doorbell();
+        }
+        if let Some(c) = self.take()? {
+            return Ok(Some(c));
+        }
+        let vector = INTR_VECTOR_CQ as usize;
+        let seen = crate::irq::count(vector);
+        mmio_write32(self.uar + UAR_CQ_OFFSET, UAR_CQ_ARM | (self.handle & UAR_HANDLE_MASK));
+        if let Some(c) = self.poll()? {
+            return Ok(Some(c));
+        }
+        crate::irq::wait_for(vector, seen);
+        let ring = CQ_NOTIFY_RING.load(Ordering::SeqCst);
+        wr32(ring + RING_STATE_RX_CONS_HEAD, rd32(ring + RING_STATE_RX_PROD_TAIL));
+        // The device moved the completion into the ring before it notified.
+        self.take()
+    }
+
+    /// One completion, sleeping in the device for it if there is none:
+    /// the WAIT doorbell (`pvrdma_abi::transit::UAR_CQ_WAIT`, the device's
+    /// stand-in for arming the CQ and halting until its interrupt, for a
+    /// guest that takes no interrupts) returns once a completion is in the
+    /// ring or after at most `CQ_WAIT_MAX_US`.
+    pub fn wait_doorbell(&self) -> Result<Option<Cqe>> {
         if let Some(c) = self.take()? {
             return Ok(Some(c));
         }

@@ -190,7 +190,7 @@ impl Qp {
                     return;
                 }
                 if self.last_rewind != Some(self.rt.una) {
-                    self.rewind(ctx);
+                    self.rewind_once(ctx);
                     self.recovery = Some(RECOVERY_FIRST);
                 }
             }

@@ -245,6 +245,12 @@ impl Qp {
     }
 
     /// Go-back-N: the next packet sent is `una` again.
+    ///
+    /// A rewind of the RNR wait, the retransmission timer or the loss probe
+    /// says nothing about what the responder saw, so it does not make a
+    /// later NAK for the same PSN a duplicate: a sequence NAK that follows
+    /// it (a resumed QP, maybe on another host, names the PSN it expects
+    /// after the resends to its old host were lost) rewinds again at once.
     pub(super) fn rewind(&mut self, ctx: &mut Ctx) {
         ctx.stats.retransmit_rewinds += 1;
         // Karn: a resent packet's ACK says nothing about the round trip.
@@ -253,12 +259,16 @@ impl Qp {
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.rt.tx_psn = self.rt.una;
-        self.last_rewind = Some(self.rt.una);
+        self.last_rewind = None;
     }
 
+    /// A rewind because a response showed a gap at `una`: later responses
+    /// that show the same gap (sent before the resend reached the
+    /// responder) do not rewind again while the resend is under way.
     pub(super) fn rewind_once(&mut self, ctx: &mut Ctx) {
         if self.last_rewind != Some(self.rt.una) {
             self.rewind(ctx);
+            self.last_rewind = Some(self.rt.una);
         }
     }
 

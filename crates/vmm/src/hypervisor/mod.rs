@@ -6,6 +6,7 @@
 
 pub mod unicorn;
 
+use devices::apic::LocalApic;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -22,7 +23,9 @@ pub trait IoHandler: Send + Sync {
 pub enum VcpuExit {
     /// Another thread asked it to stop (pause, throttle, quit).
     Kicked,
-    /// The guest executed HLT with nothing to wake it.
+    /// The guest executed HLT with interrupts disabled (RFLAGS.IF clear):
+    /// nothing can wake it, the vCPU is done. (A HLT with IF set waits
+    /// inside `run` for an interrupt, or returns `Kicked`.)
     Halted,
     /// The guest did something the CPU cannot continue from.
     Error(String),
@@ -52,6 +55,10 @@ pub struct VcpuState {
     pub efer: u64,
     pub gdtr: (u64, u32),
     pub idtr: (u64, u32),
+    /// Task register: selector, base, limit, attribute flags (the TSS
+    /// holds the interrupt stacks, IST).
+    #[serde(default)]
+    pub tr: (u16, u64, u32, u32),
     pub mxcsr: u32,
     /// xmm0..xmm15, 16 bytes each
     pub xmm: Vec<[u8; 16]>,
@@ -60,8 +67,12 @@ pub struct VcpuState {
     pub fpcw: u16,
     pub fpsw: u16,
     pub fptag: u16,
-    /// The vCPU had executed HLT and waits (no interrupts exist to wake it).
+    /// The vCPU had executed HLT and waits: for an interrupt when IF is
+    /// set, for good when it is clear.
     pub halted: bool,
+    /// Its local APIC: pending and in-service vectors, task priority.
+    #[serde(default)]
+    pub lapic: devices::apic::LapicState,
 }
 
 pub trait Vcpu {
@@ -72,7 +83,16 @@ pub trait Vcpu {
 }
 
 /// Creates vCPUs. `create_vcpu` is called on the thread that will run the
-/// vCPU (the unicorn engine is not thread-safe).
+/// vCPU (the unicorn engine is not thread-safe). `lapic` is the vCPU's
+/// local APIC, which devices raise interrupts in (devices::apic) and the
+/// vCPU delivers them from.
 pub trait Hypervisor: Send + Sync {
-    fn create_vcpu(&self, index: u32, ram_host_addr: *mut u8, ram_size: u64, io: Arc<dyn IoHandler>) -> anyhow::Result<Box<dyn Vcpu>>;
+    fn create_vcpu(
+        &self,
+        index: u32,
+        ram_host_addr: *mut u8,
+        ram_size: u64,
+        io: Arc<dyn IoHandler>,
+        lapic: Arc<LocalApic>,
+    ) -> anyhow::Result<Box<dyn Vcpu>>;
 }

@@ -3,12 +3,23 @@
 //! Guest RAM is mapped with `uc_mem_map_ptr` straight onto the memfd mapping,
 //! so guest stores are host stores on the shared pages (dirty tracking and
 //! other processes see them). The MMIO window is one `mmio_map` routed to the
-//! device bus; IN/OUT go through instruction hooks. The engine starts in
+//! device bus, the local APIC page another, routed to this vCPU's
+//! [`LocalApic`]; IN/OUT go through instruction hooks. The engine starts in
 //! 64-bit mode with paging disabled (unicorn's flat long mode), so the
 //! firmware runs on physical addresses.
+//!
+//! Interrupts: unicorn has no interrupt controller, so the vCPU delivers
+//! them itself. A block hook stops the engine at the start of a
+//! translation block when the local APIC holds a deliverable vector and
+//! RFLAGS.IF is set; `run` then enters the handler as an x86-64 CPU in long
+//! mode does for an interrupt at the same privilege level (IDT gate, frame
+//! of SS, RSP, RFLAGS, CS, RIP on the 16-byte aligned stack, IF cleared for
+//! an interrupt gate) and resumes. HLT with IF set sleeps on the local APIC
+//! until a vector is deliverable or the vCPU is kicked.
 
 use super::{Hypervisor, IoHandler, Kicker, Vcpu, VcpuExit, VcpuState};
 use anyhow::{anyhow, Context, Result};
+use devices::apic::{LocalApic, LAPIC_ADDR, LAPIC_SIZE};
 use devices::layout::{MMIO_BASE, MMIO_SIZE};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,21 +35,52 @@ pub struct UnicornHypervisor;
 /// engine can report the PC of a block whose first store already ran, so a
 /// resumed guest would execute that store twice (a lost-update the dirtier
 /// oracle catches).
+/// The same hook stops the engine for an interrupt (see the module docs).
 struct UcKicker {
     kicked: AtomicBool,
+    /// The block hook stopped the engine (a kick or an interrupt), as
+    /// opposed to a HLT.
+    hook_stopped: AtomicBool,
+    lapic: Arc<LocalApic>,
 }
 
 impl Kicker for UcKicker {
     fn kick(&self) {
         self.kicked.store(true, Ordering::SeqCst);
+        // A vCPU asleep in HLT returns to its caller.
+        self.lapic.interrupt_wait();
     }
 }
 
+const RFLAGS_IF: u64 = 1 << 9;
+/// Flags an interrupt gate clears besides IF: TF, NT, RF (and VM, AC in
+/// long mode the CPU leaves; only these matter here).
+const RFLAGS_CLEARED_ON_ENTRY: u64 = (1 << 8) | (1 << 14) | (1 << 16);
+const OPCODE_HLT: u8 = 0xF4;
+
+/// Whether the instruction at `addr` is HLT. An interrupt is never taken
+/// with RIP at a HLT: the HLT runs first and the interrupt wakes it. That
+/// is how a CPU treats `sti; hlt` (the STI shadow covers the HLT), which is
+/// the idle loop of every guest, and for other HLTs it is only an early
+/// wake-up.
+unsafe fn at_hlt(uc: *mut sys::uc_engine, addr: u64) -> bool {
+    let mut b = 0u8;
+    sys::uc_mem_read(uc, addr, &mut b as *mut u8 as *mut _, 1) == uc_error::OK && b == OPCODE_HLT
+}
+
 /// Runs at the start of every translation block (a plain C callback: this
-/// is the hottest path of the emulator).
-unsafe extern "C" fn stop_if_kicked(uc: *mut sys::uc_engine, _addr: u64, _size: u32, user: *mut std::ffi::c_void) {
+/// is the hottest path of the emulator, hence the atomics first).
+unsafe extern "C" fn stop_if_kicked(uc: *mut sys::uc_engine, addr: u64, _size: u32, user: *mut std::ffi::c_void) {
     let k = &*(user as *const UcKicker);
-    if k.kicked.load(Ordering::Relaxed) {
+    let stop = k.kicked.load(Ordering::Relaxed)
+        || (k.lapic.has_deliverable() && {
+            let mut rflags = 0u64;
+            sys::uc_reg_read(uc, RegisterX86::RFLAGS as i32, &mut rflags as *mut u64 as *mut _) == uc_error::OK
+                && rflags & RFLAGS_IF != 0
+                && !at_hlt(uc, addr)
+        });
+    if stop {
+        k.hook_stopped.store(true, Ordering::Relaxed);
         sys::uc_emu_stop(uc);
     }
 }
@@ -46,11 +88,19 @@ unsafe extern "C" fn stop_if_kicked(uc: *mut sys::uc_engine, _addr: u64, _size: 
 pub struct UnicornVcpu {
     uc: Unicorn<'static, ()>,
     kicker: Arc<UcKicker>,
+    lapic: Arc<LocalApic>,
     halted: bool,
 }
 
 impl Hypervisor for UnicornHypervisor {
-    fn create_vcpu(&self, _index: u32, ram_host_addr: *mut u8, ram_size: u64, io: Arc<dyn IoHandler>) -> Result<Box<dyn Vcpu>> {
+    fn create_vcpu(
+        &self,
+        _index: u32,
+        ram_host_addr: *mut u8,
+        ram_size: u64,
+        io: Arc<dyn IoHandler>,
+        lapic: Arc<LocalApic>,
+    ) -> Result<Box<dyn Vcpu>> {
         let mut uc = Unicorn::new(Arch::X86, Mode::MODE_64).map_err(|e| anyhow!("unicorn: {e:?}"))?;
         // SAFETY: the RAM mapping outlives the vCPU (the VM owns both and
         // joins vCPU threads before unmapping).
@@ -76,6 +126,19 @@ impl Hypervisor for UnicornHypervisor {
             }),
         )
         .map_err(|e| anyhow!("mapping the MMIO window: {e:?}"))?;
+        // The local APIC page, where RAM leaves room for it (a guest with
+        // more RAM has no local APIC page, and so no interrupts: VmConfig
+        // refuses devices that need them there, config.rs).
+        if ram_size <= LAPIC_ADDR {
+            let (r, w) = (lapic.clone(), lapic.clone());
+            uc.mmio_map(
+                LAPIC_ADDR,
+                LAPIC_SIZE,
+                Some(move |_: &mut Unicorn<'_, ()>, off: u64, _size: usize| r.mmio_read(off) as u64),
+                Some(move |_: &mut Unicorn<'_, ()>, off: u64, _size: usize, v: u64| w.mmio_write(off, v as u32)),
+            )
+            .map_err(|e| anyhow!("mapping the local APIC page: {e:?}"))?;
+        }
         let (pi, po) = (io.clone(), io);
         uc.add_insn_in_hook(move |_, port, size| {
             let mut b = [0u8; 4];
@@ -89,7 +152,7 @@ impl Hypervisor for UnicornHypervisor {
             po.pio_write(port as u16, &v.to_le_bytes()[..n]);
         })
         .map_err(|e| anyhow!("OUT hook: {e:?}"))?;
-        let kicker = Arc::new(UcKicker { kicked: AtomicBool::new(false) });
+        let kicker = Arc::new(UcKicker { kicked: AtomicBool::new(false), hook_stopped: AtomicBool::new(false), lapic: lapic.clone() });
         let mut hook: sys::uc_hook = 0;
         // SAFETY: the kicker lives in the returned vCPU, as long as the engine.
         let rc = unsafe {
@@ -106,7 +169,7 @@ impl Hypervisor for UnicornHypervisor {
         if rc != uc_error::OK {
             return Err(anyhow!("block hook: {rc:?}"));
         }
-        Ok(Box::new(UnicornVcpu { uc, kicker, halted: false }))
+        Ok(Box::new(UnicornVcpu { uc, kicker, lapic, halted: false }))
     }
 }
 
@@ -154,6 +217,25 @@ impl UnicornVcpu {
         Ok(())
     }
 
+    /// The task register as (selector, base, limit, flags).
+    fn read_tr(&self) -> Result<(u16, u64, u32, u32)> {
+        let mut m = sys::uc_x86_mmr { selector: 0, base: 0, limit: 0, flags: 0 };
+        let rc = unsafe { sys::uc_reg_read(self.uc.get_handle(), RegisterX86::TR as i32, &mut m as *mut _ as *mut _) };
+        if rc != uc_error::OK {
+            return Err(anyhow!("reading TR: {rc:?}"));
+        }
+        Ok((m.selector, m.base, m.limit, m.flags))
+    }
+
+    fn write_tr(&mut self, tr: (u16, u64, u32, u32)) -> Result<()> {
+        let mut m = sys::uc_x86_mmr { selector: tr.0, base: tr.1, limit: tr.2, flags: tr.3 };
+        let rc = unsafe { sys::uc_reg_write(self.uc.get_handle(), RegisterX86::TR as i32, &mut m as *mut _ as *mut _) };
+        if rc != uc_error::OK {
+            return Err(anyhow!("writing TR: {rc:?}"));
+        }
+        Ok(())
+    }
+
     fn msr(&self, rid: u32) -> Result<u64> {
         let mut m = sys::uc_x86_msr { rid, value: 0 };
         let rc = unsafe { sys::uc_reg_read(self.uc.get_handle(), RegisterX86::MSR as i32, &mut m as *mut _ as *mut _) };
@@ -172,6 +254,78 @@ impl UnicornVcpu {
         Ok(())
     }
 
+    /// Enters the handler of the local APIC's deliverable vector, if there
+    /// is one and RFLAGS.IF allows it: the long-mode interrupt entry at the
+    /// same privilege level (the firmware runs in ring 0 only). A broken
+    /// IDT is the guest's fault the CPU cannot continue from (a real one
+    /// would take #GP, then a double fault): an error.
+    fn deliver_interrupt(&mut self) -> Result<()> {
+        if !self.lapic.has_deliverable() {
+            return Ok(());
+        }
+        let rflags = self.uc.reg_read(RegisterX86::RFLAGS).map_err(uerr("RFLAGS"))?;
+        let rip = self.uc.pc_read().map_err(uerr("RIP"))?;
+        // SAFETY: the engine handle is live; no emulation runs.
+        if rflags & RFLAGS_IF == 0 || (!self.halted && unsafe { at_hlt(self.uc.get_handle(), rip) }) {
+            return Ok(());
+        }
+        let Some(vector) = self.lapic.acknowledge() else { return Ok(()) };
+        let (idt_base, idt_limit) = self.read_mmr(RegisterX86::IDTR)?;
+        let at = vector as u64 * 16;
+        if at + 15 > idt_limit as u64 {
+            return Err(anyhow!("interrupt vector {vector:#x}: beyond the IDT limit {idt_limit:#x}"));
+        }
+        let mut gate = [0u8; 16];
+        self.uc.mem_read(idt_base + at, &mut gate).map_err(|e| anyhow!("interrupt vector {vector:#x}: reading its IDT gate: {e:?}"))?;
+        let (selector, ist, attr) = (u16::from_le_bytes([gate[2], gate[3]]), gate[4] & 7, gate[5]);
+        let target = u16::from_le_bytes([gate[0], gate[1]]) as u64
+            | (u16::from_le_bytes([gate[6], gate[7]]) as u64) << 16
+            | (u32::from_le_bytes([gate[8], gate[9], gate[10], gate[11]]) as u64) << 32;
+        let interrupt_gate = match attr & 0x9F {
+            0x8E => true,
+            0x8F => false,
+            _ => {
+                return Err(anyhow!("interrupt vector {vector:#x}: IDT gate attributes {attr:#x} are not a present interrupt or trap gate"))
+            }
+        };
+        let rsp = self.uc.reg_read(RegisterX86::RSP).map_err(uerr("RSP"))?;
+        let cs = self.uc.reg_read(RegisterX86::CS).map_err(uerr("CS"))?;
+        let ss = self.uc.reg_read(RegisterX86::SS).map_err(uerr("SS"))?;
+        // An IST gate switches to the TSS's interrupt stack `ist`, leaving
+        // the interrupted stack (and the red zone below its RSP) alone.
+        let stack = if ist == 0 {
+            rsp
+        } else {
+            let (_, tss, limit, _) = self.read_tr()?;
+            let at = 0x24 + (ist as u64 - 1) * 8;
+            if at + 7 > limit as u64 {
+                return Err(anyhow!("interrupt vector {vector:#x}: its gate asks for IST {ist}, beyond the TSS limit {limit:#x}"));
+            }
+            let mut b = [0u8; 8];
+            self.uc.mem_read(tss + at, &mut b).map_err(|e| anyhow!("interrupt vector {vector:#x}: reading IST {ist}: {e:?}"))?;
+            u64::from_le_bytes(b)
+        };
+        let frame_at = (stack & !0xF).wrapping_sub(40);
+        let mut frame = [0u8; 40];
+        for (i, v) in [rip, cs, rflags, rsp, ss].iter().enumerate() {
+            frame[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        self.uc
+            .mem_write(frame_at, &frame)
+            .map_err(|e| anyhow!("interrupt vector {vector:#x}: pushing its frame at {frame_at:#x}: {e:?}"))?;
+        if selector as u64 != cs {
+            self.uc.reg_write(RegisterX86::CS, selector as u64).map_err(uerr("CS"))?;
+        }
+        let mut flags = rflags & !RFLAGS_CLEARED_ON_ENTRY;
+        if interrupt_gate {
+            flags &= !RFLAGS_IF;
+        }
+        self.uc.reg_write(RegisterX86::RFLAGS, flags).map_err(uerr("RFLAGS"))?;
+        self.uc.reg_write(RegisterX86::RSP, frame_at).map_err(uerr("RSP"))?;
+        self.uc.set_pc(target).map_err(uerr("RIP"))?;
+        Ok(())
+    }
+
     fn just_halted(&self) -> bool {
         // HLT leaves RIP after the instruction and stops the engine.
         let rip = self.uc.pc_read().unwrap_or(0);
@@ -182,29 +336,37 @@ impl UnicornVcpu {
 
 impl Vcpu for UnicornVcpu {
     fn run(&mut self) -> VcpuExit {
-        if self.halted {
-            return VcpuExit::Halted;
-        }
-        if self.kicker.kicked.swap(false, Ordering::SeqCst) {
-            return VcpuExit::Kicked;
-        }
-        let rip = match self.uc.pc_read() {
-            Ok(r) => r,
-            Err(e) => return VcpuExit::Error(format!("reading RIP: {e:?}")),
-        };
-        let r = self.uc.emu_start(rip, u64::MAX, 0, 0);
-        if self.kicker.kicked.swap(false, Ordering::SeqCst) {
-            return VcpuExit::Kicked;
-        }
-        match r {
-            Ok(()) if self.just_halted() => {
-                self.halted = true;
-                VcpuExit::Halted
+        loop {
+            if self.kicker.kicked.swap(false, Ordering::SeqCst) {
+                return VcpuExit::Kicked;
             }
-            Ok(()) => VcpuExit::Kicked,
-            Err(e) => {
+            if self.halted {
+                match self.uc.reg_read(RegisterX86::RFLAGS) {
+                    Ok(f) if f & RFLAGS_IF == 0 => return VcpuExit::Halted,
+                    Ok(_) => {}
+                    Err(e) => return VcpuExit::Error(format!("reading RFLAGS: {e:?}")),
+                }
+                if !self.lapic.wait() {
+                    continue; // kicked
+                }
+                self.halted = false;
+            }
+            if let Err(e) = self.deliver_interrupt() {
+                return VcpuExit::Error(format!("{e:#}"));
+            }
+            let rip = match self.uc.pc_read() {
+                Ok(r) => r,
+                Err(e) => return VcpuExit::Error(format!("reading RIP: {e:?}")),
+            };
+            self.kicker.hook_stopped.store(false, Ordering::Relaxed);
+            if let Err(e) = self.uc.emu_start(rip, u64::MAX, 0, 0) {
                 let rip = self.uc.pc_read().unwrap_or(0);
-                VcpuExit::Error(format!("{e:?} at rip={rip:#x}"))
+                return VcpuExit::Error(format!("{e:?} at rip={rip:#x}"));
+            }
+            // Stopped by the block hook (a kick, or an interrupt the next
+            // turn delivers) or by a HLT.
+            if !self.kicker.hook_stopped.load(Ordering::Relaxed) && self.just_halted() {
+                self.halted = true;
             }
         }
     }
@@ -229,6 +391,7 @@ impl Vcpu for UnicornVcpu {
         s.efer = self.msr(MSR_EFER)?;
         s.gdtr = self.read_mmr(RegisterX86::GDTR)?;
         s.idtr = self.read_mmr(RegisterX86::IDTR)?;
+        s.tr = self.read_tr()?;
         s.mxcsr = uc.reg_read(RegisterX86::MXCSR).map_err(uerr("MXCSR"))? as u32;
         for i in 0..16 {
             let v = uc.reg_read_long(RegisterX86::XMM0 as i32 + i).map_err(uerr("XMM"))?;
@@ -246,6 +409,7 @@ impl Vcpu for UnicornVcpu {
         s.fpsw = uc.reg_read(RegisterX86::FPSW).map_err(uerr("FPSW"))? as u16;
         s.fptag = uc.reg_read(RegisterX86::FPTAG).map_err(uerr("FPTAG"))? as u16;
         s.halted = self.halted;
+        s.lapic = self.lapic.save();
         Ok(s)
     }
 
@@ -270,16 +434,20 @@ impl Vcpu for UnicornVcpu {
         if s.efer != cur.efer {
             self.set_msr(MSR_EFER, s.efer)?;
         }
+        // The descriptor tables first: loading a selector reads the GDT.
+        if s.gdtr != cur.gdtr {
+            self.write_mmr(RegisterX86::GDTR, s.gdtr)?;
+        }
         for (i, r) in SEGS.iter().enumerate() {
             if s.segs[i] != cur.segs[i] {
                 self.uc.reg_write(*r, s.segs[i] as u64).map_err(uerr("segment"))?;
             }
         }
-        if s.gdtr != cur.gdtr {
-            self.write_mmr(RegisterX86::GDTR, s.gdtr)?;
-        }
         if s.idtr != cur.idtr {
             self.write_mmr(RegisterX86::IDTR, s.idtr)?;
+        }
+        if s.tr != cur.tr {
+            self.write_tr(s.tr)?;
         }
         self.uc.reg_write(RegisterX86::FS_BASE, s.fs_base).map_err(uerr("FS_BASE"))?;
         self.uc.reg_write(RegisterX86::GS_BASE, s.gs_base).map_err(uerr("GS_BASE"))?;
@@ -299,6 +467,7 @@ impl Vcpu for UnicornVcpu {
         self.uc.reg_write(RegisterX86::FPTAG, s.fptag as u64).map_err(uerr("FPTAG"))?;
         self.uc.set_pc(s.rip).map_err(uerr("RIP"))?;
         self.halted = s.halted;
+        self.lapic.restore(&s.lapic);
         Ok(())
     }
 

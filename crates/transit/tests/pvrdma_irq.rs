@@ -1,0 +1,76 @@
+//! The guest firmware waits for completions by interrupt: a VM running
+//! `workload=pvrdma-bench` against `transit rdma peer` (as bench/pvrdma
+//! does), ordered to ping-pong SENDs with `wait=1`, where `Cq::wait` arms
+//! the CQ and halts until the CQ notification's MSI-X interrupt. Every
+//! round trip needs one, so the run ends only if each arrives; the device
+//! counts the messages it sent and none lost, and no WAIT doorbell slept.
+//! Then a save on host 0 and a restore on host 1 (the vCPU's GDT, TSS and
+//! IDT, its local APIC and the device's MSI-X state travel) and the same
+//! order again on the restored VM.
+
+mod pvrdma_bed;
+
+use pvrdma_bed::*;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use vmm::testing::{transit_bin, unique_name, TempPath, VmProcess};
+
+/// The guest's next mailbox message after sequence `after`.
+fn next_message(vm: &VmProcess, after: u64) -> (u64, String) {
+    let t0 = Instant::now();
+    loop {
+        let r = vm.exec("mailbox-read", json!({})).unwrap();
+        let seq = r["seq"].as_u64().unwrap_or(0);
+        if seq > after {
+            return (seq, r["data"].as_str().unwrap_or("").to_string());
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no guest message after {after}; console:\n{}", vm.console());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn counters(vm: &VmProcess) -> Value {
+    let all = vm.exec("query-pvrdma", json!({})).unwrap();
+    all[0]["counters"].clone()
+}
+
+/// Orders `iters` SEND round trips waited for by interrupt; returns the
+/// guest's message sequence after its answer.
+fn latency_by_interrupt(vm: &VmProcess, seq: u64, iters: u64) -> u64 {
+    let before = counters(vm);
+    vm.exec("mailbox-write", json!({"data": format!("lat size=2 iters={iters} wait=1")})).unwrap();
+    let (seq, msg) = next_message(vm, seq);
+    assert!(msg.starts_with("result test=lat") && msg.contains(&format!("iters={iters}")), "{msg}\n{}", vm.console());
+    let after = counters(vm);
+    let n = |c: &Value, k: &str| c[k].as_u64().unwrap_or(0);
+    assert!(n(&after, "interrupts") - n(&before, "interrupts") >= iters, "one CQ interrupt per round trip at least: {after}");
+    assert_eq!(n(&after, "lost_interrupts"), 0, "{after}");
+    assert_eq!(n(&after, "cq_waits"), n(&before, "cq_waits"), "no WAIT doorbell slept: {after}");
+    seq
+}
+
+#[test]
+fn guest_waits_for_completions_by_interrupt_before_and_after_a_move() {
+    let bed = Bed::new("pvg-irq");
+    let gid = bed.vm_gid(1);
+    let name = unique_name("pvirq");
+    let (spec, args) = (format!("gid={gid}"), format!("gid={gid}"));
+    let all = ["vm", "run", "--name", &name, "--memory", "64M", "--workload", "pvrdma-bench", "--args", &args, "--pvrdma", &spec];
+    let mut vm = VmProcess::start(bed.tb.host(0).command(transit_bin()), &name, &all).unwrap();
+    let _peer = Peer::start(&bed, &vm, &["--duration", "300"]);
+    let (seq, msg) = next_message(&vm, 1);
+    assert_eq!(msg, "ready", "{}", vm.console());
+    let seq = latency_by_interrupt(&vm, seq, 300);
+
+    let save = TempPath::new(&format!("{}.save", vm.name));
+    vm.exec("save", json!({"filename": save.path()})).unwrap();
+    vm.kill();
+    let t0 = Instant::now();
+    while bed.holds(0, gid) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "host 0 still holds {gid}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let name = unique_name("pvirq-moved");
+    let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.path().to_str().unwrap()]).unwrap();
+    latency_by_interrupt(&moved, seq, 300);
+}
