@@ -76,7 +76,8 @@ pub struct PerfArgs {
     /// Round trips of a latency test.
     #[arg(long, default_value_t = 5000)]
     pub iters: usize,
-    /// Path MTU in bytes (256..4096, or 8192/16384/32768 for software links).
+    /// Path MTU in bytes: 256..4096, capped at the port's active MTU (what
+    /// the link carries whole), or 8192/16384/32768 for software links, as asked.
     #[arg(long, default_value_t = 4096)]
     pub mtu: usize,
     /// Outstanding work requests.
