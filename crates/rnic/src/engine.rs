@@ -14,7 +14,7 @@ use anyhow::{anyhow, bail, Context as _};
 
 use crate::async_events::AsyncSinks;
 use crate::keys::{AliasTarget, Export, Grant, IndirectKey, IndirectKind, Keys, MAX_INDIRECT, MAX_KLM};
-use crate::mem::Mapping;
+use crate::mem::{Mapping, RegionMemory};
 use crate::objects::{ClientId, Cq, IdMap, Mr, Stats, Tx};
 use crate::proto::{self, Reply, Request};
 use crate::qp::{Ctx, Qp, QpSnapshot, MAX_MSG};
@@ -124,7 +124,11 @@ impl Engine {
             Request::AllocPd => Ok(self.alloc_pd(client)),
             Request::DeallocPd { pd } => self.dealloc_pd(client, pd),
             Request::RegMr { pd, iova, len, access, fd_offset, key } => {
-                self.reg_mr(client, MrRequest { pd, iova, len, access, fd_offset, key }, fds)
+                self.reg_mr(client, MrRequest { pd, iova, len, access, runs: vec![(fd_offset, len)], key }, fds)
+            }
+            Request::RegMrRuns { pd, iova, access, runs, key } => {
+                let len = runs.iter().try_fold(0u64, |n, r| n.checked_add(r.1)).context("MR length overflows")?;
+                self.reg_mr(client, MrRequest { pd, iova, len, access, runs, key }, fds)
             }
             Request::DeregMr { lkey } => self.dereg_mr(client, lkey),
             Request::TraceMr { lkey, granularity } => self.trace_mr(client, lkey, granularity),
@@ -359,7 +363,8 @@ struct MrRequest {
     iova: u64,
     len: u64,
     access: u32,
-    fd_offset: u64,
+    /// `(fd_offset, len)` runs of the memfd, `len` bytes in all.
+    runs: Vec<(u64, u64)>,
     key: Option<u32>,
 }
 
@@ -437,7 +442,7 @@ impl Engine {
                 bail!("key {k:#x} is already in use in namespace {}", self.gid);
             }
         }
-        let map = Mapping::map_region(&fd, r.fd_offset, r.len as usize)?;
+        let mem = RegionMemory::map(&fd, r.iova, &r.runs)?;
         let key = match r.key {
             Some(k) => k,
             None => self.alloc_qpn(),
@@ -449,7 +454,7 @@ impl Engine {
             iova: r.iova,
             len: r.len,
             access: r.access,
-            map,
+            mem,
             invalidated: AtomicBool::new(false),
             trace: Default::default(),
         };

@@ -49,6 +49,18 @@ pub enum Request {
         #[serde(default)]
         key: Option<u32>,
     },
+    /// RegMr over several runs `(fd_offset, len)` of the memfd laid end to
+    /// end from `iova` (a scattered region, as a guest's pages are): at most
+    /// `mem::MAX_REGION_RUNS`, each inside the memfd, boundaries between
+    /// runs on pages (docs/rnic.md).
+    RegMrRuns {
+        pd: u32,
+        iova: u64,
+        access: u32,
+        runs: Vec<(u64, u64)>,
+        #[serde(default)]
+        key: Option<u32>,
+    },
     DeregMr {
         lkey: u32,
     },
