@@ -160,12 +160,12 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
             info.key = shifted(info.key);
         }
         let pd = d.pds.get(info.pd_handle).ok_or(format!("MR {h} names a missing PD"))?;
-        if info.gpa.checked_add(info.length).is_none_or(|e| e > d.ram_size) {
+        if !info.runs_valid(d.ram_size) {
             return Err(format!("MR {h} lies outside guest RAM"));
         }
         let mr = pd
             .pd
-            .reg_mr_at(&d.be.ram, info.gpa as usize, info.length as usize, info.access, Some(info.key), info.start)
+            .reg_mr_runs(&d.be.ram, &info.runs, info.access, Some(info.key), info.start)
             .map_err(|e| format!("MR {h} (key {:#x}): {e:#}", info.key))?;
         d.mrs.insert(h, Mr { info, mr });
     }
