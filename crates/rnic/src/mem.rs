@@ -345,3 +345,33 @@ pub fn sealed_memfd(name: &str, len: usize) -> anyhow::Result<OwnedFd> {
     }
     Ok(fd)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pieces of a span as (memfd offset, len), given the window's base.
+    fn pieces(m: &RegionMemory, base: *mut u8, off: u64, len: u64) -> Vec<(u64, usize)> {
+        let mut v = Vec::new();
+        m.span(off, len).push_to(len as usize, &mut v);
+        v.into_iter().map(|(p, n)| (p as u64 - base as u64, n)).collect()
+    }
+
+    #[test]
+    fn runs_resolve_to_their_pieces() {
+        let fd = sealed_memfd("runs", 16 * 4096).unwrap();
+        let w = window(&fd).unwrap();
+        // Byte 0 at 0x100 of page 3, then pages 1, 7-8 (given as two runs, merged).
+        let runs = [(3 * 4096 + 0x100, 4096 - 0x100), (4096, 4096), (7 * 4096, 4096), (8 * 4096, 4096)];
+        let m = RegionMemory::map(&fd, 0x5100, &runs).unwrap();
+        assert_eq!((m.runs(), m.len()), (3, 4 * 4096 - 0x100));
+        let base = w.ptr();
+        assert_eq!(pieces(&m, base, 0, 8), [(3 * 4096 + 0x100, 8)]);
+        assert_eq!(pieces(&m, base, 0xf00 - 8, 16), [(4 * 4096 - 8, 8), (4096, 8)]);
+        assert_eq!(pieces(&m, base, 0xf00, 4096 + 4096 + 10), [(4096, 4096), (7 * 4096, 4096 + 10)]);
+        assert_eq!(pieces(&m, base, m.len() - 1, 1), [(9 * 4096 - 1, 1)]);
+        // One run: the plain pointer, as a single mapping gave.
+        let one = RegionMemory::map(&fd, 0, &[(4096, 3 * 4096)]).unwrap();
+        assert_eq!(pieces(&one, base, 5000, 8000), [(4096 + 5000, 8000)]);
+    }
+}

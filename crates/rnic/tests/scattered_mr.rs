@@ -137,7 +137,9 @@ fn scattered_region_bad_run_lists_are_refused() {
     let pd = ctx.alloc_pd().unwrap();
     let buf = MemBuf::new(1 << 20).unwrap();
     let size = buf.len() as u64;
-    let bad: Vec<(&str, Vec<(u64, u64)>, u64)> = vec![
+    // (what is wrong, runs, iova)
+    type Case = (&'static str, Vec<(u64, u64)>, u64);
+    let bad: Vec<Case> = vec![
         ("no runs", vec![], 0),
         ("run outside the memfd", vec![(0, PAGE), (size, PAGE)], 0),
         ("run crossing the memfd end", vec![(0, PAGE), (size - PAGE, 2 * PAGE)], 0),
