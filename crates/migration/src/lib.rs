@@ -7,6 +7,7 @@
 //! - [`links`]: several destination addresses, one per link
 //! - [`qmp`]: the control-socket commands the vmm forwards
 //! - [`memvm`]: a small VM (memfd RAM + dirtier threads) for tests and benches
+//! - [`testing`]: damage injected on purpose (the `testing` parameter)
 
 pub mod compress;
 pub mod cputime;
@@ -23,6 +24,7 @@ pub mod receiver;
 pub mod sender;
 pub mod source;
 pub mod stats;
+pub mod testing;
 pub mod transport;
 pub mod vm;
 pub mod wire;

@@ -31,9 +31,10 @@ use crate::ratelimit::TokenBucket;
 use crate::receiver::{apply_batch, count_batch, RxShared, DATA_IDLE_TIMEOUT};
 use crate::sender::{recv_reply, spawn_channels, ChannelSet};
 use crate::stats::Control;
+use crate::testing::Fault;
 use crate::transport::DataSink;
 use crate::vm::RamRegion;
-use crate::wire::{self, BatchWriter, DataItem, DataReader, Entry, Msg, WireError};
+use crate::wire::{self, BatchWriter, DataItem, DataReader, Entry, Msg, WireError, PAGE};
 use anyhow::{anyhow, bail, Context as _, Result};
 use std::io;
 use std::net::{Ipv4Addr, TcpStream};
@@ -274,14 +275,14 @@ impl RdmaSink {
     /// buffer `slot`.
     fn post(&mut self, slot: usize, len: usize) -> io::Result<()> {
         let lkey = self.ep.ram.mr.lkey;
-        let sges: Vec<Sge> = self.runs.iter().map(|&(gpa, l)| Sge { addr: gpa, length: l, lkey }).collect();
+        // (local buffer, destination address) of each WRITE.
+        let mut writes: Vec<(Sge, u64)> = self.runs.iter().map(|&(gpa, l)| (Sge { addr: gpa, length: l, lkey }, gpa)).collect();
+        if !writes.is_empty() && len + PAGE <= SLOT && self.ctl.testing.fire(Fault::CorruptWrite) {
+            self.damaged_write(slot, len, &mut writes);
+        }
         let msg = [self.ep.buf_mr.sge(slot * SLOT, len)];
-        let mut wrs: Vec<SendWr> = self
-            .runs
-            .iter()
-            .zip(&sges)
-            .map(|(&(gpa, _), sge)| SendWr::write(0, std::slice::from_ref(sge), gpa, self.rkey).unsignaled())
-            .collect();
+        let mut wrs: Vec<SendWr> =
+            writes.iter().map(|(sge, gpa)| SendWr::write(0, std::slice::from_ref(sge), *gpa, self.rkey).unsignaled()).collect();
         wrs.push(SendWr::send(slot as u64, &msg));
         while (self.ep.qp.send_slots() as usize) < wrs.len() {
             if self.free.len() == SEND_SLOTS {
@@ -290,6 +291,26 @@ impl RdmaSink {
             self.reap()?;
         }
         self.ep.qp.post_send(&wrs).map_err(io::Error::other)
+    }
+
+    /// The `corrupt-write` test fault: the first page of the first WRITE
+    /// leaves from a copy with one byte flipped, placed in message buffer
+    /// `slot` after the frame's `len` bytes (the SEND does not carry it);
+    /// the rest of its run still goes from RAM. The source's RAM is
+    /// untouched; its hash, in the table, no longer matches what lands.
+    fn damaged_write(&mut self, slot: usize, len: usize, writes: &mut Vec<(Sge, u64)>) {
+        let (first, gpa) = writes[0];
+        // SAFETY: a raw page of this batch, inside guest RAM (checked when
+        // the batch was split).
+        let page = unsafe { std::slice::from_raw_parts((self.ram_base + gpa as usize) as *const u8, PAGE) };
+        let copy = &mut self.ep.slot(slot)[len..len + PAGE];
+        copy.copy_from_slice(page);
+        copy[PAGE / 2] ^= 0x20;
+        writes[0] = (self.ep.buf_mr.sge(slot * SLOT + len, PAGE), gpa);
+        if first.length as usize > PAGE {
+            let rest = Sge { addr: first.addr + PAGE as u64, length: first.length - PAGE as u32, lkey: first.lkey };
+            writes.insert(1, (rest, gpa + PAGE as u64));
+        }
     }
 
     /// Send a small frame (`write` fills it).
@@ -321,6 +342,11 @@ impl DataSink for RdmaSink {
         if outside {
             self.free.push(slot);
             return Err(io::Error::other("a raw page outside guest RAM"));
+        }
+        if self.ctl.testing.fire(Fault::CorruptTable) {
+            // The table's first byte (after the 13-byte head), its
+            // checksum already taken.
+            self.ep.slot(slot)[13] ^= 0x20;
         }
         self.post(slot, len)?;
         Ok(wire)

@@ -12,6 +12,7 @@ use crate::pages::PageRange;
 use crate::postcopy::push::PushQueue;
 use crate::ratelimit::TokenBucket;
 use crate::stats::{Control, Status};
+use crate::testing::Fault;
 use crate::transport::DataSink;
 use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, BatchWriter, Enc, Msg};
@@ -302,7 +303,11 @@ impl Channel {
                 tmp.copy_from_slice(src);
                 if comp.compress(&tmp[..], cbuf) {
                     let enc = if self.compress == Compress::Lz4 { Enc::Lz4 } else { Enc::Zstd };
-                    batch.compressed(pfn, enc, cbuf, wire::page_hash(pfn, &tmp));
+                    let hash = wire::page_hash(pfn, &tmp);
+                    if self.ctl.testing.fire(Fault::CorruptCompressed) {
+                        *cbuf.last_mut().expect("a compressed page has bytes") ^= 0x20;
+                    }
+                    batch.compressed(pfn, enc, cbuf, hash);
                     sent.compressed += 1;
                 } else if self.sink.raw_pages_in_ram() {
                     // The transport reads the page in RAM itself; a change

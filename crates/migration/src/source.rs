@@ -34,6 +34,7 @@ pub use crate::sender::{is_zero, nonzero_xxh3};
 pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<Arc<dyn DirtySource>>, ctl: Arc<Control>) -> Result<()> {
     let t0 = Instant::now();
     let cpu0 = thread_cpu_s();
+    ctl.testing.arm(crate::testing::Fault::parse(&params.testing).unwrap_or(None));
     let r = run_inner(vm, uri, params, sources, &ctl, t0);
     let cpu_main = thread_cpu_s() - cpu0;
     ctl.update(|s| {

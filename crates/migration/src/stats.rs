@@ -38,6 +38,9 @@ pub struct Params {
     /// rnicd's control socket for the rdma transport ("": the rnicd
     /// serving an address of this network namespace).
     pub rnicd: String,
+    /// For tests only: damage to inject (see [`crate::testing::Fault`]);
+    /// "" in every real migration.
+    pub testing: String,
 }
 
 impl Default for Params {
@@ -55,6 +58,7 @@ impl Default for Params {
             mode: "precopy".into(),
             transport: "tcp".into(),
             rnicd: String::new(),
+            testing: String::new(),
         }
     }
 }
@@ -83,6 +87,7 @@ impl Params {
         if !matches!(self.transport.as_str(), "tcp" | "rdma") {
             return Err(format!("transport must be tcp or rdma, not {:?}", self.transport));
         }
+        crate::testing::Fault::parse(&self.testing)?;
         if self.throttle_initial > 99 || self.throttle_increment == 0 {
             return Err("throttle_initial must be <= 99 and throttle_increment > 0".into());
         }
@@ -243,6 +248,8 @@ pub struct Control {
     /// CPU clocks of engine threads still running (see
     /// [`CpuTally`](crate::cputime::CpuTally)): (destination side, clock).
     live_cpu: Mutex<Vec<(bool, libc::clockid_t)>>,
+    /// The `testing` parameter's fault, armed by the source.
+    pub(crate) testing: crate::testing::Injector,
 }
 
 /// Where a paused postcopy goes on.

@@ -1,5 +1,16 @@
 //! Injected failures: whatever breaks, the source VM runs on with its memory
 //! intact, and a destination that did not get everything never runs.
+//!
+//! The cases that take a [`Net`] run over the rdma transport as well (two
+//! testbed hosts, a real rnicd on each, the VMs in this process). Over TCP
+//! a proxy flips bytes of a data connection; the rdma transport's data does
+//! not cross the proxy (and a packet with a bad ICRC is dropped and resent),
+//! so there the damage is made by the source's `testing` parameter where no
+//! transport checksum covers it: a page WRITTEN from a damaged copy, a
+//! compressed page or a batch table damaged after its hash was taken. The
+//! control connection (and the state on it) is TCP on both transports and
+//! goes through the proxy on both. A cut or vanished data connection over
+//! rdma is a cut link or a killed destination: `rdma_e2e`.
 
 mod common;
 use common::*;
@@ -13,7 +24,11 @@ use std::time::Duration;
 
 /// A source running the dirtier over 32 MiB.
 fn running_source() -> Side {
-    let src = Side::new(32 * MIB, 1);
+    running_source_on(&Net::Tcp)
+}
+
+fn running_source_on(net: &Net) -> Side {
+    let src = Side::on(net, 32 * MIB, 1);
     src.vm.resume().unwrap();
     wait_until("the dirtier to start", || src.vm.progress() > 0);
     src
@@ -22,18 +37,24 @@ fn running_source() -> Side {
 /// After a failed migration: the source is running at full speed, its
 /// memory passes the oracle, and it can still migrate successfully.
 fn assert_source_intact(src: &Side) {
+    assert_source_intact_on(&Net::Tcp, src)
+}
+
+/// [`assert_source_intact`], the second migration over `net`.
+fn assert_source_intact_on(net: &Net, src: &Side) {
     assert!(!src.vm.is_paused(), "the source must run on");
     assert_eq!(src.vm.throttle(), 0, "throttle must be lifted");
     run_and_check_oracle(&src.vm, Duration::from_millis(100));
     src.vm.resume().unwrap();
-    let dst = Side::new(32 * MIB, 1);
-    let port = dst.incoming(true);
-    let (os, od, st) = migrate(src, &dst, port, json!({"downtime_ms": 100}));
-    assert_eq!(os, Some(Outcome::OutgoingCompleted), "{st:#}");
+    let dst = Side::on(net, 32 * MIB, 1);
+    let port = dst.incoming_on(net, true, false);
+    let (os, od, st) = migrate_on(net, src, &dst, port, json!({"downtime_ms": 100}));
+    assert_eq!(os, Some(Outcome::OutgoingCompleted), "{}: {st:#}", net.name());
     assert_eq!(st["committed"], true);
+    assert_eq!(st["transport"], net.name());
     assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: true }));
     // Migrated away: this VM is not sent anywhere again.
-    let again = src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}")})).unwrap_err();
+    let again = src.cmd("migrate", net.migrate_args(port, json!({}))).unwrap_err();
     assert!(again.desc.contains("already migrated away"), "{}", again.desc);
     dst.vm.pause().unwrap();
     dst.vm.check_oracle().unwrap();
@@ -49,24 +70,42 @@ fn assert_dest_never_ran(dst: &Side, what: &str) -> String {
 /// A running source, a destination listening, and between them a proxy
 /// that injects `fault`.
 fn pair_through(fault: Fault) -> (Side, Side, Proxy) {
-    let src = running_source();
-    let dst = Side::new(32 * MIB, 1);
-    let proxy = Proxy::start(dst.incoming(true), fault);
+    pair_through_on(&Net::Tcp, fault)
+}
+
+fn pair_through_on(net: &Net, fault: Fault) -> (Side, Side, Proxy) {
+    let src = running_source_on(net);
+    let dst = Side::on(net, 32 * MIB, 1);
+    let proxy = Proxy::start(dst.incoming_on(net, true, false), fault);
     (src, dst, proxy)
 }
 
-fn expect_failure(fault: Fault, params: serde_json::Value) -> (String, String) {
-    let (src, dst, proxy) = pair_through(fault);
+/// The proxy passes every byte untouched.
+const NO_FAULT: Fault = Fault { conn: usize::MAX, flip_at: None, cut_after: None, stall_after: None };
+
+/// A flip of the byte at `at` of connection `conn`.
+fn flip(conn: usize, at: u64) -> Fault {
+    Fault { conn, flip_at: Some(at), ..Default::default() }
+}
+
+/// Migrate over `net` through a proxy with `fault` (and the source's
+/// `testing` fault, if `params` names one): the migration must fail, the
+/// destination never run, the source run on intact and migrate again.
+/// Returns the source's and the destination's errors.
+fn expect_failure(net: &Net, fault: Fault, params: serde_json::Value) -> (String, String) {
+    let (src, dst, proxy) = pair_through_on(net, fault);
     // Pages below the dirtier's slice (16) hold data it never changes: sent
     // once, in the first batch of the first channel.
     src.vm.fill(0, 16);
-    let (os, _, st) = migrate(&src, &dst, proxy.port, params);
-    assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the fault was never injected");
-    let Some(Outcome::OutgoingFailed(se)) = os else { panic!("source outcome {os:?}: {st:#}") };
+    let (os, _, st) = migrate_on(net, &src, &dst, proxy.port, params);
+    if fault.conn != usize::MAX {
+        assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the fault was never injected");
+    }
+    let Some(Outcome::OutgoingFailed(se)) = os else { panic!("{}: source outcome {os:?}: {st:#}", net.name()) };
     assert_eq!(st["status"], "failed");
     assert_eq!(st["committed"], false, "a failure before the destination took over");
     let de = assert_dest_never_ran(&dst, "fault");
-    assert_source_intact(&src);
+    assert_source_intact_on(net, &src);
     (se, de)
 }
 
@@ -76,31 +115,66 @@ fn expect_failure(fault: Fault, params: serde_json::Value) -> (String, String) {
 
 #[test]
 fn corrupted_batch_table_is_detected() {
-    let (_se, de) = expect_failure(Fault { conn: 1, flip_at: Some(300), ..Default::default() }, json!({"channels": 1}));
-    assert!(de.contains("corrupted stream") && de.contains("table"), "{de}");
+    for net in Net::each("fltable") {
+        let (fault, testing) = match net {
+            Net::Tcp => (flip(1, 300), ""),
+            // In the SEND that carries the table, after its checksum.
+            Net::Rdma(_) => (NO_FAULT, "corrupt-table"),
+        };
+        let (_se, de) = expect_failure(&net, fault, json!({"channels": 1, "testing": testing}));
+        assert!(de.contains("corrupted stream") && de.contains("table"), "{}: {de}", net.name());
+    }
 }
 
 #[test]
 fn corrupted_page_that_is_never_sent_again_fails_the_migration() {
-    // Inside page 4 (bytes ~17k-21k), which the guest never writes again:
-    // no later round replaces it.
-    let (_se, de) = expect_failure(Fault { conn: 1, flip_at: Some(20_000), ..Default::default() }, json!({"channels": 1}));
-    assert!(de.contains("corrupted stream") && de.contains("1 pages arrived damaged"), "{de}");
+    for net in Net::each("flpage") {
+        let (fault, testing) = match net {
+            // Inside page 4 (bytes ~17k-21k), which the guest never writes
+            // again: no later round replaces it.
+            Net::Tcp => (flip(1, 20_000), ""),
+            // Page 0, WRITTEN from a damaged copy.
+            Net::Rdma(_) => (NO_FAULT, "corrupt-write"),
+        };
+        let (_se, de) = expect_failure(&net, fault, json!({"channels": 1, "testing": testing}));
+        assert!(de.contains("corrupted stream") && de.contains("1 pages arrived damaged"), "{}: {de}", net.name());
+    }
+}
+
+/// A compressed page damaged after its hash was taken (over rdma: in the
+/// SEND that carries it). Pages 0-15 compress and are never written
+/// again, so the first compressed page is never replaced.
+#[test]
+fn corrupted_compressed_page_that_is_never_sent_again_fails_the_migration() {
+    for net in Net::each("flcomp") {
+        let (_se, de) = expect_failure(&net, NO_FAULT, json!({"channels": 1, "compress": "lz4", "testing": "corrupt-compressed"}));
+        assert!(de.contains("corrupted stream") && de.contains("1 pages arrived damaged"), "{}: {de}", net.name());
+    }
 }
 
 #[test]
 fn corrupted_state_on_control_connection_is_detected() {
-    // The control connection carries hello (~200 bytes) then, at the end,
-    // the state blob; flip a byte inside the blob.
-    let (_se, de) = expect_failure(Fault { conn: 0, flip_at: Some(2000), ..Default::default() }, json!({"channels": 1}));
-    assert!(de.contains("checksum") || de.contains("corrupt"), "{de}");
+    for net in Net::each("flstate") {
+        // The control connection carries hello (~200 bytes) then, at the
+        // end, the state blob; flip a byte inside the blob. It is TCP over
+        // the rdma transport too.
+        let (_se, de) = expect_failure(&net, flip(0, 2000), json!({"channels": 1}));
+        assert!(de.contains("checksum") || de.contains("corrupt"), "{}: {de}", net.name());
+    }
+}
+
+#[test]
+fn the_testing_parameter_takes_known_faults_only() {
+    let src = Side::new(16 * MIB, 1);
+    let e = src.cmd("migrate-set-parameters", json!({"testing": "flip-everything"})).unwrap_err();
+    assert!(e.desc.contains("corrupt-write"), "{e}");
 }
 
 #[test]
 fn dropped_data_connection_mid_migration() {
     // Cut the first data channel early: it always carries pages, however the
     // others share the work, so the fault fires whatever the machine's speed.
-    let (se, de) = expect_failure(Fault { conn: 1, cut_after: Some(256 << 10), ..Default::default() }, json!({"channels": 4}));
+    let (se, de) = expect_failure(&Net::Tcp, Fault { conn: 1, cut_after: Some(256 << 10), ..Default::default() }, json!({"channels": 4}));
     assert!(!se.is_empty() && !de.is_empty());
 }
 
@@ -119,16 +193,18 @@ fn destination_gone_mid_migration() {
 
 #[test]
 fn timeout_cancels_cleanly() {
-    let src = running_source();
-    let dst = Side::new(32 * MIB, 1);
-    let port = dst.incoming(true);
-    // 2 MB/s for 32 MiB cannot finish in 2 s.
-    let (os, _, st) = migrate(&src, &dst, port, json!({"max_bandwidth": 2_000_000u64, "timeout_s": 2}));
-    assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{os:?}");
-    assert_eq!(st["status"], "cancelled", "{st:#}");
-    assert!(st["error"].as_str().unwrap().contains("time"), "{st:#}");
-    assert_dest_never_ran(&dst, "timeout");
-    assert_source_intact(&src);
+    for net in Net::each("fltime") {
+        let src = running_source_on(&net);
+        let dst = Side::on(&net, 32 * MIB, 1);
+        let port = dst.incoming_on(&net, true, false);
+        // 2 MB/s for 32 MiB cannot finish in 2 s.
+        let (os, _, st) = migrate_on(&net, &src, &dst, port, json!({"max_bandwidth": 2_000_000u64, "timeout_s": 2}));
+        assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{}: {os:?}", net.name());
+        assert_eq!(st["status"], "cancelled", "{st:#}");
+        assert!(st["error"].as_str().unwrap().contains("time"), "{st:#}");
+        assert_dest_never_ran(&dst, "timeout");
+        assert_source_intact_on(&net, &src);
+    }
 }
 
 #[test]
@@ -150,17 +226,19 @@ fn hybrid_with_a_stalled_destination_is_cancelled_after_its_timeout() {
 
 #[test]
 fn migrate_cancel_by_command() {
-    let src = running_source();
-    let dst = Side::new(32 * MIB, 1);
-    let port = dst.incoming(true);
-    src.cmd("migrate", json!({"uri": format!("tcp:127.0.0.1:{port}"), "max_bandwidth": 4_000_000u64})).unwrap();
-    wait_until("the migration to be active", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
-    src.cmd("migrate-cancel", json!({})).unwrap();
-    let os = src.slot.wait();
-    assert!(matches!(os, Some(Outcome::OutgoingFailed(_))));
-    assert_eq!(src.cmd("query-migrate", json!({})).unwrap()["status"], "cancelled");
-    assert_dest_never_ran(&dst, "cancel");
-    assert_source_intact(&src);
+    for net in Net::each("flcancel") {
+        let src = running_source_on(&net);
+        let dst = Side::on(&net, 32 * MIB, 1);
+        let port = dst.incoming_on(&net, true, false);
+        src.cmd("migrate", net.migrate_args(port, json!({"max_bandwidth": 4_000_000u64}))).unwrap();
+        wait_until("the migration to be active", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
+        src.cmd("migrate-cancel", json!({})).unwrap();
+        let os = src.slot.wait();
+        assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{}: {os:?}", net.name());
+        assert_eq!(src.cmd("query-migrate", json!({})).unwrap()["status"], "cancelled");
+        assert_dest_never_ran(&dst, "cancel");
+        assert_source_intact_on(&net, &src);
+    }
 }
 
 #[test]
@@ -199,14 +277,16 @@ fn destination_speaking_another_version_is_refused_by_source() {
 
 #[test]
 fn shape_mismatch_is_refused() {
-    let src = running_source();
-    let dst = Side::new(16 * MIB, 1);
-    let port = dst.incoming(true);
-    let (os, _, _) = migrate(&src, &dst, port, json!({}));
-    let Some(Outcome::OutgoingFailed(e)) = os else { panic!("{os:?}") };
-    assert!(e.contains("shape differs"), "{e}");
-    assert_dest_never_ran(&dst, "shape");
-    assert_source_intact(&src);
+    for net in Net::each("flshape") {
+        let src = running_source_on(&net);
+        let dst = Side::on(&net, 16 * MIB, 1);
+        let port = dst.incoming_on(&net, true, false);
+        let (os, _, _) = migrate_on(&net, &src, &dst, port, json!({}));
+        let Some(Outcome::OutgoingFailed(e)) = os else { panic!("{}: {os:?}", net.name()) };
+        assert!(e.contains("shape differs"), "{e}");
+        assert_dest_never_ran(&dst, "shape");
+        assert_source_intact_on(&net, &src);
+    }
 }
 
 #[test]

@@ -315,7 +315,7 @@ fn postcopy_recovers_after_the_connections_break() {
     // Over rdma the proxy carries the control connection only: its cut
     // pauses both ends as over tcp, the READs of the old queue pairs stop,
     // and the recovery sets up new ones. (A cut of the link itself:
-    // rdma_postcopy.rs.)
+    // `rdma_postcopy_recovers_after_the_link_is_cut`.)
     for net in Net::each("pcrecov") {
         recovers_after_the_connections_break(&net);
     }
@@ -346,6 +346,60 @@ fn recovers_after_the_connections_break(net: &Net) {
     assert_eq!(s["recoveries"], 1, "{s:#}");
     assert_eq!(d["recoveries"], 1, "{d:#}");
     assert!(d["paused_ms"].as_f64().unwrap() > 0.0);
+    oracle_holds_on_destination(&src, &dst);
+}
+
+/// Drop (or stop dropping) every IPv4 packet on host 0's link, both ways,
+/// with nftables; ARP still passes. (`Testbed::set_loss` takes at most
+/// 99.9999 %.)
+fn cut_link(bed: &RdmaBed, cut: bool) {
+    let rules = if cut {
+        "table netdev linkcut {\n\
+           chain rx { type filter hook ingress device \"eth0\" priority -200; meta protocol ip counter drop; }\n\
+           chain tx { type filter hook egress device \"eth0\" priority -200; meta protocol ip counter drop; }\n}\n"
+    } else {
+        ""
+    };
+    let script = format!("nft -f - <<'EOF'\nadd table netdev linkcut\ndelete table netdev linkcut\n{rules}EOF");
+    bed.tb.host(0).sh(&script).unwrap();
+}
+
+/// The testbed link between the two rnicds is cut mid-postcopy (nftables
+/// drops every IP packet on the source host's link, both ways): the
+/// destination's RDMA READs retry out, it pauses and closes the control
+/// connection, the source pauses. The link comes back; `migrate-recover`
+/// gives the destination a new address, `migrate resume` reconnects with
+/// new queue pairs, and the destination ends byte-exact (but for the
+/// dirtier's counters) with the oracle holding.
+#[test]
+fn rdma_postcopy_recovers_after_the_link_is_cut() {
+    let net = Net::Rdma(RdmaBed::new("pclink"));
+    let Net::Rdma(bed) = &net else { unreachable!() };
+    let src = Side::on(&net, 128 * MIB, 2);
+    src.vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let dst = Side::on(&net, 128 * MIB, 2);
+    let port = dst.incoming_on(&net, true, false);
+    // 128 MiB at 10 MB/s: the cut lands long before the last page.
+    src.cmd("migrate", net.migrate_args(port, json!({"mode": "postcopy", "channels": 2, "max_bandwidth": 10_000_000u64}))).unwrap();
+    wait_until("postcopy", || dst.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-active");
+    std::thread::sleep(Duration::from_millis(300));
+    cut_link(bed, true);
+    let paused = |side: &Side| side.cmd("query-migrate", json!({})).unwrap()["status"] == "postcopy-paused";
+    wait_until("the destination pauses", || paused(&dst));
+    wait_until("the source pauses", || paused(&src));
+    let d = dst.cmd("query-migrate", json!({})).unwrap();
+    assert!(d["error"].as_str().unwrap().contains("RDMA READ"), "{d:#}");
+    assert!(d["remaining_pages"].as_u64().unwrap() > 0, "the cut came after the last page: {d:#}");
+    cut_link(bed, false);
+    let r = dst.cmd("migrate-recover", json!({"uri": "tcp:127.0.0.1:0"})).unwrap();
+    let new_port = r["port"].as_u64().unwrap() as u16;
+    src.cmd("migrate", net.migrate_args(new_port, json!({"resume": true}))).unwrap();
+    let (s, d) = finish(&src, &dst);
+    assert_eq!(s["recoveries"], 1, "{s:#}");
+    assert_eq!(d["recoveries"], 1, "{d:#}");
+    assert_eq!(d["transport"], "rdma");
+    assert_eq!(d["remaining_pages"], 0);
     oracle_holds_on_destination(&src, &dst);
 }
 

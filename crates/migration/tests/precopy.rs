@@ -1,6 +1,13 @@
 //! Precopy between two VMs of one process over real loopback TCP: byte-exact
 //! RAM, the dirtier oracle on the destination, every channel/compression
 //! mode, the bandwidth cap, and auto-converge.
+//!
+//! The tests that name a [`Net`] run over the rdma transport as well (two
+//! testbed hosts, a real rnicd on each, the VMs in this process): auto-
+//! converge under a cap, a preallocated destination, an all-zero VM.
+//! `rdma_e2e` covers the rest over rdma with real vmm processes (filled
+//! and dirtier VMs with 1, 2 and 4 channels, lz4 and zstd, the cap), so
+//! those stay tcp-only here.
 
 mod common;
 use common::*;
@@ -12,10 +19,14 @@ use std::time::Duration;
 /// Migrate, then check: source paused with the same RAM the destination
 /// got, destination runs on and its dirtier oracle holds.
 fn migrate_and_verify(src: &Side, params: serde_json::Value, oracle: bool) -> serde_json::Value {
+    migrate_and_verify_on(&Net::Tcp, src, params, oracle)
+}
+
+fn migrate_and_verify_on(net: &Net, src: &Side, params: serde_json::Value, oracle: bool) -> serde_json::Value {
     let params_verify = params.get("verify_ram").is_some();
-    let dst = Side::new(src.dynvm.ram().len, src.vm.slices().len());
-    let port = dst.incoming(false);
-    let (os, od, stats) = migrate(src, &dst, port, params);
+    let dst = Side::on(net, src.dynvm.ram().len, src.vm.slices().len());
+    let port = dst.incoming_on(net, false, false);
+    let (os, od, stats) = migrate_on(net, src, &dst, port, params);
     let dstats = dst.cmd("query-migrate", json!({})).unwrap();
     assert_eq!(os, Some(Outcome::OutgoingCompleted), "source: {stats:#}\ndestination: {dstats:#}");
     assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
@@ -29,6 +40,7 @@ fn migrate_and_verify(src: &Side, params: serde_json::Value, oracle: bool) -> se
     }
     assert_eq!(stats["status"], "completed");
     assert_eq!(dstats["status"], "completed");
+    assert_eq!(dstats["transport"], net.name());
     assert_eq!(dstats["pages_sent"], stats["pages_sent"]);
     if params_verify {
         assert_eq!(dstats["verified_pages"], stats["total_pages"], "in-band RAM check ran");
@@ -76,20 +88,24 @@ fn dirtying_vm_four_channels_converges_byte_exact() {
 
 #[test]
 fn dirtying_vm_one_channel_with_bandwidth_cap_auto_converges() {
-    let src = Side::new(32 * MIB, 1);
-    src.vm.resume().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    // 100 MB/s of full 4 KiB pages (about 24k pages/s) cannot keep up with a
-    // dirtier at full speed (~1M pages/s): auto-converge has to slow it down
-    // before the pause fits 50 ms. No compression: lz4 shrinks the dirtier's
-    // one-byte pages so much that the cap would stop mattering.
-    let st = migrate_and_verify(
-        &src,
-        json!({"channels": 1, "compress": "none", "max_bandwidth": 100_000_000u64, "downtime_ms": 50, "timeout_s": 120}),
-        true,
-    );
-    assert!(st["throttle_steps"].as_u64().unwrap() >= 1, "auto-converge never throttled: {st:#}");
-    assert!(st["throttle_pct"].as_u64().unwrap() >= 20);
+    for net in Net::each("prconv") {
+        let src = Side::on(&net, 32 * MIB, 1);
+        src.vm.resume().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        // 100 MB/s of full 4 KiB pages (about 24k pages/s) cannot keep up
+        // with a dirtier at full speed (~1M pages/s): auto-converge has to
+        // slow it down before the pause fits 50 ms. No compression: lz4
+        // shrinks the dirtier's one-byte pages so much that the cap would
+        // stop mattering.
+        let st = migrate_and_verify_on(
+            &net,
+            &src,
+            json!({"channels": 1, "compress": "none", "max_bandwidth": 100_000_000u64, "downtime_ms": 50, "timeout_s": 120, "verify_ram": true}),
+            true,
+        );
+        assert!(st["throttle_steps"].as_u64().unwrap() >= 1, "{}: auto-converge never throttled: {st:#}", net.name());
+        assert!(st["throttle_pct"].as_u64().unwrap() >= 20);
+    }
 }
 
 #[test]
@@ -106,20 +122,23 @@ fn bandwidth_cap_is_respected() {
 
 #[test]
 fn preallocated_destination_receives_byte_exact() {
-    let src = Side::new(64 * MIB, 1);
-    src.vm.fill(16, 12000); // the rest stays zero: zero runs over allocated pages
-    let dst = Side::new(64 * MIB, 1);
-    let r = dst.cmd("migrate-incoming", json!({"uri": "tcp:127.0.0.1:0", "resume": false, "prealloc": true})).unwrap();
-    let port = r["port"].as_u64().unwrap() as u16;
-    let pages = dst.dynvm.ram().pages();
-    wait_until("the destination's RAM is allocated", || {
-        dst.dynvm.ram().data_ranges().unwrap() == vec![migration::pages::PageRange { first: 0, count: pages }]
-    });
-    let (os, od, stats) = migrate(&src, &dst, port, json!({"channels": 2}));
-    assert_eq!(os, Some(Outcome::OutgoingCompleted), "{stats:#}");
-    assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
-    let (a, b) = (src.hashes(), dst.hashes());
-    assert!((0..a.len()).all(|i| a[i] == b[i]), "RAM differs after a preallocated receive");
+    for net in Net::each("prpre") {
+        let src = Side::on(&net, 64 * MIB, 1);
+        src.vm.fill(16, 12000); // the rest stays zero: zero runs over allocated pages
+        let dst = Side::on(&net, 64 * MIB, 1);
+        let r =
+            dst.cmd("migrate-incoming", net.incoming_args(json!({"uri": "tcp:127.0.0.1:0", "resume": false, "prealloc": true}))).unwrap();
+        let port = r["port"].as_u64().unwrap() as u16;
+        let pages = dst.dynvm.ram().pages();
+        wait_until("the destination's RAM is allocated", || {
+            dst.dynvm.ram().data_ranges().unwrap() == vec![migration::pages::PageRange { first: 0, count: pages }]
+        });
+        let (os, od, stats) = migrate_on(&net, &src, &dst, port, json!({"channels": 2, "verify_ram": true}));
+        assert_eq!(os, Some(Outcome::OutgoingCompleted), "{}: {stats:#}", net.name());
+        assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
+        let (a, b) = (src.hashes(), dst.hashes());
+        assert!((0..a.len()).all(|i| a[i] == b[i]), "{}: RAM differs after a preallocated receive", net.name());
+    }
 }
 
 /// All of RAM is holes: the first pass moves only zero runs, a few bytes
@@ -127,12 +146,14 @@ fn preallocated_destination_receives_byte_exact() {
 /// too slow for the downtime target, and the rounds never ended.
 #[test]
 fn all_zero_vm_converges() {
-    let src = Side::new(256 * MIB, 1);
-    let dst = Side::new(256 * MIB, 1);
-    let port = dst.incoming(false);
-    let (os, od, st) = migrate(&src, &dst, port, json!({"downtime_ms": 20, "timeout_s": 20}));
-    assert_eq!(os, Some(Outcome::OutgoingCompleted), "{st:#}");
-    assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
-    assert!(st["rounds"].as_u64().unwrap() <= 3, "{st:#}");
-    assert!(src.hashes() == dst.hashes(), "RAM differs");
+    for net in Net::each("przero") {
+        let src = Side::on(&net, 256 * MIB, 1);
+        let dst = Side::on(&net, 256 * MIB, 1);
+        let port = dst.incoming_on(&net, false, false);
+        let (os, od, st) = migrate_on(&net, &src, &dst, port, json!({"downtime_ms": 20, "timeout_s": 20}));
+        assert_eq!(os, Some(Outcome::OutgoingCompleted), "{}: {st:#}", net.name());
+        assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
+        assert!(st["rounds"].as_u64().unwrap() <= 3, "{}: {st:#}", net.name());
+        assert!(src.hashes() == dst.hashes(), "{}: RAM differs", net.name());
+    }
 }

@@ -69,9 +69,12 @@ impl Side {
 
 /// Run source -> destination and wait for both ends.
 pub fn migrate(src: &Side, dst: &Side, port: u16, params: Value) -> (Option<Outcome>, Option<Outcome>, Value) {
-    let mut p = params;
-    p["uri"] = json!(format!("tcp:127.0.0.1:{port}"));
-    src.cmd("migrate", p).unwrap();
+    migrate_on(&Net::Tcp, src, dst, port, params)
+}
+
+/// [`migrate`] over `net`.
+pub fn migrate_on(net: &Net, src: &Side, dst: &Side, port: u16, params: Value) -> (Option<Outcome>, Option<Outcome>, Value) {
+    src.cmd("migrate", net.migrate_args(port, params)).unwrap();
     let o_src = src.slot.wait();
     let o_dst = dst.slot.wait();
     let stats = src.cmd("query-migrate", json!({})).unwrap();
