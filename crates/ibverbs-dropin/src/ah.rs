@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 //! Address handles. On RoCE an AH is the provider's own record of a
 //! destination (GID, traffic class, hop limit), made without the kernel, as
-//! mlx5's is; this device makes it and checks it as one. Only UD QPs use
-//! AHs, and rnicd has RC only, so an AH here is never used on the wire.
+//! mlx5's is; this device makes it and checks it as one. UD send WRs name
+//! one (`ud_dest`): its GID is where the datagram goes.
 
 use std::ffi::c_int;
 use std::sync::atomic::Ordering;
@@ -52,4 +52,18 @@ pub unsafe extern "C" fn ibv_destroy_ah(a: *mut ibv_ah) -> c_int {
         pdr.users.fetch_sub(1, Ordering::AcqRel);
     }
     0
+}
+
+/// The destination of a UD send through AH `a`: its GID's IPv4 address
+/// (an IPv4-mapped GID; any other GID gives 0.0.0.0, which rnicd refuses
+/// with IBV_WC_LOC_QP_OP_ERR as an unusable address), the remote QPN and
+/// Q_Key. None for a NULL AH.
+pub unsafe fn ud_dest(a: *mut ibv_ah, remote_qpn: u32, remote_qkey: u32) -> Option<verbs::UdDest> {
+    if a.is_null() {
+        return None;
+    }
+    let g = (*(a as *const Ah)).attr.grh.dgid.raw;
+    let mapped = g[..10] == [0; 10] && g[10] == 0xff && g[11] == 0xff;
+    let gid = if mapped { std::net::Ipv4Addr::new(g[12], g[13], g[14], g[15]) } else { std::net::Ipv4Addr::UNSPECIFIED };
+    Some(verbs::UdDest { gid, qpn: remote_qpn, qkey: remote_qkey })
 }

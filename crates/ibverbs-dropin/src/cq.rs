@@ -281,25 +281,49 @@ pub unsafe extern "C" fn ibv_destroy_cq(c: *mut ibv_cq) -> c_int {
     0
 }
 
-/// rnicd's CQ ring is fixed at creation (a power of two at least the size
-/// asked), so a CQ "resizes" within its ring: any size from the completions
-/// it holds up to the ring succeeds and `cqe` stays the ring's size, as a
-/// driver may give more than asked. Fewer than the completions it holds, or
-/// past the device's limit, fail with EINVAL as on kernel drivers; more
-/// than the ring, but within the limit, fails with EOPNOTSUPP (the ring
-/// would have to move).
+/// A CQ's ring (a power of two at least the size asked) shrinks never and
+/// grows by moving: a size within the ring succeeds at once and `cqe` stays
+/// the ring's size, as a driver may give more than asked; a larger one moves
+/// the CQ to a new ring (`verbs::Cq::resize`, rnicd's ResizeCq), its
+/// unpolled completions still first. Fewer than the completions it holds,
+/// or past the device's limit, fail with EINVAL as on kernel drivers.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_resize_cq(c: *mut ibv_cq, cqe: c_int) -> c_int {
     let Some(q) = cq(c) else { return libc::EINVAL };
     let Some(cx) = ctx(q.cq.context) else { return libc::EINVAL };
     let max = cx.inner.query_device().map(|d| d.max_cqe).unwrap_or(1 << 16);
-    if cqe < 1 || cqe as u32 > max || (cqe as u32) < q.inner.ready() {
+    if cqe < 1 || cqe as u32 > max || (cqe < (*c).cqe && (cqe as u32) < settled_ready(q, cqe as u32)) {
         return libc::EINVAL;
     }
-    if cqe as u32 > q.inner.cap {
-        return libc::EOPNOTSUPP;
+    if cqe > (*c).cqe {
+        match q.inner.resize(cqe as u32) {
+            Ok(cap) => (*c).cqe = cap as c_int,
+            Err(_) => return libc::ENOMEM,
+        }
     }
     0
+}
+
+/// The completions `q` holds, for a shrink to `cqe`: when that would be
+/// too few only if more land, first let the completions of WRs already
+/// posted land (until the count holds still for 5 ms, at most 100 ms).
+/// rnicd does the NIC's work asynchronously, on the host's busy CPUs; a
+/// hardware CQ would hold them by the time a program resizes (pyverbs'
+/// test_resize_cq posts sends and at once shrinks below them).
+fn settled_ready(q: &Cq, cqe: u32) -> u32 {
+    let mut n = q.inner.ready();
+    if n > cqe {
+        return n;
+    }
+    let (t0, mut still) = (std::time::Instant::now(), std::time::Instant::now());
+    while n <= cqe && t0.elapsed() < std::time::Duration::from_millis(100) && still.elapsed() < std::time::Duration::from_millis(5) {
+        std::thread::sleep(std::time::Duration::from_micros(500));
+        let m = q.inner.ready();
+        if m != n {
+            (n, still) = (m, std::time::Instant::now());
+        }
+    }
+    n
 }
 
 pub unsafe extern "C" fn poll_cq(c: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {

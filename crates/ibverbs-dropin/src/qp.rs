@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
-//! RC queue pairs: create, modify, query, destroy, and the post calls.
+//! RC and UD queue pairs: create, modify, query, destroy, and the post calls.
 //!
 //! ibv_post_send/ibv_post_recv translate the WR chain into the SQ/RQ rings
 //! in shared memory; a system call (the doorbell) happens only when rnicd
@@ -25,6 +25,8 @@ pub struct Qp {
     pd: *const Pd,
     /// Whether the QP was made with send_ops_flags (ibv_qp_to_qp_ex).
     extended: bool,
+    /// IBV_QPT_RC or IBV_QPT_UD.
+    qp_type: ibv_qp_type,
     /// WRs built by ibv_wr_* since ibv_wr_start, posted by ibv_wr_complete.
     batch: std::sync::Mutex<Batch>,
 }
@@ -41,6 +43,8 @@ struct PendingWr {
     imm: u32,
     sges: Vec<verbs::Sge>,
     inline: Option<Vec<u8>>,
+    /// UD: set by ibv_wr_set_ud_addr.
+    ud: Option<verbs::UdDest>,
 }
 
 #[derive(Default)]
@@ -48,6 +52,14 @@ struct Batch {
     wrs: Vec<PendingWr>,
     /// The first error of the batch (reported by ibv_wr_complete).
     err: c_int,
+}
+
+impl Qp {
+    /// Sends are taken in RTS, SQD, SQE and ERR (flushed there); before
+    /// RTS they fail with EINVAL, as in rxe and mlx5.
+    fn can_send(&self) -> bool {
+        !matches!(self.qpx.qp_base.state, IBV_QPS_RESET | IBV_QPS_INIT | IBV_QPS_RTR)
+    }
 }
 
 unsafe fn qp<'a>(q: *mut ibv_qp) -> Option<&'a Qp> {
@@ -64,7 +76,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     }
     let a = &mut *attr;
     let Some(pdr) = pd(a.pd) else { return fail(libc::EINVAL) };
-    if a.qp_type != IBV_QPT_RC {
+    if a.qp_type != IBV_QPT_RC && a.qp_type != IBV_QPT_UD {
         return fail(libc::EOPNOTSUPP);
     }
     if !a.srq.is_null() {
@@ -94,6 +106,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         max_inline_data: cap.max_inline_data,
     };
     init.sq_sig_all = a.sq_sig_all != 0;
+    init.qp_type = if a.qp_type == IBV_QPT_UD { verbs::QpType::Ud } else { verbs::QpType::Rc };
     let inner = match pdr.inner.create_qp(&init) {
         Ok(q) => q,
         Err(_) => return fail(libc::ENOMEM),
@@ -114,13 +127,17 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     base.handle = inner.qpn;
     base.qp_num = inner.qpn;
     base.state = IBV_QPS_RESET;
-    base.qp_type = IBV_QPT_RC;
+    base.qp_type = a.qp_type;
     libc::pthread_mutex_init(&mut base.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
     libc::pthread_cond_init(&mut base.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
     let extended = a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
     if extended {
-        if a.send_ops_flags & !SEND_OPS != 0 {
+        let ops = if a.qp_type == IBV_QPT_UD { UD_SEND_OPS } else { SEND_OPS };
+        if a.send_ops_flags & !ops != 0 {
             return fail(libc::EOPNOTSUPP);
+        }
+        if a.qp_type == IBV_QPT_UD {
+            x.wr_set_ud_addr = Some(wr_set_ud_addr);
         }
         x.wr_start = Some(wr_start);
         x.wr_complete = Some(wr_complete);
@@ -141,7 +158,16 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     scq.users.fetch_add(1, Ordering::AcqRel);
     rcq.users.fetch_add(1, Ordering::AcqRel);
     pdr.users.fetch_add(1, Ordering::AcqRel);
-    let b = Box::into_raw(Box::new(Qp { qpx: x, inner, send_cq: scq, recv_cq: rcq, pd: pdr, extended, batch: Default::default() }));
+    let b = Box::into_raw(Box::new(Qp {
+        qpx: x,
+        inner,
+        send_cq: scq,
+        recv_cq: rcq,
+        pd: pdr,
+        extended,
+        qp_type: a.qp_type,
+        batch: Default::default(),
+    }));
     if let Some(cx) = crate::device::ctx(c) {
         cx.events.add_qp((*b).inner.qpn, b as *mut ibv_qp);
     }
@@ -263,8 +289,9 @@ fn mtu_to(m: verbs::Mtu) -> ibv_mtu {
     }
 }
 
-/// Attribute mask bits this device understands (the RC ones).
+/// Attribute mask bits this device understands (RC's and UD's).
 const KNOWN_MASK: c_int = (IBV_QP_STATE
+    | IBV_QP_QKEY
     | IBV_QP_CUR_STATE
     | IBV_QP_EN_SQD_ASYNC_NOTIFY
     | IBV_QP_ACCESS_FLAGS
@@ -329,6 +356,7 @@ pub unsafe extern "C" fn ibv_modify_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, m
     v.timeout = a.timeout;
     v.retry_cnt = a.retry_cnt;
     v.rnr_retry = a.rnr_retry;
+    v.qkey = a.qkey;
     let mask = mask & !(IBV_QP_CUR_STATE | IBV_QP_EN_SQD_ASYNC_NOTIFY | IBV_QP_PATH_MIG_STATE | IBV_QP_CAP);
     match x.inner.modify(&v, mask) {
         Ok(()) => {
@@ -376,6 +404,7 @@ pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _m
         timeout: v.timeout,
         retry_cnt: v.retry_cnt,
         rnr_retry: v.rnr_retry,
+        qkey: v.qkey,
         ..Default::default()
     };
     a.ah_attr.is_global = 1;
@@ -395,7 +424,7 @@ pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _m
             recv_cq: b.recv_cq,
             srq: std::ptr::null_mut(),
             cap: a.cap,
-            qp_type: IBV_QPT_RC,
+            qp_type: x.qp_type,
             sq_sig_all: 0,
         };
     }
@@ -412,6 +441,10 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         set_bad(wr);
         return libc::EINVAL;
     };
+    if !x.can_send() {
+        set_bad(wr);
+        return libc::EINVAL;
+    }
     let cap = x.inner.cap;
     let free = x.inner.send_slots() as usize;
     // Inline payloads gathered per WR (they must outlive the post call).
@@ -432,6 +465,13 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             err = libc::EINVAL;
             break;
         };
+        // UD sends only SENDs, each to the address handle its WR names.
+        if x.qp_type == IBV_QPT_UD
+            && (!matches!(op, verbs::WrOpcode::Send | verbs::WrOpcode::SendImm) || crate::ah::ud_dest(r.wr.ud.ah, 0, 0).is_none())
+        {
+            err = libc::EINVAL;
+            break;
+        }
         if r.num_sge < 0 || (r.num_sge > 0 && r.sg_list.is_null()) {
             err = libc::EINVAL;
             break;
@@ -476,6 +516,9 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             }
             _ => {}
         }
+        if x.qp_type == IBV_QPT_UD {
+            s.ud = crate::ah::ud_dest(r.wr.ud.ah, r.wr.ud.remote_qpn, r.wr.ud.remote_qkey);
+        }
         match op {
             verbs::WrOpcode::SendImm | verbs::WrOpcode::RdmaWriteImm => s.imm = u32::from_be(r.__bindgen_anon_1.imm_data),
             verbs::WrOpcode::SendInv => s.imm = r.__bindgen_anon_1.invalidate_rkey,
@@ -506,6 +549,11 @@ pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *m
         set_bad(wr);
         return libc::EINVAL;
     };
+    // As rxe and mlx5: a QP in RESET takes no receives.
+    if x.qpx.qp_base.state == IBV_QPS_RESET {
+        set_bad(wr);
+        return libc::EINVAL;
+    }
     let max_sge = x.inner.cap.max_recv_sge as usize;
     let free = x.inner.recv_slots() as usize;
     let mut wrs: Vec<verbs::RecvWr> = Vec::new();
@@ -565,6 +613,9 @@ const SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
     | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
     | IBV_QP_EX_WITH_SEND_WITH_INV) as u64;
 
+/// Those of a UD QP.
+const UD_SEND_OPS: u64 = (IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM) as u64;
+
 unsafe fn batch<'a>(q: *mut ibv_qp_ex) -> std::sync::MutexGuard<'a, Batch> {
     (*(q as *const Qp)).batch.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -584,6 +635,9 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
         return b.err;
     }
     let x = &*(q as *const Qp);
+    if !x.can_send() {
+        return libc::EINVAL;
+    }
     if b.wrs.len() > x.inner.send_slots() as usize {
         return libc::ENOMEM;
     }
@@ -597,6 +651,12 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
         s.compare_add = p.compare_add;
         s.swap = p.swap;
         s.imm = p.imm;
+        if x.qp_type == IBV_QPT_UD {
+            if p.ud.is_none() {
+                return libc::EINVAL;
+            }
+            s.ud = p.ud;
+        }
         if let Some(d) = &p.inline {
             if d.len() > cap.max_inline_data as usize {
                 return libc::EINVAL;
@@ -627,6 +687,7 @@ unsafe fn push(q: *mut ibv_qp_ex, opcode: verbs::WrOpcode, rkey: u32, remote_add
         imm: 0,
         sges: Vec::new(),
         inline: None,
+        ud: None,
     });
     b
 }
@@ -666,6 +727,15 @@ unsafe fn with_last(q: *mut ibv_qp_ex, f: impl FnOnce(&mut PendingWr)) {
     match b.wrs.last_mut() {
         Some(w) => f(w),
         None => b.err = libc::EINVAL,
+    }
+}
+
+unsafe extern "C" fn wr_set_ud_addr(q: *mut ibv_qp_ex, ah: *mut ibv_ah, remote_qpn: u32, remote_qkey: u32) {
+    let d = crate::ah::ud_dest(ah, remote_qpn, remote_qkey);
+    let mut b = batch(q);
+    match (b.wrs.last_mut(), d) {
+        (Some(w), Some(d)) => w.ud = Some(d),
+        _ => b.err = libc::EINVAL,
     }
 }
 

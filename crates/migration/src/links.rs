@@ -18,11 +18,22 @@
 //! RNIC with a port per link would. A queue pair on a dead link fails
 //! with retry exceeded after about [`LINK_TIMEOUT`] ([`RDMA_LINK_TIMEOUT`],
 //! [`RDMA_LINK_RETRIES`]), and its channel is failed over like a TCP one.
+//!
+//! Every rdma queue pair of a migration (data channels and postcopy's
+//! READs) takes the path MTU its link carries whole ([`rdma_path_mtu`]):
+//! the largest whose packets fit the MTU of the interface holding the
+//! local address, 1024 on a 1500-byte link, 4096 on a jumbo one. Larger
+//! packets would leave IP-fragmented, and a fragment lost (a full queue,
+//! a rate cap) pins the others of its packet in the receiving host's
+//! reassembly memory for 30 s: a few thousand such losses fill it (4 MiB,
+//! per host, shared by all its links), and from then on the host drops
+//! every fragmented packet, so every queue pair of every link retries out.
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use std::net::{IpAddr, Ipv4Addr, TcpStream, ToSocketAddrs, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
+use verbs::Mtu;
 
 /// How long a data channel's sent bytes may stay unacknowledged before its
 /// link counts as dead (TCP_USER_TIMEOUT), when there are other links to
@@ -125,6 +136,11 @@ pub struct LinkStat {
     pub channels: u32,
     /// Of those, lost with the link (their pages went again on others).
     pub channels_lost: u32,
+    /// Every channel of it was lost: the link is out of the migration.
+    pub failed: bool,
+    /// Why its first channel was lost (the transport's error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
     /// Page batch bytes written to its channels.
     pub wire_bytes: u64,
     /// `wire_bytes` over the migration's time so far.
@@ -162,6 +178,46 @@ pub fn shorten_timeout(s: &TcpStream) {
     }
 }
 
+/// Bytes a RoCEv2 packet adds to its payload at most: IPv4 20, UDP 8,
+/// BTH 12, RETH 16, immediate 4, ICRC 4.
+const ROCE_OVERHEAD: usize = 64;
+
+/// The path MTU for rdma queue pairs whose packets leave from `local`:
+/// the largest of 4096..256 whose packets fit the MTU of the interface
+/// holding `local` (4096 is the largest RoCE uses, on jumbo links). When
+/// no interface holds it, 1024, which fits any Ethernet link.
+pub fn rdma_path_mtu(local: Ipv4Addr) -> Mtu {
+    let Some(link) = interface_mtu(local) else { return Mtu::M1024 };
+    [Mtu::M4096, Mtu::M2048, Mtu::M1024, Mtu::M512].into_iter().find(|m| m.bytes() + ROCE_OVERHEAD <= link).unwrap_or(Mtu::M256)
+}
+
+/// The MTU of the interface holding `addr` in this network namespace.
+fn interface_mtu(addr: Ipv4Addr) -> Option<usize> {
+    let name = nix::ifaddrs::getifaddrs()
+        .ok()?
+        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == addr))?
+        .interface_name;
+    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).ok()?;
+    // SAFETY: a zeroed ifreq is valid; the name is copied NUL-terminated.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes().take(libc::IFNAMSIZ - 1)) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: SIOCGIFMTU fills ifru_mtu of the ifreq it is given.
+    let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU, &mut req) };
+    // SAFETY: an int of the ifreq, zeroed or filled by the kernel.
+    (r == 0).then_some(unsafe { req.ifr_ifru.ifru_mtu } as usize)
+}
+
+impl LinkStat {
+    /// One of its channels was lost with it, for `why`.
+    pub fn channel_lost(&mut self, why: &anyhow::Error) {
+        self.channels_lost += 1;
+        self.failed = self.channels_lost >= self.channels;
+        self.error.get_or_insert_with(|| format!("{why:#}"));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,13 +242,26 @@ mod tests {
     fn channels_go_round_robin() {
         let l = Links::parse("a:1,b:1").unwrap();
         assert_eq!((0..5).map(|i| l.of_channel(i)).collect::<Vec<_>>(), vec![0, 1, 0, 1, 0]);
-        let s = l.stats(5);
+        let mut s = l.stats(5);
         assert_eq!((s[0].channels, s[1].channels), (3, 2));
+        s[1].channel_lost(&anyhow!("first"));
+        assert!(!s[1].failed, "one channel of two lost: the link still carries");
+        s[1].channel_lost(&anyhow!("second"));
+        assert!(s[1].failed);
+        assert_eq!(s[1].error.as_deref(), Some("first"), "the first loss says why");
     }
 
     #[test]
     fn the_local_address_towards_a_peer_is_the_routed_one() {
         assert_eq!(local_addr_towards("127.0.0.1:4791").unwrap(), Ipv4Addr::LOCALHOST);
         assert!(local_addr_towards("nohost.invalid:1").is_err());
+    }
+
+    #[test]
+    fn the_rdma_path_mtu_fits_the_link() {
+        // Loopback's MTU (64 KiB) carries the largest.
+        assert_eq!(rdma_path_mtu(Ipv4Addr::LOCALHOST), Mtu::M4096);
+        // An address no interface holds: what fits any Ethernet link.
+        assert_eq!(rdma_path_mtu(Ipv4Addr::new(192, 0, 2, 77)), Mtu::M1024);
     }
 }

@@ -712,7 +712,7 @@ impl ChannelSet {
         let link = self.links.of_channel(i);
         self.ctl.update(|s| {
             if let Some(l) = s.links.get_mut(link) {
-                l.channels_lost += 1;
+                l.channel_lost(why);
             }
         });
         if self.live() == 0 {

@@ -19,7 +19,7 @@ use crate::objects::{ClientId, Cq, IdMap, Mr, Stats, Tx};
 use crate::proto::{self, Reply, Request};
 use crate::qp::{Ctx, Qp, QpSnapshot, MAX_MSG};
 use crate::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
-use crate::types::{access, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState};
+use crate::types::{access, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, QpType};
 use crate::wire::{self, Flow, ROCE_PORT};
 
 pub const MAX_QP: u32 = 1 << 16;
@@ -152,8 +152,9 @@ impl Engine {
             Request::DestroyCompChannel { channel } => self.destroy_comp_channel(client, channel),
             Request::CreateCq { cap, channel } => self.create_cq(client, cap, channel, fds),
             Request::DestroyCq { cq } => self.destroy_cq(client, cq),
-            Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore } => {
-                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn };
+            Request::ResizeCq { cq, cap } => self.resize_cq(client, cq, cap, fds),
+            Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, qp_type } => {
+                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type };
                 self.create_qp(client, q, restore, fds)
             }
             Request::ModifyQp { qpn, attr, mask } => self.modify_qp(client, qpn, &attr, mask),
@@ -307,6 +308,11 @@ impl Engine {
             stats.rx_unknown_qp += 1;
             return;
         };
+        if qp.is_ud() || p.bth.opcode.is_ud() {
+            let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
+            qp.ud_on_packet(&mut ctx, &p, src, buf.len());
+            return;
+        }
         // Only the connected peer may talk to an RC QP.
         if qp.attr.dest_gid != src {
             stats.rx_unknown_qp += 1;
@@ -378,6 +384,7 @@ struct QpRequest {
     sq_slots: u32,
     rq_slots: u32,
     qpn: Option<u32>,
+    qp_type: QpType,
 }
 
 /// Device verbs.
@@ -643,6 +650,24 @@ impl Engine {
         Ok(Reply::Cq(id))
     }
 
+    fn resize_cq(&mut self, client: ClientId, cq: u32, cap: u32, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
+        self.owned_cq(client, cq)?;
+        let fd = fds.pop().context("ResizeCq needs a ring memfd")?;
+        if cap == 0 || cap > MAX_CQE || !cap.is_power_of_two() {
+            bail!("CQ size must be a power of two up to {MAX_CQE}");
+        }
+        let len = ring_bytes::<Cqe>(cap);
+        let map = Mapping::map_sealed(&fd, 0, len)?;
+        // SAFETY: the mapping is `len` bytes and replaces the old one beside the ring.
+        let ring = unsafe { Ring::new(map.ptr(), len, cap) }.ok_or_else(|| anyhow!("bad CQ ring"))?;
+        let c = self.cqs.get_mut(&cq).context("CQ vanished")?;
+        let notify = c.ring.header().notify.load(std::sync::atomic::Ordering::Acquire);
+        ring.header().notify.store(notify, std::sync::atomic::Ordering::Release);
+        c.ring = ring;
+        c._map = map;
+        Ok(Reply::Ok)
+    }
+
     fn destroy_cq(&mut self, client: ClientId, cq: u32) -> anyhow::Result<Reply> {
         self.owned_cq(client, cq)?;
         if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
@@ -675,6 +700,9 @@ impl Engine {
         if let Some(q) = qpn {
             self.check_free_qpn(q)?;
         }
+        if q.qp_type == QpType::Ud && restore.is_some() {
+            bail!("a UD QP cannot be created from a suspended state");
+        }
         let cap = QpCap {
             max_send_wr: q.cap.max_send_wr.clamp(1, MAX_WR),
             max_recv_wr: q.cap.max_recv_wr.clamp(1, MAX_WR),
@@ -695,6 +723,7 @@ impl Engine {
             None => self.alloc_qpn(),
         };
         let mut qp = Qp::new(qpn, client, q.pd, q.send_cq, q.recv_cq, q.sq_sig_all, cap, sq, rq);
+        qp.qp_type = q.qp_type;
         if let Some(s) = &restore {
             qp.restore(s).map_err(|e| anyhow!("create suspended QP {qpn:#x}: {e}"))?;
         }

@@ -124,6 +124,16 @@ pub struct Stats {
     pub key_bind_errors: u64,
     /// Packets that reached a suspended QP (requests get an RNR NAK).
     pub rx_while_suspended: u64,
+    /// UD (qp::ud): datagrams sent and delivered; received ones dropped
+    /// for a wrong Q_Key, for want of a posted receive, or because the QP
+    /// or its opcode does not take them; sends refused as larger than the
+    /// port MTU (IBV_WC_LOC_LEN_ERR).
+    pub ud_sent: u64,
+    pub ud_delivered: u64,
+    pub ud_qkey_drops: u64,
+    pub ud_no_recv_drops: u64,
+    pub ud_other_drops: u64,
+    pub ud_oversize_sends: u64,
 }
 
 pub struct OutPkt {

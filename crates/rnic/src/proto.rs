@@ -128,6 +128,13 @@ pub enum Request {
     DestroyCq {
         cq: u32,
     },
+    /// Carries a new CQ ring memfd of `cap` entries (ibv_resize_cq): rnicd
+    /// writes the CQ's completions there from now on, keeping its arm; the
+    /// client hands out what is left in the old ring first.
+    ResizeCq {
+        cq: u32,
+        cap: u32,
+    },
     /// Carries the SQ ring memfd then the RQ ring memfd.
     /// `qpn`: the QPN the caller wants (refused if taken in the namespace).
     CreateQp {
@@ -144,6 +151,9 @@ pub enum Request {
         /// `qpn` says otherwise) and stays suspended until ResumeQp.
         #[serde(default)]
         restore: Option<Box<crate::qp_snapshot::QpSnapshot>>,
+        /// RC unless said otherwise.
+        #[serde(default)]
+        qp_type: crate::types::QpType,
     },
     ModifyQp {
         qpn: u32,

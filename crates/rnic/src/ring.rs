@@ -62,7 +62,12 @@ pub struct SendWqe {
     pub swap: u64,
     pub sge: [Sge; MAX_SGE],
     pub inline: [u8; MAX_INLINE],
-    pub _pad: [u8; 80],
+    /// UD only, the WR's address handle: destination GID (IPv4, host
+    /// order), QPN and Q_Key (high bit set: the sending QP's own).
+    pub ud_dest: u32,
+    pub ud_qpn: u32,
+    pub ud_qkey: u32,
+    pub _pad: [u8; 68],
 }
 
 impl Default for SendWqe {

@@ -36,6 +36,15 @@ pub mod mask {
     pub const DEST_QPN: u32 = 1 << 20;
 }
 
+/// QP transport service (ibv_qp_type): reliable connected, or unreliable
+/// datagram (one packet per message, no ACKs, destination per WR).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QpType {
+    #[default]
+    Rc,
+    Ud,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum QpState {
     Reset,
@@ -232,6 +241,8 @@ impl WcOpcode {
 
 /// Work completion flags.
 pub mod wc_flags {
+    /// A UD receive: the buffer starts with the 40-byte GRH.
+    pub const GRH: u8 = 1;
     pub const WITH_IMM: u8 = 2;
     pub const WITH_INV: u8 = 8;
 }
@@ -256,6 +267,10 @@ pub struct QpAttr {
     pub retry_cnt: u8,
     pub rnr_retry: u8,
     pub sq_draining: bool,
+    /// UD: the Q_Key incoming messages must carry, and the one sent when a
+    /// WR's Q_Key has its high bit set.
+    #[serde(default)]
+    pub qkey: u32,
 }
 
 impl Default for QpAttr {
@@ -277,6 +292,7 @@ impl Default for QpAttr {
             retry_cnt: 7,
             rnr_retry: 7,
             sq_draining: false,
+            qkey: 0,
         }
     }
 }

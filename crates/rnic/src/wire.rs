@@ -15,6 +15,8 @@ pub const ATOMIC_ACK_ETH_LEN: usize = 8;
 pub const IMM_LEN: usize = 4;
 pub const IETH_LEN: usize = 4;
 pub const ICRC_LEN: usize = 4;
+/// Datagram ETH of UD packets: Q_Key, then the source QPN.
+pub const DETH_LEN: usize = 8;
 /// Longest header stack: BTH + RETH + ImmDt (WRITE_ONLY_WITH_IMM) or BTH + AtomicETH.
 pub const MAX_HDR_LEN: usize = BTH_LEN + ATOMIC_ETH_LEN;
 pub const PSN_MASK: u32 = 0x00ff_ffff;
@@ -62,6 +64,8 @@ pub mod hdr {
     pub const ATOMIC_ACK_ETH: u8 = 1 << 3;
     pub const IMM: u8 = 1 << 4;
     pub const IETH: u8 = 1 << 5;
+    /// UD's DETH; on the wire it comes right after the BTH (IBTA 9.2).
+    pub const DETH: u8 = 1 << 6;
 }
 
 /// One row of the opcode table: everything the transport knows of an opcode.
@@ -81,6 +85,9 @@ impl OpInfo {
     pub const fn header_len(&self) -> usize {
         let h = self.headers;
         let mut n = BTH_LEN;
+        if h & hdr::DETH != 0 {
+            n += DETH_LEN;
+        }
         if h & hdr::RETH != 0 {
             n += RETH_LEN;
         }
@@ -107,14 +114,14 @@ impl OpInfo {
 /// the two cannot disagree.
 macro_rules! opcode_table {
     ($($variant:ident = $code:literal, $name:literal, $kind:ident, $pos:ident, [$($h:ident)|*];)*) => {
-        /// RC opcodes (transport bits 000).
+        /// RC opcodes (transport bits 000) and UD's (011).
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         #[repr(u8)]
         pub enum Opcode {
             $($variant = $code,)*
         }
 
-        /// The RC opcode table, in opcode order (as Linux rxe's `rxe_opcode[]`).
+        /// The opcode table, in opcode order (as Linux rxe's `rxe_opcode[]`).
         pub const OPCODES: &[OpInfo] = &[
             $(OpInfo { opcode: Opcode::$variant, name: $name, kind: OpKind::$kind, position: Position::$pos, headers: 0 $(| hdr::$h)* },)*
         ];
@@ -145,12 +152,14 @@ opcode_table! {
     FetchAdd = 0x14, "FETCH_ADD", Atomic, Only, [ATOMIC_ETH];
     SendLastInv = 0x16, "SEND_LAST_WITH_INVALIDATE", Send, Last, [IETH];
     SendOnlyInv = 0x17, "SEND_ONLY_WITH_INVALIDATE", Send, Only, [IETH];
+    UdSendOnly = 0x64, "UD_SEND_ONLY", Send, Only, [DETH];
+    UdSendOnlyImm = 0x65, "UD_SEND_ONLY_WITH_IMMEDIATE", Send, Only, [DETH | IMM];
 }
 
-/// Row of `OPCODES` for each opcode value (NO_OPCODE: not an RC opcode).
+/// Row of `OPCODES` for each opcode value (NO_OPCODE: not one we speak).
 const NO_OPCODE: u8 = u8::MAX;
-const OPCODE_ROW: [u8; 0x20] = {
-    let mut rows = [NO_OPCODE; 0x20];
+const OPCODE_ROW: [u8; 0x100] = {
+    let mut rows = [NO_OPCODE; 0x100];
     let mut i = 0;
     while i < OPCODES.len() {
         rows[OPCODES[i].opcode as usize] = i as u8;
@@ -188,6 +197,13 @@ impl Opcode {
     }
     pub fn has_ieth(self) -> bool {
         self.info().headers & hdr::IETH != 0
+    }
+    pub fn has_deth(self) -> bool {
+        self.info().headers & hdr::DETH != 0
+    }
+    /// An unreliable datagram opcode (transport bits 011).
+    pub fn is_ud(self) -> bool {
+        self as u8 >> 5 == 3
     }
     pub fn is_atomic(self) -> bool {
         self.info().kind == OpKind::Atomic
@@ -237,6 +253,14 @@ pub struct Reth {
     pub va: u64,
     pub rkey: u32,
     pub len: u32,
+}
+
+/// Datagram Extended Transport Header (UD): the Q_Key the receiving QP
+/// must hold, and the sender's QPN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deth {
+    pub qkey: u32,
+    pub src_qpn: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -329,6 +353,7 @@ pub struct Packet<'a> {
     pub atomic: Option<AtomicEth>,
     pub atomic_ack: Option<u64>,
     pub ieth: Option<u32>,
+    pub deth: Option<Deth>,
     pub payload: &'a [u8],
 }
 
@@ -336,7 +361,7 @@ pub struct Packet<'a> {
 pub enum ParseError {
     #[error("packet too short")]
     Short,
-    #[error("unknown or non-RC opcode {0:#x}")]
+    #[error("unknown or unsupported opcode {0:#x}")]
     Opcode(u8),
     #[error("unsupported transport header version {0}")]
     Version(u8),
@@ -528,9 +553,14 @@ pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, Parse
         ack_req: body[8] & 0x80 != 0,
         psn: be24(&body[9..12]),
     };
-    let mut p = Packet { bth, reth: None, imm: None, aeth: None, atomic: None, atomic_ack: None, ieth: None, payload: &[] };
+    let mut p = Packet { bth, reth: None, imm: None, aeth: None, atomic: None, atomic_ack: None, ieth: None, deth: None, payload: &[] };
     let mut off = BTH_LEN;
     let need = |off: usize, n: usize| if body.len() < off + n { Err(ParseError::Short) } else { Ok(()) };
+    if opcode.has_deth() {
+        need(off, DETH_LEN)?;
+        p.deth = Some(Deth { qkey: be32(&body[off..]), src_qpn: be24(&body[off + 5..]) });
+        off += DETH_LEN;
+    }
     if opcode.has_reth() {
         need(off, RETH_LEN)?;
         p.reth = Some(Reth { va: be64(&body[off..]), rkey: be32(&body[off + 8..]), len: be32(&body[off + 12..]) });
@@ -589,6 +619,7 @@ pub struct Headers {
     pub atomic: Option<AtomicEth>,
     pub atomic_ack: Option<u64>,
     pub ieth: Option<u32>,
+    pub deth: Option<Deth>,
 }
 
 impl Headers {
@@ -601,6 +632,7 @@ impl Headers {
             atomic: None,
             atomic_ack: None,
             ieth: None,
+            deth: None,
         }
     }
 
@@ -617,6 +649,12 @@ impl Headers {
         out[8] = (b.ack_req as u8) << 7;
         out[9..12].copy_from_slice(&(b.psn & PSN_MASK).to_be_bytes()[1..]);
         let mut off = BTH_LEN;
+        if let Some(d) = self.deth {
+            out[off..off + 4].copy_from_slice(&d.qkey.to_be_bytes());
+            out[off + 4] = 0;
+            out[off + 5..off + 8].copy_from_slice(&(d.src_qpn & QPN_MASK).to_be_bytes()[1..]);
+            off += DETH_LEN;
+        }
         if let Some(r) = self.reth {
             out[off..off + 8].copy_from_slice(&r.va.to_be_bytes());
             out[off + 8..off + 12].copy_from_slice(&r.rkey.to_be_bytes());
@@ -814,21 +852,30 @@ mod tests {
             h.atomic_ack = info.opcode.has_atomic_ack().then_some(6);
             h.imm = info.opcode.has_imm().then_some(7);
             h.ieth = info.opcode.has_ieth().then_some(8);
+            h.deth = info.opcode.has_deth().then_some(Deth { qkey: 0x8001_0002, src_qpn: 0xabcdef });
             let mut buf = [0u8; MAX_HDR_LEN];
             assert_eq!(h.write(0, &mut buf), info.header_len(), "{}", info.name);
             let payload: &[u8] = if info.opcode.has_payload() { b"data" } else { b"" };
             let pkt = build(&flow(), &h, payload);
             let p = parse(&pkt, Some(&flow())).unwrap();
             assert_eq!((p.reth, p.atomic, p.aeth, p.atomic_ack, p.imm, p.ieth), (h.reth, h.atomic, h.aeth, h.atomic_ack, h.imm, h.ieth));
+            assert_eq!(p.deth, h.deth);
             assert_eq!(p.payload, payload);
         }
-        for v in [0x15u8, 0x18, 0x20, 0x64, 0xff] {
+        for v in [0x15u8, 0x18, 0x20, 0x63, 0x66, 0xff] {
             assert_eq!(Opcode::from_u8(v), None, "{v:#x}");
         }
         assert_eq!(Opcode::WriteOnlyImm.name(), "RDMA_WRITE_ONLY_WITH_IMMEDIATE");
         assert!(Opcode::SendFirst.starts_message() && !Opcode::SendFirst.ends_message());
         assert!(!Opcode::ReadRespFirst.starts_message() && Opcode::ReadRespOnly.ends_message());
         assert!(Opcode::CompareSwap.is_request() && Opcode::AtomicAck.is_response());
+        assert!(Opcode::UdSendOnlyImm.is_ud() && Opcode::UdSendOnly.is_send() && !Opcode::SendOnly.is_ud());
+        // UD SEND with immediate: BTH, DETH, ImmDt in that order.
+        let mut u = Headers::new(Opcode::UdSendOnlyImm, 0x12, 3);
+        u.deth = Some(Deth { qkey: 0x11223344, src_qpn: 0x55 });
+        u.imm = Some(0xa0b0c0d0);
+        let b = build(&flow(), &u, b"ud");
+        assert_eq!(&b[12..24], &[0x11, 0x22, 0x33, 0x44, 0, 0, 0, 0x55, 0xa0, 0xb0, 0xc0, 0xd0]);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use rnic::engine::Engine;
 use rnic::mem::{sealed_memfd, Mapping};
 use rnic::proto::{Reply, Request};
 use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
-use rnic::types::{access, mask, Mtu, QpAttr, QpCap, QpState};
+use rnic::types::{access, mask, Mtu, QpAttr, QpCap, QpState, QpType};
 use rnic::wire::{self, AtomicEth, Flow, Headers, Opcode, Reth, ROCE_PORT};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 1);
@@ -55,8 +55,18 @@ fn rig() -> Rig {
     let sq = sealed_memfd("sq", ring_bytes::<SendWqe>(16)).unwrap();
     let rq = sealed_memfd("rq", ring_bytes::<RecvWqe>(16)).unwrap();
     let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 64 };
-    let req =
-        Request::CreateQp { pd, send_cq: cq, recv_cq: cq, cap, sq_sig_all: false, sq_slots: 16, rq_slots: 16, qpn: None, restore: None };
+    let req = Request::CreateQp {
+        pd,
+        send_cq: cq,
+        recv_cq: cq,
+        cap,
+        sq_sig_all: false,
+        sq_slots: 16,
+        rq_slots: 16,
+        qpn: None,
+        restore: None,
+        qp_type: QpType::Rc,
+    };
     let Reply::Qp { qpn, .. } = e.control(c, req, vec![dup(&sq), dup(&rq)]).unwrap() else { panic!() };
     let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: access::ALL, port_num: 1, ..Default::default() };
     e.control(c, Request::ModifyQp { qpn, attr: a, mask: mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS }, vec![])

@@ -10,7 +10,7 @@ use rnic::mem::sealed_memfd;
 use rnic::objects::ClientId;
 use rnic::proto::{Reply, Request};
 use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
-use rnic::types::{access, mask, Mtu, QpAttr, QpCap, QpState};
+use rnic::types::{access, mask, Mtu, QpAttr, QpCap, QpState, QpType};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 1);
 const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 2);
@@ -50,6 +50,7 @@ impl Rig {
             rq_slots: 16,
             qpn: None,
             restore: None,
+            qp_type: QpType::Rc,
         };
         let Reply::Qp { qpn, .. } = e.control(CLIENT, req, vec![sq.try_clone().unwrap(), rq.try_clone().unwrap()]).unwrap() else {
             panic!()

@@ -296,12 +296,16 @@ fn report(st: &Value, as_json: bool) -> Result<()> {
         println!("throughput        {} Gbit/s on the wire, {} Gbit/s of RAM", f("throughput_gbps"), f("ram_throughput_gbps"));
         for l in st["links"].as_array().into_iter().flatten().filter(|_| st["links"].as_array().is_some_and(|a| a.len() > 1)) {
             println!(
-                "  link {:<21} {} channels ({} lost), {} bytes, {:.2} Gbit/s",
+                "  link {:<21} {} channels ({} lost), {} bytes, {:.2} Gbit/s{}",
                 l["addr"].as_str().unwrap_or("?"),
                 l["channels"],
                 l["channels_lost"],
                 l["wire_bytes"],
-                l["throughput_gbps"].as_f64().unwrap_or(0.0)
+                l["throughput_gbps"].as_f64().unwrap_or(0.0),
+                l["error"]
+                    .as_str()
+                    .map(|e| format!(", {}: {e}", if l["failed"] == true { "failed" } else { "degraded" }))
+                    .unwrap_or_default()
             );
         }
         println!("rounds            {} (throttle {}%, {} steps)", u("rounds"), u("throttle_pct"), u("throttle_steps"));

@@ -32,11 +32,13 @@ use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE, N
 
 pub use rnic::async_events::{AsyncEvent, AsyncKind};
 pub use rnic::mem::MAX_REGION_RUNS;
+/// A UD receive buffer starts with this many bytes of GRH.
+pub use rnic::qp::ud::GRH_LEN;
 pub use rnic::qp::{QpRuntime, QpSnapshot, QP_SNAPSHOT_VERSION};
 pub use rnic::ring::Sge;
 pub use rnic::trace::TraceReport;
 pub use rnic::types::{
-    access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode,
+    access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, QpType, WcOpcode, WcStatus, WrOpcode,
 };
 
 pub mod mkeys;
@@ -308,7 +310,9 @@ impl Context {
         // SAFETY: the mapping has `len` bytes and is kept in the Cq.
         let ring = unsafe { Ring::new(map.ptr(), len, cap) }.context("ring")?;
         match self.inner.call(&Request::CreateCq { cap, channel: channel.map(|c| c.handle) }, &[fd.as_raw_fd()])? {
-            Reply::Cq(h) => Ok(Cq { ctx: self.clone(), handle: h, ring: Mutex::new(ring), held: Default::default(), _map: map, cap }),
+            Reply::Cq(h) => {
+                Ok(Cq { ctx: self.clone(), handle: h, ring: Mutex::new(ring), held: Default::default(), map: Mutex::new(map), cap })
+            }
             r => bail!("unexpected reply {r:?}"),
         }
     }
@@ -504,6 +508,7 @@ impl Pd {
             rq_slots,
             qpn,
             restore,
+            qp_type: init.qp_type,
         };
         match self.ctx.inner.call(&req, &[sqfd.as_raw_fd(), rqfd.as_raw_fd()])? {
             Reply::Qp { qpn, cap } => Ok(Qp { ctx: self.ctx.clone(), qpn, cap, sq: Mutex::new(sq), rq: Mutex::new(rq), _maps: (sqm, rqm) }),
@@ -679,7 +684,9 @@ pub struct Cq {
     /// Completions taken off the ring by `discard_qp` and not yet polled,
     /// handed out before the ring's (lock order: ring, then held).
     held: Mutex<std::collections::VecDeque<Cqe>>,
-    _map: Mapping,
+    /// The ring's memory (replaced with the ring by `resize`).
+    map: Mutex<Mapping>,
+    /// The ring's size at creation (`resize` may change it).
     pub cap: u32,
 }
 
@@ -687,6 +694,33 @@ impl Cq {
     /// rnicd's handle of this CQ (the object of its asynchronous events).
     pub fn handle(&self) -> u32 {
         self.handle
+    }
+
+    /// ibv_resize_cq: moves the CQ to a new ring of at least `cqe` entries
+    /// and returns its size. Completions left in the old ring are handed
+    /// out first, then the new ring's.
+    pub fn resize(&self, cqe: u32) -> anyhow::Result<u32> {
+        let cap = cqe.max(1).next_power_of_two();
+        let len = ring_bytes::<Cqe>(cap);
+        let fd = sealed_memfd("transit-cq", len)?;
+        let map = Mapping::map(&fd, 0, len)?;
+        // SAFETY: the mapping has `len` bytes and is kept beside the ring.
+        let ring = unsafe { Ring::new(map.ptr(), len, cap) }.context("ring")?;
+        let mut r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        match self.ctx.inner.call(&Request::ResizeCq { cq: self.handle, cap }, &[fd.as_raw_fd()])? {
+            Reply::Ok => {}
+            r => bail!("unexpected reply {r:?}"),
+        }
+        // rnicd writes no more into the old ring: what is there comes first.
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(c) = r.pop() {
+            held.push_back(c);
+        }
+        let lost = r.header().error.load(Ordering::Acquire);
+        ring.header().error.fetch_or(lost, Ordering::AcqRel);
+        *r = ring;
+        *self.map.lock().unwrap_or_else(|e| e.into_inner()) = map;
+        Ok(cap)
     }
 
     /// Completions in the ring not yet polled.
@@ -818,6 +852,7 @@ pub struct QpInitAttr {
     pub recv_cq: u32,
     pub cap: QpCap,
     pub sq_sig_all: bool,
+    pub qp_type: QpType,
 }
 
 impl QpInitAttr {
@@ -827,8 +862,18 @@ impl QpInitAttr {
             recv_cq: recv_cq.handle,
             cap: QpCap { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 128 },
             sq_sig_all: false,
+            qp_type: QpType::Rc,
         }
     }
+}
+
+/// Where a UD send goes (the address handle, remote QPN and Q_Key of
+/// ibv_send_wr's `wr.ud`). A `qkey` with the high bit set sends the QP's own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UdDest {
+    pub gid: Ipv4Addr,
+    pub qpn: u32,
+    pub qkey: u32,
 }
 
 /// A send work request (ibv_send_wr); `inline` carries inline data instead of SGEs.
@@ -845,6 +890,8 @@ pub struct SendWr<'a> {
     pub rkey: u32,
     pub compare_add: u64,
     pub swap: u64,
+    /// UD QPs: the destination (required there, ignored by RC QPs).
+    pub ud: Option<UdDest>,
 }
 
 impl<'a> SendWr<'a> {
@@ -860,7 +907,12 @@ impl<'a> SendWr<'a> {
             rkey: 0,
             compare_add: 0,
             swap: 0,
+            ud: None,
         }
+    }
+    /// A UD SEND to `dest`.
+    pub fn send_to(wr_id: u64, sg: &'a [Sge], dest: UdDest) -> Self {
+        SendWr { ud: Some(dest), ..Self::new(wr_id, WrOpcode::Send, sg) }
     }
     pub fn send(wr_id: u64, sg: &'a [Sge]) -> Self {
         Self::new(wr_id, WrOpcode::Send, sg)
@@ -1031,6 +1083,18 @@ impl Qp {
         self.modify(&a, mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC)
     }
 
+    /// A UD QP from RESET to RTS as UD programs do: INIT with P_Key index
+    /// 0, port 1 and `qkey`, RTR, then RTS sending from `sq_psn`.
+    pub fn ud_activate(&self, qkey: u32, sq_psn: u32) -> anyhow::Result<()> {
+        let mut a = QpAttr { qp_state: QpState::Init, port_num: 1, qkey, ..Default::default() };
+        self.modify(&a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::QKEY)?;
+        a.qp_state = QpState::Rtr;
+        self.modify(&a, mask::STATE)?;
+        a.qp_state = QpState::Rts;
+        a.sq_psn = sq_psn;
+        self.modify(&a, mask::STATE | mask::SQ_PSN)
+    }
+
     /// ibv_post_send: queues the WRs in order, then rings the doorbell once.
     /// Fails (posting nothing more) when the send queue is full.
     pub fn post_send(&self, wrs: &[SendWr]) -> anyhow::Result<()> {
@@ -1054,6 +1118,11 @@ impl Qp {
                 swap: wr.swap,
                 ..Default::default()
             };
+            if let Some(d) = wr.ud {
+                w.ud_dest = u32::from(d.gid);
+                w.ud_qpn = d.qpn;
+                w.ud_qkey = d.qkey;
+            }
             if let Some(d) = wr.inline {
                 if d.len() > self.cap.max_inline_data as usize || wr.opcode.is_read_or_atomic() {
                     result = Err(anyhow!("inline data of {} bytes exceeds max_inline_data {}", d.len(), self.cap.max_inline_data));
@@ -1124,13 +1193,17 @@ impl Qp {
 
     /// Free slots in the send ring now (for pipelining tools).
     pub fn send_slots(&self) -> u32 {
-        self.sq.lock().unwrap_or_else(|e| e.into_inner()).free_slots()
+        let ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+        // The ring is a power of two, at least max_send_wr: the rest of it
+        // is not the queue's.
+        ring.free_slots().saturating_sub(ring.cap() - self.cap.max_send_wr.min(ring.cap()))
     }
 
     /// Free slots in the receive ring now: a caller posting a chain can
     /// tell which WR would overflow the queue before posting any.
     pub fn recv_slots(&self) -> u32 {
-        self.rq.lock().unwrap_or_else(|e| e.into_inner()).free_slots()
+        let ring = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        ring.free_slots().saturating_sub(ring.cap() - self.cap.max_recv_wr.min(ring.cap()))
     }
 }
 

@@ -324,8 +324,94 @@ int main(void)
 		CHECK("resize_cq smaller", ibv_resize_cq(rc, 4) == 0 && rc->cqe >= 4, "cqe %d", rc->cqe);
 		CHECK("resize_cq 0", ibv_resize_cq(rc, 0) == EINVAL, "accepted");
 		CHECK("resize_cq past the device", ibv_resize_cq(rc, 1 << 30) == EINVAL, "accepted");
+		CHECK("resize_cq larger", ibv_resize_cq(rc, 100) == 0 && rc->cqe >= 100, "cqe %d", rc->cqe);
 		CHECK("resize_cq destroy", ibv_destroy_cq(rc) == 0, "destroy");
 		OK("resize_cq");
+	}
+
+	/* UD: datagrams between two QPs of this process, through ibv_post_send's
+	 * wr.ud and through ibv_wr_set_ud_addr; the GRH in front of the data. */
+	{
+		struct ibv_cq *ucq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+		struct ibv_qp_init_attr_ex ua = {
+			.send_cq = ucq, .recv_cq = ucq, .qp_type = IBV_QPT_UD, .cap = { 8, 8, 1, 1, 0 },
+			.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS, .pd = pd,
+			.send_ops_flags = IBV_QP_EX_WITH_SEND,
+		};
+		struct ibv_qp *us = ibv_create_qp_ex(ctx, &ua), *ur = ibv_create_qp_ex(ctx, &ua);
+		CHECK("UD create", us && ur && us->qp_type == IBV_QPT_UD, "errno %d", errno);
+		char *ub = calloc(1, 4096);
+		struct ibv_mr *um = ibv_reg_mr(pd, ub, 4096, IBV_ACCESS_LOCAL_WRITE);
+		struct ibv_sge ss = { (uintptr_t)ub, 64, um->lkey }, rs = { (uintptr_t)ub + 1024, 40 + 64, um->lkey };
+		struct ibv_send_wr sw = { .wr_id = 1, .sg_list = &ss, .num_sge = 1, .opcode = IBV_WR_SEND,
+					  .send_flags = IBV_SEND_SIGNALED }, *sbad;
+		struct ibv_recv_wr rw = { .wr_id = 2, .sg_list = &rs, .num_sge = 1 }, *rbad;
+		CHECK("UD recv in RESET", ibv_post_recv(ur, &rw, &rbad) == EINVAL, "accepted");
+		for (int i = 0; i < 2; i++) {
+			struct ibv_qp *q = i ? ur : us;
+			struct ibv_qp_attr x = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qkey = 0x11 };
+			CHECK("UD INIT without QKEY", ibv_modify_qp(q, &x, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT) ==
+							      EINVAL, "accepted");
+			CHECK("UD INIT", ibv_modify_qp(q, &x, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY) == 0,
+			      "init");
+			x.qp_state = IBV_QPS_RTR;
+			CHECK("UD RTR", ibv_modify_qp(q, &x, IBV_QP_STATE) == 0, "rtr");
+			CHECK("UD send before RTS", i || ibv_post_send(q, &sw, &sbad) == EINVAL, "accepted");
+			x.qp_state = IBV_QPS_RTS;
+			CHECK("UD RTS", ibv_modify_qp(q, &x, IBV_QP_STATE | IBV_QP_SQ_PSN) == 0, "rts");
+		}
+		struct ibv_qp_attr qx;
+		struct ibv_qp_init_attr qix;
+		CHECK("UD query", ibv_query_qp(ur, &qx, IBV_QP_QKEY, &qix) == 0 && qx.qkey == 0x11 &&
+					  qix.qp_type == IBV_QPT_UD, "qkey %u", qx.qkey);
+		struct ibv_ah_attr uaa = { .is_global = 1, .port_num = 1, .grh = { .dgid = gid, .hop_limit = 64 } };
+		struct ibv_ah *uah = ibv_create_ah(pd, &uaa);
+		memset(ub, 0x5a, 64);
+		for (int way = 0; way < 2; way++) {
+			memset(ub + 1024, 0, 40 + 64);
+			CHECK("UD post_recv", ibv_post_recv(ur, &rw, &rbad) == 0, "post");
+			if (way == 0) {
+				sw.wr.ud.ah = NULL;
+				CHECK("UD send without AH", ibv_post_send(us, &sw, &sbad) == EINVAL, "accepted");
+				sw.wr.ud.ah = uah;
+				sw.wr.ud.remote_qpn = ur->qp_num;
+				sw.wr.ud.remote_qkey = 0x11;
+				CHECK("UD post_send", ibv_post_send(us, &sw, &sbad) == 0, "post");
+			} else {
+				struct ibv_qp_ex *qx2 = ibv_qp_to_qp_ex(us);
+				ibv_wr_start(qx2);
+				qx2->wr_id = 1;
+				qx2->wr_flags = IBV_SEND_SIGNALED;
+				ibv_wr_send(qx2);
+				ibv_wr_set_ud_addr(qx2, uah, ur->qp_num, 0x80000000); /* the QP's own Q_Key */
+				ibv_wr_set_sge(qx2, um->lkey, (uintptr_t)ub, 64);
+				CHECK("UD wr_complete", ibv_wr_complete(qx2) == 0, "complete");
+			}
+			int got = 0;
+			for (long spin = 0; got != 3 && spin < 2000000000L; spin++) {
+				struct ibv_wc wc;
+				if (ibv_poll_cq(ucq, 1, &wc) != 1)
+					continue;
+				CHECK("UD completion", wc.status == IBV_WC_SUCCESS, "status %d", wc.status);
+				if (wc.opcode == IBV_WC_RECV) {
+					CHECK("UD recv wc", wc.byte_len == 40 + 64 && (wc.wc_flags & IBV_WC_GRH) &&
+								    wc.src_qp == us->qp_num && wc.qp_num == ur->qp_num,
+					      "len %u flags %u src %u", wc.byte_len, wc.wc_flags, wc.src_qp);
+					got |= 2;
+				} else {
+					got |= 1;
+				}
+			}
+			CHECK("UD both completions", got == 3, "got %d", got);
+			CHECK("UD data after the GRH", !memcmp(ub + 1024 + 40, ub, 64), "data");
+			CHECK("UD GRH is IPv4", ub[1024 + 20] == 0x45 && !memcmp(ub + 1024 + 32, gid.raw + 12, 4), "grh");
+		}
+		sw.opcode = IBV_WR_RDMA_WRITE;
+		CHECK("UD RDMA WRITE", ibv_post_send(us, &sw, &sbad) == EINVAL, "accepted");
+		CHECK("UD destroy", ibv_destroy_qp(us) == 0 && ibv_destroy_qp(ur) == 0 && ibv_destroy_ah(uah) == 0 &&
+					    ibv_dereg_mr(um) == 0 && ibv_destroy_cq(ucq) == 0, "destroy");
+		free(ub);
+		OK("UD datagrams, GRH, wr.ud and ibv_wr_set_ud_addr");
 	}
 
 	/* More completions than a CQ holds: IBV_EVENT_CQ_ERR on that CQ. */
@@ -481,9 +567,9 @@ int main(void)
 		CHECK("dealloc busy pd", ibv_dealloc_pd(pd) == EBUSY, "ebusy");
 		CHECK("destroy busy cq", ibv_destroy_cq(cq) == EBUSY, "ebusy");
 		CHECK("destroy busy channel", ibv_destroy_comp_channel(ch) == EBUSY, "ebusy");
-		struct ibv_qp_init_attr ud = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UD,
+		struct ibv_qp_init_attr uc = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UC,
 					       .cap = { 1, 1, 1, 1, 0 } };
-		CHECK("UD QP", !ibv_create_qp(pd, &ud) && errno == EOPNOTSUPP, "errno %d", errno);
+		CHECK("UC QP", !ibv_create_qp(pd, &uc) && errno == EOPNOTSUPP, "errno %d", errno);
 		CHECK("srq", !ibv_create_srq(pd, &(struct ibv_srq_init_attr){ .attr = { 1, 1, 0 } }) &&
 				     errno == EOPNOTSUPP, "errno %d", errno);
 		union ibv_gid mgid = {};

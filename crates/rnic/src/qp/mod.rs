@@ -10,7 +10,9 @@
 //!   the spec's order and queues its responses (ACKs, READ responses, atomic
 //!   ACKs, NAKs) in PSN order, so that a coalesced ACK never overtakes a READ
 //!   response;
-//! - [`snapshot`](self::snapshot): suspend, query, restore and resume (seed 000).
+//! - [`snapshot`](self::snapshot): suspend, query, restore and resume (seed 000);
+//! - [`ud`](self::ud): unreliable datagram QPs, which share the QP, its
+//!   rings and its state machine but none of the RC transport.
 //!
 //! This module holds the QP itself, its queues and the rings it pulls WQEs
 //! from. Everything the transport needs to carry on lives in [`QpRuntime`],
@@ -22,6 +24,7 @@ mod requester;
 mod responder;
 mod snapshot;
 mod state;
+pub mod ud;
 
 use std::collections::VecDeque;
 use std::net::Ipv4Addr;
@@ -32,7 +35,7 @@ use crate::keys::{BindError, Keys, MAX_KLM};
 use crate::mem::Mapping;
 use crate::objects::{ClientId, Cq, IdMap, Stats, Tx};
 use crate::ring::{Cqe, RecvWqe, Ring, SendWqe, Sge, MAX_INLINE, MAX_SGE};
-use crate::types::{send_flags, QpAttr, QpCap, QpState, WcOpcode, WcStatus, WrOpcode};
+use crate::types::{send_flags, QpAttr, QpCap, QpState, QpType, WcOpcode, WcStatus, WrOpcode};
 use crate::wire::{self, psn_add, Flow, Packet, ROCE_PORT};
 
 pub use crate::qp_snapshot::{QpRuntime, QpSnapshot, ReadExec, RespJob, WriteCtx, QP_SNAPSHOT_VERSION};
@@ -113,6 +116,7 @@ pub struct Qp {
     pub recv_cq: u32,
     pub sq_sig_all: bool,
     pub cap: QpCap,
+    pub qp_type: QpType,
     pub attr: QpAttr,
     pub sport: u16,
     pub rt: QpRuntime,
@@ -185,6 +189,7 @@ impl Qp {
             recv_cq,
             sq_sig_all,
             cap,
+            qp_type: QpType::Rc,
             attr: QpAttr::default(),
             sport: wire::source_port_for_qpn(qpn),
             rt: QpRuntime::default(),
@@ -228,6 +233,10 @@ impl Qp {
         if self.suspended {
             return;
         }
+        if self.is_ud() {
+            self.ud_pull_sq(ctx);
+            return self.ud_transmit(ctx, budget);
+        }
         // WQEs left in the ring while the queue was full get no new doorbell.
         if self.sq.len() < self.cap.max_send_wr as usize && (self.sq_ring.ready() > 0 || self.local_ready()) {
             self.pull_sq(ctx);
@@ -240,6 +249,9 @@ impl Qp {
     pub fn pull_sq(&mut self, ctx: &mut Ctx) {
         if self.suspended {
             return;
+        }
+        if self.is_ud() {
+            return self.ud_pull_sq(ctx);
         }
         let st = self.attr.qp_state;
         if !matches!(st, QpState::Rts | QpState::Sqd | QpState::Err) {
@@ -378,7 +390,9 @@ impl Qp {
             return;
         }
         let st = self.attr.qp_state;
-        if st == QpState::Reset {
+        if st == QpState::Reset || (self.is_ud() && st != QpState::Err) {
+            // A UD QP takes its receive WQE from the ring when a datagram
+            // comes (qp::ud), so that the ring holds exactly its receives.
             return;
         }
         while self.rq.len() < self.cap.max_recv_wr as usize || st == QpState::Err {
@@ -405,6 +419,9 @@ impl Qp {
     pub fn has_tx_work(&self, now: Instant) -> bool {
         if self.suspended {
             return false;
+        }
+        if self.is_ud() {
+            return self.ud_has_tx_work();
         }
         let pullable = (self.sq_ring.ready() > 0 || self.local_ready())
             && self.sq.len() < self.cap.max_send_wr as usize
@@ -438,6 +455,11 @@ impl Qp {
 
     /// Reads the rings as a doorbell would; true if it took any WQE.
     pub fn poll_rings(&mut self, ctx: &mut Ctx) -> bool {
+        if self.is_ud() {
+            // Its sends leave from the ring in the transmit round (and its
+            // receive ring holds posted receives until datagrams come).
+            return self.ud_has_tx_work();
+        }
         let before = self.sq_ring.ready() + self.rq_ring.ready();
         if before == 0 {
             return false;

@@ -114,7 +114,8 @@ impl Qp {
     }
 
     fn check_modify(&self, attr: &QpAttr, mask: u32, cur: QpState, new: QpState) -> Result<(), String> {
-        let (required, optional) = transition_attrs(cur, new).ok_or_else(|| format!("invalid QP state transition {cur:?} -> {new:?}"))?;
+        let table = if self.is_ud() { super::ud::transition_attrs } else { transition_attrs };
+        let (required, optional) = table(cur, new).ok_or_else(|| format!("invalid QP state transition {cur:?} -> {new:?}"))?;
         let given = mask & !m::STATE;
         if given & required != required {
             return Err(format!("{cur:?} -> {new:?} needs attributes {}", mask_names(required & !given)));
@@ -182,6 +183,9 @@ impl Qp {
         }
         if mask & m::RNR_RETRY != 0 {
             a.rnr_retry = attr.rnr_retry;
+        }
+        if mask & m::QKEY != 0 {
+            a.qkey = attr.qkey;
         }
     }
 
