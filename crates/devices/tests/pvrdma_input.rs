@@ -13,6 +13,7 @@ use pvrdma_abi::*;
 use verbs::{RecvWr, SendWr, WcStatus};
 
 const EPERM: u32 = 1;
+const ENOMEM: u8 = 12;
 const EFAULT: u8 = 14;
 const EINVAL: u8 = 22;
 const ENOSYS: u8 = 38;
@@ -116,7 +117,9 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
     d.put(table + 8, &(RAM - 2048));
     assert_eq!(d.cmd::<_, CmdCreateCqResp>(cq(good)).err(), Some(EFAULT), "page outside RAM, unaligned");
     assert_eq!(d.cmd::<_, CmdCreateCqResp>(CmdCreateCq { cqe: 48, ..cq(good) }).err(), Some(EINVAL), "not a power of two");
-    // A memory region over pages that are not one run of guest pages.
+    // Memory regions over scattered pages: accepted; with a page outside
+    // guest RAM or unaligned, longer than its pages, or scattered into more
+    // runs than rnicd takes: refused.
     let (a, b) = (d.alloc(1), d.alloc(2) + 4096);
     let pdir = d.pdir(&[a, b]);
     let mr = CmdCreateMr {
@@ -129,9 +132,14 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
         flags: 0,
         nchunks: 2,
     };
-    assert_eq!(d.cmd::<_, CmdCreateMrResp>(mr).err(), Some(EINVAL));
+    assert!(d.cmd::<_, CmdCreateMrResp>(mr).is_ok(), "scattered pages");
+    assert_eq!(d.create_mr_pages(pd, &[a, RAM], 0, 8192).err(), Some(EFAULT), "page outside RAM");
+    assert_eq!(d.create_mr_pages(pd, &[a, b + 8], 0, 8192).err(), Some(EFAULT), "unaligned page");
     let mr_long = CmdCreateMr { length: 3 * 4096, pdir_dma: d.pdir(&[a, a + 4096]), ..mr };
     assert_eq!(d.cmd::<_, CmdCreateMrResp>(mr_long).err(), Some(EINVAL), "longer than its pages");
+    let many: Vec<u64> = (0..=verbs::MAX_REGION_RUNS).map(|i| if i % 2 == 0 { a } else { b }).collect();
+    assert_eq!(d.create_mr_pages(pd, &many, 0, many.len() as u64 * 4096).err(), Some(ENOMEM), "too many runs");
+    assert!(d.create_mr_pages(pd, &many[..verbs::MAX_REGION_RUNS], 0, 4096 * verbs::MAX_REGION_RUNS as u64).is_ok(), "as many as it takes");
     // QPs of kinds the device does not make, and impossible geometry.
     let scq = d.create_cq(64);
     let qp = |qp_type, wr, sge, chunks| CmdCreateQp {

@@ -14,7 +14,7 @@ use anyhow::{anyhow, bail, Context as _};
 
 use crate::async_events::AsyncSinks;
 use crate::keys::{AliasTarget, Export, Grant, IndirectKey, IndirectKind, Keys, MAX_INDIRECT, MAX_KLM};
-use crate::mem::Mapping;
+use crate::mem::{Mapping, RegionMemory};
 use crate::objects::{ClientId, Cq, IdMap, Mr, Stats, Tx};
 use crate::proto::{self, Reply, Request};
 use crate::qp::{Ctx, Qp, QpSnapshot, MAX_MSG};
@@ -131,7 +131,11 @@ impl Engine {
             Request::DeallocPd { pd } => self.dealloc_pd(client, pd),
             Request::RegMr { pd, iova, len, access, fd_offset, key } => {
                 let fd = fds.first().context("RegMr needs a memfd")?;
-                self.reg_mr(client, MrRequest { pd, iova, len, access, fd_offset, key }, fd)
+                self.reg_mr(client, MrRequest { pd, iova, len, access, runs: vec![(fd_offset, len)], key }, fd)
+            }
+            Request::RegMrRuns { pd, iova, access, runs, key } => {
+                let fd = fds.first().context("RegMrRuns needs a memfd")?;
+                self.reg_mr(client, MrRequest::over_runs(pd, iova, access, runs, key)?, fd)
             }
             Request::DeregMr { lkey } => self.dereg_mr(client, lkey),
             Request::TraceMr { lkey, granularity } => self.trace_mr(client, lkey, granularity),
@@ -378,8 +382,17 @@ struct MrRequest {
     iova: u64,
     len: u64,
     access: u32,
-    fd_offset: u64,
+    /// `(fd_offset, len)` runs of the memfd, `len` bytes in all.
+    runs: Vec<(u64, u64)>,
     key: Option<u32>,
+}
+
+impl MrRequest {
+    /// An MR over `runs` laid end to end (RegMrRuns, a batch's MR).
+    fn over_runs(pd: u32, iova: u64, access: u32, runs: Vec<(u64, u64)>, key: Option<u32>) -> anyhow::Result<MrRequest> {
+        let len = runs.iter().try_fold(0u64, |n, r| n.checked_add(r.1)).context("MR length overflows")?;
+        Ok(MrRequest { pd, iova, len, access, runs, key })
+    }
 }
 
 /// The arguments of CreateQp (but the state to restore).
@@ -456,7 +469,7 @@ impl Engine {
                 bail!("key {k:#x} is already in use in namespace {}", self.gid);
             }
         }
-        let map = Mapping::map_region(fd, r.fd_offset, r.len as usize)?;
+        let mem = RegionMemory::map(fd, r.iova, &r.runs)?;
         let key = match r.key {
             Some(k) => k,
             None => self.alloc_qpn(),
@@ -468,7 +481,7 @@ impl Engine {
             iova: r.iova,
             len: r.len,
             access: r.access,
-            map,
+            mem,
             invalidated: AtomicBool::new(false),
             trace: Default::default(),
         };

@@ -2,7 +2,8 @@
 //! aliases, and the translation of (key, address, length) into host memory
 //! that every data access goes through.
 //!
-//! - A **direct** key is an MR: one range of a memfd the client passed.
+//! - A **direct** key is an MR: one range of a memfd the client passed, or
+//!   several laid end to end (a scattered region, `mem::RegionMemory`).
 //! - An **indirect** key (like a UMR mkey) is created once, with no memory,
 //!   then bound by a send-queue work request to a range of an existing MR
 //!   or to a list of ranges of several MRs (KLM style), and invalidated by
@@ -33,6 +34,7 @@
 
 use std::sync::{Arc, Weak};
 
+pub use crate::mem::Span;
 use crate::objects::{ClientId, IdMap, Mr};
 use crate::types::access;
 
@@ -41,58 +43,6 @@ use crate::types::access;
 pub const MAX_KLM: usize = 24;
 /// Most indirect keys and aliases one namespace holds.
 pub const MAX_INDIRECT: usize = 1 << 20;
-
-/// Host memory of one resolved range: one piece, or one per binding entry it crosses.
-pub enum Span {
-    One(*mut u8),
-    Many(Vec<(*mut u8, usize)>),
-}
-
-impl Span {
-    /// Copies `data` into the span (which is exactly `data.len()` bytes).
-    ///
-    /// # Safety
-    /// The span must come from `Keys::resolve` for `data.len()` bytes, in
-    /// this packet's handling (no table change in between).
-    pub unsafe fn write(&self, data: &[u8]) {
-        match self {
-            Span::One(p) => std::ptr::copy_nonoverlapping(data.as_ptr(), *p, data.len()),
-            Span::Many(v) => {
-                let mut off = 0;
-                for (p, n) in v {
-                    std::ptr::copy_nonoverlapping(data[off..].as_ptr(), *p, *n);
-                    off += n;
-                }
-            }
-        }
-    }
-
-    /// Copies the span into `out` (same conditions as `write`).
-    ///
-    /// # Safety
-    /// As `write`.
-    pub unsafe fn read(&self, out: &mut [u8]) {
-        match self {
-            Span::One(p) => std::ptr::copy_nonoverlapping(*p, out.as_mut_ptr(), out.len()),
-            Span::Many(v) => {
-                let mut off = 0;
-                for (p, n) in v {
-                    std::ptr::copy_nonoverlapping(*p, out[off..].as_mut_ptr(), *n);
-                    off += n;
-                }
-            }
-        }
-    }
-
-    /// The span as one pointer, if it is contiguous (atomics need that).
-    pub fn contiguous(&self) -> Option<*mut u8> {
-        match self {
-            Span::One(p) => Some(*p),
-            Span::Many(v) if v.len() == 1 => Some(v[0].0),
-            Span::Many(_) => None,
-        }
-    }
-}
 
 /// One range of a binding: `len` bytes of `mr` at its address `va`,
 /// `start` bytes into the bound range.
@@ -133,8 +83,7 @@ impl Binding {
             let e = self.entries.get(i)?;
             let mr = e.mr.upgrade()?;
             let n = (e.start + e.len).min(end) - at;
-            let p = mr.translate(mr.pd, e.va + (at - e.start), n, need)?;
-            pieces.push((p, n as usize));
+            mr.translate(mr.pd, e.va + (at - e.start), n, need)?.push_to(n as usize, &mut pieces);
             at += n;
             i += 1;
         }
@@ -172,7 +121,7 @@ impl Export {
         match &self.memory {
             ExportedMemory::Mr(w) => {
                 let mr = w.upgrade()?;
-                mr.translate(mr.pd, va, len, need).map(Span::One)
+                mr.translate(mr.pd, va, len, need)
             }
             ExportedMemory::Binding(w) => w.upgrade()?.resolve(va, len, need),
         }
@@ -267,7 +216,7 @@ impl Keys {
     /// with access `need`; None if the key does not grant exactly that now.
     pub fn resolve(&self, key: u32, pd: u32, va: u64, len: u64, need: u32) -> Option<Span> {
         if let Some(mr) = self.direct.get(&key) {
-            return mr.translate(pd, va, len, need).map(Span::One);
+            return mr.translate(pd, va, len, need);
         }
         let k = self.indirect.get(&key)?;
         if k.pd != pd {
@@ -287,7 +236,7 @@ impl Keys {
                         if mr.owner != *target_owner {
                             return None;
                         }
-                        mr.translate(mr.pd, va, len, need).map(Span::One)
+                        mr.translate(mr.pd, va, len, need)
                     }
                     AliasTarget::Indirect { generation, .. } => {
                         let t = self.indirect.get(target_key).filter(|t| t.generation == *generation && t.owner == *target_owner)?;

@@ -166,6 +166,169 @@ impl Drop for Mapping {
     }
 }
 
+/// Host memory of one resolved range: one piece, or one per run of a
+/// scattered region or binding entry it crosses.
+pub enum Span {
+    One(*mut u8),
+    Many(Vec<(*mut u8, usize)>),
+}
+
+impl Span {
+    /// Copies `data` into the span (which is exactly `data.len()` bytes).
+    ///
+    /// # Safety
+    /// The span must come from `Keys::resolve` for `data.len()` bytes, in
+    /// this packet's handling (no table change in between).
+    pub unsafe fn write(&self, data: &[u8]) {
+        match self {
+            Span::One(p) => std::ptr::copy_nonoverlapping(data.as_ptr(), *p, data.len()),
+            Span::Many(v) => {
+                let mut off = 0;
+                for (p, n) in v {
+                    std::ptr::copy_nonoverlapping(data[off..].as_ptr(), *p, *n);
+                    off += n;
+                }
+            }
+        }
+    }
+
+    /// Copies the span into `out` (same conditions as `write`).
+    ///
+    /// # Safety
+    /// As `write`.
+    pub unsafe fn read(&self, out: &mut [u8]) {
+        match self {
+            Span::One(p) => std::ptr::copy_nonoverlapping(*p, out.as_mut_ptr(), out.len()),
+            Span::Many(v) => {
+                let mut off = 0;
+                for (p, n) in v {
+                    std::ptr::copy_nonoverlapping(*p, out[off..].as_mut_ptr(), *n);
+                    off += n;
+                }
+            }
+        }
+    }
+
+    /// Appends the span's pieces (it covers `len` bytes) to `out`.
+    pub fn push_to(self, len: usize, out: &mut Vec<(*mut u8, usize)>) {
+        match self {
+            Span::One(p) => out.push((p, len)),
+            Span::Many(v) => out.extend(v),
+        }
+    }
+
+    /// The span as one pointer, if it is contiguous (atomics need that).
+    pub fn contiguous(&self) -> Option<*mut u8> {
+        match self {
+            Span::One(p) => Some(*p),
+            Span::Many(v) if v.len() == 1 => Some(v[0].0),
+            Span::Many(_) => None,
+        }
+    }
+}
+
+/// Most runs one memory region may have: the run list travels in one
+/// control message (`fdmsg::MAX_MSG`, 64 KiB), at most ~30 bytes a run.
+pub const MAX_REGION_RUNS: usize = 2048;
+
+/// Page size of the boundaries between a scattered region's runs.
+pub const RUN_PAGE: u64 = 4096;
+
+/// The memory of a memory region: runs `(fd_offset, len)` of one memfd laid
+/// end to end in the region's address space, as a guest's scattered pages
+/// are. One run is the common case and costs one addition per access, as a
+/// single mapping did; several cost a binary search over the run starts.
+pub struct RegionMemory {
+    /// Region offset where each run starts (0 first), ascending.
+    starts: Vec<u64>,
+    maps: Vec<Mapping>,
+    len: u64,
+}
+
+impl RegionMemory {
+    /// Maps `runs` of `fd` (adjacent runs merged) for a region whose byte 0
+    /// is at `iova`. With several runs, every boundary between two runs
+    /// is a page boundary of the memfd and of the region's address space
+    /// (like a page list), so an aligned atomic never straddles two runs.
+    pub fn map(fd: &OwnedFd, iova: u64, runs: &[(u64, u64)]) -> anyhow::Result<RegionMemory> {
+        if runs.is_empty() || runs.len() > MAX_REGION_RUNS {
+            bail!("a region needs 1 to {MAX_REGION_RUNS} runs, not {}", runs.len());
+        }
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
+        for &(off, len) in runs {
+            if len == 0 || off.checked_add(len).is_none() {
+                bail!("bad run {off}+{len}");
+            }
+            match merged.last_mut() {
+                Some(last) if last.0 + last.1 == off => last.1 += len,
+                _ => merged.push((off, len)),
+            }
+        }
+        if merged.len() > 1 {
+            if iova % RUN_PAGE != merged[0].0 % RUN_PAGE {
+                bail!("a scattered region's iova {iova:#x} must have the page offset of its first run ({:#x})", merged[0].0);
+            }
+            let last = merged.len() - 1;
+            for (i, &(off, len)) in merged.iter().enumerate() {
+                if (i > 0 && off % RUN_PAGE != 0) || (i < last && (off + len) % RUN_PAGE != 0) {
+                    bail!("run {i} ({off:#x}+{len:#x}) does not start and end on page boundaries between runs");
+                }
+            }
+        }
+        let mut starts = Vec::with_capacity(merged.len());
+        let mut maps = Vec::with_capacity(merged.len());
+        let mut total = 0u64;
+        for &(off, len) in &merged {
+            let n = usize::try_from(len).context("run too long")?;
+            maps.push(Mapping::map_region(fd, off, n)?);
+            starts.push(total);
+            total = total.checked_add(len).context("region too long")?;
+        }
+        Ok(RegionMemory { starts, maps, len: total })
+    }
+
+    /// Bytes the region covers.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Runs after merging.
+    pub fn runs(&self) -> usize {
+        self.maps.len()
+    }
+
+    /// Host memory of bytes [off, off+len) of the region, which the caller
+    /// checked to lie inside it.
+    pub fn span(&self, off: u64, len: u64) -> Span {
+        debug_assert!(off + len <= self.len);
+        if self.maps.len() == 1 {
+            // SAFETY: off + len <= the mapping's length (checked by the caller).
+            return Span::One(unsafe { self.maps[0].ptr().add(off as usize) });
+        }
+        let mut i = self.starts.partition_point(|&s| s <= off).saturating_sub(1);
+        let end = off + len;
+        let run_end = |i: usize| self.starts[i] + self.maps[i].len() as u64;
+        // SAFETY (both): `at` lies in run i, and `n` bytes from it too.
+        let at_ptr = |i: usize, at: u64| unsafe { self.maps[i].ptr().add((at - self.starts[i]) as usize) };
+        if end <= run_end(i) {
+            return Span::One(at_ptr(i, off));
+        }
+        let mut pieces = Vec::new();
+        let mut at = off;
+        while at < end {
+            let n = run_end(i).min(end) - at;
+            pieces.push((at_ptr(i, at), n as usize));
+            at += n;
+            i += 1;
+        }
+        Span::Many(pieces)
+    }
+}
+
 /// Creates a memfd of `len` bytes sealed against shrinking and growing.
 pub fn sealed_memfd(name: &str, len: usize) -> anyhow::Result<OwnedFd> {
     let cname = std::ffi::CString::new(name)?;
@@ -225,5 +388,35 @@ fn prefault_present(w: &Arc<Mapping>) {
     };
     if let Err(e) = std::thread::Builder::new().name("prefault".into()).spawn(run) {
         tracing::warn!("no thread to prefault guest memory ({e}); its pages fault in on first use");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pieces of a span as (memfd offset, len), given the window's base.
+    fn pieces(m: &RegionMemory, base: *mut u8, off: u64, len: u64) -> Vec<(u64, usize)> {
+        let mut v = Vec::new();
+        m.span(off, len).push_to(len as usize, &mut v);
+        v.into_iter().map(|(p, n)| (p as u64 - base as u64, n)).collect()
+    }
+
+    #[test]
+    fn runs_resolve_to_their_pieces() {
+        let fd = sealed_memfd("runs", 16 * 4096).unwrap();
+        let w = window(&fd).unwrap();
+        // Byte 0 at 0x100 of page 3, then pages 1, 7-8 (given as two runs, merged).
+        let runs = [(3 * 4096 + 0x100, 4096 - 0x100), (4096, 4096), (7 * 4096, 4096), (8 * 4096, 4096)];
+        let m = RegionMemory::map(&fd, 0x5100, &runs).unwrap();
+        assert_eq!((m.runs(), m.len()), (3, 4 * 4096 - 0x100));
+        let base = w.ptr();
+        assert_eq!(pieces(&m, base, 0, 8), [(3 * 4096 + 0x100, 8)]);
+        assert_eq!(pieces(&m, base, 0xf00 - 8, 16), [(4 * 4096 - 8, 8), (4096, 8)]);
+        assert_eq!(pieces(&m, base, 0xf00, 4096 + 4096 + 10), [(4096, 4096), (7 * 4096, 4096 + 10)]);
+        assert_eq!(pieces(&m, base, m.len() - 1, 1), [(9 * 4096 - 1, 1)]);
+        // One run: the plain pointer, as a single mapping gave.
+        let one = RegionMemory::map(&fd, 0, &[(4096, 3 * 4096)]).unwrap();
+        assert_eq!(pieces(&one, base, 5000, 8000), [(4096 + 5000, 8000)]);
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::eventfd;
-use crate::mem::Mapping;
+use crate::mem::{Mapping, RegionMemory, Span};
 use crate::ring::{Cqe, Ring, CQ_ERR_OVERFLOW, NOTIFY_NEXT, NOTIFY_NONE, NOTIFY_SOLICITED};
 use crate::types::access;
 use crate::wire::{self, Flow, Headers, MAX_HDR_LEN};
@@ -26,7 +26,8 @@ pub struct Mr {
     pub iova: u64,
     pub len: u64,
     pub access: u32,
-    pub map: Mapping,
+    /// Its runs of the memfd, `len` bytes in all.
+    pub mem: RegionMemory,
     /// Set by SEND with invalidate; the rkey stops working.
     pub invalidated: AtomicBool,
     /// Write trace (pre-copy dirty tracking), off unless the owner starts it.
@@ -34,8 +35,9 @@ pub struct Mr {
 }
 
 impl Mr {
-    /// Host pointer for [va, va+len) if inside the region with `need` access.
-    pub fn translate(&self, pd: u32, va: u64, len: u64, need: u32) -> Option<*mut u8> {
+    /// Host memory of [va, va+len) if inside the region with `need` access:
+    /// one piece, or one per run of a scattered region it crosses.
+    pub fn translate(&self, pd: u32, va: u64, len: u64, need: u32) -> Option<Span> {
         if self.pd != pd || self.access & need != need || self.invalidated.load(Ordering::Relaxed) {
             return None;
         }
@@ -48,8 +50,7 @@ impl Mr {
         if need & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0 {
             self.trace.mark(off, len);
         }
-        // SAFETY: off + len <= mapping length (len == map.len()).
-        Some(unsafe { self.map.ptr().add(off as usize) })
+        Some(self.mem.span(off, len))
     }
 }
 

@@ -53,6 +53,18 @@ pub enum Request {
         #[serde(default)]
         key: Option<u32>,
     },
+    /// RegMr over several runs `(fd_offset, len)` of the memfd laid end to
+    /// end from `iova` (a scattered region, as a guest's pages are): at most
+    /// `mem::MAX_REGION_RUNS`, each inside the memfd, boundaries between
+    /// runs on pages (docs/rnic.md).
+    RegMrRuns {
+        pd: u32,
+        iova: u64,
+        access: u32,
+        runs: Vec<(u64, u64)>,
+        #[serde(default)]
+        key: Option<u32>,
+    },
     DeregMr {
         lkey: u32,
     },
@@ -233,8 +245,8 @@ pub enum Request {
 /// One object of a CreateBatch; `fd` indexes the request's memfds.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Create {
-    /// As RegMr.
-    Mr { pd: u32, iova: u64, len: u64, access: u32, fd: u8, fd_offset: u64, key: Option<u32> },
+    /// As RegMrRuns: `runs` of memfd `fd` laid end to end at `iova`.
+    Mr { pd: u32, iova: u64, access: u32, fd: u8, runs: Vec<(u64, u64)>, key: Option<u32> },
     /// As CreateCq; the ring at `ring_offset` (page aligned).
     Cq { cap: u32, channel: Option<u32>, fd: u8, ring_offset: u64 },
     /// As CreateQp; both rings in memfd `fd` (page aligned offsets).

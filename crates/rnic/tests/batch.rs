@@ -31,7 +31,7 @@ fn rig() -> (Engine, u32, OwnedFd, OwnedFd) {
 }
 
 fn mr(pd: u32, page: u64, key: u32) -> Create {
-    Create::Mr { pd, iova: 0x10_0000 + page * PAGE, len: PAGE, access: access::ALL, fd: 0, fd_offset: page * PAGE, key: Some(key) }
+    Create::Mr { pd, iova: 0x10_0000 + page * PAGE, access: access::ALL, fd: 0, runs: vec![(page * PAGE, PAGE)], key: Some(key) }
 }
 
 fn cq(page: u64) -> Create {
@@ -186,8 +186,8 @@ fn batch_made_objects_carry_traffic_through_rnicd() {
     let fd = buf.fd();
     let made = ctx
         .create_batch(&[
-            NewObject::Mr { pd: &pd, fd, fd_offset: 0, len: 1 << 19, access: access::ALL, iova: 0x5000_0000, key: Some(0xabc00) },
-            NewObject::Mr { pd: &pd, fd, fd_offset: 1 << 19, len: 1 << 19, access: access::ALL, iova: 0x6000_0000, key: Some(0xabd00) },
+            NewObject::Mr { pd: &pd, fd, runs: &[(0, 1 << 19)], access: access::ALL, iova: 0x5000_0000, key: Some(0xabc00) },
+            NewObject::Mr { pd: &pd, fd, runs: &[(1 << 19, 1 << 19)], access: access::ALL, iova: 0x6000_0000, key: Some(0xabd00) },
             NewObject::Cq { cqe: 64, channel: None },
             NewObject::Cq { cqe: 64, channel: None },
         ])
@@ -224,7 +224,7 @@ fn batch_made_objects_carry_traffic_through_rnicd() {
     let err = other
         .create_batch(&[
             NewObject::Cq { cqe: 8, channel: None },
-            NewObject::Mr { pd: &pd, fd, fd_offset: 0, len: 4096, access: access::ALL, iova: 0, key: None },
+            NewObject::Mr { pd: &pd, fd, runs: &[(0, 4096)], access: access::ALL, iova: 0, key: None },
         ])
         .err()
         .expect("a PD of another namespace is refused");

@@ -16,9 +16,9 @@ use crate::{CompChannel, Context, Cq, Mr, Pd, Qp, QpInitAttr, QpSnapshot, TraceR
 
 /// One object for [`Context::create_batch`].
 pub enum NewObject<'a> {
-    /// As [`Pd::reg_mr_fd_keyed`]: `len` bytes at `fd_offset` of the sealed
-    /// memfd `fd`, addressed as `iova`.
-    Mr { pd: &'a Pd, fd: RawFd, fd_offset: u64, len: usize, access: u32, iova: u64, key: Option<u32> },
+    /// As [`Pd::reg_mr_runs`]: the `(fd_offset, len)` runs of the sealed
+    /// memfd `fd` laid end to end, addressed from `iova`.
+    Mr { pd: &'a Pd, fd: RawFd, runs: &'a [(u64, u64)], access: u32, iova: u64, key: Option<u32> },
     /// As [`Context::create_cq`].
     Cq { cqe: u32, channel: Option<&'a CompChannel> },
     /// As [`Pd::create_qp_with_qpn`] (`state`: none) or
@@ -115,8 +115,9 @@ impl Context {
         let mut out = Vec::with_capacity(objects.len());
         for (o, r) in objects.iter().zip(replies) {
             out.push(match (o, r) {
-                (NewObject::Mr { iova, len, .. }, Reply::Mr { lkey, rkey }) => {
-                    Made::Mr(Mr { ctx: self.clone(), lkey, rkey, addr: *iova, len: *len })
+                (NewObject::Mr { iova, runs, .. }, Reply::Mr { lkey, rkey }) => {
+                    let len = runs.iter().map(|r| r.1 as usize).sum();
+                    Made::Mr(Mr { ctx: self.clone(), lkey, rkey, addr: *iova, len })
                 }
                 (NewObject::Cq { cqe, .. }, Reply::Cq(h)) => {
                     let cap = (*cqe).max(1).next_power_of_two();
@@ -168,12 +169,12 @@ impl Context {
 fn item(o: &NewObject, mr_fds: &[RawFd], rings_len: usize) -> anyhow::Result<(Create, Vec<RawFd>, usize)> {
     let mut fds = mr_fds.to_vec();
     Ok(match *o {
-        NewObject::Mr { pd, fd, fd_offset, len, access, iova, key } => {
+        NewObject::Mr { pd, fd, runs, access, iova, key } => {
             let i = fds.iter().position(|f| *f == fd).unwrap_or_else(|| {
                 fds.push(fd);
                 fds.len() - 1
             });
-            let item = Create::Mr { pd: pd.handle, iova, len: len as u64, access, fd: i as u8, fd_offset, key };
+            let item = Create::Mr { pd: pd.handle, iova, access, fd: i as u8, runs: runs.to_vec(), key };
             (item, fds, rings_len)
         }
         NewObject::Cq { cqe, channel } => {

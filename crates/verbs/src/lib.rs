@@ -34,6 +34,7 @@ pub use batch::{Made, NewObject};
 pub use rnic::async_events::{AsyncEvent, AsyncKind};
 /// The link's MTU and the path MTU it carries whole (the port's active MTU).
 pub use rnic::link;
+pub use rnic::mem::MAX_REGION_RUNS;
 /// A UD receive buffer starts with this many bytes of GRH.
 pub use rnic::qp::ud::GRH_LEN;
 pub use rnic::qp::{QpRuntime, QpSnapshot, QP_SNAPSHOT_VERSION};
@@ -441,6 +442,19 @@ impl Pd {
         let req = Request::RegMr { pd: self.handle, iova, len: len as u64, access, fd_offset, key };
         match self.ctx.inner.call(&req, &[fd])? {
             Reply::Mr { lkey, rkey } => Ok(Mr { ctx: self.ctx.clone(), lkey, rkey, addr: iova, len }),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
+    /// Registers the runs `(offset, len)` of `buf`, laid end to end from
+    /// `iova`, as one region (a scattered region, as a VM's pages are):
+    /// at most `rnic::mem::MAX_REGION_RUNS` runs, boundaries between runs
+    /// on pages, `iova` with the page offset of the first run.
+    pub fn reg_mr_runs(&self, buf: &MemBuf, runs: &[(u64, u64)], access: u32, key: Option<u32>, iova: u64) -> anyhow::Result<Mr> {
+        let len = runs.iter().try_fold(0u64, |n, r| n.checked_add(r.1)).context("MR length overflows")?;
+        let req = Request::RegMrRuns { pd: self.handle, iova, access, runs: runs.to_vec(), key };
+        match self.ctx.inner.call(&req, &[buf.fd.as_raw_fd()])? {
+            Reply::Mr { lkey, rkey } => Ok(Mr { ctx: self.ctx.clone(), lkey, rkey, addr: iova, len: len as usize }),
             r => bail!("unexpected reply {r:?}"),
         }
     }

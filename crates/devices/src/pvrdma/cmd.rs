@@ -155,38 +155,36 @@ impl Dev {
         {
             return Err(Errno::EINVAL);
         }
-        let (start, length, gpa) = if c.flags & MR_FLAG_FRMR != 0 {
+        let (start, length, runs) = if c.flags & MR_FLAG_FRMR != 0 {
             // Fast registration needs page lists rnicd cannot map (bmme_flags 0).
             return Err(Errno::ENOSYS);
         } else if c.flags & MR_FLAG_DMA != 0 {
             // All of guest RAM, addressed by guest-physical address.
-            (0, self.ram_size, 0)
+            (0, self.ram_size, vec![(0, self.ram_size)])
         } else {
             if c.flags != 0 || c.length == 0 || c.nchunks == 0 {
                 return Err(Errno::EINVAL);
             }
             let pages = self.guest.resolve_pdir(c.pdir_dma, c.nchunks)?;
-            let first = c.start % PAGE;
-            if first.checked_add(c.length).is_none_or(|end| end > pages.len()) {
-                return Err(Errno::EINVAL);
+            // Byte 0 sits at the start's offset in the first page; the
+            // pages may be anywhere in guest RAM.
+            let runs = pages.runs(c.start % PAGE, c.length).ok_or(Errno::EINVAL)?;
+            // rnicd takes a bounded run list (docs/pvrdma.md).
+            if runs.len() > verbs::MAX_REGION_RUNS {
+                return Err(Errno::ENOMEM);
             }
-            // rnicd maps a region as one range of the RAM memfd: a region
-            // must be one run of guest-physical pages (see docs/pvrdma.md).
-            if !pages.contiguous() {
-                return Err(Errno::EINVAL);
-            }
-            (c.start, c.length, pages.pages[0] + first)
+            (c.start, c.length, runs)
         };
-        if gpa.checked_add(length).is_none_or(|e| e > self.ram_size) || start.checked_add(length).is_none() {
+        let info = MrInfo { pd_handle: c.pd_handle, start, length, access: c.access_flags, flags: c.flags, runs, key: 0 };
+        if !info.runs_valid(self.ram_size) || start.checked_add(length).is_none() {
             return Err(Errno::EFAULT);
         }
-        let mr = pd.pd.reg_mr_at(&self.be.ram, gpa as usize, length as usize, c.access_flags, None, start).map_err(|_| Errno::EINVAL)?;
+        let mr = pd.pd.reg_mr_runs(&self.be.ram, &info.runs, c.access_flags, None, start).map_err(|_| Errno::EINVAL)?;
         let h = self.mrs.free_handle().ok_or(Errno::ENOMEM)?;
         // While migrating, rnicd's writes into it must reach the dirty log.
         self.start_mr_trace(&mr).map_err(|_| Errno::ENOMEM)?;
         let key = mr.lkey;
-        let info = MrInfo { pd_handle: c.pd_handle, start, length, access: c.access_flags, flags: c.flags, gpa, key };
-        self.mrs.insert(h, Mr { info, mr });
+        self.mrs.insert(h, Mr { info: MrInfo { key, ..info }, mr });
         Ok(resp(CmdCreateMrResp { hdr: Default::default(), mr_handle: h, lkey: key, rkey: key, reserved: [0; 4] }))
     }
 

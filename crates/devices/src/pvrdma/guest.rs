@@ -103,8 +103,22 @@ impl PageList {
         Ok(page + off % PAGE)
     }
 
-    /// Whether the pages are one run of consecutive guest-physical pages.
-    pub fn contiguous(&self) -> bool {
-        self.pages.windows(2).all(|w| w[1] == w[0] + PAGE)
+    /// Where bytes [off, off+len) of the list are in guest RAM: `(gpa, len)`
+    /// runs in order, consecutive pages merged into one run. None if the
+    /// range is empty or runs past the list.
+    pub fn runs(&self, off: u64, len: u64) -> Option<Vec<(u64, u64)>> {
+        let end = off.checked_add(len).filter(|&e| len > 0 && e <= self.len())?;
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut at = off;
+        while at < end {
+            let n = (PAGE - at % PAGE).min(end - at);
+            let gpa = self.pages[(at / PAGE) as usize] + at % PAGE;
+            match runs.last_mut() {
+                Some(r) if r.0 + r.1 == gpa => r.1 += n,
+                _ => runs.push((gpa, n)),
+            }
+            at += n;
+        }
+        Some(runs)
     }
 }

@@ -199,7 +199,7 @@ impl Pvrdma {
         let mrs: Vec<_> = d
             .mrs
             .iter()
-            .map(|(h, m)| json!({"handle": h, "key": m.info.key, "start": m.info.start, "length": m.info.length, "gpa": m.info.gpa}))
+            .map(|(h, m)| json!({"handle": h, "key": m.info.key, "start": m.info.start, "length": m.info.length, "runs": m.info.runs}))
             .collect();
         json!({
             "name": d.name,

@@ -75,10 +75,33 @@ pub(crate) struct MrInfo {
     pub length: u64,
     pub access: u32,
     pub flags: u32,
-    /// Where byte 0 is in guest RAM (offset in the RAM memfd).
-    pub gpa: u64,
+    /// Where the region's bytes are in guest RAM (offsets in the RAM
+    /// memfd): `(gpa, len)` runs laid end to end, consecutive pages merged.
+    pub runs: Vec<(u64, u64)>,
     /// lkey = rkey, the namespace's own.
     pub key: u32,
+}
+
+impl MrInfo {
+    /// Where bytes [off, off+len) of the region are in guest RAM: `(gpa,
+    /// len)` pieces in order, clipped at the region's end.
+    pub fn gpa_runs(&self, off: u64, len: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let end = off.saturating_add(len).min(self.length);
+        let mut run_start = 0u64;
+        self.runs.iter().filter_map(move |&(gpa, n)| {
+            let (s, e) = (run_start.max(off), (run_start + n).min(end));
+            let piece = (s < e).then(|| (gpa + (s - run_start), e - s));
+            run_start += n;
+            piece
+        })
+    }
+
+    /// Whether every run lies inside guest RAM of `ram_size` bytes and the
+    /// runs cover exactly the region.
+    pub fn runs_valid(&self, ram_size: u64) -> bool {
+        let inside = self.runs.iter().all(|&(gpa, n)| n > 0 && gpa.checked_add(n).is_some_and(|e| e <= ram_size));
+        inside && self.runs.iter().try_fold(0u64, |t, r| t.checked_add(r.1)) == Some(self.length)
+    }
 }
 
 pub(crate) struct Mr {

@@ -196,7 +196,7 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         if d.pds.get(info.pd_handle).is_none() {
             return Err(format!("MR {h} names a missing PD"));
         }
-        if info.gpa.checked_add(info.length).is_none_or(|e| e > d.ram_size) {
+        if !info.runs_valid(d.ram_size) {
             return Err(format!("MR {h} lies outside guest RAM"));
         }
         mrs.push((h, info));
@@ -207,8 +207,7 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         .map(|(_, info)| verbs::NewObject::Mr {
             pd: &d.pds.get(info.pd_handle).expect("checked above").pd,
             fd: ram_fd,
-            fd_offset: info.gpa,
-            len: info.length as usize,
+            runs: &info.runs,
             access: info.access,
             iova: info.start,
             key: Some(info.key),

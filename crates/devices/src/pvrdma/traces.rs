@@ -20,12 +20,13 @@ pub(crate) const GRANULARITY: u64 = 4096;
 /// Guest pages `[first, first + count)`.
 pub type PageRun = (u64, u64);
 
-/// Pages of guest RAM under `len` bytes at `off` of the MR.
-fn pages_of(mr: &MrInfo, off: u64, len: u64) -> PageRun {
-    let start = mr.gpa + off;
-    let end = (start + len).min(mr.gpa + mr.length);
-    let first = start / GRANULARITY;
-    (first, end.div_ceil(GRANULARITY).saturating_sub(first))
+/// Pages of guest RAM under `len` bytes at `off` of the MR (one run of
+/// pages per run of the MR it crosses).
+fn pages_of(mr: &MrInfo, off: u64, len: u64) -> impl Iterator<Item = PageRun> + '_ {
+    mr.gpa_runs(off, len).map(|(gpa, n)| {
+        let first = gpa / GRANULARITY;
+        (first, (gpa + n).div_ceil(GRANULARITY) - first)
+    })
 }
 
 /// Adds the pages of an MR's trace to `out`; returns 1 if the trace was
@@ -34,11 +35,11 @@ fn pages_of(mr: &MrInfo, off: u64, len: u64) -> PageRun {
 fn add_trace(info: &MrInfo, trace: Result<verbs::TraceReport, ()>, out: &mut Vec<PageRun>) -> u64 {
     match trace {
         Ok(t) if !t.all_dirty => {
-            out.extend(t.runs.iter().map(|&(off, len)| pages_of(info, off, len)).filter(|r| r.1 > 0));
+            out.extend(t.runs.iter().flat_map(|&(off, len)| pages_of(info, off, len)).filter(|r| r.1 > 0));
             0
         }
         _ => {
-            out.push(pages_of(info, 0, info.length));
+            out.extend(pages_of(info, 0, info.length));
             1
         }
     }
@@ -153,12 +154,25 @@ mod tests {
 
     #[test]
     fn runs_become_guest_pages() {
-        let mr = MrInfo { pd_handle: 1, start: 0x1000, length: 3 * 4096, access: 0, flags: 0, gpa: 0x5800, key: 1 };
+        let mr = MrInfo { pd_handle: 1, start: 0x1000, length: 3 * 4096, access: 0, flags: 0, runs: vec![(0x5800, 3 * 4096)], key: 1 };
+        let pages = |off, len| pages_of(&mr, off, len).collect::<Vec<_>>();
         // Blocks are relative to the MR, which starts mid-page: one block
         // touches two pages.
-        assert_eq!(pages_of(&mr, 0, 4096), (5, 2));
-        assert_eq!(pages_of(&mr, 4096, 8192), (6, 3));
+        assert_eq!(pages(0, 4096), [(5, 2)]);
+        assert_eq!(pages(4096, 8192), [(6, 3)]);
         // Clipped at the MR's end.
-        assert_eq!(pages_of(&mr, 8192, 8192), (7, 2));
+        assert_eq!(pages(8192, 8192), [(7, 2)]);
+    }
+
+    #[test]
+    fn scattered_runs_become_their_own_pages() {
+        // 0x800 bytes of page 9, then pages 3 and 4, then page 20.
+        let runs = vec![(0x9800, 0x800), (0x3000, 0x2000), (0x14000, 0x1000)];
+        let mr = MrInfo { pd_handle: 1, start: 0x800, length: 0x3800, access: 0, flags: 0, runs, key: 1 };
+        let pages = |off, len| pages_of(&mr, off, len).collect::<Vec<_>>();
+        assert_eq!(pages(0, 0x3800), [(9, 1), (3, 2), (20, 1)]);
+        assert_eq!(pages(0x700, 0x200), [(9, 1), (3, 1)]);
+        assert_eq!(pages(0x2800, 0x2000), [(20, 1)]);
+        assert!(pages(0x3800, 0x1000).is_empty());
     }
 }

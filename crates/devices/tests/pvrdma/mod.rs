@@ -321,6 +321,25 @@ impl Drv {
         (base, r.mr_handle, r.lkey)
     }
 
+    /// A memory region over the guest pages `pages` in that order, seen
+    /// by peers from `start` (whose page offset is where byte 0 sits in the
+    /// first page); returns (handle, key) or the command's error.
+    pub fn create_mr_pages(&mut self, pd: u32, pages: &[u64], start: u64, len: u64) -> Result<(u32, u32), u8> {
+        let pdir = self.pdir(pages);
+        let r: CmdCreateMrResp = self.cmd(CmdCreateMr {
+            hdr: Self::hdr(CMD_CREATE_MR),
+            start,
+            length: len,
+            pdir_dma: pdir,
+            pd_handle: pd,
+            access_flags: ib::access::LOCAL_WRITE | ib::access::REMOTE_WRITE | ib::access::REMOTE_READ | ib::access::REMOTE_ATOMIC,
+            flags: 0,
+            nchunks: pages.len() as u32,
+        })?;
+        assert_eq!(r.lkey, r.rkey);
+        Ok((r.mr_handle, r.lkey))
+    }
+
     pub fn create_cq(&mut self, entries: u32) -> GCq {
         let n = cq_pages(entries);
         let (base, pdir) = self.region(n as u64);

@@ -285,7 +285,26 @@ impl Device {
     /// Registers `len` bytes of page-aligned RAM at `addr` (its I/O virtual
     /// address is `addr`).
     pub fn reg_mr(&mut self, region: &mut Region, pd: u32, addr: u64, len: u64, access: u32) -> Result<Mr> {
+        self.reg_mr_pages(region, pd, addr, len, access, |i| (addr & !(PAGE - 1)) + i as u64 * PAGE)
+    }
+
+    /// Registers `len` bytes that peers and SGEs address from the
+    /// page-aligned I/O virtual address `iova`, whose page `i` is the guest
+    /// page `page(i)`: the pages may lie anywhere in RAM, as a Linux user
+    /// buffer's do.
+    pub fn reg_mr_pages(
+        &mut self,
+        region: &mut Region,
+        pd: u32,
+        iova: u64,
+        len: u64,
+        access: u32,
+        page: impl Fn(u32) -> u64,
+    ) -> Result<Mr> {
         let npages = len.div_ceil(PAGE) as u32;
+        if npages == 0 || npages > PAGE_DIR_MAX_PAGES {
+            return Err(Error::NoMemory);
+        }
         let dir = region.alloc(PAGE).ok_or(Error::NoMemory)?;
         let ntables = pdir_ntables(npages);
         let tables = region.alloc(ntables as u64 * PAGE).ok_or(Error::NoMemory)?;
@@ -294,11 +313,11 @@ impl Device {
         }
         for i in 0..npages {
             let table = tables + pdir_table(i) as u64 * PAGE;
-            unsafe { write_volatile((table + pdir_table_entry_offset(i)) as *mut u64, (addr & !(PAGE - 1)) + i as u64 * PAGE) };
+            unsafe { write_volatile((table + pdir_table_entry_offset(i)) as *mut u64, page(i)) };
         }
         let req = CmdCreateMr {
             hdr: hdr(CMD_CREATE_MR),
-            start: addr,
+            start: iova,
             length: len,
             pdir_dma: dir,
             pd_handle: pd,
@@ -307,7 +326,7 @@ impl Device {
             nchunks: npages,
         };
         let r: CmdCreateMrResp = self.command(&req)?;
-        Ok(Mr { handle: r.mr_handle, lkey: r.lkey, rkey: r.rkey, addr, len })
+        Ok(Mr { handle: r.mr_handle, lkey: r.lkey, rkey: r.rkey, addr: iova, len })
     }
 
     pub fn create_cq(&mut self, region: &mut Region, entries: u32) -> Result<Cq> {

@@ -4,7 +4,7 @@
 //!
 //! `workload=pvrdma gid=A.B.C.D [run=stream,ring,table,atomic] [count=N]
 //! [qps=N] [bigwrite=SIZE] [bigrounds=R] [size=256] [slots=16] [rec=128]
-//! [rows=8] [pvrdma_mem=ADDR]`
+//! [rows=8] [scatter=1] [pvrdma_mem=ADDR]`
 //!
 //! The guest brings the device up, creates `qps` RC QPs (default: one per
 //! workload; QP i runs workload i mod the number of workloads named, each
@@ -16,6 +16,9 @@
 //! with a count it ends with a `pvrdma: PASS` or `FAIL` line on the
 //! console and in the mailbox, and keeps the device up for the peer
 //! (`exit=1`: ends the VM with exit status 0 or 1).
+//!
+//! The workloads' buffer is one MR over scattered guest pages (`scatter=0`:
+//! one run of pages): see [`Layout`].
 
 use super::{Cq, Device, Op, Qp, Remote};
 use crate::args::Args;
@@ -23,7 +26,7 @@ use crate::hw::Platform;
 use crate::mailbox::{Mailbox, TextBuf};
 use crate::nvme::Region;
 use core::fmt::Write;
-use core::sync::atomic::{fence, Ordering};
+use core::sync::atomic::{fence, AtomicU64, Ordering};
 use pvrdma_abi::ib::{wc_flags, wc_opcode, wc_status};
 
 const HELLO: u64 = 0x5256_504f_4c4c_4548;
@@ -45,12 +48,50 @@ fn pattern(seed: u64, j: u64) -> u64 {
     seed.wrapping_add(j).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17) ^ j
 }
 
+const PAGE: u64 = 4096;
+/// Most runs of pages the scattered buffer is cut into (the device takes 2048).
+const MAX_RUNS: u64 = 1024;
+/// Where the scattered buffer's MR starts in I/O virtual addresses (outside
+/// guest RAM: a guest access that forgot to translate faults loudly).
+const SCATTERED_IOVA: u64 = 0x4000_0000_0000;
+
+/// The workloads' buffer as it lies in guest RAM: runs of `run` bytes of
+/// pages, each followed by a one-page hole, so its MR is scattered over
+/// guest pages as a Linux user buffer is (CREATE_MR gets one page
+/// directory entry per page, the device and rnicd see many runs). Peers and
+/// SGEs use the MR's addresses, from `iova`; the guest reaches a word
+/// through [`phys`]. Set once at bring-up (one vCPU drives the workloads).
+struct Layout {
+    iova: AtomicU64,
+    len: AtomicU64,
+    phys: AtomicU64,
+    run: AtomicU64,
+}
+
+static LAYOUT: Layout = Layout { iova: AtomicU64::new(0), len: AtomicU64::new(0), phys: AtomicU64::new(0), run: AtomicU64::new(PAGE) };
+
+/// The guest-physical address of the buffer's I/O virtual address `a`
+/// (other addresses are their own). Words never cross a page: every
+/// offset in the buffer is a multiple of 8.
+fn phys(a: u64) -> u64 {
+    let (iova, len) = (LAYOUT.iova.load(Ordering::Relaxed), LAYOUT.len.load(Ordering::Relaxed));
+    match a.checked_sub(iova) {
+        Some(off) if off < len => {
+            let run = LAYOUT.run.load(Ordering::Relaxed);
+            LAYOUT.phys.load(Ordering::Relaxed) + off / run * (run + PAGE) + off % run
+        }
+        _ => a,
+    }
+}
+
 fn rd64(a: u64) -> u64 {
+    let a = phys(a);
     // SAFETY: identity-mapped guest RAM of our buffer.
     unsafe { core::ptr::read_volatile(a as *const u64) }
 }
 
 fn wr64(a: u64, v: u64) {
+    let a = phys(a);
     // SAFETY: as above.
     unsafe { core::ptr::write_volatile(a as *mut u64, v) }
 }
@@ -308,12 +349,27 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
     let rings_len = count_of(Kind::Ring) * sz.slots * sz.rec;
     let tables_len = count_of(Kind::Table) * sz.rows * ROW;
     let len = rings_len + tables_len + (0..total).map(|i| private(kind_of(i))).sum::<u64>();
-    let buf = region.alloc(len).unwrap_or_else(|| fail(plat, "memory", super::Error::NoMemory));
     let access = pvrdma_abi::ib::access::LOCAL_WRITE
         | pvrdma_abi::ib::access::REMOTE_WRITE
         | pvrdma_abi::ib::access::REMOTE_READ
         | pvrdma_abi::ib::access::REMOTE_ATOMIC;
-    let mr = dev.reg_mr(&mut region, pd, buf, len, access).unwrap_or_else(|e| fail(plat, "CREATE_MR", e));
+    let mr = if args.num("scatter", 1) != 0 {
+        let npages = len.div_ceil(PAGE);
+        let run_pages = npages.div_ceil(MAX_RUNS).max(1);
+        let runs = npages.div_ceil(run_pages);
+        let at = region.alloc((npages + runs) * PAGE).unwrap_or_else(|| fail(plat, "memory", super::Error::NoMemory));
+        LAYOUT.run.store(run_pages * PAGE, Ordering::Relaxed);
+        LAYOUT.phys.store(at, Ordering::Relaxed);
+        LAYOUT.len.store(len, Ordering::Relaxed);
+        LAYOUT.iova.store(SCATTERED_IOVA, Ordering::Relaxed);
+        println!("pvrdma: buffer of {len} bytes over {runs} runs of {run_pages} guest pages");
+        dev.reg_mr_pages(&mut region, pd, SCATTERED_IOVA, len, access, |i| phys(SCATTERED_IOVA + i as u64 * PAGE))
+    } else {
+        let buf = region.alloc(len).unwrap_or_else(|| fail(plat, "memory", super::Error::NoMemory));
+        dev.reg_mr(&mut region, pd, buf, len, access)
+    };
+    let mr = mr.unwrap_or_else(|e| fail(plat, "CREATE_MR", e));
+    let buf = mr.addr;
     let big_mr = (big > 0).then(|| {
         let at = region.alloc(big).unwrap_or_else(|| fail(plat, "memory for bigwrite", super::Error::NoMemory));
         // Filled once: only word 0 (the round) changes from round to round;

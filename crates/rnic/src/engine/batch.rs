@@ -45,8 +45,8 @@ impl Engine {
     fn create_one(&mut self, client: ClientId, item: Create, fds: &[OwnedFd]) -> anyhow::Result<(Made, Reply)> {
         let fd = |i: u8| fds.get(i as usize).ok_or_else(|| anyhow!("names memfd {i}, the request carries {}", fds.len()));
         match item {
-            Create::Mr { pd, iova, len, access, fd: f, fd_offset, key } => {
-                let r = self.reg_mr(client, MrRequest { pd, iova, len, access, fd_offset, key }, fd(f)?)?;
+            Create::Mr { pd, iova, access, fd: f, runs, key } => {
+                let r = self.reg_mr(client, MrRequest::over_runs(pd, iova, access, runs, key)?, fd(f)?)?;
                 let Reply::Mr { lkey, .. } = r else { bail!("RegMr made no MR") };
                 Ok((Made::Mr(lkey), r))
             }
