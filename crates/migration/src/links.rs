@@ -20,7 +20,8 @@
 //! [`RDMA_LINK_RETRIES`]), and its channel is failed over like a TCP one.
 //!
 //! Every rdma queue pair of a migration (data channels and postcopy's
-//! READs) takes the path MTU its link carries whole ([`rdma_path_mtu`]):
+//! READs) takes the path MTU its link carries whole (`verbs::Qp::connect`
+//! caps it at the active MTU of rnicd's port for the address, `rnic::link`):
 //! the largest whose packets fit the MTU of the interface holding the
 //! local address, 1024 on a 1500-byte link, 4096 on a jumbo one. Larger
 //! packets would leave IP-fragmented, and a fragment lost (a full queue,
@@ -33,7 +34,6 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use std::net::{IpAddr, Ipv4Addr, TcpStream, ToSocketAddrs, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
-use verbs::Mtu;
 
 /// How long a data channel's sent bytes may stay unacknowledged before its
 /// link counts as dead (TCP_USER_TIMEOUT), when there are other links to
@@ -176,13 +176,6 @@ pub fn shorten_timeout(s: &TcpStream) {
     if let Err(e) = setsockopt(s, sockopt::TcpUserTimeout, &(LINK_TIMEOUT.as_millis() as u32)) {
         tracing::debug!("TCP_USER_TIMEOUT not set: {e}");
     }
-}
-
-/// The path MTU for rdma queue pairs whose packets leave from `local`:
-/// the one rnicd's port of that address reports as active
-/// ([`verbs::link::path_mtu_from`]).
-pub fn rdma_path_mtu(local: Ipv4Addr) -> Mtu {
-    verbs::link::path_mtu_from(local)
 }
 
 impl LinkStat {

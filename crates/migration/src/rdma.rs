@@ -126,11 +126,10 @@ impl Endpoint {
         Ok(Endpoint { qp, cq, chan, buf_mr, buf, ram: ram.clone() })
     }
 
-    /// Connect to the peer's queue pair, with the path MTU our link
-    /// carries whole ([`links::rdma_path_mtu`]).
+    /// Connect to the peer's queue pair (at the path MTU our link carries
+    /// whole: `connect` caps it at the port's active MTU, see links.rs).
     fn connect(&self, gid: Ipv4Addr, (qpn, psn): (u32, u32), o: &ConnectOpts) -> Result<()> {
-        let o = ConnectOpts { mtu: links::rdma_path_mtu(self.ram.pd.context().gid()), ..*o };
-        self.qp.connect(&QpEndpoint { gid, qpn, psn }, &o).context("connecting a queue pair")
+        self.qp.connect(&QpEndpoint { gid, qpn, psn }, o).context("connecting a queue pair")
     }
 
     /// Message buffer `slot`.
@@ -633,13 +632,7 @@ pub(crate) fn offer_ram(control: &mut TcpStream, rnicd: &str, ram: &RamRegion) -
         bail!("destination answered {} queue pairs to read through, not {READ_QPS}", qpns.len());
     }
     for (qp, qpn) in qps.iter().zip(qpns) {
-        let o = ConnectOpts {
-            access: access::REMOTE_READ,
-            sq_psn: PSN,
-            max_rd_atomic: READS_IN_FLIGHT as u8,
-            mtu: links::rdma_path_mtu(ctx.gid()),
-            ..Default::default()
-        };
+        let o = ConnectOpts { access: access::REMOTE_READ, sq_psn: PSN, max_rd_atomic: READS_IN_FLIGHT as u8, ..Default::default() };
         qp.connect(&QpEndpoint { gid, qpn, psn: PSN }, &o).context("connecting a queue pair to read through")?;
     }
     Ok(ReadableRam { _qps: qps, _cq: cq, _ram: shared })
@@ -685,13 +678,7 @@ pub(crate) fn accept_reader(control: &TcpStream, rnicd: &str, ram: &RamRegion) -
     let mut qps = Vec::new();
     for qpn in qpns {
         let qp = shared.pd.create_qp(&init)?;
-        let o = ConnectOpts {
-            access: access::LOCAL_WRITE,
-            sq_psn: PSN,
-            max_rd_atomic: READS_IN_FLIGHT as u8,
-            mtu: links::rdma_path_mtu(ctx.gid()),
-            ..Default::default()
-        };
+        let o = ConnectOpts { access: access::LOCAL_WRITE, sq_psn: PSN, max_rd_atomic: READS_IN_FLIGHT as u8, ..Default::default() };
         qp.connect(&QpEndpoint { gid, qpn, psn: PSN }, &o).context("connecting a queue pair to read through")?;
         qps.push(qp);
     }
