@@ -753,6 +753,7 @@ impl Engine {
         };
         let mut qp = Qp::new(qpn, client, q.pd, q.send_cq, q.recv_cq, q.sq_sig_all, cap, sq, rq);
         qp.qp_type = q.qp_type;
+        qp.ud_set_port_mtu(self.active_mtu);
         if let Some(s) = &restore {
             qp.restore(s).map_err(|e| anyhow!("create suspended QP {qpn:#x}: {e}"))?;
         }
@@ -762,9 +763,10 @@ impl Engine {
     }
 
     fn modify_qp(&mut self, client: ClientId, qpn: u32, attr: &QpAttr, mask: u32) -> anyhow::Result<Reply> {
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, active_mtu, .. } = self;
         let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
         qp.modify(attr, mask, &mut Self::ctx(*gid, keys, cqs, tx, stats, asyncs)).map_err(|e| anyhow!(e))?;
+        qp.ud_set_port_mtu(*active_mtu);
         Ok(Reply::Ok)
     }
 
