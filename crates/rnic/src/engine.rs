@@ -163,6 +163,7 @@ impl Engine {
             }
             Request::DestroyCq { cq } => self.destroy_cq(client, cq),
             Request::ResizeCq { cq, cap } => self.resize_cq(client, cq, cap, fds),
+            Request::SettleCq { cq } => self.settle_cq(client, cq),
             Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, qp_type } => {
                 let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type };
                 let [sq, rq] = &fds[..] else { bail!("CreateQp needs the SQ and RQ ring memfds") };
@@ -697,6 +698,26 @@ impl Engine {
         ring.header().notify.store(notify, std::sync::atomic::Ordering::Release);
         c.ring = ring;
         c._map = map;
+        Ok(Reply::Ok)
+    }
+
+    /// Takes what the client's QPs on `cq` have posted (their rings may
+    /// not have been read yet: no doorbell while rnicd polls them, or
+    /// rnicd busy elsewhere) and completes now what needs no peer: a UD
+    /// send completes as it leaves (its packet goes out with the next
+    /// transmit round), a QP in ERR flushes. RC work waiting for the peer
+    /// completes when the peer answers, as on a hardware NIC.
+    fn settle_cq(&mut self, client: ClientId, cq: u32) -> anyhow::Result<Reply> {
+        self.owned_cq(client, cq)?;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        for qp in qps.values_mut().filter(|q| q.owner == client && (q.send_cq == cq || q.recv_cq == cq)) {
+            qp.doorbell(&mut ctx);
+            if qp.is_ud() {
+                let mut budget = usize::MAX;
+                qp.transmit(&mut ctx, &mut budget);
+            }
+        }
         Ok(Reply::Ok)
     }
 

@@ -457,6 +457,27 @@ int main(void)
 			ibv_dereg_mr(bm);
 			free(big);
 		}
+		/* A shrink is judged against the completions of WRs already
+		 * posted, right after posting them (rnicd takes them first). */
+		{
+			struct ibv_send_wr chain[8];
+			for (int i = 0; i < 8; i++) {
+				chain[i] = sw;
+				chain[i].wr_id = 100 + i;
+				chain[i].next = i < 7 ? &chain[i + 1] : NULL;
+			}
+			CHECK("UD 8 sends", ibv_post_send(us, chain, &sbad) == 0, "post");
+			CHECK("resize_cq below posted sends", ibv_resize_cq(ucq, 4) == EINVAL, "accepted");
+			struct ibv_wc wcs[8];
+			int n = 0;
+			for (long spin = 0; n < 8 && spin < 2000000000L; spin++) {
+				int k = ibv_poll_cq(ucq, 8 - n, wcs + n);
+				CHECK("UD 8 sends poll", k >= 0, "poll %d", k);
+				n += k;
+			}
+			CHECK("UD 8 sends complete", n == 8 && wcs[7].wr_id == 107 && wcs[7].status == IBV_WC_SUCCESS, "n %d", n);
+			CHECK("resize_cq shrink once polled", ibv_resize_cq(ucq, 4) == 0 && ucq->cqe >= 4, "cqe %d", ucq->cqe);
+		}
 		sw.opcode = IBV_WR_RDMA_WRITE;
 		CHECK("UD RDMA WRITE", ibv_post_send(us, &sw, &sbad) == EINVAL, "accepted");
 		CHECK("UD destroy", ibv_destroy_qp(us) == 0 && ibv_destroy_qp(ur) == 0 && ibv_destroy_ah(uah) == 0 &&
