@@ -8,8 +8,10 @@ use std::sync::Mutex;
 use anyhow::{anyhow, bail, Context as _};
 use rnic::mem::{sealed_memfd, Mapping};
 use rnic::proto::{Reply, Request};
+/// Most SGEs of an SRQ's WR.
+pub use rnic::ring::MAX_SGE as MAX_SRQ_SGE;
 use rnic::ring::{ring_bytes, RecvWqe, Ring, MAX_SGE};
-pub use rnic::srq::{SrqAttr, SrqSnapshot, MAX_SRQ_WR, SRQ_SNAPSHOT_VERSION};
+pub use rnic::srq::{SrqAttr, SrqSnapshot, MAX_SRQ, MAX_SRQ_WR, SRQ_SNAPSHOT_VERSION};
 
 use crate::{Context, Pd, Qp, RecvWr};
 
@@ -72,6 +74,16 @@ impl Srq {
         &self.ctx
     }
 
+    pub fn max_sge(&self) -> u32 {
+        self.max_sge
+    }
+
+    /// WRs that can be posted now before the queue is full.
+    pub fn free_slots(&self) -> u32 {
+        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        ring.free_slots().saturating_sub(ring.cap() - self.max_wr)
+    }
+
     /// ibv_post_srq_recv: posts in order; stops at the first WR that has
     /// too many SGEs or finds the queue full (the error says which).
     pub fn post_recv(&self, wrs: &[RecvWr]) -> anyhow::Result<()> {
@@ -81,7 +93,7 @@ impl Srq {
                 bail!("{} SGEs exceed the SRQ's max_sge {}", wr.sg_list.len(), self.max_sge);
             }
             // The ring is a power of two, at least max_wr: the rest is not the queue's.
-            if ring.free_slots() <= ring.cap() - self.max_wr {
+            if ring.free_slots().saturating_sub(ring.cap() - self.max_wr) == 0 {
                 bail!("shared receive queue full");
             }
             let mut r = RecvWqe { wr_id: wr.wr_id, num_sge: wr.sg_list.len() as u32, ..Default::default() };
