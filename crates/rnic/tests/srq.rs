@@ -265,3 +265,58 @@ fn srq_holding_wqes_is_saved_and_restored_with_its_qp() {
     assert!(srq2.query_state().is_err(), "the QP runs again: no state while it does");
     drop(ctx);
 }
+
+#[test]
+fn ud_qps_take_datagram_receives_from_the_srq() {
+    const QKEY: u32 = 0x1234_5678;
+    let bed = Bed::new("rnsru", 2);
+    let ctx = bed.ctx(0);
+    let pd = ctx.alloc_pd().unwrap();
+    let srq = pd.create_srq(&SrqAttr { max_wr: 16, max_sge: 1, srq_limit: 0 }).unwrap();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let ud = |pd: &Pd, cq: &Cq, srq: Option<&Srq>| {
+        let mut init = QpInitAttr::new(cq, cq);
+        init.qp_type = QpType::Ud;
+        let qp = pd.create_qp(&init).unwrap();
+        if let Some(s) = srq {
+            qp.attach_srq(s).unwrap();
+        }
+        qp.ud_activate(QKEY, 1).unwrap();
+        qp
+    };
+    let r = [ud(&pd, &cq, Some(&srq)), ud(&pd, &cq, Some(&srq))];
+    let buf = MemBuf::new(1 << 20).unwrap();
+    let mr = pd.reg_mr(&buf, 0, buf.len(), access::LOCAL_WRITE).unwrap();
+    for i in 0..4u64 {
+        srq.post_recv(&[RecvWr { wr_id: i, sg_list: &[mr.sge(i as usize * SLOT, SLOT)] }]).unwrap();
+    }
+    let sctx = bed.ctx(1);
+    let spd = sctx.alloc_pd().unwrap();
+    let scq = sctx.create_cq(64, None).unwrap();
+    let s = ud(&spd, &scq, None);
+    let sbuf = MemBuf::new(1 << 16).unwrap();
+    let smr = spd.reg_mr(&sbuf, 0, sbuf.len(), access::LOCAL_WRITE).unwrap();
+    // Datagrams to either QP take the SRQ's receives in order.
+    for m in 0..4u64 {
+        let q = &r[m as usize % 2];
+        let data = message(m as usize % 2, m, 500);
+        sbuf.write(m as usize * 512, &data);
+        let dest = UdDest { gid: ctx.gid(), qpn: q.qpn, qkey: QKEY };
+        s.post_send(&[SendWr::send_to(m, &[smr.sge(m as usize * 512, 500)], dest)]).unwrap();
+        oks(&scq, 1);
+        let w = oks(&cq, 1)[0];
+        assert_eq!((w.wr_id, w.qp_num, w.byte_len), (m, q.qpn, GRH_LEN as u32 + 500));
+        assert_eq!(buf.read(m as usize * SLOT + GRH_LEN, 500), data);
+    }
+    // An empty SRQ: the datagram is dropped, as with an empty RQ.
+    let drops = stat(&ctx, "ud_no_recv_drops");
+    let dest = UdDest { gid: ctx.gid(), qpn: r[0].qpn, qkey: QKEY };
+    s.post_send(&[SendWr::send_to(9, &[smr.sge(0, 64)], dest)]).unwrap();
+    oks(&scq, 1);
+    let t0 = Instant::now();
+    while stat(&ctx, "ud_no_recv_drops") == drops && t0.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(stat(&ctx, "ud_no_recv_drops"), drops + 1);
+    assert_eq!(cq.poll(&mut [Wc::default(); 2]).unwrap(), 0);
+}
