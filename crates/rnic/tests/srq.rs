@@ -320,3 +320,121 @@ fn ud_qps_take_datagram_receives_from_the_srq() {
     assert_eq!(stat(&ctx, "ud_no_recv_drops"), drops + 1);
     assert_eq!(cq.poll(&mut [Wc::default(); 2]).unwrap(), 0);
 }
+
+/// Control requests about SRQs with bad arguments, straight into an engine
+/// (no client-side checks in the way): each gets an error and changes nothing.
+#[test]
+fn bad_srq_requests_get_errors() {
+    use rnic::proto::{Reply, Request};
+    use rnic::qp_snapshot::SavedRecv;
+    use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    fn dup(fd: &OwnedFd) -> OwnedFd {
+        // SAFETY: dup of a valid fd.
+        unsafe { OwnedFd::from_raw_fd(libc::dup(fd.as_raw_fd())) }
+    }
+    let mut e = rnic::engine::Engine::new("10.9.0.1".parse().unwrap());
+    let (c, other) = (1, 2);
+    let Reply::Pd(pd) = e.control(c, Request::AllocPd, vec![]).unwrap() else { panic!() };
+    let ring = rnic::mem::sealed_memfd("srq", ring_bytes::<RecvWqe>(16)).unwrap();
+    let attr = SrqAttr { max_wr: 16, max_sge: 2, srq_limit: 0 };
+    let create = |attr: SrqAttr, slots: u32, restore: Option<SrqSnapshot>| Request::CreateSrq { pd, attr, slots, restore };
+    let bad = [
+        (create(SrqAttr { max_wr: 0, ..attr }, 16, None), "max_wr 0"),
+        (create(SrqAttr { max_wr: MAX_SRQ_WR + 1, ..attr }, 1 << 15, None), "max_wr too large"),
+        (create(SrqAttr { max_sge: 0, ..attr }, 16, None), "max_sge 0"),
+        (create(SrqAttr { max_sge: 9, ..attr }, 16, None), "max_sge 9"),
+        (create(SrqAttr { srq_limit: 17, ..attr }, 16, None), "limit above max_wr"),
+        (create(attr, 8, None), "ring smaller than max_wr"),
+        (create(attr, 24, None), "ring not a power of two"),
+        (create(attr, 64, None), "ring larger than its memfd"),
+        (create(attr, 16, Some(SrqSnapshot { version: 99, ..Default::default() })), "unknown state version"),
+        (
+            create(
+                attr,
+                16,
+                Some(SrqSnapshot { version: SRQ_SNAPSHOT_VERSION, returned: vec![SavedRecv::default(); 17], ..Default::default() }),
+            ),
+            "more saved WQEs than max_wr",
+        ),
+        (
+            create(
+                attr,
+                16,
+                Some(SrqSnapshot {
+                    version: SRQ_SNAPSHOT_VERSION,
+                    returned: vec![SavedRecv { wr_id: 1, sge: vec![(0, 1, 1); 3] }],
+                    ..Default::default()
+                }),
+            ),
+            "a saved WQE with more SGEs than max_sge",
+        ),
+        (Request::CreateSrq { pd: pd + 100, attr, slots: 16, restore: None }, "unknown PD"),
+    ];
+    for (req, why) in bad {
+        assert!(e.control(c, req, vec![dup(&ring)]).is_err(), "{why}");
+    }
+    assert!(e.control(c, create(attr, 16, None), vec![]).is_err(), "no ring memfd");
+    assert!(e.control(other, create(attr, 16, None), vec![dup(&ring)]).is_err(), "another client's PD");
+    e.control(c, Request::DeallocPd { pd }, vec![]).expect("no SRQ was made in the PD");
+    assert!(e.is_empty(), "nothing was made");
+    let Reply::Pd(pd) = e.control(c, Request::AllocPd, vec![]).unwrap() else { panic!() };
+
+    let Reply::Srq { srq, attr: got } = e.control(c, Request::CreateSrq { pd, attr, slots: 16, restore: None }, vec![dup(&ring)]).unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(got, attr);
+    // Handles that are not the caller's SRQ, a resize, a limit past max_wr.
+    for (req, why) in [
+        (Request::QuerySrq { srq: srq + 100 }, "unknown SRQ"),
+        (Request::ModifySrq { srq, max_wr: Some(32), srq_limit: None }, "resize"),
+        (Request::ModifySrq { srq, max_wr: None, srq_limit: Some(17) }, "limit past max_wr"),
+        (Request::DestroySrq { srq: srq + 100 }, "destroy unknown"),
+        (Request::AttachSrq { qpn: 0x1234, srq }, "attach to an unknown QP"),
+    ] {
+        assert!(e.control(c, req, vec![]).is_err(), "{why}");
+    }
+    for req in [Request::QuerySrq { srq }, Request::DestroySrq { srq }, Request::QuerySrqState { srq }] {
+        assert!(e.control(other, req, vec![]).is_err(), "another client's SRQ");
+    }
+    assert!(e.control(c, Request::DeallocPd { pd }, vec![]).is_err(), "the PD holds the SRQ");
+
+    // A QP of another PD cannot use it; a QP of its PD can, once.
+    let Reply::Pd(pd2) = e.control(c, Request::AllocPd, vec![]).unwrap() else { panic!() };
+    let cqfd = rnic::mem::sealed_memfd("cq", ring_bytes::<Cqe>(64)).unwrap();
+    let Reply::Cq(cq) = e.control(c, Request::CreateCq { cap: 64, channel: None }, vec![dup(&cqfd)]).unwrap() else { panic!() };
+    let qp = |e: &mut rnic::engine::Engine, pd| {
+        let sq = rnic::mem::sealed_memfd("sq", ring_bytes::<SendWqe>(16)).unwrap();
+        let rq = rnic::mem::sealed_memfd("rq", ring_bytes::<RecvWqe>(16)).unwrap();
+        let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let req = Request::CreateQp {
+            pd,
+            send_cq: cq,
+            recv_cq: cq,
+            cap,
+            sq_sig_all: false,
+            sq_slots: 16,
+            rq_slots: 16,
+            qpn: None,
+            restore: None,
+            qp_type: QpType::Rc,
+        };
+        let Reply::Qp { qpn, .. } = e.control(c, req, vec![sq, rq]).unwrap() else { panic!() };
+        qpn
+    };
+    let q2 = qp(&mut e, pd2);
+    assert!(e.control(c, Request::AttachSrq { qpn: q2, srq }, vec![]).is_err(), "a QP of another PD");
+    let q1 = qp(&mut e, pd);
+    e.control(c, Request::AttachSrq { qpn: q1, srq }, vec![]).unwrap();
+    assert!(e.control(c, Request::AttachSrq { qpn: q1, srq }, vec![]).is_err(), "attached twice");
+    assert!(e.control(c, Request::QuerySrqState { srq }, vec![]).is_err(), "its QP is not suspended");
+    assert!(e.control(c, Request::DestroySrq { srq }, vec![]).is_err(), "busy");
+    e.control(c, Request::DestroyQp { qpn: q1 }, vec![]).unwrap();
+    assert!(matches!(e.control(c, Request::QuerySrqState { srq }, vec![]).unwrap(), Reply::SrqState(_)));
+    e.control(c, Request::DestroySrq { srq }, vec![]).unwrap();
+    // The client goes: everything of it goes.
+    e.client_gone(c);
+    assert!(e.is_empty());
+}
