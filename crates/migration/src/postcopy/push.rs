@@ -107,6 +107,16 @@ impl PushQueue {
         }
     }
 
+    /// Pages the destination lacks after all (a push channel was lost with
+    /// its link): queue `data` again, and `zero` as known-zero runs. Pages
+    /// queued already stay queued once.
+    pub fn requeue(&self, data: &[PageRange], zero: &[PageRange]) {
+        for r in data {
+            self.give_back(r.first, r.count);
+        }
+        self.inner.lock().unwrap().zero.extend_from_slice(zero);
+    }
+
     /// Up to `max` pages from the cursor on (wrapping), as runs.
     pub fn claim(&self, max: u64, out: &mut Vec<Claim>) -> bool {
         out.clear();
