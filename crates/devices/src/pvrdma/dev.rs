@@ -158,6 +158,11 @@ pub(crate) struct Dev {
     /// space): vectors go pending rather than nowhere. Not saved: a
     /// restored function is unmasked (persist.rs).
     pub msix_function_masked: bool,
+    /// Some guest CQ is armed: the notifier thread waits on rnicd's
+    /// completion channel only then (mod.rs, `notifier`).
+    pub cq_armed: Arc<std::sync::atomic::AtomicBool>,
+    /// The notifier thread, unparked when the guest arms a CQ.
+    pub notifier_thread: Option<std::thread::Thread>,
 }
 
 impl Dev {
@@ -186,6 +191,8 @@ impl Dev {
             switch: Default::default(),
             msi: None,
             msix_function_masked: false,
+            cq_armed: Default::default(),
+            notifier_thread: None,
         }
     }
 

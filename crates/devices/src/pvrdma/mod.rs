@@ -154,6 +154,7 @@ impl Pvrdma {
                 .spawn(move || notifier(shared, notifier_waiter, stop))
                 .map_err(|e| format!("notifier thread: {e}"))?
         };
+        lock(&shared).notifier_thread = Some(notifier.thread().clone());
         Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter })
     }
 
@@ -239,14 +240,31 @@ impl Pvrdma {
 
 /// Waits for rnicd's completion events and notifies armed CQs. Its waiter
 /// leaves the eventfd alone, so a vCPU in a WAIT doorbell sees the same
-/// events.
+/// events. While no guest CQ is armed it does not wait on the channel at
+/// all, but parked: a completion that only a WAIT doorbell waits for then
+/// wakes one thread (the vCPU's), not two that then contend for the
+/// device lock on a small host. The edge-triggered epoll keeps an event
+/// that came while parked, so arming never misses one.
 fn notifier(shared: Arc<Mutex<Dev>>, waiter: verbs::ChannelWaiter, stop: Arc<AtomicBool>) {
+    let armed = lock(&shared).cq_armed.clone();
     while !stop.load(Ordering::Acquire) {
+        if !armed.load(Ordering::Acquire) {
+            std::thread::park_timeout(Duration::from_millis(50));
+            // A restored device's CQs may be armed without an ARM doorbell.
+            let d = lock(&shared);
+            if d.any_cq_armed() {
+                armed.store(true, Ordering::Release);
+            }
+            continue;
+        }
         match waiter.wait(Duration::from_millis(50)) {
             Ok(true) => {
                 let mut d = lock(&shared);
                 if !d.paused && d.regs.state == DevState::Active {
                     d.notify_armed();
+                }
+                if !d.any_cq_armed() {
+                    armed.store(false, Ordering::Release);
                 }
             }
             Ok(false) => {}
@@ -504,6 +522,7 @@ impl Drop for Pvrdma {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.notifier.take() {
+            t.thread().unpark();
             let _ = t.join();
         }
     }
