@@ -23,6 +23,7 @@ use crate::types::{access, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, Qp
 use crate::wire::{self, Flow, ROCE_PORT};
 
 mod batch;
+mod srq;
 
 pub const MAX_QP: u32 = 1 << 16;
 pub const MAX_WR: u32 = 1 << 14;
@@ -36,6 +37,7 @@ pub struct Engine {
     keys: Keys,
     cqs: IdMap<Cq>,
     qps: IdMap<Qp>,
+    srqs: IdMap<crate::srq::SharedSrq>,
     channels: IdMap<(ClientId, Arc<OwnedFd>)>,
     next_id: u32,
     next_key: u32,
@@ -58,6 +60,7 @@ impl Engine {
             keys: Keys::default(),
             cqs: IdMap::default(),
             qps: IdMap::default(),
+            srqs: IdMap::default(),
             channels: IdMap::default(),
             next_id: 1,
             // Keys and QPNs start at a per-process pseudo-random point so
@@ -193,6 +196,12 @@ impl Engine {
                 Ok(Reply::Ok)
             }
             Request::FetchAsync => Ok(Reply::AsyncEvents(self.asyncs.fetch(client))),
+            Request::CreateSrq { pd, attr, slots, restore } => self.create_srq(client, pd, attr, slots, restore, &fds),
+            Request::ModifySrq { srq, max_wr, srq_limit } => self.modify_srq(client, srq, max_wr, srq_limit),
+            Request::QuerySrq { srq } => self.query_srq(client, srq),
+            Request::DestroySrq { srq } => self.destroy_srq(client, srq),
+            Request::AttachSrq { qpn, srq } => self.attach_srq(client, qpn, srq),
+            Request::QuerySrqState { srq } => self.query_srq_state(client, srq),
         }
     }
 
@@ -210,7 +219,12 @@ impl Engine {
 
     /// Whether no client object is left (the namespace may go).
     pub fn is_empty(&self) -> bool {
-        self.qps.is_empty() && self.keys.direct.is_empty() && self.keys.indirect.is_empty() && self.cqs.is_empty() && self.pds.is_empty()
+        self.qps.is_empty()
+            && self.srqs.is_empty()
+            && self.keys.direct.is_empty()
+            && self.keys.indirect.is_empty()
+            && self.cqs.is_empty()
+            && self.pds.is_empty()
     }
 
     /// A batch names at most `max` QPs, all the client's own.
@@ -250,6 +264,7 @@ impl Engine {
         let qps = &self.qps;
         self.qpn_order.retain(|q| qps.contains_key(q));
         self.keys.client_gone(client);
+        self.srqs.retain(|_, s| crate::srq::lock(s).owner != client);
         self.cqs.retain(|_, c| c.owner != client);
         self.pds.retain(|_, c| *c != client);
         self.channels.retain(|_, (c, _)| *c != client);
@@ -445,6 +460,7 @@ impl Engine {
         if self.keys.direct.values().any(|m| m.pd == pd)
             || self.keys.indirect.values().any(|k| k.pd == pd)
             || self.qps.values().any(|q| q.pd == pd)
+            || self.pd_has_srq(pd)
         {
             bail!("PD {pd} still has memory regions or QPs");
         }
@@ -769,7 +785,7 @@ impl Engine {
     }
 
     fn destroy_qp(&mut self, client: ClientId, qpn: u32) -> anyhow::Result<Reply> {
-        self.owned_qp(client, qpn)?;
+        self.owned_qp(client, qpn)?.give_back_srq_wqe();
         self.qps.remove(&qpn);
         self.qpn_order.retain(|q| *q != qpn);
         Ok(Reply::Ok)

@@ -43,12 +43,14 @@ pub use rnic::trace::TraceReport;
 pub use rnic::types::{
     access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, QpType, WcOpcode, WcStatus, WrOpcode,
 };
+pub use srq::{Srq, SrqAttr, SrqSnapshot, MAX_SRQ, MAX_SRQ_SGE, MAX_SRQ_WR, SRQ_SNAPSHOT_VERSION};
 
 mod batch;
 pub mod mkeys;
 pub mod peer;
 pub mod peer_bench;
 pub mod rcache;
+mod srq;
 pub mod tools;
 
 struct Inner {

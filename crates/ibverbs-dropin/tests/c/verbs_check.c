@@ -570,8 +570,11 @@ int main(void)
 		struct ibv_qp_init_attr uc = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UC,
 					       .cap = { 1, 1, 1, 1, 0 } };
 		CHECK("UC QP", !ibv_create_qp(pd, &uc) && errno == EOPNOTSUPP, "errno %d", errno);
-		CHECK("srq", !ibv_create_srq(pd, &(struct ibv_srq_init_attr){ .attr = { 1, 1, 0 } }) &&
-				     errno == EOPNOTSUPP, "errno %d", errno);
+		/* Basic SRQs work (srq_check.c); XRC ones do not. */
+		struct ibv_srq_init_attr_ex xrc = { .attr = { 1, 1, 0 }, .srq_type = IBV_SRQT_XRC, .pd = pd, .cq = cq,
+						    .comp_mask = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_PD |
+								 IBV_SRQ_INIT_ATTR_CQ };
+		CHECK("xrc srq", !ibv_create_srq_ex(ctx, &xrc) && errno == EOPNOTSUPP, "errno %d", errno);
 		union ibv_gid mgid = {};
 		CHECK("multicast", ibv_attach_mcast(c, &mgid, 0) == EOPNOTSUPP, "mcast");
 		struct ibv_ah_attr aha = { .is_global = 1, .port_num = 1, .grh = { .dgid = gid, .hop_limit = 64 } };

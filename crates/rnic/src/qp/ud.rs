@@ -201,7 +201,8 @@ impl Qp {
             ctx.stats.ud_qkey_drops += 1;
             return;
         }
-        let Some(r) = self.rq_ring.pop() else {
+        let r = if self.srq.is_some() { self.pop_srq(ctx) } else { self.rq_ring.pop() };
+        let Some(r) = r else {
             ctx.stats.ud_no_recv_drops += 1;
             return;
         };
