@@ -215,10 +215,29 @@ pub struct PeerReport {
     /// The longest such time of any single QP (the largest of the
     /// workloads' `max_gap_ms`).
     pub max_qp_gap_ms: f64,
+    /// The connection's longest stalls (at most [`LONG_GAPS`], longest
+    /// first), each with the wall-clock time it began: which of them a
+    /// migration's switch caused is told by when it happened, where the
+    /// longest of a whole run on a busy host may be the scheduler's.
+    pub long_gaps: Vec<Gap>,
     pub workloads: BTreeMap<String, WorkloadReport>,
     /// The first violations, in words.
     pub violations: Vec<String>,
 }
+
+/// A stall of the whole connection: no QP completed anything.
+#[derive(Serialize, Debug, Default, Clone, Copy)]
+pub struct Gap {
+    /// When it began (the last completion before it), ms since the Unix
+    /// epoch: comparable with the times other processes of the host log.
+    pub start_unix_ms: f64,
+    pub ms: f64,
+}
+
+/// How many of the connection's longest stalls a report lists: enough that
+/// a migration's stall is among them even when a loaded host made many
+/// longer ones elsewhere in the run.
+pub const LONG_GAPS: usize = 512;
 
 const MAX_VIOLATIONS: usize = 32;
 const STREAM_DEPTH: usize = 64;
@@ -451,10 +470,25 @@ impl Peer {
         c.completed(now, self.rep.workloads.get_mut(c.kind.name()).unwrap());
         if self.timing {
             if let Some(t) = self.last_any {
-                self.rep.max_gap_ms = self.rep.max_gap_ms.max(now.duration_since(t).as_secs_f64() * 1e3);
+                let ms = now.duration_since(t).as_secs_f64() * 1e3;
+                self.rep.max_gap_ms = self.rep.max_gap_ms.max(ms);
+                self.note_gap(now, ms);
             }
             self.last_any = Some(now);
         }
+    }
+
+    /// Keeps the stall of `ms` that ended `now` if it is among the longest.
+    fn note_gap(&mut self, now: Instant, ms: f64) {
+        let gaps = &mut self.rep.long_gaps;
+        if gaps.len() == LONG_GAPS && gaps.last().is_some_and(|g| g.ms >= ms) {
+            return;
+        }
+        let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let start_unix_ms = since_epoch.as_secs_f64() * 1e3 - now.elapsed().as_secs_f64() * 1e3 - ms;
+        let at = gaps.partition_point(|g| g.ms >= ms);
+        gaps.insert(at, Gap { start_unix_ms, ms });
+        gaps.truncate(LONG_GAPS);
     }
 
     /// A completion that is not a success: the QP is in error from here on.

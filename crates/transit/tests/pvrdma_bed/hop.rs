@@ -138,8 +138,7 @@ pub fn check_hop(bed: &Bed, src: &mut VmProcess, dst: &VmProcess, (from, to): (u
     // migration completed, which may be just after query-migrate says so.
     wait_for("the source's namespace to hold nothing", LONG, || pvrdma(src)["objects"]["qps"] == 0);
     assert_qps_running(dst);
-    src.exec("quit", json!({})).unwrap();
-    src.wait_exit(Duration::from_secs(20)).unwrap();
+    quit_and_wait_exit(src, Duration::from_secs(20));
 }
 
 /// The checks at the end of a run: the guests' consoles (every VM the run

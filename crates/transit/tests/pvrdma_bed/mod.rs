@@ -307,3 +307,33 @@ pub fn assert_qps_running(vm: &VmProcess) {
         assert_eq!(q["state"], "RTS", "{d:#}");
     }
 }
+
+/// `quit`s `vm` and waits for its process to end; if it does not within
+/// `bound`, fails with where each of its threads is (name, state, kernel
+/// wait channel and stack, time spent), which names what it waits for.
+pub fn quit_and_wait_exit(vm: &mut VmProcess, bound: Duration) {
+    let t = Instant::now();
+    vm.exec("quit", json!({})).unwrap();
+    if vm.wait_exit(bound).is_ok() {
+        eprintln!("the vmm exited {:.2} s after quit", t.elapsed().as_secs_f64());
+        return;
+    }
+    let pid = vm.pid();
+    let mut threads = String::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+        let p = task.path();
+        let read = |f: &str| std::fs::read_to_string(p.join(f)).unwrap_or_default();
+        let stat = read("stat");
+        // comm may hold spaces: the state is the first field after its ')'.
+        let state = stat.rsplit_once(") ").map(|(_, r)| r.split(' ').next().unwrap_or("?")).unwrap_or("?").to_string();
+        threads += &format!(
+            "\n{} {} state {} wchan {}\n{}",
+            task.file_name().to_string_lossy(),
+            read("comm").trim(),
+            state,
+            read("wchan"),
+            read("stack")
+        );
+    }
+    panic!("the vmm (pid {pid}) did not exit within {bound:?} of quit; its threads:{threads}\nconsole:\n{}", vm.console());
+}
