@@ -166,6 +166,7 @@ impl Engine {
             }
             Request::DestroyCq { cq } => self.destroy_cq(client, cq),
             Request::ResizeCq { cq, cap } => self.resize_cq(client, cq, cap, fds),
+            Request::SettleCq { cq } => self.settle_cq(client, cq),
             Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, qp_type } => {
                 let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type };
                 let [sq, rq] = &fds[..] else { bail!("CreateQp needs the SQ and RQ ring memfds") };
@@ -716,6 +717,26 @@ impl Engine {
         Ok(Reply::Ok)
     }
 
+    /// Takes what the client's QPs on `cq` have posted (their rings may
+    /// not have been read yet: no doorbell while rnicd polls them, or
+    /// rnicd busy elsewhere) and completes now what needs no peer: a UD
+    /// send completes as it leaves (its packet goes out with the next
+    /// transmit round), a QP in ERR flushes. RC work waiting for the peer
+    /// completes when the peer answers, as on a hardware NIC.
+    fn settle_cq(&mut self, client: ClientId, cq: u32) -> anyhow::Result<Reply> {
+        self.owned_cq(client, cq)?;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        for qp in qps.values_mut().filter(|q| q.owner == client && (q.send_cq == cq || q.recv_cq == cq)) {
+            qp.doorbell(&mut ctx);
+            if qp.is_ud() {
+                let mut budget = usize::MAX;
+                qp.transmit(&mut ctx, &mut budget);
+            }
+        }
+        Ok(Reply::Ok)
+    }
+
     fn destroy_cq(&mut self, client: ClientId, cq: u32) -> anyhow::Result<Reply> {
         self.owned_cq(client, cq)?;
         if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
@@ -769,6 +790,7 @@ impl Engine {
         };
         let mut qp = Qp::new(qpn, client, q.pd, q.send_cq, q.recv_cq, q.sq_sig_all, cap, sq, rq);
         qp.qp_type = q.qp_type;
+        qp.ud_set_port_mtu(self.active_mtu);
         if let Some(s) = &restore {
             qp.restore(s).map_err(|e| anyhow!("create suspended QP {qpn:#x}: {e}"))?;
         }
@@ -778,9 +800,10 @@ impl Engine {
     }
 
     fn modify_qp(&mut self, client: ClientId, qpn: u32, attr: &QpAttr, mask: u32) -> anyhow::Result<Reply> {
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, active_mtu, .. } = self;
         let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
         qp.modify(attr, mask, &mut Self::ctx(*gid, keys, cqs, tx, stats, asyncs)).map_err(|e| anyhow!(e))?;
+        qp.ud_set_port_mtu(*active_mtu);
         Ok(Reply::Ok)
     }
 

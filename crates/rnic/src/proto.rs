@@ -139,6 +139,14 @@ pub enum Request {
         cq: u32,
         cap: u32,
     },
+    /// Before ibv_resize_cq judges a shrink: rnicd takes the WQEs the
+    /// client's QPs on this CQ have posted and completes now what completes
+    /// without a peer (UD sends, flushes of a QP in ERR), then replies `Ok`.
+    /// The CQ's ring then holds every completion a hardware CQ would by the
+    /// time the program resizes; the client counts them there.
+    SettleCq {
+        cq: u32,
+    },
     /// Carries the SQ ring memfd then the RQ ring memfd.
     /// `qpn`: the QPN the caller wants (refused if taken in the namespace).
     CreateQp {

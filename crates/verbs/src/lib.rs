@@ -734,6 +734,17 @@ impl Cq {
         Ok(cap)
     }
 
+    /// The completions the CQ holds once rnicd has taken what its QPs
+    /// posted and completed what needs no peer (UD sends, flushes; rnicd's
+    /// SettleCq): what ibv_resize_cq weighs a shrink against. WRs waiting
+    /// for a peer's answer are not counted, as on a hardware CQ.
+    pub fn settled(&self) -> anyhow::Result<u32> {
+        match self.ctx.inner.call(&Request::SettleCq { cq: self.handle }, &[])? {
+            Reply::Ok => Ok(self.ready()),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     /// Completions in the ring not yet polled.
     pub fn ready(&self) -> u32 {
         let r = self.ring.lock().unwrap_or_else(|e| e.into_inner());
