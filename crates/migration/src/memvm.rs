@@ -196,7 +196,9 @@ impl MemVm {
     /// the throttle's, not whatever share a loaded host leaves to one
     /// thread among many. Only the throttle's sleeps yield the core (and
     /// the kernel's real-time limit keeps 5% of it for others), so use
-    /// it for a short migration that must throttle.
+    /// it for a short migration that must throttle, and never for more
+    /// dirtiers at once than the host has cores: the surplus would starve
+    /// (and with it the migration's own threads).
     pub fn run_dirtiers_realtime(&self) -> std::io::Result<()> {
         for tid in &self.sh.tids {
             let tid = loop {
