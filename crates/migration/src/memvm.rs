@@ -6,7 +6,7 @@
 use crate::vm::{MigratableVm, RamRegion};
 use snapshot::{Section, StateSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -109,6 +109,8 @@ struct Shared {
     throttle: AtomicU8,
     /// Next page each dirtier thread will write (its "vCPU state").
     pos: Vec<AtomicU64>,
+    /// Each dirtier thread's kernel thread id, once it runs (0 before).
+    tids: Vec<AtomicI32>,
     slices: Vec<(u64, u64)>,
     state_pad: usize,
     restored: Mutex<Option<StateSet>>,
@@ -131,6 +133,7 @@ impl MemVm {
         let per = (pages - start_page) / dirtiers.max(1) as u64;
         let slices = (0..dirtiers as u64).map(|i| (start_page + i * per, start_page + (i + 1) * per)).collect::<Vec<_>>();
         let pos = slices.iter().map(|s| AtomicU64::new(s.0)).collect();
+        let tids = slices.iter().map(|_| AtomicI32::new(0)).collect();
         let shape = format!("memvm ram={ram_bytes} dirtiers={dirtiers} start={start_page}");
         let sh = Arc::new(Shared {
             ram,
@@ -139,6 +142,7 @@ impl MemVm {
             stop: AtomicBool::new(false),
             throttle: AtomicU8::new(0),
             pos,
+            tids,
             slices,
             state_pad: 16 << 10,
             restored: Mutex::new(None),
@@ -186,6 +190,31 @@ impl MemVm {
         }
         Ok(())
     }
+    /// Give the dirtier threads the CPU whenever they are runnable
+    /// (SCHED_FIFO, the lowest real-time priority), as a vCPU pinned to a
+    /// host core has it: their dirty rate is then the guest's own and
+    /// the throttle's, not whatever share a loaded host leaves to one
+    /// thread among many. Only the throttle's sleeps yield the core (and
+    /// the kernel's real-time limit keeps 5% of it for others), so use
+    /// it for a short migration that must throttle, and never for more
+    /// dirtiers at once than the host has cores: the surplus would starve
+    /// (and with it the migration's own threads).
+    pub fn run_dirtiers_realtime(&self) -> std::io::Result<()> {
+        for tid in &self.sh.tids {
+            let tid = loop {
+                match tid.load(Ordering::SeqCst) {
+                    0 => std::thread::yield_now(),
+                    t => break t,
+                }
+            };
+            let param = libc::sched_param { sched_priority: 1 };
+            // SAFETY: a valid sched_param for a thread of this process.
+            if unsafe { libc::sched_setscheduler(tid, libc::SCHED_FIFO, &param) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
     /// Passes done so far by dirtier 0 (from its first byte at slice start).
     pub fn progress(&self) -> u8 {
         self.sh.ram.page(self.sh.slices[0].0)[0]
@@ -205,6 +234,8 @@ impl Drop for MemVm {
 fn dirtier(sh: Arc<Shared>, idx: usize, rate: u64) {
     let (start, end) = sh.slices[idx];
     let _ = rate;
+    // SAFETY: gettid has no preconditions.
+    sh.tids[idx].store(unsafe { libc::gettid() }, Ordering::SeqCst);
     const BATCH: u64 = 256;
     loop {
         // The run gate: park while paused, acknowledging so pause() can return.
