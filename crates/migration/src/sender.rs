@@ -637,10 +637,12 @@ impl ChannelSet {
     }
 
     /// Postcopy: every channel pushes from `q` until it is empty; returns
-    /// the pages sent.
+    /// the pages sent. With several links a channel that fails is lost
+    /// with its link ([`ChannelSet::lose`]) and the others go on; what it
+    /// did not deliver is the destination's to report (`pages_held`).
     pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
         let channels = self.live();
-        let total = self.run_job(|| Job::Push(q.clone(), channels), false)?;
+        let total = self.run_job(|| Job::Push(q.clone(), channels), true)?;
         self.ctl.update(|s| s.pages_pushed += total.pages);
         Ok(total.pages)
     }
