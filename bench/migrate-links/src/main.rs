@@ -15,8 +15,9 @@
 use anyhow::{anyhow, bail, Context, Result};
 use migrate_transit::*;
 use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use testbed::{Testbed, TestbedOpts};
 
 #[derive(clap::Parser)]
@@ -45,6 +46,19 @@ struct Args {
     /// Link counts to measure, comma-separated.
     #[arg(long, default_value = "1,2", value_delimiter = ',')]
     links: Vec<usize>,
+    /// A `transit` binary whose rnicd serves the rdma rows; given more
+    /// than once, every rdma row runs once with each, alternating (an A/B
+    /// of rnicd builds in one run, under the same load). Default: the
+    /// `transit` built with this bench.
+    #[arg(long = "rnicd-bin")]
+    rnicd_bins: Vec<PathBuf>,
+    /// Runs of every row, in turn.
+    #[arg(long, default_value_t = 1)]
+    repeat: u32,
+    /// Record both rnicds with `perf record -g` during every rdma
+    /// migration, into this directory (one file per rnicd and row).
+    #[arg(long)]
+    perf: Option<PathBuf>,
 }
 
 /// One GiB in gigabytes (the figures are per GB, as the seed's are).
@@ -96,40 +110,159 @@ fn run(a: &Args) -> Result<Vec<Value>> {
         a.channels_per_link,
         if a.quick { " (--quick: a smaller VM)" } else { "" }
     );
+    let rnicd_bins = if a.rnicd_bins.is_empty() { vec![bin.clone()] } else { a.rnicd_bins.clone() };
+    if let Some(d) = &a.perf {
+        std::fs::create_dir_all(d)?;
+    }
     let mut rows = Vec::new();
-    for t in &transports {
-        for &links in &a.links {
-            eprintln!("migrate-links: {t}, {links} link(s)");
-            let row = run_row(&bin, t, links, gib, a).unwrap_or_else(|e| {
-                json!({"transport": t, "links": links, "ram_gib": gib, "completed": false, "total_s": null, "downtime_ms": null,
-                       "line_rate_fraction": null, "cpu_s_per_gb": null, "raw_tcp_gbps": null, "error": format!("{e:#}")})
-            });
-            eprintln!("  {row}");
-            rows.push(row);
+    for run in 0..a.repeat {
+        for t in &transports {
+            for &links in &a.links {
+                let builds: Vec<Option<&Path>> =
+                    if *t == "rdma" { rnicd_bins.iter().map(|b| Some(b.as_path())).collect() } else { vec![None] };
+                for rnicd in builds {
+                    let label = rnicd.map(rnicd_label).unwrap_or_default();
+                    eprintln!("migrate-links: {t}, {links} link(s) {label} (run {})", run + 1);
+                    let row = run_row(&bin, rnicd, t, links, gib, a, run).unwrap_or_else(|e| {
+                        json!({"transport": t, "links": links, "ram_gib": gib, "completed": false, "total_s": null, "downtime_ms": null,
+                               "line_rate_fraction": null, "cpu_s_per_gb": null, "raw_tcp_gbps": null, "error": format!("{e:#}")})
+                    });
+                    let mut row = row;
+                    if rnicd.is_some() {
+                        row["rnicd"] = json!(label);
+                    }
+                    eprintln!("  {row}");
+                    rows.push(row);
+                }
+            }
         }
     }
     Ok(rows)
 }
 
-fn run_row(bin: &std::path::Path, transport: &str, links: usize, gib: u64, a: &Args) -> Result<Value> {
+/// A short name for an rnicd build: its binary's file name, with its
+/// directory's when that is the generic `transit`.
+fn rnicd_label(p: &Path) -> String {
+    let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    match p.parent().and_then(|d| d.file_name()) {
+        Some(d) if name == "transit" => format!("{}/{name}", d.to_string_lossy()),
+        _ => name,
+    }
+}
+
+/// Waits until the fill workload has covered RAM. The guest runs on an
+/// emulated core, so on a loaded host the fill can take minutes of wall
+/// time: the limit is the vmm's own CPU seconds (what the fill needs,
+/// whatever else runs), with a wall-clock limit well beyond it.
+fn wait_fill(vm: &VmProcess, gib: u64) -> Result<()> {
+    let cpu0 = process_cpu_s(vm.pid())?;
+    let t0 = Instant::now();
+    let (cpu_limit, wall_limit) = (120.0 * gib as f64, Duration::from_secs(1200 * gib));
+    loop {
+        let r = vm.wait_progress(1, Duration::from_secs(5));
+        if r.is_ok() {
+            return Ok(());
+        }
+        let cpu = process_cpu_s(vm.pid()).context("the vmm went away during the fill")? - cpu0;
+        if cpu > cpu_limit || t0.elapsed() > wall_limit {
+            return r.map(|_| ()).with_context(|| format!("after {cpu:.0} s of vmm CPU in {:.0?}", t0.elapsed()));
+        }
+    }
+}
+
+/// rnicd counters of the transport's work and its recoveries, summed over
+/// the namespaces `clients` are in.
+fn rnicd_counters(clients: &[verbs::Context]) -> Result<Vec<(String, u64)>> {
+    const KEYS: &[&str] = &[
+        "rx_packets",
+        "tx_packets",
+        "retransmit_rewinds",
+        "loss_probes",
+        "timeouts",
+        "dup_requests",
+        "seq_naks_sent",
+        "held_out_of_order",
+        "rnr_naks_sent",
+        "rx_bad_icrc",
+        "send_errors",
+    ];
+    let all = clients.iter().map(|c| c.stats()).collect::<Result<Vec<_>>>()?;
+    Ok(KEYS.iter().map(|k| (k.to_string(), all.iter().filter_map(|s| s[*k].as_u64()).sum())).collect())
+}
+
+/// `perf record -g` of one process until dropped (SIGINT, so perf writes its file).
+struct Perf(std::process::Child);
+
+impl Perf {
+    fn start(pid: u32, out: &Path) -> Result<Perf> {
+        let c = std::process::Command::new("perf")
+            .args(["record", "-g", "-q", "-p", &pid.to_string(), "-o"])
+            .arg(out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("perf record")?;
+        Ok(Perf(c))
+    }
+}
+
+impl Drop for Perf {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+        let _ = self.0.wait();
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_row(bin: &Path, rnicd: Option<&Path>, transport: &str, links: usize, gib: u64, a: &Args, run: u32) -> Result<Value> {
     let tb = Testbed::create(TestbedOpts::new("mlinks", 2).nics(2).rate_mbit(a.rate_mbit))?;
     set_link_mtu(&tb, a.link_mtu)?;
     let raw = raw_tcp_with_retries(&tb, links, a.channels_per_link, 5)?;
-    let rnicds = if transport == "rdma" { (0..2).map(|h| Rnicd::start(bin, &tb, h)).collect::<Result<Vec<_>>>()? } else { Vec::new() };
+    let rnicds = match rnicd {
+        Some(r) => (0..2).map(|h| Rnicd::start(r, &tb, h)).collect::<Result<Vec<_>>>()?,
+        None => Vec::new(),
+    };
     let mem = format!("{gib}G");
     let spec = VmSpec { name: "bench", memory: &mem, workload: "fill", args: "" };
     let src = start_vm(bin, &tb, 0, &spec, None)?;
     let dst = start_vm(bin, &tb, 1, &spec, Some(Incoming::Prealloc("tcp:0.0.0.0:4444")))?;
-    wait_guest_progress(&src, 1, Duration::from_secs(60 + 60 * gib)).context("the fill workload did not cover RAM")?;
+    wait_fill(&src, gib).context("the fill workload did not cover RAM")?;
     wait_prealloc(&dst, gib, Duration::from_secs(10 * gib))?;
     let d = tb.host(1);
     let uri = format!("{transport}:{}", (0..links).map(|k| format!("{}:4444", d.addr(k))).collect::<Vec<_>>().join(","));
     let channels = a.channels_per_link * links as u32;
-    let rnicd_cpu = || rnicds.iter().map(Rnicd::cpu_s).sum::<Result<f64>>();
+    let rnicd_cpu = || rnicds.iter().map(Rnicd::cpu_s).collect::<Result<Vec<f64>>>();
     let rnicd0 = rnicd_cpu()?;
+    let perf = match (&a.perf, rnicd) {
+        (Some(dir), Some(r)) => rnicds
+            .iter()
+            .enumerate()
+            .map(|(h, d)| {
+                let label = rnicd_label(r).replace('/', "-");
+                Perf::start(d.pid(), &dir.join(format!("rdma-{links}l-{label}-run{run}-h{h}.data")))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        _ => Vec::new(),
+    };
+    // One stats client per rnicd namespace (host, link), opened before the
+    // migration: a namespace closes with its last client.
+    let tbr = &tb;
+    let stats: Vec<verbs::Context> = rnicds
+        .iter()
+        .enumerate()
+        .flat_map(|(h, r)| (0..links).map(move |k| verbs::Context::open_namespace(Some(r.socket()), tbr.host(h).addr(k))))
+        .collect::<Result<_>>()?;
+    let stats0 = rnicd_counters(&stats)?;
     src.exec("migrate", json!({"uri": uri, "channels": channels, "downtime_ms": 300, "timeout_s": 600}))?;
     let s = wait_migration(&src, Duration::from_secs(660))?;
-    let cpu_rnicd = rnicd_cpu()? - rnicd0;
+    let rnicd1 = rnicd_cpu()?;
+    drop(perf);
+    let counters: serde_json::Map<String, Value> =
+        rnicd_counters(&stats)?.into_iter().zip(stats0).map(|((k, b), (_, a))| (k, json!(b - a))).collect();
+    let rnicd_side = |h: usize| rnicd1.get(h).zip(rnicd0.get(h)).map_or(0.0, |(b, a)| b - a);
+    let (rnicd_src, rnicd_dst) = (rnicd_side(0), rnicd_side(1));
+    let cpu_rnicd = rnicd_src + rnicd_dst;
     let dd = wait_migration(&dst, Duration::from_secs(30))?;
     if s["status"] != "completed" || dd["status"] != "completed" {
         bail!("migration {}: {}", s["status"], s["error"].as_str().or(dd["error"].as_str()).unwrap_or("?"));
@@ -154,10 +287,19 @@ fn run_row(bin: &std::path::Path, transport: &str, links: usize, gib: u64, a: &A
         "cpu_s_source": cpu_src,
         "cpu_s_dest": cpu_dst,
         "cpu_s_rnicd": cpu_rnicd,
+        "cpu_s_rnicd_source": rnicd_src,
+        "cpu_s_rnicd_dest": rnicd_dst,
         "cpu_s_per_gb": (cpu_src + cpu_dst + cpu_rnicd) / gb,
         "cpu_s_per_gb_vmm": (cpu_src + cpu_dst) / gb,
         "cpu_s_per_gb_rnicd": cpu_rnicd / gb,
+        "cpu_s_per_gb_source": (cpu_src + rnicd_src) / gb,
+        "cpu_s_per_gb_dest": (cpu_dst + rnicd_dst) / gb,
         "raw_tcp_gbps": raw,
+        "rnicd_counters": if rnicds.is_empty() { Value::Null } else { Value::Object(counters) },
+        // Where the time went: connecting (queue pairs, registrations) and the rounds.
+        "setup_ms": s["setup_ms"],
+        "setup_steps": s["setup_steps"],
+        "rounds": s["rounds"],
         "throughput_gbps": tput,
         "fraction_of_raw_tcp": tput / raw,
         "rate_mbit_per_link": a.rate_mbit,
@@ -250,13 +392,26 @@ fn raw_tcp_with_retries(tb: &Testbed, links: usize, streams: u32, secs: u32) -> 
 fn print_table(rows: &[Value]) {
     let f = |v: &Value, k: &str, p: usize| v[k].as_f64().map(|x| format!("{x:.p$}")).unwrap_or_else(|| "-".into());
     println!(
-        "{:<9} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9}",
-        "transport", "links", "RAM GiB", "total s", "ideal s", "line frac", "raw Gb/s", "migr Gb/s", "down ms", "CPU s/GB"
+        "{:<9} {:<18} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "transport",
+        "rnicd",
+        "links",
+        "RAM GiB",
+        "total s",
+        "ideal s",
+        "line frac",
+        "raw Gb/s",
+        "migr Gb/s",
+        "down ms",
+        "CPU s/GB",
+        "src s/GB",
+        "dst s/GB"
     );
     for r in rows {
         println!(
-            "{:<9} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9}",
+            "{:<9} {:<18} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
             r["transport"].as_str().unwrap_or("?"),
+            r["rnicd"].as_str().unwrap_or("-"),
             r["links"],
             r["ram_gib"],
             f(r, "total_s", 2),
@@ -266,18 +421,35 @@ fn print_table(rows: &[Value]) {
             f(r, "throughput_gbps", 2),
             f(r, "downtime_ms", 0),
             f(r, "cpu_s_per_gb", 3),
+            f(r, "cpu_s_per_gb_source", 3),
+            f(r, "cpu_s_per_gb_dest", 3),
         );
         if let Some(e) = r["error"].as_str() {
             println!("  error: {e}");
         }
     }
-    for t in ["tcp", "rdma"] {
-        let one = rows.iter().find(|r| r["transport"] == t && r["links"] == 1 && r["total_s"].is_number());
-        let two = rows.iter().find(|r| r["transport"] == t && r["links"] == 2 && r["total_s"].is_number());
-        if let (Some(o), Some(w)) = (one, two) {
-            let speedup = o["total_s"].as_f64().unwrap() / w["total_s"].as_f64().unwrap();
-            let raw = w["raw_tcp_gbps"].as_f64().unwrap_or(0.0) / o["raw_tcp_gbps"].as_f64().unwrap_or(1.0).max(1e-9);
-            println!("{t}: two links vs one: migration {speedup:.2}x faster; raw TCP {raw:.2}x");
+    // Two links against one, per transport and rnicd build, from the
+    // mean times of the completed runs.
+    let mean = |t: &Value, rn: &Value, links: u64, k: &str| {
+        let v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r["transport"] == *t && r["rnicd"] == *rn && r["links"] == links)
+            .filter_map(|r| r[k].as_f64())
+            .collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    };
+    let mut seen = Vec::new();
+    for r in rows {
+        let key = (r["transport"].clone(), r["rnicd"].clone());
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key.clone());
+        let (t, rn) = key;
+        if let (Some(o), Some(w)) = (mean(&t, &rn, 1, "total_s"), mean(&t, &rn, 2, "total_s")) {
+            let raw = mean(&t, &rn, 2, "raw_tcp_gbps").unwrap_or(0.0) / mean(&t, &rn, 1, "raw_tcp_gbps").unwrap_or(1.0).max(1e-9);
+            let who = rn.as_str().map(|s| format!(" (rnicd {s})")).unwrap_or_default();
+            println!("{}{who}: two links vs one: migration {:.2}x faster; raw TCP {raw:.2}x", t.as_str().unwrap_or("?"), o / w);
         }
     }
 }

@@ -277,16 +277,31 @@ impl Rnicd {
     /// Its CPU seconds so far, user and system (`ip netns exec` execs
     /// into rnicd, so the child's pid is rnicd's).
     pub fn cpu_s(&self) -> Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
-        // Fields after the command name (which ends with the last ')'):
-        // utime and stime are the 12th and 13th.
-        let rest = stat.rsplit_once(')').map(|x| x.1).context("/proc stat")?;
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let ticks: f64 = f.get(11).context("utime")?.parse::<f64>()? + f.get(12).context("stime")?.parse::<f64>()?;
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        Ok(ticks / hz)
+        process_cpu_s(self.child.id())
     }
+
+    /// Its control socket.
+    pub fn socket(&self) -> &Path {
+        &self.sock
+    }
+
+    /// Its process id (for profilers).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+/// CPU seconds, user and system, of process `pid` so far.
+pub fn process_cpu_s(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which ends with the last ')'):
+    // utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map(|x| x.1).context("/proc stat")?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11).context("utime")?.parse::<f64>()? + f.get(12).context("stime")?.parse::<f64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok(ticks / hz)
 }
 
 impl Drop for Rnicd {

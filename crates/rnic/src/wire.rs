@@ -519,7 +519,9 @@ impl IpIdSolver {
 
 fn with_ip_id_solver<R>(len: usize, f: impl FnOnce(&IpIdSolver) -> R) -> R {
     thread_local! {
-        static SOLVERS: std::cell::RefCell<std::collections::HashMap<usize, Box<IpIdSolver>>> = Default::default();
+        // Looked up for every packet of a received GSO batch but its first:
+        // a cheap hash, not the default SipHash.
+        static SOLVERS: std::cell::RefCell<rustc_hash::FxHashMap<usize, Box<IpIdSolver>>> = Default::default();
     }
     SOLVERS.with(|t| f(t.borrow_mut().entry(len).or_insert_with(|| Box::new(IpIdSolver::new(len)))))
 }
