@@ -262,7 +262,7 @@ impl Fetch {
         if self.live == 0 {
             return Err(anyhow!("{why} (on every link)"));
         }
-        eprintln!("postcopy: link to {} dropped ({why}); reading on the links left", self.reader.addr(link));
+        tracing::warn!("postcopy: READs to {} dropped ({why}); reading on the links left", self.reader.addr(link));
         Ok(())
     }
 
