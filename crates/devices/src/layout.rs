@@ -7,7 +7,9 @@
 //! 0x0001_0000  identity page tables built by the vmm (PML4, PDPT, PDs)
 //! 0x0010_0000  firmware ELF load address (1 MiB)
 //! RAM end      guest RAM is [0, ram_size)
-//! MMIO_BASE    platform page, mailbox page, then PCI BARs (mapped uncached, 2 MiB pages)
+//! PCI_HOLE_BASE  32-bit PCI hole: BARs that must lie below 4 GiB (PVRDMA's)
+//! 0xFEE0_0000  local APIC page (devices/src/apic.rs)
+//! MMIO_BASE    platform page, mailbox page, then 64-bit PCI BARs (NVMe's)
 //! ```
 //! The vCPU starts in 64-bit long mode with paging on, RIP at the ELF entry,
 //! RDI = BOOT_INFO_ADDR, RSI = vCPU index.
@@ -26,8 +28,19 @@ pub const MMIO_SIZE: u64 = 0x4000_0000;
 pub const PLATFORM_ADDR: u64 = MMIO_BASE;
 /// The mailbox page (devices/src/mailbox.rs), second page of the window.
 pub const MAILBOX_ADDR: u64 = MMIO_BASE + 0x1000;
-/// PCI BARs are assigned from here, each aligned to its size.
+/// 64-bit PCI BARs are assigned from here, each aligned to its size.
 pub const PCI_BAR_BASE: u64 = MMIO_BASE + 0x10_0000;
+
+/// The 32-bit PCI hole, for functions whose driver expects 32-bit memory
+/// BARs (VMware's PVRDMA: Linux's `vmw_pvrdma` finds its MSI-X, register
+/// and UAR regions at BARs 0, 1 and 2, so none of the first two may take
+/// two BAR registers). It ends where the platform's interrupt controllers
+/// conventionally begin (I/O APIC at 0xFEC0_0000, local APIC at
+/// 0xFEE0_0000). Guest RAM is one range from 0 without a hole, so a VM
+/// with such a function has at most `PCI_HOLE_BASE` bytes of RAM
+/// (vmm's `VmConfig::validate`); the vCPU maps the hole only then.
+pub const PCI_HOLE_BASE: u64 = 0xE000_0000;
+pub const PCI_HOLE_SIZE: u64 = 0xFEC0_0000 - PCI_HOLE_BASE;
 
 pub const BOOT_MAGIC: u64 = 0x5452_414e_5349_5431; // "TRANSIT1"
 

@@ -31,12 +31,15 @@ pub struct Bar {
     pub size: u64,
 }
 
-/// Type 0 configuration header (256 bytes), with 64-bit memory BARs.
+/// Type 0 configuration header (256 bytes), with 32- and 64-bit memory BARs.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct PciConfig {
     #[serde(with = "serde_bytes_256")]
     regs: [u8; 256],
     bars: [Option<Bar>; 6],
+    /// Per BAR: whether it is a 64-bit BAR (its high half in the next slot).
+    #[serde(default)]
+    wide: [bool; 6],
     /// Set per BAR register after the guest wrote all ones (sizing).
     sizing: [bool; 6],
 }
@@ -67,13 +70,30 @@ impl PciConfig {
         regs[11] = class;
         regs[0x2c..0x2e].copy_from_slice(&vendor.to_le_bytes()); // subsystem vendor
         regs[0x2e..0x30].copy_from_slice(&device.to_le_bytes());
-        PciConfig { regs, bars: [None; 6], sizing: [false; 6] }
+        PciConfig { regs, bars: [None; 6], wide: [false; 6], sizing: [false; 6] }
     }
 
     /// Declare a 64-bit memory BAR (uses BAR slots `index` and `index+1`).
     pub fn set_bar64(&mut self, index: usize, bar: Bar) {
         assert!(index < 5 && bar.size.is_power_of_two() && bar.addr.is_multiple_of(bar.size));
+        assert!(self.bars[index + 1].is_none(), "BAR slot {} is taken", index + 1);
         self.bars[index] = Some(bar);
+        self.wide[index] = true;
+    }
+
+    /// Declare a 32-bit memory BAR (one BAR slot), which must lie below
+    /// 4 GiB (the 32-bit PCI hole, layout.rs).
+    pub fn set_bar32(&mut self, index: usize, bar: Bar) {
+        assert!(index < 6 && bar.size.is_power_of_two() && bar.addr.is_multiple_of(bar.size));
+        assert!(bar.addr + bar.size <= 1 << 32, "a 32-bit BAR must end below 4 GiB");
+        assert!(index == 0 || !self.wide[index - 1], "BAR slot {index} is a 64-bit BAR's high half");
+        self.bars[index] = Some(bar);
+        self.wide[index] = false;
+    }
+
+    /// Whether BAR `index` is a 64-bit BAR.
+    pub fn bar_is_64bit(&self, index: usize) -> bool {
+        self.wide.get(index).copied().unwrap_or(false)
     }
 
     /// Declare an MSI-X capability: `vectors` table entries at
@@ -119,12 +139,13 @@ impl PciConfig {
     }
 
     fn bar_dword(&self, slot: usize) -> u32 {
-        // Slot `slot` is the low half of a 64-bit BAR at slot, or the high
-        // half of one at slot - 1.
+        // Slot `slot` is a 32-bit BAR, the low half of a 64-bit BAR at
+        // slot, or the high half of one at slot - 1.
         if let Some(b) = self.bars[slot] {
             let v = if self.sizing[slot] { !(b.size - 1) } else { b.addr };
-            (v as u32 & !0xf) | 0x4 // memory, 64-bit, non-prefetchable
-        } else if slot > 0 {
+            // Memory, non-prefetchable; type 2 = 64-bit, 0 = 32-bit.
+            (v as u32 & !0xf) | if self.wide[slot] { 0x4 } else { 0 }
+        } else if slot > 0 && self.wide[slot - 1] {
             if let Some(b) = self.bars[slot - 1] {
                 let v = if self.sizing[slot] { !(b.size - 1) } else { b.addr };
                 (v >> 32) as u32
@@ -191,6 +212,11 @@ impl PciRoot {
         let slot = self.functions.iter().position(|s| s.is_none())?;
         self.functions[slot] = Some(f);
         Some(slot as u8)
+    }
+
+    /// The functions present, with their device numbers.
+    pub fn functions(&self) -> impl Iterator<Item = (u8, &Arc<Mutex<dyn PciFunction>>)> {
+        self.functions.iter().enumerate().filter_map(|(i, f)| f.as_ref().map(|f| (i as u8, f)))
     }
 
     fn target(&self) -> Option<(&Arc<Mutex<dyn PciFunction>>, usize)> {
@@ -291,6 +317,31 @@ mod tests {
         root.write(4, &0xffff_ffffu32.to_le_bytes());
         assert_eq!(rd(&mut root, 0, 4), 0xffff_c004);
         assert_eq!(rd(&mut root, 0, 5), 0x80, "the high half was not being sized");
+    }
+
+    #[test]
+    fn size_32bit_bars_in_consecutive_slots() {
+        let mut cfg = PciConfig::new(0x15ad, 0x0820, 0x02, 0x80, 0);
+        cfg.set_bar32(0, Bar { addr: 0xE004_0000, size: 0x4000 });
+        cfg.set_bar32(1, Bar { addr: 0xE004_4000, size: 0x1000 });
+        cfg.set_bar32(2, Bar { addr: 0xE000_0000, size: 0x4_0000 });
+        assert!(!cfg.bar_is_64bit(0) && !cfg.bar_is_64bit(2));
+        // Type bits 0: memory, 32-bit, non-prefetchable.
+        assert_eq!(
+            [cfg.read_dword(4), cfg.read_dword(5), cfg.read_dword(6), cfg.read_dword(7)],
+            [0xE004_0000, 0xE004_4000, 0xE000_0000, 0]
+        );
+        cfg.write_dword(5, 0xffff_ffff);
+        assert_eq!(cfg.read_dword(5), 0xffff_f000);
+        assert_eq!(cfg.read_dword(4), 0xE004_0000, "only the written BAR sizes");
+        cfg.write_dword(5, 0xE004_4000);
+        assert_eq!(cfg.read_dword(5), 0xE004_4000);
+    }
+
+    #[test]
+    #[should_panic(expected = "below 4 GiB")]
+    fn a_32bit_bar_above_4g_is_refused() {
+        PciConfig::new(0x15ad, 0x0820, 0x02, 0x80, 0).set_bar32(0, Bar { addr: 0x80_0010_0000, size: 0x1000 });
     }
 
     #[test]

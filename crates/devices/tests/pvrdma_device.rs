@@ -37,7 +37,7 @@ fn every_command_and_operation_with_a_bare_metal_peer() {
     assert!(port.attrs.gid_tbl_len >= 1 && port.attrs.max_mtu == ib::mtu::MTU_4096);
     let pkey: CmdQueryPkeyResp = d.cmd(CmdQueryPkey { hdr: Drv::hdr(CMD_QUERY_PKEY), port_num: 1, index: 0, reserved: [0; 6] }).unwrap();
     assert_eq!(pkey.pkey, 0xffff);
-    let uc: CmdCreateUcResp = d.cmd(CmdCreateUc { hdr: Drv::hdr(CMD_CREATE_UC), pfn64: (0x80_0010_0000 >> 12) + 1 }).unwrap();
+    let uc: CmdCreateUcResp = d.cmd(CmdCreateUc { hdr: Drv::hdr(CMD_CREATE_UC), pfn64: (BAR_BASE >> 12) + 1 }).unwrap();
     let upd: CmdCreatePdResp = d.cmd(CmdCreatePd { hdr: Drv::hdr(CMD_CREATE_PD), ctx_handle: uc.ctx_handle, reserved: [0; 4] }).unwrap();
     d.cmd::<_, CmdRespHdr>(CmdDestroyPd { hdr: Drv::hdr(CMD_DESTROY_PD), pd_handle: upd.pd_handle, reserved: [0; 4] }).unwrap();
     d.cmd::<_, CmdRespHdr>(CmdDestroyUc { hdr: Drv::hdr(CMD_DESTROY_UC), ctx_handle: uc.ctx_handle, reserved: [0; 4] }).unwrap();

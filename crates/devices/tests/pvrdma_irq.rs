@@ -72,6 +72,22 @@ fn response_and_cq_notification_arrive_as_msix_messages() {
     let mut root = PciRoot::new();
     root.add(d.dev.clone()).unwrap();
 
+    // What Linux's pvrdma_pci_probe expects: 15ad:0820, BARs 0 (MSI-X), 1
+    // (registers) and 2 (UAR) memory BARs; like VMware's, 32-bit ones in
+    // the PCI hole below 4 GiB, each sized by all ones.
+    assert_eq!(config(&mut root, 0, None), 0x0820_15ad);
+    assert_eq!(config(&mut root, 2, None) >> 8, PCI_CLASS_NETWORK_OTHER);
+    assert_eq!(config(&mut root, 0x2c / 4, None), 0x0820_15ad, "subsystem");
+    let bars: Vec<u32> = (4..10).map(|r| config(&mut root, r, None)).collect();
+    assert_eq!(bars[3..], [0, 0, 0], "three BARs, each one BAR register");
+    for (slot, size) in [(BAR_MSIX, MSIX_BAR_SIZE), (BAR_REG, REG_BAR_SIZE), (BAR_UAR, 64 * 4096)] {
+        let (reg, addr) = (4 + slot as usize, bars[slot as usize]);
+        assert_eq!(addr & 0xf, 0, "BAR{slot}: memory, 32-bit, non-prefetchable");
+        assert!(addr as u64 >= devices::layout::PCI_HOLE_BASE && (addr as u64) < 0xFEC0_0000, "BAR{slot} at {addr:#x}");
+        assert_eq!(config(&mut root, reg, Some(!0)), !(size as u32 - 1), "BAR{slot} size");
+        assert_eq!(config(&mut root, reg, Some(addr)), addr);
+    }
+
     // The capability list names MSI-X with 16 vectors, table and PBA in BAR 0.
     assert_ne!(config(&mut root, 1, None) & (0x10 << 16), 0);
     let cap = MSIX_CAP_OFFSET / 4;
@@ -113,8 +129,20 @@ fn response_and_cq_notification_arrive_as_msix_messages() {
     assert_eq!(rec.take(), vec![(MSI_ADDR, data(INTR_VECTOR_RESPONSE))]);
     assert_eq!(msix_read(&d, MSIX_PBA_OFFSET) & 1, 0);
 
-    // The function mask holds every vector the same way (a read of ICR
-    // would clear what is pending: that driver handled it already).
+    // Reading ICR (what a driver without MSI-X does) clears ICR, not the
+    // PBA: the pending vector is still sent on unmask.
+    msix_write(&d, e0 + 12, 1);
+    d.rd(REG_ICR);
+    d.cmd_raw(&CmdCreatePd { hdr: Drv::hdr(CMD_CREATE_PD), ctx_handle: 0, reserved: [0; 4] });
+    assert_eq!(d.rd(REG_ICR) & INTR_CAUSE_RESPONSE, INTR_CAUSE_RESPONSE);
+    assert_eq!(d.rd(REG_ICR), 0, "read to clear");
+    assert_eq!(msix_read(&d, MSIX_PBA_OFFSET) & 1, 1, "ICR reads leave the PBA alone");
+    assert!(rec.take().is_empty());
+    msix_write(&d, e0 + 12, 0);
+    assert_eq!(rec.take(), vec![(MSI_ADDR, data(INTR_VECTOR_RESPONSE))]);
+    assert_eq!(msix_read(&d, MSIX_PBA_OFFSET) & 1, 0);
+
+    // The function mask holds every vector the same way.
     config(&mut root, cap, Some(0xC000 << 16));
     d.cmd_raw(&CmdCreatePd { hdr: Drv::hdr(CMD_CREATE_PD), ctx_handle: 0, reserved: [0; 4] });
     assert!(rec.take().is_empty());

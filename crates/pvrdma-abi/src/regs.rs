@@ -23,11 +23,14 @@ pub const VERSION_QPHANDLE: u32 = 20;
 pub const BOARD_ID: u32 = 1;
 pub const REV_ID: u32 = 1;
 
-/// BAR0: MSI-X table and PBA (MMIO).
+/// BAR0: MSI-X table and PBA (MMIO). Linux's probe requires BARs 0 and 1
+/// to be memory BARs and reads the UAR at BAR 2, so BARs 0 and 1 are 32-bit
+/// (a 64-bit BAR 0 would take BAR register 1); VMware's are all 32-bit.
 pub const BAR_MSIX: u8 = 0;
-/// BAR1: device registers (MMIO).
+/// BAR1: device registers (MMIO, 32-bit).
 pub const BAR_REG: u8 = 1;
-/// BAR2: UAR (doorbell) pages, 64-bit MMIO, one page per user context.
+/// BAR2: UAR (doorbell) pages, one page per user context (`pvrdma_dev_api.h`
+/// calls it 64-bit; Transit's, like VMware's, is a 32-bit BAR below 4 GiB).
 pub const BAR_UAR: u8 = 2;
 
 /// MSI-X vectors the driver asks for: response, async, one CQ vector.
@@ -112,15 +115,8 @@ pub const fn driver_supports(version: u32, mode: u8, gid_types: u8) -> bool {
     mode == DEVICE_MODE_ROCE && (v17 || v18)
 }
 
-/// Where Transit's PCI function puts the three regions. Linux's driver finds
-/// them at BARs 0 and 1 (32-bit) and 2 (64-bit); Transit's MMIO window lies
-/// above 4 GiB, which a 32-bit BAR cannot reach, so each region is a 64-bit
-/// BAR (two BAR registers each): MSI-X at 0, registers at 2, UARs at 4.
+/// Transit's extensions of the interface.
 pub mod transit {
-    pub const BAR_SLOT_MSIX: usize = 0;
-    pub const BAR_SLOT_REG: usize = 2;
-    pub const BAR_SLOT_UAR: usize = 4;
-
     /// Transit's extension of the CQ doorbell, with `UAR_CQ_POLL`: when the
     /// CQ ring is still empty after the poll, the doorbell write returns
     /// only once a completion has reached the ring, or after at most

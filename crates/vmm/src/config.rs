@@ -34,13 +34,14 @@ impl VmConfig {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             bail!("vcpus must be between 1 and {MAX_VCPUS} (got {})", self.vcpus);
         }
-        // RAM is one range from 0: above the local APIC page there is none,
-        // and a PVRDMA device needs interrupts.
-        if !self.pvrdma.is_empty() && self.memory > devices::apic::LAPIC_ADDR {
+        // RAM is one range from 0, without a hole: a PVRDMA device's 32-bit
+        // BARs (and the local APIC page its interrupts need, above them)
+        // must lie above its end.
+        let hole = devices::layout::PCI_HOLE_BASE;
+        if !self.pvrdma.is_empty() && self.memory > hole {
             bail!(
-                "a PVRDMA device needs interrupts, and a VM with more than {} MiB of RAM has no room for the local APIC page at {:#x}",
-                devices::apic::LAPIC_ADDR >> 20,
-                devices::apic::LAPIC_ADDR
+                "a PVRDMA device has 32-bit BARs in the PCI hole at {hole:#x} (as Linux's vmw_pvrdma expects), and a VM with more than {} MiB of RAM has no room for it",
+                hole >> 20
             );
         }
         if self.cmdline.len() >= devices::layout::CMDLINE_MAX {
@@ -49,9 +50,11 @@ impl VmConfig {
         Ok(())
     }
 
-    /// The parts that must match on both ends of a migration.
+    /// The parts that must match on both ends of a migration (`bars=hole32`:
+    /// PVRDMA's BARs are 32-bit in the PCI hole; a vmm that put them above
+    /// 4 GiB said nothing, so the two do not migrate into each other).
     pub fn shape(&self) -> String {
-        let pvrdma = if self.pvrdma.is_empty() { String::new() } else { format!(" pvrdma={}", self.pvrdma.len()) };
+        let pvrdma = if self.pvrdma.is_empty() { String::new() } else { format!(" pvrdma={} bars=hole32", self.pvrdma.len()) };
         format!("mem={} vcpus={} nvme={}{pvrdma}", self.memory, self.vcpus, self.nvme.len())
     }
 }
@@ -61,7 +64,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_pvrdma_device_needs_ram_below_the_local_apic() {
+    fn a_pvrdma_device_needs_ram_below_the_pci_hole() {
         let mut c = VmConfig {
             name: "vm".into(),
             memory: 4 << 30,
@@ -72,9 +75,11 @@ mod tests {
             pvrdma: vec!["gid=10.200.0.50".into()],
         };
         let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("local APIC") && e.contains("4078 MiB"), "{e}");
-        c.memory = 1 << 30;
+        assert!(e.contains("PCI hole") && e.contains("3584 MiB"), "{e}");
+        c.memory = 3584 << 20;
         c.validate().unwrap();
+        c.memory += 4096;
+        assert!(c.validate().is_err());
         c.memory = 4 << 30;
         c.pvrdma.clear();
         c.validate().unwrap();

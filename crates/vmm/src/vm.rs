@@ -38,6 +38,21 @@ pub enum RunState {
 
 const VCPU_STATE_VERSION: u32 = 1;
 
+/// The state section that records every PCI BAR (`Vm::pci_layout`); its
+/// name cannot be a device's (device names have no ':').
+const PCI_LAYOUT_SECTION: &str = "layout:pci";
+const PCI_LAYOUT_VERSION: u32 = 1;
+
+/// One BAR of one PCI function, as saved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+struct PciBar {
+    dev: u8,
+    slot: u8,
+    addr: u64,
+    size: u64,
+    wide: bool,
+}
+
 pub struct Vm {
     pub config: VmConfig,
     ram: GuestRam,
@@ -107,6 +122,9 @@ impl Vm {
             bar += NvmeController::BAR0_SIZE;
         }
 
+        // PVRDMA's BARs are 32-bit (Linux's vmw_pvrdma finds them at BARs
+        // 0, 1 and 2): they take the 32-bit PCI hole below 4 GiB.
+        let mut bar = PCI_HOLE_BASE;
         let mut pvrdma = Vec::new();
         for spec in &config.pvrdma {
             let cfg = PvrdmaConfig::parse(spec).map_err(|e| anyhow!("--pvrdma {spec:?}: {e}"))?;
@@ -115,6 +133,9 @@ impl Vm {
                 bail!("two devices are named {name:?}; give each PVRDMA device its own name=");
             }
             bar = bar.next_multiple_of(devices::pvrdma::BAR_ALIGN);
+            if bar + devices::pvrdma::BAR_SPAN > PCI_HOLE_BASE + PCI_HOLE_SIZE {
+                bail!("PVRDMA device {name}: no room left in the 32-bit PCI hole");
+            }
             // rnicd maps guest RAM itself for the device's memory regions.
             let memfd = std::os::fd::OwnedFd::from(ram.memfd().try_clone().context("duplicating the guest RAM memfd")?);
             let dev = Pvrdma::new(cfg, ram.memory().clone(), memfd, bar).map_err(|e| anyhow!("PVRDMA device {name}: {e}"))?;
@@ -362,7 +383,45 @@ impl Vm {
         for (_, d) in &self.devices {
             set.push(d.lock().unwrap().save()?);
         }
+        set.push(Section::encode(PCI_LAYOUT_SECTION, PCI_LAYOUT_VERSION, &self.pci_layout()));
         Ok(set)
+    }
+
+    /// Where every PCI function's BARs are: the guest keeps these
+    /// addresses in its own memory, so a restored VM must have the same.
+    fn pci_layout(&self) -> Vec<PciBar> {
+        let pci = self.pci.lock().unwrap();
+        let mut out = Vec::new();
+        for (dev, f) in pci.functions() {
+            let mut f = f.lock().unwrap();
+            let cfg = f.pci_config();
+            for slot in 0..6 {
+                if let Some(b) = cfg.bar(slot) {
+                    out.push(PciBar { dev, slot: slot as u8, addr: b.addr, size: b.size, wide: cfg.bar_is_64bit(slot) });
+                }
+            }
+        }
+        out
+    }
+
+    /// Refuses state saved by a machine whose PCI BARs lay elsewhere.
+    fn check_pci_layout(&self, set: &StateSet) -> Result<()> {
+        let mine = self.pci_layout();
+        let Ok(section) = set.get(PCI_LAYOUT_SECTION) else {
+            if self.pvrdma.is_empty() {
+                return Ok(()); // NVMe's 64-bit BARs have not moved
+            }
+            bail!(
+                "the saved state does not say where its PCI BARs were: it comes from a vmm that put PVRDMA's BARs above 4 GiB as 64-bit BARs, \
+                 and its guest would look for the device there; this vmm puts them as 32-bit BARs in the PCI hole at {PCI_HOLE_BASE:#x} \
+                 (boot the VM again instead)"
+            );
+        };
+        let saved: Vec<PciBar> = section.decode(PCI_LAYOUT_VERSION)?;
+        if saved != mine {
+            bail!("the saved VM's PCI BARs {saved:?} are not this VM's {mine:?}: its guest would address its devices where they are not");
+        }
+        Ok(())
     }
 
     /// Load state saved from a VM of the same shape; the VM must be paused.
@@ -376,6 +435,7 @@ impl Vm {
         if set.get(&format!("cpu{}", self.config.vcpus)).is_ok() {
             bail!("saved state has more vCPUs than this VM ({})", self.config.vcpus);
         }
+        self.check_pci_layout(set)?;
         for (name, d) in &self.devices {
             d.lock().unwrap().restore(set.get(name)?)?;
         }

@@ -1,6 +1,8 @@
 //! `transit vm run --pvrdma gid=...`: a VM with a PVRDMA device in its
 //! host's rnicd namespace, `query-pvrdma` on the control socket (errors as
-//! JSON errors), save with the device's state, and a bad spec refused.
+//! JSON errors), save with the device's state and restore, a save file of
+//! the old BAR layout (64-bit BARs above 4 GiB) refused, and a bad spec
+//! refused.
 //! Needs root (a testbed host) and the transit binary.
 use std::time::{Duration, Instant};
 
@@ -45,6 +47,27 @@ fn a_vm_with_a_pvrdma_device_answers_query_pvrdma() {
     vm.exec("save", json!({"filename": file.path()})).unwrap();
     assert!(std::fs::metadata(file.path()).unwrap().len() > 0);
     drop(vm);
+
+    // It restores, its BARs where they were (32-bit, in the PCI hole).
+    let again = VmProcess::start(h.command(transit_bin()), &name, &["vm", "restore", file.path().to_str().unwrap(), "--paused"]).unwrap();
+    assert_eq!(again.exec("query-pvrdma", json!({})).unwrap()[0]["gid"], gid.to_string());
+    drop(again);
+
+    // A save file that does not say where its BARs were comes from a vmm
+    // that put them above 4 GiB: refused, with the reason.
+    let old = TempPath::new(&format!("{name}-old.save"));
+    let reader = vmm::savefile::open(file.path()).unwrap();
+    let config = reader.header.config.clone();
+    let mut state = reader.state.clone();
+    let before = state.sections.len();
+    state.sections.retain(|s| s.name != "layout:pci");
+    assert_eq!(state.sections.len(), before - 1, "the save file records the PCI BARs");
+    let ram = vmm::memory::GuestRam::new(&name, config.memory).unwrap();
+    reader.read_ram(&ram).unwrap();
+    vmm::savefile::write(old.path(), &config, &state, &ram).unwrap();
+    let out = h.command(transit_bin()).args(["vm", "restore", old.path().to_str().unwrap(), "--paused"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("above 4 GiB") && err.contains("PCI hole"), "{err}");
 
     // A spec without a GID is refused before the VM runs.
     let out = h

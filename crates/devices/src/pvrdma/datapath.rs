@@ -223,6 +223,15 @@ impl Dev {
         let Some(cq) = self.cqs.get_mut(handle) else { return };
         cq.ring.armed = if solicited_only { CQ_FLAG_ARMED_SOL } else { CQ_FLAG_ARMED };
         cq.cq.req_notify(solicited_only);
+        self.cq_armed.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(t) = &self.notifier_thread {
+            t.unpark();
+        }
+    }
+
+    /// Whether some guest CQ is armed (its notification still to come).
+    pub fn any_cq_armed(&self) -> bool {
+        self.cqs.iter().any(|(_, c)| c.ring.armed != 0)
     }
 
     /// Takes up to one batch of rnicd's completions of CQ `handle` into its

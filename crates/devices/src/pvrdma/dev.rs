@@ -58,9 +58,9 @@ pub(crate) struct Regs {
     pub mac: [u8; 6],
     /// MSI-X table: address low/high, data, control per vector.
     pub msix: Vec<[u32; 4]>,
-    /// MSI-X pending bits: vectors raised while their entry or the whole
-    /// function was masked, sent when unmasked. Reading ICR clears them
-    /// too (a driver that polls ICR has handled them).
+    /// MSI-X pending bits: vectors raised while MSI-X was enabled and
+    /// their entry or the whole function masked, sent and cleared when
+    /// unmasked. Reading ICR leaves them alone.
     pub pba: u64,
     /// The configuration space's MSI-X enable, without function mask
     /// (kept here so that the device's threads see it under its lock).
@@ -154,6 +154,15 @@ pub(crate) struct Dev {
     /// Where MSI-X messages go (the vCPUs' local APICs); none: interrupts
     /// stay pending.
     pub msi: Option<Arc<dyn MsiSink>>,
+    /// MSI-X is enabled but the whole function masked (configuration
+    /// space): vectors go pending rather than nowhere. Not saved: a
+    /// restored function is unmasked (persist.rs).
+    pub msix_function_masked: bool,
+    /// Some guest CQ is armed: the notifier thread waits on rnicd's
+    /// completion channel only then (mod.rs, `notifier`).
+    pub cq_armed: Arc<std::sync::atomic::AtomicBool>,
+    /// The notifier thread, unparked when the guest arms a CQ.
+    pub notifier_thread: Option<std::thread::Thread>,
 }
 
 impl Dev {
@@ -181,6 +190,9 @@ impl Dev {
             testing,
             switch: Default::default(),
             msi: None,
+            msix_function_masked: false,
+            cq_armed: Default::default(),
+            notifier_thread: None,
         }
     }
 
@@ -288,12 +300,16 @@ impl Dev {
         }
     }
 
-    /// Raises interrupt `vector`: its ICR bit, and unless IMR masks it, its
-    /// MSI-X message (the table entry's address and data) when MSI-X is
-    /// enabled and the entry unmasked, else its pending bit.
+    /// Raises interrupt `vector`: its ICR bit, and when MSI-X is enabled
+    /// and IMR does not mask the vector, its MSI-X message (the table
+    /// entry's address and data) if the entry and function are unmasked,
+    /// else its pending bit. With MSI-X disabled the function signals
+    /// through ICR alone (a driver without MSI-X reads it), so enabling
+    /// MSI-X later sends nothing stale.
     pub fn raise(&mut self, vector: u32) {
         self.regs.icr |= 1 << vector.min(31);
-        if vector as usize >= MSIX_VECTORS || self.regs.imr & (1 << vector) != 0 {
+        let msix_on = self.regs.msix_enabled || self.msix_function_masked;
+        if vector as usize >= MSIX_VECTORS || self.regs.imr & (1 << vector) != 0 || !msix_on {
             return;
         }
         self.regs.pba |= 1 << vector;

@@ -81,6 +81,11 @@ fn lock(m: &Mutex<Dev>) -> MutexGuard<'_, Dev> {
 pub const MSIX_BAR_SIZE: u64 = abi::MSIX_BAR_SIZE;
 pub const REG_BAR_SIZE: u64 = abi::REG_BAR_SIZE;
 pub const UAR_BAR_SIZE: u64 = UAR_PAGES * 4096;
+/// BAR slots of the three regions (32-bit BARs 0, 1 and 2, as Linux's
+/// `pvrdma_pci_probe` expects).
+const BAR_MSIX: usize = abi::BAR_MSIX as usize;
+const BAR_REG: usize = abi::BAR_REG as usize;
+const BAR_UAR: usize = abi::BAR_UAR as usize;
 /// Bytes of MMIO one device takes from an address aligned to `BAR_ALIGN`.
 pub const BAR_SPAN: u64 = UAR_BAR_SIZE + MSIX_BAR_SIZE + REG_BAR_SIZE;
 pub const BAR_ALIGN: u64 = UAR_BAR_SIZE;
@@ -108,11 +113,15 @@ pub struct PvrdmaBar {
 impl Pvrdma {
     /// A device in namespace `cfg.gid` of the rnicd at `cfg.rnicd` (or the one
     /// found in this network namespace), reaching guest RAM `mem` (whose
-    /// memfd, sealed against shrinking, is `ram_memfd`). Its BARs start at
-    /// `bar_base`, aligned to [`BAR_ALIGN`].
+    /// memfd, sealed against shrinking, is `ram_memfd`). Its BARs, 32-bit,
+    /// take [`BAR_SPAN`] bytes from `bar_base`, aligned to [`BAR_ALIGN`] and
+    /// below 4 GiB (the 32-bit PCI hole, `layout::PCI_HOLE_BASE`).
     pub fn new(cfg: PvrdmaConfig, mem: GuestMemory, ram_memfd: OwnedFd, bar_base: u64) -> Result<Pvrdma, String> {
         if !bar_base.is_multiple_of(BAR_ALIGN) {
             return Err(format!("BAR base {bar_base:#x} is not aligned to {BAR_ALIGN:#x}"));
+        }
+        if bar_base + BAR_SPAN > 1 << 32 {
+            return Err(format!("BAR base {bar_base:#x}: the device's 32-bit BARs must lie below 4 GiB"));
         }
         let ram = verbs::MemBuf::from_memfd(ram_memfd).map_err(|e| format!("guest RAM for rnicd: {e:#}"))?;
         let ctx =
@@ -123,11 +132,19 @@ impl Pvrdma {
         let ram_size = ram.len() as u64;
         let be = Backend { ctx, ram: Arc::new(ram), channel: Arc::new(channel) };
         let shared = Arc::new(Mutex::new(Dev::new(cfg.name.clone(), cfg.gid, Guest { mem }, ram_size, be, cfg.testing)));
-        let mut pci = PciConfig::new(abi::PCI_VENDOR_ID_VMWARE, abi::PCI_DEVICE_ID_VMWARE_PVRDMA, 0x02, 0x80, 0);
-        pci.set_bar64(abi::transit::BAR_SLOT_UAR, Bar { addr: bar_base, size: UAR_BAR_SIZE });
-        pci.set_bar64(abi::transit::BAR_SLOT_MSIX, Bar { addr: bar_base + UAR_BAR_SIZE, size: MSIX_BAR_SIZE });
-        pci.set_bar64(abi::transit::BAR_SLOT_REG, Bar { addr: bar_base + UAR_BAR_SIZE + MSIX_BAR_SIZE, size: REG_BAR_SIZE });
-        let msix_bar = abi::transit::BAR_SLOT_MSIX as u8;
+        let class = abi::PCI_CLASS_NETWORK_OTHER;
+        let mut pci = PciConfig::new(
+            abi::PCI_VENDOR_ID_VMWARE,
+            abi::PCI_DEVICE_ID_VMWARE_PVRDMA,
+            (class >> 16) as u8,
+            (class >> 8) as u8,
+            class as u8,
+        );
+        // The largest region first keeps each aligned to its size.
+        pci.set_bar32(BAR_UAR, Bar { addr: bar_base, size: UAR_BAR_SIZE });
+        pci.set_bar32(BAR_MSIX, Bar { addr: bar_base + UAR_BAR_SIZE, size: MSIX_BAR_SIZE });
+        pci.set_bar32(BAR_REG, Bar { addr: bar_base + UAR_BAR_SIZE + MSIX_BAR_SIZE, size: REG_BAR_SIZE });
+        let msix_bar = abi::BAR_MSIX;
         pci.set_msix_capability(MSIX_VECTORS as u16, msix_bar, abi::MSIX_TABLE_OFFSET as u32, msix_bar, abi::MSIX_PBA_OFFSET as u32);
         let stop = Arc::new(AtomicBool::new(false));
         let notifier = {
@@ -137,6 +154,7 @@ impl Pvrdma {
                 .spawn(move || notifier(shared, notifier_waiter, stop))
                 .map_err(|e| format!("notifier thread: {e}"))?
         };
+        lock(&shared).notifier_thread = Some(notifier.thread().clone());
         Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter })
     }
 
@@ -152,7 +170,7 @@ impl Pvrdma {
 
     /// The BARs to put on the MMIO bus: (device, address, size).
     pub fn bars(&self) -> Vec<(Arc<Mutex<PvrdmaBar>>, u64, u64)> {
-        [abi::transit::BAR_SLOT_MSIX, abi::transit::BAR_SLOT_REG, abi::transit::BAR_SLOT_UAR]
+        [BAR_MSIX, BAR_REG, BAR_UAR]
             .into_iter()
             .map(|slot| {
                 let b = self.pci.bar(slot).expect("declared in new");
@@ -222,14 +240,31 @@ impl Pvrdma {
 
 /// Waits for rnicd's completion events and notifies armed CQs. Its waiter
 /// leaves the eventfd alone, so a vCPU in a WAIT doorbell sees the same
-/// events.
+/// events. While no guest CQ is armed it does not wait on the channel at
+/// all, but parked: a completion that only a WAIT doorbell waits for then
+/// wakes one thread (the vCPU's), not two that then contend for the
+/// device lock on a small host. The edge-triggered epoll keeps an event
+/// that came while parked, so arming never misses one.
 fn notifier(shared: Arc<Mutex<Dev>>, waiter: verbs::ChannelWaiter, stop: Arc<AtomicBool>) {
+    let armed = lock(&shared).cq_armed.clone();
     while !stop.load(Ordering::Acquire) {
+        if !armed.load(Ordering::Acquire) {
+            std::thread::park_timeout(Duration::from_millis(50));
+            // A restored device's CQs may be armed without an ARM doorbell.
+            let d = lock(&shared);
+            if d.any_cq_armed() {
+                armed.store(true, Ordering::Release);
+            }
+            continue;
+        }
         match waiter.wait(Duration::from_millis(50)) {
             Ok(true) => {
                 let mut d = lock(&shared);
                 if !d.paused && d.regs.state == DevState::Active {
                     d.notify_armed();
+                }
+                if !d.any_cq_armed() {
+                    armed.store(false, Ordering::Release);
                 }
             }
             Ok(false) => {}
@@ -276,12 +311,11 @@ impl PvrdmaBar {
             abi::REG_DSRHIGH => d.regs.dsr_high,
             abi::REG_ERR => d.regs.err,
             abi::REG_ICR => {
-                // Read to clear: a guest that polls ICR (or takes INTx-style
-                // interrupts) handles what it read.
-                let v = d.regs.icr;
-                d.regs.icr = 0;
-                d.regs.pba = 0;
-                v
+                // Read to clear: ICR is the cause register of a driver
+                // without MSI-X (Linux reads it only then, in its INTx/MSI
+                // handler), which handles what it read. The PBA is MSI-X
+                // state: a pending bit stays until its message is sent.
+                std::mem::take(&mut d.regs.icr)
             }
             abi::REG_IMR => d.regs.imr,
             abi::REG_MACL => u32::from_le_bytes([d.regs.mac[0], d.regs.mac[1], d.regs.mac[2], d.regs.mac[3]]),
@@ -363,8 +397,8 @@ impl BusDevice for PvrdmaBar {
         }
         let mut d = lock(&self.shared);
         let v = match self.slot {
-            abi::transit::BAR_SLOT_REG => Self::read_reg(&mut d, offset),
-            abi::transit::BAR_SLOT_MSIX => Self::read_msix(&d, offset),
+            BAR_REG => Self::read_reg(&mut d, offset),
+            BAR_MSIX => Self::read_msix(&d, offset),
             _ => 0, // doorbells read as zero
         };
         data.copy_from_slice(&v.to_le_bytes());
@@ -378,8 +412,8 @@ impl BusDevice for PvrdmaBar {
         let v = u32::from_le_bytes(b);
         let mut d = lock(&self.shared);
         match self.slot {
-            abi::transit::BAR_SLOT_REG => Self::write_reg(&mut d, offset, v),
-            abi::transit::BAR_SLOT_MSIX => Self::write_msix(&mut d, offset, v),
+            BAR_REG => Self::write_reg(&mut d, offset, v),
+            BAR_MSIX => Self::write_msix(&mut d, offset, v),
             _ => {
                 d.doorbell(offset % 4096, v);
                 let wait = abi::transit::UAR_CQ_WAIT | abi::UAR_CQ_POLL;
@@ -401,6 +435,8 @@ impl PciFunction for Pvrdma {
         if reg * 4 == crate::pci::MSIX_CAP_OFFSET {
             let mut d = lock(&self.shared);
             d.regs.msix_enabled = self.pci.msix_enabled();
+            let ctrl = self.pci.msix_control();
+            d.msix_function_masked = ctrl & crate::pci::MSIX_CTRL_ENABLE != 0 && ctrl & crate::pci::MSIX_CTRL_FUNCTION_MASK != 0;
             d.send_pending();
         }
     }
@@ -486,6 +522,7 @@ impl Drop for Pvrdma {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.notifier.take() {
+            t.thread().unpark();
             let _ = t.join();
         }
     }

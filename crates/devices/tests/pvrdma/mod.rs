@@ -134,6 +134,8 @@ pub struct Drv {
 }
 
 pub const EVENT_RING_PAGES: u32 = 2;
+/// Where a test device's BARs start: the 32-bit PCI hole, as in a VM.
+pub const BAR_BASE: u64 = devices::layout::PCI_HOLE_BASE;
 
 impl Drv {
     /// A device on `sock`'s rnicd in namespace `gid`, not yet brought up.
@@ -146,7 +148,7 @@ impl Drv {
     /// RAM (a restore target); the old device is dropped.
     pub fn replace_device(&mut self, sock: &std::path::Path, gid: Ipv4Addr, fd: OwnedFd) {
         let cfg = PvrdmaConfig::parse(&format!("gid={gid},rnicd={}", sock.display())).unwrap();
-        let dev = Pvrdma::new(cfg, self.mem.clone(), fd, 0x80_0010_0000).expect("device");
+        let dev = Pvrdma::new(cfg, self.mem.clone(), fd, BAR_BASE).expect("device");
         let bars = dev.bars();
         self.msix = bars[0].0.clone();
         self.reg = bars[1].0.clone();
@@ -157,7 +159,7 @@ impl Drv {
     /// A device on existing guest RAM (a restore target).
     pub fn with_ram(sock: &std::path::Path, gid: Ipv4Addr, mem: GuestMemory, fd: OwnedFd) -> Drv {
         let cfg = PvrdmaConfig::parse(&format!("gid={gid},rnicd={}", sock.display())).unwrap();
-        let dev = Pvrdma::new(cfg, mem.clone(), fd, 0x80_0010_0000).expect("device");
+        let dev = Pvrdma::new(cfg, mem.clone(), fd, BAR_BASE).expect("device");
         let bars = dev.bars();
         Drv {
             msix: bars[0].0.clone(),

@@ -20,7 +20,7 @@
 use super::{Hypervisor, IoHandler, Kicker, Vcpu, VcpuExit, VcpuState};
 use anyhow::{anyhow, Context, Result};
 use devices::apic::{LocalApic, LAPIC_ADDR, LAPIC_SIZE};
-use devices::layout::{MMIO_BASE, MMIO_SIZE};
+use devices::layout::{MMIO_BASE, MMIO_SIZE, PCI_HOLE_BASE, PCI_HOLE_SIZE};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use unicorn_engine::unicorn_const::{uc_error, Arch, Mode, Prot};
@@ -106,26 +106,34 @@ impl Hypervisor for UnicornHypervisor {
         // joins vCPU threads before unmapping).
         unsafe { uc.mem_map_ptr(0, ram_size, Prot::ALL, ram_host_addr as *mut _) }
             .map_err(|e| anyhow!("mapping guest RAM into the vCPU: {e:?}"))?;
-        let (r, w) = (io.clone(), io.clone());
-        // Unicorn's MMIO regions take at most 4 bytes per callback (QEMU's
-        // default max_access_size, which its API cannot raise), so an 8-byte
-        // guest access arrives as two calls, +0 then +4. Devices with 64-bit
-        // registers handle them as 32-bit halves (devices::platform latches).
-        uc.mmio_map(
-            MMIO_BASE,
-            MMIO_SIZE,
-            Some(move |_: &mut Unicorn<'_, ()>, off: u64, size: usize| {
-                let mut b = [0u8; 8];
-                let n = size.min(8);
-                r.mmio_read(MMIO_BASE + off, &mut b[..n]);
-                u64::from_le_bytes(b)
-            }),
-            Some(move |_: &mut Unicorn<'_, ()>, off: u64, size: usize, v: u64| {
-                let n = size.min(8);
-                w.mmio_write(MMIO_BASE + off, &v.to_le_bytes()[..n]);
-            }),
-        )
-        .map_err(|e| anyhow!("mapping the MMIO window: {e:?}"))?;
+        // The device window above 4 GiB, and the 32-bit PCI hole where RAM
+        // leaves room for it (VmConfig refuses 32-bit BARs otherwise).
+        let mut windows = vec![(MMIO_BASE, MMIO_SIZE)];
+        if ram_size <= PCI_HOLE_BASE {
+            windows.push((PCI_HOLE_BASE, PCI_HOLE_SIZE));
+        }
+        for (base, len) in windows {
+            let (r, w) = (io.clone(), io.clone());
+            // Unicorn's MMIO regions take at most 4 bytes per callback (QEMU's
+            // default max_access_size, which its API cannot raise), so an 8-byte
+            // guest access arrives as two calls, +0 then +4. Devices with 64-bit
+            // registers handle them as 32-bit halves (devices::platform latches).
+            uc.mmio_map(
+                base,
+                len,
+                Some(move |_: &mut Unicorn<'_, ()>, off: u64, size: usize| {
+                    let mut b = [0u8; 8];
+                    let n = size.min(8);
+                    r.mmio_read(base + off, &mut b[..n]);
+                    u64::from_le_bytes(b)
+                }),
+                Some(move |_: &mut Unicorn<'_, ()>, off: u64, size: usize, v: u64| {
+                    let n = size.min(8);
+                    w.mmio_write(base + off, &v.to_le_bytes()[..n]);
+                }),
+            )
+            .map_err(|e| anyhow!("mapping the MMIO window at {base:#x}: {e:?}"))?;
+        }
         // The local APIC page, where RAM leaves room for it (a guest with
         // more RAM has no local APIC page, and so no interrupts: VmConfig
         // refuses devices that need them there, config.rs).
