@@ -596,59 +596,96 @@ pub(crate) const READS_IN_FLIGHT: usize = 16;
 
 /// Source, postcopy and hybrid: guest RAM registered with this host's
 /// rnicd for remote reads, and the queue pairs the destination reads it
-/// through. After the switch this is all the source does for a page:
-/// rnicd answers each READ from its own mapping of the memfd, no vmm
-/// thread runs. Kept until the destination has every page or the link
-/// breaks (a recovery offers new ones). Fields drop in order: the queue
-/// pairs before their CQ, the registration last.
+/// through, [`READ_QPS`] per link. After the switch this is all the source
+/// does for a page: rnicd answers each READ from its own mapping of the
+/// memfd, no vmm thread runs. Kept until the destination has every page or
+/// the control connection breaks (a recovery offers new ones).
 pub(crate) struct ReadableRam {
-    _qps: Vec<Qp>,
+    _links: Vec<ReadableLink>,
+}
+
+/// One link's share of [`ReadableRam`]. Fields drop in order: the queue
+/// pairs before their CQ, the registration last.
+struct ReadableLink {
+    qps: Vec<Qp>,
     _cq: Cq,
     _ram: Arc<Ram>,
 }
 
 /// Offer the destination our guest RAM to read (`RdmaReadOffer` on the
-/// control connection) and connect the queue pairs it answers with.
-pub(crate) fn offer_ram(control: &mut TcpStream, rnicd: &str, ram: &RamRegion) -> Result<ReadableRam> {
-    let ctx = open_rnicd(rnicd)?;
-    let shared = register_ram(&ctx, ram, access::REMOTE_READ)?;
-    // The responder side never completes anything of its own.
-    let cq = ctx.create_cq(READ_QPS as u32, None)?;
-    let mut init = QpInitAttr::new(&cq, &cq);
-    init.cap.max_send_wr = 1;
-    init.cap.max_recv_wr = 1;
-    init.cap.max_send_sge = 1;
-    init.cap.max_recv_sge = 1;
-    let qps = (0..READ_QPS).map(|_| shared.pd.create_qp(&init)).collect::<Result<Vec<_>>>()?;
-    let offer = Msg::RdmaReadOffer { gid: ctx.gid().to_string(), qpns: qps.iter().map(|q| q.qpn).collect(), rkey: shared.mr.rkey };
-    wire::send_msg(control, &offer)?;
+/// control connection), [`READ_QPS`] queue pairs on each link, and
+/// connect the queue pairs it answers with.
+pub(crate) fn offer_ram(control: &mut TcpStream, rnicd: &str, links: &Links, ram: &RamRegion) -> Result<ReadableRam> {
+    let mut ours = Vec::new();
+    let (mut gids, mut qpns, mut rkeys) = (Vec::new(), Vec::new(), Vec::new());
+    for k in 0..links.len() {
+        // As the data channels: one link, the rnicd's own namespace;
+        // several, the namespace of the local address facing each.
+        let ctx = if links.len() == 1 { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)? };
+        let shared = register_ram(&ctx, ram, access::REMOTE_READ)?;
+        // The responder side never completes anything of its own.
+        let cq = ctx.create_cq(READ_QPS as u32, None)?;
+        let mut init = QpInitAttr::new(&cq, &cq);
+        init.cap.max_send_wr = 1;
+        init.cap.max_recv_wr = 1;
+        init.cap.max_send_sge = 1;
+        init.cap.max_recv_sge = 1;
+        let qps = (0..READ_QPS).map(|_| shared.pd.create_qp(&init)).collect::<Result<Vec<_>>>()?;
+        for q in &qps {
+            gids.push(ctx.gid().to_string());
+            qpns.push(q.qpn);
+            rkeys.push(shared.mr.rkey);
+        }
+        ours.push(ReadableLink { qps, _cq: cq, _ram: shared });
+    }
+    let (gid, rkey) = (gids[0].clone(), rkeys[0]);
+    let (gids, rkeys) = if links.several() { (gids, rkeys) } else { (Vec::new(), Vec::new()) };
+    wire::send_msg(control, &Msg::RdmaReadOffer { gid, qpns: qpns.clone(), rkey, gids, rkeys })?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let (gid, qpns) = match recv_reply(control)? {
-        Msg::RdmaReadAccept { gid, qpns } => (gid_of(&gid)?, qpns),
+    let (gids, theirs) = match recv_reply(control)? {
+        Msg::RdmaReadAccept { gid, qpns: theirs, gids } => (per_qp(&gids, &gid, theirs.len(), "GIDs")?, theirs),
         other => bail!("destination answered {other:?} to the offer of guest RAM to read"),
     };
     control.set_read_timeout(None)?;
-    if qpns.len() != READ_QPS {
-        bail!("destination answered {} queue pairs to read through, not {READ_QPS}", qpns.len());
+    if theirs.len() != qpns.len() {
+        bail!("destination answered {} queue pairs to read through, not {}", theirs.len(), qpns.len());
     }
-    for (qp, qpn) in qps.iter().zip(qpns) {
-        let o = ConnectOpts { access: access::REMOTE_READ, sq_psn: PSN, max_rd_atomic: READS_IN_FLIGHT as u8, ..Default::default() };
-        qp.connect(&QpEndpoint { gid, qpn, psn: PSN }, &o).context("connecting a queue pair to read through")?;
+    let o = read_opts(access::REMOTE_READ, links.several());
+    let qps = ours.iter().flat_map(|l| &l.qps);
+    for ((qp, qpn), gid) in qps.zip(theirs).zip(gids) {
+        qp.connect(&QpEndpoint { gid: gid_of(&gid)?, qpn, psn: PSN }, &o).context("connecting a queue pair to read through")?;
     }
-    Ok(ReadableRam { _qps: qps, _cq: cq, _ram: shared })
+    Ok(ReadableRam { _links: ours })
+}
+
+/// Options of a queue pair READs go through: with several links, a dead
+/// link fails its READs in about [`links::LINK_TIMEOUT`], so that they are
+/// read again on another.
+fn read_opts(access: u32, several_links: bool) -> ConnectOpts {
+    ConnectOpts { max_rd_atomic: READS_IN_FLIGHT as u8, ..connect_opts(access, several_links) }
 }
 
 /// Destination, postcopy and hybrid: queue pairs that READ pages from the
 /// source's guest RAM straight into ours (rnicd writes them through its own
 /// mapping of the memfd, which no userfaultfd of the vmm watches; the vmm
-/// maps a page into the guest only once its READ completed). One CQ for
-/// both queue pairs. Fields drop in order.
+/// maps a page into the guest only once its READ completed), [`READ_QPS`]
+/// on each link. A link whose READs fail is dropped
+/// ([`drop_link`](Self::drop_link)); the others go on.
 pub(crate) struct PageReader {
+    links: Vec<Option<ReadLink>>,
+    /// The source's address on each link (its GID there).
+    addrs: Vec<String>,
+}
+
+/// One link's queue pairs, their CQ, and our guest RAM registered in the
+/// link's namespace. Fields drop in order: the queue pairs first, so that
+/// nothing of theirs lands once they are gone.
+struct ReadLink {
     qps: Vec<Qp>,
     cq: Cq,
     chan: CompChannel,
     ram: Arc<Ram>,
-    /// The source's key for its guest RAM.
+    /// The source's key for its guest RAM in that link's namespace.
     rkey: u32,
 }
 
@@ -657,58 +694,102 @@ pub(crate) struct PageReader {
 pub(crate) fn accept_reader(control: &TcpStream, rnicd: &str, ram: &RamRegion) -> Result<PageReader> {
     let mut c = control;
     c.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let (gid, qpns, rkey) = match wire::recv_msg(&mut c)? {
-        Msg::RdmaReadOffer { gid, qpns, rkey } => (gid_of(&gid)?, qpns, rkey),
+    let (gids, qpns, rkeys) = match wire::recv_msg(&mut c)? {
+        Msg::RdmaReadOffer { gid, qpns, rkey, gids, rkeys } => {
+            let n = qpns.len();
+            (per_qp(&gids, &gid, n, "GIDs")?, qpns, per_qp(&rkeys, &rkey, n, "keys")?)
+        }
         other => bail!("expected the source's guest RAM to read, got {other:?}"),
     };
     c.set_read_timeout(None)?;
-    if qpns.len() != READ_QPS {
-        bail!("{} queue pairs to read through, not {READ_QPS}", qpns.len());
+    if qpns.is_empty() || qpns.len() % READ_QPS != 0 || qpns.len() > 8 * READ_QPS {
+        bail!("{} queue pairs to read through, not {READ_QPS} per link on at most 8 links", qpns.len());
     }
-    let ctx = open_rnicd(rnicd)?;
-    // Written by the local rnicd only (READ responses): no remote access.
-    let shared = register_ram(&ctx, ram, access::LOCAL_WRITE)?;
-    let chan = ctx.create_comp_channel()?;
-    let cq = ctx.create_cq((READ_QPS * READS_IN_FLIGHT) as u32, Some(&chan))?;
-    let mut init = QpInitAttr::new(&cq, &cq);
-    init.cap.max_send_wr = READS_IN_FLIGHT as u32;
-    init.cap.max_recv_wr = 1;
-    init.cap.max_send_sge = 1;
-    init.cap.max_recv_sge = 1;
-    let mut qps = Vec::new();
-    for qpn in qpns {
-        let qp = shared.pd.create_qp(&init)?;
-        let o = ConnectOpts { access: access::LOCAL_WRITE, sq_psn: PSN, max_rd_atomic: READS_IN_FLIGHT as u8, ..Default::default() };
-        qp.connect(&QpEndpoint { gid, qpn, psn: PSN }, &o).context("connecting a queue pair to read through")?;
-        qps.push(qp);
+    let gids = gids.iter().map(|g| gid_of(g)).collect::<Result<Vec<_>>>()?;
+    let one_link = gids.windows(2).all(|w| w[0] == w[1]);
+    let mut links = Vec::new();
+    let mut addrs = Vec::new();
+    let mut answer = (Vec::new(), Vec::new());
+    for (k, qpns) in qpns.chunks(READ_QPS).enumerate() {
+        let (gid, rkey) = (gids[k * READ_QPS], rkeys[k * READ_QPS]);
+        if gids[k * READ_QPS..(k + 1) * READ_QPS].iter().any(|g| *g != gid)
+            || rkeys[k * READ_QPS..(k + 1) * READ_QPS].iter().any(|r| *r != rkey)
+        {
+            bail!("the queue pairs of one link to read through name different GIDs or keys");
+        }
+        // As the data channels: from one source address, the rnicd's own
+        // namespace; from several, the local address routed towards each.
+        let ctx = if one_link { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(&format!("{gid}:4791"))?)? };
+        // Written by the local rnicd only (READ responses): no remote access.
+        let shared = register_ram(&ctx, ram, access::LOCAL_WRITE)?;
+        let chan = ctx.create_comp_channel()?;
+        let cq = ctx.create_cq((READ_QPS * READS_IN_FLIGHT) as u32, Some(&chan))?;
+        let mut init = QpInitAttr::new(&cq, &cq);
+        init.cap.max_send_wr = READS_IN_FLIGHT as u32;
+        init.cap.max_recv_wr = 1;
+        init.cap.max_send_sge = 1;
+        init.cap.max_recv_sge = 1;
+        let o = read_opts(access::LOCAL_WRITE, !one_link);
+        let mut qps = Vec::new();
+        for &qpn in qpns {
+            let qp = shared.pd.create_qp(&init)?;
+            qp.connect(&QpEndpoint { gid, qpn, psn: PSN }, &o).context("connecting a queue pair to read through")?;
+            answer.0.push(ctx.gid().to_string());
+            answer.1.push(qp.qpn);
+            qps.push(qp);
+        }
+        links.push(Some(ReadLink { qps, cq, chan, ram: shared, rkey }));
+        addrs.push(gid.to_string());
     }
-    let accept = Msg::RdmaReadAccept { gid: ctx.gid().to_string(), qpns: qps.iter().map(|q| q.qpn).collect() };
-    wire::send_msg(&mut c, &accept)?;
-    Ok(PageReader { qps, cq, chan, ram: shared, rkey })
+    let (gids, qpns) = answer;
+    let gid = gids[0].clone();
+    let gids = if one_link { Vec::new() } else { gids };
+    wire::send_msg(&mut c, &Msg::RdmaReadAccept { gid, qpns, gids })?;
+    Ok(PageReader { links, addrs })
 }
 
 impl PageReader {
-    /// READ pages `[first, first + count)` of the source's guest RAM into
-    /// the same pages of ours, on queue pair `qp` ([`READ_URGENT`] or
-    /// [`READ_BULK`]); its completion carries `wr_id`. The caller keeps at
-    /// most [`READS_IN_FLIGHT`] outstanding per queue pair and checked the
-    /// range against guest RAM.
-    pub(crate) fn read(&self, qp: usize, wr_id: u64, first: u64, count: u64) -> Result<()> {
-        let (addr, len) = (first * wire::PAGE as u64, count * wire::PAGE as u64);
-        let len = u32::try_from(len).map_err(|_| anyhow!("a READ of {count} pages"))?;
-        let sge = [Sge { addr, length: len, lkey: self.ram.mr.lkey }];
-        self.qps[qp].post_send(&[SendWr::read(wr_id, &sge, addr, self.rkey)])
+    /// Links READs were offered on (dropped ones included).
+    pub(crate) fn links(&self) -> usize {
+        self.links.len()
     }
 
-    /// Completions that arrived, waiting up to `wait` for one. A READ that
-    /// failed (the link, the source's rnicd) is an error: the queue pair is
-    /// dead then.
-    pub(crate) fn completions<'a>(&self, wc: &'a mut [Wc], wait: Duration) -> io::Result<&'a [Wc]> {
-        let n = self.cq.poll_or_wait(wc, &self.chan, Duration::ZERO, wait).map_err(io::Error::other)?;
-        if let Some(w) = wc[..n].iter().find(|w| w.status != WcStatus::Success) {
-            return Err(io::Error::other(format!("RDMA READ failed: {:?}", w.status)));
-        }
+    /// The source's address on `link`.
+    pub(crate) fn addr(&self, link: usize) -> &str {
+        &self.addrs[link]
+    }
+
+    /// `link` was not dropped.
+    pub(crate) fn is_live(&self, link: usize) -> bool {
+        self.links[link].is_some()
+    }
+
+    /// READ pages `[first, first + count)` of the source's guest RAM into
+    /// the same pages of ours, on queue pair `qp` ([`READ_URGENT`] or
+    /// [`READ_BULK`]) of `link`; its completion carries `wr_id`. The caller
+    /// keeps at most [`READS_IN_FLIGHT`] outstanding per queue pair and
+    /// checked the range against guest RAM.
+    pub(crate) fn read(&self, link: usize, qp: usize, wr_id: u64, first: u64, count: u64) -> Result<()> {
+        let l = self.links[link].as_ref().ok_or_else(|| anyhow!("a READ on dropped link {link}"))?;
+        let (addr, len) = (first * wire::PAGE as u64, count * wire::PAGE as u64);
+        let len = u32::try_from(len).map_err(|_| anyhow!("a READ of {count} pages"))?;
+        let sge = [Sge { addr, length: len, lkey: l.ram.mr.lkey }];
+        l.qps[qp].post_send(&[SendWr::read(wr_id, &sge, addr, l.rkey)])
+    }
+
+    /// Completions of `link` that arrived, waiting up to `wait` for one,
+    /// whatever their status: a failed READ (the link, the source's rnicd)
+    /// means the link's queue pairs are dead.
+    pub(crate) fn completions<'a>(&self, link: usize, wc: &'a mut [Wc], wait: Duration) -> io::Result<&'a [Wc]> {
+        let Some(l) = self.links[link].as_ref() else { return Ok(&wc[..0]) };
+        let n = l.cq.poll_or_wait(wc, &l.chan, Duration::ZERO, wait).map_err(io::Error::other)?;
         Ok(&wc[..n])
+    }
+
+    /// Destroy `link`'s queue pairs: once this returns, no READ of theirs
+    /// writes into guest RAM, so their pages may be read again elsewhere.
+    pub(crate) fn drop_link(&mut self, link: usize) {
+        self.links[link] = None;
     }
 }
 

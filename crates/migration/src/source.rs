@@ -175,7 +175,7 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
     let (urgent, reads) = match (&plan.transport, plan.mode) {
         (_, Mode::Precopy) => (None, None),
         (Transport::Tcp, _) => (Some(open_urgent(plan.links.first(), session, ctl)?), None),
-        (Transport::Rdma { rnicd }, _) => (None, Some(crate::rdma::offer_ram(&mut control, rnicd, &ram)?)),
+        (Transport::Rdma { rnicd }, _) => (None, Some(crate::rdma::offer_ram(&mut control, rnicd, &plan.links, &ram)?)),
     };
     plan.setup_step(ctl, "channels open");
     Ok(Link { session, bucket, control, channels, urgent, reads })

@@ -229,6 +229,9 @@ pub struct Stats {
     /// Helper processes (rnicd, vhost-user backends) whose faults were served.
     pub ram_clients: u32,
     /// Outgoing: what each link carried (one entry per destination address).
+    /// Incoming postcopy over rdma: what each link's READs carried (one
+    /// entry per source address; `channels` counts its queue pairs to read
+    /// through, `throughput_gbps` stays 0).
     pub links: Vec<crate::links::LinkStat>,
 }
 

@@ -176,12 +176,29 @@ pub enum Msg {
     },
     /// Source -> destination, postcopy and hybrid over the rdma transport:
     /// the GID of the source's rnicd, the queue pairs the destination reads
-    /// pages through (one for faults, one for the background), and the key of the source's guest RAM, registered for
+    /// pages through (per link, one for faults and one for the background),
+    /// and the key of the source's guest RAM, registered for
     /// remote reads at I/O address 0 (guest physical addresses).
-    RdmaReadOffer { gid: String, qpns: Vec<u32>, rkey: u32 },
+    /// Several links: [`crate::rdma::READ_QPS`] queue pairs per link, link
+    /// after link, each with its GID and key in `gids` and `rkeys` (absent,
+    /// all are `gid` and `rkey`).
+    RdmaReadOffer {
+        gid: String,
+        qpns: Vec<u32>,
+        rkey: u32,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gids: Vec<String>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        rkeys: Vec<u32>,
+    },
     /// Destination -> source: its GID and queue pairs, connected to the
-    /// offered ones.
-    RdmaReadAccept { gid: String, qpns: Vec<u32> },
+    /// offered ones (several links: the GID of each in `gids`).
+    RdmaReadAccept {
+        gid: String,
+        qpns: Vec<u32>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gids: Vec<String>,
+    },
     /// Source -> destination after the switch, rdma transport: the pages
     /// the destination lacks are its to read. Two blobs follow, each of
     /// (first, count) u64 pairs: pages with data to read, and pages known

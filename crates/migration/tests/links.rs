@@ -84,6 +84,20 @@ impl Pair {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+    /// Over rdma after the switch: waits until the destination's READs
+    /// on link `k` carried something; returns its `links` figures then.
+    fn wait_read_on_link(&self, k: usize) -> Value {
+        let mut q = self.dst.client().unwrap();
+        let t = std::time::Instant::now();
+        loop {
+            let s = q.execute("query-migrate", json!({})).unwrap();
+            if s["links"][k]["wire_bytes"].as_u64().unwrap_or(0) > 0 {
+                return s["links"].clone();
+            }
+            assert!(t.elapsed() < Duration::from_secs(120), "no READ on link {k}: {s:#}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     fn cap_both(&self, mbit: u32) {
         for k in 0..2 {
             self.tb.set_rate(0, k, Some(mbit)).unwrap();
@@ -247,8 +261,8 @@ fn both_links_cut_fails_and_the_source_runs_on(transport: &'static str) {
 /// oracle holds. Over tcp the push spreads over both links and faulting
 /// pages come on the urgent connection, on the first. Over rdma the
 /// destination READs every page (faults and the rest) through the queue
-/// pairs of each rnicd's own namespace (here the first link), and the
-/// data channels carry nothing.
+/// pairs of both links (the destination's `links` figures), and the data
+/// channels carry nothing.
 fn postcopy_over_two_links_is_byte_exact(transport: &'static str) {
     let p = pair(transport, "dirtier", "64M");
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2, "mode": "postcopy", "timeout_s": 300})).unwrap();
@@ -258,6 +272,10 @@ fn postcopy_over_two_links_is_byte_exact(transport: &'static str) {
     assert_eq!(d["status"], "completed", "destination {d:#}");
     if transport == "tcp" {
         assert!(link_bytes(&s).iter().all(|&b| b > 0), "both links carry pages: {s:#}");
+    } else {
+        let read = link_bytes(&d);
+        assert_eq!(read.len(), 2, "{d:#}");
+        assert!(read.iter().all(|&b| b > 0), "both links carry READs: {d:#}");
     }
     p.check_dirtier_on_destination();
 }
@@ -266,8 +284,9 @@ fn postcopy_over_two_links_is_byte_exact(transport: &'static str) {
 /// its push channels are dropped, the destination reports the pages it
 /// holds and the rest goes on the first link; the migration never pauses
 /// (no recovery), and the dirtier's oracle holds on the destination. Over
-/// rdma the destination READs through the first link's queue pairs, so
-/// the cut takes nothing from it.
+/// rdma the cut lands once the destination's READs went over both links:
+/// the cut link's queue pairs fail with retry exceeded, the destination
+/// drops them and reads their pages again on the first link.
 fn postcopy_link_cut_after_the_switch_completes_on_the_other(transport: &'static str) {
     link_cut_after_the_switch(transport, "postcopy", 8 << 20);
 }
@@ -285,8 +304,9 @@ fn link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64) {
     p.cap_both(100);
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "mode": mode, "timeout_s": 300})).unwrap();
     // Over rdma the destination READs the pages: the source's wire bytes
-    // do not grow after the switch.
+    // do not grow after the switch; the cut waits for READs on link 1.
     p.wait_postcopy_sent(if transport == "rdma" { 0 } else { after });
+    let read_before = (transport == "rdma").then(|| p.wait_read_on_link(1));
     p.tb.link_down(0, 1).unwrap();
     let s = p.source_result();
     assert_eq!(s["status"], "completed", "{s:#}");
@@ -299,6 +319,14 @@ fn link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64) {
         assert_eq!(s["links"][1]["channels_lost"], 2, "the cut link's push channels are dropped: {s:#}");
         assert_eq!(s["links"][1]["failed"], true, "{s:#}");
         assert_eq!(s["links"][0]["channels_lost"], 0, "{s:#}");
+    }
+    if let Some(before) = read_before {
+        let l = &d["links"];
+        assert_eq!(l[1]["failed"], true, "the cut link's READ queue pairs are dropped: {d:#}");
+        assert_eq!(l[1]["channels_lost"], 2, "{d:#}");
+        assert_eq!(l[0]["failed"], false, "{d:#}");
+        let b0 = before[0]["wire_bytes"].as_u64().unwrap();
+        assert!(l[0]["wire_bytes"].as_u64().unwrap() > b0, "the first link READ on after the cut: {before} then {l}");
     }
     p.check_dirtier_on_destination();
 }

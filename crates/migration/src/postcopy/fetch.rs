@@ -5,9 +5,18 @@
 //!
 //! One thread, the *fetcher*, does all of it: the pages threads fault on
 //! (asked by the fault thread through [`RequestSink`](super::faults::RequestSink))
-//! go first, on their own queue pair, with the pages after them (prefetch);
-//! the rest of the source's plan follows on the bulk queue pair, near the
-//! latest fault first ([`PushQueue`]). A page is claimed in the placer
+//! go first, on their own queue pairs, with the pages after them
+//! (prefetch); the rest of the source's plan follows on the bulk queue
+//! pairs, near the latest fault first ([`PushQueue`]). Each link has an
+//! urgent and a bulk queue pair: every link's bulk queue pair is kept busy,
+//! and each fault's READ goes to the link with the fewest urgent READs out
+//! (in turn on a tie).
+//!
+//! A link whose READ fails (retry exceeded: the link is cut) is dropped:
+//! its queue pairs are destroyed first (nothing of theirs lands after),
+//! then the pages of its READs still out are unclaimed and read again on
+//! the links left, faults first. Only when no link is left does the
+//! fetcher fail (and the migration pauses for a recovery). A page is claimed in the placer
 //! *before* its READ is posted, so it is written once, by rnicd, while no
 //! process maps it: a fault on it waits for the claim; a second ask for
 //! it is dropped. Only when the READ completed is the page mapped into the
@@ -27,7 +36,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use verbs::Wc;
+use verbs::{Wc, WcStatus};
 
 /// Most pages of one READ: a whole raw run, as a batch's WRITE.
 const READ_RUN: u64 = crate::wire::MAX_RAW_RUN as u64;
@@ -48,6 +57,7 @@ pub(crate) type Ask = (Vec<u64>, Vec<u64>);
 /// A READ in flight.
 #[derive(Clone, Copy)]
 struct Pending {
+    link: usize,
     qp: usize,
     run: PageRange,
     via: Via,
@@ -80,8 +90,24 @@ impl Fetcher {
             let tally = ctl.clone();
             let _cpu = crate::cputime::CpuTally::new(&tally, true);
             super::fault_path_priority();
-            let slots = vec![None; READ_QPS * READS_IN_FLIGHT];
-            let mut f = Fetch { reader, placer, queue, asks, ctl, slots, claims: Vec::new(), cap: c2, next_bulk: Instant::now() };
+            let slots = vec![None; reader.links() * READ_QPS * READS_IN_FLIGHT];
+            let live = (0..reader.links()).filter(|&k| reader.is_live(k)).count();
+            link_stats(&ctl, &reader);
+            let mut f = Fetch {
+                reader,
+                placer,
+                queue,
+                asks,
+                ctl,
+                slots,
+                claims: Vec::new(),
+                cap: c2,
+                next_bulk: Instant::now(),
+                now: Vec::new(),
+                soon: Vec::new(),
+                turn: 0,
+                live,
+            };
             let r = f.run(&s2);
             // Whatever did not land goes back: a recovery reads it again.
             f.give_back();
@@ -116,6 +142,20 @@ impl Drop for Fetcher {
     }
 }
 
+/// The destination's `links` statistics: what each link's READs carried.
+/// A recovery's reader starts over on the same links: their figures go on.
+fn link_stats(ctl: &Control, reader: &PageReader) {
+    let mut st = ctl.stats.lock().unwrap();
+    let same = st.links.len() == reader.links() && st.links.iter().enumerate().all(|(k, l)| l.addr == reader.addr(k));
+    if !same {
+        st.links = (0..reader.links()).map(|k| crate::links::LinkStat { addr: reader.addr(k).to_string(), ..Default::default() }).collect();
+    }
+    for l in st.links.iter_mut() {
+        l.channels += READ_QPS as u32;
+        l.failed = false;
+    }
+}
+
 /// The channel a fault thread asks through.
 pub(crate) fn ask_channel() -> (Sender<Ask>, Receiver<Ask>) {
     std::sync::mpsc::channel()
@@ -133,12 +173,19 @@ struct Fetch {
     cap: Arc<AtomicU64>,
     /// Under a cap: no bulk READ is posted before this.
     next_bulk: Instant,
+    /// Pages asked for now and as prefetch, not yet READ (no free slot,
+    /// or read again after their link was dropped).
+    now: Vec<u64>,
+    soon: Vec<u64>,
+    /// Where the search for a link for the next fault READ starts.
+    turn: usize,
+    /// Links not dropped.
+    live: usize,
 }
 
 impl Fetch {
     fn run(&mut self, stop: &AtomicBool) -> Result<()> {
         let mut wc = [Wc::default(); 32];
-        let (mut now, mut soon) = (Vec::new(), Vec::new());
         while !stop.load(Ordering::SeqCst) && !self.placer.is_complete() {
             let busy = self.slots.iter().any(Option::is_some);
             // Asks first: a thread waits on each. With nothing in flight,
@@ -159,27 +206,95 @@ impl Fetch {
                 }
             };
             for (n, s) in first.into_iter().chain(std::iter::from_fn(|| self.asks.try_recv().ok())) {
-                now.extend(n);
-                soon.extend(s);
+                self.now.extend(n);
+                self.soon.extend(s);
             }
-            if !now.is_empty() || !soon.is_empty() {
-                self.read_asked(&mut now, &mut soon)?;
+            if !self.now.is_empty() || !self.soon.is_empty() {
+                self.read_asked()?;
             }
             self.read_bulk()?;
-            if self.slots.iter().any(Option::is_some) {
-                let done = self.reader.completions(&mut wc, CQ_WAIT)?.to_vec();
-                for w in done {
-                    self.landed(w.wr_id as usize)?;
+            self.reap(&mut wc)?;
+        }
+        Ok(())
+    }
+
+    /// Take the completions of every link with READs out, sharing
+    /// [`CQ_WAIT`] among them; a failed one drops its link.
+    fn reap(&mut self, wc: &mut [Wc]) -> Result<()> {
+        let busy: Vec<usize> = (0..self.reader.links()).filter(|&k| self.slots.iter().flatten().any(|p| p.link == k)).collect();
+        let wait = CQ_WAIT / busy.len().max(1) as u32;
+        for k in busy {
+            let done = self.reader.completions(k, wc, wait)?.to_vec();
+            for w in done {
+                if w.status != WcStatus::Success {
+                    self.drop_link(k, &format!("RDMA READ failed: {:?}", w.status))?;
+                    break;
                 }
+                self.landed(w.wr_id as usize)?;
             }
         }
         Ok(())
     }
 
-    /// READ what faults ask for, on the urgent queue pair: the pages
+    /// `link` failed: destroy its queue pairs, then read the pages of its
+    /// READs out again elsewhere (faults' pages first, the bulk's back to
+    /// the plan). Fails when no link is left.
+    fn drop_link(&mut self, link: usize, why: &str) -> Result<()> {
+        self.reader.drop_link(link);
+        self.live -= 1;
+        for slot in self.slots.iter_mut().filter(|s| s.is_some_and(|p| p.link == link)) {
+            let p = slot.take().expect("a READ in flight");
+            self.placer.unclaim(p.run);
+            match (p.qp, p.via) {
+                (READ_BULK, _) => self.queue.give_back(p.run.first, p.run.count),
+                (_, Via::Request) => self.now.extend(p.run.first..p.run.end()),
+                _ => self.soon.extend(p.run.first..p.run.end()),
+            }
+        }
+        {
+            let mut st = self.ctl.stats.lock().unwrap();
+            if let Some(l) = st.links.get_mut(link) {
+                l.channels_lost += READ_QPS as u32;
+                l.failed = true;
+                l.error.get_or_insert_with(|| why.to_string());
+            }
+        }
+        if self.live == 0 {
+            return Err(anyhow!("{why} (on every link)"));
+        }
+        tracing::warn!("postcopy: READs to {} dropped ({why}); reading on the links left", self.reader.addr(link));
+        Ok(())
+    }
+
+    /// The live link with the fewest READs out on `qp` below `limit`,
+    /// searched from the turn of the last choice on.
+    fn free_link(&mut self, qp: usize, limit: usize) -> Option<usize> {
+        let n = self.reader.links();
+        let best = (0..n)
+            .map(|i| (self.turn + i) % n)
+            .filter(|&k| self.reader.is_live(k))
+            .map(|k| (self.in_flight(k, qp), k))
+            .filter(|&(out, _)| out < limit)
+            .min_by_key(|&(out, _)| out)?
+            .1;
+        self.turn = best + 1;
+        Some(best)
+    }
+
+    /// READ what faults ask for, on the urgent queue pairs: the pages
     /// nobody claimed yet, in runs. Pages that find no free slot stay in
     /// `now`/`soon` for the next turn.
-    fn read_asked(&mut self, now: &mut Vec<u64>, soon: &mut Vec<u64>) -> Result<()> {
+    fn read_asked(&mut self) -> Result<()> {
+        let (mut now, mut soon) = (std::mem::take(&mut self.now), std::mem::take(&mut self.soon));
+        let r = self.read_lists(&mut now, &mut soon);
+        // Pages of a link dropped meanwhile came back here too.
+        now.append(&mut self.now);
+        soon.append(&mut self.soon);
+        (self.now, self.soon) = (now, soon);
+        r
+    }
+
+    fn read_lists(&mut self, now: &mut Vec<u64>, soon: &mut Vec<u64>) -> Result<()> {
         for (list, via) in [(now, Via::Request), (soon, Via::Push)] {
             list.sort_unstable();
             list.dedup();
@@ -193,9 +308,13 @@ impl Fetch {
                 // The background must not read these again; it goes on
                 // from here (the guest will likely touch what follows).
                 self.queue.requested(p, n);
-                if let Some(stopped) = self.read_claimed(READ_URGENT, p, n, via)? {
-                    list.retain(|&q| q >= stopped);
-                    return Ok(());
+                let (mut at, end) = (p, p + n);
+                while at < end {
+                    let Some(link) = self.free_link(READ_URGENT, READS_IN_FLIGHT) else {
+                        list.retain(|&q| q >= at);
+                        return Ok(());
+                    };
+                    at = self.read_claimed(link, READ_URGENT, at, end - at, via)?.unwrap_or(end);
                 }
                 i += n as usize;
             }
@@ -204,9 +323,9 @@ impl Fetch {
         Ok(())
     }
 
-    /// Keep the bulk queue pair busy with the source's plan.
+    /// Keep every link's bulk queue pair busy with the source's plan.
     fn read_bulk(&mut self) -> Result<()> {
-        while self.in_flight(READ_BULK) < BULK_IN_FLIGHT {
+        while let Some(link) = self.free_link(READ_BULK, BULK_IN_FLIGHT) {
             let cap = self.cap.load(Ordering::Relaxed);
             let now = Instant::now();
             if cap > 0 && now < self.next_bulk {
@@ -228,7 +347,7 @@ impl Fetch {
                     self.placer.place_zero(c.first, c.count, Via::Push);
                     continue;
                 }
-                if let Some(stopped) = self.read_claimed(READ_BULK, c.first, c.count, Via::Push)? {
+                if let Some(stopped) = self.read_claimed(link, READ_BULK, c.first, c.count, Via::Push)? {
                     // No free slot: what is left goes back to the plan.
                     self.queue.give_back(stopped, c.first + c.count - stopped);
                     for r in &claims[k + 1..] {
@@ -241,18 +360,19 @@ impl Fetch {
         Ok(())
     }
 
-    fn in_flight(&self, qp: usize) -> usize {
-        self.slots.iter().flatten().filter(|p| p.qp == qp).count()
+    fn in_flight(&self, link: usize, qp: usize) -> usize {
+        self.slots.iter().flatten().filter(|p| p.link == link && p.qp == qp).count()
     }
 
     /// Claim the pages of `[first, first + count)` nobody claimed yet and
-    /// post one READ per run of them on `qp`. `Some(page)` if `qp` ran
-    /// out of slots there (that page and those after it are not claimed).
-    fn read_claimed(&mut self, qp: usize, first: u64, count: u64, via: Via) -> Result<Option<u64>> {
+    /// post one READ per run of them on `link`'s `qp`. `Some(page)` if
+    /// that queue pair ran out of slots there (that page and those after
+    /// it are not claimed).
+    fn read_claimed(&mut self, link: usize, qp: usize, first: u64, count: u64, via: Via) -> Result<Option<u64>> {
         let end = (first + count).min(self.placer.total());
         let mut p = first;
         while p < end {
-            if self.in_flight(qp) >= READS_IN_FLIGHT {
+            if self.in_flight(link, qp) >= READS_IN_FLIGHT {
                 return Ok(Some(p));
             }
             if !self.placer.claim(p) {
@@ -266,11 +386,13 @@ impl Fetch {
             }
             let r = PageRange { first: run, count: p - run };
             let slot = self.slots.iter().position(Option::is_none).expect("a free slot below the limit");
-            if let Err(e) = self.reader.read(qp, slot as u64, r.first, r.count) {
+            if let Err(e) = self.reader.read(link, qp, slot as u64, r.first, r.count) {
+                // A queue pair in error refuses new work: its link is gone.
                 self.placer.unclaim(r);
-                return Err(e);
+                self.drop_link(link, &format!("posting a READ: {e:#}"))?;
+                return Ok(Some(r.first));
             }
-            self.slots[slot] = Some(Pending { qp, run: r, via });
+            self.slots[slot] = Some(Pending { link, qp, run: r, via });
         }
         Ok(None)
     }
@@ -282,6 +404,9 @@ impl Fetch {
         };
         let bytes = p.run.count * crate::dirty::PAGE_SIZE;
         crate::receiver::count_batch(&self.ctl, p.run.count, bytes);
+        if let Some(l) = self.ctl.stats.lock().unwrap().links.get_mut(p.link) {
+            l.wire_bytes += bytes;
+        }
         self.placer.map_claimed(p.run, p.via)
     }
 

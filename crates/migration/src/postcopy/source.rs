@@ -642,7 +642,7 @@ fn reconnect_reads(target: &str, session: u64, ram: &RamRegion, rnicd: &str, cap
     let addr = crate::sender::parse_tcp_uri(&addr)?;
     let channels = ctl.snapshot().channels.max(1);
     let (mut control, data, zero) = recover_hello(addr.first(), session, ram, channels, "", "rdma", ctl)?;
-    let reads = crate::rdma::offer_ram(&mut control, rnicd, ram)?;
+    let reads = crate::rdma::offer_ram(&mut control, rnicd, &addr, ram)?;
     send_plan(&mut control, &data, &zero, cap)?;
     Ok((control, reads))
 }
