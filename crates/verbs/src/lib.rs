@@ -62,11 +62,26 @@ struct Inner {
 }
 
 impl Inner {
+    /// One request and its reply. Either, if larger than a datagram,
+    /// travels in a memfd (`rnic::spill`): a batch over hundreds of QPs is
+    /// one round trip.
     fn call(&self, req: &Request, fds: &[RawFd]) -> anyhow::Result<Reply> {
         let mut buf = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        fdmsg::send(&self.sock, req, fds).context("send control message")?;
-        let (n, _) = fdmsg::recv(&self.sock, &mut buf).context("receive control message")?.context("rnicd closed the connection")?;
-        let r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
+        let bytes = serde_json::to_vec(req)?;
+        if rnic::spill::needed(&bytes) {
+            let spilled = rnic::spill::write(&bytes)?;
+            let fds: Vec<RawFd> = fds.iter().copied().chain([spilled.as_raw_fd()]).collect();
+            fdmsg::send(&self.sock, &Request::Spilled { len: bytes.len() as u64 }, &fds)
+        } else {
+            fdmsg::send_bytes(&self.sock, &bytes, fds)
+        }
+        .context("send control message")?;
+        let (n, mut rfds) = fdmsg::recv(&self.sock, &mut buf).context("receive control message")?.context("rnicd closed the connection")?;
+        let mut r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
+        if let Ok(Reply::Spilled { len }) = r {
+            let fd = rfds.pop().context("a spilled reply without its memfd")?;
+            r = serde_json::from_slice(&rnic::spill::read(fd, len)?).context("bad spilled reply from rnicd")?;
+        }
         r.map_err(|e| anyhow!("rnicd: {e}"))
     }
 
@@ -229,6 +244,21 @@ impl Context {
             let qpns = chunk.iter().map(|q| q.qpn).collect();
             match self.inner.call(&Request::SuspendConnected { qpns }, &[])? {
                 Reply::Qpns(v) => out.extend(v),
+                r => bail!("unexpected reply {r:?}"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Context::suspend_connected`] and [`Context::query_qp_states`] in
+    /// one pass: the states of the QPs it suspended (each names its QPN).
+    /// A suspended QP's state does not change until it resumes.
+    pub fn suspend_connected_states(&self, qps: &[&Qp]) -> anyhow::Result<Vec<QpSnapshot>> {
+        let mut out = Vec::new();
+        for chunk in qps.chunks(proto::MAX_BATCH) {
+            let qpns = chunk.iter().map(|q| q.qpn).collect();
+            match self.inner.call(&Request::SuspendConnectedStates { qpns }, &[])? {
+                Reply::QpStates(v) => out.extend(v),
                 r => bail!("unexpected reply {r:?}"),
             }
         }
@@ -1120,6 +1150,16 @@ impl Qp {
     /// ibv_post_send: queues the WRs in order, then rings the doorbell once.
     /// Fails (posting nothing more) when the send queue is full.
     pub fn post_send(&self, wrs: &[SendWr]) -> anyhow::Result<()> {
+        self.post_send_inner(wrs, true)
+    }
+
+    /// Posts send WRs without ringing the doorbell, for a suspended QP:
+    /// rnicd reads its rings when it resumes (as [`Qp::post_recv_quiet`]).
+    pub fn post_send_quiet(&self, wrs: &[SendWr]) -> anyhow::Result<()> {
+        self.post_send_inner(wrs, false)
+    }
+
+    fn post_send_inner(&self, wrs: &[SendWr], doorbell: bool) -> anyhow::Result<()> {
         let mut ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
         let mut posted = 0;
         let mut result = Ok(());
@@ -1170,7 +1210,7 @@ impl Qp {
         }
         // While rnicd polls our rings (after recent activity) it sees the
         // WQEs without the doorbell, a syscall and a wakeup saved per post.
-        if posted > 0 && ring.needs_doorbell() {
+        if posted > 0 && doorbell && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
         }
         result
