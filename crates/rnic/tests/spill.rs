@@ -83,7 +83,7 @@ fn bad_spilled_requests_are_refused_and_harm_nothing() {
         (spilled(10), None, "needs its memfd"),
         (spilled(100), Some(memfd(b"{\"QueryDevice\"")), "shorter than it says"),
         (spilled(1 << 40), Some(memfd(b"\"QueryDevice\"")), "at most"),
-        (spilled(20), Some(memfd(&spilled(13))), "inside a spilled"),
+        (spilled(spilled(13).len() as u64), Some(memfd(&spilled(13))), "inside a spilled"),
         (spilled(7), Some(memfd(b"garbage")), "malformed spilled"),
     ];
     for (msg, fd, why) in &cases {
