@@ -5,8 +5,8 @@
 //! an event for this client (rnic::async_events), so a program can poll or
 //! epoll it as on a kernel driver. ibv_get_async_event reads it (blocking
 //! unless the program made the fd non-blocking), fetches rnicd's queue and
-//! hands the events out one per call, naming the program's ibv_qp or
-//! ibv_cq. Events about an object the program has since destroyed are
+//! hands the events out one per call, naming the program's ibv_qp,
+//! ibv_cq or ibv_srq. Events about an object the program has since destroyed are
 //! dropped.
 
 use std::collections::{HashMap, VecDeque};
@@ -27,6 +27,8 @@ pub struct Events {
     qps: Mutex<HashMap<u32, usize>>,
     /// rnicd CQ handle -> ibv_cq.
     cqs: Mutex<HashMap<u32, usize>>,
+    /// rnicd SRQ handle -> ibv_srq.
+    srqs: Mutex<HashMap<u32, usize>>,
     pending: Mutex<VecDeque<(ibv_event_type, usize)>>,
 }
 
@@ -43,10 +45,15 @@ impl Events {
         lock(&self.cqs).insert(handle, cq as usize);
     }
 
-    /// The QP or CQ goes: its events, queued or to come, go with it.
+    pub fn add_srq(&self, handle: u32, srq: *mut ibv_srq) {
+        lock(&self.srqs).insert(handle, srq as usize);
+    }
+
+    /// The QP, CQ or SRQ goes: its events, queued or to come, go with it.
     pub fn remove(&self, object: usize) {
         lock(&self.qps).retain(|_, o| *o != object);
         lock(&self.cqs).retain(|_, o| *o != object);
+        lock(&self.srqs).retain(|_, o| *o != object);
         lock(&self.pending).retain(|(_, o)| *o != object);
     }
 
@@ -57,6 +64,7 @@ impl Events {
             AsyncKind::QpReqErr => qp(IBV_EVENT_QP_REQ_ERR),
             AsyncKind::QpAccessErr => qp(IBV_EVENT_QP_ACCESS_ERR),
             AsyncKind::CqErr => lock(&self.cqs).get(&e.object).map(|o| (IBV_EVENT_CQ_ERR, *o)),
+            AsyncKind::SrqLimitReached => lock(&self.srqs).get(&e.object).map(|o| (IBV_EVENT_SRQ_LIMIT_REACHED, *o)),
         }
     }
 }
@@ -81,6 +89,8 @@ pub unsafe extern "C" fn ibv_get_async_event(c: *mut ibv_context, ev: *mut ibv_a
             (*ev).event_type = t;
             if t == IBV_EVENT_CQ_ERR {
                 (*ev).element.cq = o as *mut ibv_cq;
+            } else if t == IBV_EVENT_SRQ_LIMIT_REACHED {
+                (*ev).element.srq = o as *mut ibv_srq;
             } else {
                 (*ev).element.qp = o as *mut ibv_qp;
             }
@@ -132,6 +142,7 @@ pub unsafe extern "C" fn ibv_ack_async_event(ev: *mut ibv_async_event) {
     let e = &*ev;
     match e.event_type {
         IBV_EVENT_CQ_ERR if !e.element.cq.is_null() => (*e.element.cq).async_events_completed += 1,
+        IBV_EVENT_SRQ_LIMIT_REACHED if !e.element.srq.is_null() => (*e.element.srq).events_completed += 1,
         IBV_EVENT_QP_FATAL | IBV_EVENT_QP_REQ_ERR | IBV_EVENT_QP_ACCESS_ERR if !e.element.qp.is_null() => {
             (*e.element.qp).events_completed += 1
         }

@@ -177,6 +177,7 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     v.query_device_ex = Some(query_device_ex);
     v.create_qp_ex = Some(qp::create_qp_ex);
     v.create_cq_ex = Some(cq::create_cq_ex);
+    v.create_srq_ex = Some(crate::srq::create_srq_ex);
     v.context.device = dev;
     v.context.cmd_fd = c.cmd_fd.as_raw_fd();
     v.context.async_fd = c.async_fd.as_raw_fd();
@@ -190,7 +191,7 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     ops.req_notify_cq = Some(cq::req_notify_cq);
     ops.post_send = Some(qp::post_send);
     ops.post_recv = Some(qp::post_recv);
-    ops.post_srq_recv = Some(qp::post_srq_recv);
+    ops.post_srq_recv = Some(crate::srq::post_srq_recv);
     ops.alloc_mw = Some(qp::alloc_mw);
     ops.dealloc_mw = Some(qp::dealloc_mw);
     ops.bind_mw = Some(qp::bind_mw);
@@ -265,6 +266,10 @@ pub unsafe extern "C" fn ibv_query_device(c: *mut ibv_context, attr: *mut ibv_de
     a.max_sge_rd = d.max_sge as c_int;
     a.max_cq = d.max_cq as c_int;
     a.max_cqe = d.max_cqe.min(i32::MAX as u32) as c_int;
+    // Shared receive queues (srq.rs).
+    a.max_srq = verbs::MAX_SRQ as c_int;
+    a.max_srq_wr = verbs::MAX_SRQ_WR as c_int;
+    a.max_srq_sge = verbs::MAX_SRQ_SGE as c_int;
     a.max_mr = d.max_mr as c_int;
     a.max_pd = d.max_pd as c_int;
     a.max_qp_rd_atom = d.max_qp_rd_atom as c_int;

@@ -22,6 +22,7 @@ pub mod link;
 pub mod mem;
 pub mod pdmr;
 pub mod qp;
+pub mod srq;
 mod strings;
 mod stubs;
 pub mod sys;

@@ -79,9 +79,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     if a.qp_type != IBV_QPT_RC && a.qp_type != IBV_QPT_UD {
         return fail(libc::EOPNOTSUPP);
     }
-    if !a.srq.is_null() {
-        return fail(libc::EOPNOTSUPP);
-    }
+    let srq = crate::srq::srq(a.srq);
     let (Some(scq), Some(rcq)) = (cq(a.send_cq), cq(a.recv_cq)) else { return fail(libc::EINVAL) };
     let Some(cx) = crate::device::ctx(c) else { return fail(libc::EINVAL) };
     let dev = match cx.inner.query_device() {
@@ -111,9 +109,15 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         Ok(q) => q,
         Err(_) => return fail(libc::ENOMEM),
     };
+    if let Some(s) = srq {
+        if inner.attach_srq(&s.inner).is_err() {
+            return fail(libc::EINVAL);
+        }
+    }
     // The caps the QP really has, as drivers report back.
     cap.max_send_wr = inner.cap.max_send_wr;
-    cap.max_recv_wr = inner.cap.max_recv_wr;
+    // A QP on an SRQ has no receive queue of its own.
+    cap.max_recv_wr = if srq.is_some() { 0 } else { inner.cap.max_recv_wr };
     cap.max_send_sge = inner.cap.max_send_sge;
     cap.max_recv_sge = inner.cap.max_recv_sge;
     cap.max_inline_data = inner.cap.max_inline_data;
@@ -124,6 +128,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     base.pd = a.pd;
     base.send_cq = a.send_cq;
     base.recv_cq = a.recv_cq;
+    base.srq = a.srq;
     base.handle = inner.qpn;
     base.qp_num = inner.qpn;
     base.state = IBV_QPS_RESET;
@@ -158,6 +163,9 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     scq.users.fetch_add(1, Ordering::AcqRel);
     rcq.users.fetch_add(1, Ordering::AcqRel);
     pdr.users.fetch_add(1, Ordering::AcqRel);
+    if let Some(s) = srq {
+        s.users.fetch_add(1, Ordering::AcqRel);
+    }
     let b = Box::into_raw(Box::new(Qp {
         qpx: x,
         inner,
@@ -237,6 +245,9 @@ pub unsafe extern "C" fn ibv_destroy_qp(q: *mut ibv_qp) -> c_int {
     (*b.send_cq).users.fetch_sub(1, Ordering::AcqRel);
     (*b.recv_cq).users.fetch_sub(1, Ordering::AcqRel);
     (*b.pd).users.fetch_sub(1, Ordering::AcqRel);
+    if let Some(s) = crate::srq::srq(b.qpx.qp_base.srq) {
+        s.users.fetch_sub(1, Ordering::AcqRel);
+    }
     drop(b);
     0
 }
@@ -422,7 +433,7 @@ pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _m
             qp_context: b.qp_context,
             send_cq: b.send_cq,
             recv_cq: b.recv_cq,
-            srq: std::ptr::null_mut(),
+            srq: b.srq,
             cap: a.cap,
             qp_type: x.qp_type,
             sq_sig_all: 0,
@@ -549,8 +560,8 @@ pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *m
         set_bad(wr);
         return libc::EINVAL;
     };
-    // As rxe and mlx5: a QP in RESET takes no receives.
-    if x.qpx.qp_base.state == IBV_QPS_RESET {
+    // As rxe and mlx5: a QP in RESET, or on an SRQ, takes no receives.
+    if x.qpx.qp_base.state == IBV_QPS_RESET || !x.qpx.qp_base.srq.is_null() {
         set_bad(wr);
         return libc::EINVAL;
     }
@@ -581,13 +592,6 @@ pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *m
         set_bad(w);
     }
     err
-}
-
-pub unsafe extern "C" fn post_srq_recv(_s: *mut ibv_srq, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
-    if !bad.is_null() {
-        *bad = wr;
-    }
-    libc::EOPNOTSUPP
 }
 
 pub unsafe extern "C" fn alloc_mw(_pd: *mut ibv_pd, _t: ibv_mw_type) -> *mut ibv_mw {

@@ -107,22 +107,11 @@ errno_stubs!(
 );
 
 // Verbs this device lacks: multicast and address handles from completions
-// (UD), SRQs, ECE,
+// (UD), ECE,
 // resolving L2 addresses, importing objects of another process.
-errno_stubs!(
-    ibv_attach_mcast,
-    ibv_detach_mcast,
-    ibv_destroy_srq,
-    ibv_modify_srq,
-    ibv_query_srq,
-    ibv_query_ece,
-    ibv_set_ece,
-    ibv_init_ah_from_wc,
-    ibv_resolve_eth_l2_from_gid,
-);
+errno_stubs!(ibv_attach_mcast, ibv_detach_mcast, ibv_query_ece, ibv_set_ece, ibv_init_ah_from_wc, ibv_resolve_eth_l2_from_gid,);
 null_stubs!(
     ibv_create_ah_from_wc,
-    ibv_create_srq,
     ibv_import_device,
     ibv_import_dm,
     ibv_import_mr,

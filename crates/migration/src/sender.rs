@@ -108,6 +108,41 @@ pub(crate) fn chunk(ranges: &[PageRange], size: u64, known_zero: bool, out: &mut
     }
 }
 
+/// Hybrid's rest of the first pass, after a scan that looked at its holes:
+/// the pages of hole items that the scan found `written` (sorted, disjoint)
+/// go as data items, read like any other page. Sent as a zero run, such a
+/// page would be lost: the scan took its record and the next scan has no
+/// reason to report it. They are armed already: every hole was armed
+/// before it was taken for a hole, and the scan armed the written ones
+/// again. Items keep their order; data items are left as they are.
+pub(crate) fn written_holes_as_data(items: Vec<WorkItem>, written: &[PageRange]) -> Vec<WorkItem> {
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        if !item.known_zero {
+            out.push(item);
+            continue;
+        }
+        let end = item.first + item.count;
+        let mut f = item.first;
+        let from = written.partition_point(|r| r.end() <= f);
+        for r in written[from..].iter().take_while(|r| r.first < end) {
+            if r.first > f {
+                out.push(WorkItem { first: f, count: r.first - f, ..item });
+            }
+            let e = r.end().min(end);
+            let data = PageRange { first: r.first.max(f), count: e - r.first.max(f) };
+            let at = out.len();
+            chunk(&[data], CHUNK_PAGES, false, &mut out);
+            out[at..].iter_mut().for_each(|w| w.armed = true);
+            f = e;
+        }
+        if f < end {
+            out.push(WorkItem { first: f, count: end - f, ..item });
+        }
+    }
+    out
+}
+
 /// True if every byte is zero (the compiler vectorizes the OR-fold).
 /// Checks 256-byte blocks so a non-zero page is usually rejected at once.
 pub fn is_zero(p: &[u8]) -> bool {
@@ -637,10 +672,12 @@ impl ChannelSet {
     }
 
     /// Postcopy: every channel pushes from `q` until it is empty; returns
-    /// the pages sent.
+    /// the pages sent. With several links a channel that fails is lost
+    /// with its link ([`ChannelSet::lose`]) and the others go on; what it
+    /// did not deliver is the destination's to report (`pages_held`).
     pub(crate) fn push(&mut self, q: &Arc<PushQueue>) -> Result<u64> {
         let channels = self.live();
-        let total = self.run_job(|| Job::Push(q.clone(), channels), false)?;
+        let total = self.run_job(|| Job::Push(q.clone(), channels), true)?;
         self.ctl.update(|s| s.pages_pushed += total.pages);
         Ok(total.pages)
     }
@@ -809,4 +846,51 @@ const CUT_GRACE: Duration = Duration::from_secs(10);
 /// the deadline only cuts short.
 pub(crate) fn give_up_at(deadline: Option<Instant>, cuttable: bool) -> Option<Instant> {
     deadline.map(|d| if cuttable { d + CUT_GRACE } else { d })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(first: u64, count: u64, known_zero: bool) -> WorkItem {
+        WorkItem { first, count, known_zero, armed: false }
+    }
+
+    fn shape(items: &[WorkItem]) -> Vec<(u64, u64, bool, bool)> {
+        items.iter().map(|w| (w.first, w.count, w.known_zero, w.armed)).collect()
+    }
+
+    #[test]
+    fn written_holes_go_as_armed_data_and_the_rest_stays_zero() {
+        let r = |first, count| PageRange { first, count };
+        let items = vec![item(0, 100, false), item(100, 1000, true), item(1100, 50, false), item(1150, 100, true)];
+        // A run inside the first hole, one across its end into a data item,
+        // and one covering the last hole's head.
+        let written = [r(200, 10), r(1090, 20), r(1150, 5)];
+        let out = written_holes_as_data(items, &written);
+        assert_eq!(
+            shape(&out),
+            vec![
+                (0, 100, false, false),
+                (100, 100, true, false),
+                (200, 10, false, true),
+                (210, 880, true, false),
+                (1090, 10, false, true),
+                (1100, 50, false, false),
+                (1150, 5, false, true),
+                (1155, 95, true, false),
+            ]
+        );
+        // Every page is still sent once, in order.
+        assert!(out.windows(2).all(|w| w[0].first + w[0].count == w[1].first));
+    }
+
+    #[test]
+    fn a_long_written_hole_is_cut_into_data_chunks() {
+        let out = written_holes_as_data(vec![item(0, 1 << 20, true)], &[PageRange { first: 0, count: 3 * CHUNK_PAGES + 1 }]);
+        assert_eq!(out.len(), 5);
+        assert!(out[..4].iter().all(|w| !w.known_zero && w.armed && w.count <= CHUNK_PAGES));
+        assert_eq!((out[4].first, out[4].known_zero), (3 * CHUNK_PAGES + 1, true));
+        assert!(written_holes_as_data(vec![item(5, 5, true)], &[]).iter().all(|w| w.known_zero), "nothing written");
+    }
 }

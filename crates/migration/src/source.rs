@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::sender::{
-    chunk, connect, give_up_at, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing, WorkItem,
-    CHUNK_PAGES, ZERO_CHUNK_PAGES,
+    chunk, connect, give_up_at, open_channels, open_urgent, recv_reply, recv_welcome, written_holes_as_data, ChannelSet, Downtime,
+    Outgoing, WorkItem, CHUNK_PAGES, ZERO_CHUNK_PAGES,
 };
 pub use crate::sender::{is_zero, nonzero_xxh3};
 
@@ -235,7 +235,7 @@ struct FirstPass {
     items: Vec<WorkItem>,
     /// Hybrid: the rest of the first pass, sent in the round after.
     rest: Vec<WorkItem>,
-    /// Hybrid: the sample of RAM armed before the first round.
+    /// Hybrid: the sample of RAM's data armed before the first round.
     sample: Vec<PageRange>,
     /// The memfd's holes when the pass was planned (sent as zero runs).
     holes: Vec<PageRange>,
@@ -276,8 +276,9 @@ fn first_pass(
     // Hybrid sends its first pass in two rounds, the first eighth of RAM,
     // then the rest, and may switch in between (see `next_step`). Until the
     // rest is sent, the scans look only at the first eighth (armed chunk by
-    // chunk as it is sent) and at a sample of all RAM (armed now); the rest
-    // is unarmed but for its holes, and is sent or missing anyway.
+    // chunk as it is sent), at a sample of its data (armed now) and at
+    // every hole (armed above); the rest's other data is unarmed, and is
+    // sent or missing anyway.
     let mut rest = Vec::new();
     let mut sample = Vec::new();
     if plan.mode == Mode::Hybrid {
@@ -327,7 +328,8 @@ struct RoundFacts {
     timed_out: bool,
     postcopy_requested: bool,
     /// Hybrid: pages the guest wrote since the sample was armed, over all
-    /// of RAM, and the pages the first round sent meanwhile.
+    /// of RAM ([`written_estimate`]), and the pages the first round sent
+    /// meanwhile.
     written: u64,
     first_round_pages: u64,
 }
@@ -413,14 +415,18 @@ fn rounds(
             let cut = unsent.iter().map(|w| w.first).filter(|&f| f >= from).min();
             cut.or(pass.rest.first().map(|w| w.first))
         });
-        let mut dirty = pass.log.scan(total, armed_part(unarmed_from, &pass.sample, total).as_deref())?;
+        let scanned = rate_scan_part(unarmed_from, &pass.sample, &pass.holes, total);
+        let mut dirty = pass.log.scan(total, scanned.as_deref())?;
         // The pages found dirty were written from scan to scan: the round,
         // and the scan and planning around it.
         let window = std::mem::replace(&mut scanned_at, Instant::now()).elapsed().as_secs_f64().max(1e-6);
         // Hybrid, after the first eighth: pages the guest wrote since the
-        // sample was armed, extrapolated to all of RAM, against the pages
-        // sent meanwhile.
-        let written = written_estimate(&dirty, &pass.sample, total);
+        // sample was armed, over all of RAM, against the pages sent
+        // meanwhile.
+        let written = written_estimate(&dirty, &pass.sample, scanned.as_deref(), total);
+        // The scan took the record of the holes the guest wrote: the rest
+        // of the pass must send them as data, not as zero runs.
+        pass.rest = written_holes_as_data(std::mem::take(&mut pass.rest), &dirty);
         if let Some(cut) = unarmed_from {
             // The first pass's pages not sent yet go anyway (with the rest,
             // or as missing).
@@ -685,16 +691,29 @@ fn link_rate(wire: u64, secs: f64, cap: u64) -> f64 {
     }
 }
 
-/// What a hybrid's scans look at while its first pass is not all sent
+/// What a hybrid's switch scans while its first pass is not all sent
 /// (`unarmed_from`: its first page not sent): RAM up to there, armed as it
 /// was sent, and the sample, armed before; none once all of RAM is armed.
 /// A page never armed would count as written and the walk would arm it:
 /// kernel time, in the downtime for the switch's scan, for pages that go
 /// as missing anyway (a pass cut short by the timeout or
-/// `migrate-start-postcopy`).
+/// `migrate-start-postcopy`). Pages past `unarmed_from` go as missing
+/// anyway, so the switch need not look at their holes.
 fn armed_part(unarmed_from: Option<u64>, sample: &[PageRange], total: u64) -> Option<Vec<PageRange>> {
     let mut a = sample.to_vec();
     a.push(PageRange { first: 0, count: unarmed_from? });
+    Some(normalize(a, total))
+}
+
+/// What a hybrid's scans after a round look at while its first pass is
+/// not all sent: the [`armed_part`], and every hole of the pass, armed
+/// before it was taken for one. Writes into holes so count as dirtying
+/// page by page, not through the sample: a guest that writes memory it
+/// never wrote before writes only holes, where the sample (data only)
+/// has nothing.
+fn rate_scan_part(unarmed_from: Option<u64>, sample: &[PageRange], holes: &[PageRange], total: u64) -> Option<Vec<PageRange>> {
+    let mut a = armed_part(unarmed_from, sample, total)?;
+    a.extend_from_slice(holes);
     Some(normalize(a, total))
 }
 
@@ -715,16 +734,21 @@ fn mark_rate_sample(items: &mut [WorkItem]) -> Vec<PageRange> {
     out
 }
 
-/// Pages the guest wrote in all of RAM since the sample was armed: what
-/// the sample saw, scaled to all of RAM, or what the scan saw (the sample
-/// and the first eighth, armed as it was sent), whichever is more.
-fn written_estimate(dirty: &[PageRange], sample: &[PageRange], total: u64) -> u64 {
+/// Pages the guest wrote in all of RAM since the sample was armed, from a
+/// scan of `scanned` (none: all of RAM). Where the scan looked (the first
+/// eighth, armed as it was sent, the sample and the holes) the pages it
+/// found count one by one; the data it did not look at counts as the
+/// sample's written share of it, or as what other dirty sources (which
+/// see all of RAM) found there, whichever is more.
+fn written_estimate(dirty: &[PageRange], sample: &[PageRange], scanned: Option<&[PageRange]>, total: u64) -> u64 {
+    let Some(scanned) = scanned else { return count_pages(dirty) };
+    let unscanned = complement(scanned, total);
+    let found_outside = overlap(dirty, &unscanned);
+    let found = count_pages(dirty) - found_outside;
     let sampled = count_pages(sample);
-    if sampled == 0 {
-        return count_pages(dirty);
-    }
-    let scaled = (overlap(dirty, sample) as f64 * total as f64 / sampled as f64) as u64;
-    scaled.max(count_pages(dirty)).min(total)
+    let share = if sampled == 0 { 0.0 } else { overlap(dirty, sample) as f64 / sampled as f64 };
+    let extrapolated = (share * count_pages(&unscanned) as f64) as u64;
+    (found + extrapolated.max(found_outside)).min(total)
 }
 
 /// Auto-converge: the throttle after a round, if it must rise. `ratio` is
@@ -861,16 +885,42 @@ mod tests {
         let places: std::collections::HashSet<u64> = s.iter().take(8).map(|r| r.first / CHUNK_PAGES % 8).collect();
         assert_eq!(places.len(), 8, "every place in the eight is sampled");
 
-        // Every sampled page written: all of RAM.
-        assert_eq!(written_estimate(&s, &s, total), total);
-        // Half of each sample: half of RAM.
+        // The scans after the first eighth look at the eighth, the sample
+        // and the holes.
+        let data_pages = 100 * CHUNK_PAGES + 7;
+        let holes = [PageRange { first: data_pages, count: 1 << 20 }];
+        let scanned = rate_scan_part(Some(8 * CHUNK_PAGES), &s, &holes, total).unwrap();
+        let unscanned_data = data_pages - overlap(&[PageRange { first: 0, count: data_pages }], &scanned);
+        // Every sampled page written: all the data not looked at.
+        assert_eq!(written_estimate(&s, &s, Some(&scanned), total), count_pages(&s) + unscanned_data);
+        // Half of each sample: about half of it.
         let half: Vec<PageRange> = s.iter().map(|r| PageRange { first: r.first, count: r.count / 2 }).collect();
-        let est = written_estimate(&half, &s, total);
-        assert!(est.abs_diff(total / 2) < total / 50, "{est}");
-        // Writes the sample missed are still counted.
+        let est = written_estimate(&half, &s, Some(&scanned), total);
+        assert!(est.abs_diff((count_pages(&s) + unscanned_data) / 2) < data_pages / 50, "{est}");
+        // Writes into holes count page by page, beside the sample's share.
+        let fresh = PageRange { first: data_pages + 5000, count: 3000 };
+        assert_eq!(written_estimate(&[fresh], &s, Some(&scanned), total), 3000);
+        let both = normalize([half.clone(), vec![fresh]].concat(), total);
+        assert_eq!(written_estimate(&both, &s, Some(&scanned), total), est + 3000);
+        // Writes the sample missed are still counted: in the eighth, or
+        // found outside the scan by another dirty source.
         let low = vec![PageRange { first: 0, count: 3 }];
-        assert_eq!(written_estimate(&low, &s, total), 3);
-        assert_eq!(written_estimate(&low, &[], total), 3);
+        assert_eq!(written_estimate(&low, &s, Some(&scanned), total), 3);
+        let outside = complement(&scanned, total)[0];
+        let other = vec![PageRange { first: outside.first, count: 2 }];
+        assert_eq!(written_estimate(&other, &s, Some(&scanned), total), 2);
+        // All of RAM scanned: what it found.
+        assert_eq!(written_estimate(&both, &s, None, total), count_pages(&both));
+    }
+
+    #[test]
+    fn rate_scan_looks_at_every_hole_and_the_switch_does_not() {
+        let r = |first, count| PageRange { first, count };
+        let sample = [r(300, 10), r(900, 10)];
+        let holes = [r(100, 50), r(500, 200)];
+        assert_eq!(rate_scan_part(Some(120), &sample, &holes, 1000), Some(vec![r(0, 150), r(300, 10), r(500, 200), r(900, 10)]));
+        assert_eq!(armed_part(Some(120), &sample, 1000), Some(vec![r(0, 120), r(300, 10), r(900, 10)]));
+        assert_eq!(rate_scan_part(None, &sample, &holes, 1000), None, "all of RAM is armed");
     }
 
     #[test]

@@ -189,6 +189,11 @@ pub enum Msg {
     /// background reads keep to `max_bandwidth` (bytes/s, 0: no cap), the
     /// source's cap; reads for faults do not wait for it.
     PullPlan { max_bandwidth: u64 },
+    /// Destination -> source, postcopy over tcp with several links: the
+    /// answer to `channel_lost`, once the lost channel's reader was told to
+    /// stop. A blob follows: the destination's bitmap of the pages it holds
+    /// (as in a recovery); the source pushes again every page it lacks.
+    PagesHeld,
 }
 
 const FRAME_MSG: u8 = 1;

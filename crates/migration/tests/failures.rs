@@ -214,6 +214,11 @@ fn hybrid_with_a_stalled_destination_is_cancelled_after_its_timeout() {
     // round is never confirmed, so switching to postcopy is no way out.
     // It must end (cancelled), not wait for the connection for good.
     let (src, dst, proxy) = pair_through(Fault { conn: 1, stall_after: Some(1 << 20), ..Default::default() });
+    // The stall must land in the first eighth (4 MiB): until the dirtier
+    // has written its slice once, the eighth may be mostly never-written
+    // memory (zero runs, a few bytes), and hybrid may then switch after it,
+    // seeing the dirtier write fresh memory past it.
+    wait_until("a whole pass of the dirtier", || src.vm.progress() >= 2);
     let (os, _, st) = migrate(&src, &dst, proxy.port, json!({"mode": "hybrid", "channels": 1, "timeout_s": 2}));
     assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the stall was never injected");
     assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{os:?}");

@@ -56,6 +56,25 @@ impl Pair {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+    /// Waits until the source switched to postcopy and then wrote `bytes`
+    /// in all (so a cut lands while the push runs).
+    fn wait_postcopy_sent(&self, bytes: u64) {
+        let mut q = self.src.client().unwrap();
+        let t = std::time::Instant::now();
+        loop {
+            let s = q.execute("query-migrate", json!({})).unwrap();
+            let status = s["status"].as_str().unwrap_or("none");
+            assert!(
+                matches!(status, "none" | "setup" | "active" | "device" | "postcopy-active"),
+                "the migration ended before the cut: {s:#}"
+            );
+            if status == "postcopy-active" && s["wire_bytes"].as_u64().unwrap_or(0) >= bytes {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(120), "the migration does not reach postcopy: {s:#}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     /// Waits until the source dropped both channels of link 1.
     fn wait_link_lost(&self) {
         let mut q = self.src.client().unwrap();
@@ -119,6 +138,8 @@ over_transport!(tcp:
     one_link_cut_under_a_dirtier_completes_with_the_oracle,
     both_links_cut_fails_and_the_source_runs_on,
     postcopy_over_two_links_is_byte_exact,
+    postcopy_link_cut_after_the_switch_completes_on_the_other,
+    hybrid_link_cut_under_heavy_faulting_completes_on_the_other,
 );
 
 // Not over rdma: the cut under a dirtier. On the one link left, at path
@@ -131,6 +152,8 @@ over_transport!(rdma:
     one_link_cut_mid_migration_completes_on_the_other,
     both_links_cut_fails_and_the_source_runs_on,
     postcopy_over_two_links_is_byte_exact,
+    postcopy_link_cut_after_the_switch_completes_on_the_other,
+    hybrid_link_cut_under_heavy_faulting_completes_on_the_other,
 );
 
 /// A filled idle VM and a dirtier over two links: byte-exact, both links
@@ -235,6 +258,47 @@ fn postcopy_over_two_links_is_byte_exact(transport: &'static str) {
     assert_eq!(d["status"], "completed", "destination {d:#}");
     if transport == "tcp" {
         assert!(link_bytes(&s).iter().all(|&b| b > 0), "both links carry pages: {s:#}");
+    }
+    p.check_dirtier_on_destination();
+}
+
+/// Postcopy with two links, the second cut while the push runs: over tcp
+/// its push channels are dropped, the destination reports the pages it
+/// holds and the rest goes on the first link; the migration never pauses
+/// (no recovery), and the dirtier's oracle holds on the destination. Over
+/// rdma the destination READs through the first link's queue pairs, so
+/// the cut takes nothing from it.
+fn postcopy_link_cut_after_the_switch_completes_on_the_other(transport: &'static str) {
+    link_cut_after_the_switch(transport, "postcopy", 8 << 20);
+}
+
+/// The same with a hybrid, cut at once after its switch, while the
+/// dirtier (at full speed on the destination) faults on nearly every page
+/// it touches.
+fn hybrid_link_cut_under_heavy_faulting_completes_on_the_other(transport: &'static str) {
+    link_cut_after_the_switch(transport, "hybrid", 0);
+}
+
+fn link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64) {
+    let p = pair(transport, "dirtier", "64M");
+    // 64 MiB at 2 x 100 Mbit/s: the push takes seconds after the switch.
+    p.cap_both(100);
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "mode": mode, "timeout_s": 300})).unwrap();
+    // Over rdma the destination READs the pages: the source's wire bytes
+    // do not grow after the switch.
+    p.wait_postcopy_sent(if transport == "rdma" { 0 } else { after });
+    p.tb.link_down(0, 1).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    assert_eq!(s["recoveries"], 0, "the migration went on without a pause: {s:#}");
+    let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
+    assert_eq!(d["status"], "completed", "destination {d:#}");
+    assert_eq!(d["recoveries"], 0, "{d:#}");
+    assert_eq!(d["remaining_pages"], 0, "{d:#}");
+    if transport == "tcp" {
+        assert_eq!(s["links"][1]["channels_lost"], 2, "the cut link's push channels are dropped: {s:#}");
+        assert_eq!(s["links"][1]["failed"], true, "{s:#}");
+        assert_eq!(s["links"][0]["channels_lost"], 0, "{s:#}");
     }
     p.check_dirtier_on_destination();
 }

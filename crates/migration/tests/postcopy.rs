@@ -7,13 +7,18 @@
 
 mod common;
 use common::*;
+use migration::memvm::MemVm;
 use migration::postcopy::clients::RamClients;
-use migration::qmp::Outcome;
+use migration::qmp::{MigrationSlot, Outcome};
 use migration::vm::MigratableVm;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// The pages of hybrid's first round in a 64 MiB VM: the first eighth.
+const EIGHTH: u64 = 64 * MIB / 4096 / 8;
 
 /// Hash of every page without byte 0 (the dirtier's counter, which the
 /// oracle checks instead): what the destination runs on must equal what
@@ -154,16 +159,12 @@ fn hybrid_switches_when_the_rest_cannot_fit() {
 }
 
 fn hybrid_no_shrink(net: &Net, prealloc: bool) {
+    // The dirtiers ran 100 ms before the migration: on a loaded machine
+    // they are still in their first pass, writing memory that was a memfd
+    // hole when the pass was planned as well as data. The scan after the
+    // first eighth counts both: the holes it looks at page by page, the
+    // data through its sample.
     let (src, dst, port) = dirtier_pair(net, prealloc);
-    // Until each dirtier has written its slice once, it writes memory that
-    // was a memfd hole when the pass was planned: hybrid's sample takes data
-    // items only and its scans look at the first eighth and the sample, so
-    // writes to holes past the eighth are not seen. On a loaded machine the
-    // dirtiers get too little CPU in the 100 ms before migrating to finish
-    // that pass, and the sample saw no writes at all (the eighth itself was
-    // all data and took its 0.2 s). Wait for a whole pass of every dirtier:
-    // from then on each writes pages the sample covers, one in eight.
-    wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
     // Capped so that the first eighth (8 MiB) takes 0.2 s: uncapped it took a
     // few ms on loopback, too short a window for a vCPU on a loaded machine.
     src.cmd("migrate", net.migrate_args(port, json!({"mode": "hybrid", "channels": 2, "downtime_ms": 0, "max_bandwidth": 40_000_000u64})))
@@ -177,6 +178,77 @@ fn hybrid_no_shrink(net: &Net, prealloc: bool) {
     assert_eq!(s["round_stats"].as_array().unwrap().len(), 1, "did not switch after the first eighth: {s:#}");
     assert_eq!(s["throttle_steps"], 0, "hybrid switches instead of throttling");
     oracle_holds_on_destination(&src, &dst);
+}
+
+/// A VM over `net` whose two dirtiers write only past the first eighth
+/// of RAM (paused until resumed).
+fn past_the_eighth_side(net: &Net) -> Side {
+    let vm = MemVm::new(64 * MIB, 2, EIGHTH).unwrap();
+    if let Net::Rdma(_) = net {
+        vm.ram_pages().seal().unwrap();
+    }
+    let dynvm: Arc<dyn MigratableVm> = vm.clone();
+    Side { vm, dynvm, slot: MigrationSlot::default() }
+}
+
+/// Hybrid of a guest that writes only memory it never wrote before, past
+/// the first eighth of RAM: every page it writes was a memfd hole when the
+/// pass was planned, where the rate sample (data only) has nothing. The
+/// scan after the eighth looks at every hole, sees the writes, and hybrid
+/// switches after the eighth; the pages arrive byte-exact and the oracle
+/// holds on the destination.
+#[test]
+fn hybrid_switches_for_a_guest_writing_fresh_memory() {
+    for net in Net::each("pcfresh") {
+        hybrid_fresh_memory(&net);
+    }
+}
+
+fn hybrid_fresh_memory(net: &Net) {
+    let src = past_the_eighth_side(net);
+    // The eighth is data, the rest holes.
+    src.vm.fill(16, EIGHTH);
+    let dst = past_the_eighth_side(net);
+    let port = dst.incoming_on(net, true, false);
+    // Capped so that the eighth (8 MiB) takes 0.2 s; a zero downtime never fits.
+    src.cmd("migrate", net.migrate_args(port, json!({"mode": "hybrid", "channels": 2, "downtime_ms": 0, "max_bandwidth": 40_000_000u64})))
+        .unwrap();
+    // The guest starts once the pass is planned: all it writes was a hole.
+    wait_until("the first round", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
+    src.vm.resume().unwrap();
+    let (s, _) = finish(&src, &dst);
+    assert!(s["postcopy_ms"].as_f64().unwrap() > 0.0, "never switched: {s:#}");
+    assert_eq!(s["round_stats"].as_array().unwrap().len(), 1, "{}: did not switch after the first eighth: {s:#}", net.name());
+    oracle_holds_on_destination(&src, &dst);
+}
+
+/// Hybrid of a VM that writes a few pages of fresh memory past the first
+/// eighth while the eighth is sent (the test writes them; the dirtier
+/// stays paused): far too few to switch, so the rest of the pass follows.
+/// The scan after the eighth took the record of those writes, so the rest
+/// must send those pages as data: as the zero runs of the holes they were,
+/// they would be lost. It ends as precopy, byte-exact.
+#[test]
+fn hybrid_sends_holes_written_during_the_eighth_as_data() {
+    for net in Net::each("pchole") {
+        let src = Side::on(&net, 64 * MIB, 1);
+        src.vm.fill(16, EIGHTH);
+        let dst = Side::on(&net, 64 * MIB, 1);
+        let port = dst.incoming_on(&net, false, false);
+        // Capped so that the eighth (8 MiB) takes 0.4 s.
+        src.cmd("migrate", net.migrate_args(port, json!({"mode": "hybrid", "channels": 2, "max_bandwidth": 20_000_000u64}))).unwrap();
+        wait_until("the first round", || src.cmd("query-migrate", json!({})).unwrap()["status"] == "active");
+        let written = 64;
+        src.vm.fill(6 * EIGHTH, 6 * EIGHTH + written);
+        let (s, _) = finish(&src, &dst);
+        assert_eq!(s["postcopy_ms"].as_f64().unwrap_or(0.0), 0.0, "{}: switched: {s:#}", net.name());
+        assert_same(&src.hashes(), &dst.hashes());
+        let rounds = s["round_stats"].as_array().unwrap();
+        assert!(rounds.len() >= 2, "{s:#}");
+        let rest = &rounds[1];
+        let data = rest["pages"].as_u64().unwrap() - rest["zero_pages"].as_u64().unwrap();
+        assert_eq!(data, written, "{}: the rest of the pass did not send the written holes as data: {s:#}", net.name());
+    }
 }
 
 #[test]
@@ -425,6 +497,12 @@ fn rdma_postcopy_recovers_after_the_link_is_cut() {
 fn hybrid_destination_gone_before_the_switch() {
     for net in Net::each("pcgone") {
         let (src, dst, port) = dirtier_pair(&net, false);
+        // Until the dirtiers have written their slices once, part of the
+        // first eighth is never-written memory, which goes as zero runs:
+        // the eighth then ended at once, the scan after it saw the
+        // dirtiers' writes and hybrid switched before the cut. Wait for a
+        // whole pass: the eighth is all data.
+        wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
         let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
         // The first eighth (8 MiB) takes 2 s at 4 MB/s: the cut lands in it.
         src.cmd("migrate", net.migrate_args(proxy.port, json!({"mode": "hybrid", "channels": 2, "max_bandwidth": 4_000_000u64}))).unwrap();

@@ -26,6 +26,8 @@ pub enum AsyncKind {
     QpAccessErr,
     /// A completion did not fit in the CQ.
     CqErr,
+    /// An SRQ's posted WQEs fell below its armed limit (`object`: the SRQ).
+    SrqLimitReached,
 }
 
 /// One event: its kind and the QPN or CQ handle it is about.

@@ -23,6 +23,7 @@ use crate::types::{access, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, Qp
 use crate::wire::{self, Flow, ROCE_PORT};
 
 mod batch;
+mod srq;
 
 pub const MAX_QP: u32 = 1 << 16;
 pub const MAX_WR: u32 = 1 << 14;
@@ -36,6 +37,7 @@ pub struct Engine {
     keys: Keys,
     cqs: IdMap<Cq>,
     qps: IdMap<Qp>,
+    srqs: IdMap<crate::srq::SharedSrq>,
     channels: IdMap<(ClientId, Arc<OwnedFd>)>,
     next_id: u32,
     next_key: u32,
@@ -58,6 +60,7 @@ impl Engine {
             keys: Keys::default(),
             cqs: IdMap::default(),
             qps: IdMap::default(),
+            srqs: IdMap::default(),
             channels: IdMap::default(),
             next_id: 1,
             // Keys and QPNs start at a per-process pseudo-random point so
@@ -165,6 +168,7 @@ impl Engine {
             }
             Request::DestroyCq { cq } => self.destroy_cq(client, cq),
             Request::ResizeCq { cq, cap } => self.resize_cq(client, cq, cap, fds),
+            Request::SettleCq { cq } => self.settle_cq(client, cq),
             Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, qp_type } => {
                 let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type };
                 let [sq, rq] = &fds[..] else { bail!("CreateQp needs the SQ and RQ ring memfds") };
@@ -199,6 +203,12 @@ impl Engine {
                 Ok(Reply::Ok)
             }
             Request::FetchAsync => Ok(Reply::AsyncEvents(self.asyncs.fetch(client))),
+            Request::CreateSrq { pd, attr, slots, restore } => self.create_srq(client, pd, attr, slots, restore, &fds),
+            Request::ModifySrq { srq, max_wr, srq_limit } => self.modify_srq(client, srq, max_wr, srq_limit),
+            Request::QuerySrq { srq } => self.query_srq(client, srq),
+            Request::DestroySrq { srq } => self.destroy_srq(client, srq),
+            Request::AttachSrq { qpn, srq } => self.attach_srq(client, qpn, srq),
+            Request::QuerySrqState { srq } => self.query_srq_state(client, srq),
         }
     }
 
@@ -216,7 +226,12 @@ impl Engine {
 
     /// Whether no client object is left (the namespace may go).
     pub fn is_empty(&self) -> bool {
-        self.qps.is_empty() && self.keys.direct.is_empty() && self.keys.indirect.is_empty() && self.cqs.is_empty() && self.pds.is_empty()
+        self.qps.is_empty()
+            && self.srqs.is_empty()
+            && self.keys.direct.is_empty()
+            && self.keys.indirect.is_empty()
+            && self.cqs.is_empty()
+            && self.pds.is_empty()
     }
 
     /// A batch names at most `max` QPs, all the client's own.
@@ -256,6 +271,7 @@ impl Engine {
         let qps = &self.qps;
         self.qpn_order.retain(|q| qps.contains_key(q));
         self.keys.client_gone(client);
+        self.srqs.retain(|_, s| crate::srq::lock(s).owner != client);
         self.cqs.retain(|_, c| c.owner != client);
         self.pds.retain(|_, c| *c != client);
         self.channels.retain(|_, (c, _)| *c != client);
@@ -451,6 +467,7 @@ impl Engine {
         if self.keys.direct.values().any(|m| m.pd == pd)
             || self.keys.indirect.values().any(|k| k.pd == pd)
             || self.qps.values().any(|q| q.pd == pd)
+            || self.pd_has_srq(pd)
         {
             bail!("PD {pd} still has memory regions or QPs");
         }
@@ -706,6 +723,26 @@ impl Engine {
         Ok(Reply::Ok)
     }
 
+    /// Takes what the client's QPs on `cq` have posted (their rings may
+    /// not have been read yet: no doorbell while rnicd polls them, or
+    /// rnicd busy elsewhere) and completes now what needs no peer: a UD
+    /// send completes as it leaves (its packet goes out with the next
+    /// transmit round), a QP in ERR flushes. RC work waiting for the peer
+    /// completes when the peer answers, as on a hardware NIC.
+    fn settle_cq(&mut self, client: ClientId, cq: u32) -> anyhow::Result<Reply> {
+        self.owned_cq(client, cq)?;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        for qp in qps.values_mut().filter(|q| q.owner == client && (q.send_cq == cq || q.recv_cq == cq)) {
+            qp.doorbell(&mut ctx);
+            if qp.is_ud() {
+                let mut budget = usize::MAX;
+                qp.transmit(&mut ctx, &mut budget);
+            }
+        }
+        Ok(Reply::Ok)
+    }
+
     fn destroy_cq(&mut self, client: ClientId, cq: u32) -> anyhow::Result<Reply> {
         self.owned_cq(client, cq)?;
         if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
@@ -759,6 +796,7 @@ impl Engine {
         };
         let mut qp = Qp::new(qpn, client, q.pd, q.send_cq, q.recv_cq, q.sq_sig_all, cap, sq, rq);
         qp.qp_type = q.qp_type;
+        qp.ud_set_port_mtu(self.active_mtu);
         if let Some(s) = &restore {
             qp.restore(s).map_err(|e| anyhow!("create suspended QP {qpn:#x}: {e}"))?;
         }
@@ -768,14 +806,15 @@ impl Engine {
     }
 
     fn modify_qp(&mut self, client: ClientId, qpn: u32, attr: &QpAttr, mask: u32) -> anyhow::Result<Reply> {
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, active_mtu, .. } = self;
         let qp = qps.get_mut(&qpn).filter(|q| q.owner == client).ok_or_else(|| anyhow!("no QP {qpn:#x}"))?;
         qp.modify(attr, mask, &mut Self::ctx(*gid, keys, cqs, tx, stats, asyncs)).map_err(|e| anyhow!(e))?;
+        qp.ud_set_port_mtu(*active_mtu);
         Ok(Reply::Ok)
     }
 
     fn destroy_qp(&mut self, client: ClientId, qpn: u32) -> anyhow::Result<Reply> {
-        self.owned_qp(client, qpn)?;
+        self.owned_qp(client, qpn)?.give_back_srq_wqe();
         self.qps.remove(&qpn);
         self.qpn_order.retain(|q| *q != qpn);
         Ok(Reply::Ok)

@@ -7,7 +7,7 @@
 //!
 //! Dependencies run one way, from the bottom up:
 //! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd`, `spill` (no crate imports);
-//! `qp_snapshot`, `announce`, `netlink`, `gid`, `link`; `objects`; `async_events` and `proto`; `qp`;
+//! `qp_snapshot`, `announce`, `netlink`, `gid`, `link`; `objects`; `srq`; `async_events` and `proto`; `qp`;
 //! `engine`; `ramclient`; `daemon`; `cli`.
 pub mod announce;
 pub mod async_events;
@@ -27,6 +27,7 @@ pub mod qp_snapshot;
 pub mod ramclient;
 pub mod ring;
 pub mod spill;
+pub mod srq;
 pub mod trace;
 pub mod types;
 pub mod wire;

@@ -143,6 +143,14 @@ pub enum Request {
         cq: u32,
         cap: u32,
     },
+    /// Before ibv_resize_cq judges a shrink: rnicd takes the WQEs the
+    /// client's QPs on this CQ have posted and completes now what completes
+    /// without a peer (UD sends, flushes of a QP in ERR), then replies `Ok`.
+    /// The CQ's ring then holds every completion a hardware CQ would by the
+    /// time the program resizes; the client counts them there.
+    SettleCq {
+        cq: u32,
+    },
     /// Carries the SQ ring memfd then the RQ ring memfd.
     /// `qpn`: the QPN the caller wants (refused if taken in the namespace).
     CreateQp {
@@ -246,6 +254,42 @@ pub enum Request {
     CreateBatch {
         items: Vec<Create>,
     },
+    /// A shared receive queue (crate::srq); carries its ring memfd, a
+    /// receive ring of `slots` (a power of two, at least `attr.max_wr`).
+    /// `restore`: the state of an SRQ saved elsewhere (QuerySrqState).
+    CreateSrq {
+        pd: u32,
+        attr: crate::srq::SrqAttr,
+        slots: u32,
+        #[serde(default)]
+        restore: Option<crate::srq::SrqSnapshot>,
+    },
+    /// ibv_modify_srq: arms (or, with 0, disarms) the limit; resizing is
+    /// refused.
+    ModifySrq {
+        srq: u32,
+        #[serde(default)]
+        max_wr: Option<u32>,
+        #[serde(default)]
+        srq_limit: Option<u32>,
+    },
+    QuerySrq {
+        srq: u32,
+    },
+    /// Refused while a QP uses the SRQ (EBUSY, as drivers do).
+    DestroySrq {
+        srq: u32,
+    },
+    /// The QP (in RESET, or just created suspended) takes its receives from
+    /// the SRQ from now on; its own receive ring is unused.
+    AttachSrq {
+        qpn: u32,
+        srq: u32,
+    },
+    /// The state of an SRQ whose QPs are all suspended (crate::srq).
+    QuerySrqState {
+        srq: u32,
+    },
     /// The write traces of many MRs (each as FetchTrace), in their order;
     /// all keys are checked first. At most MAX_TRACE_BATCH.
     FetchTraces {
@@ -333,6 +377,13 @@ pub enum Reply {
     Qpns(Vec<u32>),
     /// CreateBatch: one reply per item (Mr, Cq or Qp).
     Created(Vec<Reply>),
+    /// CreateSrq: its handle and the attributes it got.
+    Srq {
+        srq: u32,
+        attr: crate::srq::SrqAttr,
+    },
+    SrqAttr(crate::srq::SrqAttr),
+    SrqState(crate::srq::SrqSnapshot),
     /// FetchTraces: one report per MR, in the request's order.
     Traces(Vec<crate::trace::TraceReport>),
     /// The response is `len` bytes of JSON in the memfd beside this

@@ -103,6 +103,19 @@ pub struct QpRuntime {
     /// Receive WQEs retired since the QP was created (the same for RECVs).
     #[serde(default)]
     pub rq_retired: u64,
+    /// A QP on a shared receive queue (`crate::srq`): the receive WQE it took
+    /// from the SRQ for the SEND it is in the middle of (`in_send`); the
+    /// restored QP finishes that message into it.
+    #[serde(default)]
+    pub srq_wqe: Option<SavedRecv>,
+}
+
+/// A receive WQE outside any ring, as migration state carries it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SavedRecv {
+    pub wr_id: u64,
+    /// (address, length, lkey) of each SGE.
+    pub sge: Vec<(u64, u32, u32)>,
 }
 
 /// Version of [`QpSnapshot`]; bump on any change of its meaning.

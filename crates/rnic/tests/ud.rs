@@ -97,13 +97,16 @@ fn datagrams_between_hosts_and_within_one_rnicd() {
     assert_eq!(w.wc_flags & (wc_flags::GRH | wc_flags::WITH_IMM), wc_flags::GRH | wc_flags::WITH_IMM);
     assert_eq!(b.buf.read(GRH_LEN, 5), b"hello");
 
-    // A whole port MTU (4096) in one datagram, and to a QP of the same rnicd.
+    // A whole port MTU in one datagram, and to a QP of the same rnicd. The
+    // testbed's 1500-byte link makes the port's active MTU 1024.
+    let mtu = bed.ctx(0).query_port(1).unwrap().active_mtu.bytes();
+    assert_eq!(mtu, 1024, "active MTU of a 1500-byte link");
     c.recv(3, 0, 8192);
-    a.qp.post_send(&[SendWr::send_to(12, &[a.mr.sge(0, 4096)], c.dest(QKEY))]).unwrap();
+    a.qp.post_send(&[SendWr::send_to(12, &[a.mr.sge(0, mtu)], c.dest(QKEY))]).unwrap();
     ok(&a.scq);
     let w = ok(&c.rcq);
-    assert_eq!((w.wr_id, w.byte_len, w.src_qp), (3, GRH_LEN as u32 + 4096, a.qp.qpn));
-    assert_eq!(c.buf.read(GRH_LEN, 4096), data);
+    assert_eq!((w.wr_id, w.byte_len, w.src_qp), (3, (GRH_LEN + mtu) as u32, a.qp.qpn));
+    assert_eq!(c.buf.read(GRH_LEN, mtu), data[..mtu]);
     assert_eq!(c.buf.read(20 + 12, 4), bed.nics[0].addr.octets());
 
     // Many datagrams in a row, unsignaled but the last: all arrive, in order.
@@ -165,9 +168,12 @@ fn refused_and_dropped_datagrams() {
     ok(&a.scq);
     assert_eq!(ok(&b.rcq).wr_id, 3);
 
-    // Larger than the port MTU: LOC_LEN_ERR, nothing sent, the QP carries on.
+    // Larger than the port's active MTU (1024 on the testbed's 1500-byte
+    // link), though it would fit rnicd's largest path MTU: LOC_LEN_ERR,
+    // nothing sent (no IP fragments), the QP carries on.
+    let mtu = bed.ctx(0).query_port(1).unwrap().active_mtu.bytes();
     b.recv(4, 0, 8192);
-    a.qp.post_send(&[SendWr::send_to(6, &[a.mr.sge(0, 4097)], b.dest(QKEY))]).unwrap();
+    a.qp.post_send(&[SendWr::send_to(6, &[a.mr.sge(0, mtu + 1)], b.dest(QKEY))]).unwrap();
     let w = one(&a.scq);
     assert_eq!((w.wr_id, w.status), (6, WcStatus::LocLenErr));
     assert_eq!(a.stat("ud_oversize_sends"), 1);

@@ -43,12 +43,14 @@ pub use rnic::trace::TraceReport;
 pub use rnic::types::{
     access, mask, send_flags, wc_flags, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, QpType, WcOpcode, WcStatus, WrOpcode,
 };
+pub use srq::{Srq, SrqAttr, SrqSnapshot, MAX_SRQ, MAX_SRQ_SGE, MAX_SRQ_WR, SRQ_SNAPSHOT_VERSION};
 
 mod batch;
 pub mod mkeys;
 pub mod peer;
 pub mod peer_bench;
 pub mod rcache;
+mod srq;
 pub mod tools;
 
 struct Inner {
@@ -760,6 +762,17 @@ impl Cq {
         *r = ring;
         *self.map.lock().unwrap_or_else(|e| e.into_inner()) = map;
         Ok(cap)
+    }
+
+    /// The completions the CQ holds once rnicd has taken what its QPs
+    /// posted and completed what needs no peer (UD sends, flushes; rnicd's
+    /// SettleCq): what ibv_resize_cq weighs a shrink against. WRs waiting
+    /// for a peer's answer are not counted, as on a hardware CQ.
+    pub fn settled(&self) -> anyhow::Result<u32> {
+        match self.ctx.inner.call(&Request::SettleCq { cq: self.handle }, &[])? {
+            Reply::Ok => Ok(self.ready()),
+            r => bail!("unexpected reply {r:?}"),
+        }
     }
 
     /// Completions in the ring not yet polled.

@@ -406,6 +406,78 @@ int main(void)
 			CHECK("UD data after the GRH", !memcmp(ub + 1024 + 40, ub, 64), "data");
 			CHECK("UD GRH is IPv4", ub[1024 + 20] == 0x45 && !memcmp(ub + 1024 + 32, gid.raw + 12, 4), "grh");
 		}
+		/* A UD message is at most the port's active MTU (1024 on the
+		 * testbed's 1500-byte link): that much arrives in one datagram, one
+		 * byte more completes with LOC_LEN_ERR and sends nothing. */
+		{
+			struct ibv_port_attr pa;
+			CHECK("UD query_port", ibv_query_port(ctx, 1, &pa) == 0, "query");
+			uint32_t mtu = 128u << pa.active_mtu;
+			char *big = calloc(1, 16384);
+			struct ibv_mr *bm = ibv_reg_mr(pd, big, 16384, IBV_ACCESS_LOCAL_WRITE);
+			memset(big, 0x3c, mtu + 1);
+			struct ibv_sge bs = { (uintptr_t)big, mtu, bm->lkey }, br = { (uintptr_t)big + 8192, 40 + 4096 + 1, bm->lkey };
+			struct ibv_recv_wr bw = { .wr_id = 7, .sg_list = &br, .num_sge = 1 };
+			CHECK("UD MTU post_recv", ibv_post_recv(ur, &bw, &rbad) == 0, "post");
+			struct ibv_send_wr mw = sw;
+			mw.sg_list = &bs;
+			mw.wr_id = 8;
+			for (int over = 0; over < 2; over++) {
+				bs.length = mtu + over;
+				mw.wr_id = 8 + over;
+				CHECK("UD MTU post_send", ibv_post_send(us, &mw, &sbad) == 0, "post");
+			}
+			int sent = 0, len_err = 0, recvd = 0;
+			for (long spin = 0; sent + len_err + recvd < 3 && spin < 2000000000L; spin++) {
+				struct ibv_wc wc;
+				if (ibv_poll_cq(ucq, 1, &wc) != 1)
+					continue;
+				if (wc.opcode == IBV_WC_RECV) {
+					CHECK("UD MTU recv", wc.status == IBV_WC_SUCCESS && wc.byte_len == 40 + mtu,
+					      "status %d len %u", wc.status, wc.byte_len);
+					recvd++;
+				} else if (wc.wr_id == 8) {
+					CHECK("UD MTU send", wc.status == IBV_WC_SUCCESS, "status %d", wc.status);
+					sent++;
+				} else {
+					CHECK("UD past the MTU", wc.wr_id == 9 && wc.status == IBV_WC_LOC_LEN_ERR,
+					      "wr %lu status %d", (unsigned long)wc.wr_id, wc.status);
+					len_err++;
+				}
+			}
+			CHECK("UD MTU completions", sent == 1 && len_err == 1 && recvd == 1, "%d %d %d", sent, len_err, recvd);
+			CHECK("UD MTU data", !memcmp(big + 8192 + 40, big, mtu), "data");
+			usleep(100000);
+			struct ibv_wc wc;
+			CHECK("UD nothing past the MTU arrives", ibv_poll_cq(ucq, 1, &wc) == 0, "wr %lu", (unsigned long)wc.wr_id);
+			struct ibv_qp_attr qa;
+			struct ibv_qp_init_attr qi;
+			CHECK("UD QP carries on", ibv_query_qp(us, &qa, IBV_QP_STATE, &qi) == 0 && qa.qp_state == IBV_QPS_RTS,
+			      "state %d", qa.qp_state);
+			ibv_dereg_mr(bm);
+			free(big);
+		}
+		/* A shrink is judged against the completions of WRs already
+		 * posted, right after posting them (rnicd takes them first). */
+		{
+			struct ibv_send_wr chain[8];
+			for (int i = 0; i < 8; i++) {
+				chain[i] = sw;
+				chain[i].wr_id = 100 + i;
+				chain[i].next = i < 7 ? &chain[i + 1] : NULL;
+			}
+			CHECK("UD 8 sends", ibv_post_send(us, chain, &sbad) == 0, "post");
+			CHECK("resize_cq below posted sends", ibv_resize_cq(ucq, 4) == EINVAL, "accepted");
+			struct ibv_wc wcs[8];
+			int n = 0;
+			for (long spin = 0; n < 8 && spin < 2000000000L; spin++) {
+				int k = ibv_poll_cq(ucq, 8 - n, wcs + n);
+				CHECK("UD 8 sends poll", k >= 0, "poll %d", k);
+				n += k;
+			}
+			CHECK("UD 8 sends complete", n == 8 && wcs[7].wr_id == 107 && wcs[7].status == IBV_WC_SUCCESS, "n %d", n);
+			CHECK("resize_cq shrink once polled", ibv_resize_cq(ucq, 4) == 0 && ucq->cqe >= 4, "cqe %d", ucq->cqe);
+		}
 		sw.opcode = IBV_WR_RDMA_WRITE;
 		CHECK("UD RDMA WRITE", ibv_post_send(us, &sw, &sbad) == EINVAL, "accepted");
 		CHECK("UD destroy", ibv_destroy_qp(us) == 0 && ibv_destroy_qp(ur) == 0 && ibv_destroy_ah(uah) == 0 &&
@@ -570,8 +642,11 @@ int main(void)
 		struct ibv_qp_init_attr uc = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UC,
 					       .cap = { 1, 1, 1, 1, 0 } };
 		CHECK("UC QP", !ibv_create_qp(pd, &uc) && errno == EOPNOTSUPP, "errno %d", errno);
-		CHECK("srq", !ibv_create_srq(pd, &(struct ibv_srq_init_attr){ .attr = { 1, 1, 0 } }) &&
-				     errno == EOPNOTSUPP, "errno %d", errno);
+		/* Basic SRQs work (srq_check.c); XRC ones do not. */
+		struct ibv_srq_init_attr_ex xrc = { .attr = { 1, 1, 0 }, .srq_type = IBV_SRQT_XRC, .pd = pd, .cq = cq,
+						    .comp_mask = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_PD |
+								 IBV_SRQ_INIT_ATTR_CQ };
+		CHECK("xrc srq", !ibv_create_srq_ex(ctx, &xrc) && errno == EOPNOTSUPP, "errno %d", errno);
 		union ibv_gid mgid = {};
 		CHECK("multicast", ibv_attach_mcast(c, &mgid, 0) == EOPNOTSUPP, "mcast");
 		struct ibv_ah_attr aha = { .is_global = 1, .port_num = 1, .grh = { .dgid = gid, .hop_limit = 64 } };

@@ -12,7 +12,7 @@ use super::place::{Placer, Via};
 use super::push::PushQueue;
 use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
 use crate::pages::{normalize, PageRange};
-use crate::receiver::{accept, accept_channels, place_batch, receive_channel, IncomingParams, RxShared};
+use crate::receiver::{accept, accept_channels, drop_channel, place_batch, receive_channel, IncomingParams, RxShared};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::MigratableVm;
 use crate::wire::{self, DataItem, DataReader, Msg};
@@ -48,6 +48,10 @@ pub(crate) enum PageSource {
 struct Link {
     control: TcpStream,
     channels: Vec<ChannelThread>,
+    /// A clone of each data connection of a recovery, by channel index (the
+    /// first connections are in [`RxShared::data_socks`]): a channel the
+    /// source lost is shut.
+    socks: Vec<TcpStream>,
     urgent: Option<TcpStream>,
     urgent_rx: Option<JoinHandle<Result<()>>>,
     fetch: Option<(Fetcher, Arc<PushQueue>)>,
@@ -64,7 +68,7 @@ impl Link {
                 let t =
                     std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || receive_urgent(rx, &placer, total, &ctl))?;
                 sink.connect(urgent.try_clone()?);
-                Ok(Link { control, channels, urgent: Some(urgent), urgent_rx: Some(t), fetch: None })
+                Ok(Link { control, channels, socks: Vec::new(), urgent: Some(urgent), urgent_rx: Some(t), fetch: None })
             }
             PageSource::Reads(reader) => {
                 // Empty until the source's plan comes; faults are read at once.
@@ -72,14 +76,15 @@ impl Link {
                 let (tx, rx) = super::fetch::ask_channel();
                 let f = Fetcher::start(reader, placer, queue.clone(), rx, ctl)?;
                 sink.connect_reads(tx);
-                Ok(Link { control, channels, urgent: None, urgent_rx: None, fetch: Some((f, queue)) })
+                Ok(Link { control, channels, socks: Vec::new(), urgent: None, urgent_rx: None, fetch: Some((f, queue)) })
             }
         }
     }
 
     /// Something broke: the error, if any thread or the control
     /// connection says so. Channels that ended cleanly are reaped.
-    fn check(&mut self, total: u64) -> Option<String> {
+    fn check(&mut self, sh: &RxShared) -> Option<String> {
+        let total = sh.total;
         let mut i = 0;
         while i < self.channels.len() {
             if self.channels[i].is_finished() {
@@ -113,12 +118,33 @@ impl Link {
                     Ok(()) => return None,
                     Err(e) => format!("the source's plan of pages to read: {e:#}"),
                 },
+                Ok(Msg::ChannelLost { index }) if self.fetch.is_none() => match self.channel_lost(sh, index as usize) {
+                    Ok(()) => return None,
+                    Err(e) => format!("data channel {index} lost: {e:#}"),
+                },
                 Ok(Msg::Abort { reason }) => format!("source aborted: {reason}"),
                 Ok(other) => format!("source sent {other:?} during postcopy"),
                 Err(e) => format!("control connection: {e}"),
             });
         }
         None
+    }
+
+    /// Several links: the source lost push channel `index` with its link.
+    /// Its reader stops (it places nothing more once its claims are given
+    /// back or mapped) and the source hears which pages are here: it
+    /// pushes the others again. A page on its way twice is placed once
+    /// (the first claim wins, [`super::place`]).
+    fn channel_lost(&mut self, sh: &RxShared, index: usize) -> Result<()> {
+        drop_channel(sh, index)?;
+        if let Some(s) = self.socks.get(index) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        // After a recovery `sh.acks` is the old connection; and no round
+        // is acknowledged after the switch, so nothing else writes here.
+        wire::send_msg(&mut self.control, &Msg::PagesHeld)?;
+        wire::send_blob(&mut self.control, &sh.seen.to_le_bytes())?;
+        Ok(())
     }
 
     /// The source's `PullPlan`: pages with data to read, pages known zero.
@@ -438,7 +464,7 @@ fn wait_for_every_page(
         }
         ctl.update(|s| s.remaining_pages = placer.missing());
         let broken = match link.as_mut() {
-            Some(l) => l.check(sh.total),
+            Some(l) => l.check(sh),
             None => Some("not connected".into()),
         };
         let Some(why) = broken else { continue };
@@ -536,6 +562,7 @@ fn accept_recovery(
     }
     let (streams, urgent) = accept_channels(l, ctl, session, channels, true)?;
     let urgent = urgent.ok_or_else(|| anyhow!("recovery without an urgent connection"))?;
+    let socks = streams.iter().map(TcpStream::try_clone).collect::<std::io::Result<Vec<_>>>()?;
     let threads = streams
         .into_iter()
         .enumerate()
@@ -544,7 +571,8 @@ fn accept_recovery(
             std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(i, s, sh))
         })
         .collect::<std::io::Result<Vec<_>>>()?;
-    let link = Link::start(control, threads, PageSource::Urgent(urgent), sh, sink)?;
+    let mut link = Link::start(control, threads, PageSource::Urgent(urgent), sh, sink)?;
+    link.socks = socks;
     // Ask again for what threads wait on: those requests died with the link.
     placer.forget_asked();
     let mut waiting = placer.waiting();

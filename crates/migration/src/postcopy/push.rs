@@ -107,6 +107,16 @@ impl PushQueue {
         }
     }
 
+    /// Pages the destination lacks after all (a push channel was lost with
+    /// its link): queue `data` again, and `zero` as known-zero runs. Pages
+    /// queued already stay queued once.
+    pub fn requeue(&self, data: &[PageRange], zero: &[PageRange]) {
+        for r in data {
+            self.give_back(r.first, r.count);
+        }
+        self.inner.lock().unwrap().zero.extend_from_slice(zero);
+    }
+
     /// Up to `max` pages from the cursor on (wrapping), as runs.
     pub fn claim(&self, max: u64, out: &mut Vec<Claim>) -> bool {
         out.clear();
@@ -179,6 +189,31 @@ mod tests {
         }
         assert!(seen.iter().all(|&s| s));
         assert_eq!(q.left(), 0);
+    }
+
+    #[test]
+    fn pages_requeued_after_a_lost_channel_go_once_more() {
+        let q = PushQueue::new(100, &[PageRange { first: 0, count: 100 }], Vec::new());
+        let mut out = Vec::new();
+        assert!(q.claim(60, &mut out)); // 0..60 on their way, some lost
+                                        // The destination lacks 10..20 (lost) and 70..80 (still queued),
+                                        // and a known-zero run it never got.
+        q.requeue(&[PageRange { first: 10, count: 10 }, PageRange { first: 70, count: 10 }], &[PageRange { first: 30, count: 5 }]);
+        assert_eq!(q.left(), 40 + 10, "pages still queued are queued once");
+        let mut claimed = vec![0u32; 100];
+        let mut zero_runs = Vec::new();
+        while q.claim(64, &mut out) {
+            for c in &out {
+                if c.known_zero {
+                    zero_runs.push((c.first, c.count));
+                    continue;
+                }
+                (c.first..c.first + c.count).for_each(|p| claimed[p as usize] += 1);
+            }
+        }
+        assert_eq!(zero_runs, vec![(30, 5)]);
+        assert!((10..20).chain(60..100).all(|p| claimed[p] == 1), "{claimed:?}");
+        assert!((0..10).chain(20..60).all(|p| claimed[p] == 0), "{claimed:?}");
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! while answering the destination's page requests on the urgent
 //! connection, until the destination has all of RAM. A broken connection
 //! after the switch pauses the migration (the source keeps every page) until
-//! `migrate` with `resume` gives a new address.
+//! `migrate` with `resume` gives a new address; with several links, a push
+//! channel lost with its link is dropped instead, and the others push what
+//! it did not deliver.
 
 use super::push::PushQueue;
 use crate::compress::Compress;
@@ -253,7 +255,7 @@ fn serve_with_recovery(
     let mut conn = Some((control, channels));
     loop {
         let r = match conn.take() {
-            Some((mut control, mut channels)) => serve(&mut control, &mut channels, queue, ctl),
+            Some((mut control, mut channels)) => serve(&mut control, &mut channels, queue, ctl, ram),
             None => Err(anyhow!("not connected")),
         };
         match r {
@@ -289,48 +291,134 @@ fn serve_with_recovery(
     Ok(())
 }
 
+/// What the postcopy control reader hears from the destination.
+enum FromDest {
+    /// Every page is in (its statistics).
+    Complete(Msg),
+    /// A push channel was lost with its link and the pages the destination
+    /// lacks are queued again: the push must run again if it ended.
+    Requeued,
+}
+
 /// Push until the queue is empty (or the destination has everything, which
-/// a guest that faults fast reaches before the push), end the streams, and
-/// take the destination's `Complete`.
-fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQueue>, ctl: &Arc<Control>) -> Result<()> {
+/// a guest that faults fast reaches before the push), take the
+/// destination's `Complete`, and end the streams. With several links a
+/// push channel lost with its link is dropped, as in precopy: the
+/// destination stops reading it and answers with the pages it holds, and
+/// what it lacks is pushed again on the channels left. The streams end only
+/// at `Complete`, so a loss found after the push emptied its queue (a
+/// channel whose link died with pages in its socket buffer) still has
+/// channels to push on.
+fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQueue>, ctl: &Arc<Control>, ram: RamRegion) -> Result<()> {
     control.set_read_timeout(None)?;
+    // Items of precopy rounds are not resent after the switch (what the
+    // destination lacks is pushed): a channel lost now leaves none.
+    channels.confirmed();
     let mut rd = control.try_clone()?;
     let q = queue.clone();
-    let reader = std::thread::Builder::new().name("postcopy-control".into()).spawn(move || -> Result<Msg> {
-        loop {
-            match wire::recv_msg(&mut rd).map_err(|e| anyhow!("destination: {e}"))? {
-                m @ Msg::Complete { .. } => {
-                    q.clear();
-                    return Ok(m);
+    let (tx, rx) = std::sync::mpsc::channel::<Result<FromDest>>();
+    let reader = std::thread::Builder::new().name("postcopy-control".into()).spawn(move || {
+        let r = (|| -> Result<()> {
+            loop {
+                match wire::recv_msg(&mut rd).map_err(|e| anyhow!("destination: {e}"))? {
+                    m @ Msg::Complete { .. } => {
+                        q.clear();
+                        let _ = tx.send(Ok(FromDest::Complete(m)));
+                        return Ok(());
+                    }
+                    Msg::PagesHeld => {
+                        let have = wire::recv_blob(&mut rd).map_err(|e| anyhow!("destination's pages held: {e}"))?;
+                        requeue_missing(&q, ram, &have)?;
+                        if tx.send(Ok(FromDest::Requeued)).is_err() {
+                            return Ok(());
+                        }
+                    }
+                    Msg::Abort { reason } => bail!("destination: {reason}"),
+                    Msg::RoundDone { .. } => {}
+                    other => bail!("destination sent {other:?} during postcopy"),
                 }
-                Msg::Abort { reason } => bail!("destination: {reason}"),
-                Msg::RoundDone { .. } => {}
-                other => bail!("destination sent {other:?} during postcopy"),
             }
+        })();
+        if let Err(e) = r {
+            let _ = tx.send(Err(e));
         }
     })?;
-    let pushed = channels.push(queue).and_then(|_| channels.finish().map(|(_, cpu)| ctl.add_cpu(false, cpu)));
-    if pushed.is_err() {
+    let r = push_until_complete(channels, queue, ctl, &rx);
+    if r.is_err() {
         // Wakes the reader if the connection is only half dead.
         ctl.shutdown_all();
     }
-    let complete = reader.join().map_err(|_| anyhow!("postcopy control reader panicked"))?;
-    match complete {
-        Ok(Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, .. }) => {
-            // Whatever the push did after this, the destination has it all.
-            ctl.update(|s| {
-                s.faults = faults;
-                s.fault_p50_us = fault_p50_us;
-                s.fault_p99_us = fault_p99_us;
-                s.fault_max_us = fault_max_us;
-                s.cpu_s_dest = Some(cpu_s);
-                s.ram_clients = ram_clients;
-            });
-            Ok(())
-        }
-        Ok(_) => unreachable!("the reader returns only Complete"),
-        Err(e) => Err(pushed.err().unwrap_or(e)),
+    let _ = reader.join();
+    let complete = r?;
+    // Every page is in: the streams' ends only let the destination's
+    // channel threads finish (it waits a little for them, then closes).
+    match channels.finish() {
+        Ok((_, cpu)) => ctl.add_cpu(false, cpu),
+        Err(e) => tracing::debug!("ending the push streams after completion: {e:#}"),
     }
+    let Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, .. } = complete else {
+        unreachable!("the reader hands over only Complete")
+    };
+    // Whatever the push did after this, the destination has it all.
+    ctl.update(|s| {
+        s.faults = faults;
+        s.fault_p50_us = fault_p50_us;
+        s.fault_p99_us = fault_p99_us;
+        s.fault_max_us = fault_max_us;
+        s.cpu_s_dest = Some(cpu_s);
+        s.ram_clients = ram_clients;
+    });
+    Ok(())
+}
+
+/// Run the push, and again whenever the destination's report after a lost
+/// channel queued pages again, until `Complete`; between pushes, drop the
+/// channels whose link died (with several links). Returns `Complete`.
+fn push_until_complete(
+    channels: &mut ChannelSet,
+    queue: &Arc<PushQueue>,
+    ctl: &Control,
+    rx: &std::sync::mpsc::Receiver<Result<FromDest>>,
+) -> Result<Msg> {
+    use std::sync::mpsc::RecvTimeoutError;
+    loop {
+        channels.push(queue)?;
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(Ok(FromDest::Complete(m))) => return Ok(m),
+                Ok(Ok(FromDest::Requeued)) => break,
+                Ok(Err(e)) => return Err(e),
+                Err(RecvTimeoutError::Disconnected) => bail!("postcopy control reader ended"),
+                Err(RecvTimeoutError::Timeout) => {
+                    if ctl.is_cancelled() {
+                        bail!("cancelled");
+                    }
+                    // A channel whose link died with pages still in its
+                    // socket buffer: the destination waits for those.
+                    channels.check_links()?;
+                    if queue.left() > 0 {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The destination holds the pages of `have` (its bitmap): queue the rest
+/// again, read from RAM or known zero. The VM is paused here: one walk of
+/// the memfd's data is exact.
+fn requeue_missing(queue: &PushQueue, ram: RamRegion, have: &[u8]) -> Result<()> {
+    let total = ram.pages();
+    let have =
+        AtomicBitmap::from_le_bytes(total, have).ok_or_else(|| anyhow!("pages-held bitmap of {} bytes for {total} pages", have.len()))?;
+    let missing = normalize((0..total).filter(|&p| !have.get(p)).map(|p| PageRange { first: p, count: 1 }).collect(), total);
+    let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
+    let (data, zero) = split_known_zero(&holes, &missing);
+    let pages: u64 = missing.iter().map(|r| r.count).sum();
+    tracing::warn!("postcopy: a push channel was lost with its link; the destination lacks {pages} pages, pushed again");
+    queue.requeue(&data, &zero);
+    Ok(())
 }
 
 /// The recovery handshake with a destination that kept its RAM: a
@@ -391,7 +479,8 @@ fn reconnect(
     let channels = ctl.snapshot().channels.max(1);
     let (control, data, zero) = recover_hello(addr.first(), session, ram, channels, &compress.to_string(), "", ctl)?;
     queue.reset(ram.pages(), &data, zero);
-    let ch = open_channels(&addr, session, channels, *ram, compress, bucket, ctl, None)?;
+    let mut ch = open_channels(&addr, session, channels, *ram, compress, bucket, ctl, None)?;
+    ch.enable_failover(&control)?;
     let urgent = open_urgent(addr.first(), session, ctl)?;
     Ok((control, ch, urgent))
 }

@@ -23,6 +23,7 @@ mod completer;
 mod requester;
 mod responder;
 mod snapshot;
+mod srq;
 mod state;
 pub mod ud;
 
@@ -97,7 +98,7 @@ pub struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn complete(&mut self, cq: u32, cqe: Cqe, solicited: bool) {
+    pub(crate) fn complete(&mut self, cq: u32, cqe: Cqe, solicited: bool) {
         if let Some(c) = self.cqs.get_mut(&cq) {
             let overflows = self.stats.cq_overflows;
             c.push(&cqe, solicited, self.stats);
@@ -166,6 +167,9 @@ pub struct Qp {
     /// (an implicit fence: no earlier message, resent or not, sees a binding
     /// it was not posted under); later WRs wait behind it in the ring.
     held_local: Option<SendWqe>,
+    /// The shared receive queue (its ID) the responder takes receive WQEs
+    /// from instead of `rq_ring` (`qp::srq`).
+    srq: Option<(u32, crate::srq::SharedSrq)>,
 }
 
 impl Qp {
@@ -217,6 +221,7 @@ impl Qp {
             unasked_msgs: 0,
             ack_due: None,
             held_local: None,
+            srq: None,
         }
     }
 
@@ -386,7 +391,7 @@ impl Qp {
 
     /// Takes new receive WQEs from the shared ring.
     pub fn pull_rq(&mut self, ctx: &mut Ctx) {
-        if self.suspended {
+        if self.suspended || self.srq.is_some() {
             return;
         }
         let st = self.attr.qp_state;

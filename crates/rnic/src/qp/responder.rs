@@ -124,7 +124,10 @@ impl Qp {
 
     fn rq_head(&mut self, ctx: &mut Ctx) -> bool {
         if self.rq.is_empty() {
-            self.pull_rq(ctx);
+            match self.srq {
+                Some(_) => self.take_srq_wqe(ctx),
+                None => self.pull_rq(ctx),
+            }
         }
         !self.rq.is_empty()
     }

@@ -40,6 +40,7 @@ impl Qp {
         }
         // Held requests are not state: the peer resends them.
         self.drop_held();
+        self.give_back_srq_wqe();
         self.suspended = true;
         self.retrans_deadline = None;
         self.probe_deadline = None;
@@ -59,6 +60,7 @@ impl Qp {
             rt.next_psn = e.first_psn;
         }
         rt.tx_psn = rt.una;
+        rt.srq_wqe = if self.srq.is_some() && rt.in_send { self.rq.front().map(crate::srq::save_recv) } else { None };
         Ok(QpSnapshot { version: QP_SNAPSHOT_VERSION, qpn: self.qpn, attr: self.attr, runtime: rt })
     }
 
@@ -104,6 +106,10 @@ impl Qp {
         self.rt = rt;
         self.sq.clear();
         self.rq.clear();
+        if let Some(w) = &r.srq_wqe {
+            self.rq.push_back(crate::srq::load_recv(w, crate::ring::MAX_SGE as u32)?);
+        }
+        self.rt.srq_wqe = None;
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.suspended = true;

@@ -226,6 +226,7 @@ impl Qp {
 
     fn reset(&mut self) {
         self.drop_held();
+        self.give_back_srq_wqe();
         self.sq.clear();
         self.rq.clear();
         while self.sq_ring.pop().is_some() {}

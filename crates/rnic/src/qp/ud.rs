@@ -3,7 +3,8 @@
 //! the RoCEv2 annex define them and Linux rxe implements them:
 //!
 //! - SEND and SEND with immediate only, one packet per message (the
-//!   message at most the port's MTU), BTH + DETH (Q_Key, source QPN)
+//!   message at most the port's active MTU, as rxe's `get_mtu` takes for
+//!   UD), BTH + DETH (Q_Key, source QPN)
 //!   [+ ImmDt], no ACKs, no retransmission, and no PSN check at the
 //!   receiver (each QP numbers its packets from `sq_psn`);
 //! - the destination is the WR's (its address handle's GID, the remote
@@ -25,12 +26,8 @@ use crate::async_events::AsyncKind;
 use crate::keys::{gather, scatter};
 use crate::ring::{Cqe, SendWqe, MAX_SGE};
 use crate::types::mask as m;
-use crate::types::{send_flags, wc_flags, QpState, QpType, WcOpcode, WcStatus, WrOpcode};
+use crate::types::{send_flags, wc_flags, Mtu, QpState, QpType, WcOpcode, WcStatus, WrOpcode};
 use crate::wire::{psn_add, Deth, Flow, Headers, Opcode, Packet, QPN_MASK, ROCE_PORT};
-
-/// Largest UD message: the port's active MTU, which rnicd reports as 4096
-/// (`Engine::query_port`); a UD QP has no path MTU of its own.
-pub const UD_MAX_MSG: usize = 4096;
 
 /// Bytes of the GRH a UD receive buffer starts with.
 pub const GRH_LEN: usize = 40;
@@ -58,7 +55,8 @@ pub(super) fn transition_attrs(cur: QpState, new: QpState) -> Option<(u32, u32)>
 
 /// Why a UD send WR is refused before it reaches the wire.
 enum Refusal {
-    /// Larger than UD_MAX_MSG: IBV_WC_LOC_LEN_ERR, the QP carries on.
+    /// Larger than the port's active MTU: IBV_WC_LOC_LEN_ERR, the QP
+    /// carries on.
     TooLong,
     /// Not a SEND, too many SGEs, or no usable destination (a bad address
     /// handle): IBV_WC_LOC_QP_OP_ERR and the QP goes to ERR, as in rxe.
@@ -94,6 +92,18 @@ pub fn grh_ipv4(src: Ipv4Addr, dst: Ipv4Addr, udp_payload: usize) -> [u8; GRH_LE
 impl Qp {
     pub fn is_ud(&self) -> bool {
         self.qp_type == QpType::Ud
+    }
+
+    /// A UD QP's largest message is the port's active MTU (IBTA C10-93.1.1;
+    /// rxe's `get_mtu` gives UD `port.mtu_cap`), not a path MTU of its own:
+    /// every datagram is one packet, so a larger one would leave
+    /// IP-fragmented. The engine hands it over at create and at every
+    /// modify (it follows the interface), and it is kept as the QP's
+    /// `path_mtu`, which UD's attribute table never lets a program set.
+    pub fn ud_set_port_mtu(&mut self, mtu: Mtu) {
+        if self.is_ud() {
+            self.attr.path_mtu = mtu;
+        }
     }
 
     /// In ERR, flushes every WQE in the send ring; otherwise the WQEs wait
@@ -154,7 +164,7 @@ impl Qp {
         if dest.is_unspecified() || dest.is_multicast() || dest.is_broadcast() || w.ud_qpn & !QPN_MASK != 0 {
             return Err(Refusal::Malformed);
         }
-        if len as usize > UD_MAX_MSG {
+        if len as usize > self.attr.path_mtu.bytes() {
             return Err(Refusal::TooLong);
         }
         let qkey = if w.ud_qkey & QKEY_FROM_QP != 0 { self.attr.qkey } else { w.ud_qkey };
@@ -201,7 +211,8 @@ impl Qp {
             ctx.stats.ud_qkey_drops += 1;
             return;
         }
-        let Some(r) = self.rq_ring.pop() else {
+        let r = if self.srq.is_some() { self.pop_srq(ctx) } else { self.rq_ring.pop() };
+        let Some(r) = r else {
             ctx.stats.ud_no_recv_drops += 1;
             return;
         };

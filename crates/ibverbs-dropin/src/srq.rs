@@ -1,0 +1,164 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+//! Shared receive queues: ibv_create_srq(_ex), ibv_modify_srq,
+//! ibv_query_srq, ibv_destroy_srq and ibv_post_srq_recv.
+//!
+//! An SRQ is rnicd's (rnic::srq): ibv_post_srq_recv writes its ring in
+//! shared memory and makes no system call (rnicd reads the ring when a
+//! message arrives at an attached QP, so there is no doorbell either). Only
+//! the basic SRQ type exists; XRC and tag-matching SRQs fail with
+//! EOPNOTSUPP, resizing with EINVAL (as on mlx5), destroying an SRQ that a
+//! QP still uses with EBUSY.
+
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::pdmr::{pd, Pd};
+use crate::set_errno;
+use crate::sys::*;
+
+#[repr(C)]
+pub struct Srq {
+    /// The program's ibv_srq (first, so the pointers are the same).
+    pub srq: ibv_srq,
+    pub inner: verbs::Srq,
+    pd: *const Pd,
+    /// QPs attached and not yet destroyed.
+    pub users: AtomicUsize,
+}
+
+pub unsafe fn srq<'a>(s: *mut ibv_srq) -> Option<&'a Srq> {
+    (!s.is_null()).then(|| &*(s as *const Srq))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_create_srq(p: *mut ibv_pd, attr: *mut ibv_srq_init_attr) -> *mut ibv_srq {
+    let fail = |e: i32| {
+        set_errno(e);
+        std::ptr::null_mut()
+    };
+    let (Some(pdr), false) = (pd(p), attr.is_null()) else { return fail(libc::EINVAL) };
+    let a = &mut (*attr).attr;
+    if a.max_wr == 0 || a.max_wr > verbs::MAX_SRQ_WR || a.max_sge as usize > verbs::MAX_SRQ_SGE || a.srq_limit > a.max_wr {
+        return fail(libc::EINVAL);
+    }
+    let want = verbs::SrqAttr { max_wr: a.max_wr, max_sge: a.max_sge.max(1), srq_limit: a.srq_limit };
+    let inner = match pdr.inner.create_srq(&want) {
+        Ok(s) => s,
+        Err(_) => return fail(libc::ENOMEM),
+    };
+    // What the SRQ really holds, as drivers report back.
+    a.max_wr = want.max_wr;
+    a.max_sge = want.max_sge;
+    let s = ibv_srq { context: (*p).context, srq_context: (*attr).srq_context, pd: p, handle: inner.handle(), ..Default::default() };
+    pdr.users.fetch_add(1, Ordering::AcqRel);
+    let b = Box::into_raw(Box::new(Srq { srq: s, inner, pd: pdr, users: AtomicUsize::new(0) }));
+    let base = &mut (*b).srq;
+    libc::pthread_mutex_init(&mut base.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
+    libc::pthread_cond_init(&mut base.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
+    if let Some(cx) = crate::device::ctx((*p).context) {
+        cx.events.add_srq(base.handle, b as *mut ibv_srq);
+    }
+    b as *mut ibv_srq
+}
+
+/// verbs_context.create_srq_ex: what ibv_create_srq_ex does not route to
+/// ibv_create_srq itself (XRC, tag matching, a CQ) is not supported.
+pub unsafe extern "C" fn create_srq_ex(_c: *mut ibv_context, attr: *mut ibv_srq_init_attr_ex) -> *mut ibv_srq {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let a = &mut *attr;
+    let basic = a.comp_mask & IBV_SRQ_INIT_ATTR_TYPE == 0 || a.srq_type == IBV_SRQT_BASIC;
+    let known = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_PD;
+    if !basic || a.comp_mask & !known != 0 {
+        set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    if a.comp_mask & IBV_SRQ_INIT_ATTR_PD == 0 {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    ibv_create_srq(a.pd, attr as *mut ibv_srq_init_attr)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_modify_srq(s: *mut ibv_srq, attr: *mut ibv_srq_attr, mask: c_int) -> c_int {
+    let (Some(x), false) = (srq(s), attr.is_null()) else { return libc::EINVAL };
+    let mask = mask as u32;
+    if mask & !(IBV_SRQ_MAX_WR | IBV_SRQ_LIMIT) != 0 || mask & IBV_SRQ_MAX_WR != 0 {
+        return libc::EINVAL;
+    }
+    if mask & IBV_SRQ_LIMIT != 0 && x.inner.set_limit((*attr).srq_limit).is_err() {
+        return libc::EINVAL;
+    }
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_query_srq(s: *mut ibv_srq, attr: *mut ibv_srq_attr) -> c_int {
+    let (Some(x), false) = (srq(s), attr.is_null()) else { return libc::EINVAL };
+    match x.inner.query() {
+        Ok(a) => {
+            *attr = ibv_srq_attr { max_wr: a.max_wr, max_sge: a.max_sge, srq_limit: a.srq_limit };
+            0
+        }
+        Err(_) => libc::EIO,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_destroy_srq(s: *mut ibv_srq) -> c_int {
+    let Some(x) = srq(s) else { return libc::EINVAL };
+    if x.users.load(Ordering::Acquire) != 0 {
+        return libc::EBUSY;
+    }
+    if let Some(cx) = crate::device::ctx((*s).context) {
+        cx.events.remove(s as usize);
+    }
+    let b = Box::from_raw(s as *mut Srq);
+    (*b.pd).users.fetch_sub(1, Ordering::AcqRel);
+    drop(b);
+    0
+}
+
+/// ibv_post_srq_recv (context ops): checks the chain whole, then writes
+/// the WRs into the shared ring; `bad` names the first WR not posted.
+pub unsafe extern "C" fn post_srq_recv(s: *mut ibv_srq, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
+    let set_bad = |w: *mut ibv_recv_wr| {
+        if !bad.is_null() {
+            *bad = w;
+        }
+    };
+    let Some(x) = srq(s) else {
+        set_bad(wr);
+        return libc::EINVAL;
+    };
+    let max_sge = x.inner.max_sge() as usize;
+    let free = x.inner.free_slots() as usize;
+    let mut wrs: Vec<verbs::RecvWr> = Vec::new();
+    let mut err = 0;
+    let mut w = wr;
+    while !w.is_null() {
+        let r = &*w;
+        if wrs.len() >= free {
+            err = libc::ENOMEM;
+            break;
+        }
+        if r.num_sge < 0 || r.num_sge as usize > max_sge || (r.num_sge > 0 && r.sg_list.is_null()) {
+            err = libc::EINVAL;
+            break;
+        }
+        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge as usize);
+        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sges });
+        w = r.next;
+    }
+    if !wrs.is_empty() && x.inner.post_recv(&wrs).is_err() {
+        set_bad(wr);
+        return libc::ENOMEM;
+    }
+    if err != 0 {
+        set_bad(w);
+    }
+    err
+}
