@@ -150,15 +150,16 @@ impl Context {
     /// The write traces of `mrs` (see [`Mr::fetch_trace`]), in their order,
     /// MAX_TRACE_BATCH per request.
     pub fn fetch_traces(&self, mrs: &[&Mr]) -> anyhow::Result<Vec<TraceReport>> {
-        let mut out = Vec::with_capacity(mrs.len());
-        for chunk in mrs.chunks(proto::MAX_TRACE_BATCH) {
-            let lkeys = chunk.iter().map(|m| m.lkey).collect();
-            match self.inner.call(&Request::FetchTraces { lkeys }, &[])? {
-                Reply::Traces(v) if v.len() == chunk.len() => out.extend(v),
-                r => bail!("unexpected reply {r:?}"),
-            }
-        }
-        Ok(out)
+        let lkeys = |c: &[&Mr]| c.iter().map(|m| m.lkey).collect();
+        self.chunked(
+            mrs,
+            proto::MAX_TRACE_BATCH,
+            |c| Request::FetchTraces { lkeys: lkeys(c) },
+            |c, r| match r {
+                Reply::Traces(v) if v.len() == c.len() => Ok(v),
+                r => Err(r),
+            },
+        )
     }
 }
 
