@@ -844,12 +844,13 @@ fn serve_client(
                 return false;
             }
         };
-        let resp: Response = match serde_json::from_slice::<Request>(&buf[..n]) {
+        engine.stats.control_requests += 1;
+        let resp: Response = match parse_request(&buf[..n], fds) {
             Err(e) => {
                 engine.stats.bad_client_requests += 1;
-                Err(format!("malformed request: {e}"))
+                Err(e)
             }
-            Ok(Request::Hello { version, namespace }) => {
+            Ok((Request::Hello { version, namespace }, fds)) => {
                 let mut fds = fds;
                 match (version == proto::PROTO_VERSION, fds.pop()) {
                     (true, Some(db)) if c.doorbell.is_none() => {
@@ -875,7 +876,7 @@ fn serve_client(
                     }
                 }
             }
-            Ok(Request::JoinRamClient) => {
+            Ok((Request::JoinRamClient, fds)) => {
                 let mut fds = fds;
                 match (fds.pop(), fds.is_empty()) {
                     (Some(sock), true) => crate::ramclient::join(sock).map(|ram_bytes| Reply::RamClient { ram_bytes }).map_err(|e| {
@@ -889,7 +890,7 @@ fn serve_client(
                 }
             }
             // Process-wide figures beside the namespace's own.
-            Ok(Request::Stats) => engine
+            Ok((Request::Stats, fds)) => engine
                 .control(id, Request::Stats, fds)
                 .map(|r| match r {
                     Reply::Stats(mut v) => {
@@ -899,24 +900,48 @@ fn serve_client(
                     r => r,
                 })
                 .map_err(|e| format!("{e:#}")),
-            Ok(req @ (Request::ClaimGid | Request::ReleaseGid)) => {
+            Ok((req @ (Request::ClaimGid | Request::ReleaseGid), _)) => {
                 let gid = c.ns;
                 claim_or_release(nss, cfg, gid, matches!(req, Request::ClaimGid))
             }
-            Ok(Request::CreateAlias { pd, owner, key, alias, owner_namespace: Some(g) }) if g != c.ns => {
+            Ok((Request::CreateAlias { pd, owner, key, alias, owner_namespace: Some(g) }, _)) if g != c.ns => {
                 alias_across(nss, c.ns, id, pd, (owner, key), g, alias)
             }
-            Ok(req) => engine.control(id, req, fds).map_err(|e| {
+            Ok((req, fds)) => engine.control(id, req, fds).map_err(|e| {
                 engine.stats.bad_client_requests += 1;
                 format!("{e:#}")
             }),
         };
         let Some(c) = clients.get(&id) else { return false };
-        if let Err(e) = fdmsg::send(&c.sock, &resp, &[]) {
+        if let Err(e) = send_response(&c.sock, &resp) {
             warn!("client {id}: {e:#}");
             return false;
         }
     }
+}
+
+/// A request and its descriptors; a spilled one (`Request::Spilled`) is
+/// read from its memfd, the message's last descriptor.
+fn parse_request(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<(Request, Vec<OwnedFd>), String> {
+    let req = serde_json::from_slice::<Request>(bytes).map_err(|e| format!("malformed request: {e}"))?;
+    let Request::Spilled { len } = req else { return Ok((req, fds)) };
+    let fd = fds.pop().ok_or("a spilled request needs its memfd")?;
+    let bytes = crate::spill::read(fd, len).map_err(|e| format!("{e:#}"))?;
+    match serde_json::from_slice::<Request>(&bytes).map_err(|e| format!("malformed spilled request: {e}"))? {
+        Request::Spilled { .. } => Err("a spilled request inside a spilled request".into()),
+        req => Ok((req, fds)),
+    }
+}
+
+/// Sends `resp`, spilled into a memfd when it is larger than a datagram.
+fn send_response(sock: &OwnedFd, resp: &Response) -> anyhow::Result<()> {
+    let bytes = serde_json::to_vec(resp)?;
+    if !crate::spill::needed(&bytes) {
+        return Ok(fdmsg::send_bytes(sock, &bytes, &[])?);
+    }
+    let fd = crate::spill::write(&bytes)?;
+    let head: Response = Ok(Reply::Spilled { len: bytes.len() as u64 });
+    Ok(fdmsg::send(sock, &head, &[fd.as_raw_fd()])?)
 }
 
 /// An alias, in the caller's namespace `ns`, of `target` (owner, key) of

@@ -125,7 +125,9 @@ impl Engine {
     /// grouped below as device, memory, completion, QP and QP migration.
     pub fn control(&mut self, client: ClientId, req: Request, fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
         match req {
-            Request::Hello { .. } | Request::ClaimGid | Request::ReleaseGid | Request::JoinRamClient => bail!("handled by the daemon"),
+            Request::Hello { .. } | Request::ClaimGid | Request::ReleaseGid | Request::JoinRamClient | Request::Spilled { .. } => {
+                bail!("handled by the daemon")
+            }
             Request::QueryDevice => Ok(Reply::Device(self.device_attr())),
             Request::QueryPort { port } => self.query_port(port),
             Request::QueryGid { port, index } => self.query_gid(port, index),
@@ -182,7 +184,11 @@ impl Engine {
             Request::DestroyQp { qpn } => self.destroy_qp(client, qpn),
             Request::SuspendQp { qpn } => self.suspend_qps(client, &[qpn], 1),
             Request::SuspendQps { qpns } => self.suspend_qps(client, &qpns, proto::MAX_BATCH),
-            Request::SuspendConnected { qpns } => self.suspend_connected(client, &qpns),
+            Request::SuspendConnected { qpns } => Ok(Reply::Qpns(self.suspend_connected(client, &qpns)?)),
+            Request::SuspendConnectedStates { qpns } => {
+                let done = self.suspend_connected(client, &qpns)?;
+                self.query_qp_states(client, &done)
+            }
             Request::QueryQpState { qpn } => {
                 let s = self.owned_qp(client, qpn)?.snapshot().map_err(|e| anyhow!(e))?;
                 Ok(Reply::QpState(Box::new(s)))
@@ -830,21 +836,22 @@ impl Engine {
         Ok(Reply::Ok)
     }
 
-    /// Suspends the connected QPs of `qpns`, skips the others; replies with
-    /// the QPNs suspended.
-    fn suspend_connected(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Reply> {
+    /// Suspends the connected QPs of `qpns`, skips the others; returns the
+    /// QPNs suspended, each once, in the request's order.
+    fn suspend_connected(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Vec<u32>> {
         self.check_batch(client, qpns, proto::MAX_BATCH)?;
         let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
         let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
         let mut done = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for q in qpns {
             let Some(qp) = qps.get_mut(q) else { continue };
-            if matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) && !done.contains(q) {
+            if matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) && seen.insert(*q) {
                 qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
                 done.push(*q);
             }
         }
-        Ok(Reply::Qpns(done))
+        Ok(done)
     }
 
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {

@@ -6,7 +6,7 @@
 //! side (the `verbs` crate).
 //!
 //! Dependencies run one way, from the bottom up:
-//! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd` (no crate imports);
+//! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd`, `spill` (no crate imports);
 //! `qp_snapshot`, `announce`, `netlink`, `gid`, `link`; `objects`; `srq`; `async_events` and `proto`; `qp`;
 //! `engine`; `ramclient`; `daemon`; `cli`.
 pub mod announce;
@@ -26,6 +26,7 @@ pub mod qp;
 pub mod qp_snapshot;
 pub mod ramclient;
 pub mod ring;
+pub mod spill;
 pub mod srq;
 pub mod trace;
 pub mod types;

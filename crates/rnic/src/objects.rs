@@ -110,6 +110,8 @@ pub struct Stats {
     /// Completion channel events raised (each may wake a sleeping client).
     pub cq_events: u64,
     pub bad_client_requests: u64,
+    /// Control requests served (each one round trip; a spilled one too).
+    pub control_requests: u64,
     pub bad_wqes: u64,
     pub send_errors: u64,
     pub clients_connected: u64,

@@ -3,6 +3,7 @@
 //! One SOCK_SEQPACKET unix connection per client; each message is one JSON
 //! object, file descriptors (memfds, eventfds) travel as SCM_RIGHTS beside it
 //! (the `fdmsg` crate sends and receives them).
+//! A message larger than one datagram travels in a memfd (`Spilled`).
 //! The data path does not use this socket: it uses the shared rings.
 
 use serde::{Deserialize, Serialize};
@@ -12,12 +13,15 @@ use crate::types::{DeviceAttr, PortAttr, QpAttr, QpCap};
 pub const PROTO_VERSION: u32 = 1;
 /// Most QPNs in one batched request.
 pub const MAX_BATCH: usize = 4096;
-/// Most QP states in one QueryQpStates reply (it must fit in `fdmsg::MAX_MSG`).
-pub const MAX_QUERY_BATCH: usize = 48;
-/// Most objects in one CreateBatch (its reply must fit one message).
-pub const MAX_CREATE_BATCH: usize = 256;
-/// Most MRs in one FetchTraces (a trace reply holds up to 1,024 runs).
-pub const MAX_TRACE_BATCH: usize = 16;
+/// Most QP states in one QueryQpStates or RestoreQps (larger than one
+/// datagram, the message spills into a memfd: `crate::spill`).
+pub const MAX_QUERY_BATCH: usize = MAX_BATCH;
+/// Most objects in one CreateBatch (a migrated device's MRs and CQs, then
+/// its QPs, one request each at hundreds of QPs).
+pub const MAX_CREATE_BATCH: usize = 1024;
+/// Most MRs in one FetchTraces (a report holds up to 1,024 runs: the worst
+/// reply is a few MiB, spilled).
+pub const MAX_TRACE_BATCH: usize = 256;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Request {
@@ -233,6 +237,13 @@ pub enum Request {
     SuspendConnected {
         qpns: Vec<u32>,
     },
+    /// SuspendConnected and QueryQpStates in one pass: replies with the
+    /// states (`QpStates`) of the QPs it suspended, in the request's order.
+    /// A suspended QP's state no longer changes, so a migration's source
+    /// takes the states at the pause instead of asking again at the save.
+    SuspendConnectedStates {
+        qpns: Vec<u32>,
+    },
     /// Creates MRs, CQs and QPs in one round trip (a migrated device's
     /// restore), in order, each as its own request would. The memfds
     /// travel once beside the message (the guest RAM for every MR, one
@@ -283,6 +294,11 @@ pub enum Request {
     /// all keys are checked first. At most MAX_TRACE_BATCH.
     FetchTraces {
         lkeys: Vec<u32>,
+    },
+    /// The request is `len` bytes of JSON in the message's last descriptor
+    /// (a memfd): one larger than a datagram (`crate::spill`).
+    Spilled {
+        len: u64,
     },
 }
 
@@ -370,6 +386,11 @@ pub enum Reply {
     SrqState(crate::srq::SrqSnapshot),
     /// FetchTraces: one report per MR, in the request's order.
     Traces(Vec<crate::trace::TraceReport>),
+    /// The response is `len` bytes of JSON in the memfd beside this
+    /// message: one larger than a datagram (`crate::spill`).
+    Spilled {
+        len: u64,
+    },
 }
 
 pub type Response = Result<Reply, String>;

@@ -33,8 +33,9 @@ pub enum Made {
     Qp(Qp),
 }
 
-/// Room the request's bytes leave in one control message.
-const CHUNK_BYTES: usize = fdmsg::MAX_MSG - 1024;
+/// Descriptors of a request that are not MR memfds: the chunk's rings and
+/// the memfd the request spills into when larger than a datagram.
+const RESERVED_FDS: usize = 2;
 
 /// A ring placed in a chunk's rings memfd.
 struct Placed {
@@ -44,8 +45,8 @@ struct Placed {
 
 impl Context {
     /// Creates `objects` in order with as few requests as fit (each a
-    /// `CreateBatch`: at most MAX_CREATE_BATCH objects, one message, and
-    /// MR memfds that leave one descriptor for the chunk's rings). Each
+    /// `CreateBatch`: at most MAX_CREATE_BATCH objects, and MR memfds that
+    /// leave descriptors for the chunk's rings and a spilled request). Each
     /// request is all or nothing in rnicd; if a later one fails, what the
     /// earlier ones made is dropped (destroyed) before the error returns.
     pub fn create_batch(&self, objects: &[NewObject]) -> anyhow::Result<Vec<Made>> {
@@ -55,18 +56,16 @@ impl Context {
             let mut items = Vec::new();
             let mut mr_fds: Vec<RawFd> = Vec::new();
             let mut rings_len = 0usize;
-            let mut bytes = 0;
             let mut end = start;
             while end < objects.len() && items.len() < proto::MAX_CREATE_BATCH {
                 let (item, fds_after, rings_after) = item(&objects[end], &mr_fds, rings_len)?;
-                let n = serde_json::to_vec(&item)?.len() + 1;
-                if !items.is_empty() && (bytes + n > CHUNK_BYTES || fds_after.len() + 1 > fdmsg::MAX_FDS) {
+                if fds_after.len() + RESERVED_FDS > fdmsg::MAX_FDS {
+                    if items.is_empty() {
+                        bail!("object {end} names more memfds than a request carries");
+                    }
                     break;
                 }
-                if n > CHUNK_BYTES {
-                    bail!("object {end} alone does not fit a control message");
-                }
-                (bytes, mr_fds, rings_len) = (bytes + n, fds_after, rings_after);
+                (mr_fds, rings_len) = (fds_after, rings_after);
                 items.push(item);
                 end += 1;
             }
@@ -151,15 +150,16 @@ impl Context {
     /// The write traces of `mrs` (see [`Mr::fetch_trace`]), in their order,
     /// MAX_TRACE_BATCH per request.
     pub fn fetch_traces(&self, mrs: &[&Mr]) -> anyhow::Result<Vec<TraceReport>> {
-        let mut out = Vec::with_capacity(mrs.len());
-        for chunk in mrs.chunks(proto::MAX_TRACE_BATCH) {
-            let lkeys = chunk.iter().map(|m| m.lkey).collect();
-            match self.inner.call(&Request::FetchTraces { lkeys }, &[])? {
-                Reply::Traces(v) if v.len() == chunk.len() => out.extend(v),
-                r => bail!("unexpected reply {r:?}"),
-            }
-        }
-        Ok(out)
+        let lkeys = |c: &[&Mr]| c.iter().map(|m| m.lkey).collect();
+        self.chunked(
+            mrs,
+            proto::MAX_TRACE_BATCH,
+            |c| Request::FetchTraces { lkeys: lkeys(c) },
+            |c, r| match r {
+                Reply::Traces(v) if v.len() == c.len() => Ok(v),
+                r => Err(r),
+            },
+        )
     }
 }
 

@@ -64,11 +64,26 @@ struct Inner {
 }
 
 impl Inner {
+    /// One request and its reply. Either, if larger than a datagram,
+    /// travels in a memfd (`rnic::spill`): a batch over hundreds of QPs is
+    /// one round trip.
     fn call(&self, req: &Request, fds: &[RawFd]) -> anyhow::Result<Reply> {
         let mut buf = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        fdmsg::send(&self.sock, req, fds).context("send control message")?;
-        let (n, _) = fdmsg::recv(&self.sock, &mut buf).context("receive control message")?.context("rnicd closed the connection")?;
-        let r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
+        let bytes = serde_json::to_vec(req)?;
+        if rnic::spill::needed(&bytes) {
+            let spilled = rnic::spill::write(&bytes)?;
+            let fds: Vec<RawFd> = fds.iter().copied().chain([spilled.as_raw_fd()]).collect();
+            fdmsg::send(&self.sock, &Request::Spilled { len: bytes.len() as u64 }, &fds)
+        } else {
+            fdmsg::send_bytes(&self.sock, &bytes, fds)
+        }
+        .context("send control message")?;
+        let (n, mut rfds) = fdmsg::recv(&self.sock, &mut buf).context("receive control message")?.context("rnicd closed the connection")?;
+        let mut r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
+        if let Ok(Reply::Spilled { len }) = r {
+            let fd = rfds.pop().context("a spilled reply without its memfd")?;
+            r = serde_json::from_slice(&rnic::spill::read(fd, len)?).context("bad spilled reply from rnicd")?;
+        }
         r.map_err(|e| anyhow!("rnicd: {e}"))
     }
 
@@ -210,69 +225,84 @@ impl Context {
         }
     }
 
-    /// Suspends many QPs in one request (see [`Qp::suspend`]).
-    pub fn suspend_qps(&self, qps: &[&Qp]) -> anyhow::Result<()> {
-        for chunk in qps.chunks(proto::MAX_BATCH) {
-            let qpns = chunk.iter().map(|q| q.qpn).collect();
-            match self.inner.call(&Request::SuspendQps { qpns }, &[])? {
-                Reply::Ok => {}
-                r => bail!("unexpected reply {r:?}"),
+    /// One request per `max` of `items` (each made by `request`), in
+    /// order; `take` turns each reply into its results, or hands back a
+    /// reply it does not expect.
+    pub(crate) fn chunked<T, R>(
+        &self,
+        items: &[T],
+        max: usize,
+        request: impl Fn(&[T]) -> Request,
+        take: impl Fn(&[T], Reply) -> Result<Vec<R>, Reply>,
+    ) -> anyhow::Result<Vec<R>> {
+        let mut out = Vec::new();
+        for chunk in items.chunks(max) {
+            match take(chunk, self.inner.call(&request(chunk), &[])?) {
+                Ok(v) => out.extend(v),
+                Err(r) => bail!("unexpected reply {r:?}"),
             }
         }
-        Ok(())
+        Ok(out)
+    }
+
+    /// Suspends many QPs in one request (see [`Qp::suspend`]).
+    pub fn suspend_qps(&self, qps: &[&Qp]) -> anyhow::Result<()> {
+        self.chunked(qps, proto::MAX_BATCH, |c| Request::SuspendQps { qpns: qpns(c) }, ok_reply).map(drop)
     }
 
     /// Suspends those of `qps` that are connected (RTR, RTS, SQD) in one
     /// request per MAX_BATCH QPs and leaves the others alone; returns the
     /// QPNs it suspended.
     pub fn suspend_connected(&self, qps: &[&Qp]) -> anyhow::Result<Vec<u32>> {
-        let mut out = Vec::new();
-        for chunk in qps.chunks(proto::MAX_BATCH) {
-            let qpns = chunk.iter().map(|q| q.qpn).collect();
-            match self.inner.call(&Request::SuspendConnected { qpns }, &[])? {
-                Reply::Qpns(v) => out.extend(v),
-                r => bail!("unexpected reply {r:?}"),
-            }
-        }
-        Ok(out)
+        self.chunked(
+            qps,
+            proto::MAX_BATCH,
+            |c| Request::SuspendConnected { qpns: qpns(c) },
+            |_, r| match r {
+                Reply::Qpns(v) => Ok(v),
+                r => Err(r),
+            },
+        )
+    }
+
+    /// [`Context::suspend_connected`] and [`Context::query_qp_states`] in
+    /// one pass: the states of the QPs it suspended (each names its QPN).
+    /// A suspended QP's state does not change until it resumes.
+    pub fn suspend_connected_states(&self, qps: &[&Qp]) -> anyhow::Result<Vec<QpSnapshot>> {
+        self.chunked(
+            qps,
+            proto::MAX_BATCH,
+            |c| Request::SuspendConnectedStates { qpns: qpns(c) },
+            |_, r| match r {
+                Reply::QpStates(v) => Ok(v),
+                r => Err(r),
+            },
+        )
     }
 
     /// The states of many suspended QPs, in their order (see [`Qp::query_state`]).
     pub fn query_qp_states(&self, qps: &[&Qp]) -> anyhow::Result<Vec<QpSnapshot>> {
-        let mut out = Vec::with_capacity(qps.len());
-        for chunk in qps.chunks(proto::MAX_QUERY_BATCH) {
-            let qpns = chunk.iter().map(|q| q.qpn).collect();
-            match self.inner.call(&Request::QueryQpStates { qpns }, &[])? {
-                Reply::QpStates(v) if v.len() == chunk.len() => out.extend(v),
-                r => bail!("unexpected reply {r:?}"),
-            }
-        }
-        Ok(out)
+        self.chunked(
+            qps,
+            proto::MAX_QUERY_BATCH,
+            |c| Request::QueryQpStates { qpns: qpns(c) },
+            |c, r| match r {
+                Reply::QpStates(v) if v.len() == c.len() => Ok(v),
+                r => Err(r),
+            },
+        )
     }
 
     /// Create-suspended for many QPs made ahead: each state goes to the QP
     /// with its QPN (made with [`Pd::create_qp_with_qpn`], still in RESET),
     /// which becomes suspended. Repost WRs, then [`Context::resume_qps`].
     pub fn restore_qps(&self, states: &[QpSnapshot]) -> anyhow::Result<()> {
-        for chunk in states.chunks(proto::MAX_QUERY_BATCH) {
-            match self.inner.call(&Request::RestoreQps { states: chunk.to_vec() }, &[])? {
-                Reply::Ok => {}
-                r => bail!("unexpected reply {r:?}"),
-            }
-        }
-        Ok(())
+        self.chunked(states, proto::MAX_QUERY_BATCH, |c| Request::RestoreQps { states: c.to_vec() }, ok_reply).map(drop)
     }
 
     /// Resumes many QPs in one request (see [`Qp::resume`]).
     pub fn resume_qps(&self, qps: &[&Qp]) -> anyhow::Result<()> {
-        for chunk in qps.chunks(proto::MAX_BATCH) {
-            let qpns = chunk.iter().map(|q| q.qpn).collect();
-            match self.inner.call(&Request::ResumeQps { qpns }, &[])? {
-                Reply::Ok => {}
-                r => bail!("unexpected reply {r:?}"),
-            }
-        }
-        Ok(())
+        self.chunked(qps, proto::MAX_BATCH, |c| Request::ResumeQps { qpns: qpns(c) }, ok_reply).map(drop)
     }
 
     /// Asks rnicd to queue this client's asynchronous events and signal
@@ -1133,6 +1163,16 @@ impl Qp {
     /// ibv_post_send: queues the WRs in order, then rings the doorbell once.
     /// Fails (posting nothing more) when the send queue is full.
     pub fn post_send(&self, wrs: &[SendWr]) -> anyhow::Result<()> {
+        self.post_send_inner(wrs, true)
+    }
+
+    /// Posts send WRs without ringing the doorbell, for a suspended QP:
+    /// rnicd reads its rings when it resumes (as [`Qp::post_recv_quiet`]).
+    pub fn post_send_quiet(&self, wrs: &[SendWr]) -> anyhow::Result<()> {
+        self.post_send_inner(wrs, false)
+    }
+
+    fn post_send_inner(&self, wrs: &[SendWr], doorbell: bool) -> anyhow::Result<()> {
         let mut ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
         let mut posted = 0;
         let mut result = Ok(());
@@ -1183,7 +1223,7 @@ impl Qp {
         }
         // While rnicd polls our rings (after recent activity) it sees the
         // WQEs without the doorbell, a syscall and a wakeup saved per post.
-        if posted > 0 && ring.needs_doorbell() {
+        if posted > 0 && doorbell && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
         }
         result
@@ -1245,5 +1285,18 @@ impl Qp {
 impl Drop for Qp {
     fn drop(&mut self) {
         let _ = self.ctx.inner.call(&Request::DestroyQp { qpn: self.qpn }, &[]);
+    }
+}
+
+/// The QPNs of `qps`, for a batched request.
+fn qpns(qps: &[&Qp]) -> Vec<u32> {
+    qps.iter().map(|q| q.qpn).collect()
+}
+
+/// For [`Context::chunked`]: a request answered with `Ok` alone.
+fn ok_reply<T>(_: &[T], r: Reply) -> Result<Vec<()>, Reply> {
+    match r {
+        Reply::Ok => Ok(Vec::new()),
+        r => Err(r),
     }
 }

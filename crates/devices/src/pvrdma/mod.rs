@@ -28,6 +28,7 @@ mod traces;
 pub use config::{PvrdmaConfig, Testing};
 pub use traces::{PageRun, TraceHandle};
 
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -101,6 +102,10 @@ pub struct Pvrdma {
     /// What a WAIT doorbell sleeps on (the vCPU's own view of rnicd's
     /// completion channel).
     cq_waiter: Arc<verbs::ChannelWaiter>,
+    /// The states of the QPs the last pause suspended, by QPN: rnicd
+    /// returns them with the suspend (a suspended QP's state does not
+    /// change), so that the save asks nothing more inside the downtime.
+    paused_states: HashMap<u32, verbs::QpSnapshot>,
 }
 
 /// One of the device's BARs on the MMIO bus.
@@ -155,7 +160,7 @@ impl Pvrdma {
                 .map_err(|e| format!("notifier thread: {e}"))?
         };
         lock(&shared).notifier_thread = Some(notifier.thread().clone());
-        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter })
+        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter, paused_states: HashMap::new() })
     }
 
     pub fn name(&self) -> &str {
@@ -459,19 +464,17 @@ impl Lifecycle for Pvrdma {
         // Only connected QPs have a transport to suspend; the others hold
         // nothing but their attributes and posted WQEs. rnicd knows which
         // are connected (a QP may have gone to ERR on its own): one batched
-        // request suspends those and names them.
+        // request suspends those and returns their states.
         let handles = d.qps.handles();
         let qps: Vec<&verbs::Qp> = handles.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
-        let live = match d.be.ctx.suspend_connected(&qps) {
-            Ok(qpns) => {
-                let qpns: std::collections::HashSet<u32> = qpns.into_iter().collect();
-                handles.into_iter().filter(|h| d.qps.get(*h).is_some_and(|q| qpns.contains(&q.qp.qpn))).collect()
-            }
+        self.paused_states = match d.be.ctx.suspend_connected_states(&qps) {
+            Ok(states) => states.into_iter().map(|s| (s.qpn, s)).collect(),
             Err(e) => {
                 tracing::warn!("pvrdma {}: suspending QPs: {e:#}", d.name);
-                Vec::new()
+                HashMap::new()
             }
         };
+        let live = handles.into_iter().filter(|h| d.qps.get(*h).is_some_and(|q| self.paused_states.contains_key(&q.qp.qpn))).collect();
         d.suspended = live;
         d.switch.record("suspend QPs", t);
         let t = Instant::now();
@@ -501,6 +504,7 @@ impl Lifecycle for Pvrdma {
             return;
         }
         let t = Instant::now();
+        self.paused_states.clear();
         let suspended = std::mem::take(&mut d.suspended);
         let qps: Vec<&verbs::Qp> = suspended.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
         if let Err(e) = d.be.ctx.resume_qps(&qps) {

@@ -88,13 +88,24 @@ impl Persist for Pvrdma {
         if !d.paused && d.qps.len() > 0 {
             return Err(err("the device must be paused (QPs suspended) before its state is taken".into()));
         }
-        // The suspended QPs' states in batched requests (one round trip per
-        // MAX_QUERY_BATCH QPs, not one per QP).
+        // The suspended QPs' states: those the pause took with the suspend;
+        // any other (a device restored and saved again without running)
+        // in one batched request.
         let t = Instant::now();
-        let handles: Vec<u32> = d.qps.handles().into_iter().filter(|h| d.suspended.contains(h)).collect();
-        let live: Vec<&verbs::Qp> = handles.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
-        let states = d.be.ctx.query_qp_states(&live).map_err(|e| err(format!("querying the suspended QPs: {e:#}")))?;
-        let mut states: std::collections::HashMap<u32, QpSnapshot> = handles.into_iter().zip(states).collect();
+        let suspended: std::collections::HashSet<u32> = d.suspended.iter().copied().collect();
+        let mut states = std::collections::HashMap::new();
+        let mut ask = Vec::new();
+        for (h, q) in d.qps.iter().filter(|(h, _)| suspended.contains(h)) {
+            match self.paused_states.get(&q.qp.qpn) {
+                Some(s) => _ = states.insert(*h, s.clone()),
+                None => ask.push((*h, &q.qp)),
+            }
+        }
+        if !ask.is_empty() {
+            let live: Vec<&verbs::Qp> = ask.iter().map(|(_, q)| *q).collect();
+            let got = d.be.ctx.query_qp_states(&live).map_err(|e| err(format!("querying the suspended QPs: {e:#}")))?;
+            states.extend(ask.iter().map(|(h, _)| *h).zip(got));
+        }
         d.switch.record("query QP states", t);
         let t = Instant::now();
         let qps: Vec<SavedQp> = d.qps.iter().map(|(h, q)| SavedQp { handle: *h, info: q.info.clone(), state: states.remove(h) }).collect();
@@ -278,6 +289,8 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         .collect();
     let made = d.be.ctx.create_batch(&objects).map_err(|e| format!("QPs: {e:#}"))?;
     drop(objects);
+    d.switch.record("QPs created suspended", t);
+    let t = Instant::now();
     for ((handle, mut info, state, _), m) in qps.into_iter().zip(made) {
         let verbs::Made::Qp(qp) = m else { return Err(format!("QP {handle}: rnicd made another object")) };
         match &state {
@@ -315,11 +328,14 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         reposted += recvs.len() + info.sq_out.len();
         let sends: Vec<verbs::SendWr> = info.sq_out.iter().map(super::datapath::to_send_wr).collect();
         if !sends.is_empty() {
-            qp.post_send(&sends).map_err(|e| format!("QP {:#x}: reposting sends: {e:#}", info.qpn))?;
+            // A suspended QP reads its rings when it resumes: a doorbell
+            // per QP would only wake rnicd to look at all of them again.
+            let r = if state.is_some() { qp.post_send_quiet(&sends) } else { qp.post_send(&sends) };
+            r.map_err(|e| format!("QP {:#x}: reposting sends: {e:#}", info.qpn))?;
         }
         d.qps.insert(handle, Qp { info, qp });
     }
-    d.switch.record("QPs (created suspended, WQEs reposted)", t);
+    d.switch.record("WQEs reposted", t);
     d.switch.objects = counts;
     d.switch.objects[4] = reposted;
     d.suspended = suspended;

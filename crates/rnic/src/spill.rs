@@ -1,0 +1,49 @@
+//! Control messages larger than one datagram (`fdmsg::MAX_MSG`) travel in a
+//! memfd: the datagram says `Spilled { len }` and carries the memfd as its
+//! last descriptor; the receiver reads `len` bytes of JSON from it. A
+//! batched request over hundreds of QPs (their states, their traces, a
+//! migrated device's objects) is then one round trip instead of one per
+//! 64 KiB, and each round trip to a busy rnicd costs milliseconds.
+//!
+//! The reader takes a copy (`pread`), never a mapping: a sender that
+//! changes or shrinks the memfd afterwards harms nothing but its own
+//! message.
+
+use std::fs::File;
+use std::io::Write as _;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt as _;
+
+use anyhow::{bail, Context as _};
+
+/// Largest spilled message either side reads (a bound on what a bad length
+/// makes the receiver allocate; 4,096 QP states are about 6 MiB of JSON).
+pub const MAX_SPILL: u64 = 64 << 20;
+
+/// Whether `bytes` must be spilled rather than sent as one datagram.
+pub fn needed(bytes: &[u8]) -> bool {
+    bytes.len() > fdmsg::MAX_MSG
+}
+
+/// A new memfd holding `bytes`.
+pub fn write(bytes: &[u8]) -> anyhow::Result<OwnedFd> {
+    // SAFETY: plain syscall; the result is checked before it is owned.
+    let fd = unsafe { libc::memfd_create(c"rnic-spill".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("memfd_create");
+    }
+    // SAFETY: a descriptor memfd_create just returned to us.
+    let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    f.write_all(bytes).context("writing a spilled message")?;
+    Ok(f.into())
+}
+
+/// The `len` bytes at the start of the spilled message `fd`.
+pub fn read(fd: OwnedFd, len: u64) -> anyhow::Result<Vec<u8>> {
+    if len > MAX_SPILL {
+        bail!("spilled message of {len} bytes (at most {MAX_SPILL})");
+    }
+    let mut buf = vec![0u8; len as usize];
+    File::from(fd).read_exact_at(&mut buf, 0).context("spilled message shorter than it says")?;
+    Ok(buf)
+}
