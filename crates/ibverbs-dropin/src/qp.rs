@@ -567,31 +567,7 @@ pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *m
     }
     let max_sge = x.inner.cap.max_recv_sge as usize;
     let free = x.inner.recv_slots() as usize;
-    let mut wrs: Vec<verbs::RecvWr> = Vec::new();
-    let mut err = 0;
-    let mut w = wr;
-    while !w.is_null() {
-        let r = &*w;
-        if wrs.len() >= free {
-            err = libc::ENOMEM;
-            break;
-        }
-        if r.num_sge < 0 || r.num_sge as usize > max_sge || (r.num_sge > 0 && r.sg_list.is_null()) {
-            err = libc::EINVAL;
-            break;
-        }
-        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge as usize);
-        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sges });
-        w = r.next;
-    }
-    if !wrs.is_empty() && x.inner.post_recv(&wrs).is_err() {
-        set_bad(wr);
-        return libc::ENOMEM;
-    }
-    if err != 0 {
-        set_bad(w);
-    }
-    err
+    post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
 }
 
 pub unsafe extern "C" fn alloc_mw(_pd: *mut ibv_pd, _t: ibv_mw_type) -> *mut ibv_mw {
@@ -763,4 +739,47 @@ unsafe extern "C" fn wr_set_inline_data_list(q: *mut ibv_qp_ex, n: usize, list: 
         }
     }
     with_last(q, |w| w.inline = Some(d));
+}
+
+/// Walks a receive chain for a QP's or an SRQ's ring: takes WRs while they
+/// are well formed and fit (`free` slots, `max_sge` each), posts them with
+/// `post`, and names the first WR not posted in `bad` (EINVAL for a bad
+/// WR, ENOMEM for a full ring), as rxe and mlx5 report a partial post.
+pub(crate) unsafe fn post_recv_chain(
+    wr: *mut ibv_recv_wr,
+    bad: *mut *mut ibv_recv_wr,
+    max_sge: usize,
+    free: usize,
+    post: impl FnOnce(&[verbs::RecvWr]) -> bool,
+) -> c_int {
+    let set_bad = |w: *mut ibv_recv_wr| {
+        if !bad.is_null() {
+            *bad = w;
+        }
+    };
+    let mut wrs: Vec<verbs::RecvWr> = Vec::new();
+    let mut err = 0;
+    let mut w = wr;
+    while !w.is_null() {
+        let r = &*w;
+        if wrs.len() >= free {
+            err = libc::ENOMEM;
+            break;
+        }
+        if r.num_sge < 0 || r.num_sge as usize > max_sge || (r.num_sge > 0 && r.sg_list.is_null()) {
+            err = libc::EINVAL;
+            break;
+        }
+        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge as usize);
+        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sges });
+        w = r.next;
+    }
+    if !wrs.is_empty() && !post(&wrs) {
+        set_bad(wr);
+        return libc::ENOMEM;
+    }
+    if err != 0 {
+        set_bad(w);
+    }
+    err
 }

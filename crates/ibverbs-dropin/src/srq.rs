@@ -136,29 +136,5 @@ pub unsafe extern "C" fn post_srq_recv(s: *mut ibv_srq, wr: *mut ibv_recv_wr, ba
     };
     let max_sge = x.inner.max_sge() as usize;
     let free = x.inner.free_slots() as usize;
-    let mut wrs: Vec<verbs::RecvWr> = Vec::new();
-    let mut err = 0;
-    let mut w = wr;
-    while !w.is_null() {
-        let r = &*w;
-        if wrs.len() >= free {
-            err = libc::ENOMEM;
-            break;
-        }
-        if r.num_sge < 0 || r.num_sge as usize > max_sge || (r.num_sge > 0 && r.sg_list.is_null()) {
-            err = libc::EINVAL;
-            break;
-        }
-        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge as usize);
-        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sges });
-        w = r.next;
-    }
-    if !wrs.is_empty() && x.inner.post_recv(&wrs).is_err() {
-        set_bad(wr);
-        return libc::ENOMEM;
-    }
-    if err != 0 {
-        set_bad(w);
-    }
-    err
+    crate::qp::post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
 }
