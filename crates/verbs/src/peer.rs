@@ -215,8 +215,8 @@ pub struct PeerReport {
     /// The longest such time of any single QP (the largest of the
     /// workloads' `max_gap_ms`).
     pub max_qp_gap_ms: f64,
-    /// The connection's longest stalls (at most [`LONG_GAPS`], longest
-    /// first), each with the wall-clock time it began: which of them a
+    /// The connection's longest stalls of 1 ms or more (at most
+    /// [`LONG_GAPS`], longest first), each with the wall-clock time it began: which of them a
     /// migration's switch caused is told by when it happened, where the
     /// longest of a whole run on a busy host may be the scheduler's.
     pub long_gaps: Vec<Gap>,
@@ -238,6 +238,10 @@ pub struct Gap {
 /// a migration's stall is among them even when a loaded host made many
 /// longer ones elsewhere in the run.
 pub const LONG_GAPS: usize = 512;
+
+/// Stalls shorter than this are the connection's ordinary pace (one
+/// completion after another), not stalls: the report does not list them.
+const MIN_LISTED_GAP_MS: f64 = 1.0;
 
 const MAX_VIOLATIONS: usize = 32;
 const STREAM_DEPTH: usize = 64;
@@ -481,7 +485,7 @@ impl Peer {
     /// Keeps the stall of `ms` that ended `now` if it is among the longest.
     fn note_gap(&mut self, now: Instant, ms: f64) {
         let gaps = &mut self.rep.long_gaps;
-        if gaps.len() == LONG_GAPS && gaps.last().is_some_and(|g| g.ms >= ms) {
+        if ms < MIN_LISTED_GAP_MS || gaps.len() == LONG_GAPS && gaps.last().is_some_and(|g| g.ms >= ms) {
             return;
         }
         let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
