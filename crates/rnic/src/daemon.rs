@@ -149,7 +149,7 @@ impl Namespace {
         }
         let senders = Senders::new(gid, gso)?;
         let mut engine = Engine::new(gid);
-        engine.active_mtu = crate::link::path_mtu_from(gid);
+        engine.set_active_mtu(crate::link::path_mtu_from(gid));
         Ok(Namespace { engine, udp, senders, claimed: false })
     }
 
@@ -939,7 +939,16 @@ fn send_response(sock: &OwnedFd, resp: &Response) -> anyhow::Result<()> {
     if !crate::spill::needed(&bytes) {
         return Ok(fdmsg::send_bytes(sock, &bytes, &[])?);
     }
-    let fd = crate::spill::write(&bytes)?;
+    // A reply that cannot be spilled (no memfd: EMFILE, ENOMEM) goes as an
+    // error the client can read; failing the send would drop the client
+    // and with it every object it holds.
+    let fd = match crate::spill::write(&bytes) {
+        Ok(fd) => fd,
+        Err(e) => {
+            let err: Response = Err(format!("a reply of {} bytes could not be spilled: {e:#}", bytes.len()));
+            return Ok(fdmsg::send(sock, &err, &[])?);
+        }
+    };
     let head: Response = Ok(Reply::Spilled { len: bytes.len() as u64 });
     Ok(fdmsg::send(sock, &head, &[fd.as_raw_fd()])?)
 }
@@ -982,7 +991,7 @@ fn claim_or_release(nss: &mut HashMap<Ipv4Addr, Namespace>, cfg: &Config, gid: I
             ns.claimed = claim;
             if claim {
                 // The address is on an interface now: the port follows its link.
-                ns.engine.active_mtu = crate::link::path_mtu_from(gid);
+                ns.engine.set_active_mtu(crate::link::path_mtu_from(gid));
                 info!("GID {gid}: active MTU {}", ns.engine.active_mtu.bytes());
             } else {
                 info!("GID {gid} released");

@@ -46,7 +46,8 @@ pub struct Engine {
     qpn_order: Vec<u32>,
     asyncs: AsyncSinks,
     /// The port's active MTU: the path MTU the link under the GID carries
-    /// whole, set by the daemon from the interface (`crate::link`).
+    /// whole, set by the daemon from the interface (`crate::link`) with
+    /// `set_active_mtu`.
     pub active_mtu: Mtu,
 }
 
@@ -70,6 +71,15 @@ impl Engine {
             qpn_order: Vec::new(),
             asyncs: AsyncSinks::default(),
             active_mtu: crate::link::UNKNOWN_LINK_PATH_MTU,
+        }
+    }
+
+    /// Sets the port's active MTU (the link under the GID changed, e.g. by
+    /// a claim) and the message limit of every UD QP, which follows it.
+    pub fn set_active_mtu(&mut self, mtu: Mtu) {
+        self.active_mtu = mtu;
+        for qp in self.qps.values_mut() {
+            qp.ud_set_port_mtu(mtu);
         }
     }
 

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::types::{DeviceAttr, PortAttr, QpAttr, QpCap};
 
-pub const PROTO_VERSION: u32 = 1;
+pub const PROTO_VERSION: u32 = 2;
 /// Most QPNs in one batched request.
 pub const MAX_BATCH: usize = 4096;
 /// Most QP states in one QueryQpStates or RestoreQps (larger than one

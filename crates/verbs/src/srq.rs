@@ -22,6 +22,9 @@ pub struct Srq {
     max_sge: u32,
     ring: Mutex<Ring<RecvWqe>>,
     _map: Mapping,
+    /// rnicd destroyed it already (`destroy`): the drop only frees the
+    /// mapping and the context.
+    destroyed: bool,
 }
 
 impl Pd {
@@ -59,6 +62,7 @@ impl Pd {
                 max_sge: attr.max_sge,
                 ring: Mutex::new(ring),
                 _map: map,
+                destroyed: false,
             }),
             r => bail!("unexpected reply {r:?}"),
         }
@@ -130,7 +134,8 @@ impl Srq {
     pub fn destroy(self) -> Result<(), (Srq, anyhow::Error)> {
         match self.call(Request::DestroySrq { srq: self.handle }) {
             Ok(_) => {
-                std::mem::forget(self);
+                let mut gone = self;
+                gone.destroyed = true;
                 Ok(())
             }
             Err(e) => Err((self, e)),
@@ -144,6 +149,9 @@ impl Srq {
 
 impl Drop for Srq {
     fn drop(&mut self) {
+        if self.destroyed {
+            return;
+        }
         let _ = self.call(Request::DestroySrq { srq: self.handle });
     }
 }

@@ -19,7 +19,9 @@ impl Qp {
         if !(self.attr.qp_state == QpState::Reset || self.suspended) {
             return Err(format!("an SRQ is attached to a QP in RESET, not {:?}", self.attr.qp_state));
         }
-        if self.rq_ring.ready() > 0 {
+        // Receives already taken from its own ring would be given back to
+        // the SRQ (`give_back_srq_wqe`) and reach other QPs.
+        if self.rq_ring.ready() > 0 || !self.rq.is_empty() {
             return Err("the QP has receives posted on its own queue".into());
         }
         self.srq = Some((id, srq));
