@@ -5,13 +5,13 @@
 //! migrated device's objects) is then one round trip instead of one per
 //! 64 KiB, and each round trip to a busy rnicd costs milliseconds.
 //!
-//! The reader takes a copy (`pread`), never a mapping: a sender that
-//! changes or shrinks the memfd afterwards harms nothing but its own
-//! message.
+//! The reader takes a copy (`pread`) of a memfd only, never a mapping: a
+//! sender that changes or shrinks the memfd afterwards harms nothing but
+//! its own message, and no descriptor on a slow file system can block it.
 
 use std::fs::File;
 use std::io::Write as _;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd as _, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt as _;
 
 use anyhow::{bail, Context as _};
@@ -42,6 +42,12 @@ pub fn write(bytes: &[u8]) -> anyhow::Result<OwnedFd> {
 pub fn read(fd: OwnedFd, len: u64) -> anyhow::Result<Vec<u8>> {
     if len > MAX_SPILL {
         bail!("spilled message of {len} bytes (at most {MAX_SPILL})");
+    }
+    // Only a memfd (or another shmem file, whose seals fcntl can read):
+    // a file on FUSE or NFS could block the reader's event loop.
+    // SAFETY: plain fcntl on a descriptor we own.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) } < 0 {
+        bail!("a spilled message must be in a memfd");
     }
     let mut buf = vec![0u8; len as usize];
     File::from(fd).read_exact_at(&mut buf, 0).context("spilled message shorter than it says")?;

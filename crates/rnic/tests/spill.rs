@@ -85,6 +85,7 @@ fn bad_spilled_requests_are_refused_and_harm_nothing() {
         (spilled(1 << 40), Some(memfd(b"\"QueryDevice\"")), "at most"),
         (spilled(spilled(13).len() as u64), Some(memfd(&spilled(13))), "inside a spilled"),
         (spilled(7), Some(memfd(b"garbage")), "malformed spilled"),
+        (spilled(7), Some(std::fs::File::open("/dev/null").unwrap().into()), "must be in a memfd"),
     ];
     for (msg, fd, why) in &cases {
         let fds: Vec<i32> = fd.iter().map(|f| f.as_raw_fd()).collect();
