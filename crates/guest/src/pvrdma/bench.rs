@@ -13,8 +13,9 @@
 //!   guest's own time spent posting (building the WQE and ringing the
 //!   doorbell) over all W WQEs;
 //! - `lat size=S iters=N`: N SEND round trips of S bytes; answers `result
-//!   test=lat size=S iters=N p50_ns= p99_ns= avg_ns=`, each sample half a
-//!   round trip as `ib_send_lat` counts it.
+//!   test=lat size=S iters=N p50_ns= p99_ns= avg_ns= irq_waits=`, each
+//!   sample half a round trip as `ib_send_lat` counts it; `irq_waits` is
+//!   how many times the guest halted for a CQ interrupt.
 //!
 //! Either order takes `wait=1` (the default), `wait=2` or `wait=0`: how
 //! the guest waits for completions: by interrupt (`Cq::wait`: arm the CQ,
@@ -114,8 +115,10 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
             let _ = write!(out, "result test=write size={size} bytes={} ns={} wqes={} post_ns={}", r.0, r.1, r.2, r.3);
         } else if order.0.starts_with("lat ") && (1..=4096).contains(&size) {
             let iters = order.num("iters").unwrap_or(1000).clamp(1, MAX_ITERS);
+            let halts = super::CQ_IRQ_WAITS.load(core::sync::atomic::Ordering::Relaxed);
             let (p50, p99, avg) = b.send_lat(&lqp, &lcq, size, iters);
-            let _ = write!(out, "result test=lat size={size} iters={iters} p50_ns={p50} p99_ns={p99} avg_ns={avg}");
+            let halts = super::CQ_IRQ_WAITS.load(core::sync::atomic::Ordering::Relaxed) - halts;
+            let _ = write!(out, "result test=lat size={size} iters={iters} p50_ns={p50} p99_ns={p99} avg_ns={avg} irq_waits={halts}");
         } else {
             let _ = write!(out, "error unknown order (write size=1..1048576 secs= depth=, lat size=1..4096 iters=)");
         }

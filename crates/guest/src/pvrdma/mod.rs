@@ -147,6 +147,10 @@ fn memory_bars(dev: u8) -> [u64; 3] {
 /// consumes after an interrupt: the device posts (and interrupts) only
 /// while the ring has room.
 static CQ_NOTIFY_RING: AtomicU64 = AtomicU64::new(0);
+/// How many times `Cq::wait` halted for a CQ interrupt: a completion that
+/// arrives between the check and the arm is found by the poll after it, and
+/// that round trip needs no interrupt, so only these halts each owe one.
+pub static CQ_IRQ_WAITS: AtomicU64 = AtomicU64::new(0);
 
 /// MSI-X capability ID in the PCI capability list.
 const PCI_CAP_MSIX: u32 = 0x11;
@@ -501,6 +505,7 @@ impl Cq {
         if let Some(c) = self.poll()? {
             return Ok(Some(c));
         }
+        CQ_IRQ_WAITS.fetch_add(1, Ordering::Relaxed);
         crate::irq::wait_for(vector, seen);
         let ring = CQ_NOTIFY_RING.load(Ordering::SeqCst);
         wr32(ring + RING_STATE_RX_CONS_HEAD, rd32(ring + RING_STATE_RX_PROD_TAIL));
