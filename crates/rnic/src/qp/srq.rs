@@ -52,17 +52,7 @@ impl Qp {
             }
             match t {
                 Taken::Wqe(r) => return Some(r),
-                Taken::Bad(r) => {
-                    ctx.stats.bad_wqes += 1;
-                    let cqe = Cqe {
-                        wr_id: r.wr_id,
-                        qp_num: self.qpn,
-                        status: WcStatus::LocQpOpErr as u8,
-                        opcode: WcOpcode::Recv as u8,
-                        ..Default::default()
-                    };
-                    ctx.complete(self.recv_cq, cqe, false);
-                }
+                Taken::Bad(r) => self.complete_bad_recv(ctx, r.wr_id),
             }
         }
     }
@@ -83,5 +73,15 @@ impl Qp {
     /// Whether `srq` is this QP's SRQ.
     pub fn uses_srq(&self, srq: &SharedSrq) -> bool {
         self.srq.as_ref().is_some_and(|(_, s)| std::sync::Arc::ptr_eq(s, srq))
+    }
+}
+
+impl Qp {
+    /// A receive WQE that cannot be used (too many SGEs), from the QP's own
+    /// queue or its SRQ: counted, and completed with LOC_QP_OP_ERR.
+    pub(super) fn complete_bad_recv(&self, ctx: &mut Ctx, wr_id: u64) {
+        ctx.stats.bad_wqes += 1;
+        let cqe = Cqe { wr_id, qp_num: self.qpn, status: WcStatus::LocQpOpErr as u8, opcode: WcOpcode::Recv as u8, ..Default::default() };
+        ctx.complete(self.recv_cq, cqe, false);
     }
 }

@@ -218,15 +218,7 @@ impl Qp {
         };
         self.rt.rq_retired += 1;
         if r.num_sge as usize > MAX_SGE {
-            ctx.stats.bad_wqes += 1;
-            let cqe = Cqe {
-                wr_id: r.wr_id,
-                qp_num: self.qpn,
-                status: WcStatus::LocQpOpErr as u8,
-                opcode: WcOpcode::Recv as u8,
-                ..Default::default()
-            };
-            ctx.complete(self.recv_cq, cqe, false);
+            self.complete_bad_recv(ctx, r.wr_id);
             return self.fail(ctx, AsyncKind::QpFatal);
         }
         let sges = &r.sge[..r.num_sge as usize];
