@@ -15,7 +15,7 @@ use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
 use crate::rdma::ReadableRam;
 use crate::sender::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
-use crate::stats::{Control, RecoverRequest, Status};
+use crate::stats::{Control, RecoverRequest, Stats, Status};
 use crate::transport::Transport;
 use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, Msg};
@@ -356,19 +356,22 @@ fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQue
         Ok((_, cpu)) => ctl.add_cpu(false, cpu),
         Err(e) => tracing::debug!("ending the push streams after completion: {e:#}"),
     }
-    let Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, .. } = complete else {
-        unreachable!("the reader hands over only Complete")
-    };
     // Whatever the push did after this, the destination has it all.
-    ctl.update(|s| {
-        s.faults = faults;
-        s.fault_p50_us = fault_p50_us;
-        s.fault_p99_us = fault_p99_us;
-        s.fault_max_us = fault_max_us;
-        s.cpu_s_dest = Some(cpu_s);
-        s.ram_clients = ram_clients;
-    });
+    ctl.update(|s| note_complete(s, &complete));
     Ok(())
+}
+
+/// The destination's figures from its `Complete` into the statistics.
+fn note_complete(s: &mut Stats, complete: &Msg) {
+    let Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, .. } = *complete else {
+        unreachable!("only a Complete carries the destination's figures")
+    };
+    s.faults = faults;
+    s.fault_p50_us = fault_p50_us;
+    s.fault_p99_us = fault_p99_us;
+    s.fault_max_us = fault_max_us;
+    s.cpu_s_dest = Some(cpu_s);
+    s.ram_clients = ram_clients;
 }
 
 /// Run the push, and again whenever the destination's report after a lost
@@ -612,15 +615,10 @@ fn wait_complete(control: &mut TcpStream, ctl: &Control) -> Result<()> {
     control.set_read_timeout(None)?;
     loop {
         match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
-            Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, pages_read } => {
+            complete @ Msg::Complete { pages_read, .. } => {
                 let (pushed, requested) = pages_read.unwrap_or_default();
                 ctl.update(|s| {
-                    s.faults = faults;
-                    s.fault_p50_us = fault_p50_us;
-                    s.fault_p99_us = fault_p99_us;
-                    s.fault_max_us = fault_max_us;
-                    s.cpu_s_dest = Some(cpu_s);
-                    s.ram_clients = ram_clients;
+                    note_complete(s, &complete);
                     // Read by the destination from this RAM, not sent.
                     s.pages_pushed = pushed;
                     s.pages_requested = requested;
