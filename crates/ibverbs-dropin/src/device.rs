@@ -43,6 +43,8 @@ pub struct Context {
     /// when a program spins on an empty CQ (cq.rs).
     pub idle: verbs::CompChannel,
     pub port: ibv_port_attr,
+    /// Bytes of device memory allocated in this context (dm.rs).
+    pub dm_allocated: std::sync::atomic::AtomicU64,
 }
 
 /// The device, once found (it lives as long as the process, as a device
@@ -170,7 +172,7 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
         return std::ptr::null_mut();
     }
     let events = Default::default();
-    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, events, idle, port });
+    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, events, idle, port, dm_allocated: 0.into() });
     let v = &mut c.vctx;
     v.sz = std::mem::size_of::<verbs_context>();
     v.query_port = Some(query_port_ex);
@@ -178,6 +180,9 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     v.create_qp_ex = Some(qp::create_qp_ex);
     v.create_cq_ex = Some(cq::create_cq_ex);
     v.create_srq_ex = Some(crate::srq::create_srq_ex);
+    v.alloc_dm = Some(crate::dm::alloc_dm);
+    v.free_dm = Some(crate::dm::free_dm);
+    v.reg_dm_mr = Some(crate::dm::reg_dm_mr);
     v.context.device = dev;
     v.context.cmd_fd = c.cmd_fd.as_raw_fd();
     v.context.async_fd = c.async_fd.as_raw_fd();
@@ -298,6 +303,7 @@ unsafe extern "C" fn query_device_ex(
         return r;
     }
     a.phys_port_cnt_ex = 1;
+    a.max_dm_size = crate::dm::MAX_DM_SIZE;
     let n = attr_size.min(std::mem::size_of::<ibv_device_attr_ex>());
     std::ptr::write_bytes(attr as *mut u8, 0, attr_size);
     std::ptr::copy_nonoverlapping(&a as *const _ as *const u8, attr as *mut u8, n);

@@ -18,6 +18,7 @@ pub mod ah;
 pub mod async_events;
 pub mod cq;
 pub mod device;
+pub mod dm;
 pub mod link;
 pub mod mem;
 pub mod pdmr;
