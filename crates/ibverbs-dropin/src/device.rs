@@ -197,9 +197,9 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     ops.post_send = Some(qp::post_send);
     ops.post_recv = Some(qp::post_recv);
     ops.post_srq_recv = Some(crate::srq::post_srq_recv);
-    ops.alloc_mw = Some(qp::alloc_mw);
-    ops.dealloc_mw = Some(qp::dealloc_mw);
-    ops.bind_mw = Some(qp::bind_mw);
+    ops.alloc_mw = Some(crate::mw::alloc_mw);
+    ops.dealloc_mw = Some(crate::mw::dealloc_mw);
+    ops.bind_mw = Some(crate::mw::bind_mw);
     let c = Box::into_raw(c);
     &mut (*c).vctx.context
 }
@@ -266,7 +266,7 @@ pub unsafe extern "C" fn ibv_query_device(c: *mut ibv_context, attr: *mut ibv_de
     a.vendor_part_id = d.vendor_part_id;
     a.max_qp = d.max_qp as c_int;
     a.max_qp_wr = d.max_qp_wr.min(i32::MAX as u32) as c_int;
-    a.device_cap_flags = IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_PORT_ACTIVE_EVENT;
+    a.device_cap_flags = IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_PORT_ACTIVE_EVENT | IBV_DEVICE_MEM_WINDOW;
     a.max_sge = d.max_sge as c_int;
     a.max_sge_rd = d.max_sge as c_int;
     a.max_cq = d.max_cq as c_int;

@@ -21,6 +21,7 @@ pub mod device;
 pub mod dm;
 pub mod link;
 pub mod mem;
+pub mod mw;
 pub mod pdmr;
 pub mod qp;
 pub mod srq;

@@ -29,6 +29,11 @@ pub struct Mr {
     dm_users: *const std::sync::atomic::AtomicUsize,
 }
 
+/// The access flags an MR was registered with (mw.rs checks MW_BIND).
+pub(crate) unsafe fn mr_access(m: *const ibv_mr) -> Option<c_uint> {
+    (!m.is_null()).then(|| (*(m as *const Mr)).access)
+}
+
 pub unsafe fn pd<'a>(p: *mut ibv_pd) -> Option<&'a Pd> {
     (!p.is_null()).then(|| &*(p as *const Pd))
 }
@@ -65,12 +70,14 @@ pub unsafe extern "C" fn ibv_dealloc_pd(p: *mut ibv_pd) -> c_int {
 /// IBV_ACCESS_OPTIONAL_RANGE of verbs.h (a macro bindgen cannot evaluate):
 /// bits 20 to 29, flags a device may ignore.
 const ACCESS_OPTIONAL_RANGE: c_uint = ((1 << 30) - 1) & !((1 << 20) - 1);
-const KNOWN_ACCESS: c_uint = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+const KNOWN_ACCESS: c_uint =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND;
 
 /// The access flags rnicd is given, or the errno a kernel driver returns
 /// for them. Optional flags (relaxed ordering and the rest of the optional
-/// range) may be ignored by a device; MW binding, zero-based, ODP and the
-/// others are not supported here.
+/// range) may be ignored by a device; memory windows may be bound to an MR
+/// with MW_BIND (mw.rs); zero-based (but for device memory, dm.rs), ODP and
+/// the others are not supported here.
 fn check_access(access: c_uint) -> Result<c_uint, c_int> {
     let access = access & !ACCESS_OPTIONAL_RANGE;
     if access & !KNOWN_ACCESS != 0 {
