@@ -52,7 +52,7 @@ unsafe fn dm<'a>(d: *mut ibv_dm) -> Option<&'a Dm> {
 /// Whether [off, off+len) is inside the DM and on the copy boundary.
 fn copy_range_ok(d: &Dm, off: u64, len: usize) -> Result<(), c_int> {
     let len = len as u64;
-    if off % DM_ALIGN != 0 || len % DM_ALIGN != 0 {
+    if !off.is_multiple_of(DM_ALIGN) || !len.is_multiple_of(DM_ALIGN) {
         return Err(libc::EINVAL);
     }
     match off.checked_add(len) {
