@@ -43,8 +43,9 @@ pub struct Context {
     /// when a program spins on an empty CQ (cq.rs).
     pub idle: verbs::CompChannel,
     pub port: ibv_port_attr,
-    /// Bytes of device memory allocated in this context (dm.rs).
-    pub dm_allocated: std::sync::atomic::AtomicU64,
+    /// Bytes of device memory allocated in this context (dm.rs; shared
+    /// with its DMs, which a program may free after closing the context).
+    pub dm_allocated: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The device, once found (it lives as long as the process, as a device
@@ -172,7 +173,8 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
         return std::ptr::null_mut();
     }
     let events = Default::default();
-    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, events, idle, port, dm_allocated: 0.into() });
+    let mut c =
+        Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, events, idle, port, dm_allocated: Default::default() });
     let v = &mut c.vctx;
     v.sz = std::mem::size_of::<verbs_context>();
     v.query_port = Some(query_port_ex);

@@ -18,6 +18,7 @@
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use crate::device::ctx;
 use crate::pdmr::{pd, register_dm_range};
@@ -42,7 +43,7 @@ pub struct Dm {
     /// MRs registered on this DM and not yet deregistered.
     pub users: AtomicUsize,
     /// The context's count of allocated device memory.
-    allocated: *const AtomicU64,
+    allocated: Arc<AtomicU64>,
 }
 
 unsafe fn dm<'a>(d: *mut ibv_dm) -> Option<&'a Dm> {
@@ -123,7 +124,7 @@ pub unsafe extern "C" fn alloc_dm(c: *mut ibv_context, attr: *mut ibv_alloc_dm_a
         map_len: map_len as usize,
         len,
         users: AtomicUsize::new(0),
-        allocated: &cx.dm_allocated,
+        allocated: cx.dm_allocated.clone(),
     }));
     &mut (*b).dm
 }
@@ -135,7 +136,7 @@ pub unsafe extern "C" fn free_dm(d: *mut ibv_dm) -> c_int {
     }
     let b = Box::from_raw(d as *mut Dm);
     libc::munmap(b.base as *mut c_void, b.map_len);
-    (*b.allocated).fetch_sub(b.len, Ordering::AcqRel);
+    b.allocated.fetch_sub(b.len, Ordering::AcqRel);
     0
 }
 

@@ -17,6 +17,16 @@ fn bind(key: u32, new_key: u32, acc: u32, mr: &Mr, range: &[Sge]) -> [KeyOp<'sta
     [KeyOp::BindWindow { wr_id: 1, key, new_key, iova: mr.addr, access: acc, range: range.first().copied(), signaled: true }]
 }
 
+/// A new connected pair of QPs in `c`'s and `d`'s PDs (their CQs first).
+fn qps_between(c: &End, d: &End, o: ConnectOpts) -> (Cq, Qp, Cq, Qp) {
+    let (cq_c, cq_d) = (c.ctx.create_cq(16, None).unwrap(), d.ctx.create_cq(16, None).unwrap());
+    let qp_c = c.pd.create_qp(&QpInitAttr::new(&cq_c, &cq_c)).unwrap();
+    let qp_d = d.pd.create_qp(&QpInitAttr::new(&cq_d, &cq_d)).unwrap();
+    qp_c.connect(&qp_d.endpoint(0x10_0000), &ConnectOpts { sq_psn: 0xff_fff0, ..o }).unwrap();
+    qp_d.connect(&qp_c.endpoint(0xff_fff0), &ConnectOpts { sq_psn: 0x10_0000, ..o }).unwrap();
+    (cq_c, qp_c, cq_d, qp_d)
+}
+
 #[test]
 fn window_bind_renames_and_ends() {
     let bed = Bed::new("mwin", 2);
@@ -49,12 +59,20 @@ fn window_bind_renames_and_ends() {
 
     // A rename into another family, or more rights than an MR without
     // MW_BIND has, fail the bind.
-    let (_c, d) = pair(&bed, 0, 1, o);
+    let (c, d) = pair(&bed, 0, 1, o);
     let dmr = d.pd.reg_mr(&d.buf, 0, 4096, access::LOCAL_WRITE | access::MW_BIND).unwrap();
     let k1 = d.pd.create_indirect_key(1, Some(FAMILY + 0x1000)).unwrap();
     let r1 = [dmr.sge(0, 4096)];
-    d.qp.post_key_ops(&bind(k1.key(), k1.key() + 0x100, access::REMOTE_WRITE | access::LOCAL_WRITE, &dmr, &r1)).unwrap();
+    let rw = access::REMOTE_WRITE | access::LOCAL_WRITE;
+    d.qp.post_key_ops(&bind(k1.key(), k1.key() + 1, rw, &dmr, &r1)).unwrap();
+    ok(&d.scq);
+    d.qp.post_key_ops(&bind(k1.key() + 1, k1.key() + 0x101, rw, &dmr, &r1)).unwrap();
     assert_eq!(one(&d.scq).status, WcStatus::LocProtErr);
+    // The failed rename left the window bound to nothing (d's QP is in ERR
+    // now: c writes over new QPs in the same two PDs).
+    let (cq_c, qp_c, _cq_d, _qp_d) = qps_between(&c, &d, o);
+    qp_c.post_send(&[SendWr::write(11, &[c.mr.sge(0, 64)], dmr.addr, k1.key() + 1)]).unwrap();
+    assert_eq!(one(&cq_c).status, WcStatus::RemAccessErr);
     let (_c, d) = pair(&bed, 0, 1, o);
     let plain = d.pd.reg_mr(&d.buf, 0, 4096, access::LOCAL_WRITE).unwrap();
     let k2 = d.pd.create_indirect_key(1, Some(FAMILY + 0x1100)).unwrap();

@@ -334,10 +334,16 @@ impl Qp {
         } else {
             // A memory window's bind renames its key first (`swap`).
             let renamed = match (op, w.swap) {
-                (WrOpcode::BindKey, new) if new != 0 => match u32::try_from(new) {
-                    Ok(new) => ctx.keys.rename(self.owner, self.pd, w.rkey, new).map(|()| new),
-                    Err(_) => Err(BindError::BadRange),
-                },
+                (WrOpcode::BindKey, new) if new != 0 => {
+                    let r = u32::try_from(new).map_err(|_| BindError::BadRange);
+                    let r = r.and_then(|new| ctx.keys.rename(self.owner, self.pd, w.rkey, new).map(|()| new));
+                    if r.is_err() {
+                        // The consumer now names the window by its new key:
+                        // the old one must not keep granting what it did.
+                        let _ = ctx.keys.invalidate(self.owner, self.pd, w.rkey);
+                    }
+                    r
+                }
                 _ => Ok(w.rkey),
             };
             let r = match (op, renamed) {
