@@ -128,7 +128,12 @@ impl Qp {
         self.rewind(ctx);
         self.last_rewind = None;
         self.pull_sq(ctx);
-        self.pull_rq(ctx);
+        // Receives stay in their ring until a message takes them (outside
+        // ERR, see `rq_on_demand`): pulling them all here would let the
+        // client post a second queue's worth behind them.
+        if !self.rq_on_demand() {
+            self.pull_rq(ctx);
+        }
         // Kick the peer: a PSN sequence NAK for the PSN we expect makes it
         // resend from there now instead of at its next RNR or retry timer
         // (a peer with nothing outstanding drops it as out of window).
