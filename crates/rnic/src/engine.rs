@@ -682,13 +682,16 @@ impl Engine {
         Ok(Reply::Channel(id))
     }
 
+    /// Frees the channel's handle. CQs still using it keep its eventfd
+    /// (they hold it) until they go, as the kernel keeps a completion
+    /// channel's file open while its CQs live after the program closes the
+    /// fd: a context closed with CQs left over (perftest's ib_send_bw client
+    /// leaves its receive CQ) is legal, and libibverbs' EBUSY for
+    /// ibv_destroy_comp_channel is the library's check (the drop-in's too).
     fn destroy_comp_channel(&mut self, client: ClientId, channel: u32) -> anyhow::Result<Reply> {
-        let fd = match self.channels.get(&channel) {
-            Some((c, fd)) if *c == client => fd,
+        match self.channels.get(&channel) {
+            Some((c, _)) if *c == client => {}
             _ => bail!("no channel {channel}"),
-        };
-        if self.cqs.values().any(|c| c.channel.as_ref().is_some_and(|f| Arc::ptr_eq(f, fd))) {
-            bail!("channel {channel} still has CQs");
         }
         self.channels.remove(&channel);
         Ok(Reply::Ok)
