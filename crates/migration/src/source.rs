@@ -77,6 +77,7 @@ fn run_inner(
     if plan.mode == Mode::Postcopy {
         return postcopy_at_once(&mut guard, &vm, plan, link, ctl);
     }
+    send_early_state(&vm, &plan, &mut link, ctl)?;
     let mut pass = first_pass(&vm, sources, &plan, &mut link, ctl)?;
     let end = rounds(&vm, params, &plan, &mut link, &mut pass, ctl)?;
     if end.switch {
@@ -226,6 +227,23 @@ fn hand_over(
         round,
     };
     crate::postcopy::source::run(guard, start)
+}
+
+/// Precopy and hybrid: the devices' early sections go first, so that the
+/// destination builds them while the rounds run; the state at the switch
+/// then finds them built. Nothing is sent if no device has one.
+fn send_early_state(vm: &Arc<dyn MigratableVm>, plan: &Plan, link: &mut Link, ctl: &Control) -> Result<()> {
+    let early = vm.save_early_state().context("saving the devices' early state")?;
+    if early.sections.is_empty() {
+        return Ok(());
+    }
+    let mut blob = Vec::with_capacity(early.encoded_len() + 4);
+    early.write_to(&mut blob)?;
+    wire::send_msg(&mut link.control, &Msg::EarlyState { state_bytes: blob.len() as u64 })?;
+    wire::send_blob(&mut link.control, &blob)?;
+    ctl.update(|s| s.early_state_bytes = blob.len() as u64);
+    plan.setup_step(ctl, "early device state sent");
+    Ok(())
 }
 
 /// Dirty tracking and the first pass over all of RAM, cut into work.
