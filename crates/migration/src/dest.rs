@@ -310,16 +310,27 @@ fn recv_end(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, sh: &RxShared, 
 }
 
 /// The early state's blob, decoded and built (`MigratableVm::prepare_state`).
+/// Building ahead only saves downtime: the state at the switch names every
+/// object, so a device that cannot build its early section (another GID,
+/// an ID taken) builds nothing now and takes or refuses the whole state
+/// at the switch, where the source hears why.
 fn prepare_early(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, state_bytes: u64, ctl: &Control, t0: Instant) -> Result<()> {
     let blob = wire::recv_blob(control).map_err(|e| anyhow!("early device state: {e}"))?;
     if blob.len() as u64 != state_bytes {
         bail!("early device state is {} bytes, source announced {state_bytes}", blob.len());
     }
     let early = StateSet::read_from(&mut blob.as_slice()).context("decoding the early device state")?;
-    vm.prepare_state(&early).context("building the early device state")?;
+    let step = match vm.prepare_state(&early) {
+        Ok(()) => "early device state built".to_string(),
+        Err(e) => {
+            tracing::warn!("the early device state was not built ahead (the switch builds it): {e:#}");
+            vm.discard_prepared();
+            format!("early device state not built: {e:#}")
+        }
+    };
     ctl.update(|s| {
         s.early_state_bytes = state_bytes;
-        s.setup_steps.push(("early device state built".into(), t0.elapsed().as_secs_f64() * 1e3));
+        s.setup_steps.push((step, t0.elapsed().as_secs_f64() * 1e3));
     });
     Ok(())
 }
