@@ -303,7 +303,12 @@ fn recv_end(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, sh: &RxShared, 
     loop {
         match wire::recv_msg(control)? {
             Msg::ChannelLost { index } => drop_channel(sh, index as usize).map_err(|e| WireError::Corrupt(format!("{e:#}")))?,
-            Msg::EarlyState { state_bytes } => prepare_early(vm, control, state_bytes, ctl, t0).map_err(|e| WireError::Corrupt(format!("{e:#}")))?,
+            Msg::EarlyState { state_bytes } => {
+                prepare_early(vm, control, state_bytes, ctl, t0).map_err(|e| WireError::Corrupt(format!("{e:#}")))?;
+                // Through the acknowledgements' lock: the channels send
+                // their RoundDone on the same connection.
+                wire::send_msg(&mut *sh.acks.lock().unwrap(), &Msg::EarlyBuilt)?;
+            }
             m => return Ok(m),
         }
     }

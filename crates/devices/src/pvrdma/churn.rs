@@ -73,7 +73,10 @@ impl Dev {
         let gone = (self.mrs.remove(old.mr).map(|m| m.info.key), self.qps.remove(old.qp).map(|q| q.info.qpn));
         let new = self.make_spares()?;
         let made = (self.mrs.get(new.mr).map(|m| m.info.key), self.qps.get(new.qp).map(|q| q.info.qpn));
-        tracing::info!("pvrdma {}: testing=churn-early: after the early section, (MR key, QPN) {gone:x?} destroyed, {made:x?} made", self.name);
+        tracing::info!(
+            "pvrdma {}: testing=churn-early: after the early section, (MR key, QPN) {gone:x?} destroyed, {made:x?} made",
+            self.name
+        );
         Ok(())
     }
 }
