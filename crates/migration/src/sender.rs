@@ -553,6 +553,7 @@ pub(crate) fn recv_reply(control: &mut TcpStream) -> Result<Msg> {
             Msg::Abort { reason } => bail!("destination refused: {reason}"),
             // The final round's acknowledgement; End's answer follows.
             Msg::RoundDone { .. } => continue,
+            Msg::EarlyBuilt => continue,
             m => return Ok(m),
         }
     }

@@ -62,6 +62,24 @@ pub trait MigratableVm: Send + Sync {
     /// Load vCPU and device state into a paused VM built from the same config.
     fn restore_state(&self, state: &StateSet) -> anyhow::Result<()>;
 
+    /// The devices' early sections (`snapshot::Persist::save_early`),
+    /// taken while the VM runs: precopy and hybrid send them ahead of
+    /// the RAM, and the destination builds them (`prepare_state`) while
+    /// the rounds run. Empty: nothing to build ahead.
+    fn save_early_state(&self) -> anyhow::Result<StateSet> {
+        Ok(StateSet::default())
+    }
+
+    /// Destination: build what the early sections describe, ahead of the
+    /// state that `restore_state` loads at the switch. An error fails the
+    /// migration.
+    fn prepare_state(&self, _early: &StateSet) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// Destination: the migration failed; what `prepare_state` built goes.
+    fn discard_prepared(&self) {}
+
     /// Slow the vCPUs to run only (100 - pct)% of the time (auto-converge).
     fn set_cpu_throttle(&self, pct: u8);
 

@@ -14,10 +14,12 @@
 //! the vCPU thread for the next completion event, without the lock. All state
 //! sits behind one lock.
 
+mod churn;
 mod cmd;
 mod config;
 mod datapath;
 mod dev;
+mod early;
 mod guest;
 mod negative;
 mod objects;
@@ -106,6 +108,9 @@ pub struct Pvrdma {
     /// returns them with the suspend (a suspended QP's state does not
     /// change), so that the save asks nothing more inside the downtime.
     paused_states: HashMap<u32, verbs::QpSnapshot>,
+    /// Destination: what an early section built ahead of the switch
+    /// (`early.rs`), until `restore` takes it or the migration fails.
+    prepared: Option<early::Prepared>,
 }
 
 /// One of the device's BARs on the MMIO bus.
@@ -160,7 +165,7 @@ impl Pvrdma {
                 .map_err(|e| format!("notifier thread: {e}"))?
         };
         lock(&shared).notifier_thread = Some(notifier.thread().clone());
-        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter, paused_states: HashMap::new() })
+        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter, paused_states: HashMap::new(), prepared: None })
     }
 
     pub fn name(&self) -> &str {
