@@ -72,7 +72,7 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
                 // signaled pong would wake this side again for its ACK,
                 // while the next ping is on its way; one in SIGNAL_EVERY
                 // keeps the send queue moving.
-                let wr = if (answered + 1) % SIGNAL_EVERY == 0 { wr } else { wr.unsignaled() };
+                let wr = if (answered + 1).is_multiple_of(SIGNAL_EVERY) { wr } else { wr.unsignaled() };
                 lqp.post_send(&[wr])?;
                 lqp.post_recv(&[RecvWr { wr_id: wc.wr_id, sg_list: &recv_sge }])?;
                 answered += 1;

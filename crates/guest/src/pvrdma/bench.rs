@@ -21,7 +21,9 @@
 //! the guest waits for completions: by interrupt (`Cq::wait`: arm the CQ,
 //! HLT until its notification), in the device with the WAIT doorbell
 //! (`Cq::wait_doorbell`), or spinning on POLL doorbells (`Cq::poll`, as
-//! `pvrdma_poll_cq` in a busy-polling application).
+//! `pvrdma_poll_cq` in a busy-polling application). With `wait=2` the
+//! latency test's pings wait in their own SEND doorbell
+//! (`Qp::post_send_wait`), one MMIO exit per round trip.
 
 use super::workloads::{fail, parse_ip, PeerInfo};
 use super::{Cq, Op, Qp, Remote};
