@@ -335,6 +335,7 @@ impl Qp {
             WcStatus::WrFlushErr
         } else {
             // A memory window's bind renames its key first (`swap`).
+            let window = op == WrOpcode::BindKey && w.swap != 0;
             let renamed = match (op, w.swap) {
                 (WrOpcode::BindKey, new) if new != 0 => {
                     let r = u32::try_from(new).map_err(|_| BindError::BadRange);
@@ -348,19 +349,29 @@ impl Qp {
                 }
                 _ => Ok(w.rkey),
             };
-            let r = match (op, renamed) {
-                (_, Err(e)) => Err(e),
+            let r = match (op, &renamed) {
+                (_, Err(e)) => Err(*e),
                 // A window bound to nothing (type 1's zero-length bind).
-                (WrOpcode::BindKey, Ok(key)) if w.swap != 0 && w.num_sge == 0 => ctx.keys.invalidate(self.owner, self.pd, key),
-                (WrOpcode::BindKey, Ok(key)) => match bind_entries(w) {
+                (WrOpcode::BindKey, &Ok(key)) if window && w.num_sge == 0 => ctx.keys.invalidate(self.owner, self.pd, key),
+                (WrOpcode::BindKey, &Ok(key)) => match bind_entries(w) {
                     Some(entries) if w.compare_add <= u32::MAX as u64 => {
-                        ctx.keys.bind(self.owner, self.pd, key, w.remote_addr, w.compare_add as u32, &entries)
+                        let (iova, acc) = (w.remote_addr, w.compare_add as u32);
+                        if window {
+                            ctx.keys.bind_window(self.owner, self.pd, key, iova, acc, &entries)
+                        } else {
+                            ctx.keys.bind(self.owner, self.pd, key, iova, acc, &entries)
+                        }
                     }
                     Some(_) => Err(BindError::BadRange),
                     None => Err(BindError::TooLong),
                 },
-                (_, Ok(key)) => ctx.keys.invalidate(self.owner, self.pd, key),
+                (_, &Ok(key)) => ctx.keys.invalidate(self.owner, self.pd, key),
             };
+            if let (true, Err(_), Ok(key)) = (window, &r, renamed) {
+                // Renamed but not bound: the consumer names the window by
+                // its new key, which must not grant what the old binding did.
+                let _ = ctx.keys.invalidate(self.owner, self.pd, key);
+            }
             match r {
                 Ok(()) => {
                     ctx.stats.key_binds += 1;
@@ -368,7 +379,10 @@ impl Qp {
                 }
                 Err(e) => {
                     ctx.stats.key_bind_errors += 1;
-                    if e == BindError::TooLong {
+                    // A window's bind fails as rxe's does, whatever the cause.
+                    if window {
+                        WcStatus::MwBindErr
+                    } else if e == BindError::TooLong {
                         WcStatus::LocLenErr
                     } else {
                         WcStatus::LocProtErr
