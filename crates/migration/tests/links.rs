@@ -330,3 +330,77 @@ fn link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64) {
     }
     p.check_dirtier_on_destination();
 }
+
+/// The first link cut: it carries the control connection (and, after a
+/// postcopy switch over tcp, the first urgent connection), which move to
+/// the second link with nothing lost; the rest is as for any cut link.
+mod first_link {
+    use super::*;
+
+    over_transport!(tcp:
+        first_link_cut_mid_migration_completes_on_the_other,
+        postcopy_first_link_cut_after_the_switch_completes_on_the_other,
+    );
+
+    over_transport!(rdma:
+        first_link_cut_mid_migration_completes_on_the_other,
+        postcopy_first_link_cut_after_the_switch_completes_on_the_other,
+    );
+}
+
+/// Precopy, the first link cut in the middle of the first pass: the
+/// control connection goes on on the second link, the first link's
+/// channels are dropped and their pages go again on the second, and the
+/// migration completes byte-exact (`verify_ram`: the page hashes travel
+/// on the control connection after the cut).
+fn first_link_cut_mid_migration_completes_on_the_other(transport: &'static str) {
+    let p = pair(transport, "fill", "128M");
+    // 128 MiB at 2 x 100 Mbit/s: about 5 s, so the cut lands mid-pass.
+    p.cap_both(100);
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
+    p.wait_sent(32 << 20);
+    p.tb.link_down(0, 0).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    p.destination_completed();
+    let links = s["links"].as_array().unwrap();
+    assert_eq!(links[0]["channels_lost"], 2, "both channels of the cut link are lost: {s:#}");
+    assert_eq!(links[0]["failed"], true, "{s:#}");
+    assert_eq!(links[1]["channels_lost"], 0, "{s:#}");
+    assert_eq!(links[1]["failed"], false, "{s:#}");
+    let bytes = link_bytes(&s);
+    assert!(bytes[1] > bytes[0], "the rest went on the second link: {bytes:?}");
+}
+
+/// Postcopy, the first link cut while the push runs and the dirtier
+/// faults on the destination: the control connection moves to the second
+/// link, and over tcp the destination's page requests go on the second
+/// link's urgent connection (those asked on the first are asked again).
+/// The migration completes with no pause and no page left missing, and
+/// the dirtier's oracle holds on the destination.
+fn postcopy_first_link_cut_after_the_switch_completes_on_the_other(transport: &'static str) {
+    let p = pair(transport, "dirtier", "64M");
+    // 64 MiB at 2 x 100 Mbit/s: the push takes seconds after the switch.
+    p.cap_both(100);
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "mode": "postcopy", "timeout_s": 300})).unwrap();
+    p.wait_postcopy_sent(if transport == "rdma" { 0 } else { 8 << 20 });
+    if transport == "rdma" {
+        p.wait_read_on_link(0);
+    }
+    p.tb.link_down(0, 0).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    assert_eq!(s["recoveries"], 0, "the migration went on without a pause: {s:#}");
+    let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
+    assert_eq!(d["status"], "completed", "destination {d:#}");
+    assert_eq!(d["recoveries"], 0, "{d:#}");
+    assert_eq!(d["remaining_pages"], 0, "no fault is left waiting: {d:#}");
+    if transport == "tcp" {
+        assert_eq!(s["links"][0]["channels_lost"], 2, "the cut link's push channels are dropped: {s:#}");
+        assert_eq!(s["links"][1]["channels_lost"], 0, "{s:#}");
+    } else {
+        assert_eq!(d["links"][0]["failed"], true, "the cut link's READ queue pairs are dropped: {d:#}");
+        assert_eq!(d["links"][1]["failed"], false, "{d:#}");
+    }
+    p.check_dirtier_on_destination();
+}
