@@ -757,6 +757,11 @@ pub(crate) fn accept_channels(
             {
                 // Requests may be rare: the urgent connection may idle.
                 s.set_read_timeout(None)?;
+                // With several links, requests asked on a dead one are
+                // asked again on another once it is found dead.
+                if urgents > 1 {
+                    crate::links::shorten_timeout(&s);
+                }
                 urgent[index as usize] = Some(s);
             }
             (role, other) => bail!("bad data connection greeting {other:?} (role {role})"),
