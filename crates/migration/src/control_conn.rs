@@ -61,7 +61,11 @@ struct Inner {
     tx: Mutex<Tx>,
     rx: Mutex<Rx>,
     read_timeout: Mutex<Option<Duration>>,
+    /// Told the link the stream moved to.
+    on_move: Mutex<Option<MoveHook>>,
 }
+
+type MoveHook = Box<dyn Fn(usize) + Send>;
 
 /// What this end sent: every byte since the last failover is kept, as the
 /// peer may not have read it.
@@ -121,6 +125,7 @@ impl ControlConn {
             tx: Mutex::new(Tx { sent: 0, kept: Vec::new(), kept_from: 0 }),
             rx: Mutex::new(Rx { received: 0, drained: VecDeque::new() }),
             read_timeout: Mutex::new(None),
+            on_move: Mutex::new(None),
         });
         if several {
             let weak = Arc::downgrade(&inner);
@@ -214,6 +219,11 @@ impl ControlConn {
     /// links), None once every one failed.
     pub fn live_link(&self) -> Option<usize> {
         Some(self.inner.live.load(Ordering::SeqCst)).filter(|&l| l != DEAD)
+    }
+
+    /// Call `hook` with the link's index whenever the stream moves.
+    pub fn on_move(&self, hook: impl Fn(usize) + Send + 'static) {
+        *lock(&self.inner.on_move) = Some(Box::new(hook));
     }
 
     pub fn shutdown(&self) {
@@ -335,6 +345,9 @@ impl Inner {
                 Ok(()) => {
                     tracing::warn!("migration: control connection moved from link {from} to link {next}");
                     self.live.store(next, Ordering::SeqCst);
+                    if let Some(hook) = lock(&self.on_move).as_ref() {
+                        hook(next);
+                    }
                     return Ok(());
                 }
                 Err(e) => {

@@ -146,6 +146,9 @@ pub struct LinkStat {
     pub wire_bytes: u64,
     /// `wire_bytes` over the migration's time so far.
     pub throughput_gbps: f64,
+    /// The control connection rides this link now (source side).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub control: bool,
 }
 
 /// The local IPv4 address the kernel sends from towards `addr`

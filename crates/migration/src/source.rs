@@ -169,6 +169,11 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
     let mut conns = vec![control];
     conns.extend(ControlConn::open_spares(&spares, session, ctl)?);
     let mut control = ControlConn::new(conns, ctl)?;
+    let on_link = |s: &mut crate::stats::Stats, k: usize| {
+        for (i, l) in s.links.iter_mut().enumerate() {
+            l.control = i == k;
+        }
+    };
     plan.setup_step(ctl, "welcomed");
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
     let mut channels = match &plan.transport {
@@ -178,6 +183,10 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
         }
     };
     channels.enable_failover(&control)?;
+    // The links' statistics exist once the channels are open.
+    let c = ctl.clone();
+    control.on_move(move |k| c.update(|s| on_link(s, k)));
+    ctl.update(|s| on_link(s, control.live_link().unwrap_or(0)));
     let (urgent, reads) = match (&plan.transport, plan.mode) {
         (_, Mode::Precopy) => (None, None),
         (Transport::Tcp, _) => (Some(open_urgent(&plan.links, session, ctl)?), None),

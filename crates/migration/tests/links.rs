@@ -372,6 +372,8 @@ fn first_link_cut_mid_migration_completes_on_the_other(transport: &'static str) 
     assert_eq!(links[0]["failed"], true, "{s:#}");
     assert_eq!(links[1]["channels_lost"], 0, "{s:#}");
     assert_eq!(links[1]["failed"], false, "{s:#}");
+    assert_eq!(links[1]["control"], true, "the control connection moved to the second link: {s:#}");
+    assert!(links[0].get("control").is_none(), "{s:#}");
     let bytes = link_bytes(&s);
     assert!(bytes[1] > bytes[0], "the rest went on the second link: {bytes:?}");
 }
@@ -417,6 +419,7 @@ fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u
     assert_eq!(d["status"], "completed", "destination {d:#}");
     assert_eq!(d["recoveries"], 0, "{d:#}");
     assert_eq!(d["remaining_pages"], 0, "no fault is left waiting: {d:#}");
+    assert_eq!(s["links"][1]["control"], true, "the control connection moved to the second link: {s:#}");
     if transport == "tcp" {
         assert_eq!(s["links"][0]["channels_lost"], 2, "the cut link's push channels are dropped: {s:#}");
         assert_eq!(s["links"][1]["channels_lost"], 0, "{s:#}");
