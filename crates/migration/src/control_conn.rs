@@ -27,7 +27,7 @@ use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -56,6 +56,8 @@ struct Inner {
     conns: Vec<TcpStream>,
     /// The connection carrying the stream (changed under `tx` and `rx`).
     live: AtomicUsize,
+    /// Waiting connections the watcher saw die: a failover skips them.
+    quiet: Vec<AtomicBool>,
     /// One failover at a time.
     switch: Mutex<()>,
     tx: Mutex<Tx>,
@@ -74,6 +76,36 @@ struct Tx {
     kept: Vec<u8>,
     /// The stream offset of `kept[0]`.
     kept_from: u64,
+}
+
+/// Kept bytes are dropped in pieces at least this large (each drop moves
+/// the rest of `kept`).
+const TRIM_AT_LEAST: usize = 64 << 10;
+
+impl Tx {
+    /// `unacked` bytes of the live connection's send queue are not yet
+    /// acknowledged by the peer's kernel: every byte before them is in the
+    /// peer's socket, and the peer reads all of it before it shuts that
+    /// connection (a failover drains it), so its resume never asks for
+    /// them. Without a count, keep everything.
+    fn trim(&mut self, unacked: Option<u64>) {
+        let Some(q) = unacked else { return };
+        let safe = self.sent.saturating_sub(q);
+        let n = safe.saturating_sub(self.kept_from).min(self.kept.len() as u64) as usize;
+        if n >= TRIM_AT_LEAST || (n > 0 && n == self.kept.len()) {
+            self.kept.drain(..n);
+            self.kept_from += n as u64;
+        }
+    }
+}
+
+/// Bytes in a socket's send queue not yet acknowledged by the peer
+/// (`SIOCOUTQ`).
+fn unacked(s: &TcpStream) -> Option<u64> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ for TCP) writes one int.
+    let r = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+    (r == 0 && n >= 0).then_some(n as u64)
 }
 
 struct Rx {
@@ -119,6 +151,7 @@ impl ControlConn {
         }
         let several = conns.len() > 1;
         let inner = Arc::new(Inner {
+            quiet: conns.iter().map(|_| AtomicBool::new(false)).collect(),
             conns,
             live: AtomicUsize::new(0),
             switch: Mutex::new(()),
@@ -183,6 +216,12 @@ impl ControlConn {
     pub fn wait_readable(&self, wait: Duration) -> bool {
         let t = Instant::now();
         loop {
+            // Wait without holding `rx`: the watcher's failover takes it.
+            let live = self.inner.live.load(Ordering::SeqCst);
+            if live != DEAD {
+                let slice = wait.saturating_sub(t.elapsed()).min(WATCH_EVERY);
+                poll_one(&self.inner.conns[live], libc::POLLIN, slice);
+            }
             {
                 let rx = lock(&self.inner.rx);
                 if !rx.drained.is_empty() {
@@ -192,9 +231,8 @@ impl ControlConn {
                 if live == DEAD {
                     return true;
                 }
-                let slice = wait.saturating_sub(t.elapsed()).min(WATCH_EVERY);
                 let c = &self.inner.conns[live];
-                if poll_one(c, libc::POLLIN, slice) != 0 {
+                if poll_one(c, libc::POLLIN, Duration::ZERO) != 0 {
                     // Data, or the connection's end: the end moves the
                     // stream on, and the wait goes on there.
                     match c.peek(&mut [0u8]) {
@@ -241,6 +279,11 @@ impl Inner {
         let timeout = *lock(&self.read_timeout);
         let t = Instant::now();
         loop {
+            // Wait without holding `rx`: the watcher's failover takes it.
+            let live = self.live.load(Ordering::SeqCst);
+            if live != DEAD {
+                poll_one(&self.conns[live], libc::POLLIN, WATCH_EVERY);
+            }
             let failed = {
                 let mut rx = lock(&self.rx);
                 if !rx.drained.is_empty() {
@@ -255,7 +298,7 @@ impl Inner {
                     return Err(lost());
                 }
                 let c = &self.conns[live];
-                if poll_one(c, libc::POLLIN, WATCH_EVERY) != 0 {
+                if poll_one(c, libc::POLLIN, Duration::ZERO) != 0 {
                     match (&*c).read(buf) {
                         Ok(0) => Some((live, None)),
                         Ok(n) => {
@@ -301,7 +344,12 @@ impl Inner {
             }
             tx.sent += buf.len() as u64;
             match (&self.conns[live]).write_all(buf) {
-                Ok(()) => return Ok(buf.len()),
+                Ok(()) => {
+                    if self.conns.len() > 1 {
+                        tx.trim(unacked(&self.conns[live]));
+                    }
+                    return Ok(buf.len());
+                }
                 Err(e) if self.conns.len() == 1 => return Err(e),
                 Err(e) => tracing::debug!("control connection on link {live}: {e}"),
             }
@@ -341,6 +389,9 @@ impl Inner {
         let _ = old.shutdown(Shutdown::Both);
         let mut tx = lock(&self.tx);
         for next in from + 1..self.conns.len() {
+            if self.quiet[next].load(Ordering::SeqCst) {
+                continue;
+            }
             match self.resume(next, rx.received, &mut tx) {
                 Ok(()) => {
                     tracing::warn!("migration: control connection moved from link {from} to link {next}");
@@ -364,6 +415,15 @@ impl Inner {
     /// received, then what it lacks of ours.
     fn resume(&self, k: usize, received: u64, tx: &mut Tx) -> io::Result<()> {
         let c = &self.conns[k];
+        // The failover holds `tx` and `rx`: a write stuck on a dead spare
+        // must give up, as the read of the peer's resume does.
+        c.set_write_timeout(Some(RESUME_TIMEOUT))?;
+        let r = self.resume_on(c, received, tx);
+        c.set_write_timeout(None)?;
+        r
+    }
+
+    fn resume_on(&self, c: &TcpStream, received: u64, tx: &mut Tx) -> io::Result<()> {
         let mut hdr = [0u8; 16];
         hdr[..8].copy_from_slice(&RESUME_MAGIC);
         hdr[8..].copy_from_slice(&received.to_le_bytes());
@@ -394,7 +454,6 @@ impl Inner {
 /// a later one, starts a failover without waiting for the engine to read
 /// or write. Ends with the connection.
 fn watch(weak: Weak<Inner>) {
-    let mut quiet = vec![false; weak.upgrade().map_or(0, |i| i.conns.len())];
     loop {
         let Some(inner) = weak.upgrade() else { return };
         let live = inner.live.load(Ordering::SeqCst);
@@ -404,7 +463,7 @@ fn watch(weak: Weak<Inner>) {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut which = Vec::new();
         for (k, c) in inner.conns.iter().enumerate().skip(live) {
-            if k > live && quiet[k] {
+            if k > live && inner.quiet[k].load(Ordering::SeqCst) {
                 continue;
             }
             // The live one: only its failure (its data is the engine's).
@@ -429,7 +488,7 @@ fn watch(weak: Weak<Inner>) {
                 move_on = true;
             } else {
                 // A waiting connection's link died: nothing to resume on.
-                quiet[k] = true;
+                inner.quiet[k].store(true, Ordering::SeqCst);
             }
         }
         if move_on {
@@ -499,6 +558,32 @@ mod tests {
         assert_eq!(wire::recv_blob(&mut &b).unwrap(), vec![7u8; 100_000]);
         assert_eq!(wire::recv_msg(&mut &a).unwrap(), Msg::Welcome);
         assert_eq!((a.live_link(), b.live_link()), (Some(1), Some(1)));
+    }
+
+    #[test]
+    fn bytes_the_peer_acknowledged_are_not_kept() {
+        let (a, b, ra, _) = pair(2);
+        let reader = std::thread::spawn(move || {
+            let got = wire::recv_blob(&mut &b).unwrap();
+            (b, got)
+        });
+        wire::send_blob(&mut &a, &vec![3u8; 8 << 20]).unwrap();
+        let (b, got) = reader.join().unwrap();
+        assert_eq!(got.len(), 8 << 20);
+        // Written once more, after the peer read the rest: the acknowledged
+        // bytes are trimmed, not kept until a failover.
+        wire::send_blob(&mut &a, &vec![4u8; TRIM_AT_LEAST * 2]).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        wire::send_msg(&mut &a, &Msg::Go).unwrap();
+        let kept = lock(&a.inner.tx).kept.len();
+        assert!(kept < 4 * TRIM_AT_LEAST, "{kept} bytes kept");
+        // The stream still resumes on the second connection.
+        assert_eq!(wire::recv_blob(&mut &b).unwrap(), vec![4u8; TRIM_AT_LEAST * 2]);
+        ra[0].shutdown(Shutdown::Both).unwrap();
+        wire::send_msg(&mut &a, &Msg::Ready).unwrap();
+        assert_eq!(wire::recv_msg(&mut &b).unwrap(), Msg::Go);
+        assert_eq!(wire::recv_msg(&mut &b).unwrap(), Msg::Ready);
+        assert_eq!(a.live_link(), Some(1));
     }
 
     #[test]

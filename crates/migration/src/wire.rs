@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 8] = *b"TRNSTMIG";
-pub const VERSION: u32 = 3;
+/// 4: the control connection's spares (`ROLE_CONTROL_SPARE`, `Hello::spare_controls`).
+pub const VERSION: u32 = 4;
 pub const ROLE_CONTROL: u8 = 0;
 pub const ROLE_DATA: u8 = 1;
 /// Postcopy: page requests (destination -> source) and their answers, on a

@@ -128,14 +128,17 @@ impl Link {
                 return Some(why);
             }
             // Several links: the requests go on the next urgent
-            // connection, and what was asked on this one is asked again
-            // (a page that comes twice is placed once).
+            // connection, and every page asked or prefetched and not here
+            // is asked again, waited on or not (a page that comes twice is
+            // placed once).
             tracing::warn!("postcopy: {why}; page requests go on the next link");
             let placer = sh.placer.get().expect("placer set before the link starts");
-            placer.forget_asked();
-            let mut waiting = placer.waiting();
-            if !waiting.is_empty() {
-                sink.request(&mut waiting, &mut []);
+            let mut again = placer.take_unanswered();
+            again.extend(placer.waiting().into_iter().filter(|&p| !placer.seen.get(p)));
+            again.sort_unstable();
+            again.dedup();
+            if !again.is_empty() {
+                sink.request(&mut again, &mut []);
             }
         }
         if self.control.wait_readable(Duration::ZERO) {

@@ -18,6 +18,11 @@ use userfaultfd::Event;
 /// on the first one left), or over the rdma transport the fetcher that
 /// READs the pages ([`super::fetch`]); absent while reconnecting (the
 /// waiters remember what to ask for again).
+/// How long a page request may wait to enter an urgent connection's
+/// socket when another link can carry it instead (requests are a few
+/// bytes: a socket this full is on a dead link).
+const URGENT_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+
 #[derive(Default)]
 pub struct RequestSink {
     conns: Mutex<Vec<Option<TcpStream>>>,
@@ -27,6 +32,13 @@ pub struct RequestSink {
 impl RequestSink {
     /// The urgent connections, in link order.
     pub fn connect(&self, conns: Vec<TcpStream>) {
+        if conns.len() > 1 {
+            // A request stuck on a dead link's full socket would hold the
+            // fault thread: give up on that connection and ask on the next.
+            for s in &conns {
+                let _ = s.set_write_timeout(Some(URGENT_WRITE_TIMEOUT));
+            }
+        }
         *self.conns.lock().unwrap() = conns.into_iter().map(Some).collect();
     }
     /// The urgent connection of link `k` failed: requests go on the next.
