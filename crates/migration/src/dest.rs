@@ -3,6 +3,7 @@
 //! page of RAM arrived at least once, and the state loaded.
 
 use crate::compress::Compress;
+use crate::control_conn::ControlConn;
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
@@ -36,7 +37,7 @@ pub fn run(
         s.role = "incoming".into();
         s.peer = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     });
-    let mut control: Option<TcpStream> = None;
+    let mut control: Option<ControlConn> = None;
     let mut started = t0;
     let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started, clients);
     if let Err(e) = &r {
@@ -77,7 +78,7 @@ fn run_inner(
     listener: &TcpListener,
     params: &IncomingParams,
     ctl: &Arc<Control>,
-    control_out: &mut Option<TcpStream>,
+    control_out: &mut Option<ControlConn>,
     t0: &mut Instant,
     clients: Option<Arc<RamClients>>,
 ) -> Result<bool> {
@@ -90,8 +91,11 @@ fn run_inner(
     let timeout = (params.accept_timeout_s > 0).then(|| Duration::from_secs(params.accept_timeout_s));
     let mut control = accept(listener, ctl, timeout)?;
     *t0 = Instant::now();
-    *control_out = Some(control.try_clone()?);
+    *control_out = Some(ControlConn::new(vec![control.try_clone()?], ctl)?);
     let hello = handshake(vm, &mut control, ctl, clients.as_deref())?;
+    let conns = ControlConn::accept_spares(control, listener, hello.session, hello.spare_controls, ctl)?;
+    let mut control = ControlConn::new(conns, ctl)?;
+    *control_out = Some(control.clone());
     let (sh, threads, urgent) = start_channels(vm, listener, &control, &hello, data_before, prealloc.as_ref(), &params.rnicd, ctl, *t0)?;
 
     // The source pauses the VM only once we can take the switch at once:
@@ -137,6 +141,8 @@ struct Hello {
     mode: Mode,
     /// The rdma transport (queue pairs) rather than TCP data connections.
     rdma: bool,
+    /// Control connections that follow on the other links.
+    spare_controls: usize,
 }
 
 /// The control connection's preamble and hello, answered with a welcome.
@@ -156,7 +162,7 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control,
         bail!("first connection is not a control connection");
     }
     let hello = match wire::recv_msg(control)? {
-        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode, transport } => {
+        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode, transport, spare_controls } => {
             let mine = vm.shape();
             if shape != mine {
                 bail!("VM shape differs: source {shape:?}, destination {mine:?}");
@@ -181,7 +187,10 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control,
                 "rdma" => true,
                 other => bail!("transport {other:?} is not supported by this destination"),
             };
-            Hello { session, channels: channels as usize, compress, mode, rdma }
+            if spare_controls > 7 {
+                bail!("{spare_controls} spare control connections is out of range (links: at most 8)");
+            }
+            Hello { session, channels: channels as usize, compress, mode, rdma, spare_controls: spare_controls as usize }
         }
         other => bail!("expected hello, got {other:?}"),
     };
@@ -205,7 +214,7 @@ type ChannelThreads = Vec<std::thread::JoinHandle<Result<(u64, f64)>>>;
 fn start_channels(
     vm: &Arc<dyn MigratableVm>,
     listener: &TcpListener,
-    control: &TcpStream,
+    control: &ControlConn,
     hello: &Hello,
     data_before: Vec<PageRange>,
     prealloc: Option<&Prealloc>,
@@ -225,8 +234,10 @@ fn start_channels(
         };
         (Vec::new(), reads, rxs)
     } else {
-        let (s, u) = accept_channels(listener, ctl, hello.session, hello.channels, mode != Mode::Precopy)?;
-        (s, u.map(PageSource::Urgent), Vec::new())
+        // Postcopy and hybrid: an urgent connection per link.
+        let urgents = if mode == Mode::Precopy { 0 } else { hello.spare_controls + 1 };
+        let (s, u) = accept_channels(listener, ctl, hello.session, hello.channels, urgents)?;
+        (s, (urgents > 0).then_some(PageSource::Urgent(u)), Vec::new())
     };
     ctl.update(|s| {
         s.status = Status::Active;
@@ -299,7 +310,7 @@ struct StreamEnd {
 /// Switchover); meanwhile, with several links, it may report channels lost
 /// with their link, which stop here (see [`drop_channel`]), and it sends
 /// the devices' early state, built here while the rounds run.
-fn recv_end(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, sh: &RxShared, ctl: &Control, t0: Instant) -> Result<Msg, WireError> {
+fn recv_end(vm: &Arc<dyn MigratableVm>, control: &mut ControlConn, sh: &RxShared, ctl: &Control, t0: Instant) -> Result<Msg, WireError> {
     loop {
         match wire::recv_msg(control)? {
             Msg::ChannelLost { index } => drop_channel(sh, index as usize).map_err(|e| WireError::Corrupt(format!("{e:#}")))?,
@@ -319,7 +330,7 @@ fn recv_end(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, sh: &RxShared, 
 /// object, so a device that cannot build its early section (another GID,
 /// an ID taken) builds nothing now and takes or refuses the whole state
 /// at the switch, where the source hears why.
-fn prepare_early(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, state_bytes: u64, ctl: &Control, t0: Instant) -> Result<()> {
+fn prepare_early(vm: &Arc<dyn MigratableVm>, control: &mut ControlConn, state_bytes: u64, ctl: &Control, t0: Instant) -> Result<()> {
     let blob = wire::recv_blob(control).map_err(|e| anyhow!("early device state: {e}"))?;
     if blob.len() as u64 != state_bytes {
         bail!("early device state is {} bytes, source announced {state_bytes}", blob.len());
@@ -380,7 +391,7 @@ fn check_every_page(sh: &RxShared) -> Result<()> {
 
 /// The state blob, and with `verify_ram` the source's page hashes checked
 /// against RAM here.
-fn load_state(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, stream: &StreamEnd, ctl: &Control) -> Result<StateSet> {
+fn load_state(vm: &Arc<dyn MigratableVm>, control: &mut ControlConn, stream: &StreamEnd, ctl: &Control) -> Result<StateSet> {
     let state_bytes = stream.state_bytes;
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
     let blob = wire::recv_blob(control).map_err(|e| anyhow!("state: {e}"))?;
@@ -408,7 +419,7 @@ fn load_state(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, stream: &Stre
 fn resume_on_go(
     vm: &Arc<dyn MigratableVm>,
     params: &IncomingParams,
-    control: &mut TcpStream,
+    control: &mut ControlConn,
     stream: &StreamEnd,
     downtime: &Steps,
     ctl: &Control,

@@ -4,12 +4,14 @@
 //! - [`source`] / [`dest`]: the two ends of a migration; [`postcopy`]: its
 //!   postcopy part (userfaultfd on the destination)
 //! - [`wire`]: the versioned stream format; [`compress`]: per-page codecs
-//! - [`links`]: several destination addresses, one per link
+//! - [`links`]: several destination addresses, one per link; [`control_conn`]:
+//!   the control connection on every link
 //! - [`qmp`]: the control-socket commands the vmm forwards
 //! - [`memvm`]: a small VM (memfd RAM + dirtier threads) for tests and benches
 //! - [`testing`]: damage injected on purpose (the `testing` parameter)
 
 pub mod compress;
+pub mod control_conn;
 pub mod cputime;
 pub mod dest;
 pub mod dirty;

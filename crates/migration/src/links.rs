@@ -5,8 +5,9 @@
 //! A migration address may name several destination addresses, one per
 //! link (`tcp:10.200.1.2:4444,10.201.1.2:4444`). The data channels are
 //! spread over them round-robin, as SMB multichannel spreads its
-//! connections over interfaces; the control connection and postcopy's
-//! urgent connection go to the first. With several links, a data channel
+//! connections over interfaces; the control connection goes to the first,
+//! with a waiting one on every other ([`crate::control_conn`]), and over
+//! tcp postcopy opens an urgent connection to each. With several links, a data channel
 //! whose link dies is dropped and its unconfirmed pages go again on the
 //! others ([`crate::sender::ChannelSet`]); the migration fails only when
 //! no channel is left.
@@ -81,7 +82,7 @@ impl Links {
         Ok(Links { addrs })
     }
 
-    /// The first link's address: control and urgent connections go there.
+    /// The first link's address: the control connection starts there.
     pub fn first(&self) -> &str {
         &self.addrs[0]
     }
@@ -145,6 +146,9 @@ pub struct LinkStat {
     pub wire_bytes: u64,
     /// `wire_bytes` over the migration's time so far.
     pub throughput_gbps: f64,
+    /// The control connection rides this link now (source side).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub control: bool,
 }
 
 /// The local IPv4 address the kernel sends from towards `addr`

@@ -26,6 +26,7 @@
 //! [`crate::links`]. A queue pair on a dead link fails with retry exceeded
 //! and its channel is failed over ([`crate::sender::ChannelSet`]).
 
+use crate::control_conn::ControlConn;
 use crate::links::{self, Links};
 use crate::ratelimit::TokenBucket;
 use crate::receiver::{apply_batch, count_batch, RxShared, DATA_IDLE_TIMEOUT};
@@ -37,7 +38,7 @@ use crate::vm::RamRegion;
 use crate::wire::{self, BatchWriter, DataItem, DataReader, Entry, Msg, WireError, PAGE};
 use anyhow::{anyhow, bail, Context as _, Result};
 use std::io;
-use std::net::{Ipv4Addr, TcpStream};
+use std::net::Ipv4Addr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -171,7 +172,7 @@ fn per_qp<T: Clone>(list: &[T], one: &T, n: usize, what: &str) -> Result<Vec<T>>
 /// connection's exchange, and a sender thread on each.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn open_channels(
-    control: &mut TcpStream,
+    control: &mut ControlConn,
     rnicd: &str,
     links: &Links,
     n: u32,
@@ -400,7 +401,7 @@ pub(crate) struct RdmaReceiver {
 
 /// Destination: answer the source's queue pairs with ours, connected and
 /// with receives posted, and the key of our guest RAM.
-pub(crate) fn accept_channels(control: &TcpStream, rnicd: &str, ram: &RamRegion, channels: usize) -> Result<Vec<RdmaReceiver>> {
+pub(crate) fn accept_channels(control: &ControlConn, rnicd: &str, ram: &RamRegion, channels: usize) -> Result<Vec<RdmaReceiver>> {
     let mut c = control;
     c.set_read_timeout(Some(Duration::from_secs(30)))?;
     let (gids, qps) = match wire::recv_msg(&mut c)? {
@@ -618,7 +619,7 @@ struct ReadableLink {
 /// Offer the destination our guest RAM to read (`RdmaReadOffer` on the
 /// control connection), [`READ_QPS`] queue pairs on each link, and
 /// connect the queue pairs it answers with.
-pub(crate) fn offer_ram(control: &mut TcpStream, rnicd: &str, links: &Links, ram: &RamRegion) -> Result<ReadableRam> {
+pub(crate) fn offer_ram(control: &mut ControlConn, rnicd: &str, links: &Links, ram: &RamRegion) -> Result<ReadableRam> {
     let mut ours = Vec::new();
     let (mut gids, mut qpns, mut rkeys) = (Vec::new(), Vec::new(), Vec::new());
     for k in 0..links.len() {
@@ -694,7 +695,7 @@ struct ReadLink {
 
 /// Take the source's offer (`RdmaReadOffer`, next on the control
 /// connection) and answer with our connected queue pairs.
-pub(crate) fn accept_reader(control: &TcpStream, rnicd: &str, ram: &RamRegion) -> Result<PageReader> {
+pub(crate) fn accept_reader(control: &ControlConn, rnicd: &str, ram: &RamRegion) -> Result<PageReader> {
     let mut c = control;
     c.set_read_timeout(Some(Duration::from_secs(30)))?;
     let (gids, qpns, rkeys) = match wire::recv_msg(&mut c)? {

@@ -161,7 +161,7 @@ pub(crate) struct RxShared {
     pub suspect: Suspects,
     pub(crate) barrier: RoundBarrier,
     /// The control connection's write side, for round acknowledgements.
-    pub(crate) acks: Mutex<TcpStream>,
+    pub(crate) acks: Mutex<crate::control_conn::ControlConn>,
     /// A clone of each data connection, by channel index: a channel lost
     /// with its link is shut so that its reader stops.
     pub(crate) data_socks: Vec<TcpStream>,
@@ -733,11 +733,11 @@ pub(crate) fn accept_channels(
     ctl: &Control,
     session: u64,
     channels: usize,
-    with_urgent: bool,
-) -> Result<(Vec<TcpStream>, Option<TcpStream>)> {
+    urgents: usize,
+) -> Result<(Vec<TcpStream>, Vec<TcpStream>)> {
     let mut streams: Vec<Option<TcpStream>> = (0..channels).map(|_| None).collect();
-    let mut urgent = None;
-    for _ in 0..channels + with_urgent as usize {
+    let mut urgent: Vec<Option<TcpStream>> = (0..urgents).map(|_| None).collect();
+    for _ in 0..channels + urgents {
         let mut s = accept(listener, ctl, Some(Duration::from_secs(30)))?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
         let role = wire::read_preamble(&mut s)?;
@@ -751,15 +751,23 @@ pub(crate) fn accept_channels(
                 s.set_read_timeout(Some(DATA_IDLE_TIMEOUT))?;
                 streams[index as usize] = Some(s);
             }
-            (wire::ROLE_URGENT, Msg::Channel { session: ss, .. }) if with_urgent && ss == session && urgent.is_none() => {
+            // One per link, by link index.
+            (wire::ROLE_URGENT, Msg::Channel { session: ss, index })
+                if ss == session && (index as usize) < urgents && urgent[index as usize].is_none() =>
+            {
                 // Requests may be rare: the urgent connection may idle.
                 s.set_read_timeout(None)?;
-                urgent = Some(s);
+                // With several links, requests asked on a dead one are
+                // asked again on another once it is found dead.
+                if urgents > 1 {
+                    crate::links::shorten_timeout(&s);
+                }
+                urgent[index as usize] = Some(s);
             }
             (role, other) => bail!("bad data connection greeting {other:?} (role {role})"),
         }
     }
-    Ok((streams.into_iter().map(|s| s.expect("all channels connected")).collect(), urgent))
+    Ok((streams.into_iter().map(|s| s.expect("all channels connected")).collect(), urgent.into_iter().flatten().collect()))
 }
 
 /// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks

@@ -5,6 +5,7 @@
 //! [`crate::postcopy::source`] (after it) drive it; it uses neither.
 
 use crate::compress::{Compress, PageCompressor};
+use crate::control_conn::ControlConn;
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::{Armer, PAGE_SIZE};
 use crate::links::{self, Links};
@@ -485,13 +486,21 @@ pub(crate) fn spawn_channels(
     })
 }
 
-/// The postcopy urgent connection (page requests and their answers).
-pub(crate) fn open_urgent(addr: &str, session: u64, ctl: &Control) -> Result<TcpStream> {
-    let mut s = connect(addr, ctl)?;
-    wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_URGENT)?;
-    wire::send_msg(&mut s, &Msg::Channel { session, index: 0 })?;
-    s.set_write_timeout(Some(crate::receiver::DATA_IDLE_TIMEOUT))?;
-    Ok(s)
+/// The postcopy urgent connections (page requests and their answers),
+/// one per link: the destination asks on the first one left.
+pub(crate) fn open_urgent(links: &Links, session: u64, ctl: &Control) -> Result<Vec<TcpStream>> {
+    let mut out = Vec::new();
+    for k in 0..links.len() {
+        let mut s = connect(links.addr(k), ctl)?;
+        wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_URGENT)?;
+        wire::send_msg(&mut s, &Msg::Channel { session, index: k as u32 })?;
+        s.set_write_timeout(Some(crate::receiver::DATA_IDLE_TIMEOUT))?;
+        if links.several() {
+            links::shorten_timeout(&s);
+        }
+        out.push(s);
+    }
+    Ok(out)
 }
 
 pub(crate) fn parse_tcp_uri(uri: &str) -> Result<Links> {
@@ -569,7 +578,7 @@ impl Drop for Outgoing {
 
 /// The destination's answer to our hello: welcome, a refusal, or (when it
 /// speaks another stream version) its own preamble.
-pub(crate) fn recv_welcome(control: &mut TcpStream, hello: &str) -> Result<()> {
+pub(crate) fn recv_welcome(control: &mut impl std::io::Read, hello: &str) -> Result<()> {
     match wire::recv_answer(control).map_err(|e| anyhow!("destination: {e}"))? {
         Msg::Welcome => Ok(()),
         Msg::Abort { reason } => bail!("destination refused: {reason}"),
@@ -577,7 +586,7 @@ pub(crate) fn recv_welcome(control: &mut TcpStream, hello: &str) -> Result<()> {
     }
 }
 
-pub(crate) fn recv_reply(control: &mut TcpStream) -> Result<Msg> {
+pub(crate) fn recv_reply(control: &mut ControlConn) -> Result<Msg> {
     loop {
         match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
             Msg::Abort { reason } => bail!("destination refused: {reason}"),
@@ -620,7 +629,7 @@ pub(crate) struct ChannelSet {
     current: Option<(Arc<RoundWork>, bool)>,
     /// Several links: the control connection, to tell the destination of a
     /// channel lost with its link. None: any channel's failure fails all.
-    failover: Option<TcpStream>,
+    failover: Option<ControlConn>,
     /// Every channel's transport can fail over ([`DataSink::fails_over`]).
     fails_over: bool,
     /// A clone of each data connection, to see a dead link between rounds
@@ -721,7 +730,7 @@ impl ChannelSet {
     /// Several links: a failing channel is lost with its link (see
     /// [`ChannelSet::lose`]) rather than failing the migration, if every
     /// channel's transport can fail over.
-    pub(crate) fn enable_failover(&mut self, control: &TcpStream) -> Result<()> {
+    pub(crate) fn enable_failover(&mut self, control: &ControlConn) -> Result<()> {
         if self.links.several() && self.fails_over {
             self.failover = Some(control.try_clone()?);
         }

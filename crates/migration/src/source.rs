@@ -8,6 +8,7 @@
 //! copy.
 
 use crate::compress::Compress;
+use crate::control_conn::ControlConn;
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::{DirtyLog, DirtySource, PAGE_SIZE};
 use crate::links::Links;
@@ -133,10 +134,11 @@ impl Plan {
 struct Link {
     session: u64,
     bucket: Arc<TokenBucket>,
-    control: TcpStream,
+    /// On every link: the engine never knows which one carries it.
+    control: ControlConn,
     channels: ChannelSet,
     /// Postcopy and hybrid: the channel for pages the destination faults on.
-    urgent: Option<TcpStream>,
+    urgent: Option<Vec<TcpStream>>,
     /// Postcopy and hybrid over rdma: our guest RAM, for the destination
     /// to READ what it lacks after the switch (no urgent connection then).
     reads: Option<crate::rdma::ReadableRam>,
@@ -162,11 +164,20 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
             compress: plan.compress.to_string(),
             mode: plan.mode.to_string(),
             transport: plan.transport.name().into(),
+            spare_controls: plan.links.len() as u32 - 1,
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     recv_welcome(&mut control, "hello")?;
-    control.set_read_timeout(None)?;
+    let spares: Vec<&str> = (1..plan.links.len()).map(|k| plan.links.addr(k)).collect();
+    let mut conns = vec![control];
+    conns.extend(ControlConn::open_spares(&spares, session, ctl)?);
+    let mut control = ControlConn::new(conns, ctl)?;
+    let on_link = |s: &mut crate::stats::Stats, k: usize| {
+        for (i, l) in s.links.iter_mut().enumerate() {
+            l.control = i == k;
+        }
+    };
     plan.setup_step(ctl, "welcomed");
     let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
     let mut channels = match &plan.transport {
@@ -176,9 +187,13 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
         }
     };
     channels.enable_failover(&control)?;
+    // The links' statistics exist once the channels are open.
+    let c = ctl.clone();
+    control.on_move(move |k| c.update(|s| on_link(s, k)));
+    ctl.update(|s| on_link(s, control.live_link().unwrap_or(0)));
     let (urgent, reads) = match (&plan.transport, plan.mode) {
         (_, Mode::Precopy) => (None, None),
-        (Transport::Tcp, _) => (Some(open_urgent(plan.links.first(), session, ctl)?), None),
+        (Transport::Tcp, _) => (Some(open_urgent(&plan.links, session, ctl)?), None),
         (Transport::Rdma { rnicd }, _) => (None, Some(crate::rdma::offer_ram(&mut control, rnicd, &plan.links, &ram)?)),
     };
     plan.setup_step(ctl, "channels open");
@@ -806,9 +821,7 @@ fn wait_early_built(link: &mut Link, ctl: &Control, deadline: Option<Instant>) -
     let t = Instant::now();
     while link.early_pending {
         link.channels.check_links()?;
-        let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&link.control), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        if unsafe { libc::poll(&mut pfd, 1, 100) } > 0 {
+        if link.control.wait_readable(Duration::from_millis(100)) {
             link.control.set_read_timeout(Some(Duration::from_secs(30)))?;
             match wire::recv_msg(&mut link.control).map_err(|e| anyhow!("destination: {e}"))? {
                 Msg::EarlyBuilt => link.early_pending = false,
@@ -838,11 +851,8 @@ fn wait_round_done(link: &mut Link, round: u64, ctl: &Control, deadline: Option<
     let control = &mut link.control;
     loop {
         link.channels.check_links()?;
-        // Poll for readability first: a read timeout could cut a frame.
-        let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(control), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
-        if n > 0 {
+        // Wait for readability first: a read timeout could cut a frame.
+        if control.wait_readable(Duration::from_millis(100)) {
             control.set_read_timeout(Some(Duration::from_secs(30)))?;
             match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
                 Msg::RoundDone { round: r } if r == round => {

@@ -10,12 +10,17 @@ use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 8] = *b"TRNSTMIG";
-pub const VERSION: u32 = 3;
+/// 4: the control connection's spares (`ROLE_CONTROL_SPARE`, `Hello::spare_controls`).
+pub const VERSION: u32 = 4;
 pub const ROLE_CONTROL: u8 = 0;
 pub const ROLE_DATA: u8 = 1;
 /// Postcopy: page requests (destination -> source) and their answers, on a
 /// connection of their own so they never wait behind bulk pages.
 pub const ROLE_URGENT: u8 = 2;
+/// With several links: a control connection on a link after the first,
+/// waiting to carry the control stream if the one before fails
+/// (`crate::control_conn`).
+pub const ROLE_CONTROL_SPARE: u8 = 3;
 pub const PAGE: usize = 4096;
 /// Largest page batch accepted; bigger means damage.
 pub const MAX_FRAME: usize = 16 << 20;
@@ -98,6 +103,10 @@ pub enum Msg {
         /// or "rdma" (queue pairs, set up by `rdma_connect`).
         #[serde(default, skip_serializing_if = "String::is_empty")]
         transport: String,
+        /// Control connections the source opens after the welcome, one
+        /// per link after the first (`crate::control_conn`).
+        #[serde(default)]
+        spare_controls: u32,
     },
     /// Destination accepts; data connections may follow.
     Welcome,

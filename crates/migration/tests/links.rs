@@ -330,3 +330,149 @@ fn link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64) {
     }
     p.check_dirtier_on_destination();
 }
+
+/// The first link cut: it carries the control connection (and, after a
+/// postcopy switch over tcp, the first urgent connection), which move to
+/// the second link with nothing lost; the rest is as for any cut link.
+mod first_link {
+    use super::*;
+
+    over_transport!(tcp:
+        first_link_cut_mid_migration_completes_on_the_other,
+        postcopy_first_link_cut_after_the_switch_completes_on_the_other,
+        hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other,
+        postcopy_every_link_cut_pauses_and_recovers,
+    );
+
+    over_transport!(rdma:
+        first_link_cut_mid_migration_completes_on_the_other,
+        postcopy_first_link_cut_after_the_switch_completes_on_the_other,
+        hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other,
+        postcopy_every_link_cut_pauses_and_recovers,
+    );
+}
+
+/// Precopy, the first link cut in the middle of the first pass: the
+/// control connection goes on on the second link, the first link's
+/// channels are dropped and their pages go again on the second, and the
+/// migration completes byte-exact (`verify_ram`: the page hashes travel
+/// on the control connection after the cut).
+fn first_link_cut_mid_migration_completes_on_the_other(transport: &'static str) {
+    let p = pair(transport, "fill", "128M");
+    // 128 MiB at 2 x 100 Mbit/s: about 5 s, so the cut lands mid-pass.
+    p.cap_both(100);
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
+    p.wait_sent(32 << 20);
+    p.tb.link_down(0, 0).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    p.destination_completed();
+    let links = s["links"].as_array().unwrap();
+    assert_eq!(links[0]["channels_lost"], 2, "both channels of the cut link are lost: {s:#}");
+    assert_eq!(links[0]["failed"], true, "{s:#}");
+    assert_eq!(links[1]["channels_lost"], 0, "{s:#}");
+    assert_eq!(links[1]["failed"], false, "{s:#}");
+    assert_eq!(links[1]["control"], true, "the control connection moved to the second link: {s:#}");
+    assert!(links[0].get("control").is_none(), "{s:#}");
+    let bytes = link_bytes(&s);
+    assert!(bytes[1] > bytes[0], "the rest went on the second link: {bytes:?}");
+}
+
+/// Postcopy, the first link cut while the push runs and the dirtier
+/// faults on the destination: the control connection moves to the second
+/// link, and over tcp the destination's page requests go on the second
+/// link's urgent connection (those asked on the first are asked again).
+/// The migration completes with no pause and no page left missing, and
+/// the dirtier's oracle holds on the destination.
+fn postcopy_first_link_cut_after_the_switch_completes_on_the_other(transport: &'static str) {
+    first_link_cut_after_the_switch(transport, "postcopy", 8 << 20);
+}
+
+/// The same with a hybrid, cut at once after its switch, while the
+/// dirtier (at full speed on the destination) faults on nearly every page
+/// it touches: requests asked on the first link's urgent connection, and
+/// never answered, are asked again on the second.
+fn hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other(transport: &'static str) {
+    first_link_cut_after_the_switch(transport, "hybrid", 0);
+}
+
+fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64) {
+    let p = pair(transport, "dirtier", "64M");
+    // 64 MiB at 2 x 100 Mbit/s: the push takes seconds after the switch.
+    // A hybrid sent part of RAM before it: at 2 x 40 Mbit/s its push
+    // still outlasts the 4 s in which the cut link is found dead.
+    p.cap_both(if mode == "hybrid" { 40 } else { 100 });
+    // A postcopy's push is capped at 3 MB/s (faults are not): the dirtier
+    // waits on its faults, not on the push, long after the cut link is
+    // found dead, so the requests asked on it must be asked again.
+    let cap = if mode == "postcopy" { 3_000_000u64 } else { 0 };
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "mode": mode, "timeout_s": 300, "max_bandwidth": cap})).unwrap();
+    p.wait_postcopy_sent(if transport == "rdma" { 0 } else { after });
+    if transport == "rdma" {
+        p.wait_read_on_link(0);
+    }
+    p.tb.link_down(0, 0).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    assert_eq!(s["recoveries"], 0, "the migration went on without a pause: {s:#}");
+    let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
+    assert_eq!(d["status"], "completed", "destination {d:#}");
+    assert_eq!(d["recoveries"], 0, "{d:#}");
+    assert_eq!(d["remaining_pages"], 0, "no fault is left waiting: {d:#}");
+    assert_eq!(s["links"][1]["control"], true, "the control connection moved to the second link: {s:#}");
+    if transport == "tcp" {
+        assert_eq!(s["links"][0]["channels_lost"], 2, "the cut link's push channels are dropped: {s:#}");
+        assert_eq!(s["links"][1]["channels_lost"], 0, "{s:#}");
+    } else {
+        assert_eq!(d["links"][0]["failed"], true, "the cut link's READ queue pairs are dropped: {d:#}");
+        assert_eq!(d["links"][1]["failed"], false, "{d:#}");
+    }
+    p.check_dirtier_on_destination();
+}
+
+/// Every link cut while a postcopy's push runs: the control connection
+/// finds no link to move to, and both ends pause as with one link. The
+/// links come back; `migrate-recover` gives the destination a new port
+/// and `migrate` with `resume` reconnects: the migration completes with
+/// one recovery, no page missing, and the oracle holding.
+fn postcopy_every_link_cut_pauses_and_recovers(transport: &'static str) {
+    let p = pair(transport, "dirtier", "64M");
+    // 64 MiB at 2 x 20 Mbit/s: the push runs for many seconds.
+    p.cap_both(20);
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2, "mode": "postcopy", "timeout_s": 300})).unwrap();
+    p.wait_postcopy_sent(if transport == "rdma" { 0 } else { 2 << 20 });
+    if transport == "rdma" {
+        p.wait_read_on_link(0);
+    }
+    p.tb.link_down(0, 0).unwrap();
+    p.tb.link_down(0, 1).unwrap();
+    let paused = |vm: &VmProcess| {
+        let t = std::time::Instant::now();
+        let mut q = vm.client().unwrap();
+        loop {
+            let s = q.execute("query-migrate", json!({})).unwrap();
+            if s["status"] == "postcopy-paused" {
+                return s;
+            }
+            assert!(t.elapsed() < Duration::from_secs(90), "no pause: {s:#}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let d = paused(&p.dst);
+    assert!(d["remaining_pages"].as_u64().unwrap() > 0, "the cut came after the last page: {d:#}");
+    paused(&p.src);
+    p.tb.link_up(0, 0).unwrap();
+    p.tb.link_up(0, 1).unwrap();
+    p.dst.exec("migrate-recover", json!({"uri": format!("{transport}:0.0.0.0:4445")})).unwrap();
+    let h = p.tb.host(1);
+    let uri = format!("{}:{}:4445,{}:4445", transport, h.addr(0), h.addr(1));
+    p.src.exec("migrate", json!({"uri": uri, "resume": true})).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    assert_eq!(s["recoveries"], 1, "{s:#}");
+    let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
+    assert_eq!(d["status"], "completed", "destination {d:#}");
+    assert_eq!(d["recoveries"], 1, "{d:#}");
+    assert_eq!(d["remaining_pages"], 0, "{d:#}");
+    p.check_dirtier_on_destination();
+}

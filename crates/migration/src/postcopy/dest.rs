@@ -10,6 +10,7 @@ use super::faults::{FaultThread, RequestSink};
 use super::fetch::Fetcher;
 use super::place::{Placer, Via};
 use super::push::PushQueue;
+use crate::control_conn::ControlConn;
 use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
 use crate::pages::{normalize, PageRange};
 use crate::receiver::{accept, accept_channels, drop_channel, place_batch, receive_channel, IncomingParams, RxShared};
@@ -19,7 +20,6 @@ use crate::wire::{self, DataItem, DataReader, Msg};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -36,7 +36,7 @@ type ChannelThread = JoinHandle<Result<(u64, f64)>>;
 pub(crate) enum PageSource {
     /// The source sends them: pushed on the data channels, asked for on
     /// this urgent connection.
-    Urgent(TcpStream),
+    Urgent(Vec<TcpStream>),
     /// This side READs them from the source's guest RAM (the rdma
     /// transport, [`super::fetch`]); the source's plan of what to read
     /// comes on the control connection (`PullPlan`).
@@ -46,29 +46,42 @@ pub(crate) enum PageSource {
 /// One connected set: data channel threads and the urgent receiver, or
 /// the fetcher that READs the pages.
 struct Link {
-    control: TcpStream,
+    control: ControlConn,
     channels: Vec<ChannelThread>,
     /// A clone of each data connection of a recovery, by channel index (the
     /// first connections are in [`RxShared::data_socks`]): a channel the
     /// source lost is shut.
     socks: Vec<TcpStream>,
-    urgent: Option<TcpStream>,
-    urgent_rx: Option<JoinHandle<Result<()>>>,
+    /// The urgent connections, one per link, and their receivers (None
+    /// once its link was lost).
+    urgent: Vec<TcpStream>,
+    urgent_rx: Vec<Option<JoinHandle<Result<()>>>>,
     fetch: Option<(Fetcher, Arc<PushQueue>)>,
 }
 
 impl Link {
-    fn start(control: TcpStream, channels: Vec<ChannelThread>, pages: PageSource, sh: &Arc<RxShared>, sink: &RequestSink) -> Result<Link> {
+    fn start(
+        control: ControlConn,
+        channels: Vec<ChannelThread>,
+        pages: PageSource,
+        sh: &Arc<RxShared>,
+        sink: &RequestSink,
+    ) -> Result<Link> {
         let placer = sh.placer.get().expect("placer set before the link starts").clone();
         let total = sh.total;
         let ctl = sh.ctl.clone();
         match pages {
             PageSource::Urgent(urgent) => {
-                let rx = urgent.try_clone()?;
-                let t =
-                    std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || receive_urgent(rx, &placer, total, &ctl))?;
-                sink.connect(urgent.try_clone()?);
-                Ok(Link { control, channels, socks: Vec::new(), urgent: Some(urgent), urgent_rx: Some(t), fetch: None })
+                let mut urgent_rx = Vec::new();
+                for s in &urgent {
+                    let (rx, placer, ctl) = (s.try_clone()?, placer.clone(), ctl.clone());
+                    let t = std::thread::Builder::new()
+                        .name("postcopy-urgent".into())
+                        .spawn(move || receive_urgent(rx, &placer, total, &ctl))?;
+                    urgent_rx.push(Some(t));
+                }
+                sink.connect(urgent.iter().map(TcpStream::try_clone).collect::<std::io::Result<_>>()?);
+                Ok(Link { control, channels, socks: Vec::new(), urgent, urgent_rx, fetch: None })
             }
             PageSource::Reads(reader) => {
                 // Empty until the source's plan comes; faults are read at once.
@@ -76,14 +89,14 @@ impl Link {
                 let (tx, rx) = super::fetch::ask_channel();
                 let f = Fetcher::start(reader, placer, queue.clone(), rx, ctl)?;
                 sink.connect_reads(tx);
-                Ok(Link { control, channels, socks: Vec::new(), urgent: None, urgent_rx: None, fetch: Some((f, queue)) })
+                Ok(Link { control, channels, socks: Vec::new(), urgent: Vec::new(), urgent_rx: Vec::new(), fetch: Some((f, queue)) })
             }
         }
     }
 
     /// Something broke: the error, if any thread or the control
     /// connection says so. Channels that ended cleanly are reaped.
-    fn check(&mut self, sh: &RxShared) -> Option<String> {
+    fn check(&mut self, sh: &RxShared, sink: &RequestSink) -> Option<String> {
         let total = sh.total;
         let mut i = 0;
         while i < self.channels.len() {
@@ -103,16 +116,32 @@ impl Link {
                 Ok(()) => "the RDMA fetcher ended".into(),
             });
         }
-        if self.urgent_rx.as_ref().is_some_and(|t| t.is_finished()) {
-            let r = self.urgent_rx.take().unwrap().join();
-            return Some(match r {
+        for k in 0..self.urgent_rx.len() {
+            if !self.urgent_rx[k].as_ref().is_some_and(|t| t.is_finished()) {
+                continue;
+            }
+            let why = match self.urgent_rx[k].take().unwrap().join() {
                 Ok(Err(e)) => format!("urgent connection: {e:#}"),
                 _ => "urgent connection ended".into(),
-            });
+            };
+            if !sink.lose(k) {
+                return Some(why);
+            }
+            // Several links: the requests go on the next urgent
+            // connection, and every page asked or prefetched and not here
+            // is asked again, waited on or not (a page that comes twice is
+            // placed once).
+            tracing::warn!("postcopy: {why}; page requests go on the next link");
+            let placer = sh.placer.get().expect("placer set before the link starts");
+            let mut again = placer.take_unanswered();
+            again.extend(placer.waiting().into_iter().filter(|&p| !placer.seen.get(p)));
+            again.sort_unstable();
+            again.dedup();
+            if !again.is_empty() {
+                sink.request(&mut again, &mut []);
+            }
         }
-        let mut pfd = libc::pollfd { fd: self.control.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        if unsafe { libc::poll(&mut pfd, 1, 0) } > 0 {
+        if self.control.wait_readable(Duration::ZERO) {
             return Some(match wire::recv_msg(&mut self.control) {
                 Ok(Msg::PullPlan { max_bandwidth }) if self.fetch.is_some() => match self.take_plan(total, max_bandwidth) {
                     Ok(()) => return None,
@@ -166,13 +195,13 @@ impl Link {
         if let Some((mut f, _)) = self.fetch.take() {
             let _ = f.stop();
         }
-        if let Some(u) = &self.urgent {
+        for u in &self.urgent {
             let _ = u.shutdown(std::net::Shutdown::Both);
         }
         for t in self.channels.drain(..) {
             let _ = t.join();
         }
-        if let Some(t) = self.urgent_rx.take() {
+        for t in self.urgent_rx.drain(..).flatten() {
             let _ = t.join();
         }
     }
@@ -267,7 +296,7 @@ pub(crate) fn run(
     listener: &TcpListener,
     params: &IncomingParams,
     ctl: &Arc<Control>,
-    control: TcpStream,
+    control: ControlConn,
     sh: Arc<RxShared>,
     channels: Vec<ChannelThread>,
     pages: PageSource,
@@ -375,7 +404,7 @@ fn load_at_switch(
     vm: &Arc<dyn MigratableVm>,
     params: &IncomingParams,
     ctl: &Arc<Control>,
-    mut control: TcpStream,
+    mut control: ControlConn,
     sh: &Arc<RxShared>,
     mut channels: Vec<ChannelThread>,
     pages: PageSource,
@@ -464,7 +493,7 @@ fn wait_for_every_page(
         }
         ctl.update(|s| s.remaining_pages = placer.missing());
         let broken = match link.as_mut() {
-            Some(l) => l.check(sh),
+            Some(l) => l.check(sh, sink),
             None => Some("not connected".into()),
         };
         let Some(why) = broken else { continue };
@@ -548,6 +577,8 @@ fn accept_recovery(
     wire::send_msg(&mut control, &Msg::Welcome)?;
     wire::send_blob(&mut control, &sh.seen.to_le_bytes())?;
     control.set_read_timeout(None)?;
+    // After a recovery the control connection rides the first link only.
+    let control = ControlConn::new(vec![control], ctl)?;
     if rdma {
         // New queue pairs to read through; the source's plan of what is
         // left follows on the control connection.
@@ -560,8 +591,7 @@ fn accept_recovery(
         }
         return Ok(Some(link));
     }
-    let (streams, urgent) = accept_channels(l, ctl, session, channels, true)?;
-    let urgent = urgent.ok_or_else(|| anyhow!("recovery without an urgent connection"))?;
+    let (streams, urgent) = accept_channels(l, ctl, session, channels, 1)?;
     let socks = streams.iter().map(TcpStream::try_clone).collect::<std::io::Result<Vec<_>>>()?;
     let threads = streams
         .into_iter()

@@ -14,24 +14,48 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use userfaultfd::Event;
 
-/// The write side of the urgent connection, or over the rdma transport
-/// the fetcher that READs the pages ([`super::fetch`]); absent while
-/// reconnecting (the waiters remember what to ask for again).
+/// The write side of the urgent connections (one per link, requests go
+/// on the first one left), or over the rdma transport the fetcher that
+/// READs the pages ([`super::fetch`]); absent while reconnecting (the
+/// waiters remember what to ask for again).
+/// How long a page request may wait to enter an urgent connection's
+/// socket when another link can carry it instead (requests are a few
+/// bytes: a socket this full is on a dead link).
+const URGENT_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+
 #[derive(Default)]
 pub struct RequestSink {
-    conn: Mutex<Option<TcpStream>>,
+    conns: Mutex<Vec<Option<TcpStream>>>,
     reads: Mutex<Option<std::sync::mpsc::Sender<super::fetch::Ask>>>,
 }
 
 impl RequestSink {
-    pub fn connect(&self, s: TcpStream) {
-        *self.conn.lock().unwrap() = Some(s);
+    /// The urgent connections, in link order.
+    pub fn connect(&self, conns: Vec<TcpStream>) {
+        if conns.len() > 1 {
+            // A request stuck on a dead link's full socket would hold the
+            // fault thread: give up on that connection and ask on the next.
+            for s in &conns {
+                let _ = s.set_write_timeout(Some(URGENT_WRITE_TIMEOUT));
+            }
+        }
+        *self.conns.lock().unwrap() = conns.into_iter().map(Some).collect();
+    }
+    /// The urgent connection of link `k` failed: requests go on the next.
+    /// What was asked on it and not answered must be asked again (the
+    /// placer's waiters). True if another connection is left.
+    pub fn lose(&self, k: usize) -> bool {
+        let mut g = self.conns.lock().unwrap();
+        if let Some(s) = g.get_mut(k).and_then(Option::take) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        g.iter().any(Option::is_some)
     }
     pub(crate) fn connect_reads(&self, tx: std::sync::mpsc::Sender<super::fetch::Ask>) {
         *self.reads.lock().unwrap() = Some(tx);
     }
     pub fn disconnect(&self) {
-        *self.conn.lock().unwrap() = None;
+        self.conns.lock().unwrap().clear();
         *self.reads.lock().unwrap() = None;
     }
     /// Ask for `pages` (threads wait on them) and `soon` (prefetch), in
@@ -53,14 +77,21 @@ impl RequestSink {
                 i += n;
             }
         }
-        let mut g = self.conn.lock().unwrap();
-        let Some(s) = g.as_mut() else { return false };
-        if let Err(e) = s.write_all(&buf) {
-            tracing::debug!("page request not sent: {e}");
-            *g = None;
-            return false;
+        let mut g = self.conns.lock().unwrap();
+        for slot in g.iter_mut() {
+            let Some(s) = slot.as_mut() else { continue };
+            match s.write_all(&buf) {
+                Ok(()) => return true,
+                Err(e) => {
+                    // Its reader ends too: the link's requests are asked
+                    // again on the next (see `lose`).
+                    tracing::debug!("page request not sent: {e}");
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                    *slot = None;
+                }
+            }
         }
-        true
+        false
     }
 }
 

@@ -527,6 +527,26 @@ impl Placer {
         self.prefetched.clear_all();
     }
 
+    /// An urgent connection died with requests on it: forget what was
+    /// asked and prefetched, and return every such page not here yet,
+    /// marked asked again. The caller asks for each with a request, never
+    /// a prefetch: the source answers a prefetch only with pages still in
+    /// its push queue, and it took the lost ones out of it when it
+    /// answered on the dead connection, so a prefetched page no thread
+    /// waits on would otherwise never come.
+    pub fn take_unanswered(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        for p in 0..self.total {
+            let asked = self.asked.test_and_clear(p);
+            let prefetched = self.prefetched.test_and_clear(p);
+            if (asked || prefetched) && !self.seen.get(p) {
+                self.asked.set(p);
+                out.push(p);
+            }
+        }
+        out
+    }
+
     /// Pages threads wait for (asked again after a reconnection).
     pub fn waiting(&self) -> Vec<u64> {
         self.waiters.lock().unwrap().keys().copied().collect()

@@ -9,6 +9,7 @@
 
 use super::push::PushQueue;
 use crate::compress::Compress;
+use crate::control_conn::ControlConn;
 use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
@@ -29,9 +30,10 @@ pub(crate) struct Start {
     pub session: u64,
     pub compress: Compress,
     pub bucket: Arc<TokenBucket>,
-    pub control: TcpStream,
-    /// The tcp transport: the connection page requests come on.
-    pub urgent: Option<TcpStream>,
+    pub control: ControlConn,
+    /// The tcp transport: the connections page requests come on, one per
+    /// link.
+    pub urgent: Option<Vec<TcpStream>>,
     /// The rdma transport: our guest RAM, registered for the destination
     /// to READ (it fetches every page itself, see [`run_reads`]).
     pub reads: Option<ReadableRam>,
@@ -125,8 +127,8 @@ type Switched = (Option<Vec<PageRange>>, Arc<PushQueue>, Option<UrgentServer>);
 /// all of them), the push queue, and the urgent server, already serving.
 fn switch_over(
     guard: &mut Outgoing,
-    control: &mut TcpStream,
-    urgent: Option<TcpStream>,
+    control: &mut ControlConn,
+    urgent: Option<Vec<TcpStream>>,
     log: Option<(DirtyLog, Option<Vec<PageRange>>)>,
     pending: Vec<PageRange>,
 ) -> Result<Switched> {
@@ -242,7 +244,7 @@ struct Resume {
 /// Serve until the destination has every page; on a break, wait for
 /// `migrate resume` and reconnect.
 fn serve_with_recovery(
-    control: TcpStream,
+    control: ControlConn,
     channels: ChannelSet,
     mut server: UrgentServer,
     queue: &Arc<PushQueue>,
@@ -309,7 +311,7 @@ enum FromDest {
 /// at `Complete`, so a loss found after the push emptied its queue (a
 /// channel whose link died with pages in its socket buffer) still has
 /// channels to push on.
-fn serve(control: &mut TcpStream, channels: &mut ChannelSet, queue: &Arc<PushQueue>, ctl: &Arc<Control>, ram: RamRegion) -> Result<()> {
+fn serve(control: &mut ControlConn, channels: &mut ChannelSet, queue: &Arc<PushQueue>, ctl: &Arc<Control>, ram: RamRegion) -> Result<()> {
     control.set_read_timeout(None)?;
     // Items of precopy rounds are not resent after the switch (what the
     // destination lacks is pushed): a channel lost now leaves none.
@@ -436,7 +438,7 @@ fn recover_hello(
     compress: &str,
     transport: &str,
     ctl: &Control,
-) -> Result<(TcpStream, Vec<PageRange>, Vec<PageRange>)> {
+) -> Result<(ControlConn, Vec<PageRange>, Vec<PageRange>)> {
     let total = ram.pages();
     let mut control = crate::sender::connect(addr, ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
@@ -451,6 +453,7 @@ fn recover_hello(
             compress: compress.into(),
             mode: "recover".into(),
             transport: transport.into(),
+            spare_controls: 0,
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -464,7 +467,8 @@ fn recover_hello(
     // The VM is paused on both sides: one full walk is exact.
     let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
     let (data, zero) = split_known_zero(&holes, &missing);
-    Ok((control, data, zero))
+    // After a recovery the control connection rides the first link only.
+    Ok((ControlConn::new(vec![control], ctl)?, data, zero))
 }
 
 /// A new set of connections to a destination that kept its RAM: it tells
@@ -477,21 +481,22 @@ fn reconnect(
     bucket: &Arc<TokenBucket>,
     ctl: &Arc<Control>,
     queue: &Arc<PushQueue>,
-) -> Result<(TcpStream, ChannelSet, TcpStream)> {
+) -> Result<(ControlConn, ChannelSet, Vec<TcpStream>)> {
     let addr = crate::sender::parse_tcp_uri(addr)?;
     let channels = ctl.snapshot().channels.max(1);
     let (control, data, zero) = recover_hello(addr.first(), session, ram, channels, &compress.to_string(), "", ctl)?;
     queue.reset(ram.pages(), &data, zero);
     let mut ch = open_channels(&addr, session, channels, *ram, compress, bucket, ctl, None)?;
     ch.enable_failover(&control)?;
-    let urgent = open_urgent(addr.first(), session, ctl)?;
+    // After a recovery requests come on the first link only.
+    let urgent = open_urgent(&crate::links::Links::parse(addr.first())?, session, ctl)?;
     Ok((control, ch, urgent))
 }
 
 /// What the rdma transport's postcopy source starts from.
 struct ReadsStart {
     session: u64,
-    control: TcpStream,
+    control: ControlConn,
     channels: ChannelSet,
     reads: ReadableRam,
     log: Option<(DirtyLog, Option<Vec<PageRange>>)>,
@@ -602,7 +607,7 @@ fn mark_resumed(ctl: &Control, target: &str, t_paused: Instant) {
 }
 
 /// `PullPlan` and its two blobs: pages with data, pages known zero.
-fn send_plan(control: &mut TcpStream, data: &[PageRange], zero: &[PageRange], max_bandwidth: u64) -> Result<()> {
+fn send_plan(control: &mut ControlConn, data: &[PageRange], zero: &[PageRange], max_bandwidth: u64) -> Result<()> {
     let blob = |rs: &[PageRange]| -> Vec<u8> { rs.iter().flat_map(|r| [r.first.to_le_bytes(), r.count.to_le_bytes()]).flatten().collect() };
     wire::send_msg(control, &Msg::PullPlan { max_bandwidth })?;
     wire::send_blob(control, &blob(data))?;
@@ -611,7 +616,7 @@ fn send_plan(control: &mut TcpStream, data: &[PageRange], zero: &[PageRange], ma
 }
 
 /// Wait for the destination's `Complete` (it READs every page itself).
-fn wait_complete(control: &mut TcpStream, ctl: &Control) -> Result<()> {
+fn wait_complete(control: &mut ControlConn, ctl: &Control) -> Result<()> {
     control.set_read_timeout(None)?;
     loop {
         match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
@@ -635,7 +640,14 @@ fn wait_complete(control: &mut TcpStream, ctl: &Control) -> Result<()> {
 
 /// Over rdma: a new control connection to a destination that kept its RAM;
 /// it says which pages it has, and READs the rest through new queue pairs.
-fn reconnect_reads(target: &str, session: u64, ram: &RamRegion, rnicd: &str, cap: u64, ctl: &Control) -> Result<(TcpStream, ReadableRam)> {
+fn reconnect_reads(
+    target: &str,
+    session: u64,
+    ram: &RamRegion,
+    rnicd: &str,
+    cap: u64,
+    ctl: &Control,
+) -> Result<(ControlConn, ReadableRam)> {
     let (addr, _) = Transport::from_uri(target, "rdma", rnicd)?;
     let addr = crate::sender::parse_tcp_uri(&addr)?;
     let channels = ctl.snapshot().channels.max(1);
@@ -645,25 +657,32 @@ fn reconnect_reads(target: &str, session: u64, ram: &RamRegion, rnicd: &str, cap
     Ok((control, reads))
 }
 
-/// Answers page requests on the urgent connection, one batch per request.
+/// Answers page requests on the urgent connections, one per link, each
+/// request with one batch on the connection it came on. One whose link
+/// died ends alone: the destination asks on another.
 struct UrgentServer {
-    stream: TcpStream,
-    thread: Option<std::thread::JoinHandle<()>>,
+    streams: Vec<TcpStream>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl UrgentServer {
-    fn start(stream: TcpStream, ram: RamRegion, queue: Arc<PushQueue>, ctl: Arc<Control>) -> Result<UrgentServer> {
-        let s2 = stream.try_clone()?;
-        let thread = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
-            if let Err(e) = serve_requests(s2, ram, &queue, &ctl) {
-                tracing::debug!("urgent connection ended: {e:#}");
-            }
-        })?;
-        Ok(UrgentServer { stream, thread: Some(thread) })
+    fn start(streams: Vec<TcpStream>, ram: RamRegion, queue: Arc<PushQueue>, ctl: Arc<Control>) -> Result<UrgentServer> {
+        let mut threads = Vec::new();
+        for (k, s) in streams.iter().enumerate() {
+            let (s2, queue, ctl) = (s.try_clone()?, queue.clone(), ctl.clone());
+            threads.push(std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
+                if let Err(e) = serve_requests(s2, ram, &queue, &ctl) {
+                    tracing::debug!("urgent connection of link {k} ended: {e:#}");
+                }
+            })?);
+        }
+        Ok(UrgentServer { streams, threads })
     }
     fn stop(&mut self) {
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        if let Some(t) = self.thread.take() {
+        for s in &self.streams {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
