@@ -1,6 +1,18 @@
 //! The requester: turns send WQEs into request packets within its window
 //! (packets, bytes, READ/atomic credits, fences), and recovers lost ones by
 //! go-back-N, driven by the IB retransmission timer and a faster loss probe.
+//!
+//! Its congestion window answers loss as RoCE NICs do (DCQCN cuts a QP's
+//! rate on congestion and raises it back in steps; rnicd has no ECN marks,
+//! so loss is its signal, and it windows instead of pacing): a sequence
+//! NAK, a loss probe or a packet the local qdisc refused (ENOBUFS) halves
+//! the window, once per window of packets, and so does a round trip longer
+//! than half the IB timeout (a queue that would soon fire the timer for
+//! packets only waiting in it); a retransmission timeout drops it to its
+//! minimum. ACKs grow it back: by every ACKed packet up to half
+//! the window at the last loss (slow start), then by one packet per window
+//! (additive increase). Without this, a rate-capped link's queue overflows
+//! at every window and each overflow costs a resend.
 
 use std::time::{Duration, Instant};
 
@@ -124,6 +136,69 @@ impl Qp {
 
     fn window(&self) -> i32 {
         self.max_window().min(self.rt.cwnd.max(MIN_CWND) as i32)
+    }
+
+    /// The window after `restart_send_psns` or a restore: full, with no
+    /// loss remembered.
+    pub(super) fn restart_congestion(&mut self) {
+        self.cwnd_una = self.rt.una;
+        self.ssthresh = u32::MAX;
+        self.cwnd_acc = 0;
+        self.cut_until = None;
+    }
+
+    /// Grows the window by `acked` newly acknowledged packets.
+    pub(super) fn grow_window(&mut self, acked: u32) {
+        if self.cut_until.is_some_and(|p| psn_diff(self.rt.una, p) >= 0) {
+            self.cut_until = None;
+        }
+        let max = self.max_window() as u32;
+        let cwnd = self.rt.cwnd.max(MIN_CWND);
+        if cwnd < self.ssthresh {
+            self.rt.cwnd = cwnd.saturating_add(acked).min(self.ssthresh).min(max);
+            self.cwnd_acc = 0;
+            return;
+        }
+        self.cwnd_acc = self.cwnd_acc.saturating_add(acked);
+        if self.cwnd_acc >= cwnd {
+            self.cwnd_acc -= cwnd;
+            self.rt.cwnd = (cwnd + 1).min(max);
+        }
+    }
+
+    /// Congestion: the window halves (to at least MIN_CWND), unless this
+    /// loss is of a packet sent before the last cut (the same event).
+    /// Go-back-N and the PSNs are untouched: the loss is still resent.
+    pub(super) fn cut_window(&mut self, ctx: &mut Ctx) {
+        if self.cut_until.is_some_and(|p| psn_diff(self.rt.una, p) < 0) {
+            return;
+        }
+        ctx.stats.window_cuts += 1;
+        // What was in flight, not a window grown while little was sent.
+        let flight = psn_diff(self.rt.max_sent, self.rt.una).max(0) as u32;
+        let cwnd = self.window().min(flight.max(MIN_CWND) as i32) as u32;
+        self.rt.cwnd = (cwnd / 2).max(MIN_CWND);
+        self.ssthresh = self.rt.cwnd;
+        self.cwnd_acc = 0;
+        self.cut_until = Some(self.rt.max_sent);
+    }
+
+    /// A round trip of `us` µs: one longer than half the IB timeout means
+    /// a queue on the path (a rate-capped link's qdisc holds 100 ms) that
+    /// is about to make the timer fire for packets that are only waiting,
+    /// and each such timeout resends the whole window. The window halves,
+    /// as on a loss (the delay signal of RDMA's TIMELY, with one threshold).
+    pub(super) fn on_rtt_sample(&mut self, ctx: &mut Ctx, us: f64) {
+        if wire::ack_timeout_us(self.attr.timeout).is_some_and(|t| us > t as f64 / 2.0) {
+            self.cut_window(ctx);
+        }
+    }
+
+    /// A packet of this QP's flow was refused by the local qdisc.
+    pub fn on_local_congestion(&mut self, ctx: &mut Ctx) {
+        if !self.is_ud() && matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
+            self.cut_window(ctx);
+        }
     }
 
     fn ack_every(&self) -> u32 {
@@ -301,6 +376,10 @@ impl Qp {
             return;
         }
         self.rt.retry_left -= 1;
+        // Nothing came back for a whole timeout: start again from the
+        // smallest window, slow start up to half of what was in flight.
+        self.cut_until = None;
+        self.cut_window(ctx);
         self.rt.cwnd = MIN_CWND;
         self.rewind(ctx);
         // Back off on consecutive timeouts so that a slow (not dead) peer
@@ -312,8 +391,8 @@ impl Qp {
     /// The loss probe: no progress for a few round trips means a lost packet
     /// that no later one will reveal (the last ones of a burst, a lost NAK, a
     /// lost retransmission: the responder NAKs a gap once). Go back N now
-    /// instead of stalling until the IB timeout; retry_cnt and cwnd are left
-    /// alone, as only the IB timeout is a retry.
+    /// instead of stalling until the IB timeout; retry_cnt is left alone, as
+    /// only the IB timeout is a retry. A probe is a loss: the window halves.
     fn on_probe(&mut self, ctx: &mut Ctx) {
         let Some(d) = self.probe_deadline else { return };
         if ctx.now < d {
@@ -325,6 +404,7 @@ impl Qp {
             return;
         }
         ctx.stats.loss_probes += 1;
+        self.cut_window(ctx);
         self.rewind(ctx);
         self.recovery = Some(RECOVERY_FIRST);
         self.probe_backoff += 1;
