@@ -4,15 +4,16 @@
 //!
 //! Its congestion window answers loss as RoCE NICs do (DCQCN cuts a QP's
 //! rate on congestion and raises it back in steps; rnicd has no ECN marks,
-//! so loss is its signal, and it windows instead of pacing): a sequence
-//! NAK, a loss probe or a packet the local qdisc refused (ENOBUFS) halves
-//! the window, once per window of packets, and so does a round trip longer
-//! than half the IB timeout (a queue that would soon fire the timer for
-//! packets only waiting in it); a retransmission timeout drops it to its
-//! minimum. ACKs grow it back: by every ACKed packet up to half
-//! the window at the last loss (slow start), then by one packet per window
-//! (additive increase). Without this, a rate-capped link's queue overflows
-//! at every window and each overflow costs a resend.
+//! so loss and delay are its signals, and it windows instead of pacing).
+//! The window halves on a sequence NAK or a loss probe (once per window of
+//! packets), on a round trip longer than a quarter of the IB timeout (a
+//! queue that may soon fire the timer for packets only waiting in it), and
+//! at every packet of its flow the local qdisc refuses (ENOBUFS); a
+//! retransmission timeout drops it to its minimum. ACKs grow it back: by
+//! every ACKed packet up to half the window at the last cut (slow start),
+//! then by one packet per window (additive increase). Without this, a
+//! rate-capped link's queue overflows at every window and each overflow
+//! costs a resend.
 
 use std::time::{Duration, Instant};
 
@@ -183,20 +184,28 @@ impl Qp {
         self.cut_until = Some(self.rt.max_sent);
     }
 
-    /// A round trip of `us` µs: one longer than half the IB timeout means
-    /// a queue on the path (a rate-capped link's qdisc holds 100 ms) that
-    /// is about to make the timer fire for packets that are only waiting,
+    /// A round trip of `us` µs: one longer than a quarter of the IB timeout
+    /// means a queue on the path (a rate-capped link's qdisc holds 100 ms)
+    /// that may soon make the timer fire for packets that are only waiting
+    /// (the queue grows for a round trip before the next sample can tell),
     /// and each such timeout resends the whole window. The window halves,
     /// as on a loss (the delay signal of RDMA's TIMELY, with one threshold).
     pub(super) fn on_rtt_sample(&mut self, ctx: &mut Ctx, us: f64) {
-        if wire::ack_timeout_us(self.attr.timeout).is_some_and(|t| us > t as f64 / 2.0) {
+        if wire::ack_timeout_us(self.attr.timeout).is_some_and(|t| us > t as f64 / 4.0) {
             self.cut_window(ctx);
         }
     }
 
-    /// A packet of this QP's flow was refused by the local qdisc.
+    /// A packet of this QP's flow was refused by the local qdisc. Each
+    /// refusal halves the window again, not once per window as a loss does:
+    /// a full qdisc holds its whole queue (100 ms under the testbed's cap),
+    /// longer than the IB timeout, and waiting a round trip between cuts
+    /// lets the timer fire for packets that are only queued. The daemon
+    /// tries a refused send again only after 0.5 ms, which bounds the rate
+    /// of cuts.
     pub fn on_local_congestion(&mut self, ctx: &mut Ctx) {
         if !self.is_ud() && matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
+            self.cut_until = None;
             self.cut_window(ctx);
         }
     }
