@@ -43,6 +43,9 @@ pub struct Context {
     /// when a program spins on an empty CQ (cq.rs).
     pub idle: verbs::CompChannel,
     pub port: ibv_port_attr,
+    /// Bytes of device memory allocated in this context (dm.rs; shared
+    /// with its DMs, which a program may free after closing the context).
+    pub dm_allocated: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The device, once found (it lives as long as the process, as a device
@@ -170,7 +173,8 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
         return std::ptr::null_mut();
     }
     let events = Default::default();
-    let mut c = Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, events, idle, port });
+    let mut c =
+        Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, events, idle, port, dm_allocated: Default::default() });
     let v = &mut c.vctx;
     v.sz = std::mem::size_of::<verbs_context>();
     v.query_port = Some(query_port_ex);
@@ -178,6 +182,9 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     v.create_qp_ex = Some(qp::create_qp_ex);
     v.create_cq_ex = Some(cq::create_cq_ex);
     v.create_srq_ex = Some(crate::srq::create_srq_ex);
+    v.alloc_dm = Some(crate::dm::alloc_dm);
+    v.free_dm = Some(crate::dm::free_dm);
+    v.reg_dm_mr = Some(crate::dm::reg_dm_mr);
     v.context.device = dev;
     v.context.cmd_fd = c.cmd_fd.as_raw_fd();
     v.context.async_fd = c.async_fd.as_raw_fd();
@@ -192,9 +199,9 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     ops.post_send = Some(qp::post_send);
     ops.post_recv = Some(qp::post_recv);
     ops.post_srq_recv = Some(crate::srq::post_srq_recv);
-    ops.alloc_mw = Some(qp::alloc_mw);
-    ops.dealloc_mw = Some(qp::dealloc_mw);
-    ops.bind_mw = Some(qp::bind_mw);
+    ops.alloc_mw = Some(crate::mw::alloc_mw);
+    ops.dealloc_mw = Some(crate::mw::dealloc_mw);
+    ops.bind_mw = Some(crate::mw::bind_mw);
     let c = Box::into_raw(c);
     &mut (*c).vctx.context
 }
@@ -261,7 +268,7 @@ pub unsafe extern "C" fn ibv_query_device(c: *mut ibv_context, attr: *mut ibv_de
     a.vendor_part_id = d.vendor_part_id;
     a.max_qp = d.max_qp as c_int;
     a.max_qp_wr = d.max_qp_wr.min(i32::MAX as u32) as c_int;
-    a.device_cap_flags = IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_PORT_ACTIVE_EVENT;
+    a.device_cap_flags = IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_PORT_ACTIVE_EVENT | IBV_DEVICE_MEM_WINDOW;
     a.max_sge = d.max_sge as c_int;
     a.max_sge_rd = d.max_sge as c_int;
     a.max_cq = d.max_cq as c_int;
@@ -298,6 +305,7 @@ unsafe extern "C" fn query_device_ex(
         return r;
     }
     a.phys_port_cnt_ex = 1;
+    a.max_dm_size = crate::dm::MAX_DM_SIZE;
     let n = attr_size.min(std::mem::size_of::<ibv_device_attr_ex>());
     std::ptr::write_bytes(attr as *mut u8, 0, attr_size);
     std::ptr::copy_nonoverlapping(&a as *const _ as *const u8, attr as *mut u8, n);

@@ -25,6 +25,13 @@ pub struct Mr {
     /// What ibv_rereg_mr keeps when told to change something else.
     iova: u64,
     access: c_uint,
+    /// The MR count of the device memory it registers (dm.rs), if any.
+    dm_users: *const std::sync::atomic::AtomicUsize,
+}
+
+/// The access flags an MR was registered with (mw.rs checks MW_BIND).
+pub(crate) unsafe fn mr_access(m: *const ibv_mr) -> Option<c_uint> {
+    (!m.is_null()).then(|| (*(m as *const Mr)).access)
 }
 
 pub unsafe fn pd<'a>(p: *mut ibv_pd) -> Option<&'a Pd> {
@@ -63,12 +70,14 @@ pub unsafe extern "C" fn ibv_dealloc_pd(p: *mut ibv_pd) -> c_int {
 /// IBV_ACCESS_OPTIONAL_RANGE of verbs.h (a macro bindgen cannot evaluate):
 /// bits 20 to 29, flags a device may ignore.
 const ACCESS_OPTIONAL_RANGE: c_uint = ((1 << 30) - 1) & !((1 << 20) - 1);
-const KNOWN_ACCESS: c_uint = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+const KNOWN_ACCESS: c_uint =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND;
 
 /// The access flags rnicd is given, or the errno a kernel driver returns
 /// for them. Optional flags (relaxed ordering and the rest of the optional
-/// range) may be ignored by a device; MW binding, zero-based, ODP and the
-/// others are not supported here.
+/// range) may be ignored by a device; memory windows may be bound to an MR
+/// with MW_BIND (mw.rs); zero-based (but for device memory, dm.rs), ODP and
+/// the others are not supported here.
 fn check_access(access: c_uint) -> Result<c_uint, c_int> {
     let access = access & !ACCESS_OPTIONAL_RANGE;
     if access & !KNOWN_ACCESS != 0 {
@@ -98,6 +107,67 @@ unsafe fn share_and_register(pdr: &Pd, addr: u64, len: usize, iova: u64, access:
 }
 
 unsafe fn reg(p: *mut ibv_pd, addr: *mut c_void, len: usize, iova: u64, access: c_uint) -> *mut ibv_mr {
+    // As the kernel's ib_umem_get: no empty ranges of process memory.
+    if len == 0 {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    reg_range(p, addr, len, iova, access, std::ptr::null())
+}
+
+/// Registers `len` bytes of device memory at `addr` (dm.rs) as a zero-based
+/// MR whose `addr` is NULL, as a kernel driver reports it; the DM's MR
+/// count `dm_users` holds it until ibv_dereg_mr.
+pub(crate) unsafe fn register_dm_range(
+    p: *mut ibv_pd,
+    addr: u64,
+    len: usize,
+    access: c_uint,
+    dm_users: &std::sync::atomic::AtomicUsize,
+) -> *mut ibv_mr {
+    // Counted first, so that the DM cannot be freed during registration.
+    dm_users.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    let m = if len == 0 { empty_mr(p, access, dm_users) } else { reg_range(p, addr as *mut c_void, len, 0, access, dm_users) };
+    if m.is_null() {
+        dm_users.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    } else {
+        (*m).addr = std::ptr::null_mut();
+    }
+    m
+}
+
+/// An empty DM MR, which mlx5 allows: it grants no access, so rnicd (which
+/// registers no empty range) holds nothing for it. Its keys are above the
+/// 24 bits rnicd issues keys from, so every use of them fails as an access
+/// outside an MR does (local protection or remote access error).
+unsafe fn empty_mr(p: *mut ibv_pd, access: c_uint, dm_users: *const std::sync::atomic::AtomicUsize) -> *mut ibv_mr {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let Some(pdr) = pd(p) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    let access = match check_access(access) {
+        Ok(a) => a,
+        Err(e) => {
+            set_errno(e);
+            return std::ptr::null_mut();
+        }
+    };
+    let key = 0xff00_0000 | (NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & 0x00ff_ffff);
+    let mr = ibv_mr { context: pdr.pd.context, pd: p, addr: std::ptr::null_mut(), length: 0, handle: key, lkey: key, rkey: key };
+    pdr.users.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    let b = Box::into_raw(Box::new(Mr { mr, inner: None, shared: (0, 0), pd: pdr, iova: 0, access, dm_users }));
+    &mut (*b).mr
+}
+
+unsafe fn reg_range(
+    p: *mut ibv_pd,
+    addr: *mut c_void,
+    len: usize,
+    iova: u64,
+    access: c_uint,
+    dm_users: *const std::sync::atomic::AtomicUsize,
+) -> *mut ibv_mr {
     let fail = |e: i32| {
         set_errno(e);
         std::ptr::null_mut()
@@ -107,15 +177,12 @@ unsafe fn reg(p: *mut ibv_pd, addr: *mut c_void, len: usize, iova: u64, access: 
         Ok(a) => a,
         Err(e) => return fail(e),
     };
-    if len == 0 {
-        return fail(libc::EINVAL);
-    }
     let a = addr as u64;
     match share_and_register(pdr, a, len, iova, access, None) {
         Ok(m) => {
             let mr = ibv_mr { context: pdr.pd.context, pd: p, addr, length: len, handle: m.lkey, lkey: m.lkey, rkey: m.rkey };
             pdr.users.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-            let b = Box::into_raw(Box::new(Mr { mr, inner: Some(m), shared: (a, len as u64), pd: pdr, iova, access }));
+            let b = Box::into_raw(Box::new(Mr { mr, inner: Some(m), shared: (a, len as u64), pd: pdr, iova, access, dm_users }));
             &mut (*b).mr
         }
         Err(e) => fail(e),
@@ -147,6 +214,9 @@ pub unsafe extern "C" fn ibv_dereg_mr(m: *mut ibv_mr) -> c_int {
     drop(b.inner.take());
     mem::unshare(b.shared.0, b.shared.1);
     (*b.pd).users.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    if !b.dm_users.is_null() {
+        (*b.dm_users).fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
     0
 }
 
@@ -173,6 +243,11 @@ pub unsafe extern "C" fn ibv_rereg_mr(m: *mut ibv_mr, flags: c_int, p: *mut ibv_
         return input(libc::EINVAL);
     }
     let b = &mut *(m as *mut Mr);
+    // Device memory MRs are registered only by ibv_reg_dm_mr, at an
+    // address of the library's (dm.rs), not the program's.
+    if !b.dm_users.is_null() {
+        return input(libc::EINVAL);
+    }
     let new_pd = if flags & IBV_REREG_MR_CHANGE_PD != 0 { p } else { b.mr.pd };
     let Some(pdr) = pd(new_pd) else { return input(libc::EINVAL) };
     let new_access = if flags & IBV_REREG_MR_CHANGE_ACCESS != 0 {

@@ -45,6 +45,8 @@ struct PendingWr {
     inline: Option<Vec<u8>>,
     /// UD: set by ibv_wr_set_ud_addr.
     ud: Option<verbs::UdDest>,
+    /// A window's bind: the window and its new key (mw.rs).
+    window: Option<(*mut ibv_mw, u32)>,
 }
 
 #[derive(Default)]
@@ -153,6 +155,8 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         x.wr_send = Some(wr_send);
         x.wr_send_imm = Some(wr_send_imm);
         x.wr_send_inv = Some(wr_send_inv);
+        x.wr_local_inv = Some(wr_local_inv);
+        x.wr_bind_mw = Some(wr_bind_mw);
         x.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp);
         x.wr_atomic_fetch_add = Some(wr_atomic_fetch_add);
         x.wr_set_sge = Some(wr_set_sge);
@@ -461,6 +465,8 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
     // Inline payloads gathered per WR (they must outlive the post call).
     let mut inline: Vec<Vec<u8>> = Vec::new();
     let mut wrs: Vec<(*mut ibv_send_wr, verbs::WrOpcode)> = Vec::new();
+    // Window binds, in the order of their WRs (mw.rs).
+    let mut binds: Vec<(*mut ibv_mw, crate::mw::Bind)> = Vec::new();
     let mut err = 0;
     let mut w = wr;
     while !w.is_null() {
@@ -469,10 +475,11 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             err = libc::ENOMEM;
             break;
         }
-        // Key-table work requests (LOCAL_INV, rnicd's key binds) need memory
-        // windows or indirect keys, which this device does not offer through
-        // libibverbs: refused as an unsupported opcode, as drivers do.
-        let Some(op) = verbs::WrOpcode::from_u8(r.opcode as u8).filter(|op| r.opcode <= 9 && !op.is_local()) else {
+        // Memory windows' WRs (mw.rs): BIND_MW becomes rnicd's key bind,
+        // LOCAL_INV its invalidation; other values are refused as drivers do.
+        let op = if r.opcode == IBV_WR_BIND_MW { Some(verbs::WrOpcode::BindKey) } else { verbs::WrOpcode::from_u8(r.opcode as u8) };
+        let Some(op) = op.filter(|op| r.opcode <= 9 && (r.opcode == IBV_WR_LOCAL_INV || r.opcode == IBV_WR_BIND_MW || !op.is_local()))
+        else {
             err = libc::EINVAL;
             break;
         };
@@ -482,6 +489,20 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         {
             err = libc::EINVAL;
             break;
+        }
+        if op == verbs::WrOpcode::BindKey {
+            // A bind names its range in bind_mw, not in the SGE list.
+            let b = &r.__bindgen_anon_2.bind_mw;
+            match crate::mw::bind_request(b.mw, b.rkey, &b.bind_info) {
+                Ok(bind) => binds.push((b.mw, bind)),
+                Err(e) => {
+                    err = e;
+                    break;
+                }
+            }
+            wrs.push((w, op));
+            w = r.next;
+            continue;
         }
         if r.num_sge < 0 || (r.num_sge > 0 && r.sg_list.is_null()) {
             err = libc::EINVAL;
@@ -508,8 +529,14 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
     }
     let mut posted = Vec::with_capacity(wrs.len());
     let mut inl = inline.iter();
+    let mut bind = binds.iter();
     for &(w, op) in &wrs {
         let r = &*w;
+        if op == verbs::WrOpcode::BindKey {
+            let (_, b) = bind.next().expect("checked above");
+            posted.push(crate::mw::bind_wr(r.wr_id, (r.send_flags & 0xf) as u8 & !verbs::send_flags::INLINE, b));
+            continue;
+        }
         // ibv_sge and the ring's Sge have the same layout (addr, length, lkey).
         let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge.max(0) as usize);
         let mut s = verbs::SendWr::new(r.wr_id, op, sges);
@@ -533,6 +560,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         match op {
             verbs::WrOpcode::SendImm | verbs::WrOpcode::RdmaWriteImm => s.imm = u32::from_be(r.__bindgen_anon_1.imm_data),
             verbs::WrOpcode::SendInv => s.imm = r.__bindgen_anon_1.invalidate_rkey,
+            verbs::WrOpcode::LocalInv => s.rkey = r.__bindgen_anon_1.invalidate_rkey,
             _ => {}
         }
         if r.send_flags & IBV_SEND_INLINE != 0 && !op.is_read_or_atomic() {
@@ -540,9 +568,12 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         }
         posted.push(s);
     }
-    if !posted.is_empty() && x.inner.post_send(&posted).is_err() {
+    if !posted.is_empty() && crate::mw::post_wrs(&x.inner, &posted).is_err() {
         set_bad(wr);
         return libc::ENOMEM;
+    }
+    for (m, b) in &binds {
+        crate::mw::posted(*m, b.new_key);
     }
     if err != 0 {
         set_bad(w);
@@ -570,17 +601,20 @@ pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *m
     post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
 }
 
-pub unsafe extern "C" fn alloc_mw(_pd: *mut ibv_pd, _t: ibv_mw_type) -> *mut ibv_mw {
-    set_errno(libc::EOPNOTSUPP);
-    std::ptr::null_mut()
-}
-
-pub unsafe extern "C" fn dealloc_mw(_mw: *mut ibv_mw) -> c_int {
-    libc::EOPNOTSUPP
-}
-
-pub unsafe extern "C" fn bind_mw(_q: *mut ibv_qp, _mw: *mut ibv_mw, _b: *mut ibv_mw_bind) -> c_int {
-    libc::EOPNOTSUPP
+/// Posts one WR built elsewhere (a type 1 window's bind, mw.rs) on an RC
+/// QP that can send.
+pub(crate) unsafe fn post_one(q: *mut ibv_qp, s: verbs::SendWr) -> c_int {
+    let Some(x) = qp(q) else { return libc::EINVAL };
+    if !x.can_send() || x.qp_type != IBV_QPT_RC {
+        return libc::EINVAL;
+    }
+    if x.inner.send_slots() == 0 {
+        return libc::ENOMEM;
+    }
+    match crate::mw::post_wrs(&x.inner, &[s]) {
+        Ok(()) => 0,
+        Err(_) => libc::ENOMEM,
+    }
 }
 
 /// The ibv_wr_* operations this device builds (send_ops_flags).
@@ -591,7 +625,9 @@ const SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
     | IBV_QP_EX_WITH_RDMA_READ
     | IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
     | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
-    | IBV_QP_EX_WITH_SEND_WITH_INV) as u64;
+    | IBV_QP_EX_WITH_SEND_WITH_INV
+    | IBV_QP_EX_WITH_LOCAL_INV
+    | IBV_QP_EX_WITH_BIND_MW) as u64;
 
 /// Those of a UD QP.
 const UD_SEND_OPS: u64 = (IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM) as u64;
@@ -647,8 +683,13 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
         }
         wrs.push(s);
     }
-    match x.inner.post_send(&wrs) {
-        Ok(()) => 0,
+    match crate::mw::post_wrs(&x.inner, &wrs) {
+        Ok(()) => {
+            for (m, key) in b.wrs.iter().filter_map(|p| p.window) {
+                crate::mw::posted(m, key);
+            }
+            0
+        }
         Err(_) => libc::ENOMEM,
     }
 }
@@ -668,6 +709,7 @@ unsafe fn push(q: *mut ibv_qp_ex, opcode: verbs::WrOpcode, rkey: u32, remote_add
         sges: Vec::new(),
         inline: None,
         ud: None,
+        window: None,
     });
     b
 }
@@ -689,6 +731,25 @@ unsafe extern "C" fn wr_send_imm(q: *mut ibv_qp_ex, imm: __be32) {
 }
 unsafe extern "C" fn wr_send_inv(q: *mut ibv_qp_ex, invalidate_rkey: u32) {
     push(q, verbs::WrOpcode::SendInv, 0, 0).wrs.last_mut().unwrap().imm = invalidate_rkey;
+}
+unsafe extern "C" fn wr_local_inv(q: *mut ibv_qp_ex, invalidate_rkey: u32) {
+    drop(push(q, verbs::WrOpcode::LocalInv, invalidate_rkey, 0));
+}
+unsafe extern "C" fn wr_bind_mw(q: *mut ibv_qp_ex, m: *mut ibv_mw, rkey: u32, info: *const ibv_mw_bind_info) {
+    let r = if info.is_null() { Err(libc::EINVAL) } else { crate::mw::bind_request(m, rkey, &*info) };
+    let mut b = push(q, verbs::WrOpcode::BindKey, 0, 0);
+    match r {
+        Ok(bind) => {
+            let w = b.wrs.last_mut().unwrap();
+            w.rkey = bind.key;
+            w.remote_addr = bind.iova;
+            w.compare_add = bind.access as u64;
+            w.swap = bind.new_key as u64;
+            w.sges = bind.range;
+            w.window = Some((m, rkey));
+        }
+        Err(e) => b.err = e,
+    }
 }
 unsafe extern "C" fn wr_atomic_cmp_swp(q: *mut ibv_qp_ex, rkey: u32, addr: u64, compare: u64, swap: u64) {
     let mut b = push(q, verbs::WrOpcode::AtomicCmpSwp, rkey, addr);

@@ -499,7 +499,7 @@ impl Engine {
 
     fn reg_mr(&mut self, client: ClientId, r: MrRequest, fd: &OwnedFd) -> anyhow::Result<Reply> {
         self.owned_pd(client, r.pd)?;
-        if r.len == 0 || r.len > 1 << 40 || r.access & !access::ALL != 0 {
+        if r.len == 0 || r.len > 1 << 40 || r.access & !(access::ALL | access::MW_BIND) != 0 {
             bail!("bad MR length or access flags");
         }
         if r.iova.checked_add(r.len).is_none() {

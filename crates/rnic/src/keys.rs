@@ -44,6 +44,18 @@ pub const MAX_KLM: usize = 24;
 /// Most indirect keys and aliases one namespace holds.
 pub const MAX_INDIRECT: usize = 1 << 20;
 
+/// Whether an MR with `mr_access` may be bound with `access`: an MR grants
+/// an indirect key at most its own rights, except that an MR registered for
+/// memory windows (MW_BIND) lends remote rights it does not have itself,
+/// write and atomic ones only if it has local write (IBA o10-36.2.1).
+fn bind_allowed(mr_access: u32, access: u32) -> bool {
+    if mr_access & access == access {
+        return true;
+    }
+    mr_access & access::MW_BIND != 0
+        && (access & (access::REMOTE_WRITE | access::REMOTE_ATOMIC | access::LOCAL_WRITE) == 0 || mr_access & access::LOCAL_WRITE != 0)
+}
+
 /// One range of a binding: `len` bytes of `mr` at its address `va`,
 /// `start` bytes into the bound range.
 pub struct Entry {
@@ -60,6 +72,9 @@ pub struct Binding {
     pub len: u64,
     pub access: u32,
     pub entries: Vec<Entry>,
+    /// A memory window's binding lends rights its MRs lack themselves
+    /// (MW_BIND): their memory is reached as the MR owner's local access.
+    pub lent: bool,
 }
 
 impl Binding {
@@ -83,7 +98,14 @@ impl Binding {
             let e = self.entries.get(i)?;
             let mr = e.mr.upgrade()?;
             let n = (e.start + e.len).min(end) - at;
-            mr.translate(mr.pd, e.va + (at - e.start), n, need)?.push_to(n as usize, &mut pieces);
+            let mr_need = if !self.lent {
+                need
+            } else if need & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0 {
+                access::LOCAL_WRITE
+            } else {
+                0
+            };
+            mr.translate(mr.pd, e.va + (at - e.start), n, mr_need)?.push_to(n as usize, &mut pieces);
             at += n;
             i += 1;
         }
@@ -308,11 +330,13 @@ impl Keys {
         }
         let mut out = Vec::with_capacity(entries.len());
         let mut start = 0u64;
+        let mut lent = false;
         for &(va, len, mr_key) in entries {
             let mr = self.direct.get(&mr_key).ok_or(BindError::BadRange)?;
-            if mr.owner != client || mr.pd != pd || len == 0 || mr.access & access_flags != access_flags {
+            if mr.owner != client || mr.pd != pd || len == 0 || !bind_allowed(mr.access, access_flags) {
                 return Err(BindError::BadRange);
             }
+            lent |= mr.access & access_flags != access_flags;
             let off = va.checked_sub(mr.iova).ok_or(BindError::BadRange)?;
             if off.checked_add(len).is_none_or(|e| e > mr.len) {
                 return Err(BindError::BadRange);
@@ -328,8 +352,27 @@ impl Keys {
         k.generation = generation;
         k.kind = IndirectKind::Indirect {
             max_entries: max,
-            binding: Some(Arc::new(Binding { iova, len: start, access: access_flags, entries: out })),
+            binding: Some(Arc::new(Binding { iova, len: start, access: access_flags, entries: out, lent })),
         };
+        Ok(())
+    }
+
+    /// A memory window's new key (the consumer's `ibv_inc_rkey`): indirect
+    /// key `key` of `client` in `pd` moves to `new_key`, which differs only
+    /// in its low byte and is free. The old key grants nothing any more.
+    pub fn rename(&mut self, client: ClientId, pd: u32, key: u32, new_key: u32) -> Result<(), BindError> {
+        if new_key == key {
+            return Ok(());
+        }
+        match self.indirect.get(&key) {
+            Some(k) if k.owner == client && k.pd == pd && matches!(k.kind, IndirectKind::Indirect { .. }) => {}
+            _ => return Err(BindError::NotOwned),
+        }
+        if new_key >> 8 != key >> 8 || self.contains(new_key) || self.grants.contains_key(&key) {
+            return Err(BindError::BadRange);
+        }
+        let k = self.indirect.remove(&key).ok_or(BindError::NotOwned)?;
+        self.indirect.insert(new_key, k);
         Ok(())
     }
 

@@ -9,6 +9,9 @@ pub mod access {
     pub const REMOTE_READ: u32 = 4;
     pub const REMOTE_ATOMIC: u32 = 8;
     pub const ALL: u32 = 15;
+    /// An MR memory windows may be bound to (IBV_ACCESS_MW_BIND): a window
+    /// may grant remote access the MR itself does not (crate::keys::Keys::bind).
+    pub const MW_BIND: u32 = 16;
 }
 
 /// QP attribute mask bits (ibv_qp_attr_mask).
@@ -115,7 +118,9 @@ pub enum WrOpcode {
     /// Binds indirect key `rkey` (crate::keys) to `num_sge` ranges seen at
     /// `remote_addr` with the access flags in `compare_add`: the ranges are
     /// the SGEs, then (past 8) 16-byte `Sge`s in the inline area. The
-    /// value of IBV_WR_DRIVER1, which mlx5 uses for its UMR.
+    /// value of IBV_WR_DRIVER1, which mlx5 uses for its UMR. A memory
+    /// window's bind also names its new key in `swap` (non-zero: the key is
+    /// renamed first, `Keys::rename`); with no range it unbinds the window.
     BindKey = 11,
 }
 

@@ -35,6 +35,12 @@ impl IndirectKey {
     pub fn key(&self) -> u32 {
         self.key
     }
+
+    /// Follows a rename by a memory window's bind (its new key, in `swap`
+    /// of the bind WQE): the key destroyed on drop is the new one.
+    pub fn renamed(&mut self, key: u32) {
+        self.key = key;
+    }
 }
 
 impl Drop for IndirectKey {
@@ -87,6 +93,11 @@ pub enum KeyOp<'a> {
     Bind { wr_id: u64, key: u32, iova: u64, access: u32, ranges: &'a [Sge], signaled: bool },
     /// Invalidate `key`: it grants nothing until bound again.
     Invalidate { wr_id: u64, key: u32, signaled: bool },
+    /// A memory window's bind: `key` is renamed `new_key` (same family:
+    /// only the low byte differs), then bound to `range` (one range of an
+    /// MR, which may lend remote rights it lacks if registered with
+    /// `access::MW_BIND`) or, without one, left bound to nothing.
+    BindWindow { wr_id: u64, key: u32, new_key: u32, iova: u64, access: u32, range: Option<Sge>, signaled: bool },
 }
 
 impl KeyOp<'_> {
@@ -120,6 +131,11 @@ impl KeyOp<'_> {
             }
             KeyOp::Invalidate { wr_id, key, signaled } => {
                 SendWqe { wr_id, opcode: WrOpcode::LocalInv as u8, flags: flags(signaled), rkey: key, ..Default::default() }
+            }
+            KeyOp::BindWindow { wr_id, key, new_key, iova, access, range, signaled } => {
+                let mut w = KeyOp::Bind { wr_id, key, iova, access, ranges: range.as_slice(), signaled }.wqe()?;
+                w.swap = new_key as u64;
+                w
             }
         })
     }

@@ -344,15 +344,32 @@ impl Qp {
         let status = if st == QpState::Err {
             WcStatus::WrFlushErr
         } else {
-            let r = match op {
-                WrOpcode::BindKey => match bind_entries(w) {
+            // A memory window's bind renames its key first (`swap`).
+            let renamed = match (op, w.swap) {
+                (WrOpcode::BindKey, new) if new != 0 => {
+                    let r = u32::try_from(new).map_err(|_| BindError::BadRange);
+                    let r = r.and_then(|new| ctx.keys.rename(self.owner, self.pd, w.rkey, new).map(|()| new));
+                    if r.is_err() {
+                        // The consumer now names the window by its new key:
+                        // the old one must not keep granting what it did.
+                        let _ = ctx.keys.invalidate(self.owner, self.pd, w.rkey);
+                    }
+                    r
+                }
+                _ => Ok(w.rkey),
+            };
+            let r = match (op, renamed) {
+                (_, Err(e)) => Err(e),
+                // A window bound to nothing (type 1's zero-length bind).
+                (WrOpcode::BindKey, Ok(key)) if w.swap != 0 && w.num_sge == 0 => ctx.keys.invalidate(self.owner, self.pd, key),
+                (WrOpcode::BindKey, Ok(key)) => match bind_entries(w) {
                     Some(entries) if w.compare_add <= u32::MAX as u64 => {
-                        ctx.keys.bind(self.owner, self.pd, w.rkey, w.remote_addr, w.compare_add as u32, &entries)
+                        ctx.keys.bind(self.owner, self.pd, key, w.remote_addr, w.compare_add as u32, &entries)
                     }
                     Some(_) => Err(BindError::BadRange),
                     None => Err(BindError::TooLong),
                 },
-                _ => ctx.keys.invalidate(self.owner, self.pd, w.rkey),
+                (_, Ok(key)) => ctx.keys.invalidate(self.owner, self.pd, key),
             };
             match r {
                 Ok(()) => {

@@ -1,0 +1,239 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+/*
+ * Memory windows through the drop-in, from the C side, on RC QPs of one
+ * process on one rnicd (loopback): type 1 windows bound by ibv_bind_mw and
+ * unbound by a zero-length bind; type 2 windows bound by an IBV_WR_BIND_MW
+ * WR and ended by LOCAL_INV, by the peer's SEND with invalidate and by
+ * ibv_dealloc_mw; each bind gives a new rkey and the old one stops working;
+ * the errors of bad calls (unknown type, an MR without MW_BIND, a new rkey
+ * of another family, a bind_mw on a type 2 window, a PD still holding a
+ * window). Prints "ok NAME" per check, "FAIL NAME: why" and exits 1 at the
+ * first failure.
+ */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <infiniband/verbs.h>
+
+#define CHECK(name, cond, ...)                                                                                         \
+	do {                                                                                                           \
+		if (!(cond)) {                                                                                         \
+			printf("FAIL %s: ", name);                                                                     \
+			printf(__VA_ARGS__);                                                                           \
+			printf("\n");                                                                                  \
+			exit(1);                                                                                       \
+		}                                                                                                      \
+	} while (0)
+#define OK(name) printf("ok %s\n", name)
+
+static struct ibv_context *ctx;
+static struct ibv_pd *pd;
+static struct ibv_cq *cq;
+static union ibv_gid gid;
+
+static struct ibv_qp *make_qp(void)
+{
+	struct ibv_qp_init_attr a = {
+		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 },
+	};
+	struct ibv_qp *qp = ibv_create_qp(pd, &a);
+	CHECK("create_qp", qp, "errno %d", errno);
+	return qp;
+}
+
+static void connect_qp(struct ibv_qp *qp, uint32_t dest)
+{
+	int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qp_access_flags = access };
+	int r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+	CHECK("modify INIT", r == 0, "%d", r);
+	memset(&a, 0, sizeof(a));
+	a.qp_state = IBV_QPS_RTR;
+	a.path_mtu = IBV_MTU_1024;
+	a.dest_qp_num = dest;
+	a.min_rnr_timer = 1;
+	a.max_dest_rd_atomic = 4;
+	a.ah_attr.is_global = 1;
+	a.ah_attr.grh.dgid = gid;
+	a.ah_attr.grh.hop_limit = 64;
+	a.ah_attr.port_num = 1;
+	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+					  IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+	CHECK("modify RTR", r == 0, "%d", r);
+	a.qp_state = IBV_QPS_RTS;
+	a.timeout = 14;
+	a.retry_cnt = 7;
+	a.rnr_retry = 7;
+	a.max_rd_atomic = 4;
+	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+					  IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
+	CHECK("modify RTS", r == 0, "%d", r);
+}
+
+static struct ibv_wc wait_wc(const char *what)
+{
+	struct ibv_wc wc;
+	for (long i = 0; i < 2000000000L; i++) {
+		int n = ibv_poll_cq(cq, 1, &wc);
+		CHECK(what, n >= 0, "poll_cq %d", n);
+		if (n == 1) {
+			CHECK(what, wc.status == IBV_WC_SUCCESS, "status %d (%s)", wc.status,
+			      ibv_wc_status_str(wc.status));
+			return wc;
+		}
+	}
+	CHECK(what, 0, "no completion");
+	return wc;
+}
+
+static void post(struct ibv_qp *qp, enum ibv_wr_opcode op, uint64_t addr, uint32_t len, uint32_t lkey,
+		 uint64_t raddr, uint32_t rkey)
+{
+	struct ibv_sge sge = { .addr = addr, .length = len, .lkey = lkey };
+	struct ibv_send_wr wr = { .wr_id = op, .sg_list = &sge, .num_sge = 1, .opcode = op,
+				  .send_flags = IBV_SEND_SIGNALED }, *bad;
+	wr.wr.rdma.remote_addr = raddr;
+	wr.wr.rdma.rkey = rkey;
+	CHECK("post_send", ibv_post_send(qp, &wr, &bad) == 0, "opcode %d", op);
+}
+
+static char buf[1 << 16];
+static struct ibv_mr *mr, *wmr;
+
+/* A fresh connected pair: a writes, b owns the windows. */
+static void fresh(struct ibv_qp **a, struct ibv_qp **b)
+{
+	*a = make_qp();
+	*b = make_qp();
+	connect_qp(*a, (*b)->qp_num);
+	connect_qp(*b, (*a)->qp_num);
+}
+
+/* a writes 64 bytes to b's window memory (wmr) with `rkey`; the status. */
+static int write_with(struct ibv_qp *a, uint32_t rkey, char fill)
+{
+	memset(buf, fill, 64);
+	post(a, IBV_WR_RDMA_WRITE, (uintptr_t)buf, 64, mr->lkey, (uintptr_t)(buf + 32768), rkey);
+	struct ibv_wc wc;
+	for (;;) {
+		int n = ibv_poll_cq(cq, 1, &wc);
+		CHECK("write", n >= 0, "poll");
+		if (n == 1)
+			return wc.status;
+	}
+}
+
+static uint32_t bind2(struct ibv_qp *b, struct ibv_mw *mw, unsigned int access)
+{
+	uint32_t new_key = ibv_inc_rkey(mw->rkey);
+	struct ibv_send_wr wr = { .wr_id = 5, .opcode = IBV_WR_BIND_MW, .send_flags = IBV_SEND_SIGNALED }, *bad;
+	wr.bind_mw.mw = mw;
+	wr.bind_mw.rkey = new_key;
+	wr.bind_mw.bind_info = (struct ibv_mw_bind_info){ .mr = wmr, .addr = (uintptr_t)(buf + 32768), .length = 4096,
+							   .mw_access_flags = access };
+	CHECK("bind type 2", ibv_post_send(b, &wr, &bad) == 0, "post");
+	struct ibv_wc wc = wait_wc("bind type 2");
+	CHECK("bind type 2", wc.opcode == IBV_WC_BIND_MW && mw->rkey == new_key, "opcode %d rkey %x", wc.opcode, mw->rkey);
+	return new_key;
+}
+
+int main(void)
+{
+	int n;
+	setvbuf(stdout, NULL, _IONBF, 0);
+	struct ibv_device **list = ibv_get_device_list(&n);
+	CHECK("device list", list && n == 1, "n=%d", n);
+	ctx = ibv_open_device(list[0]);
+	CHECK("open", ctx, "errno %d", errno);
+	ibv_free_device_list(list);
+	CHECK("query_gid", ibv_query_gid(ctx, 1, 0, &gid) == 0, "gid");
+	pd = ibv_alloc_pd(ctx);
+	cq = ibv_create_cq(ctx, 256, NULL, NULL, 0);
+	mr = ibv_reg_mr(pd, buf, 32768, IBV_ACCESS_LOCAL_WRITE);
+	/* The windows' MR grants no remote access itself. */
+	wmr = ibv_reg_mr(pd, buf + 32768, 32768, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+	CHECK("objects", pd && cq && mr && wmr, "errno %d", errno);
+	struct ibv_device_attr da;
+	CHECK("query_device", ibv_query_device(ctx, &da) == 0 && (da.device_cap_flags & IBV_DEVICE_MEM_WINDOW),
+	      "no IBV_DEVICE_MEM_WINDOW");
+
+	/* Refusals. */
+	CHECK("alloc_mw type 3", !ibv_alloc_mw(pd, 3) && errno == EINVAL, "errno %d", errno);
+	struct ibv_mw *w1 = ibv_alloc_mw(pd, IBV_MW_TYPE_1), *w2 = ibv_alloc_mw(pd, IBV_MW_TYPE_2);
+	CHECK("alloc_mw", w1 && w2 && w1->type == IBV_MW_TYPE_1 && w1->pd == pd && w1->rkey != w2->rkey, "errno %d", errno);
+	CHECK("dealloc_pd with windows", ibv_dealloc_pd(pd) == EBUSY, "not EBUSY");
+	struct ibv_qp *a, *b;
+	fresh(&a, &b);
+	struct ibv_mw_bind mb = { .wr_id = 1, .send_flags = IBV_SEND_SIGNALED,
+				  .bind_info = { .mr = mr, .addr = (uintptr_t)buf, .length = 4096,
+						 .mw_access_flags = IBV_ACCESS_REMOTE_WRITE } };
+	CHECK("bind_mw MR without MW_BIND", ibv_bind_mw(b, w1, &mb) == EINVAL, "not EINVAL");
+	CHECK("bind_mw on a type 2 window", ibv_bind_mw(b, w2, &mb) == EINVAL, "not EINVAL");
+	struct ibv_send_wr wr = { .opcode = IBV_WR_BIND_MW }, *bad;
+	wr.bind_mw.mw = w2;
+	wr.bind_mw.rkey = w2->rkey + 0x100;
+	wr.bind_mw.bind_info = (struct ibv_mw_bind_info){ .mr = wmr, .addr = (uintptr_t)(buf + 32768), .length = 64 };
+	CHECK("new rkey of another family", ibv_post_send(b, &wr, &bad) == EINVAL && bad == &wr, "not EINVAL");
+	OK("refusals");
+
+	/* Type 1: bound by ibv_bind_mw with a new rkey; the peer writes through it. */
+	uint32_t old = w1->rkey;
+	mb.bind_info = (struct ibv_mw_bind_info){ .mr = wmr, .addr = (uintptr_t)(buf + 32768), .length = 4096,
+						  .mw_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE };
+	CHECK("bind_mw", ibv_bind_mw(b, w1, &mb) == 0 && w1->rkey == ibv_inc_rkey(old), "rkey %x", w1->rkey);
+	struct ibv_wc wc = wait_wc("bind_mw");
+	CHECK("bind_mw", wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 1, "opcode %d", wc.opcode);
+	CHECK("write through type 1", write_with(a, w1->rkey, 'x') == IBV_WC_SUCCESS && buf[32768 + 63] == 'x',
+	      "not written");
+	/* Unbound by a zero-length bind: the next write is refused. */
+	mb.bind_info = (struct ibv_mw_bind_info){ .mr = wmr };
+	CHECK("zero-length bind", ibv_bind_mw(b, w1, &mb) == 0, "bind");
+	wait_wc("zero-length bind");
+	CHECK("write after unbind", write_with(a, w1->rkey, 'y') == IBV_WC_REM_ACCESS_ERR && buf[32768] == 'x',
+	      "not refused");
+	OK("type 1 window");
+
+	/* Type 2: bound by a WR; the old rkey is refused, the new one writes. */
+	fresh(&a, &b);
+	old = w2->rkey;
+	uint32_t k = bind2(b, w2, IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE);
+	CHECK("write through type 2", write_with(a, k, 'p') == IBV_WC_SUCCESS && buf[32768] == 'p', "not written");
+	CHECK("write with the old rkey", write_with(a, old, 'q') == IBV_WC_REM_ACCESS_ERR && buf[32768] == 'p',
+	      "not refused");
+	/* LOCAL_INV ends it. */
+	fresh(&a, &b);
+	k = bind2(b, w2, IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_send_wr inv = { .wr_id = 6, .opcode = IBV_WR_LOCAL_INV, .send_flags = IBV_SEND_SIGNALED };
+	inv.invalidate_rkey = k;
+	CHECK("local_inv", ibv_post_send(b, &inv, &bad) == 0, "post");
+	wc = wait_wc("local_inv");
+	CHECK("local_inv", wc.opcode == IBV_WC_LOCAL_INV, "opcode %d", wc.opcode);
+	CHECK("write after local_inv", write_with(a, k, 'r') == IBV_WC_REM_ACCESS_ERR, "not refused");
+	/* The peer's SEND with invalidate ends it. */
+	fresh(&a, &b);
+	k = bind2(b, w2, IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_sge rs = { .addr = (uintptr_t)(buf + 16384), .length = 64, .lkey = mr->lkey };
+	struct ibv_recv_wr rw = { .wr_id = 7, .sg_list = &rs, .num_sge = 1 }, *rbad;
+	CHECK("post_recv", ibv_post_recv(b, &rw, &rbad) == 0, "post_recv");
+	struct ibv_send_wr si = { .wr_id = 8, .opcode = IBV_WR_SEND_WITH_INV, .send_flags = IBV_SEND_SIGNALED };
+	si.invalidate_rkey = k;
+	CHECK("send_with_inv", ibv_post_send(a, &si, &bad) == 0, "post");
+	wait_wc("send_with_inv");
+	wait_wc("send_with_inv");
+	CHECK("write after send_with_inv", write_with(a, k, 's') == IBV_WC_REM_ACCESS_ERR, "not refused");
+	/* ibv_dealloc_mw ends it. */
+	fresh(&a, &b);
+	k = bind2(b, w2, IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE);
+	CHECK("write before dealloc", write_with(a, k, 't') == IBV_WC_SUCCESS, "not written");
+	CHECK("dealloc_mw", ibv_dealloc_mw(w2) == 0 && ibv_dealloc_mw(w1) == 0, "dealloc");
+	CHECK("write after dealloc", write_with(a, k, 'u') == IBV_WC_REM_ACCESS_ERR && buf[32768] == 't',
+	      "not refused");
+	OK("type 2 window");
+
+	CHECK("teardown", !ibv_dereg_mr(mr) && !ibv_dereg_mr(wmr), "dereg");
+	printf("all ok\n");
+	return 0;
+}
