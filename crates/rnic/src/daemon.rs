@@ -187,9 +187,15 @@ impl Namespace {
 
     /// Runs timers and sends what the engine has to send; returns (packets
     /// sent, more work pending).
+    ///
+    /// While the qdisc holds refused packets, the engine makes no new ones
+    /// (its timers still run): they would only queue behind the held ones,
+    /// unbounded. The loop sleeps until `retry_at` (see `next_deadline`).
     fn transmit(&mut self) -> (usize, bool) {
         let now = Instant::now();
-        let more = self.engine.poll_tx(TX_BUDGET, now);
+        let holding = !self.held.is_empty();
+        let more = self.engine.poll_tx(if holding { 0 } else { TX_BUDGET }, now) && !holding;
+        self.purge_rewound();
         let mut pkts = std::mem::take(&mut self.engine.tx.pkts);
         let had_held = !self.held.is_empty();
         if had_held {
@@ -197,7 +203,7 @@ impl Namespace {
             pkts.append(&mut new);
             if now < self.retry_at {
                 self.held = pkts;
-                return (0, true);
+                return (0, false);
             }
         }
         if pkts.is_empty() {
@@ -225,7 +231,29 @@ impl Namespace {
         for p in pkts {
             self.engine.tx.recycle(p);
         }
-        (sent, more || !self.held.is_empty())
+        (sent, more && self.held.is_empty())
+    }
+
+    /// A QP that went back N (timer, loss probe, NAK) sends its unacked
+    /// requests again: its held copies of them would be duplicates behind
+    /// the originals, so they go.
+    fn purge_rewound(&mut self) {
+        let rewound = std::mem::take(&mut self.engine.tx.rewound);
+        if rewound.is_empty() || self.held.is_empty() {
+            return;
+        }
+        let (keep, drop): (Vec<OutPkt>, Vec<OutPkt>) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|p| !rc_request_to(&p.buf[..p.len]).is_some_and(|qpn| rewound.contains(&(p.dst, qpn))));
+        self.held = keep;
+        for p in drop {
+            self.engine.tx.recycle(p);
+        }
+    }
+
+    /// When packets the qdisc refused are tried again, if any are held.
+    fn retry_deadline(&self) -> Option<Instant> {
+        (!self.held.is_empty()).then_some(self.retry_at)
     }
 }
 
@@ -275,6 +303,14 @@ enum SendSock {
 /// The local port a socket is bound to.
 fn bound_port(fd: &OwnedFd) -> anyhow::Result<u16> {
     Ok(getsockname::<SockaddrIn>(fd.as_raw_fd()).context("getsockname")?.port())
+}
+
+/// The destination QPN of an RC request packet (a UDP payload starting at
+/// its BTH); None for responses, other transports and short packets.
+fn rc_request_to(pkt: &[u8]) -> Option<u32> {
+    let op = wire::Opcode::from_u8(*pkt.first()?)?;
+    let qpn = pkt.get(5..8)?;
+    (op as u8 >> 5 == 0 && op.is_request()).then(|| u32::from_be_bytes([0, qpn[0], qpn[1], qpn[2]]))
 }
 
 /// Segment j of a GSO batch leaves with IP id j: its ICRC is sealed for
@@ -674,10 +710,17 @@ impl Daemon {
         let timeout_ms = if polling {
             0
         } else {
-            match self.nss.values().filter_map(|n| n.engine.next_deadline()).min() {
-                Some(d) => d.saturating_duration_since(Instant::now()).as_millis().min(100) as u16,
-                None => 100,
-            }
+            // A refused packet's retry is rounded up to whole milliseconds:
+            // a zero timeout would spin until it passes. QP timers keep
+            // their rounding down, so that a due ACK is not late.
+            let now = Instant::now();
+            let ms = |d: Instant, up: bool| {
+                let us = d.saturating_duration_since(now).as_micros();
+                (if up { us.div_ceil(1000).max(1) } else { us / 1000 }).min(100) as u16
+            };
+            let timers = self.nss.values().filter_map(|n| n.engine.next_deadline()).min().map(|d| ms(d, false));
+            let retries = self.nss.values().filter_map(|n| n.retry_deadline()).min().map(|d| ms(d, true));
+            timers.into_iter().chain(retries).min().unwrap_or(100)
         };
         // While we poll, epoll is needed only for control sockets, new
         // clients and doorbells (which clients skip meanwhile): look every

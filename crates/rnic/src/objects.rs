@@ -156,6 +156,9 @@ pub struct OutPkt {
 #[derive(Default)]
 pub struct Tx {
     pub pkts: Vec<OutPkt>,
+    /// (peer, peer's QPN) of QPs that went back N since the daemon last
+    /// looked: copies of their requests it still holds are now duplicates.
+    pub rewound: Vec<(Ipv4Addr, u32)>,
     pool: Vec<Vec<u8>>,
 }
 

@@ -337,6 +337,7 @@ impl Qp {
     /// after the resends to its old host were lost) rewinds again at once.
     pub(super) fn rewind(&mut self, ctx: &mut Ctx) {
         ctx.stats.retransmit_rewinds += 1;
+        ctx.tx.rewound.push((self.attr.dest_gid, self.attr.dest_qp_num));
         // Karn: a resent packet's ACK says nothing about the round trip.
         self.rtt_sample = None;
         self.recovery = None;
