@@ -202,9 +202,12 @@ impl Qp {
     /// longer than the IB timeout, and waiting a round trip between cuts
     /// lets the timer fire for packets that are only queued. The daemon
     /// tries a refused send again only after 0.5 ms, which bounds the rate
-    /// of cuts.
+    /// of cuts. A QP with less than the smallest window in flight is not
+    /// what fills the queue (the refused packet may be its ACK or READ
+    /// response): its window stays.
     pub fn on_local_congestion(&mut self, ctx: &mut Ctx) {
-        if !self.is_ud() && matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
+        let flight = psn_diff(self.rt.max_sent, self.rt.una);
+        if !self.is_ud() && flight >= MIN_CWND as i32 && matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
             self.cut_until = None;
             self.cut_window(ctx);
         }
