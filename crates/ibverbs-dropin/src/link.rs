@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{bail, Context as _};
 
@@ -21,6 +22,11 @@ pub fn output_dir(profile_dir: &Path) -> PathBuf {
 /// Links `<profile_dir>/libibverbs_dropin.a` into
 /// `<profile_dir>/ibverbs/libibverbs.so.1` (and a `libibverbs.so` link for
 /// programs linking against it). Returns the library's path.
+///
+/// Safe to run from several processes at once (test binaries run in
+/// parallel each link it): every file is written under a name of its own
+/// and renamed into place, so a reader sees the old library or the new
+/// one, whole, and never a half-written file or a missing link.
 pub fn link(profile_dir: &Path) -> anyhow::Result<PathBuf> {
     let archive = profile_dir.join("libibverbs_dropin.a");
     if !archive.exists() {
@@ -29,7 +35,7 @@ pub fn link(profile_dir: &Path) -> anyhow::Result<PathBuf> {
     let dir = output_dir(profile_dir);
     std::fs::create_dir_all(&dir)?;
     let out = dir.join("libibverbs.so.1");
-    let tmp = dir.join("libibverbs.so.1.tmp");
+    let tmp = private_name(&dir, "libibverbs.so.1");
     let status = Command::new("cc")
         .arg("-shared")
         .arg("-o")
@@ -40,15 +46,32 @@ pub fn link(profile_dir: &Path) -> anyhow::Result<PathBuf> {
         .arg(format!("-Wl,--version-script={VERSION_SCRIPT}"))
         .args(["-Wl,-soname,libibverbs.so.1", "-Wl,-z,now", "-Wl,--gc-sections"])
         .args(["-lgcc_s", "-lutil", "-lrt", "-lpthread", "-lm", "-ldl", "-lc"])
-        .status()
-        .context("run cc")?;
+        .status();
+    if !matches!(status, Ok(s) if s.success()) {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    let status = status.context("run cc")?;
     if !status.success() {
         bail!("linking libibverbs.so.1 failed ({status})");
     }
     // Rename: a program that has the old file mapped keeps it.
-    std::fs::rename(&tmp, &out)?;
-    let dev = dir.join("libibverbs.so");
-    let _ = std::fs::remove_file(&dev);
-    std::os::unix::fs::symlink("libibverbs.so.1", &dev)?;
+    rename_into_place(&tmp, &out)?;
+    let dev_tmp = private_name(&dir, "libibverbs.so");
+    std::os::unix::fs::symlink("libibverbs.so.1", &dev_tmp).with_context(|| format!("symlink {}", dev_tmp.display()))?;
+    rename_into_place(&dev_tmp, &dir.join("libibverbs.so"))?;
     Ok(out)
+}
+
+/// A name in `dir` for `file` that no other process or call uses.
+fn private_name(dir: &Path, file: &str) -> PathBuf {
+    static CALLS: AtomicU32 = AtomicU32::new(0);
+    let n = CALLS.fetch_add(1, Ordering::Relaxed);
+    dir.join(format!(".{file}.{}.{n}.tmp", std::process::id()))
+}
+
+fn rename_into_place(tmp: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::rename(tmp, to).map_err(|e| {
+        let _ = std::fs::remove_file(tmp);
+        anyhow::Error::new(e).context(format!("rename {} to {}", tmp.display(), to.display()))
+    })
 }

@@ -12,6 +12,14 @@
 //! numbers its own objects with, in families of 256 (one per window), so
 //! that a new rkey never meets another object's key.
 //!
+//! A bind names the window by the key it holds when the bind runs, as an
+//! mlx5 names it by its index: a second bind of the same window in one
+//! post_send chain (or one ibv_wr_start batch) renames the key the first
+//! one gave it. A bind that rnicd cannot do (an MR registered without
+//! IBV_ACCESS_MW_BIND, a range outside the MR) completes with
+//! IBV_WC_MW_BIND_ERR and moves the QP to the error state, as in rxe; the
+//! window then carries its new rkey and is bound to nothing.
+//!
 //! Limits: a type 2 window is not tied to the QP that bound it (any QP of
 //! its PD may use its rkey), and type 1 windows may also be invalidated by
 //! LOCAL_INV; a bind WR is refused by post_send on a UD QP.
@@ -93,28 +101,29 @@ pub(crate) struct Bind {
 
 /// Checks a bind of window `m` to `info` under the new key `new_key`, as
 /// ibv_post_send(3) and ibv_bind_mw(3) describe it: EINVAL for no window,
-/// a new key of another family, unknown access flags, an MR of another
-/// PD or one registered without IBV_ACCESS_MW_BIND.
-pub(crate) unsafe fn bind_request(m: *mut ibv_mw, new_key: u32, info: &ibv_mw_bind_info) -> Result<Bind, c_int> {
+/// a new key of another family, unknown access flags or an MR of another
+/// PD. `earlier` is the key an earlier bind of the same chain gives the
+/// window (the key it will hold when this bind runs), if there is one.
+/// An MR registered without IBV_ACCESS_MW_BIND passes: rnicd fails that
+/// bind in its completion, as rxe does.
+pub(crate) unsafe fn bind_request(m: *mut ibv_mw, earlier: Option<u32>, new_key: u32, info: &ibv_mw_bind_info) -> Result<Bind, c_int> {
     if m.is_null() {
         return Err(libc::EINVAL);
     }
     let w = &*(m as *const Mw);
-    if new_key >> 8 != w.mw.rkey >> 8 || new_key == w.mw.rkey || info.mw_access_flags & !WINDOW_ACCESS != 0 {
+    let key = earlier.unwrap_or(w.mw.rkey);
+    if new_key >> 8 != key >> 8 || new_key == key || info.mw_access_flags & !WINDOW_ACCESS != 0 {
         return Err(libc::EINVAL);
     }
     let range = if info.mr.is_null() || info.length == 0 {
         Vec::new()
     } else {
-        // The MR must be registered for windows (ibv_bind_mw(3)); rxe fails
-        // such a bind in its completion, this device when it is posted.
-        let mw_bind = crate::pdmr::mr_access(info.mr).is_some_and(|a| a & IBV_ACCESS_MW_BIND != 0);
-        if (*info.mr).pd != w.mw.pd || info.length > u32::MAX as u64 || !mw_bind {
+        if (*info.mr).pd != w.mw.pd || info.length > u32::MAX as u64 {
             return Err(libc::EINVAL);
         }
         vec![verbs::Sge { addr: info.addr, length: info.length as u32, lkey: (*info.mr).lkey }]
     };
-    Ok(Bind { key: w.mw.rkey, new_key, iova: info.addr, access: info.mw_access_flags, range })
+    Ok(Bind { key, new_key, iova: info.addr, access: info.mw_access_flags, range })
 }
 
 /// The bind WR for rnicd, over `b`'s range.
@@ -144,7 +153,7 @@ pub unsafe extern "C" fn bind_mw(q: *mut ibv_qp, m: *mut ibv_mw, mb: *mut ibv_mw
     }
     let rkey = (*m).rkey;
     let new_key = (rkey & !0xff) | (rkey.wrapping_add(1) & 0xff);
-    let b = match bind_request(m, new_key, &(*mb).bind_info) {
+    let b = match bind_request(m, None, new_key, &(*mb).bind_info) {
         Ok(b) => b,
         Err(e) => return e,
     };

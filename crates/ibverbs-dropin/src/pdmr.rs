@@ -29,11 +29,6 @@ pub struct Mr {
     dm_users: *const std::sync::atomic::AtomicUsize,
 }
 
-/// The access flags an MR was registered with (mw.rs checks MW_BIND).
-pub(crate) unsafe fn mr_access(m: *const ibv_mr) -> Option<c_uint> {
-    (!m.is_null()).then(|| (*(m as *const Mr)).access)
-}
-
 pub unsafe fn pd<'a>(p: *mut ibv_pd) -> Option<&'a Pd> {
     (!p.is_null()).then(|| &*(p as *const Pd))
 }

@@ -493,7 +493,8 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         if op == verbs::WrOpcode::BindKey {
             // A bind names its range in bind_mw, not in the SGE list.
             let b = &r.__bindgen_anon_2.bind_mw;
-            match crate::mw::bind_request(b.mw, b.rkey, &b.bind_info) {
+            let earlier = binds.iter().rev().find(|(m, _)| *m == b.mw).map(|(_, e)| e.new_key);
+            match crate::mw::bind_request(b.mw, earlier, b.rkey, &b.bind_info) {
                 Ok(bind) => binds.push((b.mw, bind)),
                 Err(e) => {
                     err = e;
@@ -736,8 +737,10 @@ unsafe extern "C" fn wr_local_inv(q: *mut ibv_qp_ex, invalidate_rkey: u32) {
     drop(push(q, verbs::WrOpcode::LocalInv, invalidate_rkey, 0));
 }
 unsafe extern "C" fn wr_bind_mw(q: *mut ibv_qp_ex, m: *mut ibv_mw, rkey: u32, info: *const ibv_mw_bind_info) {
-    let r = if info.is_null() { Err(libc::EINVAL) } else { crate::mw::bind_request(m, rkey, &*info) };
     let mut b = push(q, verbs::WrOpcode::BindKey, 0, 0);
+    // The key an earlier bind of this batch gives the window, if any.
+    let earlier = b.wrs.iter().rev().skip(1).find_map(|p| p.window.filter(|(w, _)| *w == m).map(|(_, k)| k));
+    let r = if info.is_null() { Err(libc::EINVAL) } else { crate::mw::bind_request(m, earlier, rkey, &*info) };
     match r {
         Ok(bind) => {
             let w = b.wrs.last_mut().unwrap();

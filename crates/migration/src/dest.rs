@@ -44,6 +44,9 @@ pub fn run(
             let _ = wire::send_msg(c, &Msg::Abort { reason: format!("{e:#}") });
         }
         ctl.shutdown_all();
+        // Devices built ahead from an early section (nothing once the
+        // state was restored: the VM holds what was built).
+        vm.discard_prepared();
     }
     let cpu = thread_cpu_s() - cpu0;
     ctl.update(|s| {
@@ -105,7 +108,7 @@ fn run_inner(
     control.set_read_timeout(None)?;
     // The source's End or Switchover starts the downtime: be there at once.
     crate::postcopy::set_priority(true);
-    let end = recv_end(&mut control, &sh);
+    let end = recv_end(vm, &mut control, &sh, ctl, *t0);
     if let Ok(Msg::Switchover { state_bytes, source_paused_unix_ns, dirty_ranges }) = &end {
         let sw =
             crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
@@ -294,14 +297,47 @@ struct StreamEnd {
 
 /// The source's next message after the channels started (its End or
 /// Switchover); meanwhile, with several links, it may report channels lost
-/// with their link, which stop here (see [`drop_channel`]).
-fn recv_end(control: &mut TcpStream, sh: &RxShared) -> Result<Msg, WireError> {
+/// with their link, which stop here (see [`drop_channel`]), and it sends
+/// the devices' early state, built here while the rounds run.
+fn recv_end(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, sh: &RxShared, ctl: &Control, t0: Instant) -> Result<Msg, WireError> {
     loop {
         match wire::recv_msg(control)? {
             Msg::ChannelLost { index } => drop_channel(sh, index as usize).map_err(|e| WireError::Corrupt(format!("{e:#}")))?,
+            Msg::EarlyState { state_bytes } => {
+                prepare_early(vm, control, state_bytes, ctl, t0).map_err(|e| WireError::Corrupt(format!("{e:#}")))?;
+                // Through the acknowledgements' lock: the channels send
+                // their RoundDone on the same connection.
+                wire::send_msg(&mut *sh.acks.lock().unwrap(), &Msg::EarlyBuilt)?;
+            }
             m => return Ok(m),
         }
     }
+}
+
+/// The early state's blob, decoded and built (`MigratableVm::prepare_state`).
+/// Building ahead only saves downtime: the state at the switch names every
+/// object, so a device that cannot build its early section (another GID,
+/// an ID taken) builds nothing now and takes or refuses the whole state
+/// at the switch, where the source hears why.
+fn prepare_early(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, state_bytes: u64, ctl: &Control, t0: Instant) -> Result<()> {
+    let blob = wire::recv_blob(control).map_err(|e| anyhow!("early device state: {e}"))?;
+    if blob.len() as u64 != state_bytes {
+        bail!("early device state is {} bytes, source announced {state_bytes}", blob.len());
+    }
+    let early = StateSet::read_from(&mut blob.as_slice()).context("decoding the early device state")?;
+    let step = match vm.prepare_state(&early) {
+        Ok(()) => "early device state built".to_string(),
+        Err(e) => {
+            tracing::warn!("the early device state was not built ahead (the switch builds it): {e:#}");
+            vm.discard_prepared();
+            format!("early device state not built: {e:#}")
+        }
+    };
+    ctl.update(|s| {
+        s.early_state_bytes = state_bytes;
+        s.setup_steps.push((step, t0.elapsed().as_secs_f64() * 1e3));
+    });
+    Ok(())
 }
 
 /// The channels' threads joined and the End checked: every page the

@@ -77,6 +77,7 @@ fn run_inner(
     if plan.mode == Mode::Postcopy {
         return postcopy_at_once(&mut guard, &vm, plan, link, ctl);
     }
+    send_early_state(&vm, &plan, &mut link, ctl)?;
     let mut pass = first_pass(&vm, sources, &plan, &mut link, ctl)?;
     let end = rounds(&vm, params, &plan, &mut link, &mut pass, ctl)?;
     if end.switch {
@@ -139,6 +140,9 @@ struct Link {
     /// Postcopy and hybrid over rdma: our guest RAM, for the destination
     /// to READ what it lacks after the switch (no urgent connection then).
     reads: Option<crate::rdma::ReadableRam>,
+    /// The devices' early state was sent and the destination has not yet
+    /// said it is built (`Msg::EarlyBuilt`).
+    early_pending: bool,
 }
 
 /// Setup: the control connection, the handshake, the data connections.
@@ -178,7 +182,7 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
         (Transport::Rdma { rnicd }, _) => (None, Some(crate::rdma::offer_ram(&mut control, rnicd, &plan.links, &ram)?)),
     };
     plan.setup_step(ctl, "channels open");
-    Ok(Link { session, bucket, control, channels, urgent, reads })
+    Ok(Link { session, bucket, control, channels, urgent, reads, early_pending: false })
 }
 
 /// Postcopy: nothing moves before the switch. The destination runs at
@@ -226,6 +230,24 @@ fn hand_over(
         round,
     };
     crate::postcopy::source::run(guard, start)
+}
+
+/// Precopy and hybrid: the devices' early sections go first, so that the
+/// destination builds them while the rounds run; the state at the switch
+/// then finds them built. Nothing is sent if no device has one.
+fn send_early_state(vm: &Arc<dyn MigratableVm>, plan: &Plan, link: &mut Link, ctl: &Control) -> Result<()> {
+    let early = vm.save_early_state().context("saving the devices' early state")?;
+    if early.sections.is_empty() {
+        return Ok(());
+    }
+    let mut blob = Vec::with_capacity(early.encoded_len() + 4);
+    early.write_to(&mut blob)?;
+    wire::send_msg(&mut link.control, &Msg::EarlyState { state_bytes: blob.len() as u64 })?;
+    wire::send_blob(&mut link.control, &blob)?;
+    link.early_pending = true;
+    ctl.update(|s| s.early_state_bytes = blob.len() as u64);
+    plan.setup_step(ctl, "early device state sent");
+    Ok(())
 }
 
 /// Dirty tracking and the first pass over all of RAM, cut into work.
@@ -465,7 +487,16 @@ fn rounds(
             written,
             first_round_pages,
         };
-        match next_step(&facts) {
+        let mut step = next_step(&facts);
+        if link.early_pending && matches!(step, NextStep::StopAndCopy | NextStep::SwitchToPostcopy) && !facts.timed_out {
+            // The destination still builds the devices' early state: that
+            // must not become downtime. Wait for it, then send what the
+            // guest dirtied meanwhile and decide again.
+            wait_early_built(link, ctl, round_deadline)?;
+            plan.setup_step(ctl, "early device state built (destination)");
+            step = NextStep::AnotherRound;
+        }
+        match step {
             NextStep::StopAndCopy => return Ok(RoundsEnd { pending: dirty, switch: false, round, throttle, unarmed_from }),
             NextStep::SwitchToPostcopy => {
                 let mut missing = dirty;
@@ -770,6 +801,35 @@ fn converge_step(throttle: u8, ratio: f64, params: &Params) -> Option<u8> {
     Some(step.max(matched).min(99))
 }
 
+/// Wait for the destination to say it built the early device state.
+fn wait_early_built(link: &mut Link, ctl: &Control, deadline: Option<Instant>) -> Result<()> {
+    let t = Instant::now();
+    while link.early_pending {
+        link.channels.check_links()?;
+        let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&link.control), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut pfd, 1, 100) } > 0 {
+            link.control.set_read_timeout(Some(Duration::from_secs(30)))?;
+            match wire::recv_msg(&mut link.control).map_err(|e| anyhow!("destination: {e}"))? {
+                Msg::EarlyBuilt => link.early_pending = false,
+                Msg::Abort { reason } => bail!("destination refused: {reason}"),
+                other => bail!("destination sent {other:?} while it built the early device state"),
+            }
+        }
+        if ctl.is_cancelled() {
+            bail!("cancelled");
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            ctl.cancel();
+            bail!("timed out waiting for the destination to build the early device state");
+        }
+        if t.elapsed() > Duration::from_secs(120) {
+            bail!("the destination did not build the early device state within 120 s");
+        }
+    }
+    Ok(())
+}
+
 /// Wait for the destination to have applied `round` on every channel.
 /// Meanwhile, with several links, a channel whose link died is dropped
 /// (the destination then leaves it out of the round).
@@ -790,6 +850,7 @@ fn wait_round_done(link: &mut Link, round: u64, ctl: &Control, deadline: Option<
                     return Ok(());
                 }
                 Msg::RoundDone { .. } => continue,
+                Msg::EarlyBuilt => link.early_pending = false,
                 Msg::Abort { reason } => bail!("destination refused: {reason}"),
                 other => bail!("destination sent {other:?} during round {round}"),
             }

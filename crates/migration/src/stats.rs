@@ -204,11 +204,15 @@ pub struct Stats {
     pub cpu_s_source: Option<f64>,
     pub cpu_s_dest: Option<f64>,
     pub state_bytes: u64,
+    /// The devices' early state, sent ahead of the rounds (0: none).
+    #[serde(default)]
+    pub early_state_bytes: u64,
     /// Pages whose hash the destination checked against the source's.
     pub verified_pages: u64,
     /// Where the downtime went: (step, ms since the pause began) on this side.
     pub downtime_steps: Vec<(String, f64)>,
-    /// Where setup went: (step, ms since the migration started) (source).
+    /// Where setup went: (step, ms since the migration started); the
+    /// destination notes when it built the early device state.
     pub setup_steps: Vec<(String, f64)>,
     /// precopy | postcopy | hybrid
     pub mode: String,

@@ -117,6 +117,14 @@ pub enum Msg {
         #[serde(default)]
         ram_hashes: bool,
     },
+    /// Source -> destination, precopy and hybrid, before the first round:
+    /// the devices' early sections (a `StateSet` blob of `state_bytes`
+    /// follows), for the destination to build while RAM moves.
+    EarlyState { state_bytes: u64 },
+    /// Destination -> source: the early device state is built (or was left
+    /// to the switch); the source pauses the VM only after this, so that
+    /// the building is not downtime.
+    EarlyBuilt,
     /// Destination -> source: every channel applied this round.
     RoundDone { round: u64 },
     /// Destination holds the complete state and loaded it.

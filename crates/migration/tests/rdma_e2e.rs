@@ -114,7 +114,12 @@ fn migrate_ok(workload: &str, params: Value, cap_mbit: Option<u32>) {
     assert_eq!(d["status"], "completed", "{params}: destination {d:#}");
     assert_eq!(d["transport"], "rdma", "{d:#}");
     assert_eq!(d["verified_pages"], d["total_pages"], "every page hash compared");
-    let s = p.src.exec("query-migrate", json!({})).unwrap();
+    // The source finishes after the destination (it waits for the
+    // destination's word, then tears its channels down), and only then
+    // fills in `total_ms`: wait for it too, or the cap check below divides
+    // by a time of zero.
+    let s = wait_migration(&p.src, Duration::from_secs(60)).unwrap();
+    assert_eq!(s["status"], "completed", "{params}: source {s:#}");
     assert_eq!(s["transport"], "rdma");
     assert_eq!(s["pages_sent"], d["pages_sent"], "every page sent was received and checked");
     if let Some(cap) = params["max_bandwidth"].as_u64() {

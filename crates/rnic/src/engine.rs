@@ -43,7 +43,11 @@ pub struct Engine {
     next_key: u32,
     /// Round-robin start for transmit fairness.
     rr: usize,
+    /// The QPs in transmit order. A destroyed QP's entry stays until the
+    /// next compaction (`qpn_order_stale` counts them; transmit skips them):
+    /// removing each at once made destroying n QPs cost n^2.
     qpn_order: Vec<u32>,
+    qpn_order_stale: usize,
     asyncs: AsyncSinks,
     /// The port's active MTU: the path MTU the link under the GID carries
     /// whole, set by the daemon from the interface (`crate::link`) with
@@ -69,6 +73,7 @@ impl Engine {
             next_key: (std::process::id().wrapping_mul(2654435761) & 0xffff) << 8 | 0x11,
             rr: 0,
             qpn_order: Vec::new(),
+            qpn_order_stale: 0,
             asyncs: AsyncSinks::default(),
             active_mtu: crate::link::UNKNOWN_LINK_PATH_MTU,
         }
@@ -180,7 +185,7 @@ impl Engine {
             Request::ResizeCq { cq, cap } => self.resize_cq(client, cq, cap, fds),
             Request::SettleCq { cq } => self.settle_cq(client, cq),
             Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, qp_type } => {
-                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type };
+                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type, await_state: false };
                 let [sq, rq] = &fds[..] else { bail!("CreateQp needs the SQ and RQ ring memfds") };
                 self.create_qp(client, q, restore, (sq, 0), (rq, 0))
             }
@@ -207,6 +212,7 @@ impl Engine {
             Request::ResumeQp { qpn } => self.resume_qps(client, &[qpn], 1),
             Request::ResumeQps { qpns } => self.resume_qps(client, &qpns, proto::MAX_BATCH),
             Request::RestoreQps { states } => self.restore_qps(client, &states),
+            Request::LoadQpStates { states } => self.load_qp_states(client, &states),
             Request::OpenAsync => {
                 let fd = fds.into_iter().next().context("OpenAsync needs an eventfd")?;
                 self.asyncs.open(client, fd);
@@ -278,8 +284,7 @@ impl Engine {
     /// A client went away: everything it owned goes, nothing else.
     pub fn client_gone(&mut self, client: ClientId) {
         self.qps.retain(|_, q| q.owner != client);
-        let qps = &self.qps;
-        self.qpn_order.retain(|q| qps.contains_key(q));
+        self.compact_qpn_order();
         self.keys.client_gone(client);
         self.srqs.retain(|_, s| crate::srq::lock(s).owner != client);
         self.cqs.retain(|_, c| c.owner != client);
@@ -450,6 +455,8 @@ struct QpRequest {
     rq_slots: u32,
     qpn: Option<u32>,
     qp_type: QpType,
+    /// Made suspended, in RESET, until LoadQpStates gives it a state.
+    await_state: bool,
 }
 
 /// Device verbs.
@@ -694,13 +701,16 @@ impl Engine {
         Ok(Reply::Channel(id))
     }
 
+    /// Frees the channel's handle. CQs still using it keep its eventfd
+    /// (they hold it) until they go, as the kernel keeps a completion
+    /// channel's file open while its CQs live after the program closes the
+    /// fd: a context closed with CQs left over (perftest's ib_send_bw client
+    /// leaves its receive CQ) is legal, and libibverbs' EBUSY for
+    /// ibv_destroy_comp_channel is the library's check (the drop-in's too).
     fn destroy_comp_channel(&mut self, client: ClientId, channel: u32) -> anyhow::Result<Reply> {
-        let fd = match self.channels.get(&channel) {
-            Some((c, fd)) if *c == client => fd,
+        match self.channels.get(&channel) {
+            Some((c, _)) if *c == client => {}
             _ => bail!("no channel {channel}"),
-        };
-        if self.cqs.values().any(|c| c.channel.as_ref().is_some_and(|f| Arc::ptr_eq(f, fd))) {
-            bail!("channel {channel} still has CQs");
         }
         self.channels.remove(&channel);
         Ok(Reply::Ok)
@@ -795,8 +805,11 @@ impl Engine {
         if let Some(q) = qpn {
             self.check_free_qpn(q)?;
         }
-        if q.qp_type == QpType::Ud && restore.is_some() {
+        if q.qp_type == QpType::Ud && (restore.is_some() || q.await_state) {
             bail!("a UD QP cannot be created from a suspended state");
+        }
+        if q.await_state && restore.is_some() {
+            bail!("a QP awaiting its state cannot also be created from one");
         }
         let cap = QpCap {
             max_send_wr: q.cap.max_send_wr.clamp(1, MAX_WR),
@@ -822,6 +835,13 @@ impl Engine {
         if let Some(s) = &restore {
             qp.restore(s).map_err(|e| anyhow!("create suspended QP {qpn:#x}: {e}"))?;
         }
+        // Suspended from the start: it reads neither its rings nor packets
+        // until its state is loaded and it resumes.
+        qp.suspended |= q.await_state;
+        if self.qpn_order_stale > 0 {
+            // The QPN may be a destroyed QP's, still listed.
+            self.compact_qpn_order();
+        }
         self.qps.insert(qpn, qp);
         self.qpn_order.push(qpn);
         Ok(Reply::Qp { qpn, cap })
@@ -837,9 +857,25 @@ impl Engine {
 
     fn destroy_qp(&mut self, client: ClientId, qpn: u32) -> anyhow::Result<Reply> {
         self.owned_qp(client, qpn)?.give_back_srq_wqe();
-        self.qps.remove(&qpn);
-        self.qpn_order.retain(|q| *q != qpn);
+        self.remove_qp(qpn);
         Ok(Reply::Ok)
+    }
+
+    /// Forgets QP `qpn`; its transmit-order entry goes at the next
+    /// compaction, which runs once half the entries are stale.
+    fn remove_qp(&mut self, qpn: u32) {
+        if self.qps.remove(&qpn).is_some() {
+            self.qpn_order_stale += 1;
+            if self.qpn_order_stale * 2 > self.qpn_order.len() {
+                self.compact_qpn_order();
+            }
+        }
+    }
+
+    fn compact_qpn_order(&mut self) {
+        let qps = &self.qps;
+        self.qpn_order.retain(|q| qps.contains_key(q));
+        self.qpn_order_stale = 0;
     }
 }
 
@@ -902,6 +938,28 @@ impl Engine {
         self.check_batch(client, &qpns, proto::MAX_QUERY_BATCH)?;
         if let Some(q) = qpns.iter().find(|q| self.qps[q].attr.qp_state != QpState::Reset || self.qps[q].suspended) {
             bail!("QP {q:#x} must be in RESET to take a state");
+        }
+        for s in states {
+            self.owned_qp(client, s.qpn)?.restore(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;
+        }
+        Ok(Reply::Ok)
+    }
+
+    /// LoadQpStates: every QP named must be the client's and suspended,
+    /// each once, and every state valid, before any is applied.
+    fn load_qp_states(&mut self, client: ClientId, states: &[QpSnapshot]) -> anyhow::Result<Reply> {
+        let qpns: Vec<u32> = states.iter().map(|s| s.qpn).collect();
+        self.check_batch(client, &qpns, proto::MAX_QUERY_BATCH)?;
+        let mut seen = std::collections::HashSet::with_capacity(qpns.len());
+        for s in states {
+            if !seen.insert(s.qpn) {
+                bail!("QP {:#x} is named twice", s.qpn);
+            }
+            let qp = &self.qps[&s.qpn];
+            if !qp.suspended {
+                bail!("QP {:#x} is not suspended: only a suspended QP takes a state", s.qpn);
+            }
+            Qp::check_snapshot(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;
         }
         for s in states {
             self.owned_qp(client, s.qpn)?.restore(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;

@@ -179,14 +179,15 @@ pub struct IndirectKey {
 }
 
 /// Why a bind work request failed (its completion status says which).
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BindError {
     /// No such key, not the QP owner's, not indirect, or not in the QP's PD.
     NotOwned,
     /// More entries than the key was created for (or than MAX_KLM).
     TooLong,
     /// An entry outside its MR, an MR not the caller's or in another PD,
-    /// access the MRs do not grant, or an empty / overflowing range.
+    /// access the MRs do not grant, an MR a window's bind may not use
+    /// (no MW_BIND), or an empty / overflowing range.
     BadRange,
 }
 
@@ -355,6 +356,23 @@ impl Keys {
             binding: Some(Arc::new(Binding { iova, len: start, access: access_flags, entries: out, lent })),
         };
         Ok(())
+    }
+
+    /// A memory window's bind: as `bind`, and every MR must be registered
+    /// for windows (MW_BIND, IBA C10-73) even if it has the rights itself.
+    pub fn bind_window(
+        &mut self,
+        client: ClientId,
+        pd: u32,
+        key: u32,
+        iova: u64,
+        access_flags: u32,
+        entries: &[(u64, u64, u32)],
+    ) -> Result<(), BindError> {
+        if entries.iter().any(|(_, _, mr_key)| self.direct.get(mr_key).is_none_or(|mr| mr.access & access::MW_BIND == 0)) {
+            return Err(BindError::BadRange);
+        }
+        self.bind(client, pd, key, iova, access_flags, entries)
     }
 
     /// A memory window's new key (the consumer's `ibv_inc_rkey`): indirect

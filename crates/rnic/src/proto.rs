@@ -211,6 +211,15 @@ pub enum Request {
     RestoreQps {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },
+    /// Each state goes into the suspended QP of its QPN (one made to await
+    /// its state, `Create::Qp { await_state }`, or one suspended since),
+    /// which stays suspended until ResumeQps: a migration's destination
+    /// builds its QPs ahead and loads only their states at the switch. All
+    /// QPs and states are checked first, then applied; a QP that is not
+    /// suspended is refused. At most MAX_QUERY_BATCH states.
+    LoadQpStates {
+        states: Vec<crate::qp_snapshot::QpSnapshot>,
+    },
     Stats,
     /// Carries one end of a vmm's RAM-client socket (`ram-client`): rnicd
     /// joins it, so that in an incoming postcopy its accesses to guest RAM
@@ -326,6 +335,10 @@ pub enum Create {
         fd: u8,
         sq_offset: u64,
         rq_offset: u64,
+        /// Made suspended with no state (RESET): it reads neither ring nor
+        /// packet until LoadQpStates gives it one. Not with `restore`.
+        #[serde(default)]
+        await_state: bool,
     },
 }
 

@@ -92,6 +92,19 @@ fn every_operation_byte_exact() {
     ncq.req_notify(false);
     assert!(!ch.get_cq_event(Some(Duration::from_millis(50))).unwrap());
     drop(ncq);
+
+    // Closing a channel that a CQ still uses is legal (a context closed
+    // with a CQ left over): the CQ keeps working and nothing counts as a
+    // bad request.
+    let bad = |c: &Context| c.stats().unwrap()["bad_client_requests"].as_u64().unwrap();
+    let before = bad(&b.ctx);
+    let ch = b.ctx.create_comp_channel().unwrap();
+    let ncq = b.ctx.create_cq(16, Some(&ch)).unwrap();
+    drop(ch);
+    ncq.req_notify(false);
+    assert_eq!(ncq.poll(&mut [Wc::default()]).unwrap(), 0);
+    drop(ncq);
+    assert_eq!(bad(&b.ctx), before);
 }
 
 #[test]

@@ -89,3 +89,67 @@ fn suspend_connected_takes_the_connected_qps_only() {
     a.ctx.resume_qps(&[&a.qp]).unwrap();
     assert!(a.qp.query_state().is_err(), "running again");
 }
+
+/// LoadQpStates (a migration's switch into QPs built ahead): only a
+/// suspended QP of the caller's takes a state, and a batch with any bad
+/// QP or state is refused whole.
+#[test]
+fn load_qp_states_takes_states_into_suspended_qps_only() {
+    let bed = Bed::new("rnload", 1);
+    let ctx = bed.ctx(0);
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16, None).unwrap();
+    let init = QpInitAttr::new(&cq, &cq);
+    let err = |r: anyhow::Result<()>| format!("{:#}", r.expect_err("refused"));
+
+    // Built ahead: suspended, no state yet (RESET), rings allocated.
+    let made = ctx
+        .create_batch(&[
+            NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x600 },
+            NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x601 },
+        ])
+        .unwrap();
+    let qps: Vec<Qp> = made.into_iter().map(|m| if let Made::Qp(q) = m { q } else { panic!("not a QP") }).collect();
+    assert_eq!((qps[0].qpn, qps[1].qpn), (0x600, 0x601));
+    assert_eq!(qps[0].query().unwrap().0.qp_state, QpState::Reset, "no state before the load");
+    let fresh = pd.create_qp_with_qpn(&init, 0x602).unwrap();
+
+    // A QP that is not suspended, a QPN that does not exist, another
+    // client's QP, a QP named twice, bad states: each refused.
+    assert!(err(ctx.load_qp_states(&[valid(0x602)])).contains("not suspended"));
+    assert!(err(ctx.load_qp_states(&[valid(0x7777)])).contains("no QP"));
+    assert!(err(bed.ctx(0).load_qp_states(&[valid(0x600)])).contains("no QP"));
+    assert!(err(ctx.load_qp_states(&[valid(0x600), valid(0x600)])).contains("twice"));
+    let mut s = valid(0x601);
+    s.version = 2;
+    assert!(err(ctx.load_qp_states(&[valid(0x600), s])).contains("version"));
+    let mut s = valid(0x601);
+    s.runtime.una = 80;
+    assert!(err(ctx.load_qp_states(&[valid(0x600), s])).contains("inconsistent"));
+    let mut s = valid(0x601);
+    s.attr.qp_state = QpState::Init;
+    assert!(err(ctx.load_qp_states(&[valid(0x600), s])).contains("RTR/RTS/SQD"));
+    let mut s = valid(0x601);
+    s.runtime.resp_queue = (0..10_000).map(|p| RespJob::Ack { psn: p, syndrome: 0 }).collect();
+    assert!(ctx.load_qp_states(&[valid(0x600), s]).is_err(), "oversized state refused");
+    // All or nothing: the good state of each refused batch was not taken.
+    assert_eq!(qps[0].query().unwrap().0.qp_state, QpState::Reset);
+
+    // Valid states load; the QPs stay suspended until they resume.
+    ctx.load_qp_states(&[valid(0x600), valid(0x601)]).unwrap();
+    let st = qps[1].query_state().unwrap();
+    assert_eq!((st.attr.qp_state, st.runtime.una, st.runtime.next_psn, st.runtime.epsn), (QpState::Rts, 95, 90, 5));
+    // A suspended QP that has its state may take another (the last wins).
+    let mut s = valid(0x600);
+    s.runtime.epsn = 7;
+    ctx.load_qp_states(&[s]).unwrap();
+    assert_eq!(qps[0].query_state().unwrap().runtime.epsn, 7);
+    ctx.resume_qps(&[&qps[0], &qps[1]]).unwrap();
+    assert!(err(ctx.load_qp_states(&[valid(0x600)])).contains("not suspended"), "a resumed QP takes no state");
+    drop(fresh);
+    // A QP awaiting a state cannot be UD, and rnicd is still fine.
+    let mut ud = QpInitAttr::new(&cq, &cq);
+    ud.qp_type = QpType::Ud;
+    assert!(ctx.create_batch(&[NewObject::QpAwaitingState { pd: &pd, init: &ud, qpn: 0x610 }]).is_err());
+    assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 10);
+}

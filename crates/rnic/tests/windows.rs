@@ -57,8 +57,8 @@ fn window_bind_renames_and_ends() {
     assert_eq!(one(&a.scq).status, WcStatus::RemAccessErr);
     drop(k);
 
-    // A rename into another family, or more rights than an MR without
-    // MW_BIND has, fail the bind.
+    // A rename into another family, or an MR without MW_BIND, fail the
+    // bind (IBV_WC_MW_BIND_ERR, as rxe).
     let (c, d) = pair(&bed, 0, 1, o);
     let dmr = d.pd.reg_mr(&d.buf, 0, 4096, access::LOCAL_WRITE | access::MW_BIND).unwrap();
     let k1 = d.pd.create_indirect_key(1, Some(FAMILY + 0x1000)).unwrap();
@@ -67,7 +67,7 @@ fn window_bind_renames_and_ends() {
     d.qp.post_key_ops(&bind(k1.key(), k1.key() + 1, rw, &dmr, &r1)).unwrap();
     ok(&d.scq);
     d.qp.post_key_ops(&bind(k1.key() + 1, k1.key() + 0x101, rw, &dmr, &r1)).unwrap();
-    assert_eq!(one(&d.scq).status, WcStatus::LocProtErr);
+    assert_eq!(one(&d.scq).status, WcStatus::MwBindErr);
     // The failed rename left the window bound to nothing (d's QP is in ERR
     // now: c writes over new QPs in the same two PDs).
     let (cq_c, qp_c, _cq_d, _qp_d) = qps_between(&c, &d, o);
@@ -78,7 +78,32 @@ fn window_bind_renames_and_ends() {
     let k2 = d.pd.create_indirect_key(1, Some(FAMILY + 0x1100)).unwrap();
     let r2 = [plain.sge(0, 4096)];
     d.qp.post_key_ops(&bind(k2.key(), k2.key() + 1, access::REMOTE_WRITE | access::LOCAL_WRITE, &plain, &r2)).unwrap();
-    assert_eq!(one(&d.scq).status, WcStatus::LocProtErr);
+    assert_eq!(one(&d.scq).status, WcStatus::MwBindErr);
+    // Even an MR that has the rights itself takes no window without
+    // MW_BIND (IBA C10-73); the failed bind leaves the window, under the
+    // new key its consumer now names it by, bound to nothing.
+    let (c, d) = pair(&bed, 0, 1, o);
+    let dmr = d.pd.reg_mr(&d.buf, 0, 4096, access::LOCAL_WRITE | access::MW_BIND).unwrap();
+    let remote = d.pd.reg_mr(&d.buf, 4096, 4096, access::LOCAL_WRITE | access::REMOTE_WRITE).unwrap();
+    let mut k3 = d.pd.create_indirect_key(1, Some(FAMILY + 0x1200)).unwrap();
+    let (r3, r4) = ([dmr.sge(0, 4096)], [remote.sge(0, 4096)]);
+    d.qp.post_key_ops(&bind(k3.key(), k3.key() + 1, rw, &dmr, &r3)).unwrap();
+    ok(&d.scq);
+    d.qp.post_key_ops(&bind(k3.key() + 1, k3.key() + 2, access::REMOTE_WRITE, &remote, &r4)).unwrap();
+    let w = one(&d.scq);
+    assert_eq!((w.status, w.opcode), (WcStatus::MwBindErr, WcOpcode::BindKey));
+    k3.renamed(k3.key() + 2);
+    let (cq_c, qp_c, _cq_d, _qp_d) = qps_between(&c, &d, o);
+    qp_c.post_send(&[SendWr::write(12, &[c.mr.sge(0, 64)], dmr.addr, k3.key() + 2)]).unwrap();
+    assert_eq!(one(&cq_c).status, WcStatus::RemAccessErr);
+    let (cq_c, qp_c, _cq_d, _qp_d) = qps_between(&c, &d, o);
+    qp_c.post_send(&[SendWr::write(13, &[c.mr.sge(0, 64)], dmr.addr, k3.key() + 1)]).unwrap();
+    assert_eq!(one(&cq_c).status, WcStatus::RemAccessErr);
+    // The MR's own rkey still works: only windows are refused.
+    let (cq_c, qp_c, _cq_d, _qp_d) = qps_between(&c, &d, o);
+    qp_c.post_send(&[SendWr::write(14, &[c.mr.sge(0, 64)], remote.addr, remote.rkey)]).unwrap();
+    ok(&cq_c);
+    drop(k3);
 
     // A bind with no range (type 1's zero-length bind) unbinds under the new key.
     let (a, b) = pair(&bed, 0, 1, o);

@@ -120,6 +120,28 @@ pub trait Persist {
     fn state_name(&self) -> String;
     fn save(&self) -> Result<Section>;
     fn restore(&mut self, section: &Section) -> Result<()>;
+
+    /// The early section: the part of the state that changes slowly (the
+    /// objects a device keeps for long, not their runtime state), taken
+    /// while the VM runs. A migration sends it ahead, and the destination
+    /// builds it with [`prepare`](Self::prepare) before the switch, so
+    /// that `restore` has only the changes to make inside the downtime.
+    /// `None`: nothing is worth building ahead.
+    fn save_early(&self) -> Result<Option<Section>> {
+        Ok(None)
+    }
+
+    /// Destination: builds what an early section of this device describes.
+    /// `restore` then takes the whole state and keeps what was built
+    /// ahead where the state still has it; whatever the source changed
+    /// since is made or dropped there. An error refuses the migration.
+    fn prepare(&mut self, _early: &Section) -> Result<()> {
+        Ok(())
+    }
+
+    /// Destination: the migration failed before `restore`; what `prepare`
+    /// built goes.
+    fn discard_prepared(&mut self) {}
 }
 
 /// A set of sections keyed by name, as moved by save files and migration.

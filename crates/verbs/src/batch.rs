@@ -24,6 +24,11 @@ pub enum NewObject<'a> {
     /// As [`Pd::create_qp_with_qpn`] (`state`: none) or
     /// [`Pd::create_qp_suspended`] (the QPN is the state's).
     Qp { pd: &'a Pd, init: &'a QpInitAttr, qpn: Option<u32>, state: Option<&'a QpSnapshot> },
+    /// A QP made suspended with no state yet (in RESET), its rings
+    /// allocated: it answers nothing and reads nothing until
+    /// [`Context::load_qp_states`] gives it a state and it resumes. A
+    /// migration's destination builds its QPs so ahead of the switch.
+    QpAwaitingState { pd: &'a Pd, init: &'a QpInitAttr, qpn: u32 },
 }
 
 /// What [`Context::create_batch`] made, in the order asked.
@@ -132,7 +137,7 @@ impl Context {
                         cap,
                     })
                 }
-                (NewObject::Qp { init, .. }, Reply::Qp { qpn, cap }) => {
+                (NewObject::Qp { init, .. } | NewObject::QpAwaitingState { init, .. }, Reply::Qp { qpn, cap }) => {
                     let (sqm, rqm) = (maps.next().context("ring mapping")?, maps.next().context("ring mapping")?);
                     let sq_slots = init.cap.max_send_wr.max(1).next_power_of_two();
                     let rq_slots = init.cap.max_recv_wr.max(1).next_power_of_two();
@@ -182,31 +187,44 @@ fn item(o: &NewObject, mr_fds: &[RawFd], rings_len: usize) -> anyhow::Result<(Cr
             let item = Create::Cq { cap, channel: channel.map(|c| c.handle), fd: 0, ring_offset: rings_len as u64 };
             (item, fds, rings_len + ring_bytes::<Cqe>(cap))
         }
-        NewObject::Qp { pd, init, qpn, state } => {
-            let cap = init.cap;
-            if cap.max_send_sge as usize > MAX_SGE || cap.max_recv_sge as usize > MAX_SGE || cap.max_inline_data as usize > MAX_INLINE {
-                bail!("at most {MAX_SGE} SGEs and {MAX_INLINE} bytes inline");
-            }
-            let sq_slots = cap.max_send_wr.max(1).next_power_of_two();
-            let rq_slots = cap.max_recv_wr.max(1).next_power_of_two();
-            let sq_offset = rings_len as u64;
-            let rq_offset = sq_offset + ring_bytes::<SendWqe>(sq_slots) as u64;
-            let item = Create::Qp {
-                pd: pd.handle,
-                send_cq: init.send_cq,
-                recv_cq: init.recv_cq,
-                cap,
-                sq_sig_all: init.sq_sig_all,
-                sq_slots,
-                rq_slots,
-                qpn: qpn.or(state.map(|s| s.qpn)),
-                restore: state.map(|s| Box::new(s.clone())),
-                qp_type: init.qp_type,
-                fd: 0,
-                sq_offset,
-                rq_offset,
-            };
-            (item, fds, rq_offset as usize + ring_bytes::<RecvWqe>(rq_slots))
-        }
+        NewObject::Qp { pd, init, qpn, state } => qp_item(pd, init, qpn.or(state.map(|s| s.qpn)), state, false, fds, rings_len)?,
+        NewObject::QpAwaitingState { pd, init, qpn } => qp_item(pd, init, Some(qpn), None, true, fds, rings_len)?,
     })
+}
+
+/// The request item of a QP, its rings placed at `rings_len`.
+fn qp_item(
+    pd: &Pd,
+    init: &QpInitAttr,
+    qpn: Option<u32>,
+    state: Option<&QpSnapshot>,
+    await_state: bool,
+    fds: Vec<RawFd>,
+    rings_len: usize,
+) -> anyhow::Result<(Create, Vec<RawFd>, usize)> {
+    let cap = init.cap;
+    if cap.max_send_sge as usize > MAX_SGE || cap.max_recv_sge as usize > MAX_SGE || cap.max_inline_data as usize > MAX_INLINE {
+        bail!("at most {MAX_SGE} SGEs and {MAX_INLINE} bytes inline");
+    }
+    let sq_slots = cap.max_send_wr.max(1).next_power_of_two();
+    let rq_slots = cap.max_recv_wr.max(1).next_power_of_two();
+    let sq_offset = rings_len as u64;
+    let rq_offset = sq_offset + ring_bytes::<SendWqe>(sq_slots) as u64;
+    let item = Create::Qp {
+        pd: pd.handle,
+        send_cq: init.send_cq,
+        recv_cq: init.recv_cq,
+        cap,
+        sq_sig_all: init.sq_sig_all,
+        sq_slots,
+        rq_slots,
+        qpn,
+        restore: state.map(|s| Box::new(s.clone())),
+        qp_type: init.qp_type,
+        fd: 0,
+        sq_offset,
+        rq_offset,
+        await_state,
+    };
+    Ok((item, fds, rq_offset as usize + ring_bytes::<RecvWqe>(rq_slots)))
 }

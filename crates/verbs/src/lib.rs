@@ -300,6 +300,15 @@ impl Context {
         self.chunked(states, proto::MAX_QUERY_BATCH, |c| Request::RestoreQps { states: c.to_vec() }, ok_reply).map(drop)
     }
 
+    /// Loads each state into the suspended QP of its QPN (one made with
+    /// [`NewObject::QpAwaitingState`], or suspended since), which stays
+    /// suspended: repost WRs, then [`Context::resume_qps`]. Each request
+    /// (MAX_QUERY_BATCH states) is checked whole before any QP takes its
+    /// state; a QP that is not suspended is refused.
+    pub fn load_qp_states(&self, states: &[QpSnapshot]) -> anyhow::Result<()> {
+        self.chunked(states, proto::MAX_QUERY_BATCH, |c| Request::LoadQpStates { states: c.to_vec() }, ok_reply).map(drop)
+    }
+
     /// Resumes many QPs in one request (see [`Qp::resume`]).
     pub fn resume_qps(&self, qps: &[&Qp]) -> anyhow::Result<()> {
         self.chunked(qps, proto::MAX_BATCH, |c| Request::ResumeQps { qpns: qpns(c) }, ok_reply).map(drop)

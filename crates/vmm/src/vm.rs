@@ -387,6 +387,37 @@ impl Vm {
         Ok(set)
     }
 
+    /// The devices' early sections (`Persist::save_early`), taken while
+    /// the VM runs.
+    pub fn save_early_state(&self) -> Result<StateSet> {
+        let mut set = StateSet::default();
+        for (_, d) in &self.devices {
+            if let Some(s) = d.lock().unwrap().save_early()? {
+                set.push(s);
+            }
+        }
+        Ok(set)
+    }
+
+    /// Builds what early sections describe in the devices they name (an
+    /// incoming migration, before its state arrives).
+    pub fn prepare_state(&self, early: &StateSet) -> Result<()> {
+        for s in &early.sections {
+            let Some((_, d)) = self.devices.iter().find(|(name, _)| *name == s.name) else {
+                bail!("the early state names a device {:?} this VM does not have", s.name);
+            };
+            d.lock().unwrap().prepare(s)?;
+        }
+        Ok(())
+    }
+
+    /// Drops what `prepare_state` built (the migration failed).
+    pub fn discard_prepared(&self) {
+        for (_, d) in &self.devices {
+            d.lock().unwrap().discard_prepared();
+        }
+    }
+
     /// Where every PCI function's BARs are: the guest keeps these
     /// addresses in its own memory, so a restored VM must have the same.
     fn pci_layout(&self) -> Vec<PciBar> {
@@ -489,6 +520,15 @@ impl migration::vm::MigratableVm for Vm {
     }
     fn restore_state(&self, s: &StateSet) -> Result<()> {
         Vm::restore_state(self, s)
+    }
+    fn save_early_state(&self) -> Result<StateSet> {
+        Vm::save_early_state(self)
+    }
+    fn prepare_state(&self, early: &StateSet) -> Result<()> {
+        Vm::prepare_state(self, early)
+    }
+    fn discard_prepared(&self) {
+        Vm::discard_prepared(self)
     }
     fn set_cpu_throttle(&self, pct: u8) {
         Vm::set_cpu_throttle(self, pct)

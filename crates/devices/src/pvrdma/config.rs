@@ -32,6 +32,11 @@ pub struct Testing {
     /// The next saved state has damaged bytes (then the switch is spent:
     /// the migration after the refused one carries a sound state).
     pub corrupt_state: bool,
+    /// The device changes its objects right after a migration took its
+    /// early section (churn.rs): a spare MR and QP made just before it are
+    /// destroyed and others made (with the same handles, other keys and
+    /// QPNs), so that what the destination built ahead is partly stale.
+    pub churn_early: bool,
 }
 
 impl PvrdmaConfig {
@@ -46,6 +51,7 @@ impl PvrdmaConfig {
                 "testing" if v == "no-traces" => testing.no_traces = true,
                 "testing" if v == "shift-ids" => testing.shift_ids = true,
                 "testing" if v == "corrupt-state" => testing.corrupt_state = true,
+                "testing" if v == "churn-early" => testing.churn_early = true,
                 "name" if !v.is_empty() && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') => name = v.to_string(),
                 _ => return Err(format!("{part:?} is not understood (gid=, rnicd=, name=)")),
             }
@@ -76,6 +82,7 @@ mod tests {
         let t = PvrdmaConfig::parse("gid=10.0.0.1,testing=no-traces,testing=shift-ids").unwrap().testing;
         assert!(t.no_traces && t.shift_ids && !t.corrupt_state);
         assert!(PvrdmaConfig::parse("gid=10.0.0.1,testing=corrupt-state").unwrap().testing.corrupt_state);
+        assert!(PvrdmaConfig::parse("gid=10.0.0.1,testing=churn-early").unwrap().testing.churn_early);
         assert!(PvrdmaConfig::parse("gid=10.0.0.1,testing=other").is_err());
     }
 }

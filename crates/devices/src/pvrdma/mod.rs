@@ -14,10 +14,12 @@
 //! the vCPU thread for the next completion event, without the lock. All state
 //! sits behind one lock.
 
+mod churn;
 mod cmd;
 mod config;
 mod datapath;
 mod dev;
+mod early;
 mod guest;
 mod negative;
 mod objects;
@@ -106,6 +108,9 @@ pub struct Pvrdma {
     /// returns them with the suspend (a suspended QP's state does not
     /// change), so that the save asks nothing more inside the downtime.
     paused_states: HashMap<u32, verbs::QpSnapshot>,
+    /// Destination: what an early section built ahead of the switch
+    /// (`early.rs`), until `restore` takes it or the migration fails.
+    prepared: Option<early::Prepared>,
 }
 
 /// One of the device's BARs on the MMIO bus.
@@ -160,7 +165,7 @@ impl Pvrdma {
                 .map_err(|e| format!("notifier thread: {e}"))?
         };
         lock(&shared).notifier_thread = Some(notifier.thread().clone());
-        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter, paused_states: HashMap::new() })
+        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter, paused_states: HashMap::new(), prepared: None })
     }
 
     pub fn name(&self) -> &str {
@@ -279,7 +284,8 @@ fn notifier(shared: Arc<Mutex<Dev>>, waiter: verbs::ChannelWaiter, stop: Arc<Ato
 }
 
 impl PvrdmaBar {
-    /// The WAIT doorbell (`abi::transit::UAR_CQ_WAIT`, after its POLL ran):
+    /// The WAIT doorbell (`abi::transit::UAR_CQ_WAIT`, after its POLL ran,
+    /// or `UAR_QP_WAIT` after its posts, on the QP's receive CQ):
     /// sleeps on rnicd's completion channel, without the device lock, until
     /// a completion reaches CQ `handle`'s guest ring or the bound passes.
     /// The analogue of a guest that arms its CQ and halts until the
@@ -421,10 +427,9 @@ impl BusDevice for PvrdmaBar {
             BAR_MSIX => Self::write_msix(&mut d, offset, v),
             _ => {
                 d.doorbell(offset % 4096, v);
-                let wait = abi::transit::UAR_CQ_WAIT | abi::UAR_CQ_POLL;
-                if offset % 4096 == abi::UAR_CQ_OFFSET && v & wait == wait {
+                if let Some(cq) = d.doorbell_waits_on(offset % 4096, v) {
                     drop(d);
-                    self.wait_cq(v & abi::UAR_HANDLE_MASK);
+                    self.wait_cq(cq);
                 }
             }
         }

@@ -67,7 +67,7 @@ pub(crate) struct Pd {
 }
 
 /// What a memory region is, kept to re-register it after a restore.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct MrInfo {
     pub pd_handle: u32,
     /// The guest's I/O virtual address of byte 0 (what SGEs and peers use).

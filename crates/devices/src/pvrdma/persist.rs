@@ -13,6 +13,7 @@
 //! suspended from their states, reposts the outstanding WQEs rnicd had not
 //! retired, in order, and leaves the device paused: `resume` resumes the QPs.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use bincode::Options as _;
@@ -22,6 +23,7 @@ use snapshot::{Persist, Result, Section, StateError};
 use verbs::{QpSnapshot, RecvWr};
 
 use super::dev::{Counters, Dev, DsrInfo, Regs};
+use super::early::{self, Prepared, QpShape};
 use super::objects::{Cq, CqRing, Mr, MrInfo, Pd, Qp, QpInfo, Uc};
 use super::{lock, Pvrdma};
 
@@ -33,7 +35,7 @@ const VERSION: u32 = 2;
 /// those bytes, so that damage under the migration stream's own checksum
 /// (a device's bug, `testing=corrupt-state`) is refused rather than taken
 /// as a different PSN or ring index.
-fn encode(saved: &Saved) -> Vec<u8> {
+pub(super) fn encode_checked<T: Serialize>(saved: &T) -> Vec<u8> {
     // Serializing a plain state struct into a Vec cannot fail.
     let mut data = bincode::DefaultOptions::new().serialize(saved).expect("state serializes");
     let crc = crc32fast::hash(&data);
@@ -41,9 +43,10 @@ fn encode(saved: &Saved) -> Vec<u8> {
     data
 }
 
-fn decode(section: &Section) -> Result<Saved> {
-    if section.version != VERSION {
-        return Err(StateError::Version { name: section.name.clone(), found: section.version, expected: VERSION });
+/// A section of `version` made by [`encode_checked`], checked and decoded.
+pub(super) fn decode_checked<T: serde::de::DeserializeOwned>(section: &Section, version: u32) -> Result<T> {
+    if section.version != version {
+        return Err(StateError::Version { name: section.name.clone(), found: section.version, expected: version });
     }
     let bad = |why: String| StateError::Decode { name: section.name.clone(), why };
     let Some(body_len) = section.data.len().checked_sub(4) else { return Err(bad("shorter than its checksum".into())) };
@@ -121,7 +124,7 @@ impl Persist for Pvrdma {
             qps,
             counters: d.counters.clone(),
         };
-        let mut section = Section { name: self.name.clone(), version: VERSION, data: encode(&saved) };
+        let mut section = Section { name: self.name.clone(), version: VERSION, data: encode_checked(&saved) };
         d.switch.record("encode state", t);
         d.switch.state_bytes = section.data.len() as u64;
         d.switch.objects = [saved.pds.len(), saved.mrs.len(), saved.cqs.len(), saved.qps.len(), 0];
@@ -131,10 +134,38 @@ impl Persist for Pvrdma {
         Ok(section)
     }
 
+    fn save_early(&self) -> Result<Option<Section>> {
+        let mut d = lock(&self.shared);
+        let churn = d.testing.churn_early;
+        let err = |why: String| StateError::Mismatch { name: self.name.clone(), why };
+        let spare = if churn { Some(d.make_spares().map_err(err)?) } else { None };
+        let section = early::save(&self.name, &d);
+        if let Some(spare) = spare {
+            d.replace_spares(spare).map_err(err)?;
+        }
+        Ok(section)
+    }
+
+    fn prepare(&mut self, section: &Section) -> Result<()> {
+        if let Some(old) = self.prepared.take() {
+            old.discard();
+        }
+        let d = lock(&self.shared);
+        self.prepared = Some(early::prepare(section, &d)?);
+        Ok(())
+    }
+
+    fn discard_prepared(&mut self) {
+        if let Some(p) = self.prepared.take() {
+            p.discard();
+        }
+    }
+
     fn restore(&mut self, section: &Section) -> Result<()> {
         let name = self.name.clone();
+        let prepared = self.prepared.take();
         let t = Instant::now();
-        let saved = decode(section)?;
+        let saved: Saved = decode_checked(section, VERSION)?;
         let err = |why: String| StateError::Mismatch { name: name.clone(), why };
         let mut d = lock(&self.shared);
         d.switch.begin();
@@ -143,10 +174,14 @@ impl Persist for Pvrdma {
         if saved.gid != d.gid {
             return Err(err(format!("the state is of GID {}, this device is {}", saved.gid, d.gid)));
         }
+        if let Some(p) = &prepared {
+            // Built ahead, outside the downtime: shown beside its phases.
+            d.switch.phases.extend(p.phases.iter().cloned());
+        }
         let t = Instant::now();
         d.reset();
         d.switch.record("reset", t);
-        let r = restore_into(&mut d, saved).map_err(err);
+        let r = restore_into(&mut d, saved, prepared).map_err(err);
         if r.is_err() {
             d.reset();
         }
@@ -176,9 +211,43 @@ fn shifted(id: u32) -> u32 {
     id ^ 0x0040_0000
 }
 
-fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
+/// Which objects built ahead (`prepared`) the state `s` still has
+/// unchanged: the others go before anything is made.
+fn keep_prepared(p: &mut Prepared, s: &Saved) {
+    let pds: HashSet<u32> = s.pds.iter().map(|(h, _)| *h).collect();
+    let mrs: HashMap<u32, &MrInfo> = s.mrs.iter().map(|(h, i)| (*h, i)).collect();
+    let cqs: HashMap<u32, u32> = s.cqs.iter().map(|(h, r)| (*h, r.entries)).collect();
+    let qps: HashMap<u32, QpShape> = s.qps.iter().filter(|q| q.state.is_some()).map(|q| (q.handle, QpShape::of(&q.info))).collect();
+    let keep_cq = |h: u32, entries: u32| cqs.get(&h) == Some(&entries) && p.cqs.get(&h).is_some_and(|(e, _)| *e == entries);
+    let keep_qp = |h: u32, shape: &QpShape| {
+        qps.get(&h) == Some(shape)
+            && pds.contains(&shape.pd_handle)
+            && keep_cq(shape.send_cq, cqs.get(&shape.send_cq).copied().unwrap_or(0))
+            && keep_cq(shape.recv_cq, cqs.get(&shape.recv_cq).copied().unwrap_or(0))
+    };
+    let qps_kept: HashSet<u32> = p.qps.iter().filter(|(h, (shape, _))| keep_qp(**h, shape)).map(|(h, _)| *h).collect();
+    let cqs_kept: HashSet<u32> = p.cqs.iter().filter(|(h, (e, _))| keep_cq(**h, *e)).map(|(h, _)| *h).collect();
+    p.retain(
+        |h| pds.contains(&h),
+        |h, info| mrs.get(&h) == Some(&info) && pds.contains(&info.pd_handle),
+        |h, _| cqs_kept.contains(&h),
+        |h, _| qps_kept.contains(&h),
+    );
+}
+
+fn restore_into(d: &mut Dev, s: Saved, prepared: Option<Prepared>) -> std::result::Result<(), String> {
     if s.regs.msix.len() != d.regs.msix.len() {
         return Err("MSI-X table of another size".into());
+    }
+    // What was built ahead and is still the source's is kept; the rest goes
+    // now, before new objects may take its keys and QPNs.
+    let t = Instant::now();
+    let mut prep = prepared.unwrap_or_default();
+    let built = [prep.pds.len(), prep.mrs.len(), prep.cqs.len(), prep.qps.len()];
+    keep_prepared(&mut prep, &s);
+    let kept = [prep.pds.len(), prep.mrs.len(), prep.cqs.len(), prep.qps.len()];
+    if built != [0; 4] {
+        d.switch.record("drop what changed since the early state", t);
     }
     d.regs = s.regs;
     d.dsr = s.dsr;
@@ -190,7 +259,10 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
     let t = Instant::now();
     let counts = [s.pds.len(), s.mrs.len(), s.cqs.len(), s.qps.len(), 0];
     for (h, ctx_handle) in s.pds {
-        let pd = d.be.ctx.alloc_pd().map_err(|e| format!("PD {h}: {e:#}"))?;
+        let pd = match prep.pds.remove(&h) {
+            Some(pd) => pd,
+            None => d.be.ctx.alloc_pd().map_err(|e| format!("PD {h}: {e:#}"))?,
+        };
         d.pds.insert(h, Pd { ctx_handle, pd });
     }
     d.switch.record("PDs", t);
@@ -201,6 +273,10 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
     let shift = d.testing.shift_ids;
     let mut mrs = Vec::with_capacity(s.mrs.len());
     for (h, mut info) in s.mrs {
+        if let Some((_, mr)) = prep.mrs.remove(&h) {
+            d.mrs.insert(h, Mr { info, mr });
+            continue;
+        }
         if shift {
             info.key = shifted(info.key);
         }
@@ -211,6 +287,13 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
             return Err(format!("MR {h} lies outside guest RAM"));
         }
         mrs.push((h, info));
+    }
+    let mut cqs_new = Vec::with_capacity(s.cqs.len());
+    for (h, ring) in s.cqs {
+        match prep.cqs.remove(&h) {
+            Some((_, cq)) => place_cq(d, h, ring, cq),
+            None => cqs_new.push((h, ring)),
+        }
     }
     let ram_fd = d.be.ram.fd();
     let mut objects: Vec<verbs::NewObject> = mrs
@@ -224,8 +307,8 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
             key: Some(info.key),
         })
         .collect();
-    objects.extend(s.cqs.iter().map(|(_, ring)| verbs::NewObject::Cq { cqe: ring.entries, channel: Some(&d.be.channel) }));
-    let made = d.be.ctx.create_batch(&objects).map_err(|e| format!("MRs and CQs: {e:#}"))?;
+    objects.extend(cqs_new.iter().map(|(_, ring)| verbs::NewObject::Cq { cqe: ring.entries, channel: Some(&d.be.channel) }));
+    let made = if objects.is_empty() { Vec::new() } else { d.be.ctx.create_batch(&objects).map_err(|e| format!("MRs and CQs: {e:#}"))? };
     drop(objects);
     let mut made = made.into_iter();
     for ((h, info), m) in mrs.into_iter().zip(made.by_ref()) {
@@ -234,19 +317,27 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
     }
     d.switch.record("MRs", t);
     let t = Instant::now();
-    for ((h, ring), m) in s.cqs.into_iter().zip(made) {
+    for ((h, ring), m) in cqs_new.into_iter().zip(made) {
         let verbs::Made::Cq(cq) = m else { return Err(format!("CQ {h}: rnicd made another object")) };
-        if ring.armed != 0 {
-            cq.req_notify(ring.armed == pvrdma_abi::CQ_FLAG_ARMED_SOL);
-        }
-        d.cqs.insert(h, Cq { ring, cq });
+        place_cq(d, h, ring, cq);
     }
     d.switch.record("CQs", t);
     let t = Instant::now();
     let mut reposted = 0;
     let mut suspended = Vec::new();
     let mut qps = Vec::with_capacity(s.qps.len());
+    // QPs built ahead take their states; the others are made below.
+    let mut loaded = Vec::new();
+    let mut states = Vec::new();
     for sq in s.qps {
+        if let (Some((_, qp)), Some(state)) = (prep.qps.remove(&sq.handle), &sq.state) {
+            if state.qpn != sq.info.qpn || qp.qpn != sq.info.qpn {
+                return Err(format!("QP {}: state of QPN {:#x} for QPN {:#x}", sq.handle, state.qpn, sq.info.qpn));
+            }
+            states.push(state.clone());
+            loaded.push((sq.handle, sq.info, sq.state, qp));
+            continue;
+        }
         let (scq, rcq) = match (d.cqs.get(sq.info.send_cq), d.cqs.get(sq.info.recv_cq)) {
             (Some(a), Some(b)) => (a, b),
             _ => return Err(format!("QP {} names a missing CQ", sq.handle)),
@@ -254,15 +345,7 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         if d.pds.get(sq.info.pd_handle).is_none() {
             return Err(format!("QP {} names a missing PD", sq.handle));
         }
-        let mut init = verbs::QpInitAttr::new(&scq.cq, &rcq.cq);
-        init.cap = verbs::QpCap {
-            max_send_wr: sq.info.sq.wqe_cnt,
-            max_recv_wr: sq.info.rq.wqe_cnt,
-            max_send_sge: sq.info.sq.max_sge,
-            max_recv_sge: sq.info.rq.max_sge,
-            max_inline_data: 0,
-        };
-        init.sq_sig_all = sq.info.sq_sig_all;
+        let init = QpShape::of(&sq.info).init(&scq.cq, &rcq.cq);
         let mut info = sq.info;
         let mut state = sq.state;
         if shift {
@@ -278,6 +361,11 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
         }
         qps.push((sq.handle, info, state, init));
     }
+    if !states.is_empty() {
+        d.be.ctx.load_qp_states(&states).map_err(|e| format!("QP states: {e:#}"))?;
+        d.switch.record("QP states loaded", t);
+    }
+    let t = Instant::now();
     let objects: Vec<verbs::NewObject> = qps
         .iter()
         .map(|(_, info, state, init)| verbs::NewObject::Qp {
@@ -287,12 +375,17 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
             state: state.as_ref(),
         })
         .collect();
-    let made = d.be.ctx.create_batch(&objects).map_err(|e| format!("QPs: {e:#}"))?;
+    let made = if objects.is_empty() { Vec::new() } else { d.be.ctx.create_batch(&objects).map_err(|e| format!("QPs: {e:#}"))? };
     drop(objects);
     d.switch.record("QPs created suspended", t);
     let t = Instant::now();
-    for ((handle, mut info, state, _), m) in qps.into_iter().zip(made) {
+    let mut all = Vec::with_capacity(loaded.len() + qps.len());
+    all.extend(loaded);
+    for ((handle, info, state, _), m) in qps.into_iter().zip(made) {
         let verbs::Made::Qp(qp) = m else { return Err(format!("QP {handle}: rnicd made another object")) };
+        all.push((handle, info, state, qp));
+    }
+    for (handle, mut info, state, qp) in all {
         match &state {
             Some(state) => {
                 // rnicd retired the WQEs below these counts; the rest are
@@ -338,7 +431,16 @@ fn restore_into(d: &mut Dev, s: Saved) -> std::result::Result<(), String> {
     d.switch.record("WQEs reposted", t);
     d.switch.objects = counts;
     d.switch.objects[4] = reposted;
+    (d.switch.early_built, d.switch.early_kept) = (built, kept);
     d.suspended = suspended;
     d.paused = true;
     Ok(())
+}
+
+/// A CQ of the state, on its rnicd CQ, armed as the guest left it.
+fn place_cq(d: &mut Dev, h: u32, ring: CqRing, cq: verbs::Cq) {
+    if ring.armed != 0 {
+        cq.req_notify(ring.armed == pvrdma_abi::CQ_FLAG_ARMED_SOL);
+    }
+    d.cqs.insert(h, Cq { ring, cq });
 }

@@ -15,6 +15,10 @@ pub(crate) struct SwitchLog {
     pub state_bytes: u64,
     /// Objects in it: PDs, MRs, CQs, QPs, WQEs reposted.
     pub objects: [usize; 5],
+    /// Destination: objects built ahead from the early section (PDs, MRs,
+    /// CQs, QPs), and how many of them the state still had unchanged.
+    pub early_built: [usize; 4],
+    pub early_kept: [usize; 4],
 }
 
 impl SwitchLog {

@@ -5,10 +5,12 @@
  * unbound by a zero-length bind; type 2 windows bound by an IBV_WR_BIND_MW
  * WR and ended by LOCAL_INV, by the peer's SEND with invalidate and by
  * ibv_dealloc_mw; each bind gives a new rkey and the old one stops working;
- * the errors of bad calls (unknown type, an MR without MW_BIND, a new rkey
- * of another family, a bind_mw on a type 2 window, a PD still holding a
- * window). Prints "ok NAME" per check, "FAIL NAME: why" and exits 1 at the
- * first failure.
+ * two binds of one window in one post_send chain and in one ibv_wr_*
+ * batch, the second renaming the key the first gave it; the errors of bad
+ * calls (unknown type, a new rkey of another family, a bind_mw on a type 2
+ * window, a PD still holding a window) and a bind to an MR without
+ * MW_BIND, which completes with IBV_WC_MW_BIND_ERR as in rxe. Prints
+ * "ok NAME" per check, "FAIL NAME: why" and exits 1 at the first failure.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -44,6 +46,20 @@ static struct ibv_qp *make_qp(void)
 	return qp;
 }
 
+/* A QP whose WRs may also be built by the ibv_wr_* calls. */
+static struct ibv_qp *make_qp_ex(void)
+{
+	struct ibv_qp_init_attr_ex a = {
+		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .pd = pd,
+		.cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 },
+		.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
+		.send_ops_flags = IBV_QP_EX_WITH_BIND_MW | IBV_QP_EX_WITH_RDMA_WRITE,
+	};
+	struct ibv_qp *qp = ibv_create_qp_ex(ctx, &a);
+	CHECK("create_qp_ex", qp && ibv_qp_to_qp_ex(qp), "errno %d", errno);
+	return qp;
+}
+
 static void connect_qp(struct ibv_qp *qp, uint32_t dest)
 {
 	int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
@@ -73,19 +89,24 @@ static void connect_qp(struct ibv_qp *qp, uint32_t dest)
 	CHECK("modify RTS", r == 0, "%d", r);
 }
 
-static struct ibv_wc wait_wc(const char *what)
+/* The next completion, whatever its status. */
+static struct ibv_wc next_wc(const char *what)
 {
 	struct ibv_wc wc;
 	for (long i = 0; i < 2000000000L; i++) {
 		int n = ibv_poll_cq(cq, 1, &wc);
 		CHECK(what, n >= 0, "poll_cq %d", n);
-		if (n == 1) {
-			CHECK(what, wc.status == IBV_WC_SUCCESS, "status %d (%s)", wc.status,
-			      ibv_wc_status_str(wc.status));
+		if (n == 1)
 			return wc;
-		}
 	}
 	CHECK(what, 0, "no completion");
+	return wc;
+}
+
+static struct ibv_wc wait_wc(const char *what)
+{
+	struct ibv_wc wc = next_wc(what);
+	CHECK(what, wc.status == IBV_WC_SUCCESS, "status %d (%s)", wc.status, ibv_wc_status_str(wc.status));
 	return wc;
 }
 
@@ -170,21 +191,33 @@ int main(void)
 	struct ibv_mw_bind mb = { .wr_id = 1, .send_flags = IBV_SEND_SIGNALED,
 				  .bind_info = { .mr = mr, .addr = (uintptr_t)buf, .length = 4096,
 						 .mw_access_flags = IBV_ACCESS_REMOTE_WRITE } };
-	CHECK("bind_mw MR without MW_BIND", ibv_bind_mw(b, w1, &mb) == EINVAL, "not EINVAL");
 	CHECK("bind_mw on a type 2 window", ibv_bind_mw(b, w2, &mb) == EINVAL, "not EINVAL");
 	struct ibv_send_wr wr = { .opcode = IBV_WR_BIND_MW }, *bad;
 	wr.bind_mw.mw = w2;
 	wr.bind_mw.rkey = w2->rkey + 0x100;
 	wr.bind_mw.bind_info = (struct ibv_mw_bind_info){ .mr = wmr, .addr = (uintptr_t)(buf + 32768), .length = 64 };
 	CHECK("new rkey of another family", ibv_post_send(b, &wr, &bad) == EINVAL && bad == &wr, "not EINVAL");
+	/* An MR without MW_BIND: posted, then failed in its completion as in
+	 * rxe (IBV_WC_MW_BIND_ERR), which moves the QP to the error state;
+	 * the window keeps its new rkey, bound to nothing. */
+	uint32_t old = w1->rkey;
+	CHECK("bind_mw MR without MW_BIND", ibv_bind_mw(b, w1, &mb) == 0 && w1->rkey == ibv_inc_rkey(old), "post");
+	struct ibv_wc wc = next_wc("bind_mw MR without MW_BIND");
+	CHECK("bind_mw MR without MW_BIND", wc.status == IBV_WC_MW_BIND_ERR && wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 1,
+	      "status %d (%s) opcode %d", wc.status, ibv_wc_status_str(wc.status), wc.opcode);
+	struct ibv_qp_attr qa;
+	struct ibv_qp_init_attr qia;
+	CHECK("QP in error after MW_BIND_ERR", !ibv_query_qp(b, &qa, IBV_QP_STATE, &qia) && qa.qp_state == IBV_QPS_ERR,
+	      "state %d", qa.qp_state);
 	OK("refusals");
 
 	/* Type 1: bound by ibv_bind_mw with a new rkey; the peer writes through it. */
-	uint32_t old = w1->rkey;
+	fresh(&a, &b);
+	old = w1->rkey;
 	mb.bind_info = (struct ibv_mw_bind_info){ .mr = wmr, .addr = (uintptr_t)(buf + 32768), .length = 4096,
 						  .mw_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE };
 	CHECK("bind_mw", ibv_bind_mw(b, w1, &mb) == 0 && w1->rkey == ibv_inc_rkey(old), "rkey %x", w1->rkey);
-	struct ibv_wc wc = wait_wc("bind_mw");
+	wc = wait_wc("bind_mw");
 	CHECK("bind_mw", wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 1, "opcode %d", wc.opcode);
 	CHECK("write through type 1", write_with(a, w1->rkey, 'x') == IBV_WC_SUCCESS && buf[32768 + 63] == 'x',
 	      "not written");
@@ -203,6 +236,59 @@ int main(void)
 	CHECK("write through type 2", write_with(a, k, 'p') == IBV_WC_SUCCESS && buf[32768] == 'p', "not written");
 	CHECK("write with the old rkey", write_with(a, old, 'q') == IBV_WC_REM_ACCESS_ERR && buf[32768] == 'p',
 	      "not refused");
+	/* Two binds of the window in one chain: the second renames the key the
+	 * first gives it (as mlx5, which names a window by its index); the
+	 * last key writes, the ones before are refused. */
+	fresh(&a, &b);
+	old = w2->rkey;
+	uint32_t k1 = ibv_inc_rkey(old), k2 = ibv_inc_rkey(k1);
+	struct ibv_send_wr chain[2];
+	for (int i = 0; i < 2; i++) {
+		chain[i] = (struct ibv_send_wr){ .wr_id = 20 + i, .opcode = IBV_WR_BIND_MW,
+						 .send_flags = IBV_SEND_SIGNALED, .next = i ? NULL : &chain[1] };
+		chain[i].bind_mw.mw = w2;
+		chain[i].bind_mw.rkey = i ? k2 : k1;
+		chain[i].bind_mw.bind_info = (struct ibv_mw_bind_info){ .mr = wmr, .addr = (uintptr_t)(buf + 32768),
+									 .length = 4096,
+									 .mw_access_flags = IBV_ACCESS_REMOTE_WRITE |
+											    IBV_ACCESS_LOCAL_WRITE };
+	}
+	CHECK("two binds in a chain", ibv_post_send(b, chain, &bad) == 0 && w2->rkey == k2, "post, rkey %x", w2->rkey);
+	for (int i = 0; i < 2; i++) {
+		wc = wait_wc("two binds in a chain");
+		CHECK("two binds in a chain", wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 20u + i, "wr_id %lu",
+		      (unsigned long)wc.wr_id);
+	}
+	CHECK("chain: write with the last rkey", write_with(a, k2, 'c') == IBV_WC_SUCCESS && buf[32768] == 'c',
+	      "not written");
+	CHECK("chain: write with the first rkey", write_with(a, k1, 'd') == IBV_WC_REM_ACCESS_ERR && buf[32768] == 'c',
+	      "not refused");
+	/* The same in one ibv_wr_* batch, on a QP made for the builders. */
+	a = make_qp();
+	b = make_qp_ex();
+	connect_qp(a, b->qp_num);
+	connect_qp(b, a->qp_num);
+	struct ibv_qp_ex *bx = ibv_qp_to_qp_ex(b);
+	k1 = ibv_inc_rkey(w2->rkey);
+	k2 = ibv_inc_rkey(k1);
+	struct ibv_mw_bind_info bi = { .mr = wmr, .addr = (uintptr_t)(buf + 32768), .length = 4096,
+				       .mw_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE };
+	ibv_wr_start(bx);
+	bx->wr_id = 30;
+	bx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_bind_mw(bx, w2, k1, &bi);
+	bx->wr_id = 31;
+	ibv_wr_bind_mw(bx, w2, k2, &bi);
+	CHECK("two binds in a batch", ibv_wr_complete(bx) == 0 && w2->rkey == k2, "complete, rkey %x", w2->rkey);
+	for (int i = 0; i < 2; i++) {
+		wc = wait_wc("two binds in a batch");
+		CHECK("two binds in a batch", wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 30u + i, "wr_id %lu",
+		      (unsigned long)wc.wr_id);
+	}
+	CHECK("batch: write with the last rkey", write_with(a, k2, 'e') == IBV_WC_SUCCESS && buf[32768] == 'e',
+	      "not written");
+	OK("two binds of one window in one post");
+
 	/* LOCAL_INV ends it. */
 	fresh(&a, &b);
 	k = bind2(b, w2, IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE);

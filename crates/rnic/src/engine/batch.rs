@@ -70,11 +70,12 @@ impl Engine {
                 fd: f,
                 sq_offset,
                 rq_offset,
+                await_state,
             } => {
                 ring_aligned(sq_offset)?;
                 ring_aligned(rq_offset)?;
                 let ring = fd(f)?;
-                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type };
+                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type, await_state };
                 let r = self.create_qp(client, q, restore, (ring, sq_offset), (ring, rq_offset)).context("QP")?;
                 let Reply::Qp { qpn, .. } = r else { bail!("CreateQp made no QP") };
                 Ok((Made::Qp(qpn), r))
@@ -93,10 +94,7 @@ impl Engine {
                 Made::Cq(h) => {
                     self.cqs.remove(&h);
                 }
-                Made::Qp(q) => {
-                    self.qps.remove(&q);
-                    self.qpn_order.retain(|x| *x != q);
-                }
+                Made::Qp(q) => self.remove_qp(q),
             }
         }
     }

@@ -194,7 +194,7 @@ impl Qp {
         sq: (Ring<SendWqe>, Mapping),
         rq: (Ring<RecvWqe>, Mapping),
     ) -> Qp {
-        Qp {
+        let qp = Qp {
             qpn,
             owner,
             pd,
@@ -234,7 +234,9 @@ impl Qp {
             ack_due: None,
             held_local: None,
             srq: None,
-        }
+        };
+        qp.set_rings_polled(false);
+        qp
     }
 
     fn flow(&self, gid: Ipv4Addr) -> Flow {
@@ -345,6 +347,7 @@ impl Qp {
             WcStatus::WrFlushErr
         } else {
             // A memory window's bind renames its key first (`swap`).
+            let window = op == WrOpcode::BindKey && w.swap != 0;
             let renamed = match (op, w.swap) {
                 (WrOpcode::BindKey, new) if new != 0 => {
                     let r = u32::try_from(new).map_err(|_| BindError::BadRange);
@@ -358,19 +361,29 @@ impl Qp {
                 }
                 _ => Ok(w.rkey),
             };
-            let r = match (op, renamed) {
-                (_, Err(e)) => Err(e),
+            let r = match (op, &renamed) {
+                (_, Err(e)) => Err(*e),
                 // A window bound to nothing (type 1's zero-length bind).
-                (WrOpcode::BindKey, Ok(key)) if w.swap != 0 && w.num_sge == 0 => ctx.keys.invalidate(self.owner, self.pd, key),
-                (WrOpcode::BindKey, Ok(key)) => match bind_entries(w) {
+                (WrOpcode::BindKey, &Ok(key)) if window && w.num_sge == 0 => ctx.keys.invalidate(self.owner, self.pd, key),
+                (WrOpcode::BindKey, &Ok(key)) => match bind_entries(w) {
                     Some(entries) if w.compare_add <= u32::MAX as u64 => {
-                        ctx.keys.bind(self.owner, self.pd, key, w.remote_addr, w.compare_add as u32, &entries)
+                        let (iova, acc) = (w.remote_addr, w.compare_add as u32);
+                        if window {
+                            ctx.keys.bind_window(self.owner, self.pd, key, iova, acc, &entries)
+                        } else {
+                            ctx.keys.bind(self.owner, self.pd, key, iova, acc, &entries)
+                        }
                     }
                     Some(_) => Err(BindError::BadRange),
                     None => Err(BindError::TooLong),
                 },
-                (_, Ok(key)) => ctx.keys.invalidate(self.owner, self.pd, key),
+                (_, &Ok(key)) => ctx.keys.invalidate(self.owner, self.pd, key),
             };
+            if let (true, Err(_), Ok(key)) = (window, &r, renamed) {
+                // Renamed but not bound: the consumer names the window by
+                // its new key, which must not grant what the old binding did.
+                let _ = ctx.keys.invalidate(self.owner, self.pd, key);
+            }
             match r {
                 Ok(()) => {
                     ctx.stats.key_binds += 1;
@@ -378,7 +391,10 @@ impl Qp {
                 }
                 Err(e) => {
                     ctx.stats.key_bind_errors += 1;
-                    if e == BindError::TooLong {
+                    // A window's bind fails as rxe's does, whatever the cause.
+                    if window {
+                        WcStatus::MwBindErr
+                    } else if e == BindError::TooLong {
                         WcStatus::LocLenErr
                     } else {
                         WcStatus::LocProtErr
@@ -420,6 +436,12 @@ impl Qp {
 
     /// Takes new receive WQEs from the shared ring.
     pub fn pull_rq(&mut self, ctx: &mut Ctx) {
+        self.pull_rq_up_to(ctx, self.cap.max_recv_wr as usize);
+    }
+
+    /// Takes receive WQEs from the shared ring until `want` are queued
+    /// here (all of them in ERR, to flush them).
+    pub(crate) fn pull_rq_up_to(&mut self, ctx: &mut Ctx, want: usize) {
         if self.suspended || self.srq.is_some() {
             return;
         }
@@ -429,7 +451,7 @@ impl Qp {
             // comes (qp::ud), so that the ring holds exactly its receives.
             return;
         }
-        while self.rq.len() < self.cap.max_recv_wr as usize || st == QpState::Err {
+        while self.rq.len() < want.min(self.cap.max_recv_wr as usize) || st == QpState::Err {
             let Some(r) = self.rq_ring.pop() else { break };
             if st == QpState::Err || r.num_sge as usize > MAX_SGE {
                 if st != QpState::Err {
@@ -476,30 +498,64 @@ impl Qp {
         [self.retrans_deadline, self.rnr_until, self.probe_deadline, self.ack_due].into_iter().flatten().min()
     }
     /// Flushes completions if the QP is in ERR; called after ring doorbells.
+    /// Receives stay in their ring until a message takes them (`rq_on_demand`).
     pub fn doorbell(&mut self, ctx: &mut Ctx) {
         self.pull_sq(ctx);
-        self.pull_rq(ctx);
+        if !self.rq_on_demand() {
+            self.pull_rq(ctx);
+        }
     }
 
-    /// Tells the client whether rnicd polls this QP's rings (no doorbell needed).
+    /// Tells the client whether rnicd polls this QP's rings (no doorbell
+    /// needed). The receive ring needs none outside ERR either (see
+    /// `rq_on_demand`).
     pub fn set_rings_polled(&self, on: bool) {
         self.sq_ring.set_polled(on);
-        self.rq_ring.set_polled(on);
+        self.rq_ring.set_polled(on || self.rq_on_demand());
     }
 
-    /// Reads the rings as a doorbell would; true if it took any WQE.
+    /// Whether rnicd reads the receive ring only when it needs a WQE: a
+    /// message arriving takes one (the responder's `rq_head`, a UD
+    /// datagram), so a receive posted in the meantime needs no doorbell and
+    /// the client skips it (`Ring::needs_doorbell`), and the ring holds
+    /// exactly the receives not yet used: a queue of `max_recv_wr`, as on a
+    /// device. A receive doorbell per posted WQE woke
+    /// rnicd for nothing: once per message for a receiver that reposts
+    /// each completion (perftest's `ib_send_bw`), and a real-time rnicd's
+    /// wake-up preempts the receiving program. In ERR a posted receive must
+    /// be flushed at once, which takes the doorbell.
+    pub(crate) fn rq_on_demand(&self) -> bool {
+        self.attr.qp_state != QpState::Err
+    }
+
+    /// After a state change: the receive ring's doorbell flag follows
+    /// `rq_on_demand`. On entering ERR the flag drops before the flush
+    /// reads the ring (the fence pairs with the client's between its index
+    /// store and its flag load), so a receive is either flushed or rung.
+    pub(crate) fn sync_rq_doorbell(&self) {
+        self.rq_ring.set_polled(self.rq_on_demand());
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Reads the rings as a doorbell would; true if it took any WQE
+    /// (receives waiting for a message do not count: see `rq_on_demand`).
     pub fn poll_rings(&mut self, ctx: &mut Ctx) -> bool {
         if self.is_ud() {
             // Its sends leave from the ring in the transmit round (and its
             // receive ring holds posted receives until datagrams come).
             return self.ud_has_tx_work();
         }
-        let before = self.sq_ring.ready() + self.rq_ring.ready();
+        let rq_pulled = !self.rq_on_demand();
+        let ready = |q: &Qp| q.sq_ring.ready() + if rq_pulled { q.rq_ring.ready() } else { 0 };
+        let before = ready(self);
         if before == 0 {
             return false;
         }
-        self.doorbell(ctx);
-        self.sq_ring.ready() + self.rq_ring.ready() < before
+        self.pull_sq(ctx);
+        if rq_pulled {
+            self.pull_rq(ctx);
+        }
+        ready(self) < before
     }
 
     pub fn outstanding_sends(&self) -> usize {

@@ -126,7 +126,9 @@ impl Qp {
         if self.rq.is_empty() {
             match self.srq {
                 Some(_) => self.take_srq_wqe(ctx),
-                None => self.pull_rq(ctx),
+                // One at a time: the others stay in the ring, which
+                // is then the queue of receives not yet used.
+                None => self.pull_rq_up_to(ctx, 1),
             }
         }
         !self.rq.is_empty()

@@ -67,6 +67,28 @@ impl Qp {
     /// Create-suspended: takes the transport state of `s` (checked, since it
     /// comes from a client). The QP stays suspended until [`Qp::resume`].
     pub fn restore(&mut self, s: &QpSnapshot) -> Result<(), String> {
+        let rt = Self::check_snapshot(s)?;
+        let (a, r) = (&s.attr, &s.runtime);
+        self.attr = *a;
+        self.attr.dest_qp_num &= wire::QPN_MASK;
+        self.attr.sq_draining = false;
+        self.rt = rt;
+        self.restart_congestion();
+        self.sq.clear();
+        self.rq.clear();
+        if let Some(w) = &r.srq_wqe {
+            self.rq.push_back(crate::srq::load_recv(w, crate::ring::MAX_SGE as u32)?);
+        }
+        self.rt.srq_wqe = None;
+        self.tx_idx = 0;
+        self.rd_outstanding = 0;
+        self.suspended = true;
+        Ok(())
+    }
+
+    /// Whether a client's state `s` can be taken; the runtime it would
+    /// take (PSNs masked). Checked before any QP of a batch takes its own.
+    pub fn check_snapshot(s: &QpSnapshot) -> Result<super::QpRuntime, String> {
         if s.version != QP_SNAPSHOT_VERSION {
             return Err(format!("QP state version {} (this rnicd reads {QP_SNAPSHOT_VERSION})", s.version));
         }
@@ -99,21 +121,10 @@ impl Qp {
             return Err("inconsistent requester PSNs".into());
         }
         rt.tx_psn = rt.una;
-        self.attr = *a;
-        self.attr.dest_qp_num &= wire::QPN_MASK;
-        self.attr.sq_draining = false;
-        self.rt = rt;
-        self.restart_congestion();
-        self.sq.clear();
-        self.rq.clear();
         if let Some(w) = &r.srq_wqe {
-            self.rq.push_back(crate::srq::load_recv(w, crate::ring::MAX_SGE as u32)?);
+            crate::srq::load_recv(w, crate::ring::MAX_SGE as u32)?;
         }
-        self.rt.srq_wqe = None;
-        self.tx_idx = 0;
-        self.rd_outstanding = 0;
-        self.suspended = true;
-        Ok(())
+        Ok(rt)
     }
 
     /// Resumes a suspended (or created-suspended) QP: unacknowledged requests
@@ -128,7 +139,12 @@ impl Qp {
         self.rewind(ctx);
         self.last_rewind = None;
         self.pull_sq(ctx);
-        self.pull_rq(ctx);
+        // Receives stay in their ring until a message takes them (outside
+        // ERR, see `rq_on_demand`): pulling them all here would let the
+        // client post a second queue's worth behind them.
+        if !self.rq_on_demand() {
+            self.pull_rq(ctx);
+        }
         // Kick the peer: a PSN sequence NAK for the PSN we expect makes it
         // resend from there now instead of at its next RNR or retry timer
         // (a peer with nothing outstanding drops it as out of window).

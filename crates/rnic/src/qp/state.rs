@@ -211,6 +211,7 @@ impl Qp {
             }
             _ => self.attr.qp_state = new,
         }
+        self.sync_rq_doorbell();
     }
 
     /// The requester's PSNs start at `sq_psn`, with a full window.
@@ -258,6 +259,7 @@ impl Qp {
     pub fn to_error(&mut self, ctx: &mut Ctx) {
         self.drop_held();
         self.attr.qp_state = QpState::Err;
+        self.sync_rq_doorbell();
         self.retrans_deadline = None;
         self.probe_deadline = None;
         self.rnr_until = None;
