@@ -156,14 +156,10 @@ over_transport!(tcp:
     hybrid_link_cut_under_heavy_faulting_completes_on_the_other,
 );
 
-// Not over rdma: the cut under a dirtier. On the one link left, at path
-// MTU 1024 and the 150 Mbit/s cap, rdma carried about 100 Mbit/s while the
-// other tests of this file ran beside it, and even at a 99% throttle the
-// dirtier rewrote its 64 MiB within each 5 s round, so the migration ran
-// into its timeout (it passes when the file runs one test at a time).
 over_transport!(rdma:
     two_links_byte_exact_and_dirtier_oracle,
     one_link_cut_mid_migration_completes_on_the_other,
+    one_link_cut_under_a_dirtier_completes_with_the_oracle,
     both_links_cut_fails_and_the_source_runs_on,
     postcopy_over_two_links_is_byte_exact,
     postcopy_link_cut_after_the_switch_completes_on_the_other,

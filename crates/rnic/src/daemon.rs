@@ -112,6 +112,12 @@ fn udp_socket(ip: Ipv4Addr, port: u16, df: bool, reuse: bool) -> anyhow::Result<
     Ok(fd)
 }
 
+/// After the local qdisc refused a send (ENOBUFS), try again this much later
+/// (at 100 Mbit/s the queue sends about 6 KB meanwhile).
+const REFUSED_RETRY: Duration = Duration::from_micros(500);
+/// Packets refused for this long are dropped: the transport resends them.
+const HELD_MAX: Duration = Duration::from_millis(100);
+
 /// Socket buffers of the UDP sockets (bytes).
 const SOCKET_BUF: usize = 16 << 20;
 
@@ -129,6 +135,12 @@ struct Namespace {
     engine: Engine,
     udp: OwnedFd,
     senders: Senders,
+    /// Packets the local qdisc refused (ENOBUFS), and what the engine made
+    /// since, in order: they go first once `retry_at` passes.
+    held: Vec<OutPkt>,
+    /// When the first of `held` was refused, and when to try again.
+    held_since: Instant,
+    retry_at: Instant,
     /// Its owner claimed the GID here (rnicd added the address): it is
     /// released when the namespace closes, so a host whose VM went away
     /// (or died) stops answering for it.
@@ -150,7 +162,8 @@ impl Namespace {
         let senders = Senders::new(gid, gso)?;
         let mut engine = Engine::new(gid);
         engine.set_active_mtu(crate::link::path_mtu_from(gid));
-        Ok(Namespace { engine, udp, senders, claimed: false })
+        let now = Instant::now();
+        Ok(Namespace { engine, udp, senders, held: Vec::new(), held_since: now, retry_at: now, claimed: false })
     }
 
     /// Receives and transmits; returns (packets received, packets sent, more work pending).
@@ -174,18 +187,73 @@ impl Namespace {
 
     /// Runs timers and sends what the engine has to send; returns (packets
     /// sent, more work pending).
+    ///
+    /// While the qdisc holds refused packets, the engine makes no new ones
+    /// (its timers still run): they would only queue behind the held ones,
+    /// unbounded. The loop sleeps until `retry_at` (see `next_deadline`).
     fn transmit(&mut self) -> (usize, bool) {
-        let more = self.engine.poll_tx(TX_BUDGET, Instant::now());
+        let now = Instant::now();
+        let holding = !self.held.is_empty();
+        let more = self.engine.poll_tx(if holding { 0 } else { TX_BUDGET }, now) && !holding;
+        self.purge_rewound();
         let mut pkts = std::mem::take(&mut self.engine.tx.pkts);
-        let sent = pkts.len();
-        if sent > 0 {
-            self.senders.send(&mut pkts, &mut self.engine.stats.send_errors);
-            self.engine.stats.tx_packets += sent as u64;
+        let had_held = !self.held.is_empty();
+        if had_held {
+            let mut new = std::mem::replace(&mut pkts, std::mem::take(&mut self.held));
+            pkts.append(&mut new);
+            if now < self.retry_at {
+                self.held = pkts;
+                return (0, false);
+            }
+        }
+        if pkts.is_empty() {
+            return (0, more);
+        }
+        let sent = self.senders.send(&mut pkts, &mut self.engine.stats.send_errors);
+        self.engine.stats.tx_packets += sent as u64;
+        let mut rest = pkts.split_off(sent);
+        if let Some(p) = rest.first() {
+            // The qdisc's queue is full: the flow's windows shrink, and the
+            // packets wait for it to drain (they are not lost, so nothing is
+            // resent), unless it stays full so long that resending is better.
+            self.engine.local_congestion(p.sport, p.dst);
+            if sent > 0 || !had_held {
+                self.held_since = now;
+            }
+            if now.duration_since(self.held_since) > HELD_MAX {
+                self.engine.stats.send_errors += rest.len() as u64;
+                pkts.append(&mut rest);
+            } else {
+                self.held = rest;
+                self.retry_at = now + REFUSED_RETRY;
+            }
         }
         for p in pkts {
             self.engine.tx.recycle(p);
         }
-        (sent, more)
+        (sent, more && self.held.is_empty())
+    }
+
+    /// A QP that went back N (timer, loss probe, NAK) sends its unacked
+    /// requests again: its held copies of them would be duplicates behind
+    /// the originals, so they go.
+    fn purge_rewound(&mut self) {
+        let rewound = std::mem::take(&mut self.engine.tx.rewound);
+        if rewound.is_empty() || self.held.is_empty() {
+            return;
+        }
+        let (keep, drop): (Vec<OutPkt>, Vec<OutPkt>) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|p| !rc_request_to(&p.buf[..p.len]).is_some_and(|qpn| rewound.contains(&(p.dst, qpn))));
+        self.held = keep;
+        for p in drop {
+            self.engine.tx.recycle(p);
+        }
+    }
+
+    /// When packets the qdisc refused are tried again, if any are held.
+    fn retry_deadline(&self) -> Option<Instant> {
+        (!self.held.is_empty()).then_some(self.retry_at)
     }
 }
 
@@ -237,10 +305,44 @@ fn bound_port(fd: &OwnedFd) -> anyhow::Result<u16> {
     Ok(getsockname::<SockaddrIn>(fd.as_raw_fd()).context("getsockname")?.port())
 }
 
+/// The destination QPN of an RC request packet (a UDP payload starting at
+/// its BTH); None for responses, other transports and short packets.
+fn rc_request_to(pkt: &[u8]) -> Option<u32> {
+    let op = wire::Opcode::from_u8(*pkt.first()?)?;
+    let qpn = pkt.get(5..8)?;
+    (op as u8 >> 5 == 0 && op.is_request()).then(|| u32::from_be_bytes([0, qpn[0], qpn[1], qpn[2]]))
+}
+
+/// Segment j of a GSO batch leaves with IP id j: its ICRC is sealed for
+/// that id. Applied twice it undoes itself (an XOR), for a batch not sent.
+fn seal_for_ip_ids(batch: &mut [OutPkt]) {
+    for (j, p) in batch.iter_mut().enumerate().skip(1) {
+        let body = p.len - 4;
+        let delta = wire::ip_id_delta(body, j as u16);
+        for (b, d) in p.buf[body..p.len].iter_mut().zip(delta.to_le_bytes()) {
+            *b ^= d;
+        }
+    }
+}
+
+/// A sending socket reports a packet its host's qdisc drops: with
+/// IP_RECVERR, sendmsg returns ENOBUFS instead of success (Linux's
+/// udp_send_skb hides it otherwise), so a full queue is seen at once, not
+/// a round trip later as a sequence NAK. ICMP errors then queue on the
+/// socket's error queue, which nothing reads; a small receive buffer
+/// (nothing else arrives on a sending socket) bounds it.
+fn report_local_drops(fd: &OwnedFd) -> anyhow::Result<()> {
+    setsockopt(fd, sockopt::Ipv4RecvErr, &true).context("IP_RECVERR")?;
+    setsockopt(fd, sockopt::RcvBuf, &4096).context("SO_RCVBUF")?;
+    Ok(())
+}
+
 impl Senders {
     fn new(addr: Ipv4Addr, gso: bool) -> anyhow::Result<Senders> {
         let df = udp_socket(addr, 0, true, false)?;
         let frag = udp_socket(addr, 0, false, false)?;
+        report_local_drops(&df)?;
+        report_local_drops(&frag)?;
         let (pdf, pfrag) = (bound_port(&df)?, bound_port(&frag)?);
         let mtu = crate::link::interface_mtu(addr);
         info!("{addr}: link MTU {}", mtu.map_or("unknown, assuming 1500".into(), |m| m.to_string()));
@@ -261,11 +363,16 @@ impl Senders {
     /// The socket for packets built with source port `sport`, and the port
     /// they actually leave from.
     fn get(&mut self, sport: u16, big: bool) -> (RawFd, u16) {
-        let s = self.socks.entry((sport, big)).or_insert_with(|| match udp_socket(self.addr, sport, !big, true) {
-            Ok(s) => SendSock::Own(s),
-            Err(e) => {
-                warn!("{}: source port {sport} is taken ({e:#}); its packets leave from a fallback port", self.addr);
-                SendSock::Fallback
+        let s = self.socks.entry((sport, big)).or_insert_with(|| {
+            match udp_socket(self.addr, sport, !big, true).and_then(|s| {
+                report_local_drops(&s)?;
+                Ok(s)
+            }) {
+                Ok(s) => SendSock::Own(s),
+                Err(e) => {
+                    warn!("{}: source port {sport} is taken ({e:#}); its packets leave from a fallback port", self.addr);
+                    SendSock::Fallback
+                }
             }
         });
         match s {
@@ -277,7 +384,9 @@ impl Senders {
 
     /// Sends the batch with one sendmmsg per run of packets sharing a socket;
     /// with GSO, runs of equal-sized packets to one peer become one message.
-    fn send(&mut self, pkts: &mut [OutPkt], errors: &mut u64) {
+    /// Returns how many packets went (or were dropped as unsendable) before
+    /// the local qdisc refused one; that one and the rest were not sent.
+    fn send(&mut self, pkts: &mut [OutPkt], errors: &mut u64) -> usize {
         self.refresh_mtu();
         let mut i = 0;
         while i < pkts.len() {
@@ -294,9 +403,13 @@ impl Senders {
                     wire::reseal(&flow, &mut p.buf[..p.len]);
                 }
             }
-            self.send_run(fd, &mut pkts[i..j], key.1, errors);
+            let done = self.send_run(fd, &mut pkts[i..j], key.1, errors);
+            if done < j - i {
+                return i + done;
+            }
             i = j;
         }
+        pkts.len()
     }
 
     /// The address may reach an interface after we started (a namespace
@@ -334,7 +447,9 @@ impl Senders {
         p.len + 28 > self.link_mtu
     }
 
-    fn send_run(&mut self, fd: RawFd, run: &mut [OutPkt], big: bool, errors: &mut u64) {
+    /// Sends one run; returns how many of its packets went before the
+    /// local qdisc refused one (ENOBUFS), all if none was.
+    fn send_run(&mut self, fd: RawFd, run: &mut [OutPkt], big: bool, errors: &mut u64) -> usize {
         // Group into messages: [start, end) ranges of the run.
         let mut groups: Vec<(usize, usize)> = Vec::with_capacity(run.len());
         let mut k = 0;
@@ -352,14 +467,7 @@ impl Senders {
                     e += 1;
                 }
             }
-            // Segment j of the batch leaves with IP id j: seal it for that id.
-            for (j, p) in run[k..e].iter_mut().enumerate().skip(1) {
-                let body = p.len - 4;
-                let delta = wire::ip_id_delta(body, j as u16);
-                for (b, d) in p.buf[body..p.len].iter_mut().zip(delta.to_le_bytes()) {
-                    *b ^= d;
-                }
-            }
+            seal_for_ip_ids(&mut run[k..e]);
             groups.push((k, e));
             k = e;
         }
@@ -391,6 +499,7 @@ impl Senders {
             hdrs.push(h);
         }
         let mut off = 0;
+        let mut retried = false;
         while off < hdrs.len() {
             // SAFETY: hdrs[off..] are valid mmsghdrs.
             let n = unsafe { libc::sendmmsg(fd, hdrs[off..].as_mut_ptr(), (hdrs.len() - off) as u32, 0) };
@@ -403,18 +512,36 @@ impl Senders {
                     unsafe { libc::poll(&mut pfd, 1, 5) };
                     continue;
                 }
-                // Unreachable peer, message too long...: drop it, count it.
                 match e.raw_os_error() {
+                    // The qdisc's queue is full (reported with IP_RECVERR):
+                    // the caller keeps this message and the rest. Unseal
+                    // them, as they may be grouped otherwise next time.
+                    Some(libc::ENOBUFS) => {
+                        for &(a, b) in &groups[off..] {
+                            seal_for_ip_ids(&mut run[a..b]);
+                        }
+                        return groups[off].0;
+                    }
+                    // An ICMP error of an earlier packet (IP_RECVERR reports
+                    // them on the next send): this message was not tried.
+                    Some(libc::ECONNREFUSED | libc::EHOSTUNREACH | libc::ENETUNREACH | libc::EHOSTDOWN) if !retried => {
+                        retried = true;
+                        continue;
+                    }
                     Some(libc::EMSGSIZE) if !big => self.too_big = true,
                     Some(libc::EINVAL) if !big => self.maybe_too_big = true,
                     _ => {}
                 }
+                // Unreachable peer, message too long...: drop it, count it.
                 *errors += 1;
                 off += 1;
+                retried = false;
                 continue;
             }
             off += n as usize;
+            retried = false;
         }
+        run.len()
     }
 }
 
@@ -583,10 +710,17 @@ impl Daemon {
         let timeout_ms = if polling {
             0
         } else {
-            match self.nss.values().filter_map(|n| n.engine.next_deadline()).min() {
-                Some(d) => d.saturating_duration_since(Instant::now()).as_millis().min(100) as u16,
-                None => 100,
-            }
+            // A refused packet's retry is rounded up to whole milliseconds:
+            // a zero timeout would spin until it passes. QP timers keep
+            // their rounding down, so that a due ACK is not late.
+            let now = Instant::now();
+            let ms = |d: Instant, up: bool| {
+                let us = d.saturating_duration_since(now).as_micros();
+                (if up { us.div_ceil(1000).max(1) } else { us / 1000 }).min(100) as u16
+            };
+            let timers = self.nss.values().filter_map(|n| n.engine.next_deadline()).min().map(|d| ms(d, false));
+            let retries = self.nss.values().filter_map(|n| n.retry_deadline()).min().map(|d| ms(d, true));
+            timers.into_iter().chain(retries).min().unwrap_or(100)
         };
         // While we poll, epoll is needed only for control sockets, new
         // clients and doorbells (which clients skip meanwhile): look every

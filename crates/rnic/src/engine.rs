@@ -403,6 +403,18 @@ impl Engine {
         more
     }
 
+    /// The local qdisc refused a packet of flow `sport` to `dst` (ENOBUFS:
+    /// its queue is full): the windows of the RC QPs of that flow shrink as
+    /// on a loss, though the packet is kept and sent again.
+    pub fn local_congestion(&mut self, sport: u16, dst: Ipv4Addr) {
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        stats.local_drops += 1;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        for qp in qps.values_mut().filter(|q| q.sport == sport && q.attr.dest_gid == dst) {
+            qp.on_local_congestion(&mut ctx);
+        }
+    }
+
     /// Earliest timer of any QP.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.qps.values().filter_map(|q| q.next_deadline()).min()

@@ -106,6 +106,12 @@ pub struct Stats {
     /// Go-back-N rewinds by the loss probe (a few RTTs without progress).
     pub loss_probes: u64,
     pub timeouts: u64,
+    /// Congestion windows halved on loss (a sequence NAK, a loss probe, a
+    /// timeout or a send the local qdisc refused), once per window.
+    pub window_cuts: u64,
+    /// Sends the local qdisc refused (ENOBUFS: its queue was full); the
+    /// packets were kept and sent again, not lost.
+    pub local_drops: u64,
     pub cq_overflows: u64,
     /// Completion channel events raised (each may wake a sleeping client).
     pub cq_events: u64,
@@ -150,6 +156,9 @@ pub struct OutPkt {
 #[derive(Default)]
 pub struct Tx {
     pub pkts: Vec<OutPkt>,
+    /// (peer, peer's QPN) of QPs that went back N since the daemon last
+    /// looked: copies of their requests it still holds are now duplicates.
+    pub rewound: Vec<(Ipv4Addr, u32)>,
     pool: Vec<Vec<u8>>,
 }
 

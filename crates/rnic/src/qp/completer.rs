@@ -49,14 +49,16 @@ impl Qp {
     fn progress(&mut self, ctx: &mut Ctx) {
         if let Some((p, t)) = self.rtt_sample {
             if psn_diff(self.rt.una, p) > 0 {
-                self.rtt_update(ctx.now.saturating_duration_since(t).as_secs_f64() * 1e6);
+                let us = ctx.now.saturating_duration_since(t).as_secs_f64() * 1e6;
+                self.rtt_update(us);
                 self.rtt_sample = None;
+                self.on_rtt_sample(ctx, us);
             }
         }
         self.probe_backoff = 0;
         let acked = psn_diff(self.rt.una, self.cwnd_una).max(0) as u32;
         self.cwnd_una = self.rt.una;
-        self.rt.cwnd = (self.rt.cwnd + acked).min(self.max_window() as u32);
+        self.grow_window(acked);
         self.rt.retry_left = self.attr.retry_cnt;
         self.rt.rnr_left = self.attr.rnr_retry;
         self.last_rewind = None;
@@ -190,6 +192,8 @@ impl Qp {
                     return;
                 }
                 if self.last_rewind != Some(self.rt.una) {
+                    // A packet was lost: most often a full queue on the way.
+                    self.cut_window(ctx);
                     self.rewind_once(ctx);
                     self.recovery = Some(RECOVERY_FIRST);
                 }

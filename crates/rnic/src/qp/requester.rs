@@ -1,6 +1,19 @@
 //! The requester: turns send WQEs into request packets within its window
 //! (packets, bytes, READ/atomic credits, fences), and recovers lost ones by
 //! go-back-N, driven by the IB retransmission timer and a faster loss probe.
+//!
+//! Its congestion window answers loss as RoCE NICs do (DCQCN cuts a QP's
+//! rate on congestion and raises it back in steps; rnicd has no ECN marks,
+//! so loss and delay are its signals, and it windows instead of pacing).
+//! The window halves on a sequence NAK or a loss probe (once per window of
+//! packets), on a round trip longer than a quarter of the IB timeout (a
+//! queue that may soon fire the timer for packets only waiting in it), and
+//! at every packet of its flow the local qdisc refuses (ENOBUFS); a
+//! retransmission timeout drops it to its minimum. ACKs grow it back: by
+//! every ACKed packet up to half the window at the last cut (slow start),
+//! then by one packet per window (additive increase). Without this, a
+//! rate-capped link's queue overflows at every window and each overflow
+//! costs a resend.
 
 use std::time::{Duration, Instant};
 
@@ -124,6 +137,80 @@ impl Qp {
 
     fn window(&self) -> i32 {
         self.max_window().min(self.rt.cwnd.max(MIN_CWND) as i32)
+    }
+
+    /// The window after `restart_send_psns` or a restore: full, with no
+    /// loss remembered.
+    pub(super) fn restart_congestion(&mut self) {
+        self.cwnd_una = self.rt.una;
+        self.ssthresh = u32::MAX;
+        self.cwnd_acc = 0;
+        self.cut_until = None;
+    }
+
+    /// Grows the window by `acked` newly acknowledged packets.
+    pub(super) fn grow_window(&mut self, acked: u32) {
+        if self.cut_until.is_some_and(|p| psn_diff(self.rt.una, p) >= 0) {
+            self.cut_until = None;
+        }
+        let max = self.max_window() as u32;
+        let cwnd = self.rt.cwnd.max(MIN_CWND);
+        if cwnd < self.ssthresh {
+            self.rt.cwnd = cwnd.saturating_add(acked).min(self.ssthresh).min(max);
+            self.cwnd_acc = 0;
+            return;
+        }
+        self.cwnd_acc = self.cwnd_acc.saturating_add(acked);
+        if self.cwnd_acc >= cwnd {
+            self.cwnd_acc -= cwnd;
+            self.rt.cwnd = (cwnd + 1).min(max);
+        }
+    }
+
+    /// Congestion: the window halves (to at least MIN_CWND), unless this
+    /// loss is of a packet sent before the last cut (the same event).
+    /// Go-back-N and the PSNs are untouched: the loss is still resent.
+    pub(super) fn cut_window(&mut self, ctx: &mut Ctx) {
+        if self.cut_until.is_some_and(|p| psn_diff(self.rt.una, p) < 0) {
+            return;
+        }
+        ctx.stats.window_cuts += 1;
+        // What was in flight, not a window grown while little was sent.
+        let flight = psn_diff(self.rt.max_sent, self.rt.una).max(0) as u32;
+        let cwnd = self.window().min(flight.max(MIN_CWND) as i32) as u32;
+        self.rt.cwnd = (cwnd / 2).max(MIN_CWND);
+        self.ssthresh = self.rt.cwnd;
+        self.cwnd_acc = 0;
+        self.cut_until = Some(self.rt.max_sent);
+    }
+
+    /// A round trip of `us` µs: one longer than a quarter of the IB timeout
+    /// means a queue on the path (a rate-capped link's qdisc holds 100 ms)
+    /// that may soon make the timer fire for packets that are only waiting
+    /// (the queue grows for a round trip before the next sample can tell),
+    /// and each such timeout resends the whole window. The window halves,
+    /// as on a loss (the delay signal of RDMA's TIMELY, with one threshold).
+    pub(super) fn on_rtt_sample(&mut self, ctx: &mut Ctx, us: f64) {
+        if wire::ack_timeout_us(self.attr.timeout).is_some_and(|t| us > t as f64 / 4.0) {
+            self.cut_window(ctx);
+        }
+    }
+
+    /// A packet of this QP's flow was refused by the local qdisc. Each
+    /// refusal halves the window again, not once per window as a loss does:
+    /// a full qdisc holds its whole queue (100 ms under the testbed's cap),
+    /// longer than the IB timeout, and waiting a round trip between cuts
+    /// lets the timer fire for packets that are only queued. The daemon
+    /// tries a refused send again only after 0.5 ms, which bounds the rate
+    /// of cuts. A QP with less than the smallest window in flight is not
+    /// what fills the queue (the refused packet may be its ACK or READ
+    /// response): its window stays.
+    pub fn on_local_congestion(&mut self, ctx: &mut Ctx) {
+        let flight = psn_diff(self.rt.max_sent, self.rt.una);
+        if !self.is_ud() && flight >= MIN_CWND as i32 && matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
+            self.cut_until = None;
+            self.cut_window(ctx);
+        }
     }
 
     fn ack_every(&self) -> u32 {
@@ -253,6 +340,7 @@ impl Qp {
     /// after the resends to its old host were lost) rewinds again at once.
     pub(super) fn rewind(&mut self, ctx: &mut Ctx) {
         ctx.stats.retransmit_rewinds += 1;
+        ctx.tx.rewound.push((self.attr.dest_gid, self.attr.dest_qp_num));
         // Karn: a resent packet's ACK says nothing about the round trip.
         self.rtt_sample = None;
         self.recovery = None;
@@ -301,6 +389,10 @@ impl Qp {
             return;
         }
         self.rt.retry_left -= 1;
+        // Nothing came back for a whole timeout: start again from the
+        // smallest window, slow start up to half of what was in flight.
+        self.cut_until = None;
+        self.cut_window(ctx);
         self.rt.cwnd = MIN_CWND;
         self.rewind(ctx);
         // Back off on consecutive timeouts so that a slow (not dead) peer
@@ -312,8 +404,8 @@ impl Qp {
     /// The loss probe: no progress for a few round trips means a lost packet
     /// that no later one will reveal (the last ones of a burst, a lost NAK, a
     /// lost retransmission: the responder NAKs a gap once). Go back N now
-    /// instead of stalling until the IB timeout; retry_cnt and cwnd are left
-    /// alone, as only the IB timeout is a retry.
+    /// instead of stalling until the IB timeout; retry_cnt is left alone, as
+    /// only the IB timeout is a retry. A probe is a loss: the window halves.
     fn on_probe(&mut self, ctx: &mut Ctx) {
         let Some(d) = self.probe_deadline else { return };
         if ctx.now < d {
@@ -325,6 +417,7 @@ impl Qp {
             return;
         }
         ctx.stats.loss_probes += 1;
+        self.cut_window(ctx);
         self.rewind(ctx);
         self.recovery = Some(RECOVERY_FIRST);
         self.probe_backoff += 1;

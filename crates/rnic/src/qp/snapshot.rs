@@ -72,8 +72,8 @@ impl Qp {
         self.attr = *a;
         self.attr.dest_qp_num &= wire::QPN_MASK;
         self.attr.sq_draining = false;
-        self.cwnd_una = rt.una;
         self.rt = rt;
+        self.restart_congestion();
         self.sq.clear();
         self.rq.clear();
         if let Some(w) = &r.srq_wqe {

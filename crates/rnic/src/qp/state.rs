@@ -222,7 +222,7 @@ impl Qp {
         self.rt.tx_psn = p;
         self.rt.max_sent = p;
         self.rt.cwnd = self.max_window() as u32;
-        self.cwnd_una = p;
+        self.restart_congestion();
     }
 
     fn reset(&mut self) {

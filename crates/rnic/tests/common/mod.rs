@@ -66,7 +66,7 @@ impl Bed {
             let _ = std::fs::remove_file(&sock);
             let child = h
                 .spawn(
-                    env!("CARGO_BIN_EXE_rnicd"),
+                    &rnicd_bin(),
                     ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()].into_iter().chain(extra.iter().copied()),
                 )
                 .expect("start rnicd");
@@ -85,6 +85,12 @@ impl Bed {
     pub fn kill(&mut self, i: usize) {
         self.nics[i].child.take();
     }
+}
+
+/// The rnicd to run: this build's, or `RNICD_BIN` (A/B runs against
+/// another build, e.g. `bench/rdma/cap-ab`).
+fn rnicd_bin() -> String {
+    std::env::var("RNICD_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_rnicd").to_string())
 }
 
 fn wait_for(nic: &mut Nic) {
