@@ -59,6 +59,41 @@ struct Args {
     /// migration, into this directory (one file per rnicd and row).
     #[arg(long)]
     perf: Option<PathBuf>,
+    /// The host's shared-memory THP settings to measure every row with,
+    /// alternating (`never,advise`: an A/B of 4 KiB against 2 MiB pages
+    /// for guest RAM, which the vmm and rnicd ask for with MADV_HUGEPAGE).
+    /// Written to /sys/kernel/mm/transparent_hugepage/shmem_enabled before
+    /// each row and put back at the end. Default: the host's setting as it
+    /// is.
+    #[arg(long, value_delimiter = ',')]
+    shmem_thp: Vec<String>,
+}
+
+/// The host's shared-memory THP setting.
+const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
+/// The bracketed choice of a sysfs THP file, e.g. `advise`.
+fn shmem_thp_now() -> Result<String> {
+    let s = std::fs::read_to_string(SHMEM_THP).with_context(|| format!("reading {SHMEM_THP}"))?;
+    s.split_whitespace()
+        .find_map(|w| w.strip_prefix('[').and_then(|w| w.strip_suffix(']')))
+        .map(str::to_string)
+        .ok_or_else(|| anyhow!("no current setting in {SHMEM_THP}: {s:?}"))
+}
+
+fn set_shmem_thp(v: &str) -> Result<()> {
+    std::fs::write(SHMEM_THP, v).with_context(|| format!("writing {v:?} to {SHMEM_THP}"))
+}
+
+/// Puts the host's THP setting back as it was, however the bench ends.
+struct RestoreShmemThp(String);
+
+impl Drop for RestoreShmemThp {
+    fn drop(&mut self) {
+        if let Err(e) = set_shmem_thp(&self.0) {
+            eprintln!("migrate-links: {e:#}");
+        }
+    }
 }
 
 /// One GiB in gigabytes (the figures are per GB, as the seed's are).
@@ -114,15 +149,20 @@ fn run(a: &Args) -> Result<Vec<Value>> {
     if let Some(d) = &a.perf {
         std::fs::create_dir_all(d)?;
     }
+    let _restore = RestoreShmemThp(shmem_thp_now()?);
+    let thp_settings = if a.shmem_thp.is_empty() { vec![shmem_thp_now()?] } else { a.shmem_thp.clone() };
     let mut rows = Vec::new();
     for run in 0..a.repeat {
         for t in &transports {
             for &links in &a.links {
                 let builds: Vec<Option<&Path>> =
                     if *t == "rdma" { rnicd_bins.iter().map(|b| Some(b.as_path())).collect() } else { vec![None] };
-                for rnicd in builds {
+                for (rnicd, thp) in builds.iter().flat_map(|b| thp_settings.iter().map(move |thp| (*b, thp))) {
+                    if !a.shmem_thp.is_empty() {
+                        set_shmem_thp(thp)?;
+                    }
                     let label = rnicd.map(rnicd_label).unwrap_or_default();
-                    eprintln!("migrate-links: {t}, {links} link(s) {label} (run {})", run + 1);
+                    eprintln!("migrate-links: {t}, {links} link(s) {label} shmem THP {thp} (run {})", run + 1);
                     let row = run_row(&bin, rnicd, t, links, gib, a, run).unwrap_or_else(|e| {
                         json!({"transport": t, "links": links, "ram_gib": gib, "completed": false, "total_s": null, "downtime_ms": null,
                                "line_rate_fraction": null, "cpu_s_per_gb": null, "raw_tcp_gbps": null, "error": format!("{e:#}")})
@@ -131,6 +171,7 @@ fn run(a: &Args) -> Result<Vec<Value>> {
                     if rnicd.is_some() {
                         row["rnicd"] = json!(label);
                     }
+                    row["shmem_thp"] = json!(thp);
                     eprintln!("  {row}");
                     rows.push(row);
                 }
@@ -240,7 +281,8 @@ fn run_row(bin: &Path, rnicd: Option<&Path>, transport: &str, links: usize, gib:
             .enumerate()
             .map(|(h, d)| {
                 let label = rnicd_label(r).replace('/', "-");
-                Perf::start(d.pid(), &dir.join(format!("rdma-{links}l-{label}-run{run}-h{h}.data")))
+                let thp = shmem_thp_now().unwrap_or_default();
+                Perf::start(d.pid(), &dir.join(format!("rdma-{links}l-{label}-thp_{thp}-run{run}-h{h}.data")))
             })
             .collect::<Result<Vec<_>>>()?,
         _ => Vec::new(),
@@ -392,9 +434,10 @@ fn raw_tcp_with_retries(tb: &Testbed, links: usize, streams: u32, secs: u32) -> 
 fn print_table(rows: &[Value]) {
     let f = |v: &Value, k: &str, p: usize| v[k].as_f64().map(|x| format!("{x:.p$}")).unwrap_or_else(|| "-".into());
     println!(
-        "{:<9} {:<18} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "{:<9} {:<18} {:<7} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "transport",
         "rnicd",
+        "THP",
         "links",
         "RAM GiB",
         "total s",
@@ -405,13 +448,15 @@ fn print_table(rows: &[Value]) {
         "down ms",
         "CPU s/GB",
         "src s/GB",
-        "dst s/GB"
+        "dst s/GB",
+        "rnicd s/GB"
     );
     for r in rows {
         println!(
-            "{:<9} {:<18} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
+            "{:<9} {:<18} {:<7} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
             r["transport"].as_str().unwrap_or("?"),
             r["rnicd"].as_str().unwrap_or("-"),
+            r["shmem_thp"].as_str().unwrap_or("-"),
             r["links"],
             r["ram_gib"],
             f(r, "total_s", 2),
@@ -423,32 +468,35 @@ fn print_table(rows: &[Value]) {
             f(r, "cpu_s_per_gb", 3),
             f(r, "cpu_s_per_gb_source", 3),
             f(r, "cpu_s_per_gb_dest", 3),
+            f(r, "cpu_s_per_gb_rnicd", 3),
         );
         if let Some(e) = r["error"].as_str() {
             println!("  error: {e}");
         }
     }
-    // Two links against one, per transport and rnicd build, from the
-    // mean times of the completed runs.
-    let mean = |t: &Value, rn: &Value, links: u64, k: &str| {
+    // Two links against one, per transport, rnicd build and THP setting,
+    // from the mean times of the completed runs.
+    let mean = |t: &Value, rn: &Value, thp: &Value, links: u64, k: &str| {
         let v: Vec<f64> = rows
             .iter()
-            .filter(|r| r["transport"] == *t && r["rnicd"] == *rn && r["links"] == links)
+            .filter(|r| r["transport"] == *t && r["rnicd"] == *rn && r["shmem_thp"] == *thp && r["links"] == links)
             .filter_map(|r| r[k].as_f64())
             .collect();
         (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
     };
     let mut seen = Vec::new();
     for r in rows {
-        let key = (r["transport"].clone(), r["rnicd"].clone());
+        let key = (r["transport"].clone(), r["rnicd"].clone(), r["shmem_thp"].clone());
         if seen.contains(&key) {
             continue;
         }
         seen.push(key.clone());
-        let (t, rn) = key;
-        if let (Some(o), Some(w)) = (mean(&t, &rn, 1, "total_s"), mean(&t, &rn, 2, "total_s")) {
-            let raw = mean(&t, &rn, 2, "raw_tcp_gbps").unwrap_or(0.0) / mean(&t, &rn, 1, "raw_tcp_gbps").unwrap_or(1.0).max(1e-9);
-            let who = rn.as_str().map(|s| format!(" (rnicd {s})")).unwrap_or_default();
+        let (t, rn, thp) = key;
+        if let (Some(o), Some(w)) = (mean(&t, &rn, &thp, 1, "total_s"), mean(&t, &rn, &thp, 2, "total_s")) {
+            let raw =
+                mean(&t, &rn, &thp, 2, "raw_tcp_gbps").unwrap_or(0.0) / mean(&t, &rn, &thp, 1, "raw_tcp_gbps").unwrap_or(1.0).max(1e-9);
+            let who = rn.as_str().map(|s| format!(" (rnicd {s})")).unwrap_or_default()
+                + &thp.as_str().map(|s| format!(" (shmem THP {s})")).unwrap_or_default();
             println!("{}{who}: two links vs one: migration {:.2}x faster; raw TCP {raw:.2}x", t.as_str().unwrap_or("?"), o / w);
         }
     }

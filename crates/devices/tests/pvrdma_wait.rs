@@ -107,3 +107,87 @@ fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
     let slot = notes_before % event_ring_slots(EVENT_RING_PAGES, 4);
     assert_eq!(d.get::<Cqne>(d.cq_ring + EVENT_RING_FIRST_OFFSET + slot as u64 * 4).info, scq.handle);
 }
+
+/// Transit's WAIT bit on the QP doorbell (`transit::UAR_QP_WAIT`): a
+/// ping-pong with one doorbell per round trip. Each ping's SEND doorbell
+/// also carries the RECV bit for the receive reposted after the last pong
+/// (queued without a doorbell of its own) and waits on the QP's receive CQ:
+/// every pong arrives, once, in order, in a receive the device took from
+/// such a combined doorbell (the QP has only four receives, so without them
+/// the peer would run out of the guest's receives at the fifth ping). A
+/// QP doorbell with WAIT for no QP answers at once with EINVAL.
+#[test]
+fn send_doorbell_with_wait_returns_with_the_answer() {
+    let bed = Bed::new("pvqpwait", 2);
+    let gid = bed.vm_gid(0, 1);
+    let mut d = Drv::new(&bed.nics[0].sock, gid);
+    d.bring_up();
+    let pd = d.create_pd();
+    let (buf, _mrh, key) = d.create_mr(pd, 1 << 20);
+    let scq = d.create_cq(64);
+    let mut rcq = d.create_cq(64);
+    let mut qp = d.create_qp(pd, &scq, &rcq, 32, 4);
+    let peer = Peer::new(bed.ctx(1));
+    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 500, 700);
+    peer.connect(gid, qp.qpn, 700, 500);
+
+    const N: u64 = 50;
+    const RECVS: u64 = 4;
+    for i in 0..RECVS {
+        d.post_recv(&mut qp, i, &[Sge { addr: buf + i * 256, length: 256, lkey: key }]);
+    }
+    for k in 0..8 {
+        peer.qp.post_recv(&[verbs::RecvWr { wr_id: k, sg_list: &[peer.mr.sge(k as usize * 64, 64)] }]).unwrap();
+    }
+    std::thread::scope(|s| {
+        // The peer answers every ping with a pong carrying the same number.
+        s.spawn(|| {
+            for i in 0..N {
+                let got = loop {
+                    let w = peer.cq.wait(1, T).unwrap();
+                    assert_eq!(w.len(), 1, "ping {i} never came");
+                    assert_eq!(w[0].status, verbs::WcStatus::Success, "{w:?}");
+                    if w[0].opcode == verbs::WcOpcode::Recv {
+                        break w[0].wr_id;
+                    }
+                };
+                let ping = u64::from_le_bytes(peer.buf.read(got as usize * 64, 8).try_into().unwrap());
+                assert_eq!(ping, i, "ping order");
+                peer.qp.post_recv(&[verbs::RecvWr { wr_id: got, sg_list: &[peer.mr.sge(got as usize * 64, 64)] }]).unwrap();
+                peer.buf.write(4096, &i.to_le_bytes());
+                peer.qp.post_send(&[SendWr::send(i, &[peer.mr.sge(4096, 8)]).unsignaled()]).unwrap();
+            }
+        });
+        let ping_at = buf + 512 * 1024;
+        for i in 0..N {
+            d.put_bytes(ping_at, &i.to_le_bytes());
+            let unsignaled = SqWqeHdr { send_flags: 0, ..sq(i, pvrdma_abi::ib::wr_opcode::SEND) };
+            d.put_send(&mut qp, unsignaled, &[Sge { addr: ping_at, length: 8, lkey: key }]);
+            let recv = if i > 0 { UAR_QP_RECV } else { 0 };
+            d.doorbell(UAR_QP_OFFSET, UAR_QP_SEND | recv | transit::UAR_QP_WAIT | qp.handle);
+            assert_eq!(d.rd(REG_ERR), 0, "ping {i}");
+            let deadline = Instant::now() + T;
+            let c = loop {
+                if let Some(c) = d.take(&mut rcq) {
+                    break c;
+                }
+                // The doorbell's wait is bounded: on a loaded host the pong
+                // may come later.
+                assert!(Instant::now() < deadline, "pong {i} never came");
+                d.doorbell(UAR_CQ_OFFSET, WAIT | rcq.handle);
+            };
+            assert_eq!((c.status, c.opcode), (wc_status::SUCCESS, wc_opcode::RECV), "{c:?}");
+            let slot = c.wr_id;
+            let pong = u64::from_le_bytes(d.get_bytes(buf + slot * 256, 8).try_into().unwrap());
+            assert_eq!(pong, i, "pong {i} (receive slot {slot})");
+            // Reposted without a doorbell: the next ping's carries it.
+            d.put_recv(&mut qp, slot, &[Sge { addr: buf + slot * 256, length: 256, lkey: key }]);
+        }
+    });
+    assert!(d.take(&mut rcq).is_none(), "no completion twice");
+
+    let t0 = Instant::now();
+    d.doorbell(UAR_QP_OFFSET, UAR_QP_SEND | transit::UAR_QP_WAIT | 999);
+    assert_eq!(d.rd(REG_ERR), 22, "EINVAL for a QP doorbell on no QP");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}

@@ -40,6 +40,8 @@ impl GuestRam {
         if addr == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
+        // As the vmm's guest RAM: huge pages where the host allows them.
+        crate::vm::advise_huge_pages(addr as *mut u8, len as usize);
         Ok(GuestRam { fd, addr: addr as *mut u8, len })
     }
     /// Seal the memfd against shrinking and growing, as the vmm's guest

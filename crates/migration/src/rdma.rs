@@ -29,7 +29,7 @@
 use crate::links::{self, Links};
 use crate::ratelimit::TokenBucket;
 use crate::receiver::{apply_batch, count_batch, RxShared, DATA_IDLE_TIMEOUT};
-use crate::sender::{recv_reply, spawn_channels, ChannelSet};
+use crate::sender::{recv_reply, spawn_channels, ChannelSet, ReadRam};
 use crate::stats::Control;
 use crate::testing::Fault;
 use crate::transport::DataSink;
@@ -212,12 +212,14 @@ pub(crate) fn open_channels(
         bail!("destination answered {} queue pairs for {} channels", qps.len(), eps.len());
     }
     let opts = connect_opts(access::LOCAL_WRITE, links.several());
+    // The senders hand each sink pages where they read them.
+    let read = ReadRam::new(ram);
     let mut sinks: Vec<Box<dyn DataSink>> = Vec::new();
     for (((ep, remote), gid), rkey) in eps.into_iter().zip(qps).zip(gids).zip(rkeys) {
         ep.connect(gid_of(&gid)?, remote, &opts)?;
         sinks.push(Box::new(RdmaSink {
             free: (0..SEND_SLOTS).collect(),
-            ram_base: ram.host_addr as usize,
+            ram_base: read.ram.host_addr as usize,
             ram_len: ram.len as usize,
             rkey,
             ctl: ctl.clone(),
@@ -225,7 +227,7 @@ pub(crate) fn open_channels(
             ep,
         }));
     }
-    spawn_channels(sinks, links, ram, compress, bucket, ctl, deadline)
+    spawn_channels(sinks, links, read, compress, bucket, ctl, deadline)
 }
 
 /// The sending end of a channel.
@@ -233,8 +235,9 @@ struct RdmaSink {
     ep: Endpoint,
     /// Message buffers not in flight.
     free: Vec<usize>,
-    /// Guest RAM in this process, to turn a page's address into its
-    /// guest physical address (the RDMA address on both ends).
+    /// Guest RAM where this process's senders read it ([`ReadRam`]), to
+    /// turn a page's address into its guest physical address (the RDMA
+    /// address on both ends).
     ram_base: usize,
     ram_len: usize,
     /// The destination's key for its guest RAM.

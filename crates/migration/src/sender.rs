@@ -9,6 +9,7 @@ use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::{Armer, PAGE_SIZE};
 use crate::links::{self, Links};
 use crate::pages::PageRange;
+use crate::postcopy::place::Alias;
 use crate::postcopy::push::PushQueue;
 use crate::ratelimit::TokenBucket;
 use crate::stats::{Control, Status};
@@ -164,7 +165,8 @@ struct Channel {
     /// Which of the migration's links it runs over.
     link: usize,
     sink: Box<dyn DataSink>,
-    ram: RamRegion,
+    /// Where the channel reads pages.
+    ram: ReadRam,
     compress: Compress,
     bucket: Arc<TokenBucket>,
     ctl: Arc<Control>,
@@ -315,7 +317,7 @@ impl Channel {
             // math), which outlives the migration. Guest writes may race
             // with these reads; such a page is dirty again and is resent
             // next round.
-            let src = unsafe { std::slice::from_raw_parts(self.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
+            let src = unsafe { std::slice::from_raw_parts(self.ram.ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
             sent.pages += 1;
             let Some(h) = nonzero_xxh3(src) else {
                 sent.zero += 1;
@@ -394,7 +396,35 @@ pub(crate) fn open_channels(
         s.set_write_timeout(Some(crate::receiver::DATA_IDLE_TIMEOUT))?;
         sinks.push(Box::new(s));
     }
-    spawn_channels(sinks, links, ram, compress, bucket, ctl, deadline)
+    spawn_channels(sinks, links, ReadRam::new(ram), compress, bucket, ctl, deadline)
+}
+
+/// Guest RAM as the senders read it: through a mapping of their own when
+/// guest RAM is in huge pages, else through the vmm's. Dirty tracking
+/// write-protects the vmm's mapping at 4 KiB (`dirty.rs`): on a 2 MiB page
+/// that drops its one page-table entry and leaves a marker per 4 KiB, so
+/// each page read there would take a fault of its own (262,144 per GiB,
+/// as much CPU as sending the page over TCP). A mapping that nothing
+/// watches maps each 2 MiB page with one fault; the guest's writes are
+/// tracked all the same, in the vmm's mapping. With 4 KiB pages the vmm's
+/// mapping, whose page tables the guest filled, is cheaper than a fresh
+/// one.
+#[derive(Clone)]
+pub(crate) struct ReadRam {
+    /// `host_addr` is where the senders read guest physical 0.
+    pub ram: RamRegion,
+    _alias: Option<Arc<Alias>>,
+}
+
+impl ReadRam {
+    pub fn new(ram: RamRegion) -> ReadRam {
+        let alias = crate::vm::shmem_huge_pages()
+            .then(|| Alias::map(&ram).inspect_err(|e| tracing::debug!("no read alias of guest RAM ({e}); reading the vmm's mapping")).ok())
+            .flatten()
+            .map(Arc::new);
+        let ram = alias.as_ref().map_or(ram, |a| RamRegion { host_addr: a.base, ..ram });
+        ReadRam { ram, _alias: alias }
+    }
 }
 
 /// A sender thread on each data channel; channel `i` runs over link
@@ -403,7 +433,7 @@ pub(crate) fn open_channels(
 pub(crate) fn spawn_channels(
     sinks: Vec<Box<dyn DataSink>>,
     links: &Links,
-    ram: RamRegion,
+    ram: ReadRam,
     compress: Compress,
     bucket: &Arc<TokenBucket>,
     ctl: &Arc<Control>,
@@ -425,7 +455,7 @@ pub(crate) fn spawn_channels(
             index: i,
             link,
             sink,
-            ram,
+            ram: ram.clone(),
             compress,
             bucket: bucket.clone(),
             ctl: ctl.clone(),

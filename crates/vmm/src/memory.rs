@@ -59,7 +59,10 @@ impl GuestRam {
         let region = GuestRegionMmap::from_range(GuestAddress(0), size as usize, Some(FileOffset::new(memfd.try_clone()?, 0)))
             .map_err(|e| anyhow::anyhow!("mapping guest RAM: {e}"))?;
         let mem = GuestMemory::from_regions(vec![region]).map_err(|e| anyhow::anyhow!("guest memory: {e}"))?;
-        Ok(GuestRam { memfd, mem, size })
+        let ram = GuestRam { memfd, mem, size };
+        // The guest's first touch allocates RAM through this mapping.
+        migration::vm::advise_huge_pages(ram.host_addr(), size as usize);
+        Ok(ram)
     }
 
     pub fn size(&self) -> u64 {

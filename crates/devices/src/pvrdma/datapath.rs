@@ -43,6 +43,22 @@ impl Dev {
         }
     }
 
+    /// The CQ a doorbell then waits on, without the device lock (the
+    /// vCPU's MMIO write returns after the wait): a CQ doorbell with
+    /// Transit's WAIT and POLL bits waits on its CQ, a QP doorbell with
+    /// Transit's WAIT bit on the QP's receive CQ.
+    pub fn doorbell_waits_on(&self, offset_in_page: u64, value: u32) -> Option<u32> {
+        let handle = value & UAR_HANDLE_MASK;
+        match offset_in_page {
+            UAR_CQ_OFFSET => {
+                let wait = transit::UAR_CQ_WAIT | UAR_CQ_POLL;
+                (value & wait == wait).then_some(handle)
+            }
+            UAR_QP_OFFSET if value & transit::UAR_QP_WAIT != 0 => self.qps.get(handle).map(|q| q.info.recv_cq),
+            _ => None,
+        }
+    }
+
     fn ring_doorbell(&mut self, offset_in_page: u64, value: u32) -> Result<(), Errno> {
         if self.paused || self.regs.state != super::dev::DevState::Active {
             return Err(Errno::EPERM);

@@ -284,7 +284,8 @@ fn notifier(shared: Arc<Mutex<Dev>>, waiter: verbs::ChannelWaiter, stop: Arc<Ato
 }
 
 impl PvrdmaBar {
-    /// The WAIT doorbell (`abi::transit::UAR_CQ_WAIT`, after its POLL ran):
+    /// The WAIT doorbell (`abi::transit::UAR_CQ_WAIT`, after its POLL ran,
+    /// or `UAR_QP_WAIT` after its posts, on the QP's receive CQ):
     /// sleeps on rnicd's completion channel, without the device lock, until
     /// a completion reaches CQ `handle`'s guest ring or the bound passes.
     /// The analogue of a guest that arms its CQ and halts until the
@@ -426,10 +427,9 @@ impl BusDevice for PvrdmaBar {
             BAR_MSIX => Self::write_msix(&mut d, offset, v),
             _ => {
                 d.doorbell(offset % 4096, v);
-                let wait = abi::transit::UAR_CQ_WAIT | abi::UAR_CQ_POLL;
-                if offset % 4096 == abi::UAR_CQ_OFFSET && v & wait == wait {
+                if let Some(cq) = d.doorbell_waits_on(offset % 4096, v) {
                     drop(d);
-                    self.wait_cq(v & abi::UAR_HANDLE_MASK);
+                    self.wait_cq(cq);
                 }
             }
         }

@@ -445,6 +445,12 @@ impl Drv {
     }
 
     pub fn post_recv(&self, qp: &mut GQp, wr_id: u64, sges: &[Sge]) {
+        self.put_recv(qp, wr_id, sges);
+        self.doorbell(UAR_QP_OFFSET, UAR_QP_RECV | qp.handle);
+    }
+
+    /// Queues a receive WQE without ringing its doorbell.
+    pub fn put_recv(&self, qp: &mut GQp, wr_id: u64, sges: &[Sge]) {
         let slot = qp.rq_tail & (qp.rq_cnt - 1);
         let at = qp.base + (1 + qp.send_chunks as u64) * 4096 + slot as u64 * qp.rq_stride;
         self.put(at, &RqWqeHdr { wr_id, num_sge: sges.len() as u32, total_len: 0 });
@@ -453,7 +459,6 @@ impl Drv {
         }
         qp.rq_tail = idx_inc(qp.rq_tail, qp.rq_cnt);
         self.put(qp.base + QP_RQ_RING_OFFSET, &qp.rq_tail);
-        self.doorbell(UAR_QP_OFFSET, UAR_QP_RECV | qp.handle);
     }
 
     /// Polls as pvrdma_poll_cq does: read the ring, ring POLL when empty.

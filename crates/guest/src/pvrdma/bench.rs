@@ -21,7 +21,9 @@
 //! the guest waits for completions: by interrupt (`Cq::wait`: arm the CQ,
 //! HLT until its notification), in the device with the WAIT doorbell
 //! (`Cq::wait_doorbell`), or spinning on POLL doorbells (`Cq::poll`, as
-//! `pvrdma_poll_cq` in a busy-polling application).
+//! `pvrdma_poll_cq` in a busy-polling application). With `wait=2` the
+//! latency test's pings wait in their own SEND doorbell
+//! (`Qp::post_send_wait`), one MMIO exit per round trip.
 
 use super::workloads::{fail, parse_ip, PeerInfo};
 use super::{Cq, Op, Qp, Remote};
@@ -208,13 +210,22 @@ impl Bench<'_> {
             // unsignaled but every SIGNAL_EVERY-th, which keeps the send
             // queue moving; only the pong is waited for.
             let signaled = i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
+            let ping = [self.mr.sge(self.ping, size as u32)];
             let t0 = plat.now_ns();
-            qp.post_send(0, Op::Send, &[self.mr.sge(self.ping, size as u32)], signaled).unwrap_or_else(|e| fail(plat, "post_send", e));
+            // With the WAIT doorbell the SEND's own doorbell waits for the
+            // pong (one MMIO exit for both), and carries the receive
+            // reposted after the last pong.
+            let mut first = if self.wait == Wait::Doorbell {
+                qp.post_send_wait(0, Op::Send, &ping, signaled, cq).unwrap_or_else(|e| fail(plat, "post_send", e))
+            } else {
+                qp.post_send(0, Op::Send, &ping, signaled).unwrap_or_else(|e| fail(plat, "post_send", e));
+                None
+            };
             let (mut sent, mut got, mut dt) = (!signaled, false, 0);
             while !(sent && got) {
                 // Sleep for the first completion, then take what else came.
                 let mut block = true;
-                while let Some(w) = self.next(cq, block) {
+                while let Some(w) = first.take().or_else(|| self.next(cq, block)) {
                     block = false;
                     if w.status != wc_status::SUCCESS {
                         println!("pvrdma-bench: SEND round trip failed with status {}", w.status);
@@ -223,9 +234,14 @@ impl Bench<'_> {
                     if w.opcode == wc_opcode::RECV {
                         dt = plat.now_ns() - t0;
                         got = true;
-                        qp.post_recv(w.wr_id, &[self.mr.sge(self.pong, 4096)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+                        // Its doorbell rings with the next ping's: the peer
+                        // sends nothing before that ping.
+                        qp.post_recv_later(w.wr_id, &[self.mr.sge(self.pong, 4096)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
                     } else {
                         sent = true;
+                    }
+                    if sent && got {
+                        break;
                     }
                 }
             }

@@ -387,6 +387,7 @@ impl Device {
             wqes,
             max_sge,
             uar: self.uar,
+            recv_unrung: core::cell::Cell::new(false),
         })
     }
 
@@ -540,6 +541,9 @@ pub struct Qp {
     wqes: u32,
     max_sge: u32,
     uar: u64,
+    /// Receive WQEs queued by `post_recv_later` whose RECV doorbell has not
+    /// rung yet: the QP's next doorbell carries the RECV bit too.
+    recv_unrung: core::cell::Cell<bool>,
 }
 
 /// What a send WQE does besides its SGEs.
@@ -557,6 +561,31 @@ pub enum Op {
 impl Qp {
     /// Queues one send WQE and rings the SEND doorbell.
     pub fn post_send(&self, wr_id: u64, op: Op, sges: &[Sge], signaled: bool) -> Result<()> {
+        self.queue_send(wr_id, op, sges, signaled)?;
+        self.ring(UAR_QP_SEND);
+        Ok(())
+    }
+
+    /// Queues one send WQE, then rings the SEND doorbell with Transit's
+    /// WAIT bit (`pvrdma_abi::transit::UAR_QP_WAIT`): the doorbell returns
+    /// once a completion is in `recv_cq`'s ring (the QP's receive CQ) or
+    /// after at most `CQ_WAIT_MAX_US`, and that completion is returned if
+    /// there is one. One MMIO exit for a request and the wait for its
+    /// answer, where `post_send` and `Cq::wait_doorbell` take two.
+    pub fn post_send_wait(&self, wr_id: u64, op: Op, sges: &[Sge], signaled: bool, recv_cq: &Cq) -> Result<Option<Cqe>> {
+        self.queue_send(wr_id, op, sges, signaled)?;
+        self.ring(UAR_QP_SEND | transit::UAR_QP_WAIT);
+        recv_cq.take()
+    }
+
+    /// Rings the QP doorbell with `bits`, and with RECV when receive WQEs
+    /// wait for theirs (the device takes the receive queue first).
+    fn ring(&self, bits: u32) {
+        let recv = if self.recv_unrung.replace(false) { UAR_QP_RECV } else { 0 };
+        mmio_write32(self.uar + UAR_QP_OFFSET, bits | recv | (self.handle & UAR_HANDLE_MASK));
+    }
+
+    fn queue_send(&self, wr_id: u64, op: Op, sges: &[Sge], signaled: bool) -> Result<()> {
         if sges.len() > self.max_sge as usize {
             return Err(Error::QueueFull);
         }
@@ -606,12 +635,28 @@ impl Qp {
         }
         fence(Ordering::SeqCst);
         wr32(self.sq_ring, idx_inc(tail, self.wqes));
-        mmio_write32(self.uar + UAR_QP_OFFSET, UAR_QP_SEND | (self.handle & UAR_HANDLE_MASK));
         Ok(())
     }
 
     /// Queues one receive WQE and rings the RECV doorbell.
     pub fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
+        self.queue_recv(wr_id, sges)?;
+        self.ring(UAR_QP_RECV);
+        Ok(())
+    }
+
+    /// Queues one receive WQE whose doorbell rings with the QP's next one
+    /// (a doorbell value may carry both SEND and RECV): a driver that
+    /// reposts a receive and then sends saves an MMIO exit. Only for a
+    /// receive not needed before the QP's next post (the peer sends
+    /// nothing that would use it before then).
+    pub fn post_recv_later(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
+        self.queue_recv(wr_id, sges)?;
+        self.recv_unrung.set(true);
+        Ok(())
+    }
+
+    fn queue_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
         if sges.len() > self.max_sge as usize {
             return Err(Error::QueueFull);
         }
@@ -626,7 +671,6 @@ impl Qp {
         }
         fence(Ordering::SeqCst);
         wr32(self.rq_ring, idx_inc(tail, self.wqes));
-        mmio_write32(self.uar + UAR_QP_OFFSET, UAR_QP_RECV | (self.handle & UAR_HANDLE_MASK));
         Ok(())
     }
 }

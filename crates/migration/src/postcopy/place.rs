@@ -81,7 +81,8 @@ fn uffd_continue(uffd: i32, addr: u64, len: u64) -> Result<u64, (i32, u64)> {
 
 /// A mapping of guest RAM's memfd that no userfaultfd watches: pages are
 /// written here, where the guest cannot see them, before they are mapped
-/// into the vmm. Unmapped on drop.
+/// into the vmm; a source's senders read pages here (`sender.rs`).
+/// Unmapped on drop.
 pub struct Alias {
     pub base: *mut u8,
     len: usize,
@@ -96,6 +97,8 @@ impl Alias {
         if a == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
+        // The receivers and prealloc allocate guest RAM through it.
+        crate::vm::advise_huge_pages(a as *mut u8, ram.len as usize);
         Ok(Alias { base: a as *mut u8, len: ram.len as usize })
     }
 }
