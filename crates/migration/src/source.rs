@@ -142,9 +142,9 @@ struct Link {
     /// Postcopy and hybrid over rdma: our guest RAM, for the destination
     /// to READ what it lacks after the switch (no urgent connection then).
     reads: Option<crate::rdma::ReadableRam>,
-    /// The devices' early state was sent and the destination has not yet
-    /// said it is built (`Msg::EarlyBuilt`).
-    early_pending: bool,
+    /// When the devices' early state was sent, while the destination has
+    /// not yet said it is built (`Msg::EarlyBuilt`).
+    early_pending: Option<Instant>,
 }
 
 /// Setup: the control connection, the handshake, the data connections.
@@ -197,7 +197,7 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
         (Transport::Rdma { rnicd }, _) => (None, Some(crate::rdma::offer_ram(&mut control, rnicd, &plan.links, &ram)?)),
     };
     plan.setup_step(ctl, "channels open");
-    Ok(Link { session, bucket, control, channels, urgent, reads, early_pending: false })
+    Ok(Link { session, bucket, control, channels, urgent, reads, early_pending: None })
 }
 
 /// Postcopy: nothing moves before the switch. The destination runs at
@@ -259,7 +259,7 @@ fn send_early_state(vm: &Arc<dyn MigratableVm>, plan: &Plan, link: &mut Link, ct
     early.write_to(&mut blob)?;
     wire::send_msg(&mut link.control, &Msg::EarlyState { state_bytes: blob.len() as u64 })?;
     wire::send_blob(&mut link.control, &blob)?;
-    link.early_pending = true;
+    link.early_pending = Some(Instant::now());
     ctl.update(|s| s.early_state_bytes = blob.len() as u64);
     plan.setup_step(ctl, "early device state sent");
     Ok(())
@@ -503,13 +503,20 @@ fn rounds(
             first_round_pages,
         };
         let mut step = next_step(&facts);
-        if link.early_pending && matches!(step, NextStep::StopAndCopy | NextStep::SwitchToPostcopy) && !facts.timed_out {
-            // The destination still builds the devices' early state: that
-            // must not become downtime. Wait for it, then send what the
-            // guest dirtied meanwhile and decide again.
-            wait_early_built(link, ctl, round_deadline)?;
-            plan.setup_step(ctl, "early device state built (destination)");
-            step = NextStep::AnotherRound;
+        if let Some(sent) = link.early_pending.filter(|_| matches!(step, NextStep::StopAndCopy | NextStep::SwitchToPostcopy)) {
+            if facts.timed_out || facts.postcopy_requested || sent.elapsed() >= EARLY_BUILD_WAIT {
+                // Waiting longer would cost the migration more than the
+                // build saves: go on, and the rest of the build becomes
+                // downtime (the destination finishes it before it loads
+                // the final state). A late `EarlyBuilt` is skipped.
+                link.early_pending = None;
+            } else {
+                // The destination still builds the devices' early state:
+                // that must not become downtime. Another round meanwhile
+                // (`wait_round_done` takes the `EarlyBuilt`), then decide
+                // again.
+                step = NextStep::AnotherRound;
+            }
         }
         match step {
             NextStep::StopAndCopy => return Ok(RoundsEnd { pending: dirty, switch: false, round, throttle, unarmed_from }),
@@ -717,6 +724,11 @@ fn commit(
 /// A round that moved fewer bytes is dominated by fixed costs (scan, round
 /// barrier, the destination's bookkeeping) and would understate the link.
 const RATE_MIN_BYTES: u64 = 1 << 20;
+
+/// How long the rounds go on for the destination to build the devices'
+/// early state before the source stops waiting for it (a build is well
+/// under a second; one stuck must not hold the migration).
+const EARLY_BUILD_WAIT: Duration = Duration::from_secs(120);
 /// The link rate assumed until a round moved enough to measure it: 1
 /// Gbit/s, or the cap if lower.
 const ASSUMED_RATE: f64 = 125e6;
@@ -816,33 +828,6 @@ fn converge_step(throttle: u8, ratio: f64, params: &Params) -> Option<u8> {
     Some(step.max(matched).min(99))
 }
 
-/// Wait for the destination to say it built the early device state.
-fn wait_early_built(link: &mut Link, ctl: &Control, deadline: Option<Instant>) -> Result<()> {
-    let t = Instant::now();
-    while link.early_pending {
-        link.channels.check_links()?;
-        if link.control.wait_readable(Duration::from_millis(100)) {
-            link.control.set_read_timeout(Some(Duration::from_secs(30)))?;
-            match wire::recv_msg(&mut link.control).map_err(|e| anyhow!("destination: {e}"))? {
-                Msg::EarlyBuilt => link.early_pending = false,
-                Msg::Abort { reason } => bail!("destination refused: {reason}"),
-                other => bail!("destination sent {other:?} while it built the early device state"),
-            }
-        }
-        if ctl.is_cancelled() {
-            bail!("cancelled");
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            ctl.cancel();
-            bail!("timed out waiting for the destination to build the early device state");
-        }
-        if t.elapsed() > Duration::from_secs(120) {
-            bail!("the destination did not build the early device state within 120 s");
-        }
-    }
-    Ok(())
-}
-
 /// Wait for the destination to have applied `round` on every channel.
 /// Meanwhile, with several links, a channel whose link died is dropped
 /// (the destination then leaves it out of the round).
@@ -860,7 +845,7 @@ fn wait_round_done(link: &mut Link, round: u64, ctl: &Control, deadline: Option<
                     return Ok(());
                 }
                 Msg::RoundDone { .. } => continue,
-                Msg::EarlyBuilt => link.early_pending = false,
+                Msg::EarlyBuilt => link.early_pending = None,
                 Msg::Abort { reason } => bail!("destination refused: {reason}"),
                 other => bail!("destination sent {other:?} during round {round}"),
             }

@@ -99,8 +99,8 @@ pub trait MigratableVm: Send + Sync {
     }
 
     /// Destination: build what the early sections describe, ahead of the
-    /// state that `restore_state` loads at the switch. An error fails the
-    /// migration.
+    /// state that `restore_state` loads at the switch. An error is logged
+    /// and the switch builds the whole state (taking or refusing it).
     fn prepare_state(&self, _early: &StateSet) -> anyhow::Result<()> {
         Ok(())
     }

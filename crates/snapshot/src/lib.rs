@@ -134,7 +134,9 @@ pub trait Persist {
     /// Destination: builds what an early section of this device describes.
     /// `restore` then takes the whole state and keeps what was built
     /// ahead where the state still has it; whatever the source changed
-    /// since is made or dropped there. An error refuses the migration.
+    /// since is made or dropped there. An error is logged and nothing is
+    /// built ahead: `restore` then builds the whole state (and takes or
+    /// refuses it at the switch).
     fn prepare(&mut self, _early: &Section) -> Result<()> {
         Ok(())
     }
