@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
@@ -51,6 +52,9 @@ pub type Extension = Box<dyn Fn(&Arc<Vm>, &str, &Value) -> Option<CmdResult> + S
 pub struct Control {
     vm: Arc<Vm>,
     requests: Sender<ProcessRequest>,
+    /// Set by `quit`; the connection that ran it asks the process to end
+    /// only after its reply is written, so the client always gets it.
+    quit_after_reply: AtomicBool,
     extensions: Vec<Extension>,
 }
 
@@ -78,7 +82,7 @@ pub const COMMANDS: &[&str] = &[
 
 impl Control {
     pub fn new(vm: Arc<Vm>, requests: Sender<ProcessRequest>) -> Self {
-        Control { vm, requests, extensions: Vec::new() }
+        Control { vm, requests, extensions: Vec::new(), quit_after_reply: AtomicBool::new(false) }
     }
 
     pub fn extend(&mut self, e: Extension) {
@@ -124,7 +128,11 @@ impl Control {
                 continue;
             }
             let reply = self.handle_line(&line);
-            if writeln!(out, "{reply}").is_err() {
+            let written = writeln!(out, "{reply}").and_then(|_| out.flush());
+            if self.quit_after_reply.swap(false, Ordering::SeqCst) {
+                let _ = self.requests.send(ProcessRequest::Quit);
+            }
+            if written.is_err() {
                 return;
             }
         }
@@ -181,7 +189,7 @@ impl Control {
                 Ok(json!({}))
             }
             "quit" => {
-                let _ = self.requests.send(ProcessRequest::Quit);
+                self.quit_after_reply.store(true, Ordering::SeqCst);
                 Ok(json!({}))
             }
             "query-console" => Ok(json!({"lines": vm.console_lines()})),
