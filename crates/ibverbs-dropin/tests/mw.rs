@@ -7,31 +7,20 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use common::{finish, lib_dir, Nic};
+use common::{finish, lib_dir, CCheck, Nic};
 use testbed::{HostChild, Testbed, TestbedOpts};
 
 #[test]
 fn c_program_memory_windows() {
     let tb = Testbed::create(TestbedOpts::new("ibvmw", 1)).expect("testbed (needs root)");
     let nic = Nic::start(&tb, 0);
-    let exe = std::env::temp_dir().join(format!("mw_check-{}", std::process::id()));
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/c/mw_check.c");
-    let st = Command::new("cc")
-        .args(["-O2", "-Wall", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(src)
-        .arg(format!("-L{}", lib_dir().display()))
-        .arg("-libverbs")
-        .status()
-        .expect("cc");
-    assert!(st.success(), "compiling mw_check.c");
-    let mut c = tb.host(0).command(exe.to_str().unwrap());
+    let exe = CCheck::build("mw_check");
+    let mut c = tb.host(0).command(exe.path());
     c.env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &nic.sock);
     c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let out = finish(HostChild::new(c.spawn().expect("run mw_check")));
-    let _ = std::fs::remove_file(&exe);
     let t = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && t.contains("all ok"), "rnicd {}:\n{t}", nic.addr);
 }

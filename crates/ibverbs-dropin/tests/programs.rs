@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{finish, lib_dir, profile_dir, Nic};
+use common::{finish, lib_dir, profile_dir, CCheck, Nic};
 use testbed::{HostChild, Testbed, TestbedOpts};
 
 /// Hosts with an rnicd each; rnicds stop before the testbed goes.
@@ -192,19 +192,8 @@ fn perftest_between_hosts() {
 #[test]
 fn c_program_loopback_memory_and_bad_calls() {
     let bed = Bed::new("ibvc", 1);
-    let exe = std::env::temp_dir().join(format!("verbs_check-{}", std::process::id()));
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/c/verbs_check.c");
-    let st = Command::new("cc")
-        .args(["-O2", "-Wall", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(src)
-        .arg(format!("-L{}", lib_dir().display()))
-        .arg("-libverbs")
-        .status()
-        .expect("cc");
-    assert!(st.success(), "compiling verbs_check.c");
-    let out = bed.run(0, exe.to_str().unwrap(), &[]);
-    let _ = std::fs::remove_file(&exe);
+    let exe = CCheck::build("verbs_check");
+    let out = bed.run(0, exe.path(), &[]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("all ok"), "{text}{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -10,7 +10,7 @@ mod common;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{finish, lib_dir, Nic};
+use common::{finish, lib_dir, CCheck, Nic};
 use testbed::{HostChild, Testbed, TestbedOpts};
 
 /// Hosts with an rnicd each; rnicds stop before the testbed goes.
@@ -86,19 +86,8 @@ fn srq_pingpong_between_hosts() {
 #[test]
 fn c_program_srq_verbs_and_bad_calls() {
     let bed = Bed::new("ibvsrqc", 1);
-    let exe = std::env::temp_dir().join(format!("srq_check-{}", std::process::id()));
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/c/srq_check.c");
-    let st = Command::new("cc")
-        .args(["-O2", "-Wall", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(src)
-        .arg(format!("-L{}", lib_dir().display()))
-        .arg("-libverbs")
-        .status()
-        .expect("cc");
-    assert!(st.success(), "compiling srq_check.c");
-    let out = bed.run(0, exe.to_str().unwrap(), &[]);
-    let _ = std::fs::remove_file(&exe);
+    let exe = CCheck::build("srq_check");
+    let out = bed.run(0, exe.path(), &[]);
     let t = text(&out);
     assert!(out.status.success() && t.contains("all ok"), "{t}");
 }

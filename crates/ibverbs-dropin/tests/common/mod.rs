@@ -5,7 +5,7 @@
 use std::io::Read;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -88,4 +88,40 @@ pub fn finish(mut child: HostChild) -> Output {
         std::thread::sleep(Duration::from_millis(10));
     };
     Output { status, stdout: readers.0.join().unwrap(), stderr: readers.1.join().unwrap() }
+}
+
+/// A check program from tests/c, compiled against the system's
+/// <infiniband/verbs.h> and linked with this build's drop-in; the
+/// executable is removed when this is dropped. Not every test binary
+/// runs one.
+#[allow(dead_code)]
+pub struct CCheck(PathBuf);
+
+#[allow(dead_code)]
+impl CCheck {
+    /// Compiles tests/c/NAME.c with warnings as errors.
+    pub fn build(name: &str) -> CCheck {
+        let exe = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c").join(format!("{name}.c"));
+        let st = Command::new("cc")
+            .args(["-O2", "-Wall", "-Werror", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .arg(format!("-L{}", lib_dir().display()))
+            .arg("-libverbs")
+            .status()
+            .expect("cc");
+        assert!(st.success(), "compiling {}", src.display());
+        CCheck(exe)
+    }
+
+    pub fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for CCheck {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
