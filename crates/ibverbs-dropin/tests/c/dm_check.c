@@ -9,68 +9,7 @@
  * byte; freeing a DM with an MR on it is EBUSY. Prints "ok NAME" per check,
  * "FAIL NAME: why" and exits 1 at the first failure.
  */
-#include <errno.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <infiniband/verbs.h>
-
-#define CHECK(name, cond, ...)                                                                                         \
-	do {                                                                                                           \
-		if (!(cond)) {                                                                                         \
-			printf("FAIL %s: ", name);                                                                     \
-			printf(__VA_ARGS__);                                                                           \
-			printf("\n");                                                                                  \
-			exit(1);                                                                                       \
-		}                                                                                                      \
-	} while (0)
-#define OK(name) printf("ok %s\n", name)
-
-static struct ibv_context *ctx;
-static struct ibv_pd *pd;
-static struct ibv_cq *cq;
-static union ibv_gid gid;
-
-static struct ibv_qp *make_qp(void)
-{
-	struct ibv_qp_init_attr a = {
-		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
-		.cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 },
-	};
-	struct ibv_qp *qp = ibv_create_qp(pd, &a);
-	CHECK("create_qp", qp, "errno %d", errno);
-	return qp;
-}
-
-static void connect_qp(struct ibv_qp *qp, uint32_t dest)
-{
-	int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qp_access_flags = access };
-	int r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
-	CHECK("modify INIT", r == 0, "%d", r);
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTR;
-	a.path_mtu = IBV_MTU_1024;
-	a.dest_qp_num = dest;
-	a.min_rnr_timer = 1;
-	a.max_dest_rd_atomic = 4;
-	a.ah_attr.is_global = 1;
-	a.ah_attr.grh.dgid = gid;
-	a.ah_attr.grh.hop_limit = 64;
-	a.ah_attr.port_num = 1;
-	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-					  IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
-	CHECK("modify RTR", r == 0, "%d", r);
-	a.qp_state = IBV_QPS_RTS;
-	a.timeout = 14;
-	a.retry_cnt = 7;
-	a.rnr_retry = 7;
-	a.max_rd_atomic = 4;
-	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-					  IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
-	CHECK("modify RTS", r == 0, "%d", r);
-}
+#include "check.h"
 
 static struct ibv_wc wait_wc(const char *what)
 {
@@ -170,9 +109,9 @@ int main(void)
 	CHECK("free_dm with an MR", ibv_free_dm(dm) == EBUSY, "not EBUSY");
 	OK("dm mrs");
 
-	struct ibv_qp *a = make_qp(), *b = make_qp();
-	connect_qp(a, b->qp_num);
-	connect_qp(b, a->qp_num);
+	struct ibv_qp *a = loopback_qp(), *b = loopback_qp();
+	loopback_connect(a, b->qp_num);
+	loopback_connect(b, a->qp_num);
 
 	/* SEND from device memory (DM offset 4096 + 256, 1000 bytes) into b's buffer. */
 	struct ibv_sge rs = { .addr = (uintptr_t)buf, .length = 4096, .lkey = mr->lkey };
@@ -215,9 +154,9 @@ int main(void)
 	OK("rdma read from device memory");
 
 	/* An empty DM MR grants nothing: a WRITE of 4 bytes to it is refused. */
-	struct ibv_qp *c = make_qp(), *d = make_qp();
-	connect_qp(c, d->qp_num);
-	connect_qp(d, c->qp_num);
+	struct ibv_qp *c = loopback_qp(), *d = loopback_qp();
+	loopback_connect(c, d->qp_num);
+	loopback_connect(d, c->qp_num);
 	post(c, IBV_WR_RDMA_WRITE, (uintptr_t)buf, 4, mr->lkey, 0, empty->rkey);
 	for (;;) {
 		n = ibv_poll_cq(cq, 1, &wc);

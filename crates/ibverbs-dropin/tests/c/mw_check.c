@@ -12,39 +12,7 @@
  * MW_BIND, which completes with IBV_WC_MW_BIND_ERR as in rxe. Prints
  * "ok NAME" per check, "FAIL NAME: why" and exits 1 at the first failure.
  */
-#include <errno.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <infiniband/verbs.h>
-
-#define CHECK(name, cond, ...)                                                                                         \
-	do {                                                                                                           \
-		if (!(cond)) {                                                                                         \
-			printf("FAIL %s: ", name);                                                                     \
-			printf(__VA_ARGS__);                                                                           \
-			printf("\n");                                                                                  \
-			exit(1);                                                                                       \
-		}                                                                                                      \
-	} while (0)
-#define OK(name) printf("ok %s\n", name)
-
-static struct ibv_context *ctx;
-static struct ibv_pd *pd;
-static struct ibv_cq *cq;
-static union ibv_gid gid;
-
-static struct ibv_qp *make_qp(void)
-{
-	struct ibv_qp_init_attr a = {
-		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
-		.cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 },
-	};
-	struct ibv_qp *qp = ibv_create_qp(pd, &a);
-	CHECK("create_qp", qp, "errno %d", errno);
-	return qp;
-}
+#include "check.h"
 
 /* A QP whose WRs may also be built by the ibv_wr_* calls. */
 static struct ibv_qp *make_qp_ex(void)
@@ -58,35 +26,6 @@ static struct ibv_qp *make_qp_ex(void)
 	struct ibv_qp *qp = ibv_create_qp_ex(ctx, &a);
 	CHECK("create_qp_ex", qp && ibv_qp_to_qp_ex(qp), "errno %d", errno);
 	return qp;
-}
-
-static void connect_qp(struct ibv_qp *qp, uint32_t dest)
-{
-	int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qp_access_flags = access };
-	int r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
-	CHECK("modify INIT", r == 0, "%d", r);
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTR;
-	a.path_mtu = IBV_MTU_1024;
-	a.dest_qp_num = dest;
-	a.min_rnr_timer = 1;
-	a.max_dest_rd_atomic = 4;
-	a.ah_attr.is_global = 1;
-	a.ah_attr.grh.dgid = gid;
-	a.ah_attr.grh.hop_limit = 64;
-	a.ah_attr.port_num = 1;
-	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-					  IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
-	CHECK("modify RTR", r == 0, "%d", r);
-	a.qp_state = IBV_QPS_RTS;
-	a.timeout = 14;
-	a.retry_cnt = 7;
-	a.rnr_retry = 7;
-	a.max_rd_atomic = 4;
-	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-					  IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
-	CHECK("modify RTS", r == 0, "%d", r);
 }
 
 /* The next completion, whatever its status. */
@@ -127,10 +66,10 @@ static struct ibv_mr *mr, *wmr;
 /* A fresh connected pair: a writes, b owns the windows. */
 static void fresh(struct ibv_qp **a, struct ibv_qp **b)
 {
-	*a = make_qp();
-	*b = make_qp();
-	connect_qp(*a, (*b)->qp_num);
-	connect_qp(*b, (*a)->qp_num);
+	*a = loopback_qp();
+	*b = loopback_qp();
+	loopback_connect(*a, (*b)->qp_num);
+	loopback_connect(*b, (*a)->qp_num);
 }
 
 /* a writes 64 bytes to b's window memory (wmr) with `rkey`; the status. */
@@ -264,10 +203,10 @@ int main(void)
 	CHECK("chain: write with the first rkey", write_with(a, k1, 'd') == IBV_WC_REM_ACCESS_ERR && buf[32768] == 'c',
 	      "not refused");
 	/* The same in one ibv_wr_* batch, on a QP made for the builders. */
-	a = make_qp();
+	a = loopback_qp();
 	b = make_qp_ex();
-	connect_qp(a, b->qp_num);
-	connect_qp(b, a->qp_num);
+	loopback_connect(a, b->qp_num);
+	loopback_connect(b, a->qp_num);
 	struct ibv_qp_ex *bx = ibv_qp_to_qp_ex(b);
 	k1 = ibv_inc_rkey(w2->rkey);
 	k2 = ibv_inc_rkey(k1);

@@ -7,29 +7,8 @@
  * a full SRQ, destroying an SRQ still in use). Prints "ok NAME" per check,
  * "FAIL NAME: why" and exits 1 at the first failure.
  */
-#include <errno.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "check.h"
 #include <poll.h>
-#include <infiniband/verbs.h>
-
-#define CHECK(name, cond, ...)                                                                                         \
-	do {                                                                                                           \
-		if (!(cond)) {                                                                                         \
-			printf("FAIL %s: ", name);                                                                     \
-			printf(__VA_ARGS__);                                                                           \
-			printf("\n");                                                                                  \
-			exit(1);                                                                                       \
-		}                                                                                                      \
-	} while (0)
-#define OK(name) printf("ok %s\n", name)
-
-static struct ibv_context *ctx;
-static struct ibv_pd *pd;
-static struct ibv_cq *cq;
-static union ibv_gid gid;
 
 static struct ibv_qp *make_qp(struct ibv_srq *srq)
 {

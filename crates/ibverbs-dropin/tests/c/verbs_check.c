@@ -9,35 +9,14 @@
  * their keys across ibv_rereg_mr. Prints "ok NAME" per check, "FAIL NAME: why" and exits
  * 1 at the first failure.
  */
-#include <errno.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "check.h"
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <infiniband/verbs.h>
 
 /* Exported by libibverbs, declared only in rdma-core's driver headers. */
 const char *ibv_get_sysfs_path(void);
-
-#define CHECK(name, cond, ...)                                                                                         \
-	do {                                                                                                           \
-		if (!(cond)) {                                                                                         \
-			printf("FAIL %s: ", name);                                                                     \
-			printf(__VA_ARGS__);                                                                           \
-			printf("\n");                                                                                  \
-			exit(1);                                                                                       \
-		}                                                                                                      \
-	} while (0)
-#define OK(name) printf("ok %s\n", name)
-
-static struct ibv_context *ctx;
-static struct ibv_pd *pd;
-static struct ibv_cq *cq;
-static union ibv_gid gid;
 
 /* The layouts the inline functions of verbs.h rely on. */
 _Static_assert(sizeof(struct verbs_context) == 648, "verbs_context");
