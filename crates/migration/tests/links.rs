@@ -107,6 +107,19 @@ impl Pair {
     fn source_result(&self) -> Value {
         wait_migration(&self.src, Duration::from_secs(400)).unwrap()
     }
+    /// A postcopy or hybrid after a cut: both ends completed with no
+    /// recovery (the migration never paused) and no fault left waiting.
+    /// Returns the source's and the destination's results.
+    fn completed_without_a_pause(&self) -> (Value, Value) {
+        let s = self.source_result();
+        assert_eq!(s["status"], "completed", "{s:#}");
+        assert_eq!(s["recoveries"], 0, "the migration went on without a pause: {s:#}");
+        let d = wait_migration(&self.dst, Duration::from_secs(60)).unwrap();
+        assert_eq!(d["status"], "completed", "destination {d:#}");
+        assert_eq!(d["recoveries"], 0, "{d:#}");
+        assert_eq!(d["remaining_pages"], 0, "no fault is left waiting: {d:#}");
+        (s, d)
+    }
     fn destination_completed(&self) -> Value {
         let d = wait_migration(&self.dst, Duration::from_secs(60)).unwrap();
         assert_eq!(d["status"], "completed", "destination {d:#}");
@@ -304,13 +317,7 @@ fn link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64) {
     p.wait_postcopy_sent(if transport == "rdma" { 0 } else { after });
     let read_before = (transport == "rdma").then(|| p.wait_read_on_link(1));
     p.tb.link_down(0, 1).unwrap();
-    let s = p.source_result();
-    assert_eq!(s["status"], "completed", "{s:#}");
-    assert_eq!(s["recoveries"], 0, "the migration went on without a pause: {s:#}");
-    let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
-    assert_eq!(d["status"], "completed", "destination {d:#}");
-    assert_eq!(d["recoveries"], 0, "{d:#}");
-    assert_eq!(d["remaining_pages"], 0, "{d:#}");
+    let (s, d) = p.completed_without_a_pause();
     if transport == "tcp" {
         assert_eq!(s["links"][1]["channels_lost"], 2, "the cut link's push channels are dropped: {s:#}");
         assert_eq!(s["links"][1]["failed"], true, "{s:#}");
@@ -408,13 +415,7 @@ fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u
         p.wait_read_on_link(0);
     }
     p.tb.link_down(0, 0).unwrap();
-    let s = p.source_result();
-    assert_eq!(s["status"], "completed", "{s:#}");
-    assert_eq!(s["recoveries"], 0, "the migration went on without a pause: {s:#}");
-    let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
-    assert_eq!(d["status"], "completed", "destination {d:#}");
-    assert_eq!(d["recoveries"], 0, "{d:#}");
-    assert_eq!(d["remaining_pages"], 0, "no fault is left waiting: {d:#}");
+    let (s, d) = p.completed_without_a_pause();
     assert_eq!(s["links"][1]["control"], true, "the control connection moved to the second link: {s:#}");
     if transport == "tcp" {
         assert_eq!(s["links"][0]["channels_lost"], 2, "the cut link's push channels are dropped: {s:#}");
