@@ -39,13 +39,16 @@ pub mod mask {
     pub const DEST_QPN: u32 = 1 << 20;
 }
 
-/// QP transport service (ibv_qp_type): reliable connected, or unreliable
-/// datagram (one packet per message, no ACKs, destination per WR).
+/// QP transport service (ibv_qp_type): reliable connected, unreliable
+/// datagram (one packet per message, no ACKs, destination per WR), or
+/// unreliable connected (SEND and WRITE to one peer, no ACKs, a lost packet
+/// loses its message).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum QpType {
     #[default]
     Rc,
     Ud,
+    Uc,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -1157,6 +1157,23 @@ impl Qp {
         Ok(if active.bytes() < wanted.bytes() { active } else { wanted })
     }
 
+    /// A UC QP from RESET to RTS towards `remote`: INIT, RTR and RTS with
+    /// UC's attributes (RC's without retransmission, RNR and READ/atomic
+    /// ones: Linux's `qp_state_table` refuses those on UC).
+    pub fn uc_connect(&self, remote: &QpEndpoint, o: &ConnectOpts) -> anyhow::Result<()> {
+        let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: o.access, port_num: 1, ..Default::default() };
+        self.modify(&a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)?;
+        a.qp_state = QpState::Rtr;
+        a.path_mtu = self.path_mtu(o.mtu)?;
+        a.dest_gid = remote.gid;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        self.modify(&a, mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN)?;
+        a.qp_state = QpState::Rts;
+        a.sq_psn = o.sq_psn;
+        self.modify(&a, mask::STATE | mask::SQ_PSN)
+    }
+
     /// A UD QP from RESET to RTS as UD programs do: INIT with P_Key index
     /// 0, port 1 and `qkey`, RTR, then RTS sending from `sq_psn`.
     pub fn ud_activate(&self, qkey: u32, sq_psn: u32) -> anyhow::Result<()> {

@@ -109,7 +109,9 @@ impl Qp {
                     self.rtt_sample = Some((psn, ctx.now));
                 }
             }
-            if self.retrans_deadline.is_none() {
+            if self.is_uc() {
+                self.uc_sent(ctx);
+            } else if self.retrans_deadline.is_none() {
                 self.arm_timer(ctx.now);
             }
         }
@@ -308,6 +310,9 @@ impl Qp {
                 // Ask for ACKs often enough that the window never stalls.
                 h.bth.ack_req = (last && ask_ack) || (i + 1).is_multiple_of(self.ack_every());
                 h.bth.solicited = last && w.flags & send_flags::SOLICITED != 0;
+                if self.is_uc() {
+                    self.uc_headers(&mut h);
+                }
                 if is_write && first {
                     h.reth = Some(Reth { va: w.remote_addr, rkey: w.rkey, len: e.len as u32 });
                 }

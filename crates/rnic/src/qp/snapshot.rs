@@ -18,8 +18,8 @@ impl Qp {
     /// nothing until the resume and count retransmission timeouts (retry_cnt)
     /// during a long move.
     pub fn suspend(&mut self, ctx: &mut Ctx) -> Result<(), String> {
-        if self.is_ud() {
-            return Err("UD QPs cannot be suspended".into());
+        if self.qp_type != crate::types::QpType::Rc {
+            return Err(format!("{:?} QPs cannot be suspended", self.qp_type));
         }
         if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
             return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
