@@ -29,6 +29,10 @@ pub struct Qp {
     qp_type: ibv_qp_type,
     /// WRs built by ibv_wr_* since ibv_wr_start, posted by ibv_wr_complete.
     batch: std::sync::Mutex<Batch>,
+    /// The rings' memory from a parent domain's allocator: after `inner`
+    /// (dropped first, unmapping the rings), so that it goes back to the
+    /// allocator only once the rings are gone.
+    _queue_memory: Option<crate::parent_domain::QueueMemory>,
 }
 
 /// One WR built through the ibv_qp_ex builders.
@@ -110,6 +114,11 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     };
     init.sq_sig_all = a.sq_sig_all != 0;
     init.qp_type = qp_type;
+    let queue_memory = match crate::parent_domain::QueueMemory::for_qp(a.pd, verbs::qp_ring_bytes(&init.cap)) {
+        Ok(m) => m,
+        Err(e) => return fail(e),
+    };
+    init.rings_at = queue_memory.as_ref().map(|m| m.rings_at());
     let inner = match pdr.inner.create_qp(&init) {
         Ok(q) => q,
         Err(_) => return fail(libc::ENOMEM),
@@ -186,6 +195,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         extended,
         qp_type: a.qp_type,
         batch: Default::default(),
+        _queue_memory: queue_memory,
     }));
     if let Some(cx) = crate::device::ctx(c) {
         cx.events.add_qp((*b).inner.qpn, b as *mut ibv_qp);

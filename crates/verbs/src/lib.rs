@@ -541,8 +541,11 @@ impl Pd {
         let rql = ring_bytes::<RecvWqe>(rq_slots);
         let sqfd = sealed_memfd("transit-sq", sql)?;
         let rqfd = sealed_memfd("transit-rq", rql)?;
-        let sqm = Mapping::map(&sqfd, 0, sql)?;
-        let rqm = Mapping::map(&rqfd, 0, rql)?;
+        let (sqm, rqm) = match init.rings_at {
+            // SAFETY: the caller gave us these ranges for the QP's life.
+            Some((s, r)) => unsafe { (Mapping::map_at(&sqfd, 0, sql, s as *mut u8)?, Mapping::map_at(&rqfd, 0, rql, r as *mut u8)?) },
+            None => (Mapping::map(&sqfd, 0, sql)?, Mapping::map(&rqfd, 0, rql)?),
+        };
         sqm.populate();
         rqm.populate();
         // SAFETY: mappings of the right size, kept in the Qp.
@@ -914,6 +917,19 @@ pub struct QpInitAttr {
     pub cap: QpCap,
     pub sq_sig_all: bool,
     pub qp_type: QpType,
+    /// Where to map the send and receive rings instead of where the kernel
+    /// chooses: page-aligned addresses of memory the caller owns, of
+    /// [`qp_ring_bytes`] each (the ibverbs drop-in's parent-domain
+    /// allocators). The pages there are replaced; after the QP is dropped
+    /// the ranges are unmapped and the caller maps them again.
+    pub rings_at: Option<(usize, usize)>,
+}
+
+/// The bytes of a QP's send and receive rings for `cap`.
+pub fn qp_ring_bytes(cap: &QpCap) -> (usize, usize) {
+    let sq_slots = cap.max_send_wr.max(1).next_power_of_two();
+    let rq_slots = cap.max_recv_wr.max(1).next_power_of_two();
+    (ring_bytes::<SendWqe>(sq_slots), ring_bytes::<RecvWqe>(rq_slots))
 }
 
 impl QpInitAttr {
@@ -924,6 +940,7 @@ impl QpInitAttr {
             cap: QpCap { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 128 },
             sq_sig_all: false,
             qp_type: QpType::Rc,
+            rings_at: None,
         }
     }
 }
