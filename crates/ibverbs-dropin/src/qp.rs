@@ -168,6 +168,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         x.wr_rdma_write = Some(wr_rdma_write);
         x.wr_rdma_write_imm = Some(wr_rdma_write_imm);
         x.wr_rdma_read = Some(wr_rdma_read);
+        x.wr_atomic_write = Some(wr_atomic_write);
         x.wr_send = Some(wr_send);
         x.wr_send_imm = Some(wr_send_imm);
         x.wr_send_inv = Some(wr_send_inv);
@@ -642,6 +643,7 @@ pub(crate) unsafe fn post_one(q: *mut ibv_qp, s: verbs::SendWr) -> c_int {
 /// The ibv_wr_* operations this device builds (send_ops_flags).
 const SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
     | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    | IBV_QP_EX_WITH_ATOMIC_WRITE
     | IBV_QP_EX_WITH_SEND
     | IBV_QP_EX_WITH_SEND_WITH_IMM
     | IBV_QP_EX_WITH_RDMA_READ
@@ -713,7 +715,9 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
             return libc::EINVAL;
         }
         if let Some(d) = &p.inline {
-            if d.len() > cap.max_inline_data as usize {
+            // An atomic write's 8 bytes travel in the WQE whatever the QP's
+            // inline size (they are the WR's operand, as a CAS's are).
+            if d.len() > cap.max_inline_data as usize && p.opcode != verbs::WrOpcode::AtomicWrite {
                 return libc::EINVAL;
             }
             s = s.with_inline(d);
@@ -758,6 +762,15 @@ unsafe extern "C" fn wr_rdma_write(q: *mut ibv_qp_ex, rkey: u32, addr: u64) {
 }
 unsafe extern "C" fn wr_rdma_write_imm(q: *mut ibv_qp_ex, rkey: u32, addr: u64, imm: __be32) {
     push(q, verbs::WrOpcode::RdmaWriteImm, rkey, addr).wrs.last_mut().unwrap().imm = u32::from_be(imm);
+}
+/// ibv_wr_atomic_write: the 8 bytes at `data` go in the WQE.
+unsafe extern "C" fn wr_atomic_write(q: *mut ibv_qp_ex, rkey: u32, addr: u64, data: *const std::ffi::c_void) {
+    let v = if data.is_null() { None } else { Some(std::slice::from_raw_parts(data as *const u8, 8).to_vec()) };
+    let mut b = push(q, verbs::WrOpcode::AtomicWrite, rkey, addr);
+    match v {
+        Some(v) => b.wrs.last_mut().unwrap().inline = Some(v),
+        None => b.err = libc::EINVAL,
+    }
 }
 unsafe extern "C" fn wr_rdma_read(q: *mut ibv_qp_ex, rkey: u32, addr: u64) {
     drop(push(q, verbs::WrOpcode::RdmaRead, rkey, addr));

@@ -152,6 +152,7 @@ opcode_table! {
     FetchAdd = 0x14, "FETCH_ADD", Atomic, Only, [ATOMIC_ETH];
     SendLastInv = 0x16, "SEND_LAST_WITH_INVALIDATE", Send, Last, [IETH];
     SendOnlyInv = 0x17, "SEND_ONLY_WITH_INVALIDATE", Send, Only, [IETH];
+    AtomicWrite = 0x1d, "RDMA_ATOMIC_WRITE", Write, Only, [RETH];
     UcSendFirst = 0x20, "UC_SEND_FIRST", Send, First, [];
     UcSendMiddle = 0x21, "UC_SEND_MIDDLE", Send, Middle, [];
     UcSendLast = 0x22, "UC_SEND_LAST", Send, Last, [];

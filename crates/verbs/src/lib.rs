@@ -1242,7 +1242,8 @@ impl Qp {
                 w.ud_qkey = d.qkey;
             }
             if let Some(d) = wr.inline {
-                if d.len() > self.cap.max_inline_data as usize || wr.opcode.is_read_or_atomic() {
+                let operand = wr.opcode == WrOpcode::AtomicWrite && d.len() == 8;
+                if (d.len() > self.cap.max_inline_data as usize && !operand) || wr.opcode.is_read_or_atomic() {
                     result = Err(anyhow!("inline data of {} bytes exceeds max_inline_data {}", d.len(), self.cap.max_inline_data));
                     break;
                 }

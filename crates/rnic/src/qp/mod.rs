@@ -428,7 +428,10 @@ impl Qp {
             return Err(());
         }
         let len = if w.flags & send_flags::INLINE != 0 {
-            if w.inline_len as usize > MAX_INLINE || w.inline_len > self.cap.max_inline_data || op.is_read_or_atomic() {
+            // An atomic write's 8 bytes are its operand, inline whatever the
+            // QP's inline size.
+            let over = w.inline_len > self.cap.max_inline_data && op != WrOpcode::AtomicWrite;
+            if w.inline_len as usize > MAX_INLINE || over || op.is_read_or_atomic() {
                 return Err(());
             }
             w.inline_len as u64
@@ -438,7 +441,7 @@ impl Qp {
             }
             w.sge[..w.num_sge as usize].iter().map(|s| s.length as u64).sum()
         };
-        if len > MAX_MSG || (op.is_atomic() && len != 8) {
+        if len > MAX_MSG || ((op.is_atomic() || op == WrOpcode::AtomicWrite) && len != 8) {
             return Err(());
         }
         Ok((op, len))

@@ -273,12 +273,14 @@ impl Qp {
                 let last = i + 1 == e.npkts;
                 let off = i as u64 * mtu;
                 let plen = (e.len - off).min(mtu) as usize;
-                let is_write = matches!(op, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteImm);
+                let is_write = matches!(op, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteImm | WrOpcode::AtomicWrite);
                 let imm = matches!(op, WrOpcode::RdmaWriteImm | WrOpcode::SendImm);
                 use Opcode::*;
                 let opc = match (is_write, first, last) {
                     (true, true, true) => {
-                        if imm {
+                        if op == WrOpcode::AtomicWrite {
+                            AtomicWrite
+                        } else if imm {
                             WriteOnlyImm
                         } else {
                             WriteOnly

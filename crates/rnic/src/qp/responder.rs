@@ -454,6 +454,9 @@ impl Qp {
                 return Err(Refusal::RkeyViolation);
             }
             let dst = ctx.keys.resolve(rkey, self.pd, va, n, need).ok_or(Refusal::RkeyViolation)?;
+            if op == Opcode::AtomicWrite {
+                return Self::atomic_write_target(dst, va, n);
+            }
             Ok(Target::Write(dst))
         } else if op == Opcode::ReadRequest {
             if let Some(reth) = p.reth.filter(|r| r.len > 0) {
@@ -475,6 +478,19 @@ impl Qp {
         } else {
             Ok(Target::None)
         }
+    }
+
+    /// An atomic write's target: 8 bytes at an 8-byte aligned address (IBTA
+    /// 1.5 o9-28.2), in host memory aligned too, so one store writes them.
+    fn atomic_write_target(dst: Span, va: u64, n: u64) -> Result<Target, Refusal> {
+        if n != 8 {
+            return Err(Refusal::Length);
+        }
+        let ptr = dst.contiguous().ok_or(Refusal::RkeyViolation)?;
+        if va % 8 != 0 || !(ptr as usize).is_multiple_of(8) {
+            return Err(Refusal::MisalignedAtomic);
+        }
+        Ok(Target::Atomic(ptr))
     }
 
     /// The region `rkey` if it lies in the QP's PD and grants `need` on
@@ -537,9 +553,12 @@ impl Qp {
         }
         let Some(mut w) = self.rt.write else { return Err(Refusal::MissingOpcodeFirst) };
         let n = p.payload.len() as u64;
-        if let Target::Write(dst) = target {
+        match (target, <[u8; 8]>::try_from(p.payload)) {
             // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
-            unsafe { dst.write(p.payload) };
+            (Target::Write(dst), _) => unsafe { dst.write(p.payload) },
+            // SAFETY: an atomic write's 8 aligned bytes, resolved just now.
+            (Target::Atomic(ptr), Ok(v)) => unsafe { AtomicU64::from_ptr(ptr as *mut u64) }.store(u64::from_ne_bytes(v), Ordering::SeqCst),
+            _ => {}
         }
         w.va += n;
         w.remaining -= n;
