@@ -487,7 +487,7 @@ impl Qp {
             return Err(Refusal::Length);
         }
         let ptr = dst.contiguous().ok_or(Refusal::RkeyViolation)?;
-        if va % 8 != 0 || !(ptr as usize).is_multiple_of(8) {
+        if !va.is_multiple_of(8) || !(ptr as usize).is_multiple_of(8) {
             return Err(Refusal::MisalignedAtomic);
         }
         Ok(Target::Atomic(ptr))
