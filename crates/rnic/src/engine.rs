@@ -884,45 +884,54 @@ impl Engine {
 /// one QP or a batch (all checked first, then applied).
 impl Engine {
     fn suspend_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
-        self.check_batch(client, qpns, max)?;
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
-        for q in qpns {
-            if let Some(qp) = qps.get_mut(q) {
-                qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
-            }
-        }
+        self.apply_to_qps(client, qpns, max, |_| true, Qp::check_suspend, Qp::suspend)?;
         Ok(Reply::Ok)
     }
 
     /// Suspends the connected QPs of `qpns`, skips the others; returns the
     /// QPNs suspended, each once, in the request's order.
     fn suspend_connected(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Vec<u32>> {
-        self.check_batch(client, qpns, proto::MAX_BATCH)?;
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
-        let mut done = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        for q in qpns {
-            let Some(qp) = qps.get_mut(q) else { continue };
-            if matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) && seen.insert(*q) {
-                qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
-                done.push(*q);
-            }
-        }
-        Ok(done)
+        let connected = |qp: &Qp| matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd);
+        self.apply_to_qps(client, qpns, proto::MAX_BATCH, connected, Qp::check_suspend, Qp::suspend)
     }
 
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
+        let suspended = |qp: &Qp| if qp.suspended { Ok(()) } else { Err("QP is not suspended".to_string()) };
+        self.apply_to_qps(client, qpns, max, |_| true, suspended, Qp::resume)?;
+        Ok(Reply::Ok)
+    }
+
+    /// Suspend and resume: the QPs of `qpns` that `pick` chooses take
+    /// `apply`, each once, in the request's order; the QPNs it applied
+    /// to. The batch (at most `max`, all the client's) and every QP
+    /// picked pass `check` before any QP takes `apply`, so a refused
+    /// batch changes nothing.
+    fn apply_to_qps(
+        &mut self,
+        client: ClientId,
+        qpns: &[u32],
+        max: usize,
+        pick: impl Fn(&Qp) -> bool,
+        check: impl Fn(&Qp) -> Result<(), String>,
+        apply: impl Fn(&mut Qp, &mut Ctx) -> Result<(), String>,
+    ) -> anyhow::Result<Vec<u32>> {
         self.check_batch(client, qpns, max)?;
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
-        for q in qpns {
-            if let Some(qp) = qps.get_mut(q) {
-                qp.resume(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+        let mut seen = std::collections::HashSet::with_capacity(qpns.len());
+        let mut picked = Vec::with_capacity(qpns.len());
+        for &q in qpns {
+            let qp = &self.qps[&q];
+            if pick(qp) && seen.insert(q) {
+                check(qp).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                picked.push(q);
             }
         }
-        Ok(Reply::Ok)
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        for q in &picked {
+            let qp = qps.get_mut(q).expect("checked above");
+            apply(qp, &mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+        }
+        Ok(picked)
     }
 
     fn query_qp_states(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Reply> {

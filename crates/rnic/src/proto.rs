@@ -194,8 +194,10 @@ pub enum Request {
         qpn: u32,
     },
     /// Batched forms for moving many QPs at once (all checked first, then
-    /// applied; at most MAX_BATCH QPNs; query replies are one message, so
-    /// clients ask for at most MAX_QUERY_BATCH states at a time).
+    /// applied, so a refused batch changes nothing; a QPN named again is
+    /// suspended or resumed once; at most MAX_BATCH QPNs; query replies
+    /// are one message, so clients ask for at most MAX_QUERY_BATCH states
+    /// at a time).
     SuspendQps {
         qpns: Vec<u32>,
     },

@@ -78,7 +78,8 @@ fn bad_states_and_requests_are_refused() {
 
 /// SuspendConnected (a migration's pause): only the connected QPs of the
 /// batch are suspended and named; a batch with a QP that is not the
-/// caller's is refused whole and suspends nothing.
+/// caller's is refused whole and suspends nothing. SuspendQps and
+/// ResumeQps are all or nothing too.
 #[test]
 fn suspend_connected_takes_the_connected_qps_only() {
     let bed = Bed::new("rnsusc", 2);
@@ -97,6 +98,19 @@ fn suspend_connected_takes_the_connected_qps_only() {
     assert_eq!(a.ctx.suspend_connected(&[&a.qp]).unwrap(), vec![a.qp.qpn], "a suspended QP stays suspended");
     assert_eq!(a.ctx.suspend_connected(&[]).unwrap(), Vec::<u32>::new());
     a.ctx.resume_qps(&[&a.qp]).unwrap();
+    assert!(a.qp.query_state().is_err(), "running again");
+
+    // SuspendQps and ResumeQps check every QP before they change any: a
+    // batch with a QP that cannot be suspended (RESET) or resumed (not
+    // suspended) is refused whole; a QP named twice is taken once.
+    let e = a.ctx.suspend_qps(&[&a.qp, &fresh]).unwrap_err();
+    assert!(format!("{e:#}").contains("RTR/RTS/SQD"), "{e:#}");
+    assert!(a.qp.query_state().is_err(), "a refused batch suspends nothing");
+    a.ctx.suspend_qps(&[&a.qp, &a.qp]).unwrap();
+    let e = a.ctx.resume_qps(&[&a.qp, &fresh]).unwrap_err();
+    assert!(format!("{e:#}").contains("not suspended"), "{e:#}");
+    a.qp.query_state().expect("a refused batch resumes nothing");
+    a.ctx.resume_qps(&[&a.qp, &a.qp]).unwrap();
     assert!(a.qp.query_state().is_err(), "running again");
 }
 
@@ -142,7 +156,7 @@ fn load_qp_states_fills_only_qps_awaiting_their_state() {
     let mut s = valid(a.qp.qpn);
     s.attr.dest_qp_num = b.qp.qpn;
     assert!(err(a.ctx.load_qp_states(&[s])).contains("not awaiting"), "a QP that ran");
-    assert!(err(a.ctx.load_qp_states(&[ran.clone()])).contains("not awaiting"), "a QP that ran, its own state");
+    assert!(err(a.ctx.load_qp_states(std::slice::from_ref(&ran))).contains("not awaiting"), "a QP that ran, its own state");
     assert_eq!(a.qp.query_state().unwrap().runtime.una, ran.runtime.una, "the QP that ran is as it was");
     assert!(err(ctx.load_qp_states(&[valid(0x600), valid(0x602)])).contains("not awaiting"));
     assert!(err(ctx.load_qp_states(&[valid(0x7777)])).contains("no QP"));

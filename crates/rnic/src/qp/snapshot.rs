@@ -28,12 +28,7 @@ impl Qp {
     /// nothing until the resume and count retransmission timeouts (retry_cnt)
     /// during a long move.
     pub fn suspend(&mut self, ctx: &mut Ctx) -> Result<(), String> {
-        if self.is_ud() {
-            return Err("UD QPs cannot be suspended".into());
-        }
-        if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
-            return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
-        }
+        self.check_suspend()?;
         if !self.suspended {
             if self.ack_due.is_some() {
                 self.ack_last_executed();
@@ -55,6 +50,18 @@ impl Qp {
         self.retrans_deadline = None;
         self.probe_deadline = None;
         self.rnr_until = None;
+        Ok(())
+    }
+
+    /// Whether [`Qp::suspend`] takes this QP: a connected RC QP (a batch
+    /// checks every QP before any is suspended).
+    pub fn check_suspend(&self) -> Result<(), String> {
+        if self.is_ud() {
+            return Err("UD QPs cannot be suspended".into());
+        }
+        if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
+        }
         Ok(())
     }
 
