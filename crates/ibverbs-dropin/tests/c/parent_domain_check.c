@@ -53,14 +53,8 @@ static char buf[8192];
 
 int main(void)
 {
-	int n;
 	setvbuf(stdout, NULL, _IONBF, 0);
-	struct ibv_device **list = ibv_get_device_list(&n);
-	CHECK("device list", list && n == 1, "n=%d", n);
-	ctx = ibv_open_device(list[0]);
-	CHECK("open", ctx, "errno %d", errno);
-	ibv_free_device_list(list);
-	CHECK("query_gid", ibv_query_gid(ctx, 1, 0, &gid) == 0, "gid");
+	open_device();
 	struct ibv_pd *prot = ibv_alloc_pd(ctx);
 	cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
 	CHECK("objects", prot && cq, "errno %d", errno);
@@ -95,15 +89,15 @@ int main(void)
 
 	/* Two RC QPs on the parent domain: each ring in the allocator's memory. */
 	pd = parent;
-	struct ibv_qp *a = loopback_qp(), *b = loopback_qp();
+	struct ibv_qp *a = loopback_qp(16, 1, NULL), *b = loopback_qp(16, 1, NULL);
 	CHECK("four rings allocated", nalloc == 4 && nfree == 0, "alloc %d free %d", nalloc, nfree);
 	for (int i = 0; i < nalloc; i++) {
 		unsigned char *r = allocs[i].ptr;
 		/* The ring's shared pages replaced the 0xa5 the allocator wrote. */
 		CHECK("ring mapped over the allocation", r[0] != 0xa5 || r[allocs[i].size - 1] != 0xa5, "ring %d", i);
 	}
-	loopback_connect(a, b->qp_num);
-	loopback_connect(b, a->qp_num);
+	loopback_connect(a, b->qp_num, LOOPBACK_ACCESS, 4);
+	loopback_connect(b, a->qp_num, LOOPBACK_ACCESS, 4);
 	struct ibv_mr *mr = ibv_reg_mr(parent, buf, sizeof(buf), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
 	CHECK("reg_mr on the parent domain", mr, "errno %d", errno);
 	for (int i = 0; i < 4096; i++)
@@ -131,7 +125,7 @@ int main(void)
 
 	/* USE_DEFAULT: the library's own memory, nothing to free; NULL: ENOMEM. */
 	answer_default = 1;
-	a = loopback_qp();
+	a = loopback_qp(16, 1, NULL);
 	CHECK("default memory", nalloc == 4, "alloc %d", nalloc);
 	CHECK("destroy", !ibv_destroy_qp(a) && nfree == 4, "free %d", nfree);
 	answer_default = 0;

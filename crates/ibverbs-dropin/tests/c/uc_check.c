@@ -69,14 +69,8 @@ static struct ibv_wc wait_one(void)
 
 int main(void)
 {
-	int n;
 	setvbuf(stdout, NULL, _IONBF, 0);
-	struct ibv_device **list = ibv_get_device_list(&n);
-	CHECK("device list", list && n == 1, "n=%d", n);
-	ctx = ibv_open_device(list[0]);
-	CHECK("open", ctx, "errno %d", errno);
-	ibv_free_device_list(list);
-	CHECK("query_gid", ibv_query_gid(ctx, 1, 0, &gid) == 0, "gid");
+	open_device();
 	pd = ibv_alloc_pd(ctx);
 	cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
 	int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
