@@ -96,8 +96,7 @@ int main(void)
 		/* The ring's shared pages replaced the 0xa5 the allocator wrote. */
 		CHECK("ring mapped over the allocation", r[0] != 0xa5 || r[allocs[i].size - 1] != 0xa5, "ring %d", i);
 	}
-	loopback_connect(a, b->qp_num, LOOPBACK_ACCESS, 4);
-	loopback_connect(b, a->qp_num, LOOPBACK_ACCESS, 4);
+	loopback_pair(a, b, LOOPBACK_ACCESS, 4);
 	struct ibv_mr *mr = ibv_reg_mr(parent, buf, sizeof(buf), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
 	CHECK("reg_mr on the parent domain", mr, "errno %d", errno);
 	for (int i = 0; i < 4096; i++)
