@@ -37,8 +37,6 @@ pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<A
     let cpu0 = thread_cpu_s();
     ctl.testing.arm(crate::testing::Fault::parse(&params.testing).unwrap_or(None));
     let r = run_inner(vm, uri, params, sources, &ctl, t0);
-    // A switch that failed half way left this thread real-time.
-    crate::postcopy::set_priority(false);
     let cpu_main = thread_cpu_s() - cpu0;
     ctl.update(|s| {
         s.total_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -643,13 +641,6 @@ fn stop_and_copy(
 ) -> Result<Copied> {
     let total = plan.total;
     let RoundsEnd { mut pending, mut round, throttle, .. } = end;
-    // All of it is downtime and blocks only on I/O: real-time, as the
-    // postcopy switch and the destination's load run, until the
-    // destination confirms it runs. At normal priority on a host whose
-    // cores the peers' retries and rnicd keep busy, encoding a 256-QP
-    // PVRDMA state took 10-35 ms where the postcopy switch took 1-3 ms
-    // for the same bytes.
-    crate::postcopy::set_priority(true);
     let pause = Downtime::pause(guard)?;
     let step = |name: &str| pause.step(name);
     pending.extend(log.scan(total, None)?);
@@ -758,8 +749,6 @@ fn commit(
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination loaded the VM but did not confirm its start: {e:#}"),
     }
-    // The downtime is over.
-    crate::postcopy::set_priority(false);
     // The VM never runs here again (after the downtime: a VM that does
     // not keep it unregisters now).
     vm.retire(Box::new(log.into_tracker()));
