@@ -168,23 +168,14 @@ impl QueueMemory {
 }
 
 impl Drop for QueueMemory {
-    /// After the QP's rings were unmapped (or never mapped): fresh private
-    /// pages where they were, then the memory goes back to its allocator.
+    /// After the QP's rings were dropped: a ring mapped over a range
+    /// (`Mapping::map_at`) put private pages back over it in the same
+    /// step, and a range never mapped over was never touched, so the
+    /// memory goes back to its allocator as it is.
     fn drop(&mut self) {
-        for &(addr, len) in &self.ranges {
-            // SAFETY: the range is the allocator's memory given to us; we
-            // put back ordinary private memory before returning it.
-            unsafe {
-                libc::mmap(
-                    addr as *mut c_void,
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                    -1,
-                    0,
-                );
-                (self.free)(self.pd, self.pd_context, addr as *mut c_void, RES_TYPE_QP);
-            }
+        for &(addr, _) in &self.ranges {
+            // SAFETY: the range is the allocator's memory, given back once.
+            unsafe { (self.free)(self.pd, self.pd_context, addr as *mut c_void, RES_TYPE_QP) };
         }
     }
 }

@@ -987,6 +987,11 @@ impl StateTaker {
     /// Why `qp` may not take a state, if it may not.
     fn refuses(self, qp: &Qp) -> Option<&'static str> {
         let in_reset = qp.attr.qp_state == QpState::Reset;
+        if qp.qp_type != QpType::Rc {
+            // A state is an RC connection's (`QpSnapshot` names no type):
+            // a UC or UD QP that took one would resume as RC on the wire.
+            return Some("is not an RC QP: only RC QPs take a state");
+        }
         match self {
             StateTaker::Reset if !in_reset || qp.suspended => Some("must be in RESET to take a state"),
             StateTaker::Awaiting if !qp.awaiting_state || !in_reset => {

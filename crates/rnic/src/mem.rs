@@ -23,6 +23,11 @@ pub struct Mapping {
     ptr: *mut u8,
     len: usize,
     window: Option<Arc<Mapping>>,
+    /// Made by [`Mapping::map_at`] over memory its caller owns: dropping it
+    /// puts private anonymous pages over the range in one step instead of
+    /// unmapping, so that no other mapping can land in a gap meanwhile
+    /// and the caller gets its range back mapped.
+    placed: bool,
 }
 
 /// A file: (device, inode).
@@ -71,7 +76,7 @@ impl Mapping {
     /// Maps `len` bytes of `fd` at `offset` (page aligned), read-write.
     pub fn map(fd: &OwnedFd, offset: u64, len: usize) -> anyhow::Result<Mapping> {
         if len == 0 {
-            return Ok(Mapping { ptr: std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8, len: 0, window: None });
+            return Ok(Mapping { ptr: std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8, len: 0, window: None, placed: false });
         }
         if !offset.is_multiple_of(4096) {
             bail!("mapping offset {offset} is not page aligned");
@@ -90,7 +95,7 @@ impl Mapping {
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error()).context("mmap");
         }
-        Ok(Mapping { ptr: p as *mut u8, len, window: None })
+        Ok(Mapping { ptr: p as *mut u8, len, window: None, placed: false })
     }
 
     /// Maps `len` bytes of `fd` at `offset` read-write over the caller's
@@ -111,7 +116,7 @@ impl Mapping {
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error()).context("mmap");
         }
-        Ok(Mapping { ptr: p as *mut u8, len, window: None })
+        Ok(Mapping { ptr: p as *mut u8, len, window: None, placed: true })
     }
 
     /// Maps a memory region's `len` bytes at `offset` of a memfd from a
@@ -125,7 +130,7 @@ impl Mapping {
         }
         // SAFETY: inside the window, which the view keeps mapped.
         let ptr = unsafe { w.ptr.add(offset as usize) };
-        Ok(Mapping { ptr, len, window: Some(w) })
+        Ok(Mapping { ptr, len, window: Some(w), placed: false })
     }
 
     /// Maps a memfd received from a client after checking it cannot shrink.
@@ -148,7 +153,7 @@ impl Mapping {
         // SAFETY: the offset is inside the fresh mapping; Drop re-derives the page base.
         let ptr = unsafe { m.ptr.add((offset - page_off) as usize) };
         std::mem::forget(m);
-        Ok(Mapping { ptr, len, window: None })
+        Ok(Mapping { ptr, len, window: None, placed: false })
     }
 
     /// Faults the whole mapping in now (MADV_POPULATE_WRITE). For queue
@@ -197,6 +202,23 @@ impl Drop for Mapping {
         if self.len > 0 && self.window.is_none() {
             let base = self.ptr as usize & !4095;
             let len = self.len + (self.ptr as usize - base);
+            if self.placed {
+                // SAFETY: replacing, in one call, the pages this value
+                // mapped over its caller's range with fresh private ones.
+                // Should that fail, the file's pages stay: leaked, but
+                // still memory.
+                unsafe {
+                    libc::mmap(
+                        base as *mut libc::c_void,
+                        len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                        -1,
+                        0,
+                    )
+                };
+                return;
+            }
             // SAFETY: unmapping the pages this value mapped.
             unsafe { libc::munmap(base as *mut libc::c_void, len) };
         }

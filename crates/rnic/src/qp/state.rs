@@ -258,6 +258,7 @@ impl Qp {
         self.probe_backoff = 0;
         self.srtt_us = 0.0;
         self.rttvar_us = 0.0;
+        self.uc_dropping = false;
         self.rtt_sample = None;
         self.rnr_until = None;
         self.last_rewind = None;
