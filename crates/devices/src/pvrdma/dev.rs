@@ -108,6 +108,10 @@ pub(crate) struct Counters {
     /// rather than with a completion.
     pub cq_waits: u64,
     pub cq_wait_timeouts: u64,
+    /// Sleeps that ended at the bound although a completion had reached
+    /// rnicd's CQ by then: a wake-up that did not come (or a completion in
+    /// the sleep's last instant).
+    pub cq_wait_late: u64,
     /// MSI-X messages sent, and those the platform refused (an entry whose
     /// address or data names no vCPU or no valid vector).
     pub interrupts: u64,

@@ -307,7 +307,9 @@ impl PvrdmaBar {
             if left.is_zero() || !self.cq_waiter.wait(left).unwrap_or(false) {
                 // The bound passed: one last look, as after a timer tick.
                 let mut d = lock(&self.shared);
-                if !d.cq_wait_done(handle) {
+                if d.cq_wait_done(handle) {
+                    d.counters.cq_wait_late += 1;
+                } else {
                     d.counters.cq_wait_timeouts += 1;
                 }
                 return;
