@@ -162,7 +162,9 @@ impl PciConfig {
     /// Puts back what [`guest_writable`](Self::guest_writable) took (a
     /// restored device), through the same masks as the guest's writes.
     pub fn set_guest_writable(&mut self, w: GuestWritable) {
-        self.write_dword(0x04 / 4, w.command as u32);
+        // Dword 1 is command and status (status is read-only), dword 15
+        // the interrupt line and pin.
+        self.write_dword(1, w.command as u32);
         self.write_dword(0x3c / 4, w.interrupt_line as u32);
         self.write_dword(MSIX_CAP_OFFSET / 4, (w.msix_control as u32) << 16);
     }
