@@ -31,6 +31,17 @@ pub struct Bar {
     pub size: u64,
 }
 
+/// The registers of a function's configuration space that its guest
+/// writes: the command register (memory space, bus master, interrupt
+/// disable), the interrupt line and the MSI-X message control (enable,
+/// function mask).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestWritable {
+    pub command: u16,
+    pub interrupt_line: u8,
+    pub msix_control: u16,
+}
+
 /// Type 0 configuration header (256 bytes), with 32- and 64-bit memory BARs.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct PciConfig {
@@ -136,6 +147,26 @@ impl PciConfig {
     /// Bus master enable (command register bit 2): DMA allowed.
     pub fn bus_master(&self) -> bool {
         self.regs[4] & 0x4 != 0
+    }
+
+    /// What the guest has written into configuration space, for a saved
+    /// device (the rest is fixed by the function, the BARs by the layout).
+    pub fn guest_writable(&self) -> GuestWritable {
+        GuestWritable {
+            command: u16::from_le_bytes([self.regs[4], self.regs[5]]),
+            interrupt_line: self.regs[0x3c],
+            msix_control: if self.regs[MSIX_CAP_OFFSET] == 0x11 { self.msix_control() } else { 0 },
+        }
+    }
+
+    /// Puts back what [`guest_writable`](Self::guest_writable) took (a
+    /// restored device), through the same masks as the guest's writes.
+    pub fn set_guest_writable(&mut self, w: GuestWritable) {
+        // Dword 1 is command and status (status is read-only), dword 15
+        // the interrupt line and pin.
+        self.write_dword(1, w.command as u32);
+        self.write_dword(0x3c / 4, w.interrupt_line as u32);
+        self.write_dword(MSIX_CAP_OFFSET / 4, (w.msix_control as u32) << 16);
     }
 
     fn bar_dword(&self, slot: usize) -> u32 {

@@ -14,8 +14,10 @@ use std::time::Instant;
 use devices::apic::MsiSink;
 use devices::bus::BusDevice;
 use devices::pci::{PciRoot, MSIX_CAP_OFFSET};
+use devices::Lifecycle;
 use pvrdma::*;
 use pvrdma_abi::*;
+use snapshot::Persist;
 use verbs::SendWr;
 
 #[derive(Default)]
@@ -171,4 +173,47 @@ fn response_and_cq_notification_arrive_as_msix_messages() {
     let q = d.query();
     assert!(q["counters"]["interrupts"].as_u64().unwrap() >= 4, "{q}");
     assert_eq!(q["counters"]["lost_interrupts"], 0, "{q}");
+}
+
+/// A guest that turned bus mastering and memory decoding off (as a driver
+/// does on remove or before a reset), set an interrupt line and masked
+/// MSI-X as a whole finds its configuration space so after a save and a
+/// restore into a new device; and one with everything on finds that.
+#[test]
+fn configuration_space_as_the_guest_left_it_survives_save_and_restore() {
+    let bed = Bed::new("pvcfg", 1);
+    let gid = bed.vm_gid(0, 1);
+    let (mem, fd) = guest_ram();
+    let mut d = Drv::with_ram(&bed.nics[0].sock, gid, mem, fd.try_clone().unwrap());
+    d.bring_up();
+    d.create_pd();
+    let cap = MSIX_CAP_OFFSET / 4;
+    const MEMORY: u32 = 1 << 1;
+    const BUS_MASTER: u32 = 1 << 2;
+    const INTX_DISABLE: u32 = 1 << 10;
+    const MSIX_ENABLE: u32 = 0x8000 << 16;
+    const MSIX_FUNCTION_MASK: u32 = 0x4000 << 16;
+    for (command, msix) in [(INTX_DISABLE, MSIX_ENABLE | MSIX_FUNCTION_MASK), (MEMORY | BUS_MASTER | INTX_DISABLE, MSIX_ENABLE)] {
+        let mut root = PciRoot::new();
+        root.add(d.dev.clone()).unwrap();
+        config(&mut root, 1, Some(MEMORY | BUS_MASTER | INTX_DISABLE));
+        config(&mut root, 1, Some(command));
+        config(&mut root, 0x3c / 4, Some(11));
+        config(&mut root, cap, Some(msix));
+        let before: Vec<u32> = [1, 0x3c / 4, cap].iter().map(|r| config(&mut root, *r, None)).collect();
+        assert_eq!(before[0] & 0xffff, command);
+        assert_eq!(before[2] & (MSIX_ENABLE | MSIX_FUNCTION_MASK), msix);
+
+        d.dev.lock().unwrap().pause();
+        let section = d.dev.lock().unwrap().save().expect("save");
+        d.replace_device(&bed.nics[0].sock, gid, fd.try_clone().unwrap());
+        let mut root = PciRoot::new();
+        root.add(d.dev.clone()).unwrap();
+        assert_eq!(config(&mut root, 1, None) & 0xffff, 0, "a new function starts with everything off");
+        d.dev.lock().unwrap().restore(&section).expect("restore");
+        d.dev.lock().unwrap().resume();
+        let after: Vec<u32> = [1, 0x3c / 4, cap].iter().map(|r| config(&mut root, *r, None)).collect();
+        assert_eq!(after, before, "command and status, interrupt line, MSI-X control as the guest left them");
+        assert_eq!(d.query()["objects"]["pds"], 1, "the rest of the state came along");
+    }
 }

@@ -108,6 +108,10 @@ pub(crate) struct Counters {
     /// rather than with a completion.
     pub cq_waits: u64,
     pub cq_wait_timeouts: u64,
+    /// Sleeps that ended at the bound although a completion had reached
+    /// rnicd's CQ by then: a wake-up that did not come (or a completion in
+    /// the sleep's last instant).
+    pub cq_wait_late: u64,
     /// MSI-X messages sent, and those the platform refused (an entry whose
     /// address or data names no vCPU or no valid vector).
     pub interrupts: u64,
@@ -155,8 +159,8 @@ pub(crate) struct Dev {
     /// stay pending.
     pub msi: Option<Arc<dyn MsiSink>>,
     /// MSI-X is enabled but the whole function masked (configuration
-    /// space): vectors go pending rather than nowhere. Not saved: a
-    /// restored function is unmasked (persist.rs).
+    /// space): vectors go pending rather than nowhere. Saved with the
+    /// configuration space (persist.rs).
     pub msix_function_masked: bool,
     /// Some guest CQ is armed: the notifier thread waits on rnicd's
     /// completion channel only then (mod.rs, `notifier`).
@@ -314,6 +318,15 @@ impl Dev {
         }
         self.regs.pba |= 1 << vector;
         self.send_pending();
+    }
+
+    /// Takes MSI-X enable and function mask from configuration space
+    /// (written by the guest, or restored).
+    pub fn follow_msix_control(&mut self, pci: &crate::pci::PciConfig) {
+        use crate::pci::{MSIX_CTRL_ENABLE, MSIX_CTRL_FUNCTION_MASK};
+        self.regs.msix_enabled = pci.msix_enabled();
+        let ctrl = pci.msix_control();
+        self.msix_function_masked = ctrl & MSIX_CTRL_ENABLE != 0 && ctrl & MSIX_CTRL_FUNCTION_MASK != 0;
     }
 
     /// Sends the message of every pending vector whose entry is unmasked,

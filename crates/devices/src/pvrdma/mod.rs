@@ -307,7 +307,9 @@ impl PvrdmaBar {
             if left.is_zero() || !self.cq_waiter.wait(left).unwrap_or(false) {
                 // The bound passed: one last look, as after a timer tick.
                 let mut d = lock(&self.shared);
-                if !d.cq_wait_done(handle) {
+                if d.cq_wait_done(handle) {
+                    d.counters.cq_wait_late += 1;
+                } else {
                     d.counters.cq_wait_timeouts += 1;
                 }
                 return;
@@ -444,9 +446,7 @@ impl PciFunction for Pvrdma {
     fn config_written(&mut self, reg: usize) {
         if reg * 4 == crate::pci::MSIX_CAP_OFFSET {
             let mut d = lock(&self.shared);
-            d.regs.msix_enabled = self.pci.msix_enabled();
-            let ctrl = self.pci.msix_control();
-            d.msix_function_masked = ctrl & crate::pci::MSIX_CTRL_ENABLE != 0 && ctrl & crate::pci::MSIX_CTRL_FUNCTION_MASK != 0;
+            d.follow_msix_control(&self.pci);
             d.send_pending();
         }
     }

@@ -26,9 +26,11 @@ use super::dev::{Counters, Dev, DsrInfo, Regs};
 use super::early::{self, Prepared, QpShape};
 use super::objects::{Cq, CqRing, Mr, MrInfo, Pd, Qp, QpInfo, Uc};
 use super::{lock, Pvrdma};
+use crate::pci::GuestWritable;
 
-/// 2: the state is bincode with a CRC32 of its own (1 was JSON).
-const VERSION: u32 = 2;
+/// 3: with the guest-written configuration space (2 had only MSI-X
+/// enable, in `regs`); 2: bincode with a CRC32 of its own (1 was JSON).
+const VERSION: u32 = 3;
 
 /// The state's bytes: bincode (varints: compact, and 10-20 times faster to
 /// make and read than JSON at hundreds of QPs) followed by the CRC32 of
@@ -78,6 +80,9 @@ struct Saved {
     cqs: Vec<(u32, CqRing)>,
     qps: Vec<SavedQp>,
     counters: Counters,
+    /// Configuration space as the guest left it (a driver that turned bus
+    /// mastering or memory decoding off finds it off after a restore).
+    pci: GuestWritable,
 }
 
 impl Persist for Pvrdma {
@@ -123,6 +128,7 @@ impl Persist for Pvrdma {
             cqs: d.cqs.iter().map(|(h, c)| (*h, c.ring.clone())).collect(),
             qps,
             counters: d.counters.clone(),
+            pci: self.pci.guest_writable(),
         };
         let mut section = Section { name: self.name.clone(), version: VERSION, data: encode_checked(&saved) };
         d.switch.record("encode state", t);
@@ -166,6 +172,7 @@ impl Persist for Pvrdma {
         let prepared = self.prepared.take();
         let t = Instant::now();
         let saved: Saved = decode_checked(section, VERSION)?;
+        let pci = saved.pci;
         let err = |why: String| StateError::Mismatch { name: name.clone(), why };
         let mut d = lock(&self.shared);
         d.switch.begin();
@@ -185,8 +192,14 @@ impl Persist for Pvrdma {
         if r.is_err() {
             d.reset();
         }
-        // The guest reads the MSI-X enable bit in configuration space.
-        self.pci.set_msix_enabled(d.regs.msix_enabled);
+        // Configuration space as the guest left it (its MSI-X enable and
+        // function mask as the device then follows them).
+        if r.is_ok() {
+            self.pci.set_guest_writable(pci);
+            d.follow_msix_control(&self.pci);
+        } else {
+            self.pci.set_msix_enabled(d.regs.msix_enabled);
+        }
         r
     }
 }

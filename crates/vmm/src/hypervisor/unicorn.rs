@@ -16,11 +16,23 @@
 //! of SS, RSP, RFLAGS, CS, RIP on the 16-byte aligned stack, IF cleared for
 //! an interrupt gate) and resumes. HLT with IF set sleeps on the local APIC
 //! until a vector is deliverable or the vCPU is kicked.
+//!
+//! The TLB: with paging off (the firmware's flat long mode), unicorn's own
+//! x86 walk maps every page identity with read, write and execute rights,
+//! and unicorn sends every store to a page whose TLB entry allows
+//! execution through its slow path (a call per store that looks for
+//! translated code to invalidate), for good. So the vCPU fills its TLB
+//! itself (`UC_TLB_VIRTUAL`, [`FlatTlb`]): the same identity map, with
+//! execute only on pages code was ever fetched from. Stores to the other
+//! pages take the JIT's inline path after their first; stores to code
+//! pages still invalidate the code they overwrite, as before. A guest
+//! that turns paging on gets unicorn's page walk back (`run`).
 
 use super::{Hypervisor, IoHandler, Kicker, Vcpu, VcpuExit, VcpuState};
 use anyhow::{anyhow, Context, Result};
 use devices::apic::{LocalApic, LAPIC_ADDR, LAPIC_SIZE};
 use devices::layout::{MMIO_BASE, MMIO_SIZE, PCI_HOLE_BASE, PCI_HOLE_SIZE};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use unicorn_engine::unicorn_const::{uc_error, Arch, Mode, Prot};
@@ -85,11 +97,77 @@ unsafe extern "C" fn stop_if_kicked(uc: *mut sys::uc_engine, addr: u64, _size: u
     }
 }
 
+const CR0_PG: u64 = 1 << 31;
+const PAGE_SHIFT: u32 = 12;
+
+/// The vCPU's TLB while paging is off: the identity map, with execute
+/// rights only where code runs. Touched by the vCPU's own thread alone
+/// (the fill hook inside `emu_start`, and `run` between two of them).
+struct FlatTlb {
+    /// One bit per page of guest RAM: code was fetched from it. A page
+    /// keeps its bit: its TLB entries then always allow execution, so
+    /// every store to it checks for code to invalidate, whatever evicted
+    /// and refilled the entry in between (an entry refilled by a store
+    /// without execute would let later stores past translated code).
+    code_pages: Box<[Cell<u64>]>,
+    /// A fill met CR0.PG set: the guest's page tables must be walked,
+    /// which only unicorn's own TLB does.
+    paging_on: Cell<bool>,
+}
+
+impl FlatTlb {
+    fn new(ram_size: u64) -> FlatTlb {
+        let words = (ram_size >> PAGE_SHIFT).div_ceil(64) as usize;
+        FlatTlb { code_pages: (0..words).map(|_| Cell::new(0)).collect(), paging_on: Cell::new(false) }
+    }
+
+    /// The rights of the entry for the page at `addr`, reached by an
+    /// access of kind `access`. Beyond RAM (MMIO, unmapped) nothing is
+    /// tracked: those accesses never take the RAM fast path.
+    fn perms(&self, addr: u64, access: sys::MemType) -> Prot {
+        let page = addr >> PAGE_SHIFT;
+        let Some(word) = self.code_pages.get((page / 64) as usize) else {
+            return Prot::ALL;
+        };
+        let bit = 1u64 << (page % 64);
+        if access == sys::MemType::FETCH {
+            word.set(word.get() | bit);
+        }
+        if word.get() & bit != 0 {
+            Prot::ALL
+        } else {
+            Prot::READ | Prot::WRITE
+        }
+    }
+}
+
+/// Unicorn's TLB fill hook (`UC_HOOK_TLB_FILL`, a plain C callback). With
+/// CR0.PG set it refuses the fill and says so in `paging_on`; `run` then
+/// hands the TLB back to unicorn's page walk and restarts the instruction.
+unsafe extern "C" fn fill_tlb_flat(
+    uc: *mut sys::uc_engine,
+    vaddr: u64,
+    access: sys::MemType,
+    entry: *mut sys::TlbEntry,
+    user: *mut std::ffi::c_void,
+) -> bool {
+    let tlb = &*(user as *const FlatTlb);
+    let mut cr0 = 0u64;
+    if sys::uc_reg_read(uc, RegisterX86::CR0 as i32, &mut cr0 as *mut u64 as *mut _) != uc_error::OK || cr0 & CR0_PG != 0 {
+        tlb.paging_on.set(true);
+        return false;
+    }
+    *entry = sys::TlbEntry { paddr: vaddr, perms: tlb.perms(vaddr, access) };
+    true
+}
+
 pub struct UnicornVcpu {
     uc: Unicorn<'static, ()>,
     kicker: Arc<UcKicker>,
     lapic: Arc<LocalApic>,
     halted: bool,
+    /// The fill hook's state; boxed, so that its address stays put.
+    tlb: Box<FlatTlb>,
 }
 
 impl Hypervisor for UnicornHypervisor {
@@ -161,23 +239,23 @@ impl Hypervisor for UnicornHypervisor {
         })
         .map_err(|e| anyhow!("OUT hook: {e:?}"))?;
         let kicker = Arc::new(UcKicker { kicked: AtomicBool::new(false), hook_stopped: AtomicBool::new(false), lapic: lapic.clone() });
-        let mut hook: sys::uc_hook = 0;
-        // SAFETY: the kicker lives in the returned vCPU, as long as the engine.
-        let rc = unsafe {
-            sys::uc_hook_add(
-                uc.get_handle(),
-                &mut hook,
-                sys::HookType::BLOCK.0 as i32,
-                stop_if_kicked as *mut std::ffi::c_void,
-                Arc::as_ptr(&kicker) as *mut std::ffi::c_void,
-                1,
-                0,
-            )
-        };
-        if rc != uc_error::OK {
-            return Err(anyhow!("block hook: {rc:?}"));
+        let tlb = Box::new(FlatTlb::new(ram_size));
+        uc.ctl_set_tlb_type(sys::TlbType::VIRTUAL).map_err(|e| anyhow!("TLB type: {e:?}"))?;
+        let hooks = [
+            ("block hook", sys::HookType::BLOCK, stop_if_kicked as *mut std::ffi::c_void, Arc::as_ptr(&kicker) as *mut std::ffi::c_void),
+            ("TLB fill hook", sys::HookType::TLB_FILL, fill_tlb_flat as *mut _, &*tlb as *const FlatTlb as *mut _),
+        ];
+        for (what, kind, callback, user) in hooks {
+            let mut hook: sys::uc_hook = 0;
+            // SAFETY: the kicker and the TLB state live in the returned vCPU,
+            // as long as the engine; each callback has its hook type's
+            // signature.
+            let rc = unsafe { sys::uc_hook_add(uc.get_handle(), &mut hook, kind.0 as i32, callback, user, 1, 0) };
+            if rc != uc_error::OK {
+                return Err(anyhow!("{what}: {rc:?}"));
+            }
         }
-        Ok(Box::new(UnicornVcpu { uc, kicker, lapic, halted: false }))
+        Ok(Box::new(UnicornVcpu { uc, kicker, lapic, halted: false, tlb }))
     }
 }
 
@@ -368,6 +446,15 @@ impl Vcpu for UnicornVcpu {
             };
             self.kicker.hook_stopped.store(false, Ordering::Relaxed);
             if let Err(e) = self.uc.emu_start(rip, u64::MAX, 0, 0) {
+                if self.tlb.paging_on.replace(false) {
+                    // The guest turned paging on: from now on unicorn walks
+                    // its page tables (the refused access had not happened:
+                    // the instruction runs again).
+                    if let Err(e) = self.uc.ctl_set_tlb_type(sys::TlbType::CPU).and_then(|_| self.uc.ctl_flush_tlb()) {
+                        return VcpuExit::Error(format!("handing the TLB to the page walk: {e:?}"));
+                    }
+                    continue;
+                }
                 let rip = self.uc.pc_read().unwrap_or(0);
                 return VcpuExit::Error(format!("{e:?} at rip={rip:#x}"));
             }
