@@ -139,7 +139,7 @@ fn objects_changed_after_the_early_section_are_rebuilt_exactly() {
     let p0 = a.wait_progress(STEP, LONG).unwrap();
     let before = pvrdma(&a);
     let b = destination(&bed, 1, gid, &PLAIN, "");
-    start_migration(&bed, &a, 1, params(Precopy, &PLAIN));
+    start_traced_precopy(&bed, &a, 1, &PLAIN);
     let st = finish_hop(&a, &b, Precopy);
     assert!(st["early_state_bytes"].as_u64().unwrap() > 0, "the early section went ahead: {st:#}");
     let after = pvrdma(&b);
@@ -326,7 +326,10 @@ fn a_64_mib_write_half_acknowledged_at_each_switch() {
         nft_rules(h, &hold);
         wait_for("the big WRITE half acknowledged", Duration::from_secs(20), || nft_counter(h, "half_ack") > 0);
         let held = nft_counter(h, "held");
-        start_migration(&bed, &src, to, params(mode, &load));
+        match mode {
+            Precopy => start_traced_precopy(&bed, &src, to, &load),
+            _ => start_migration(&bed, &src, to, params(mode, &load)),
+        }
         let st = wait_switched(&src);
         let held_then = nft_counter(h, "held");
         // Keep counting the peer's verified rounds, now from the new host.
