@@ -118,10 +118,42 @@ pub fn wait_prealloc(dst: &VmProcess, ram_gib: u64, t: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Whether the process still runs.
-pub fn is_alive(vm: &mut VmProcess) -> bool {
-    // A zero timeout: an error means "has not exited".
-    vm.wait_exit(Duration::ZERO).is_err()
+/// Checks that a destination whose incoming migration failed never ran
+/// the VM: while it is up its status is not running, and it ends by itself
+/// with a non-zero status, at any moment, also between two looks at it.
+/// So a control socket that does not answer must be a process that ended
+/// (or is ending) that way; it gets `bound` to end.
+pub fn check_destination_never_ran(dst: &mut VmProcess, bound: Duration) -> Result<()> {
+    match dst.exec("query-status", json!({})) {
+        Ok(st) if st["status"] == "running" => bail!("a destination with incomplete state runs: {st}"),
+        Ok(_) => Ok(()),
+        Err(e) => match dst.wait_exit(bound) {
+            Ok(Some(0)) => bail!("a destination with incomplete state exited 0"),
+            Ok(_) => Ok(()),
+            Err(_) => bail!("the destination's control socket failed ({e:#}), yet it did not exit within {bound:?}"),
+        },
+    }
+}
+
+/// Waits until `src`'s outgoing migration has put `bytes` on the wire,
+/// failing if it ended first: the data connections are up and the rounds
+/// under way, the point a test breaks a migration in the middle at.
+pub fn wait_wire_bytes(src: &VmProcess, bytes: u64, t: Duration) -> Result<()> {
+    let s = Instant::now();
+    let mut q = src.client()?;
+    loop {
+        let st = q.execute("query-migrate", json!({}))?;
+        if !matches!(st["status"].as_str(), Some("setup" | "active")) {
+            bail!("the migration ended before {bytes} bytes were on the wire: {st}");
+        }
+        if st["wire_bytes"].as_u64().unwrap_or(0) >= bytes {
+            return Ok(());
+        }
+        if s.elapsed() > t {
+            bail!("not {bytes} bytes on the wire after {t:?}: {st}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Wait until `query-status`'s guest progress reaches `n` (the fill workload

@@ -131,6 +131,7 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
             }
             let params = g.params.clone().unwrap_or_default().merged(args).map_err(QmpError::generic)?;
             let ctl = Arc::new(Control::default());
+            ctl.set_downtime_ms(params.downtime_ms);
             ctl.update(|s| {
                 s.status = Status::Setup;
                 s.role = "outgoing".into();
@@ -218,6 +219,13 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
             let mut g = slot.inner.lock().unwrap();
             let p = g.params.clone().unwrap_or_default().merged(args).map_err(QmpError::generic)?;
             g.params = Some(p.clone());
+            // The downtime target applies to a running outgoing migration
+            // too (from its next round on); the others only to the next.
+            if args.get("downtime_ms").is_some() {
+                if let Some(j) = g.job.as_ref().filter(|j| !j.incoming && j.outcome.lock().unwrap().is_none()) {
+                    j.ctl.set_downtime_ms(p.downtime_ms);
+                }
+            }
             Ok(serde_json::to_value(p).expect("params serialize"))
         }
         "query-migrate-parameters" => {

@@ -459,7 +459,6 @@ fn rounds(
     let total = plan.total;
     let mode = plan.mode;
     let state_estimate = vm.state_size_estimate();
-    let target_s = params.downtime_ms as f64 / 1e3;
     let mut throttle: u8 = 0;
     let mut round = 0u64;
     // Hybrid's timeout and `migrate-start-postcopy` end its rounds early,
@@ -529,7 +528,8 @@ fn rounds(
         let facts = RoundFacts {
             mode,
             est_s,
-            target_s,
+            // `migrate-set-parameters` may have changed it meanwhile.
+            target_s: ctl.downtime_ms() as f64 / 1e3,
             rest_pending: !pass.rest.is_empty(),
             was_cut: !unsent.is_empty(),
             timed_out: plan.deadline.is_some_and(|d| Instant::now() >= d),

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Tunables of an outgoing migration (`migrate-set-parameters`, CLI flags).
@@ -257,6 +257,10 @@ pub struct Control {
     live_cpu: Mutex<Vec<(bool, libc::clockid_t)>>,
     /// The `testing` parameter's fault, armed by the source.
     pub(crate) testing: crate::testing::Injector,
+    /// An outgoing migration's downtime target, ms: `downtime_ms` of its
+    /// start, changed by `migrate-set-parameters` while it runs (as QEMU's
+    /// `downtime-limit`), read after each round.
+    downtime_ms: AtomicU64,
 }
 
 /// Where a paused postcopy goes on.
@@ -284,6 +288,12 @@ impl Control {
     }
     pub fn postcopy_requested(&self) -> bool {
         self.start_postcopy.load(Ordering::SeqCst)
+    }
+    pub fn set_downtime_ms(&self, ms: u64) {
+        self.downtime_ms.store(ms, Ordering::SeqCst);
+    }
+    pub fn downtime_ms(&self) -> u64 {
+        self.downtime_ms.load(Ordering::SeqCst)
     }
     /// Hand a paused postcopy the way to go on.
     pub fn offer_recovery(&self, r: RecoverRequest) {

@@ -27,10 +27,16 @@ fn running_source() -> Side {
     running_source_on(&Net::Tcp)
 }
 
+/// [`running_source`] over `net`, its dirtier past its first pass: until
+/// it has written its slice once, most of RAM is never-written memory
+/// (memfd holes) that goes as zero runs of a few bytes, and on a loaded
+/// machine a migration could then end with a few hundred KiB on the wire,
+/// before a fault placed in its data is reached. After a whole pass every
+/// page is data and the dirtier rewrites all of it in each round.
 fn running_source_on(net: &Net) -> Side {
     let src = Side::on(net, 32 * MIB, 1);
     src.vm.resume().unwrap();
-    wait_until("the dirtier to start", || src.vm.progress() > 0);
+    wait_until("a whole pass of the dirtier", || src.vm.progress() >= 2);
     src
 }
 
@@ -213,12 +219,9 @@ fn hybrid_with_a_stalled_destination_is_cancelled_after_its_timeout() {
     // cuts its round short, but the stalled batch never drains and the
     // round is never confirmed, so switching to postcopy is no way out.
     // It must end (cancelled), not wait for the connection for good.
+    // The stall lands in the first eighth (4 MiB, all data: the dirtier is
+    // past its first pass), so hybrid cannot switch after the eighth.
     let (src, dst, proxy) = pair_through(Fault { conn: 1, stall_after: Some(1 << 20), ..Default::default() });
-    // The stall must land in the first eighth (4 MiB): until the dirtier
-    // has written its slice once, the eighth may be mostly never-written
-    // memory (zero runs, a few bytes), and hybrid may then switch after it,
-    // seeing the dirtier write fresh memory past it.
-    wait_until("a whole pass of the dirtier", || src.vm.progress() >= 2);
     let (os, _, st) = migrate(&src, &dst, proxy.port, json!({"mode": "hybrid", "channels": 1, "timeout_s": 2}));
     assert!(proxy.fired.load(std::sync::atomic::Ordering::SeqCst), "the stall was never injected");
     assert!(matches!(os, Some(Outcome::OutgoingFailed(_))), "{os:?}");

@@ -38,12 +38,18 @@ fn assert_same(a: &[u64], b: &[u64]) {
     assert!(diff.is_empty(), "{} pages differ, first {:?}", diff.len(), &diff[..diff.len().min(8)]);
 }
 
-/// A source running the dirtier, and a destination listening (with
-/// `prealloc` or not) on the returned port.
+/// A source running the dirtier, each dirtier past its first pass, and a
+/// destination listening (with `prealloc` or not) on the returned port.
+///
+/// Until the dirtiers have written their slices once, part of RAM is
+/// never-written memory (memfd holes) that goes as zero runs of a few
+/// bytes: hybrid's first eighth could then end in a few ms, a window in
+/// which a dirtier on a loaded machine may not run at all. After a whole
+/// pass the eighth is all data, and a capped link gives it its full time.
 fn dirtier_pair(net: &Net, prealloc: bool) -> (Side, Side, u16) {
     let src = Side::on(net, 64 * MIB, 2);
     src.vm.resume().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
     let dst = Side::on(net, 64 * MIB, 2);
     let port = dst.incoming_on(net, true, prealloc);
     (src, dst, port)
@@ -159,11 +165,9 @@ fn hybrid_switches_when_the_rest_cannot_fit() {
 }
 
 fn hybrid_no_shrink(net: &Net, prealloc: bool) {
-    // The dirtiers ran 100 ms before the migration: on a loaded machine
-    // they are still in their first pass, writing memory that was a memfd
-    // hole when the pass was planned as well as data. The scan after the
-    // first eighth counts both: the holes it looks at page by page, the
-    // data through its sample.
+    // The dirtiers rewrite data they wrote before (a whole pass is done),
+    // which the scan after the first eighth sees through its sample; a
+    // guest writing fresh memory is hybrid_switches_for_a_guest_writing_fresh_memory.
     let (src, dst, port) = dirtier_pair(net, prealloc);
     // Capped so that the first eighth (8 MiB) takes 0.2 s: uncapped it took a
     // few ms on loopback, too short a window for a vCPU on a loaded machine.
@@ -496,13 +500,10 @@ fn rdma_postcopy_recovers_after_the_link_is_cut() {
 #[test]
 fn hybrid_destination_gone_before_the_switch() {
     for net in Net::each("pcgone") {
+        // The dirtiers are past their first pass (see `dirtier_pair`): the
+        // first eighth is all data and lasts its full 2 s, so hybrid cannot
+        // switch before the cut.
         let (src, dst, port) = dirtier_pair(&net, false);
-        // Until the dirtiers have written their slices once, part of the
-        // first eighth is never-written memory, which goes as zero runs:
-        // the eighth then ended at once, the scan after it saw the
-        // dirtiers' writes and hybrid switched before the cut. Wait for a
-        // whole pass: the eighth is all data.
-        wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
         let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
         // The first eighth (8 MiB) takes 2 s at 4 MB/s: the cut lands in it.
         src.cmd("migrate", net.migrate_args(proxy.port, json!({"mode": "hybrid", "channels": 2, "max_bandwidth": 4_000_000u64}))).unwrap();

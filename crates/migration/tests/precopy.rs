@@ -162,3 +162,30 @@ fn all_zero_vm_converges() {
         assert!(src.hashes() == dst.hashes(), "{}: RAM differs", net.name());
     }
 }
+
+/// `downtime_ms` set while a precopy runs applies to it: a target of 0
+/// (the state alone never fits) holds it in its rounds, as long as the
+/// test likes; 300 ms then lets it stop and copy, byte-exact, the dirtier
+/// oracle holding on the destination.
+#[test]
+fn downtime_set_during_a_precopy_applies_to_it() {
+    let src = Side::new(32 * MIB, 1);
+    src.vm.resume().unwrap();
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(false);
+    let uri = format!("tcp:127.0.0.1:{port}");
+    src.cmd("migrate", json!({"uri": uri, "channels": 2, "downtime_ms": 0, "auto_converge": false})).unwrap();
+    let rounds = || src.cmd("query-migrate", json!({})).unwrap()["rounds"].as_u64().unwrap_or(0);
+    wait_until("three rounds held by a zero downtime", || rounds() >= 3);
+    let st = src.cmd("query-migrate", json!({})).unwrap();
+    assert_eq!(st["status"], "active", "{st:#}");
+    let p = src.cmd("migrate-set-parameters", json!({"downtime_ms": 300})).unwrap();
+    assert_eq!(p["downtime_ms"], 300);
+    let (os, od) = (src.slot.wait(), dst.slot.wait());
+    let st = src.cmd("query-migrate", json!({})).unwrap();
+    assert_eq!(os, Some(Outcome::OutgoingCompleted), "{st:#}");
+    assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
+    assert_eq!(st["throttle_steps"], 0, "{st:#}");
+    assert!(src.hashes() == dst.hashes(), "RAM differs");
+    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+}

@@ -92,10 +92,7 @@ impl Pair {
         q.execute("stop", json!({})).unwrap();
         assert_eq!(q.execute("check-dirtier", json!({})).unwrap()["bad_pages"], 0);
         q.execute("cont", json!({})).unwrap();
-        if is_alive(&mut self.dst) {
-            let st = self.dst.exec("query-status", json!({})).unwrap();
-            assert_ne!(st["status"], "running", "a destination with incomplete state must never run");
-        }
+        check_destination_never_ran(&mut self.dst, Duration::from_secs(60)).unwrap();
         s
     }
 }
@@ -150,7 +147,8 @@ fn link_cut_mid_migration_over_rdma() {
     let mut p = pair("dirtier");
     p.tb.set_rate(0, 0, Some(50)).unwrap(); // slow enough to cut in the middle
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 2})).unwrap();
-    std::thread::sleep(Duration::from_secs(2));
+    // At 50 Mbit/s the 64 MiB the dirtier writes take seconds more.
+    wait_wire_bytes(&p.src, 1 << 20, Duration::from_secs(120)).unwrap();
     p.tb.link_down(0, 0).unwrap();
     let s = p.assert_source_survived();
     eprintln!("source: {}", s["error"]);
@@ -161,7 +159,8 @@ fn destination_killed_mid_migration_over_rdma() {
     let mut p = pair("dirtier");
     p.tb.set_rate(0, 0, Some(50)).unwrap();
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4})).unwrap();
-    std::thread::sleep(Duration::from_secs(2));
+    // At 50 Mbit/s the 64 MiB the dirtier writes take seconds more.
+    wait_wire_bytes(&p.src, 1 << 20, Duration::from_secs(120)).unwrap();
     p.dst.kill();
     let s = p.assert_source_survived();
     eprintln!("source: {}", s["error"]);

@@ -70,6 +70,29 @@ pub fn start_migration(bed: &Bed, src: &VmProcess, to: usize, params: Value) {
     src.exec("migrate", a).unwrap();
 }
 
+/// Starts a precopy of the VM on `src` to host `to` that goes on with its
+/// rounds until the source's device has traced writes into guest RAM (the
+/// peer's, and the replies to the guest's own READs and atomics), then
+/// lets it finish: [`check_hop`]'s `traced` then checks what tracing
+/// saw, not whether a loaded machine let the peer write within a few
+/// rounds. It is held by a downtime target of 0 (the device state alone
+/// never fits), without auto-converge (the guest runs at full speed), and
+/// released by setting the default target of 300 ms, which applies to
+/// the running migration from its next round on.
+pub fn start_traced_precopy(bed: &Bed, src: &VmProcess, to: usize, load: &Load) {
+    let mut p = params(Mode::Precopy, load);
+    p["downtime_ms"] = json!(0);
+    p["auto_converge"] = json!(false);
+    start_migration(bed, src, to, p);
+    wait_for("the peer's writes traced during the rounds", LONG, || {
+        let st = migration(src);
+        assert!(matches!(st["status"].as_str(), Some("setup" | "active")), "a precopy held in its rounds ended: {st:#}");
+        let d = pvrdma(src);
+        d["tracing"] == true && d["counters"]["traced_pages"].as_u64().unwrap_or(0) > 0
+    });
+    src.exec("migrate-set-parameters", json!({"downtime_ms": 300})).unwrap();
+}
+
 /// The outgoing migration's last status once it ended.
 pub fn wait_end(src: &VmProcess) -> Value {
     let mut last = Value::Null;
@@ -120,14 +143,18 @@ pub fn finish_hop(src: &VmProcess, dst: &VmProcess, mode: Mode) -> Value {
 /// (`--keep-after-migrate`) for [`check_hop`].
 pub fn hop(bed: &Bed, src: &VmProcess, to: usize, gid: Ipv4Addr, load: &Load, mode: Mode) -> (VmProcess, Value) {
     let dst = destination(bed, to, gid, load, "");
-    start_migration(bed, src, to, params(mode, load));
+    match mode {
+        Mode::Precopy => start_traced_precopy(bed, src, to, load),
+        _ => start_migration(bed, src, to, params(mode, load)),
+    }
     let st = finish_hop(src, &dst, mode);
     (dst, st)
 }
 
 /// After a hop: the destination holds the GID, the source does not, the
-/// source's device (`traced`: a precopy while the peer could reach it)
-/// traced the peer's writes during the rounds, and it holds no objects any
+/// source's device (`traced`: a precopy started by
+/// [`start_traced_precopy`] while the peer could reach it) traced the
+/// peer's writes during the rounds, and it holds no objects any
 /// more; the destination's QPs run. The source quits.
 pub fn check_hop(bed: &Bed, src: &mut VmProcess, dst: &VmProcess, (from, to): (usize, usize), gid: Ipv4Addr, traced: bool) {
     assert!(bed.holds(to, gid) && !bed.holds(from, gid), "the GID must be on host {to} only");

@@ -120,7 +120,11 @@ pub fn objects_changed_after_the_early_section(tag: &str, mode: Mode) {
     let p0 = a.wait_progress(STEP, LONG).unwrap();
     let before = pvrdma(&a);
     let b = destination(&bed, 1, gid, &PLAIN, "");
-    start_migration(&bed, &a, 1, params(mode, &PLAIN));
+    match mode {
+        // Rounds until the peer's writes were traced (check_hop asks).
+        Mode::Precopy => start_traced_precopy(&bed, &a, 1, &PLAIN),
+        _ => start_migration(&bed, &a, 1, params(mode, &PLAIN)),
+    }
     let st = finish_hop(&a, &b, mode);
     assert!(st["early_state_bytes"].as_u64().unwrap() > 0, "the early section went ahead: {st:#}");
     let after = pvrdma(&b);
