@@ -212,6 +212,7 @@ impl OutPkt {
     pub fn gather_in_place(&mut self) {
         let Some(z) = self.in_place.take() else { return };
         let tail = self.len - z.payload - z.hdr_len;
+        self.buf.resize(MAX_PKT, 0);
         self.buf.copy_within(z.hdr_len..z.hdr_len + tail, z.hdr_len + z.payload);
         // SAFETY: `_mr` keeps `payload` bytes at ptr mapped; buf has room (MAX_PKT).
         unsafe { std::ptr::copy_nonoverlapping(z.ptr, self.buf[z.hdr_len..].as_mut_ptr(), z.payload) };
@@ -230,7 +231,15 @@ pub struct Tx {
     /// (`InPlace`); rnicd turns it on (RNICD_IN_PLACE_TX=0 keeps it off).
     pub in_place: bool,
     pool: Vec<Vec<u8>>,
+    /// Buffers of packets whose payload is in place: headers, pad and
+    /// ICRC only. Small, so that a batch's headers stay in the cache
+    /// (headers written into full-size buffers, 256 of them 8 MiB apart
+    /// in all, missed it at every packet).
+    head_pool: Vec<Vec<u8>>,
 }
+
+/// Size of a buffer for headers, pad and ICRC.
+const HEAD_BUF: usize = MAX_HDR_LEN + 8;
 
 /// Smallest payload sent in place: below it, copying costs less than the
 /// kernel's two extra iovecs.
@@ -261,7 +270,7 @@ impl Tx {
     /// (resolved by the caller in this packet's handling), is sent from
     /// there; its ICRC covers those bytes as they are now.
     pub fn emit_in_place(&mut self, flow: &Flow, h: &Headers, mr: Arc<Mr>, ptr: *const u8, payload: usize) {
-        let mut buf = self.pool.pop().unwrap_or_else(|| vec![0u8; MAX_PKT]);
+        let mut buf = self.head_pool.pop().unwrap_or_else(|| vec![0u8; HEAD_BUF]);
         let hdr_len = h.write(payload, &mut buf);
         // SAFETY: `mr` keeps the resolved range mapped. The owner may be
         // writing it meanwhile (see InPlace): the CRC then reads some mix,
@@ -273,8 +282,9 @@ impl Tx {
     }
 
     pub fn recycle(&mut self, p: OutPkt) {
-        if self.pool.len() < 512 {
-            self.pool.push(p.buf);
+        let pool = if p.buf.len() == HEAD_BUF { &mut self.head_pool } else { &mut self.pool };
+        if pool.len() < 512 {
+            pool.push(p.buf);
         }
     }
 }
