@@ -269,10 +269,14 @@ impl Tx {
     /// Builds a packet whose payload, `payload` bytes at `ptr` inside `mr`
     /// (resolved by the caller in this packet's handling), is sent from
     /// there; its ICRC covers those bytes as they are now.
-    pub fn emit_in_place(&mut self, flow: &Flow, h: &Headers, mr: Arc<Mr>, ptr: *const u8, payload: usize) {
+    ///
+    /// # Safety
+    /// `ptr..ptr + payload` must lie inside `mr`'s memory.
+    pub unsafe fn emit_in_place(&mut self, flow: &Flow, h: &Headers, mr: Arc<Mr>, ptr: *const u8, payload: usize) {
         let mut buf = self.head_pool.pop().unwrap_or_else(|| vec![0u8; HEAD_BUF]);
         let hdr_len = h.write(payload, &mut buf);
-        // SAFETY: `mr` keeps the resolved range mapped. The owner may be
+        // SAFETY: the range is inside `mr` (the caller's promise), which
+        // keeps it mapped. The owner may be
         // writing it meanwhile (see InPlace): the CRC then reads some mix,
         // which the receiver's check rejects.
         let data = unsafe { std::slice::from_raw_parts(ptr, payload) };

@@ -326,7 +326,8 @@ impl Qp {
                 // it left costs one resend, and resends are copies).
                 if is_write && new && !inline && ctx.tx.in_place && plen >= IN_PLACE_MIN {
                     if let Some((mr, ptr)) = in_place(ctx.keys, self.pd, e.sges(), off, plen) {
-                        ctx.tx.emit_in_place(&flow, &h, mr, ptr, plen);
+                        // SAFETY: `in_place` resolved plen bytes at ptr inside mr.
+                        unsafe { ctx.tx.emit_in_place(&flow, &h, mr, ptr, plen) };
                         return Ok(());
                     }
                 }
