@@ -300,11 +300,12 @@ impl Context {
         self.chunked(states, proto::MAX_QUERY_BATCH, |c| Request::RestoreQps { states: c.to_vec() }, ok_reply).map(drop)
     }
 
-    /// Loads each state into the suspended QP of its QPN (one made with
-    /// [`NewObject::QpAwaitingState`], or suspended since), which stays
-    /// suspended: repost WRs, then [`Context::resume_qps`]. Each request
-    /// (MAX_QUERY_BATCH states) is checked whole before any QP takes its
-    /// state; a QP that is not suspended is refused.
+    /// Loads each state into the QP of its QPN, made with
+    /// [`NewObject::QpAwaitingState`] and still without a state, which
+    /// stays suspended: repost WRs, then [`Context::resume_qps`]. Each
+    /// request (MAX_QUERY_BATCH states) is checked whole before any QP
+    /// takes its state; any other QP (one that ran, one loaded already) is
+    /// refused.
     pub fn load_qp_states(&self, states: &[QpSnapshot]) -> anyhow::Result<()> {
         self.chunked(states, proto::MAX_QUERY_BATCH, |c| Request::LoadQpStates { states: c.to_vec() }, ok_reply).map(drop)
     }

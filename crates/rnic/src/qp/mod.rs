@@ -163,6 +163,10 @@ pub struct Qp {
     /// Suspended (seed 000): no host memory access, no transmission, every
     /// incoming request answered with an RNR NAK so the peer keeps retrying.
     pub suspended: bool,
+    /// Created suspended with no state (a migration's destination builds
+    /// it ahead): LoadQpStates fills it, once, and only such a QP, so that
+    /// no QP that ran ever takes a state over what it did.
+    pub awaiting_state: bool,
     /// When the last RNR NAK of a suspended QP went out.
     suspended_nak_at: Option<Instant>,
     /// Requests received ahead of the expected PSN, by PSN (see `hold`).
@@ -227,6 +231,7 @@ impl Qp {
             cut_until: None,
             recovery: None,
             suspended: false,
+            awaiting_state: false,
             suspended_nak_at: None,
             held: VecDeque::new(),
             held_bytes: 0,

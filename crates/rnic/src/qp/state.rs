@@ -226,24 +226,42 @@ impl Qp {
     }
 
     fn reset(&mut self) {
-        self.drop_held();
-        self.give_back_srq_wqe();
-        self.sq.clear();
-        self.rq.clear();
+        self.clear_transport();
         while self.sq_ring.pop().is_some() {}
         while self.rq_ring.pop().is_some() {}
+        let keep = (self.attr.port_num, self.attr.path_mtu);
+        self.attr = QpAttr::default();
+        (self.attr.port_num, self.attr.path_mtu) = keep;
+    }
+
+    /// Forgets everything the transport did: the runtime state, the WQEs
+    /// taken from the rings (an SRQ's go back to it), held requests and
+    /// binds, timers, the round-trip estimate and the congestion window.
+    /// What is left is the QP as created (but its attributes, its rings'
+    /// contents and `suspended`): RESET starts from here, and so does a QP
+    /// that takes a state (`Qp::take_state`).
+    pub(super) fn clear_transport(&mut self) {
+        self.drop_held();
+        self.give_back_srq_wqe();
+        self.held_local = None;
+        self.sq.clear();
+        self.rq.clear();
         self.rt = QpRuntime::default();
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.retrans_deadline = None;
         self.probe_deadline = None;
+        self.probe_backoff = 0;
+        self.srtt_us = 0.0;
+        self.rttvar_us = 0.0;
+        self.rtt_sample = None;
         self.rnr_until = None;
         self.last_rewind = None;
+        self.recovery = None;
+        self.suspended_nak_at = None;
         self.unasked_msgs = 0;
         self.ack_due = None;
-        let keep = (self.attr.port_num, self.attr.path_mtu);
-        self.attr = QpAttr::default();
-        (self.attr.port_num, self.attr.path_mtu) = keep;
+        self.restart_congestion();
     }
 
     /// Moves to ERR on an error the QP found itself (not a modify), and
