@@ -330,8 +330,9 @@ impl Qp {
                 let inline = w.flags & send_flags::INLINE != 0;
                 // A first transmission of a WRITE payload leaves from the
                 // region itself (objects::InPlace: a payload changed before
-                // it left costs one resend, and resends are copies).
-                if is_write && new && !inline && ctx.tx.in_place && plen >= IN_PLACE_MIN {
+                // it left costs one resend, and resends are copies). Not
+                // on UC, which never resends: a race would lose the message.
+                if is_write && new && !inline && !self.is_uc() && ctx.tx.in_place && plen >= IN_PLACE_MIN {
                     if let Some((mr, ptr)) = in_place(ctx.keys, self.pd, e.sges(), off, plen) {
                         // SAFETY: `in_place` resolved plen bytes at ptr inside mr.
                         unsafe { ctx.tx.emit_in_place(&flow, &h, mr, ptr, plen) };
