@@ -162,6 +162,7 @@ impl Namespace {
         let senders = Senders::new(gid, gso)?;
         let mut engine = Engine::new(gid);
         engine.set_active_mtu(crate::link::path_mtu_from(gid));
+        engine.tx.in_place = std::env::var("RNICD_IN_PLACE_TX").map_or(true, |v| v != "0");
         let now = Instant::now();
         Ok(Namespace { engine, udp, senders, held: Vec::new(), held_since: now, retry_at: now, claimed: false })
     }
@@ -244,7 +245,7 @@ impl Namespace {
         }
         let (keep, drop): (Vec<OutPkt>, Vec<OutPkt>) = std::mem::take(&mut self.held)
             .into_iter()
-            .partition(|p| !rc_request_to(&p.buf[..p.len]).is_some_and(|qpn| rewound.contains(&(p.dst, qpn))));
+            .partition(|p| !rc_request_to(p.head()).is_some_and(|qpn| rewound.contains(&(p.dst, qpn))));
         self.held = keep;
         for p in drop {
             self.engine.tx.recycle(p);
@@ -317,9 +318,8 @@ fn rc_request_to(pkt: &[u8]) -> Option<u32> {
 /// that id. Applied twice it undoes itself (an XOR), for a batch not sent.
 fn seal_for_ip_ids(batch: &mut [OutPkt]) {
     for (j, p) in batch.iter_mut().enumerate().skip(1) {
-        let body = p.len - 4;
-        let delta = wire::ip_id_delta(body, j as u16);
-        for (b, d) in p.buf[body..p.len].iter_mut().zip(delta.to_le_bytes()) {
+        let delta = wire::ip_id_delta(p.len - 4, j as u16);
+        for (b, d) in p.icrc_mut().iter_mut().zip(delta.to_le_bytes()) {
             *b ^= d;
         }
     }
@@ -399,6 +399,7 @@ impl Senders {
             if port != key.0 {
                 // The ICRC covers the UDP source port: seal for the real one.
                 for p in &mut pkts[i..j] {
+                    p.gather_in_place();
                     let flow = Flow { src: self.addr, dst: p.dst, sport: port, dport: ROCE_PORT };
                     wire::reseal(&flow, &mut p.buf[..p.len]);
                 }
@@ -472,8 +473,17 @@ impl Senders {
             k = e;
         }
         let addrs: Vec<libc::sockaddr_in> = groups.iter().map(|g| sockaddr(run[g.0].dst, ROCE_PORT)).collect();
-        let mut iovs: Vec<libc::iovec> =
-            run.iter().map(|p| libc::iovec { iov_base: p.buf.as_ptr() as *mut libc::c_void, iov_len: p.len }).collect();
+        // Each packet is one iovec, or three with its payload in place;
+        // a message's iovecs are consecutive.
+        let mut iovs: Vec<libc::iovec> = Vec::with_capacity(run.len() * 3);
+        let mut first_iov = Vec::with_capacity(groups.len() + 1);
+        for &(a, b) in &groups {
+            first_iov.push(iovs.len());
+            for p in &run[a..b] {
+                p.push_iovecs(&mut iovs);
+            }
+        }
+        first_iov.push(iovs.len());
         let mut cbufs: Vec<[u64; 4]> = vec![[0u64; 4]; groups.len()];
         let mut hdrs: Vec<libc::mmsghdr> = Vec::with_capacity(groups.len());
         for (gi, &(a, b)) in groups.iter().enumerate() {
@@ -481,8 +491,8 @@ impl Senders {
             let mut h: libc::mmsghdr = unsafe { std::mem::zeroed() };
             h.msg_hdr.msg_name = &addrs[gi] as *const _ as *mut libc::c_void;
             h.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
-            h.msg_hdr.msg_iov = &mut iovs[a] as *mut libc::iovec;
-            h.msg_hdr.msg_iovlen = b - a;
+            h.msg_hdr.msg_iov = &mut iovs[first_iov[gi]] as *mut libc::iovec;
+            h.msg_hdr.msg_iovlen = first_iov[gi + 1] - first_iov[gi];
             if b - a > 1 {
                 let cb = cbufs[gi].as_mut_ptr() as *mut u8;
                 // SAFETY: the control buffer has room for one cmsg with a u16.

@@ -489,6 +489,28 @@ pub fn gather(keys: &Keys, pd: u32, sges: &[crate::ring::Sge], mut off: u64, out
     Ok(())
 }
 
+/// Where `len` bytes of the message described by `sges`, from message
+/// offset `off`, lie when they are one piece of one direct memory region:
+/// the region (which keeps them mapped) and their host address. None when
+/// they cross SGEs, runs or keys of other kinds, or do not resolve (the
+/// caller then copies them with `gather`, which reports the error).
+pub fn in_place(keys: &Keys, pd: u32, sges: &[crate::ring::Sge], mut off: u64, len: usize) -> Option<(Arc<Mr>, *const u8)> {
+    for s in sges {
+        let sl = s.length as u64;
+        if off >= sl {
+            off -= sl;
+            continue;
+        }
+        if sl - off < len as u64 {
+            return None;
+        }
+        let mr = keys.direct.get(&s.lkey)?;
+        let p = mr.translate(pd, s.addr.checked_add(off)?, len as u64, 0)?.contiguous()?;
+        return Some((mr.clone(), p as *const u8));
+    }
+    None
+}
+
 /// Writes `data` into the message buffer `sges` at offset `off` (needs LOCAL_WRITE).
 pub fn scatter(keys: &Keys, pd: u32, sges: &[crate::ring::Sge], mut off: u64, data: &[u8]) -> Result<(), crate::types::WcStatus> {
     use crate::types::WcStatus;

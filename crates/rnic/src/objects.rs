@@ -150,9 +150,77 @@ pub struct Stats {
 
 pub struct OutPkt {
     pub buf: Vec<u8>,
+    /// Bytes on the wire (UDP payload), whether or not all are in `buf`.
     pub len: usize,
     pub dst: Ipv4Addr,
     pub sport: u16,
+    /// A payload that leaves from where it lies (see `InPlace`); then
+    /// `buf` holds the headers, then pad and ICRC.
+    pub in_place: Option<InPlace>,
+}
+
+/// A payload sent from its memory region as an iovec of its own instead of
+/// being copied into the packet buffer: the first transmission of a WRITE.
+/// The ICRC covers the bytes as they were when the packet was built; if
+/// the owner changes them before the kernel copies them (a guest rewriting
+/// a page under migration), the packet arrives with a bad ICRC, is dropped
+/// and resent, and resends are copied (`Tx::emit`), so each such race
+/// costs one resend at most. Verbs leave memory changed under an
+/// outstanding WR undefined; here it still arrives as it was at the resend.
+pub struct InPlace {
+    /// Keeps the region's memory mapped while the packet waits (a packet
+    /// the qdisc refused is held and sent later).
+    _mr: Arc<Mr>,
+    ptr: *const u8,
+    payload: usize,
+    /// Headers are `buf[..hdr_len]`; pad and ICRC follow them in `buf`.
+    hdr_len: usize,
+}
+
+// SAFETY: the pointer is into memory `_mr` keeps mapped, read only by the
+// thread that owns the packet.
+unsafe impl Send for InPlace {}
+
+impl OutPkt {
+    /// The packet's first bytes (its headers, at least the BTH).
+    pub fn head(&self) -> &[u8] {
+        &self.buf[..self.in_place.as_ref().map_or(self.len, |z| z.hdr_len)]
+    }
+
+    /// The 4 ICRC bytes, wherever they are.
+    pub fn icrc_mut(&mut self) -> &mut [u8] {
+        let end = match &self.in_place {
+            Some(z) => self.len - z.payload,
+            None => self.len,
+        };
+        &mut self.buf[end - 4..end]
+    }
+
+    /// The iovecs that send the packet: one, or three for a payload in place.
+    pub fn push_iovecs(&self, out: &mut Vec<libc::iovec>) {
+        let iov = |p: *const u8, n: usize| libc::iovec { iov_base: p as *mut libc::c_void, iov_len: n };
+        match &self.in_place {
+            None => out.push(iov(self.buf.as_ptr(), self.len)),
+            Some(z) => {
+                let tail = self.len - z.payload - z.hdr_len;
+                out.push(iov(self.buf.as_ptr(), z.hdr_len));
+                out.push(iov(z.ptr, z.payload));
+                // SAFETY: hdr_len + tail <= buf.len().
+                out.push(iov(unsafe { self.buf.as_ptr().add(z.hdr_len) }, tail));
+            }
+        }
+    }
+
+    /// Copies a payload in place into the buffer, so that the whole packet
+    /// is `buf[..len]` (its ICRC as it was: the caller reseals it).
+    pub fn gather_in_place(&mut self) {
+        let Some(z) = self.in_place.take() else { return };
+        let tail = self.len - z.payload - z.hdr_len;
+        self.buf.resize(MAX_PKT, 0);
+        self.buf.copy_within(z.hdr_len..z.hdr_len + tail, z.hdr_len + z.payload);
+        // SAFETY: `_mr` keeps `payload` bytes at ptr mapped; buf has room (MAX_PKT).
+        unsafe { std::ptr::copy_nonoverlapping(z.ptr, self.buf[z.hdr_len..].as_mut_ptr(), z.payload) };
+    }
 }
 
 /// Outgoing packets of one loop iteration, with a buffer pool so the hot
@@ -163,8 +231,23 @@ pub struct Tx {
     /// (peer, peer's QPN) of QPs that went back N since the daemon last
     /// looked: copies of their requests it still holds are now duplicates.
     pub rewound: Vec<(Ipv4Addr, u32)>,
+    /// Whether first transmissions of WRITE payloads may leave in place
+    /// (`InPlace`); rnicd turns it on (RNICD_IN_PLACE_TX=0 keeps it off).
+    pub in_place: bool,
     pool: Vec<Vec<u8>>,
+    /// Buffers of packets whose payload is in place: headers, pad and
+    /// ICRC only. Small, so that a batch's headers stay in the cache
+    /// (headers written into full-size buffers, 256 of them 8 MiB apart
+    /// in all, missed it at every packet).
+    head_pool: Vec<Vec<u8>>,
 }
+
+/// Size of a buffer for headers, pad and ICRC.
+const HEAD_BUF: usize = MAX_HDR_LEN + 8;
+
+/// Smallest payload sent in place: below it, copying costs less than the
+/// kernel's two extra iovecs.
+pub const IN_PLACE_MIN: usize = 1024;
 
 impl Tx {
     /// Builds a packet: headers, then `fill` writes `payload_len` bytes (it may
@@ -183,13 +266,33 @@ impl Tx {
             return Err(e);
         }
         let len = wire::finish(flow, &mut buf, n + payload_len, payload_len);
-        self.pkts.push(OutPkt { buf, len, dst: flow.dst, sport: flow.sport });
+        self.pkts.push(OutPkt { buf, len, dst: flow.dst, sport: flow.sport, in_place: None });
         Ok(())
     }
 
+    /// Builds a packet whose payload, `payload` bytes at `ptr` inside `mr`
+    /// (resolved by the caller in this packet's handling), is sent from
+    /// there; its ICRC covers those bytes as they are now.
+    ///
+    /// # Safety
+    /// `ptr..ptr + payload` must lie inside `mr`'s memory.
+    pub unsafe fn emit_in_place(&mut self, flow: &Flow, h: &Headers, mr: Arc<Mr>, ptr: *const u8, payload: usize) {
+        let mut buf = self.head_pool.pop().unwrap_or_else(|| vec![0u8; HEAD_BUF]);
+        let hdr_len = h.write(payload, &mut buf);
+        // SAFETY: the range is inside `mr` (the caller's promise), which
+        // keeps it mapped. The owner may be
+        // writing it meanwhile (see InPlace): the CRC then reads some mix,
+        // which the receiver's check rejects.
+        let data = unsafe { std::slice::from_raw_parts(ptr, payload) };
+        let tail = wire::finish_apart(flow, &mut buf, hdr_len, data);
+        let len = hdr_len + payload + tail;
+        self.pkts.push(OutPkt { buf, len, dst: flow.dst, sport: flow.sport, in_place: Some(InPlace { _mr: mr, ptr, payload, hdr_len }) });
+    }
+
     pub fn recycle(&mut self, p: OutPkt) {
-        if self.pool.len() < 512 {
-            self.pool.push(p.buf);
+        let pool = if p.buf.len() == HEAD_BUF { &mut self.head_pool } else { &mut self.pool };
+        if pool.len() < 512 {
+            pool.push(p.buf);
         }
     }
 }

@@ -443,7 +443,17 @@ pub fn icrc(flow: &Flow, pkt: &[u8]) -> u32 {
 /// first gets 0), so a batched packet carries the ICRC for its own id and is
 /// valid RoCEv2 on the wire.
 pub fn icrc_with_ip_id(flow: &Flow, pkt: &[u8], ip_id: u16) -> u32 {
-    let udp_len = (8 + pkt.len() + ICRC_LEN) as u16;
+    icrc_of_parts(flow, pkt, &[], ip_id)
+}
+
+/// The ICRC of a packet whose bytes (without the ICRC) are `head` then
+/// each of `rest`; `head` holds at least the BTH unless `rest` is empty. A
+/// packet sent from several places (headers in a buffer, payload in a
+/// memory region) is covered without first copying it into one.
+pub fn icrc_of_parts(flow: &Flow, head: &[u8], rest: &[&[u8]], ip_id: u16) -> u32 {
+    debug_assert!(rest.is_empty() || head.len() >= BTH_LEN);
+    let pkt = head;
+    let udp_len = (8 + head.len() + rest.iter().map(|r| r.len()).sum::<usize>() + ICRC_LEN) as u16;
     let ip_len = 20 + udp_len;
     let mut ph = [0u8; 8 + 20 + 8 + BTH_LEN];
     ph[..8].fill(0xff);
@@ -470,6 +480,9 @@ pub fn icrc_with_ip_id(flow: &Flow, pkt: &[u8], ip_id: u16) -> u32 {
     h.update(&ph[..36 + n]);
     if pkt.len() > BTH_LEN {
         h.update(&pkt[BTH_LEN..]);
+    }
+    for r in rest {
+        h.update(r);
     }
     h.finalize()
 }
@@ -729,6 +742,18 @@ pub fn finish(flow: &Flow, buf: &mut [u8], len: usize, payload_len: usize) -> us
     body + 4
 }
 
+/// Finishes a packet whose payload stays where it is (`payload`, sent as an
+/// iovec of its own): headers are in `buf[..hdr_len]`; pad and ICRC, over
+/// the headers and the payload as they are now, go to
+/// `buf[hdr_len..hdr_len + tail]`. Returns `tail` (pad + 4 bytes).
+pub fn finish_apart(flow: &Flow, buf: &mut [u8], hdr_len: usize, payload: &[u8]) -> usize {
+    let pad = (4 - (payload.len() & 3)) & 3;
+    let c = icrc_of_parts(flow, &buf[..hdr_len], &[payload, &[0u8; 3][..pad]], 0);
+    buf[hdr_len..hdr_len + pad].fill(0);
+    buf[hdr_len + pad..hdr_len + pad + ICRC_LEN].copy_from_slice(&c.to_le_bytes());
+    pad + ICRC_LEN
+}
+
 /// Recomputes the ICRC of a finished packet (`pkt` includes its ICRC) for
 /// another flow: a packet that must leave from another source port than the
 /// one it was built for stays valid.
@@ -808,6 +833,25 @@ mod tests {
         let q = parse(&p3, Some(&f)).unwrap();
         assert_eq!(q.ieth, Some(0x55));
         assert_eq!(q.payload, b"x");
+    }
+
+    /// A packet finished with its payload apart (sent in place) carries
+    /// the same pad and ICRC as one built whole, for every pad length.
+    #[test]
+    fn a_payload_apart_is_sealed_as_if_whole() {
+        let f = flow();
+        let mut h = Headers::new(Opcode::WriteFirst, 3, 77);
+        h.reth = Some(Reth { va: 0x1000, rkey: 9, len: 4096 });
+        for plen in [1024usize, 1025, 1026, 1027] {
+            let payload: Vec<u8> = (0..plen).map(|i| (i * 7) as u8).collect();
+            let whole = build(&f, &h, &payload);
+            let mut buf = vec![0u8; MAX_HDR_LEN + 8];
+            let n = h.write(plen, &mut buf);
+            let tail = finish_apart(&f, &mut buf, n, &payload);
+            assert_eq!(n + plen + tail, whole.len());
+            assert_eq!(buf[..n], whole[..n]);
+            assert_eq!(buf[n..n + tail], whole[n + plen..]);
+        }
     }
 
     #[test]

@@ -18,7 +18,8 @@
 use std::time::{Duration, Instant};
 
 use super::{Ctx, Qp, RECOVERY_FIRST};
-use crate::keys::gather;
+use crate::keys::{gather, in_place};
+use crate::objects::IN_PLACE_MIN;
 use crate::types::{send_flags, QpState, WcStatus, WrOpcode};
 use crate::wire::{self, psn_add, psn_diff, AtomicEth, Headers, Opcode, Reth};
 
@@ -83,7 +84,7 @@ impl Qp {
                 }
             }
             let ask = self.asks_ack(new);
-            if let Err(status) = self.build_request(ctx, self.tx_idx, psn, ask) {
+            if let Err(status) = self.build_request(ctx, self.tx_idx, psn, ask, new) {
                 // Local protection/length error: fail this WQE, QP to error.
                 self.fail_wqe_at(ctx, self.tx_idx, status);
                 return;
@@ -244,7 +245,9 @@ impl Qp {
         }
     }
 
-    fn build_request(&self, ctx: &mut Ctx, idx: usize, psn: u32, ask_ack: bool) -> Result<(), WcStatus> {
+    /// Builds the request packet at `psn` of the WQE at `idx`; `new` when it
+    /// has never been sent (a WRITE's payload may then leave in place).
+    fn build_request(&self, ctx: &mut Ctx, idx: usize, psn: u32, ask_ack: bool, new: bool) -> Result<(), WcStatus> {
         let e = &self.sq[idx];
         let flow = self.flow(ctx.gid);
         let dq = self.attr.dest_qp_num;
@@ -325,6 +328,17 @@ impl Qp {
                     h.ieth = Some(w.imm);
                 }
                 let inline = w.flags & send_flags::INLINE != 0;
+                // A first transmission of a WRITE payload leaves from the
+                // region itself (objects::InPlace: a payload changed before
+                // it left costs one resend, and resends are copies). Not
+                // on UC, which never resends: a race would lose the message.
+                if is_write && new && !inline && !self.is_uc() && ctx.tx.in_place && plen >= IN_PLACE_MIN {
+                    if let Some((mr, ptr)) = in_place(ctx.keys, self.pd, e.sges(), off, plen) {
+                        // SAFETY: `in_place` resolved plen bytes at ptr inside mr.
+                        unsafe { ctx.tx.emit_in_place(&flow, &h, mr, ptr, plen) };
+                        return Ok(());
+                    }
+                }
                 let (keys, pd) = (&*ctx.keys, self.pd);
                 ctx.tx.emit(&flow, &h, plen, |out| {
                     if inline {
