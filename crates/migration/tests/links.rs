@@ -385,7 +385,6 @@ mod first_link {
         postcopy_first_link_silent_cut_after_the_switch_completes_on_the_other,
         hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other,
         postcopy_every_link_cut_pauses_and_recovers,
-        postcopy_recovery_with_the_first_link_still_cut_rides_the_second,
     );
 }
 
