@@ -200,10 +200,11 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
     Ok(Link { session, bucket, control, channels, urgent, reads, early_pending: None })
 }
 
-/// Postcopy: nothing moves before the switch. The destination runs at
-/// once, as soon as it says it is ready. Meanwhile the memfd's holes are
-/// found (a walk of every page, not to be done once the destination runs
-/// and faults).
+/// Postcopy: no RAM moves before the switch. The destination runs as
+/// soon as it says it is ready and has built the devices' early sections
+/// (sent now, while the VM runs here: what the destination builds ahead
+/// is not downtime). Meanwhile the memfd's holes are found (a walk of
+/// every page, not to be done once the destination runs and faults).
 fn postcopy_at_once(guard: &mut Outgoing, vm: &Arc<dyn MigratableVm>, plan: Plan, mut link: Link, ctl: &Control) -> Result<()> {
     let ram = vm.ram();
     let walk = std::thread::spawn(move || ram.data_ranges());
@@ -213,6 +214,8 @@ fn postcopy_at_once(guard: &mut Outgoing, vm: &Arc<dyn MigratableVm>, plan: Plan
         other => bail!("destination answered {other:?} instead of ready"),
     }
     link.control.set_read_timeout(None)?;
+    send_early_state(vm, &plan, &mut link, ctl)?;
+    wait_early_built(&mut link, &plan, ctl)?;
     let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
     let holes = complement(&data, plan.total);
     ctl.update(|s| s.setup_ms = plan.t0.elapsed().as_secs_f64() * 1e3);
@@ -247,9 +250,10 @@ fn hand_over(
     crate::postcopy::source::run(guard, start)
 }
 
-/// Precopy and hybrid: the devices' early sections go first, so that the
-/// destination builds them while the rounds run; the state at the switch
-/// then finds them built. Nothing is sent if no device has one.
+/// The devices' early sections go first, so that the destination builds
+/// them while the rounds run (precopy, hybrid) or while the VM runs here
+/// before a postcopy switch; the state at the switch then finds them
+/// built. Nothing is sent if no device has one.
 fn send_early_state(vm: &Arc<dyn MigratableVm>, plan: &Plan, link: &mut Link, ctl: &Control) -> Result<()> {
     let early = vm.save_early_state().context("saving the devices' early state")?;
     if early.sections.is_empty() {
@@ -262,6 +266,37 @@ fn send_early_state(vm: &Arc<dyn MigratableVm>, plan: &Plan, link: &mut Link, ct
     link.early_pending = Some(Instant::now());
     ctl.update(|s| s.early_state_bytes = blob.len() as u64);
     plan.setup_step(ctl, "early device state sent");
+    Ok(())
+}
+
+/// Postcopy: with no rounds to run meanwhile, wait here (the VM runs on)
+/// until the destination has built the devices' early sections, so that
+/// the build is not downtime. Bounded as in precopy: past the migration's
+/// timeout or `EARLY_BUILD_WAIT` the switch goes ahead and the rest of
+/// the build becomes downtime (the destination finishes it before it
+/// loads the state). Waiting never fails a migration; a cancel or a
+/// destination that refuses does.
+fn wait_early_built(link: &mut Link, plan: &Plan, ctl: &Control) -> Result<()> {
+    let Some(sent) = link.early_pending else { return Ok(()) };
+    while link.early_pending.is_some() {
+        if ctl.is_cancelled() {
+            bail!("cancelled");
+        }
+        if sent.elapsed() >= EARLY_BUILD_WAIT || plan.deadline.is_some_and(|d| Instant::now() >= d) {
+            link.early_pending = None;
+            break;
+        }
+        if link.control.wait_readable(Duration::from_millis(100)) {
+            link.control.set_read_timeout(Some(Duration::from_secs(30)))?;
+            match wire::recv_msg(&mut link.control).map_err(|e| anyhow!("destination: {e}"))? {
+                Msg::EarlyBuilt => link.early_pending = None,
+                Msg::Abort { reason } => bail!("destination refused: {reason}"),
+                other => bail!("destination sent {other:?} while building the early device state"),
+            }
+            link.control.set_read_timeout(None)?;
+        }
+    }
+    plan.setup_step(ctl, "early device state built");
     Ok(())
 }
 

@@ -211,8 +211,8 @@ impl Engine {
             Request::QueryQpStates { qpns } => self.query_qp_states(client, &qpns),
             Request::ResumeQp { qpn } => self.resume_qps(client, &[qpn], 1),
             Request::ResumeQps { qpns } => self.resume_qps(client, &qpns, proto::MAX_BATCH),
-            Request::RestoreQps { states } => self.restore_qps(client, &states),
-            Request::LoadQpStates { states } => self.load_qp_states(client, &states),
+            Request::RestoreQps { states } => self.give_qp_states(client, &states, StateTaker::Reset),
+            Request::LoadQpStates { states } => self.give_qp_states(client, &states, StateTaker::Awaiting),
             Request::OpenAsync => {
                 let fd = fds.into_iter().next().context("OpenAsync needs an eventfd")?;
                 self.asyncs.open(client, fd);
@@ -369,7 +369,8 @@ impl Engine {
             return;
         }
         let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
-        if p.bth.opcode.is_response() {
+        // A UC QP takes no responses: its responder drops them.
+        if p.bth.opcode.is_response() && !qp.is_uc() {
             qp.on_response(&mut ctx, &p);
         } else {
             qp.on_request(&mut ctx, &p);
@@ -767,7 +768,7 @@ impl Engine {
         let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
         for qp in qps.values_mut().filter(|q| q.owner == client && (q.send_cq == cq || q.recv_cq == cq)) {
             qp.doorbell(&mut ctx);
-            if qp.is_ud() {
+            if qp.is_ud() || qp.is_uc() {
                 let mut budget = usize::MAX;
                 qp.transmit(&mut ctx, &mut budget);
             }
@@ -805,8 +806,8 @@ impl Engine {
         if let Some(q) = qpn {
             self.check_free_qpn(q)?;
         }
-        if q.qp_type == QpType::Ud && (restore.is_some() || q.await_state) {
-            bail!("a UD QP cannot be created from a suspended state");
+        if q.qp_type != QpType::Rc && (restore.is_some() || q.await_state) {
+            bail!("only an RC QP can be created from a suspended state");
         }
         if q.await_state && restore.is_some() {
             bail!("a QP awaiting its state cannot also be created from one");
@@ -838,6 +839,7 @@ impl Engine {
         // Suspended from the start: it reads neither its rings nor packets
         // until its state is loaded and it resumes.
         qp.suspended |= q.await_state;
+        qp.awaiting_state = q.await_state;
         if self.qpn_order_stale > 0 {
             // The QPN may be a destroyed QP's, still listed.
             self.compact_qpn_order();
@@ -883,45 +885,54 @@ impl Engine {
 /// one QP or a batch (all checked first, then applied).
 impl Engine {
     fn suspend_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
-        self.check_batch(client, qpns, max)?;
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
-        for q in qpns {
-            if let Some(qp) = qps.get_mut(q) {
-                qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
-            }
-        }
+        self.apply_to_qps(client, qpns, max, |_| true, Qp::check_suspend, Qp::suspend)?;
         Ok(Reply::Ok)
     }
 
     /// Suspends the connected QPs of `qpns`, skips the others; returns the
     /// QPNs suspended, each once, in the request's order.
     fn suspend_connected(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Vec<u32>> {
-        self.check_batch(client, qpns, proto::MAX_BATCH)?;
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
-        let mut done = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        for q in qpns {
-            let Some(qp) = qps.get_mut(q) else { continue };
-            if matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) && seen.insert(*q) {
-                qp.suspend(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
-                done.push(*q);
-            }
-        }
-        Ok(done)
+        let connected = |qp: &Qp| matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd);
+        self.apply_to_qps(client, qpns, proto::MAX_BATCH, connected, Qp::check_suspend, Qp::suspend)
     }
 
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
+        let suspended = |qp: &Qp| if qp.suspended { Ok(()) } else { Err("QP is not suspended".to_string()) };
+        self.apply_to_qps(client, qpns, max, |_| true, suspended, Qp::resume)?;
+        Ok(Reply::Ok)
+    }
+
+    /// Suspend and resume: the QPs of `qpns` that `pick` chooses take
+    /// `apply`, each once, in the request's order; the QPNs it applied
+    /// to. The batch (at most `max`, all the client's) and every QP
+    /// picked pass `check` before any QP takes `apply`, so a refused
+    /// batch changes nothing.
+    fn apply_to_qps(
+        &mut self,
+        client: ClientId,
+        qpns: &[u32],
+        max: usize,
+        pick: impl Fn(&Qp) -> bool,
+        check: impl Fn(&Qp) -> Result<(), String>,
+        apply: impl Fn(&mut Qp, &mut Ctx) -> Result<(), String>,
+    ) -> anyhow::Result<Vec<u32>> {
         self.check_batch(client, qpns, max)?;
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
-        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
-        for q in qpns {
-            if let Some(qp) = qps.get_mut(q) {
-                qp.resume(&mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+        let mut seen = std::collections::HashSet::with_capacity(qpns.len());
+        let mut picked = Vec::with_capacity(qpns.len());
+        for &q in qpns {
+            let qp = &self.qps[&q];
+            if pick(qp) && seen.insert(q) {
+                check(qp).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+                picked.push(q);
             }
         }
-        Ok(Reply::Ok)
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        for q in &picked {
+            let qp = qps.get_mut(q).expect("checked above");
+            apply(qp, &mut ctx).map_err(|e| anyhow!("QP {q:#x}: {e}"))?;
+        }
+        Ok(picked)
     }
 
     fn query_qp_states(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Reply> {
@@ -933,38 +944,56 @@ impl Engine {
         Ok(Reply::QpStates(out))
     }
 
-    fn restore_qps(&mut self, client: ClientId, states: &[QpSnapshot]) -> anyhow::Result<Reply> {
+    /// RestoreQps and LoadQpStates: every QP named is the client's, named
+    /// once and one that `taker` admits, and every state is valid, before
+    /// any QP takes its state: a refused batch changes nothing.
+    fn give_qp_states(&mut self, client: ClientId, states: &[QpSnapshot], taker: StateTaker) -> anyhow::Result<Reply> {
         let qpns: Vec<u32> = states.iter().map(|s| s.qpn).collect();
         self.check_batch(client, &qpns, proto::MAX_QUERY_BATCH)?;
-        if let Some(q) = qpns.iter().find(|q| self.qps[q].attr.qp_state != QpState::Reset || self.qps[q].suspended) {
-            bail!("QP {q:#x} must be in RESET to take a state");
-        }
-        for s in states {
-            self.owned_qp(client, s.qpn)?.restore(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;
-        }
-        Ok(Reply::Ok)
-    }
-
-    /// LoadQpStates: every QP named must be the client's and suspended,
-    /// each once, and every state valid, before any is applied.
-    fn load_qp_states(&mut self, client: ClientId, states: &[QpSnapshot]) -> anyhow::Result<Reply> {
-        let qpns: Vec<u32> = states.iter().map(|s| s.qpn).collect();
-        self.check_batch(client, &qpns, proto::MAX_QUERY_BATCH)?;
-        let mut seen = std::collections::HashSet::with_capacity(qpns.len());
+        let mut seen = std::collections::HashSet::with_capacity(states.len());
+        let mut checked = Vec::with_capacity(states.len());
         for s in states {
             if !seen.insert(s.qpn) {
                 bail!("QP {:#x} is named twice", s.qpn);
             }
-            let qp = &self.qps[&s.qpn];
-            if !qp.suspended {
-                bail!("QP {:#x} is not suspended: only a suspended QP takes a state", s.qpn);
+            if let Some(why) = taker.refuses(&self.qps[&s.qpn]) {
+                bail!("QP {:#x} {why}", s.qpn);
             }
-            Qp::check_snapshot(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;
+            checked.push((s.qpn, Qp::check_snapshot(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?));
         }
-        for s in states {
-            self.owned_qp(client, s.qpn)?.restore(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?;
+        for (qpn, state) in checked {
+            self.qps.get_mut(&qpn).expect("checked above").take_state(state);
         }
         Ok(Reply::Ok)
+    }
+}
+
+/// Which QPs a request that hands out QP states gives them to.
+#[derive(Clone, Copy)]
+enum StateTaker {
+    /// RestoreQps: a QP in RESET that is not suspended (made ahead with
+    /// the state's QPN, or reset since; either way nothing of it is kept).
+    Reset,
+    /// LoadQpStates: a QP made to await its state (`Create::Qp {
+    /// await_state }`) that has none yet. A QP that ran (suspended since
+    /// or not) or that has its state never takes another: the state it
+    /// has is the one its peer talks to, and one laid over it is a
+    /// caller's mistake (a wrong QPN), never a migration's switch, which
+    /// loads each QP it built ahead once.
+    Awaiting,
+}
+
+impl StateTaker {
+    /// Why `qp` may not take a state, if it may not.
+    fn refuses(self, qp: &Qp) -> Option<&'static str> {
+        let in_reset = qp.attr.qp_state == QpState::Reset;
+        match self {
+            StateTaker::Reset if !in_reset || qp.suspended => Some("must be in RESET to take a state"),
+            StateTaker::Awaiting if !qp.awaiting_state || !in_reset => {
+                Some("is not awaiting a state: only a QP made to await its state takes one, once")
+            }
+            _ => None,
+        }
     }
 }
 

@@ -194,8 +194,10 @@ pub enum Request {
         qpn: u32,
     },
     /// Batched forms for moving many QPs at once (all checked first, then
-    /// applied; at most MAX_BATCH QPNs; query replies are one message, so
-    /// clients ask for at most MAX_QUERY_BATCH states at a time).
+    /// applied, so a refused batch changes nothing; a QPN named again is
+    /// suspended or resumed once; at most MAX_BATCH QPNs; query replies
+    /// are one message, so clients ask for at most MAX_QUERY_BATCH states
+    /// at a time).
     SuspendQps {
         qpns: Vec<u32>,
     },
@@ -207,16 +209,19 @@ pub enum Request {
     },
     /// Create-suspended in two steps, for many QPs: QPs created ahead (with
     /// the QPNs of the states, still in RESET) take these states and become
-    /// suspended. At most MAX_QUERY_BATCH states per request.
+    /// suspended. All QPs (the caller's, each named once, in RESET and not
+    /// suspended) and states are checked first, then applied. At most
+    /// MAX_QUERY_BATCH states per request.
     RestoreQps {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },
-    /// Each state goes into the suspended QP of its QPN (one made to await
-    /// its state, `Create::Qp { await_state }`, or one suspended since),
-    /// which stays suspended until ResumeQps: a migration's destination
-    /// builds its QPs ahead and loads only their states at the switch. All
-    /// QPs and states are checked first, then applied; a QP that is not
-    /// suspended is refused. At most MAX_QUERY_BATCH states.
+    /// Each state goes into the QP of its QPN, made to await its state
+    /// (`Create::Qp { await_state }`) and still without one, which stays
+    /// suspended until ResumeQps: a migration's destination builds its QPs
+    /// ahead and loads only their states at the switch. All QPs and states
+    /// are checked first, then applied; any other QP (one that ran, one
+    /// that has its state already) is refused. At most MAX_QUERY_BATCH
+    /// states.
     LoadQpStates {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },

@@ -5,7 +5,7 @@
 mod common;
 
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
 use common::*;
 use rnic::engine::Engine;
@@ -17,10 +17,7 @@ use verbs::*;
 const CLIENT: u64 = 1;
 const PAGE: u64 = 4096;
 
-fn dup(fd: &OwnedFd) -> OwnedFd {
-    // SAFETY: dup of a valid fd.
-    unsafe { OwnedFd::from_raw_fd(libc::dup(fd.as_raw_fd())) }
-}
+use common::direct::dup;
 
 /// An engine with one PD of CLIENT, guest-like memory (16 pages) and a
 /// rings memfd (64 pages).

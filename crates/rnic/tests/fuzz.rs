@@ -1,25 +1,21 @@
 //! Property tests: random and malformed packets never crash the parser or the
 //! engine, and the responder never touches memory outside a registered region.
+mod common;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::time::Instant;
 
+use common::direct::{self, dup};
 use proptest::prelude::*;
 use rnic::engine::Engine;
 use rnic::mem::{sealed_memfd, Mapping};
 use rnic::proto::{Reply, Request};
-use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
-use rnic::types::{access, mask, Mtu, QpAttr, QpCap, QpState, QpType};
+use rnic::types::{access, mask, Mtu, QpAttr, QpState};
 use rnic::wire::{self, AtomicEth, Flow, Headers, Opcode, Reth, ROCE_PORT};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 1);
 const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 2);
 const PAGE: usize = 4096;
-
-fn dup(fd: &OwnedFd) -> OwnedFd {
-    // SAFETY: dup of a valid fd.
-    unsafe { OwnedFd::from_raw_fd(libc::dup(fd.as_raw_fd())) }
-}
 
 struct Rig {
     engine: Engine,
@@ -50,24 +46,8 @@ fn rig() -> Rig {
     else {
         panic!()
     };
-    let cqfd = sealed_memfd("cq", ring_bytes::<Cqe>(64)).unwrap();
-    let Reply::Cq(cq) = e.control(c, Request::CreateCq { cap: 64, channel: None }, vec![dup(&cqfd)]).unwrap() else { panic!() };
-    let sq = sealed_memfd("sq", ring_bytes::<SendWqe>(16)).unwrap();
-    let rq = sealed_memfd("rq", ring_bytes::<RecvWqe>(16)).unwrap();
-    let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 64 };
-    let req = Request::CreateQp {
-        pd,
-        send_cq: cq,
-        recv_cq: cq,
-        cap,
-        sq_sig_all: false,
-        sq_slots: 16,
-        rq_slots: 16,
-        qpn: None,
-        restore: None,
-        qp_type: QpType::Rc,
-    };
-    let Reply::Qp { qpn, .. } = e.control(c, req, vec![dup(&sq), dup(&rq)]).unwrap() else { panic!() };
+    let (cq, cqfd) = direct::cq(&mut e, c, 64);
+    let (qpn, [sq, rq]) = direct::rc_qp(&mut e, c, pd, cq, 4, 64);
     let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: access::ALL, port_num: 1, ..Default::default() };
     e.control(c, Request::ModifyQp { qpn, attr: a, mask: mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS }, vec![])
         .unwrap();

@@ -2,15 +2,15 @@
 //! table and Linux's `ib_modify_qp_is_ok` give them: a transition refuses
 //! attributes it does not take, and a refused modify changes nothing.
 //! Runs one engine in this process (no network needed).
+mod common;
 use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 
+use common::direct;
 use rnic::engine::Engine;
-use rnic::mem::sealed_memfd;
 use rnic::objects::ClientId;
 use rnic::proto::{Reply, Request};
-use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
-use rnic::types::{access, mask, Mtu, QpAttr, QpCap, QpState, QpType};
+use rnic::types::{access, mask, Mtu, QpAttr, QpState};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 1);
 const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 2);
@@ -32,29 +32,8 @@ impl Rig {
     fn new() -> Rig {
         let mut e = Engine::new(LOCAL);
         let Reply::Pd(pd) = e.control(CLIENT, Request::AllocPd, vec![]).unwrap() else { panic!() };
-        let cqfd = sealed_memfd("cq", ring_bytes::<Cqe>(64)).unwrap();
-        let Reply::Cq(cq) = e.control(CLIENT, Request::CreateCq { cap: 64, channel: None }, vec![cqfd.try_clone().unwrap()]).unwrap()
-        else {
-            panic!()
-        };
-        let sq = sealed_memfd("sq", ring_bytes::<SendWqe>(16)).unwrap();
-        let rq = sealed_memfd("rq", ring_bytes::<RecvWqe>(16)).unwrap();
-        let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 64 };
-        let req = Request::CreateQp {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap,
-            sq_sig_all: false,
-            sq_slots: 16,
-            rq_slots: 16,
-            qpn: None,
-            restore: None,
-            qp_type: QpType::Rc,
-        };
-        let Reply::Qp { qpn, .. } = e.control(CLIENT, req, vec![sq.try_clone().unwrap(), rq.try_clone().unwrap()]).unwrap() else {
-            panic!()
-        };
+        let (cq, cqfd) = direct::cq(&mut e, CLIENT, 64);
+        let (qpn, [sq, rq]) = direct::rc_qp(&mut e, CLIENT, pd, cq, 4, 64);
         Rig { engine: e, qpn, _fds: vec![cqfd, sq, rq] }
     }
 

@@ -58,17 +58,28 @@ fn bad_states_and_requests_are_refused() {
     assert!(format!("{:#}", other.restore_qps(&[valid(0x500)]).unwrap_err()).contains("no QP"));
     assert!(other.suspend_qps(&[&q]).is_err(), "another client's QP");
     let fresh = pd.create_qp_with_qpn(&init, 0x501).unwrap();
+    let fresh2 = pd.create_qp_with_qpn(&init, 0x502).unwrap();
+    // A QP named twice, or a bad state beside a good one: the whole
+    // batch is refused and no QP takes its state.
+    assert!(format!("{:#}", ctx.restore_qps(&[valid(0x501), valid(0x501)]).unwrap_err()).contains("twice"));
+    let mut bad = valid(0x502);
+    bad.runtime.una = 80;
+    assert!(format!("{:#}", ctx.restore_qps(&[valid(0x501), bad]).unwrap_err()).contains("inconsistent"));
+    assert_eq!(fresh.query().unwrap().0.qp_state, QpState::Reset, "a refused batch restores nothing");
+    assert!(fresh.query_state().is_err(), "not suspended");
     let mut s = valid(0x501);
     s.runtime.epsn = 0xffff_ffff; // masked to 24 bits, accepted
-    ctx.restore_qps(&[s]).unwrap();
+    ctx.restore_qps(&[s, valid(0x502)]).unwrap();
     assert_eq!(fresh.query_state().unwrap().runtime.epsn, 0xff_ffff);
+    assert_eq!(fresh2.query_state().unwrap().runtime.una, 95);
     // rnicd is still fine.
-    assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 8);
+    assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 10);
 }
 
 /// SuspendConnected (a migration's pause): only the connected QPs of the
 /// batch are suspended and named; a batch with a QP that is not the
-/// caller's is refused whole and suspends nothing.
+/// caller's is refused whole and suspends nothing. SuspendQps and
+/// ResumeQps are all or nothing too.
 #[test]
 fn suspend_connected_takes_the_connected_qps_only() {
     let bed = Bed::new("rnsusc", 2);
@@ -88,13 +99,27 @@ fn suspend_connected_takes_the_connected_qps_only() {
     assert_eq!(a.ctx.suspend_connected(&[]).unwrap(), Vec::<u32>::new());
     a.ctx.resume_qps(&[&a.qp]).unwrap();
     assert!(a.qp.query_state().is_err(), "running again");
+
+    // SuspendQps and ResumeQps check every QP before they change any: a
+    // batch with a QP that cannot be suspended (RESET) or resumed (not
+    // suspended) is refused whole; a QP named twice is taken once.
+    let e = a.ctx.suspend_qps(&[&a.qp, &fresh]).unwrap_err();
+    assert!(format!("{e:#}").contains("RTR/RTS/SQD"), "{e:#}");
+    assert!(a.qp.query_state().is_err(), "a refused batch suspends nothing");
+    a.ctx.suspend_qps(&[&a.qp, &a.qp]).unwrap();
+    let e = a.ctx.resume_qps(&[&a.qp, &fresh]).unwrap_err();
+    assert!(format!("{e:#}").contains("not suspended"), "{e:#}");
+    a.qp.query_state().expect("a refused batch resumes nothing");
+    a.ctx.resume_qps(&[&a.qp, &a.qp]).unwrap();
+    assert!(a.qp.query_state().is_err(), "running again");
 }
 
-/// LoadQpStates (a migration's switch into QPs built ahead): only a
-/// suspended QP of the caller's takes a state, and a batch with any bad
-/// QP or state is refused whole.
+/// LoadQpStates (a migration's switch into QPs built ahead): only a QP of
+/// the caller's made to await its state takes one, once; a QP that ran
+/// (even suspended since) never does, and a batch with any bad QP or
+/// state is refused whole.
 #[test]
-fn load_qp_states_takes_states_into_suspended_qps_only() {
+fn load_qp_states_fills_only_qps_awaiting_their_state() {
     let bed = Bed::new("rnload", 1);
     let ctx = bed.ctx(0);
     let pd = ctx.alloc_pd().unwrap();
@@ -113,10 +138,27 @@ fn load_qp_states_takes_states_into_suspended_qps_only() {
     assert_eq!((qps[0].qpn, qps[1].qpn), (0x600, 0x601));
     assert_eq!(qps[0].query().unwrap().0.qp_state, QpState::Reset, "no state before the load");
     let fresh = pd.create_qp_with_qpn(&init, 0x602).unwrap();
+    // A QP that ran: connected (loopback), a message each way, suspended.
+    let (a, b) = pair_sized(&bed, 0, 0, ConnectOpts::default(), 4096, 4);
+    for (from, to) in [(&a, &b), (&b, &a)] {
+        to.qp.post_recv(&[RecvWr { wr_id: 1, sg_list: &[to.mr.sge(0, 64)] }]).unwrap();
+        from.qp.post_send(&[SendWr::send(2, &[from.mr.sge(1024, 64)])]).unwrap();
+        ok(&from.scq);
+        ok(&to.rcq);
+    }
+    assert_eq!(a.ctx.suspend_connected(&[&a.qp]).unwrap(), vec![a.qp.qpn]);
+    let ran = a.qp.query_state().unwrap();
 
-    // A QP that is not suspended, a QPN that does not exist, another
-    // client's QP, a QP named twice, bad states: each refused.
-    assert!(err(ctx.load_qp_states(&[valid(0x602)])).contains("not suspended"));
+    // A QP that is not suspended, a QP that ran and was suspended (even
+    // with its own state), a QPN that does not exist, another client's
+    // QP, a QP named twice, bad states: each refused.
+    assert!(err(ctx.load_qp_states(&[valid(0x602)])).contains("not awaiting"));
+    let mut s = valid(a.qp.qpn);
+    s.attr.dest_qp_num = b.qp.qpn;
+    assert!(err(a.ctx.load_qp_states(&[s])).contains("not awaiting"), "a QP that ran");
+    assert!(err(a.ctx.load_qp_states(std::slice::from_ref(&ran))).contains("not awaiting"), "a QP that ran, its own state");
+    assert_eq!(a.qp.query_state().unwrap().runtime.una, ran.runtime.una, "the QP that ran is as it was");
+    assert!(err(ctx.load_qp_states(&[valid(0x600), valid(0x602)])).contains("not awaiting"));
     assert!(err(ctx.load_qp_states(&[valid(0x7777)])).contains("no QP"));
     assert!(err(bed.ctx(0).load_qp_states(&[valid(0x600)])).contains("no QP"));
     assert!(err(ctx.load_qp_states(&[valid(0x600), valid(0x600)])).contains("twice"));
@@ -139,17 +181,30 @@ fn load_qp_states_takes_states_into_suspended_qps_only() {
     ctx.load_qp_states(&[valid(0x600), valid(0x601)]).unwrap();
     let st = qps[1].query_state().unwrap();
     assert_eq!((st.attr.qp_state, st.runtime.una, st.runtime.next_psn, st.runtime.epsn), (QpState::Rts, 95, 90, 5));
-    // A suspended QP that has its state may take another (the last wins).
+    // A QP that has its state takes no other (it loads once).
     let mut s = valid(0x600);
     s.runtime.epsn = 7;
-    ctx.load_qp_states(&[s]).unwrap();
-    assert_eq!(qps[0].query_state().unwrap().runtime.epsn, 7);
+    assert!(err(ctx.load_qp_states(&[s])).contains("not awaiting"));
+    assert_eq!(qps[0].query_state().unwrap().runtime.epsn, 5, "the loaded state stays");
     ctx.resume_qps(&[&qps[0], &qps[1]]).unwrap();
-    assert!(err(ctx.load_qp_states(&[valid(0x600)])).contains("not suspended"), "a resumed QP takes no state");
+    assert!(err(ctx.load_qp_states(&[valid(0x600)])).contains("not awaiting"), "a resumed QP takes no state");
+    // One made to await a state that resumed without one is an ordinary
+    // QP in RESET: it takes none either.
+    let made = ctx.create_batch(&[NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x603 }]).unwrap();
+    let Made::Qp(unloaded) = &made[0] else { panic!("not a QP") };
+    ctx.resume_qps(&[unloaded]).unwrap();
+    assert!(err(ctx.load_qp_states(&[valid(0x603)])).contains("not awaiting"));
     drop(fresh);
     // A QP awaiting a state cannot be UD, and rnicd is still fine.
     let mut ud = QpInitAttr::new(&cq, &cq);
     ud.qp_type = QpType::Ud;
     assert!(ctx.create_batch(&[NewObject::QpAwaitingState { pd: &pd, init: &ud, qpn: 0x610 }]).is_err());
-    assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 10);
+    assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 14);
+    // The QPs that refused states still work: the one that ran resumes
+    // and carries a message.
+    a.ctx.resume_qps(&[&a.qp]).unwrap();
+    b.qp.post_recv(&[RecvWr { wr_id: 3, sg_list: &[b.mr.sge(0, 64)] }]).unwrap();
+    a.qp.post_send(&[SendWr::send(4, &[a.mr.sge(1024, 64)])]).unwrap();
+    ok(&a.scq);
+    assert_eq!(ok(&b.rcq).wr_id, 3);
 }

@@ -325,15 +325,11 @@ fn ud_qps_take_datagram_receives_from_the_srq() {
 /// (no client-side checks in the way): each gets an error and changes nothing.
 #[test]
 fn bad_srq_requests_get_errors() {
+    use common::direct::{self, dup};
     use rnic::proto::{Reply, Request};
     use rnic::qp_snapshot::SavedRecv;
-    use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
-    use std::os::fd::{FromRawFd, OwnedFd};
+    use rnic::ring::{ring_bytes, RecvWqe};
 
-    fn dup(fd: &OwnedFd) -> OwnedFd {
-        // SAFETY: dup of a valid fd.
-        unsafe { OwnedFd::from_raw_fd(libc::dup(fd.as_raw_fd())) }
-    }
     let mut e = rnic::engine::Engine::new("10.9.0.1".parse().unwrap());
     let (c, other) = (1, 2);
     let Reply::Pd(pd) = e.control(c, Request::AllocPd, vec![]).unwrap() else { panic!() };
@@ -403,30 +399,10 @@ fn bad_srq_requests_get_errors() {
 
     // A QP of another PD cannot use it; a QP of its PD can, once.
     let Reply::Pd(pd2) = e.control(c, Request::AllocPd, vec![]).unwrap() else { panic!() };
-    let cqfd = rnic::mem::sealed_memfd("cq", ring_bytes::<Cqe>(64)).unwrap();
-    let Reply::Cq(cq) = e.control(c, Request::CreateCq { cap: 64, channel: None }, vec![dup(&cqfd)]).unwrap() else { panic!() };
-    let qp = |e: &mut rnic::engine::Engine, pd| {
-        let sq = rnic::mem::sealed_memfd("sq", ring_bytes::<SendWqe>(16)).unwrap();
-        let rq = rnic::mem::sealed_memfd("rq", ring_bytes::<RecvWqe>(16)).unwrap();
-        let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-        let req = Request::CreateQp {
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            cap,
-            sq_sig_all: false,
-            sq_slots: 16,
-            rq_slots: 16,
-            qpn: None,
-            restore: None,
-            qp_type: QpType::Rc,
-        };
-        let Reply::Qp { qpn, .. } = e.control(c, req, vec![sq, rq]).unwrap() else { panic!() };
-        qpn
-    };
-    let q2 = qp(&mut e, pd2);
+    let (cq, _cqfd) = direct::cq(&mut e, c, 64);
+    let (q2, _q2_rings) = direct::rc_qp(&mut e, c, pd2, cq, 1, 0);
     assert!(e.control(c, Request::AttachSrq { qpn: q2, srq }, vec![]).is_err(), "a QP of another PD");
-    let q1 = qp(&mut e, pd);
+    let (q1, _q1_rings) = direct::rc_qp(&mut e, c, pd, cq, 1, 0);
     e.control(c, Request::AttachSrq { qpn: q1, srq }, vec![]).unwrap();
     assert!(e.control(c, Request::AttachSrq { qpn: q1, srq }, vec![]).is_err(), "attached twice");
     assert!(e.control(c, Request::QuerySrqState { srq }, vec![]).is_err(), "its QP is not suspended");

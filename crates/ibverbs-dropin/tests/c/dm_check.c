@@ -11,47 +11,14 @@
  */
 #include "check.h"
 
-static struct ibv_wc wait_wc(const char *what)
-{
-	struct ibv_wc wc;
-	for (long i = 0; i < 2000000000L; i++) {
-		int n = ibv_poll_cq(cq, 1, &wc);
-		CHECK(what, n >= 0, "poll_cq %d", n);
-		if (n == 1) {
-			CHECK(what, wc.status == IBV_WC_SUCCESS, "status %d (%s)", wc.status,
-			      ibv_wc_status_str(wc.status));
-			return wc;
-		}
-	}
-	CHECK(what, 0, "no completion");
-	return wc;
-}
-
-static void post(struct ibv_qp *qp, enum ibv_wr_opcode op, uint64_t addr, uint32_t len, uint32_t lkey,
-		 uint64_t raddr, uint32_t rkey)
-{
-	struct ibv_sge sge = { .addr = addr, .length = len, .lkey = lkey };
-	struct ibv_send_wr wr = { .wr_id = op, .sg_list = &sge, .num_sge = 1, .opcode = op,
-				  .send_flags = IBV_SEND_SIGNALED }, *bad;
-	wr.wr.rdma.remote_addr = raddr;
-	wr.wr.rdma.rkey = rkey;
-	CHECK("post_send", ibv_post_send(qp, &wr, &bad) == 0, "opcode %d", op);
-}
-
 #define DM_LEN 8192
 static char buf[1 << 16];
 static char pattern[DM_LEN], back[DM_LEN];
 
 int main(void)
 {
-	int n;
 	setvbuf(stdout, NULL, _IONBF, 0);
-	struct ibv_device **list = ibv_get_device_list(&n);
-	CHECK("device list", list && n == 1, "n=%d", n);
-	ctx = ibv_open_device(list[0]);
-	CHECK("open", ctx, "errno %d", errno);
-	ibv_free_device_list(list);
-	CHECK("query_gid", ibv_query_gid(ctx, 1, 0, &gid) == 0, "gid");
+	open_device();
 	pd = ibv_alloc_pd(ctx);
 	cq = ibv_create_cq(ctx, 256, NULL, NULL, 0);
 	struct ibv_mr *mr = ibv_reg_mr(pd, buf, sizeof(buf), IBV_ACCESS_LOCAL_WRITE);
@@ -109,9 +76,8 @@ int main(void)
 	CHECK("free_dm with an MR", ibv_free_dm(dm) == EBUSY, "not EBUSY");
 	OK("dm mrs");
 
-	struct ibv_qp *a = loopback_qp(), *b = loopback_qp();
-	loopback_connect(a, b->qp_num);
-	loopback_connect(b, a->qp_num);
+	struct ibv_qp *a = loopback_qp(16, 1, NULL), *b = loopback_qp(16, 1, NULL);
+	loopback_pair(a, b, LOOPBACK_ACCESS, 4);
 
 	/* SEND from device memory (DM offset 4096 + 256, 1000 bytes) into b's buffer. */
 	struct ibv_sge rs = { .addr = (uintptr_t)buf, .length = 4096, .lkey = mr->lkey };
@@ -119,7 +85,7 @@ int main(void)
 	CHECK("post_recv", ibv_post_recv(b, &rw, &rbad) == 0, "post_recv");
 	post(a, IBV_WR_SEND, 256, 1000, dmr->lkey, 0, 0);
 	for (int k = 0; k < 2; k++) {
-		struct ibv_wc wc = wait_wc("send from dm");
+		struct ibv_wc wc = wait_ok("send from dm");
 		if (wc.opcode == IBV_WC_RECV)
 			CHECK("send from dm", wc.byte_len == 1000, "byte_len %u", wc.byte_len);
 	}
@@ -130,7 +96,7 @@ int main(void)
 	for (int i = 0; i < 2048; i++)
 		buf[8192 + i] = (char)(255 - i);
 	post(b, IBV_WR_RDMA_WRITE, (uintptr_t)(buf + 8192), 2048, mr->lkey, 512, dmr->rkey);
-	wait_wc("write into dm");
+	wait_ok("write into dm");
 	CHECK("write into dm", ibv_memcpy_from_dm(back, dm, 4608, 2048) == 0 && !memcmp(back, buf + 8192, 2048),
 	      "data differs");
 	CHECK("write into dm", ibv_memcpy_from_dm(back, dm, 4096, 512) == 0 && !memcmp(back, pattern + 4096, 512),
@@ -139,31 +105,19 @@ int main(void)
 
 	/* RDMA READ by b of a's DM MR, addresses 3000..4096 (the MR's end). */
 	post(b, IBV_WR_RDMA_READ, (uintptr_t)(buf + 16384), 1096, mr->lkey, 3000, dmr->rkey);
-	wait_wc("read from dm");
+	wait_ok("read from dm");
 	CHECK("read from dm", !memcmp(buf + 16384, pattern + 4096 + 3000, 1096), "data differs");
 	/* Past the MR's end: the responder refuses, the requester sees a remote access error. */
 	post(b, IBV_WR_RDMA_READ, (uintptr_t)(buf + 16384), 8, mr->lkey, 4092, dmr->rkey);
-	struct ibv_wc wc;
-	for (;;) {
-		n = ibv_poll_cq(cq, 1, &wc);
-		CHECK("read past the mr", n >= 0, "poll");
-		if (n == 1)
-			break;
-	}
+	struct ibv_wc wc = next_wc("read past the mr");
 	CHECK("read past the mr", wc.status == IBV_WC_REM_ACCESS_ERR, "status %d", wc.status);
 	OK("rdma read from device memory");
 
 	/* An empty DM MR grants nothing: a WRITE of 4 bytes to it is refused. */
-	struct ibv_qp *c = loopback_qp(), *d = loopback_qp();
-	loopback_connect(c, d->qp_num);
-	loopback_connect(d, c->qp_num);
+	struct ibv_qp *c = loopback_qp(16, 1, NULL), *d = loopback_qp(16, 1, NULL);
+	loopback_pair(c, d, LOOPBACK_ACCESS, 4);
 	post(c, IBV_WR_RDMA_WRITE, (uintptr_t)buf, 4, mr->lkey, 0, empty->rkey);
-	for (;;) {
-		n = ibv_poll_cq(cq, 1, &wc);
-		CHECK("write to an empty mr", n >= 0, "poll");
-		if (n == 1)
-			break;
-	}
+	wc = next_wc("write to an empty mr");
 	CHECK("write to an empty mr", wc.status == IBV_WC_REM_ACCESS_ERR, "status %d", wc.status);
 	CHECK("dereg empty mr", ibv_dereg_mr(empty) == 0 && !ibv_destroy_qp(c) && !ibv_destroy_qp(d), "dereg");
 	OK("empty dm mr");

@@ -28,48 +28,15 @@ static struct ibv_qp *make_qp_ex(void)
 	return qp;
 }
 
-/* The next completion, whatever its status. */
-static struct ibv_wc next_wc(const char *what)
-{
-	struct ibv_wc wc;
-	for (long i = 0; i < 2000000000L; i++) {
-		int n = ibv_poll_cq(cq, 1, &wc);
-		CHECK(what, n >= 0, "poll_cq %d", n);
-		if (n == 1)
-			return wc;
-	}
-	CHECK(what, 0, "no completion");
-	return wc;
-}
-
-static struct ibv_wc wait_wc(const char *what)
-{
-	struct ibv_wc wc = next_wc(what);
-	CHECK(what, wc.status == IBV_WC_SUCCESS, "status %d (%s)", wc.status, ibv_wc_status_str(wc.status));
-	return wc;
-}
-
-static void post(struct ibv_qp *qp, enum ibv_wr_opcode op, uint64_t addr, uint32_t len, uint32_t lkey,
-		 uint64_t raddr, uint32_t rkey)
-{
-	struct ibv_sge sge = { .addr = addr, .length = len, .lkey = lkey };
-	struct ibv_send_wr wr = { .wr_id = op, .sg_list = &sge, .num_sge = 1, .opcode = op,
-				  .send_flags = IBV_SEND_SIGNALED }, *bad;
-	wr.wr.rdma.remote_addr = raddr;
-	wr.wr.rdma.rkey = rkey;
-	CHECK("post_send", ibv_post_send(qp, &wr, &bad) == 0, "opcode %d", op);
-}
-
 static char buf[1 << 16];
 static struct ibv_mr *mr, *wmr;
 
 /* A fresh connected pair: a writes, b owns the windows. */
 static void fresh(struct ibv_qp **a, struct ibv_qp **b)
 {
-	*a = loopback_qp();
-	*b = loopback_qp();
-	loopback_connect(*a, (*b)->qp_num);
-	loopback_connect(*b, (*a)->qp_num);
+	*a = loopback_qp(16, 1, NULL);
+	*b = loopback_qp(16, 1, NULL);
+	loopback_pair(*a, *b, LOOPBACK_ACCESS, 4);
 }
 
 /* a writes 64 bytes to b's window memory (wmr) with `rkey`; the status. */
@@ -77,13 +44,7 @@ static int write_with(struct ibv_qp *a, uint32_t rkey, char fill)
 {
 	memset(buf, fill, 64);
 	post(a, IBV_WR_RDMA_WRITE, (uintptr_t)buf, 64, mr->lkey, (uintptr_t)(buf + 32768), rkey);
-	struct ibv_wc wc;
-	for (;;) {
-		int n = ibv_poll_cq(cq, 1, &wc);
-		CHECK("write", n >= 0, "poll");
-		if (n == 1)
-			return wc.status;
-	}
+	return next_wc("write").status;
 }
 
 static uint32_t bind2(struct ibv_qp *b, struct ibv_mw *mw, unsigned int access)
@@ -95,21 +56,15 @@ static uint32_t bind2(struct ibv_qp *b, struct ibv_mw *mw, unsigned int access)
 	wr.bind_mw.bind_info = (struct ibv_mw_bind_info){ .mr = wmr, .addr = (uintptr_t)(buf + 32768), .length = 4096,
 							   .mw_access_flags = access };
 	CHECK("bind type 2", ibv_post_send(b, &wr, &bad) == 0, "post");
-	struct ibv_wc wc = wait_wc("bind type 2");
+	struct ibv_wc wc = wait_ok("bind type 2");
 	CHECK("bind type 2", wc.opcode == IBV_WC_BIND_MW && mw->rkey == new_key, "opcode %d rkey %x", wc.opcode, mw->rkey);
 	return new_key;
 }
 
 int main(void)
 {
-	int n;
 	setvbuf(stdout, NULL, _IONBF, 0);
-	struct ibv_device **list = ibv_get_device_list(&n);
-	CHECK("device list", list && n == 1, "n=%d", n);
-	ctx = ibv_open_device(list[0]);
-	CHECK("open", ctx, "errno %d", errno);
-	ibv_free_device_list(list);
-	CHECK("query_gid", ibv_query_gid(ctx, 1, 0, &gid) == 0, "gid");
+	open_device();
 	pd = ibv_alloc_pd(ctx);
 	cq = ibv_create_cq(ctx, 256, NULL, NULL, 0);
 	mr = ibv_reg_mr(pd, buf, 32768, IBV_ACCESS_LOCAL_WRITE);
@@ -156,14 +111,14 @@ int main(void)
 	mb.bind_info = (struct ibv_mw_bind_info){ .mr = wmr, .addr = (uintptr_t)(buf + 32768), .length = 4096,
 						  .mw_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE };
 	CHECK("bind_mw", ibv_bind_mw(b, w1, &mb) == 0 && w1->rkey == ibv_inc_rkey(old), "rkey %x", w1->rkey);
-	wc = wait_wc("bind_mw");
+	wc = wait_ok("bind_mw");
 	CHECK("bind_mw", wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 1, "opcode %d", wc.opcode);
 	CHECK("write through type 1", write_with(a, w1->rkey, 'x') == IBV_WC_SUCCESS && buf[32768 + 63] == 'x',
 	      "not written");
 	/* Unbound by a zero-length bind: the next write is refused. */
 	mb.bind_info = (struct ibv_mw_bind_info){ .mr = wmr };
 	CHECK("zero-length bind", ibv_bind_mw(b, w1, &mb) == 0, "bind");
-	wait_wc("zero-length bind");
+	wait_ok("zero-length bind");
 	CHECK("write after unbind", write_with(a, w1->rkey, 'y') == IBV_WC_REM_ACCESS_ERR && buf[32768] == 'x',
 	      "not refused");
 	OK("type 1 window");
@@ -194,7 +149,7 @@ int main(void)
 	}
 	CHECK("two binds in a chain", ibv_post_send(b, chain, &bad) == 0 && w2->rkey == k2, "post, rkey %x", w2->rkey);
 	for (int i = 0; i < 2; i++) {
-		wc = wait_wc("two binds in a chain");
+		wc = wait_ok("two binds in a chain");
 		CHECK("two binds in a chain", wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 20u + i, "wr_id %lu",
 		      (unsigned long)wc.wr_id);
 	}
@@ -203,10 +158,9 @@ int main(void)
 	CHECK("chain: write with the first rkey", write_with(a, k1, 'd') == IBV_WC_REM_ACCESS_ERR && buf[32768] == 'c',
 	      "not refused");
 	/* The same in one ibv_wr_* batch, on a QP made for the builders. */
-	a = loopback_qp();
+	a = loopback_qp(16, 1, NULL);
 	b = make_qp_ex();
-	loopback_connect(a, b->qp_num);
-	loopback_connect(b, a->qp_num);
+	loopback_pair(a, b, LOOPBACK_ACCESS, 4);
 	struct ibv_qp_ex *bx = ibv_qp_to_qp_ex(b);
 	k1 = ibv_inc_rkey(w2->rkey);
 	k2 = ibv_inc_rkey(k1);
@@ -220,7 +174,7 @@ int main(void)
 	ibv_wr_bind_mw(bx, w2, k2, &bi);
 	CHECK("two binds in a batch", ibv_wr_complete(bx) == 0 && w2->rkey == k2, "complete, rkey %x", w2->rkey);
 	for (int i = 0; i < 2; i++) {
-		wc = wait_wc("two binds in a batch");
+		wc = wait_ok("two binds in a batch");
 		CHECK("two binds in a batch", wc.opcode == IBV_WC_BIND_MW && wc.wr_id == 30u + i, "wr_id %lu",
 		      (unsigned long)wc.wr_id);
 	}
@@ -234,7 +188,7 @@ int main(void)
 	struct ibv_send_wr inv = { .wr_id = 6, .opcode = IBV_WR_LOCAL_INV, .send_flags = IBV_SEND_SIGNALED };
 	inv.invalidate_rkey = k;
 	CHECK("local_inv", ibv_post_send(b, &inv, &bad) == 0, "post");
-	wc = wait_wc("local_inv");
+	wc = wait_ok("local_inv");
 	CHECK("local_inv", wc.opcode == IBV_WC_LOCAL_INV, "opcode %d", wc.opcode);
 	CHECK("write after local_inv", write_with(a, k, 'r') == IBV_WC_REM_ACCESS_ERR, "not refused");
 	/* The peer's SEND with invalidate ends it. */
@@ -246,8 +200,8 @@ int main(void)
 	struct ibv_send_wr si = { .wr_id = 8, .opcode = IBV_WR_SEND_WITH_INV, .send_flags = IBV_SEND_SIGNALED };
 	si.invalidate_rkey = k;
 	CHECK("send_with_inv", ibv_post_send(a, &si, &bad) == 0, "post");
-	wait_wc("send_with_inv");
-	wait_wc("send_with_inv");
+	wait_ok("send_with_inv");
+	wait_ok("send_with_inv");
 	CHECK("write after send_with_inv", write_with(a, k, 's') == IBV_WC_REM_ACCESS_ERR, "not refused");
 	/* ibv_dealloc_mw ends it. */
 	fresh(&a, &b);

@@ -10,57 +10,6 @@
 #include "check.h"
 #include <poll.h>
 
-static struct ibv_qp *make_qp(struct ibv_srq *srq)
-{
-	struct ibv_qp_init_attr a = {
-		.send_cq = cq, .recv_cq = cq, .srq = srq, .qp_type = IBV_QPT_RC,
-		.cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 },
-	};
-	struct ibv_qp *qp = ibv_create_qp(pd, &a);
-	CHECK("create_qp", qp, "errno %d", errno);
-	CHECK("create_qp caps", !srq || a.cap.max_recv_wr == 0, "a QP on an SRQ has no receive queue");
-	return qp;
-}
-
-static void connect_qp(struct ibv_qp *qp, uint32_t dest)
-{
-	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qp_access_flags = IBV_ACCESS_LOCAL_WRITE };
-	int r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
-	CHECK("modify INIT", r == 0, "%d", r);
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTR;
-	a.path_mtu = IBV_MTU_1024;
-	a.dest_qp_num = dest;
-	a.min_rnr_timer = 1;
-	a.ah_attr.is_global = 1;
-	a.ah_attr.grh.dgid = gid;
-	a.ah_attr.grh.hop_limit = 64;
-	a.ah_attr.port_num = 1;
-	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-					  IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
-	CHECK("modify RTR", r == 0, "%d", r);
-	a.qp_state = IBV_QPS_RTS;
-	a.timeout = 14;
-	a.retry_cnt = 7;
-	a.rnr_retry = 7;
-	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-					  IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
-	CHECK("modify RTS", r == 0, "%d", r);
-}
-
-static struct ibv_wc wait_wc(const char *what)
-{
-	struct ibv_wc wc;
-	for (long i = 0; i < 2000000000L; i++) {
-		int n = ibv_poll_cq(cq, 1, &wc);
-		CHECK(what, n >= 0, "poll_cq %d", n);
-		if (n == 1)
-			return wc;
-	}
-	CHECK(what, 0, "no completion");
-	return wc;
-}
-
 static char buf[1 << 16];
 static struct ibv_mr *mr;
 
@@ -80,7 +29,7 @@ static void send_one(struct ibv_qp *from, uint32_t m, uint64_t *recv_id, uint32_
 				  .send_flags = IBV_SEND_SIGNALED }, *bad;
 	CHECK("post_send", ibv_post_send(from, &wr, &bad) == 0, "post_send");
 	for (int k = 0; k < 2; k++) {
-		struct ibv_wc wc = wait_wc("srq traffic");
+		struct ibv_wc wc = next_wc("srq traffic");
 		CHECK("srq traffic", wc.status == IBV_WC_SUCCESS, "status %d", wc.status);
 		if (wc.opcode == IBV_WC_RECV) {
 			CHECK("srq traffic", wc.byte_len == 64, "byte_len %u", wc.byte_len);
@@ -95,14 +44,8 @@ static void send_one(struct ibv_qp *from, uint32_t m, uint64_t *recv_id, uint32_
 
 int main(void)
 {
-	int n;
 	setvbuf(stdout, NULL, _IONBF, 0);
-	struct ibv_device **list = ibv_get_device_list(&n);
-	CHECK("device list", list && n == 1, "n=%d", n);
-	ctx = ibv_open_device(list[0]);
-	CHECK("open", ctx, "errno %d", errno);
-	ibv_free_device_list(list);
-	CHECK("query_gid", ibv_query_gid(ctx, 1, 0, &gid) == 0, "gid");
+	open_device();
 	pd = ibv_alloc_pd(ctx);
 	cq = ibv_create_cq(ctx, 256, NULL, NULL, 0);
 	mr = ibv_reg_mr(pd, buf, sizeof(buf), IBV_ACCESS_LOCAL_WRITE);
@@ -135,12 +78,11 @@ int main(void)
 	struct ibv_srq_attr sa;
 	CHECK("query_srq", ibv_query_srq(srq, &sa) == 0 && sa.max_wr >= 8 && sa.max_sge >= 1 && sa.srq_limit == 0,
 	      "max_wr %u", sa.max_wr);
-	struct ibv_qp *a = make_qp(NULL), *b = make_qp(srq), *c = make_qp(srq);
-	struct ibv_qp *a2 = make_qp(NULL);
-	connect_qp(a, b->qp_num);
-	connect_qp(b, a->qp_num);
-	connect_qp(a2, c->qp_num);
-	connect_qp(c, a2->qp_num);
+	struct ibv_qp *a = loopback_qp(16, 1, NULL), *b = loopback_qp(16, 1, srq), *c = loopback_qp(16, 1, srq);
+	struct ibv_qp *a2 = loopback_qp(16, 1, NULL);
+	/* SENDs only: local write, no RDMA READ or atomic. */
+	loopback_pair(a, b, IBV_ACCESS_LOCAL_WRITE, 0);
+	loopback_pair(a2, c, IBV_ACCESS_LOCAL_WRITE, 0);
 	struct ibv_qp_attr qa;
 	struct ibv_qp_init_attr qi;
 	CHECK("query_qp srq", ibv_query_qp(b, &qa, IBV_QP_STATE, &qi) == 0 && qi.srq == srq, "srq %p", (void *)qi.srq);

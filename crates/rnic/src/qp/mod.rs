@@ -12,7 +12,9 @@
 //!   response;
 //! - [`snapshot`](self::snapshot): suspend, query, restore and resume (seed 000);
 //! - [`ud`](self::ud): unreliable datagram QPs, which share the QP, its
-//!   rings and its state machine but none of the RC transport.
+//!   rings and its state machine but none of the RC transport;
+//! - [`uc`](self::uc): unreliable connected QPs, RC's requester and
+//!   responder without ACKs, retransmission, READs or atomics.
 //!
 //! This module holds the QP itself, its queues and the rings it pulls WQEs
 //! from. Everything the transport needs to carry on lives in [`QpRuntime`],
@@ -25,6 +27,7 @@ mod responder;
 mod snapshot;
 mod srq;
 mod state;
+mod uc;
 pub mod ud;
 mod window;
 
@@ -155,6 +158,10 @@ pub struct Qp {
     /// Suspended (seed 000): no host memory access, no transmission, every
     /// incoming request answered with an RNR NAK so the peer keeps retrying.
     pub suspended: bool,
+    /// Created suspended with no state (a migration's destination builds
+    /// it ahead): LoadQpStates fills it, once, and only such a QP, so that
+    /// no QP that ran ever takes a state over what it did.
+    pub awaiting_state: bool,
     /// When the last RNR NAK of a suspended QP went out.
     suspended_nak_at: Option<Instant>,
     /// Requests received ahead of the expected PSN, by PSN (see `hold`).
@@ -171,6 +178,9 @@ pub struct Qp {
     /// The shared receive queue (its ID) the responder takes receive WQEs
     /// from instead of `rq_ring` (`qp::srq`).
     srq: Option<(u32, crate::srq::SharedSrq)>,
+    /// UC responder: the message under way was dropped; packets are
+    /// dropped until the next one begins (`qp::uc`).
+    uc_dropping: bool,
 }
 
 impl Qp {
@@ -216,6 +226,7 @@ impl Qp {
             cc: window::Window::default(),
             recovery: None,
             suspended: false,
+            awaiting_state: false,
             suspended_nak_at: None,
             held: VecDeque::new(),
             held_bytes: 0,
@@ -223,6 +234,7 @@ impl Qp {
             ack_due: None,
             held_local: None,
             srq: None,
+            uc_dropping: false,
         };
         qp.set_rings_polled(false);
         qp
@@ -406,8 +418,14 @@ impl Qp {
 
     fn validate_send(&self, w: &SendWqe) -> Result<(WrOpcode, u64), ()> {
         let op = WrOpcode::from_u8(w.opcode).ok_or(())?;
+        if self.is_uc() && !uc::carries(op) {
+            return Err(());
+        }
         let len = if w.flags & send_flags::INLINE != 0 {
-            if w.inline_len as usize > MAX_INLINE || w.inline_len > self.cap.max_inline_data || op.is_read_or_atomic() {
+            // An atomic write's 8 bytes are its operand, inline whatever the
+            // QP's inline size.
+            let over = w.inline_len > self.cap.max_inline_data && op != WrOpcode::AtomicWrite;
+            if w.inline_len as usize > MAX_INLINE || over || op.is_read_or_atomic() {
                 return Err(());
             }
             w.inline_len as u64
@@ -417,7 +435,7 @@ impl Qp {
             }
             w.sge[..w.num_sge as usize].iter().map(|s| s.length as u64).sum()
         };
-        if len > MAX_MSG || (op.is_atomic() && len != 8) {
+        if len > MAX_MSG || ((op.is_atomic() || op == WrOpcode::AtomicWrite) && len != 8) {
             return Err(());
         }
         Ok((op, len))

@@ -4,9 +4,19 @@
 //! created elsewhere.
 
 use super::RespJob;
-use super::{Ctx, Qp, QpSnapshot, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE, QP_SNAPSHOT_VERSION};
-use crate::types::QpState;
+use super::{Ctx, Qp, QpRuntime, QpSnapshot, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE, QP_SNAPSHOT_VERSION};
+use crate::ring::RecvWqe;
+use crate::types::{QpAttr, QpState};
 use crate::wire::{self, psn_diff, NakCode, Syndrome};
+
+/// A client's QP state that [`Qp::check_snapshot`] accepted, in the form
+/// the QP takes it.
+pub struct CheckedState {
+    attr: QpAttr,
+    runtime: QpRuntime,
+    /// The SRQ receive WQE a SEND in progress was landing in.
+    srq_wqe: Option<RecvWqe>,
+}
 
 impl Qp {
     /// Suspends processing: from now on the QP touches neither host memory
@@ -18,12 +28,7 @@ impl Qp {
     /// nothing until the resume and count retransmission timeouts (retry_cnt)
     /// during a long move.
     pub fn suspend(&mut self, ctx: &mut Ctx) -> Result<(), String> {
-        if self.is_ud() {
-            return Err("UD QPs cannot be suspended".into());
-        }
-        if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
-            return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
-        }
+        self.check_suspend()?;
         if !self.suspended {
             if self.ack_due.is_some() {
                 self.ack_last_executed();
@@ -48,6 +53,18 @@ impl Qp {
         Ok(())
     }
 
+    /// Whether [`Qp::suspend`] takes this QP: a connected RC QP (a batch
+    /// checks every QP before any is suspended).
+    pub fn check_suspend(&self) -> Result<(), String> {
+        if self.qp_type != crate::types::QpType::Rc {
+            return Err(format!("{:?} QPs cannot be suspended", self.qp_type));
+        }
+        if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));
+        }
+        Ok(())
+    }
+
     /// The runtime state of a suspended QP. WQEs already taken from the ring
     /// but not retired are described by PSNs only: `next_psn` goes back to the
     /// first of them, so that reposting them in order gives each its old PSNs.
@@ -67,28 +84,30 @@ impl Qp {
     /// Create-suspended: takes the transport state of `s` (checked, since it
     /// comes from a client). The QP stays suspended until [`Qp::resume`].
     pub fn restore(&mut self, s: &QpSnapshot) -> Result<(), String> {
-        let rt = Self::check_snapshot(s)?;
-        let (a, r) = (&s.attr, &s.runtime);
-        self.attr = *a;
-        self.attr.dest_qp_num &= wire::QPN_MASK;
-        self.attr.sq_draining = false;
-        self.rt = rt;
-        self.restart_congestion();
-        self.sq.clear();
-        self.rq.clear();
-        if let Some(w) = &r.srq_wqe {
-            self.rq.push_back(crate::srq::load_recv(w, crate::ring::MAX_SGE as u32)?);
-        }
-        self.rt.srq_wqe = None;
-        self.tx_idx = 0;
-        self.rd_outstanding = 0;
-        self.suspended = true;
+        self.take_state(Self::check_snapshot(s)?);
         Ok(())
     }
 
-    /// Whether a client's state `s` can be taken; the runtime it would
-    /// take (PSNs masked). Checked before any QP of a batch takes its own.
-    pub fn check_snapshot(s: &QpSnapshot) -> Result<super::QpRuntime, String> {
+    /// Takes a state checked by [`Qp::check_snapshot`] and stays (or
+    /// becomes) suspended. Nothing of what the transport did before is
+    /// kept, so the QP is as if created from the state.
+    pub fn take_state(&mut self, state: CheckedState) {
+        self.clear_transport();
+        self.attr = state.attr;
+        self.attr.dest_qp_num &= wire::QPN_MASK;
+        self.attr.sq_draining = false;
+        self.rt = state.runtime;
+        self.rt.srq_wqe = None;
+        self.restart_congestion();
+        self.rq.extend(state.srq_wqe);
+        self.suspended = true;
+        self.awaiting_state = false;
+    }
+
+    /// Whether a client's state `s` can be taken; what the QP would take
+    /// (PSNs masked). A batch checks every QP's state before any takes its
+    /// own.
+    pub fn check_snapshot(s: &QpSnapshot) -> Result<CheckedState, String> {
         if s.version != QP_SNAPSHOT_VERSION {
             return Err(format!("QP state version {} (this rnicd reads {QP_SNAPSHOT_VERSION})", s.version));
         }
@@ -121,10 +140,8 @@ impl Qp {
             return Err("inconsistent requester PSNs".into());
         }
         rt.tx_psn = rt.una;
-        if let Some(w) = &r.srq_wqe {
-            crate::srq::load_recv(w, crate::ring::MAX_SGE as u32)?;
-        }
-        Ok(rt)
+        let srq_wqe = r.srq_wqe.as_ref().map(|w| crate::srq::load_recv(w, crate::ring::MAX_SGE as u32)).transpose()?;
+        Ok(CheckedState { attr: s.attr, runtime: rt, srq_wqe })
     }
 
     /// Resumes a suspended (or created-suspended) QP: unacknowledged requests
@@ -134,6 +151,7 @@ impl Qp {
             return Err("QP is not suspended".into());
         }
         self.suspended = false;
+        self.awaiting_state = false;
         self.rt.retry_left = self.attr.retry_cnt;
         self.rt.rnr_left = self.attr.rnr_retry;
         self.rewind(ctx);

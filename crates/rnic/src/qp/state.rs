@@ -5,7 +5,7 @@ use super::{Ctx, Qp, QpRuntime};
 use crate::async_events::{AsyncEvent, AsyncKind};
 use crate::ring::Cqe;
 use crate::types::mask as m;
-use crate::types::{QpAttr, QpState, WcOpcode, WcStatus};
+use crate::types::{QpAttr, QpState, QpType, WcOpcode, WcStatus};
 use crate::wire::{self, psn_diff};
 
 /// The attributes an RC transition requires and those it may take, as in
@@ -114,7 +114,11 @@ impl Qp {
     }
 
     fn check_modify(&self, attr: &QpAttr, mask: u32, cur: QpState, new: QpState) -> Result<(), String> {
-        let table = if self.is_ud() { super::ud::transition_attrs } else { transition_attrs };
+        let table = match self.qp_type {
+            QpType::Rc => transition_attrs,
+            QpType::Ud => super::ud::transition_attrs,
+            QpType::Uc => super::uc::transition_attrs,
+        };
         let (required, optional) = table(cur, new).ok_or_else(|| format!("invalid QP state transition {cur:?} -> {new:?}"))?;
         let given = mask & !m::STATE;
         if given & required != required {
@@ -226,24 +230,42 @@ impl Qp {
     }
 
     fn reset(&mut self) {
-        self.drop_held();
-        self.give_back_srq_wqe();
-        self.sq.clear();
-        self.rq.clear();
+        self.clear_transport();
         while self.sq_ring.pop().is_some() {}
         while self.rq_ring.pop().is_some() {}
+        let keep = (self.attr.port_num, self.attr.path_mtu);
+        self.attr = QpAttr::default();
+        (self.attr.port_num, self.attr.path_mtu) = keep;
+    }
+
+    /// Forgets everything the transport did: the runtime state, the WQEs
+    /// taken from the rings (an SRQ's go back to it), held requests and
+    /// binds, timers, the round-trip estimate and the congestion window.
+    /// What is left is the QP as created (but its attributes, its rings'
+    /// contents and `suspended`): RESET starts from here, and so does a QP
+    /// that takes a state (`Qp::take_state`).
+    pub(super) fn clear_transport(&mut self) {
+        self.drop_held();
+        self.give_back_srq_wqe();
+        self.held_local = None;
+        self.sq.clear();
+        self.rq.clear();
         self.rt = QpRuntime::default();
         self.tx_idx = 0;
         self.rd_outstanding = 0;
         self.retrans_deadline = None;
         self.probe_deadline = None;
+        self.probe_backoff = 0;
+        self.srtt_us = 0.0;
+        self.rttvar_us = 0.0;
+        self.rtt_sample = None;
         self.rnr_until = None;
         self.last_rewind = None;
+        self.recovery = None;
+        self.suspended_nak_at = None;
         self.unasked_msgs = 0;
         self.ack_due = None;
-        let keep = (self.attr.port_num, self.attr.path_mtu);
-        self.attr = QpAttr::default();
-        (self.attr.port_num, self.attr.path_mtu) = keep;
+        self.restart_congestion();
     }
 
     /// Moves to ERR on an error the QP found itself (not a modify), and

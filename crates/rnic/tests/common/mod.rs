@@ -3,6 +3,8 @@
 //! (control sockets are files, so the test reaches every host's rnicd).
 #![allow(dead_code)]
 
+pub mod direct;
+
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

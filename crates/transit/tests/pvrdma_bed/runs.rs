@@ -1,6 +1,7 @@
 //! Test bodies that `pvrdma_migrate` and `pvrdma_postcopy` run in their
-//! own modes: the peer's link cut across the switch, and migrations that
-//! fail before their commit then one that succeeds.
+//! own modes: the peer's link cut across the switch, migrations that
+//! fail before their commit then one that succeeds, and objects changed
+//! after the early device section.
 
 use super::*;
 use serde_json::json;
@@ -99,4 +100,56 @@ pub fn fails_then_succeeds(tag: &str, mode: Mode, spec: &str, attempts: usize, a
     }
     assert_peer_clean(&rep);
     b.kill();
+}
+
+/// Objects the source changes after its early section: with
+/// `testing=churn-early` the source's device makes a spare MR and QP just
+/// before the early section is taken and replaces them just after (same
+/// handles, another key and QPN), so one MR and one QP the destination
+/// built ahead are stale at the switch. The destination must end with
+/// exactly the source's final set: every guest object kept from the
+/// early section with its IDs, the stale spares dropped, the new ones made;
+/// and the workloads carry on. In every mode the early section goes
+/// before the switch (in postcopy while the VM still runs on the source,
+/// which waits for the destination to have built it).
+pub fn objects_changed_after_the_early_section(tag: &str, mode: Mode) {
+    let bed = Bed::new(tag);
+    let gid = bed.vm_gid(1);
+    let mut a = bed.vm_with(0, gid, "count=0", ",testing=churn-early", &["--keep-after-migrate"]);
+    let mut peer = Peer::start(&bed, &a, PEER);
+    let p0 = a.wait_progress(STEP, LONG).unwrap();
+    let before = pvrdma(&a);
+    let b = destination(&bed, 1, gid, &PLAIN, "");
+    start_migration(&bed, &a, 1, params(mode, &PLAIN));
+    let st = finish_hop(&a, &b, mode);
+    assert!(st["early_state_bytes"].as_u64().unwrap() > 0, "the early section went ahead: {st:#}");
+    let after = pvrdma(&b);
+    let ids = |v: &serde_json::Value, what: &str, id: &str| -> std::collections::BTreeMap<u64, u64> {
+        v[what].as_array().unwrap().iter().map(|o| (o["handle"].as_u64().unwrap(), o[id].as_u64().unwrap())).collect()
+    };
+    for (what, id) in [("qps", "qpn"), ("mrs", "key")] {
+        let (was, now) = (ids(&before, what, id), ids(&after, what, id));
+        for (h, v) in &was {
+            assert_eq!(now.get(h), Some(v), "{what} {h} keeps its {id}: before {was:?}, after {now:?}");
+        }
+        let spares: Vec<_> = now.iter().filter(|(h, _)| !was.contains_key(h)).collect();
+        assert_eq!(spares.len(), 1, "the guest's {what} and the last spare, nothing else: before {was:?}, after {now:?}");
+        assert!(!was.values().any(|v| v == spares[0].1), "the spare's {id} is its own");
+    }
+    // Built ahead: the guest's objects and the first spares; kept: all
+    // but the first spare MR and QP.
+    let sw = &after["switch"];
+    let n = |v: &serde_json::Value, i: usize| v.as_array().unwrap()[i].as_u64().unwrap();
+    let (built, kept) = (&sw["early_built"], &sw["early_kept"]);
+    eprintln!("built ahead (PDs, MRs, CQs, QPs) {built}, kept {kept}; phases {}", sw["phases"]);
+    assert_eq!(n(built, 1), before["mrs"].as_array().unwrap().len() as u64 + 1, "{sw:#}");
+    assert_eq!(n(built, 3), before["qps"].as_array().unwrap().len() as u64 + 1, "{sw:#}");
+    assert_eq!([n(built, 0), n(built, 1) - 1, n(built, 2), n(built, 3) - 1], [0, 1, 2, 3].map(|i| n(kept, i)), "{sw:#}");
+    check_hop(&bed, &mut a, &b, (0, 1), gid, mode != Mode::Postcopy);
+    b.wait_progress(p0 + STEP, LONG).unwrap();
+    peer.wait_progress(PEER_STEP, LONG);
+    let consoles = [a.console(), b.console()];
+    assert_qps_running(&b);
+    let rep = peer.stop();
+    assert_run_clean(&consoles, &rep);
 }

@@ -1,0 +1,56 @@
+//! Control requests straight to an `Engine` in the test process (no
+//! rnicd, no socket): the objects such tests start from, with the memfds
+//! their requests carry. The caller keeps the memfds while it uses the
+//! objects.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use rnic::engine::Engine;
+use rnic::mem::sealed_memfd;
+use rnic::objects::ClientId;
+use rnic::proto::{Reply, Request};
+use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
+use rnic::types::{QpCap, QpType};
+
+/// Slots of each ring of a QP made by [`rc_qp`] (and its WRs each way).
+pub const QP_DEPTH: u32 = 16;
+
+/// A second descriptor of `fd`: a request takes its memfds by value.
+pub fn dup(fd: &OwnedFd) -> OwnedFd {
+    // SAFETY: dup of a valid fd; the new one is owned by the result alone.
+    unsafe { OwnedFd::from_raw_fd(libc::dup(fd.as_raw_fd())) }
+}
+
+/// A CQ of `cap` entries of client `c`; its ring's memfd.
+pub fn cq(e: &mut Engine, c: ClientId, cap: u32) -> (u32, OwnedFd) {
+    let fd = sealed_memfd("cq", ring_bytes::<Cqe>(cap)).unwrap();
+    let Reply::Cq(cq) = e.control(c, Request::CreateCq { cap, channel: None }, vec![dup(&fd)]).unwrap() else {
+        panic!("CreateCq answered with another reply")
+    };
+    (cq, fd)
+}
+
+/// An RC QP of client `c` in RESET, on `pd`, sending and receiving on
+/// `cq`: QP_DEPTH WRs each way of `sges` SGEs, `inline` bytes of inline
+/// data. Its QPN and its rings' memfds (send, receive).
+pub fn rc_qp(e: &mut Engine, c: ClientId, pd: u32, cq: u32, sges: u32, inline: u32) -> (u32, [OwnedFd; 2]) {
+    let sq = sealed_memfd("sq", ring_bytes::<SendWqe>(QP_DEPTH)).unwrap();
+    let rq = sealed_memfd("rq", ring_bytes::<RecvWqe>(QP_DEPTH)).unwrap();
+    let cap = QpCap { max_send_wr: QP_DEPTH, max_recv_wr: QP_DEPTH, max_send_sge: sges, max_recv_sge: sges, max_inline_data: inline };
+    let req = Request::CreateQp {
+        pd,
+        send_cq: cq,
+        recv_cq: cq,
+        cap,
+        sq_sig_all: false,
+        sq_slots: QP_DEPTH,
+        rq_slots: QP_DEPTH,
+        qpn: None,
+        restore: None,
+        qp_type: QpType::Rc,
+    };
+    let Reply::Qp { qpn, .. } = e.control(c, req, vec![dup(&sq), dup(&rq)]).unwrap() else {
+        panic!("CreateQp answered with another reply")
+    };
+    (qpn, [sq, rq])
+}
