@@ -22,7 +22,7 @@
 use crate::links::shorten_timeout;
 use crate::stats::Control;
 use crate::wire::{self, Msg};
-use anyhow::{bail, Result};
+use anyhow::Result;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -183,21 +183,8 @@ impl ControlConn {
     /// The destination's side of [`open_spares`](Self::open_spares):
     /// `count` connections of `session`, in link order after `first`.
     pub fn accept_spares(first: TcpStream, listener: &TcpListener, session: u64, count: usize, ctl: &Control) -> Result<Vec<TcpStream>> {
-        let mut spares: Vec<Option<TcpStream>> = (0..count).map(|_| None).collect();
-        for _ in 0..count {
-            let mut s = crate::receiver::accept(listener, ctl, Some(Duration::from_secs(30)))?;
-            s.set_read_timeout(Some(Duration::from_secs(30)))?;
-            let role = wire::read_preamble(&mut s)?;
-            match (role, wire::recv_msg(&mut s)?) {
-                (wire::ROLE_CONTROL_SPARE, Msg::Channel { session: ss, index })
-                    if ss == session && (1..=count).contains(&(index as usize)) && spares[index as usize - 1].is_none() =>
-                {
-                    spares[index as usize - 1] = Some(s);
-                }
-                (role, other) => bail!("bad control connection greeting {other:?} (role {role})"),
-            }
-        }
-        Ok(std::iter::once(first).chain(spares.into_iter().flatten()).collect())
+        let mut spares = crate::receiver::accept_announced(listener, ctl, session, &[(wire::ROLE_CONTROL_SPARE, 1, count)])?;
+        Ok(std::iter::once(first).chain(spares.remove(0)).collect())
     }
 
     pub fn try_clone(&self) -> io::Result<ControlConn> {

@@ -95,6 +95,11 @@ impl Links {
         self.addrs.is_empty()
     }
 
+    /// The links from `k` on (those before it are left out).
+    pub fn from_link(&self, k: usize) -> Links {
+        Links { addrs: self.addrs[k..].to_vec() }
+    }
+
     /// More than one link: a channel lost with its link is failed over.
     pub fn several(&self) -> bool {
         self.addrs.len() > 1
@@ -174,7 +179,13 @@ pub fn socket_broken(s: &TcpStream) -> bool {
     n > 0 && pfd.revents & (libc::POLLERR | libc::POLLHUP) != 0
 }
 
-/// Give a data socket the shorter [`LINK_TIMEOUT`].
+/// Give a socket of one of several links the shorter [`LINK_TIMEOUT`].
+/// It bounds an idle socket too: TCP_USER_TIMEOUT alone fails a socket
+/// only while it has unacknowledged bytes, so on a link cut with no reset
+/// (a dropping firewall, a dead switch port) a socket whose two ends both
+/// wait to read would wait for ever; the keepalive probes every migration
+/// socket sends after 2 s of silence ([`crate::wire::tune_socket`]) are
+/// such bytes, and the user timeout then bounds them, not their count.
 pub fn shorten_timeout(s: &TcpStream) {
     use nix::sys::socket::{setsockopt, sockopt};
     if let Err(e) = setsockopt(s, sockopt::TcpUserTimeout, &(LINK_TIMEOUT.as_millis() as u32)) {
@@ -206,6 +217,7 @@ mod tests {
         assert_eq!(two.addr(1), "10.0.2.2:4445");
         assert_eq!(Links::parse("tcp:a:1,tcp:b:2").unwrap().to_string(), "a:1,b:2");
         assert_eq!(Links::parse("a:1").unwrap().first(), "a:1");
+        assert_eq!(two.from_link(1).to_string(), "10.0.2.2:4445");
         for bad in ["tcp:", "tcp:a", "tcp:a:1,", "tcp:a:1,b", "tcp::1", "tcp:a:99999", "tcp:a:1,a:1"] {
             assert!(Links::parse(bad).is_err(), "{bad}");
         }
@@ -222,6 +234,18 @@ mod tests {
         s[1].channel_lost(&anyhow!("second"));
         assert!(s[1].failed);
         assert_eq!(s[1].error.as_deref(), Some("first"), "the first loss says why");
+    }
+
+    #[test]
+    fn a_socket_of_several_links_times_out_idle_too() {
+        use nix::sys::socket::{getsockopt, sockopt};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        crate::wire::tune_socket(&s);
+        shorten_timeout(&s);
+        assert_eq!(getsockopt(&s, sockopt::TcpUserTimeout).unwrap(), LINK_TIMEOUT.as_millis() as u32);
+        assert!(getsockopt(&s, sockopt::KeepAlive).unwrap(), "an idle socket is probed");
+        assert!(getsockopt(&s, sockopt::TcpKeepIdle).unwrap() < LINK_TIMEOUT.as_secs() as u32, "probed before the timeout");
     }
 
     #[test]

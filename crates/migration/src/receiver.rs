@@ -726,8 +726,8 @@ pub(crate) fn receive_channel(index: usize, mut s: TcpStream, sh: Arc<RxShared>)
     r.map(|p| (p, thread_cpu_s()))
 }
 
-/// Accept the data connections (and, for postcopy, the urgent one) of
-/// `session`, each once, in any order.
+/// Accept the data connections (and, for postcopy, the urgent ones, one
+/// per link) of `session`, each once, in any order.
 pub(crate) fn accept_channels(
     listener: &TcpListener,
     ctl: &Control,
@@ -735,39 +735,57 @@ pub(crate) fn accept_channels(
     channels: usize,
     urgents: usize,
 ) -> Result<(Vec<TcpStream>, Vec<TcpStream>)> {
-    let mut streams: Vec<Option<TcpStream>> = (0..channels).map(|_| None).collect();
-    let mut urgent: Vec<Option<TcpStream>> = (0..urgents).map(|_| None).collect();
-    for _ in 0..channels + urgents {
+    let mut kinds = accept_announced(listener, ctl, session, &[(wire::ROLE_DATA, 0, channels), (wire::ROLE_URGENT, 0, urgents)])?;
+    let (streams, urgent) = (std::mem::take(&mut kinds[0]), std::mem::take(&mut kinds[1]));
+    for s in &streams {
+        // A source that vanishes without a FIN (link cut) must not leave
+        // us waiting forever.
+        s.set_read_timeout(Some(DATA_IDLE_TIMEOUT))?;
+    }
+    for s in &urgent {
+        // Requests may be rare: the urgent connection may idle.
+        s.set_read_timeout(None)?;
+        // With several links, requests asked on a dead one are asked again
+        // on another once it is found dead.
+        if urgents > 1 {
+            crate::links::shorten_timeout(s);
+        }
+    }
+    Ok((streams, urgent))
+}
+
+/// The connections a source announces for `session` after its control
+/// connection: for each `(role, first, count)`, `count` connections of
+/// that role greeted with indexes `first..first + count`. Accepted in any
+/// order, each index once; returned by kind, in index order, each with
+/// the 30 s read timeout of its greeting.
+pub(crate) fn accept_announced(
+    listener: &TcpListener,
+    ctl: &Control,
+    session: u64,
+    kinds: &[(u8, u32, usize)],
+) -> Result<Vec<Vec<TcpStream>>> {
+    let mut slots: Vec<Vec<Option<TcpStream>>> = kinds.iter().map(|&(_, _, n)| (0..n).map(|_| None).collect()).collect();
+    for _ in 0..kinds.iter().map(|k| k.2).sum::<usize>() {
         let mut s = accept(listener, ctl, Some(Duration::from_secs(30)))?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
         let role = wire::read_preamble(&mut s)?;
         let greeting = wire::recv_msg(&mut s)?;
-        match (role, greeting) {
-            (wire::ROLE_DATA, Msg::Channel { session: ss, index })
-                if ss == session && (index as usize) < channels && streams[index as usize].is_none() =>
-            {
-                // A source that vanishes without a FIN (link cut) must not
-                // leave us waiting forever.
-                s.set_read_timeout(Some(DATA_IDLE_TIMEOUT))?;
-                streams[index as usize] = Some(s);
+        let slot = match greeting {
+            Msg::Channel { session: ss, index } if ss == session => {
+                kinds.iter().zip(slots.iter_mut()).find_map(|(&(r, first, _), kind)| {
+                    let i = index.checked_sub(first)? as usize;
+                    (r == role).then(|| kind.get_mut(i)).flatten().filter(|slot| slot.is_none())
+                })
             }
-            // One per link, by link index.
-            (wire::ROLE_URGENT, Msg::Channel { session: ss, index })
-                if ss == session && (index as usize) < urgents && urgent[index as usize].is_none() =>
-            {
-                // Requests may be rare: the urgent connection may idle.
-                s.set_read_timeout(None)?;
-                // With several links, requests asked on a dead one are
-                // asked again on another once it is found dead.
-                if urgents > 1 {
-                    crate::links::shorten_timeout(&s);
-                }
-                urgent[index as usize] = Some(s);
-            }
-            (role, other) => bail!("bad data connection greeting {other:?} (role {role})"),
+            _ => None,
+        };
+        match slot {
+            Some(slot) => *slot = Some(s),
+            None => bail!("bad connection greeting {greeting:?} (role {role}) for session {session:#x}"),
         }
     }
-    Ok((streams.into_iter().map(|s| s.expect("all channels connected")).collect(), urgent.into_iter().flatten().collect()))
+    Ok(slots.into_iter().map(|kind| kind.into_iter().map(|s| s.expect("every slot filled once")).collect()).collect())
 }
 
 /// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks

@@ -8,6 +8,8 @@
 //! rdma, one rnicd per host serves both of its addresses, and the channels
 //! are queue pairs between them.
 
+mod common;
+
 use migrate_transit::*;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -98,6 +100,26 @@ impl Pair {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+    /// Cuts the source host's link `k`: `Cut::Pulled` takes the cable
+    /// out, `Cut::Silent` drops every IPv4 packet on it, both ways
+    /// (nftables): no reset, no carrier change, and a socket that neither
+    /// end writes to hears nothing of it.
+    fn cut(&self, k: usize, how: Cut) {
+        match how {
+            Cut::Pulled => self.tb.link_down(0, k).unwrap(),
+            // (`Testbed::set_loss` takes at most 99.9999 %.)
+            Cut::Silent => {
+                let dev = format!("eth{k}");
+                let rule = "meta protocol ip counter drop";
+                let script = format!(
+                    "nft -f - <<'EOF'\ntable netdev silent_cut_{dev} {{\n\
+                     chain rx {{ type filter hook ingress device \"{dev}\" priority -200; {rule}; }}\n\
+                     chain tx {{ type filter hook egress device \"{dev}\" priority -200; {rule}; }}\n}}\nEOF"
+                );
+                self.tb.host(0).sh(&script).unwrap();
+            }
+        }
+    }
     fn cap_both(&self, mbit: u32) {
         for k in 0..2 {
             self.tb.set_rate(0, k, Some(mbit)).unwrap();
@@ -140,6 +162,12 @@ impl Pair {
         let r = q.execute("check-dirtier", json!({})).unwrap();
         assert_eq!(r["bad_pages"], 0, "dirtier oracle on the destination: {r}");
     }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Cut {
+    Pulled,
+    Silent,
 }
 
 /// Bytes each link carried, from the source's `links` statistics.
@@ -342,14 +370,19 @@ mod first_link {
 
     over_transport!(tcp:
         first_link_cut_mid_migration_completes_on_the_other,
+        first_link_silent_cut_mid_migration_completes_on_the_other,
         postcopy_first_link_cut_after_the_switch_completes_on_the_other,
+        postcopy_first_link_silent_cut_after_the_switch_completes_on_the_other,
         hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other,
         postcopy_every_link_cut_pauses_and_recovers,
+        postcopy_recovery_with_the_first_link_still_cut_rides_the_second,
     );
 
     over_transport!(rdma:
         first_link_cut_mid_migration_completes_on_the_other,
+        first_link_silent_cut_mid_migration_completes_on_the_other,
         postcopy_first_link_cut_after_the_switch_completes_on_the_other,
+        postcopy_first_link_silent_cut_after_the_switch_completes_on_the_other,
         hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other,
         postcopy_every_link_cut_pauses_and_recovers,
     );
@@ -361,12 +394,24 @@ mod first_link {
 /// migration completes byte-exact (`verify_ram`: the page hashes travel
 /// on the control connection after the cut).
 fn first_link_cut_mid_migration_completes_on_the_other(transport: &'static str) {
+    first_link_cut_mid_migration(transport, Cut::Pulled);
+}
+
+/// The same with the first link cut silently (every packet dropped, no
+/// reset, the carrier up): the sockets on it fail once their bytes or
+/// their idle probes go unacknowledged for the link timeout, and the
+/// control connection moves as after a pulled cable.
+fn first_link_silent_cut_mid_migration_completes_on_the_other(transport: &'static str) {
+    first_link_cut_mid_migration(transport, Cut::Silent);
+}
+
+fn first_link_cut_mid_migration(transport: &'static str, how: Cut) {
     let p = pair(transport, "fill", "128M");
     // 128 MiB at 2 x 100 Mbit/s: about 5 s, so the cut lands mid-pass.
     p.cap_both(100);
     p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
     p.wait_sent(32 << 20);
-    p.tb.link_down(0, 0).unwrap();
+    p.cut(0, how);
     let s = p.source_result();
     assert_eq!(s["status"], "completed", "{s:#}");
     p.destination_completed();
@@ -388,7 +433,14 @@ fn first_link_cut_mid_migration_completes_on_the_other(transport: &'static str) 
 /// The migration completes with no pause and no page left missing, and
 /// the dirtier's oracle holds on the destination.
 fn postcopy_first_link_cut_after_the_switch_completes_on_the_other(transport: &'static str) {
-    first_link_cut_after_the_switch(transport, "postcopy", 8 << 20);
+    first_link_cut_after_the_switch(transport, "postcopy", 8 << 20, Cut::Pulled);
+}
+
+/// The same with the first link cut silently: the control connection is
+/// quiet while the push runs (nothing unacknowledged on it), and its idle
+/// probes find the link dead, so it moves all the same.
+fn postcopy_first_link_silent_cut_after_the_switch_completes_on_the_other(transport: &'static str) {
+    first_link_cut_after_the_switch(transport, "postcopy", 8 << 20, Cut::Silent);
 }
 
 /// The same with a hybrid, cut at once after its switch, while the
@@ -396,10 +448,10 @@ fn postcopy_first_link_cut_after_the_switch_completes_on_the_other(transport: &'
 /// it touches: requests asked on the first link's urgent connection, and
 /// never answered, are asked again on the second.
 fn hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other(transport: &'static str) {
-    first_link_cut_after_the_switch(transport, "hybrid", 0);
+    first_link_cut_after_the_switch(transport, "hybrid", 0, Cut::Pulled);
 }
 
-fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64) {
+fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u64, how: Cut) {
     let p = pair(transport, "dirtier", "64M");
     // 64 MiB at 2 x 100 Mbit/s: the push takes seconds after the switch.
     // A hybrid sent part of RAM before it: at 2 x 40 Mbit/s its push
@@ -414,7 +466,7 @@ fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u
     if transport == "rdma" {
         p.wait_read_on_link(0);
     }
-    p.tb.link_down(0, 0).unwrap();
+    p.cut(0, how);
     let (s, d) = p.completed_without_a_pause();
     assert_eq!(s["links"][1]["control"], true, "the control connection moved to the second link: {s:#}");
     if transport == "tcp" {
@@ -433,6 +485,18 @@ fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u
 /// and `migrate` with `resume` reconnects: the migration completes with
 /// one recovery, no page missing, and the oracle holding.
 fn postcopy_every_link_cut_pauses_and_recovers(transport: &'static str) {
+    every_link_cut_then_recovery(transport, &[0, 1]);
+}
+
+/// The same, but only the second link comes back: the recovery's control
+/// connection, given both addresses, passes over the first (still cut)
+/// and rides the second, and so do its channels and, over tcp, its
+/// urgent connection.
+fn postcopy_recovery_with_the_first_link_still_cut_rides_the_second(transport: &'static str) {
+    every_link_cut_then_recovery(transport, &[1]);
+}
+
+fn every_link_cut_then_recovery(transport: &'static str, back: &[usize]) {
     let p = pair(transport, "dirtier", "64M");
     // 64 MiB at 2 x 20 Mbit/s: the push runs for many seconds.
     p.cap_both(20);
@@ -458,8 +522,9 @@ fn postcopy_every_link_cut_pauses_and_recovers(transport: &'static str) {
     let d = paused(&p.dst);
     assert!(d["remaining_pages"].as_u64().unwrap() > 0, "the cut came after the last page: {d:#}");
     paused(&p.src);
-    p.tb.link_up(0, 0).unwrap();
-    p.tb.link_up(0, 1).unwrap();
+    for &k in back {
+        p.tb.link_up(0, k).unwrap();
+    }
     p.dst.exec("migrate-recover", json!({"uri": format!("{transport}:0.0.0.0:4445")})).unwrap();
     let h = p.tb.host(1);
     let uri = format!("{}:{}:4445,{}:4445", transport, h.addr(0), h.addr(1));
@@ -467,9 +532,74 @@ fn postcopy_every_link_cut_pauses_and_recovers(transport: &'static str) {
     let s = p.source_result();
     assert_eq!(s["status"], "completed", "{s:#}");
     assert_eq!(s["recoveries"], 1, "{s:#}");
+    if transport == "tcp" {
+        // The links of the recovery, from the first that took its control
+        // connection on.
+        let links = s["links"].as_array().unwrap();
+        assert_eq!(links.len(), 2 - back[0], "{s:#}");
+        assert_eq!(links[0]["addr"], format!("{}:4445", h.addr(back[0])), "{s:#}");
+        assert_eq!(links[0]["control"], true, "{s:#}");
+    }
     let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
     assert_eq!(d["status"], "completed", "destination {d:#}");
     assert_eq!(d["recoveries"], 1, "{d:#}");
     assert_eq!(d["remaining_pages"], 0, "{d:#}");
     p.check_dirtier_on_destination();
+}
+
+/// Postcopy over tcp with two links (two loopback proxies in front of one
+/// destination, engines in this process), the dirtier faulting at full
+/// speed on the destination: the first link's urgent connection is cut in
+/// the middle of its answers, while pages asked for and the pages
+/// prefetched after them are on their way. Every page asked or prefetched
+/// and not arrived is asked again on the second link's urgent connection
+/// (a prefetched page no thread waits on too: the push left it to the
+/// prefetch and would never send it), so the migration completes with no
+/// pause and nothing missing. The destination then holds what the source
+/// stopped with in every byte the dirtier did not change since, and its
+/// oracle holds: a page that came twice was placed once.
+#[test]
+fn postcopy_urgent_connection_cut_mid_answer_asks_again_on_the_other_link() {
+    use common::{Fault, Proxy, Side, MIB};
+    use migration::vm::MigratableVm;
+    let src = Side::new(64 * MIB, 2);
+    src.vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let dst = Side::new(64 * MIB, 2);
+    let port = dst.incoming_with(true, false);
+    // The first link's connections in the order the source opens them:
+    // control, data channel 0, urgent.
+    let first = Proxy::start(port, Fault { conn: 2, cut_after: Some(512 << 10), ..Default::default() });
+    let second = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
+    let uri = format!("tcp:127.0.0.1:{},127.0.0.1:{}", first.port, second.port);
+    // 64 MiB pushed at 10 MB/s: the faults' answers pass 512 KiB long
+    // before the push ends.
+    src.cmd("migrate", json!({"uri": uri, "mode": "postcopy", "channels": 2, "max_bandwidth": 10_000_000u64})).unwrap();
+    let (o_src, o_dst) = (src.slot.wait(), dst.slot.wait());
+    let s = src.cmd("query-migrate", json!({})).unwrap();
+    let d = dst.cmd("query-migrate", json!({})).unwrap();
+    assert_eq!(o_src, Some(migration::qmp::Outcome::OutgoingCompleted), "source: {s:#}\ndestination: {d:#}");
+    assert!(matches!(o_dst, Some(migration::qmp::Outcome::IncomingCompleted { .. })), "destination: {d:#}");
+    assert!(first.fired.load(std::sync::atomic::Ordering::SeqCst), "the urgent connection was cut mid-answer: {d:#}");
+    assert_eq!(s["recoveries"], 0, "the migration went on without a pause: {s:#}");
+    assert_eq!(d["recoveries"], 0, "{d:#}");
+    assert_eq!(d["remaining_pages"], 0, "{d:#}");
+    assert_eq!(s["links"][0]["channels_lost"], 0, "only the urgent connection was cut: {s:#}");
+    // Every byte but the dirtier's counter (byte 0, which the oracle checks).
+    dst.vm.pause().unwrap();
+    let tails = |side: &Side| -> Vec<u64> {
+        let ram = side.dynvm.ram();
+        (0..ram.pages())
+            .map(|p| {
+                // SAFETY: a page of the VM's mapped guest RAM, the VM paused.
+                let page = unsafe { std::slice::from_raw_parts(ram.host_addr.add((p * 4096) as usize), 4096) };
+                migration::wire::xxh3(&page[1..])
+            })
+            .collect()
+    };
+    let (a, b) = (tails(&src), tails(&dst));
+    let differ = (0..a.len()).filter(|&i| a[i] != b[i]).count();
+    assert_eq!(differ, 0, "pages differ from what the source stopped with");
+    dst.vm.check_oracle().unwrap();
+    common::run_and_check_oracle(&dst.vm, Duration::from_millis(200));
 }

@@ -538,6 +538,16 @@ impl Senders {
                         retried = true;
                         continue;
                     }
+                    // Either this message is larger than the route, or an
+                    // earlier DF packet's "fragmentation needed" comes back
+                    // now, on a message of any size that was then not
+                    // tried: try once more before dropping it. Both say the
+                    // path shrank.
+                    Some(libc::EMSGSIZE) if !retried => {
+                        self.too_big |= !big;
+                        retried = true;
+                        continue;
+                    }
                     Some(libc::EMSGSIZE) if !big => self.too_big = true,
                     Some(libc::EINVAL) if !big => self.maybe_too_big = true,
                     _ => {}
@@ -1178,4 +1188,76 @@ pub fn spawn(cfg: Config) -> anyhow::Result<(Arc<AtomicBool>, std::thread::JoinH
         std::thread::sleep(Duration::from_millis(5));
     }
     Ok((stop, h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::socket::{getsockopt, sendto, MsgFlags, SockProtocol};
+
+    /// The Internet checksum of `b`.
+    fn inet_csum(b: &[u8]) -> u16 {
+        let mut sum: u32 = b.chunks(2).map(|c| u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32).sum();
+        while sum >> 16 != 0 {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        !(sum as u16)
+    }
+
+    /// Delivers to this host an ICMP "fragmentation needed" (next hop MTU
+    /// `mtu`) about a UDP packet from `from` to `to`, as a router on the
+    /// path would send it: the kernel sets it as the pending error of the
+    /// socket bound to `from` (IP_RECVERR), which its next send returns.
+    fn frag_needed(from: SocketAddrV4, to: SocketAddrV4, mtu: u16) {
+        let mut inner = vec![0x45, 0, 0, 128, 0, 0, 0x40, 0, 64, libc::IPPROTO_UDP as u8, 0, 0];
+        inner.extend(from.ip().octets());
+        inner.extend(to.ip().octets());
+        inner.extend(from.port().to_be_bytes());
+        inner.extend(to.port().to_be_bytes());
+        inner.extend([0, 108, 0, 0]);
+        let mut icmp = vec![3, 4, 0, 0, 0, 0];
+        icmp.extend(mtu.to_be_bytes());
+        icmp.extend(inner);
+        let c = inet_csum(&icmp);
+        icmp[2..4].copy_from_slice(&c.to_be_bytes());
+        let raw = socket(AddressFamily::Inet, SockType::Raw, SockFlag::SOCK_CLOEXEC, SockProtocol::Icmp).unwrap();
+        sendto(raw.as_raw_fd(), &icmp, &SockaddrIn::from(SocketAddrV4::new(*from.ip(), 0)), MsgFlags::empty()).unwrap();
+    }
+
+    /// An earlier DF packet's "fragmentation needed", reported (with
+    /// IP_RECVERR) on the send of a small packet, does not drop that
+    /// packet: it is sent again at once, and arrives.
+    #[test]
+    fn a_deferred_fragmentation_needed_drops_no_small_packet() {
+        // 127.0.0.2: the MTU the ICMP names (larger than any packet here)
+        // is remembered for that address only, which nothing else uses.
+        let to = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 2), ROCE_PORT);
+        let rx = std::net::UdpSocket::bind(to).expect("binding the RoCE port on 127.0.0.2");
+        rx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut senders = Senders::new(Ipv4Addr::LOCALHOST, false).unwrap();
+        let (fd, port) = (senders.fallback_df.0.as_raw_fd(), senders.fallback_df.1);
+        frag_needed(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port), to, 60_000);
+        // The error is pending on the socket once the ICMP went through
+        // the loopback.
+        let mut pending = 0;
+        for _ in 0..100 {
+            pending = getsockopt(&senders.fallback_df.0, sockopt::SocketError).unwrap();
+            if pending != 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(pending, libc::EMSGSIZE, "the ICMP left no pending error");
+        // getsockopt(SO_ERROR) cleared it: set it again for the send.
+        frag_needed(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port), to, 60_000);
+        std::thread::sleep(Duration::from_millis(50));
+        let mut pkt = OutPkt { buf: vec![0u8; 256], len: 64, dst: *to.ip(), sport: port };
+        pkt.buf[..4].copy_from_slice(b"ping");
+        let mut errors = 0;
+        let sent = senders.send_run(fd, std::slice::from_mut(&mut pkt), false, &mut errors);
+        assert_eq!((sent, errors), (1, 0), "the small packet went");
+        let mut got = [0u8; 256];
+        let n = rx.recv(&mut got).expect("the packet arrives");
+        assert_eq!((n, &got[..4]), (64, &b"ping"[..]));
+    }
 }

@@ -577,7 +577,7 @@ fn accept_recovery(
     wire::send_msg(&mut control, &Msg::Welcome)?;
     wire::send_blob(&mut control, &sh.seen.to_le_bytes())?;
     control.set_read_timeout(None)?;
-    // After a recovery the control connection rides the first link only.
+    // After a recovery the control connection rides the link it came on only.
     let control = ControlConn::new(vec![control], ctl)?;
     if rdma {
         // New queue pairs to read through; the source's plan of what is

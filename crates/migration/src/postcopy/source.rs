@@ -12,6 +12,7 @@ use crate::compress::Compress;
 use crate::control_conn::ControlConn;
 use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
+use crate::links::Links;
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
 use crate::rdma::ReadableRam;
@@ -426,21 +427,40 @@ fn requeue_missing(queue: &PushQueue, ram: RamRegion, have: &[u8]) -> Result<()>
     Ok(())
 }
 
+/// What a recovery handshake gives: the control connection, the links
+/// the recovery uses, and the pages the destination lacks, with data and
+/// known to be zero.
+type Recovered = (ControlConn, Links, Vec<PageRange>, Vec<PageRange>);
+
 /// The recovery handshake with a destination that kept its RAM: a
-/// `recover` hello, its welcome and its bitmap of the pages it has. Returns
-/// the control connection and what it lacks, split into pages with data
-/// and pages known to be zero.
+/// `recover` hello, its welcome and its bitmap of the pages it has. The
+/// control connection goes to the first link that takes a connection (a
+/// link still cut is passed over, and left out of the recovery with those
+/// before it).
 fn recover_hello(
-    addr: &str,
+    links: &Links,
     session: u64,
     ram: &RamRegion,
     channels: u32,
     compress: &str,
     transport: &str,
     ctl: &Control,
-) -> Result<(ControlConn, Vec<PageRange>, Vec<PageRange>)> {
+) -> Result<Recovered> {
     let total = ram.pages();
-    let mut control = crate::sender::connect(addr, ctl)?;
+    let mut tried = Vec::new();
+    let (mut control, live) = loop {
+        let k = tried.len();
+        if k == links.len() {
+            bail!("no link takes the recovery's control connection: {}", tried.join("; "));
+        }
+        match crate::sender::connect(links.addr(k), ctl) {
+            Ok(c) => break (c, links.from_link(k)),
+            Err(e) => {
+                tracing::warn!("recovery: {e:#}; trying the next link");
+                tried.push(format!("{e:#}"));
+            }
+        }
+    };
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
     wire::send_msg(
         &mut control,
@@ -467,8 +487,18 @@ fn recover_hello(
     // The VM is paused on both sides: one full walk is exact.
     let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
     let (data, zero) = split_known_zero(&holes, &missing);
-    // After a recovery the control connection rides the first link only.
-    Ok((ControlConn::new(vec![control], ctl)?, data, zero))
+    // After a recovery the control connection rides the link it came on only.
+    Ok((ControlConn::new(vec![control], ctl)?, live, data, zero))
+}
+
+/// The links' statistics after a recovery: the control connection rides
+/// the first of the links used.
+fn mark_control(ctl: &Control, live: &Links) {
+    ctl.update(|s| {
+        for l in s.links.iter_mut() {
+            l.control = l.addr == live.first();
+        }
+    });
 }
 
 /// A new set of connections to a destination that kept its RAM: it tells
@@ -484,12 +514,13 @@ fn reconnect(
 ) -> Result<(ControlConn, ChannelSet, Vec<TcpStream>)> {
     let addr = crate::sender::parse_tcp_uri(addr)?;
     let channels = ctl.snapshot().channels.max(1);
-    let (control, data, zero) = recover_hello(addr.first(), session, ram, channels, &compress.to_string(), "", ctl)?;
+    let (control, live, data, zero) = recover_hello(&addr, session, ram, channels, &compress.to_string(), "", ctl)?;
     queue.reset(ram.pages(), &data, zero);
-    let mut ch = open_channels(&addr, session, channels, *ram, compress, bucket, ctl, None)?;
+    let mut ch = open_channels(&live, session, channels, *ram, compress, bucket, ctl, None)?;
     ch.enable_failover(&control)?;
-    // After a recovery requests come on the first link only.
-    let urgent = open_urgent(&crate::links::Links::parse(addr.first())?, session, ctl)?;
+    mark_control(ctl, &live);
+    // After a recovery requests come on the control connection's link only.
+    let urgent = open_urgent(&Links::parse(live.first())?, session, ctl)?;
     Ok((control, ch, urgent))
 }
 
@@ -651,8 +682,9 @@ fn reconnect_reads(
     let (addr, _) = Transport::from_uri(target, "rdma", rnicd)?;
     let addr = crate::sender::parse_tcp_uri(&addr)?;
     let channels = ctl.snapshot().channels.max(1);
-    let (mut control, data, zero) = recover_hello(addr.first(), session, ram, channels, "", "rdma", ctl)?;
-    let reads = crate::rdma::offer_ram(&mut control, rnicd, &addr, ram)?;
+    let (mut control, live, data, zero) = recover_hello(&addr, session, ram, channels, "", "rdma", ctl)?;
+    let reads = crate::rdma::offer_ram(&mut control, rnicd, &live, ram)?;
+    mark_control(ctl, &live);
     send_plan(&mut control, &data, &zero, cap)?;
     Ok((control, reads))
 }

@@ -56,9 +56,7 @@ impl Qp {
             }
         }
         self.probe_backoff = 0;
-        let acked = psn_diff(self.rt.una, self.cwnd_una).max(0) as u32;
-        self.cwnd_una = self.rt.una;
-        self.grow_window(acked);
+        self.grow_window();
         self.rt.retry_left = self.attr.retry_cnt;
         self.rt.rnr_left = self.attr.rnr_retry;
         self.last_rewind = None;

@@ -29,6 +29,7 @@ mod srq;
 mod state;
 mod uc;
 pub mod ud;
+mod window;
 
 use std::collections::VecDeque;
 use std::net::Ipv4Addr;
@@ -146,17 +147,8 @@ pub struct Qp {
     rnr_until: Option<Instant>,
     /// Avoids rewinding again for the same gap while a rewind is under way.
     last_rewind: Option<u32>,
-    /// `una` when the congestion window last grew.
-    cwnd_una: u32,
-    /// Congestion window (packets) below which it grows by every ACKed
-    /// packet (slow start) and above which by one packet per window
-    /// (additive increase); half the window at the last loss.
-    ssthresh: u32,
-    /// ACKed packets not yet turned into additive window growth.
-    cwnd_acc: u32,
-    /// After a window cut: `max_sent` then. Losses of packets sent before
-    /// it are the same congestion event and do not cut again.
-    cut_until: Option<u32>,
+    /// What the congestion window (`rt.cwnd`) remembers between ACKs.
+    cc: window::Window,
     /// After a sequence NAK or a loss probe: resend at most this many
     /// packets past `una` until an ACK comes. A peer that kept what arrived
     /// after the gap (as rnicd does) then acknowledges it all at once and the
@@ -231,10 +223,7 @@ impl Qp {
             rtt_sample: None,
             rnr_until: None,
             last_rewind: None,
-            cwnd_una: 0,
-            ssthresh: u32::MAX,
-            cwnd_acc: 0,
-            cut_until: None,
+            cc: window::Window::default(),
             recovery: None,
             suspended: false,
             awaiting_state: false,

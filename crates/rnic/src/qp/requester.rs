@@ -2,21 +2,17 @@
 //! (packets, bytes, READ/atomic credits, fences), and recovers lost ones by
 //! go-back-N, driven by the IB retransmission timer and a faster loss probe.
 //!
-//! Its congestion window answers loss as RoCE NICs do (DCQCN cuts a QP's
-//! rate on congestion and raises it back in steps; rnicd has no ECN marks,
-//! so loss and delay are its signals, and it windows instead of pacing).
-//! The window halves on a sequence NAK or a loss probe (once per window of
-//! packets), on a round trip longer than a quarter of the IB timeout (a
-//! queue that may soon fire the timer for packets only waiting in it), and
-//! at every packet of its flow the local qdisc refuses (ENOBUFS); a
-//! retransmission timeout drops it to its minimum. ACKs grow it back: by
-//! every ACKed packet up to half the window at the last cut (slow start),
-//! then by one packet per window (additive increase). Without this, a
-//! rate-capped link's queue overflows at every window and each overflow
-//! costs a resend.
+//! Its congestion window ([`super::window`]) halves on a sequence NAK or a
+//! loss probe (once per window of packets), on a round trip longer than a
+//! quarter of the IB timeout (a queue that may soon fire the timer for
+//! packets only waiting in it), and at every packet of its flow the local
+//! qdisc refuses (ENOBUFS); a retransmission timeout drops it to its
+//! minimum. Without this, a rate-capped link's queue overflows at every
+//! window and each overflow costs a resend.
 
 use std::time::{Duration, Instant};
 
+use super::window::{self, MIN_CWND};
 use super::{Ctx, Qp, RECOVERY_FIRST};
 use crate::keys::{gather, in_place};
 use crate::objects::IN_PLACE_MIN;
@@ -28,8 +24,6 @@ pub const WINDOW: i32 = 4096;
 /// Most request bytes in flight per QP: more only overruns the peer's socket
 /// buffer and IP reassembly, and go-back-N then resends all of it.
 pub const WINDOW_BYTES: usize = 2 << 20;
-/// Smallest congestion window (packets).
-const MIN_CWND: u32 = 16;
 /// Set the AckReq bit at least every this many packets of a long message.
 const ACK_EVERY: u32 = 64;
 /// Shortest loss-probe time (µs), and the one used before any RTT sample.
@@ -139,52 +133,29 @@ impl Qp {
     }
 
     fn window(&self) -> i32 {
-        self.max_window().min(self.rt.cwnd.max(MIN_CWND) as i32)
+        window::effective(self.rt.cwnd, self.max_window() as u32) as i32
     }
 
     /// The window after `restart_send_psns` or a restore: full, with no
     /// loss remembered.
     pub(super) fn restart_congestion(&mut self) {
-        self.cwnd_una = self.rt.una;
-        self.ssthresh = u32::MAX;
-        self.cwnd_acc = 0;
-        self.cut_until = None;
+        self.cc.restart(self.rt.una);
     }
 
-    /// Grows the window by `acked` newly acknowledged packets.
-    pub(super) fn grow_window(&mut self, acked: u32) {
-        if self.cut_until.is_some_and(|p| psn_diff(self.rt.una, p) >= 0) {
-            self.cut_until = None;
-        }
+    /// `una` moved: the window grows by the packets it acknowledged.
+    pub(super) fn grow_window(&mut self) {
         let max = self.max_window() as u32;
-        let cwnd = self.rt.cwnd.max(MIN_CWND);
-        if cwnd < self.ssthresh {
-            self.rt.cwnd = cwnd.saturating_add(acked).min(self.ssthresh).min(max);
-            self.cwnd_acc = 0;
-            return;
-        }
-        self.cwnd_acc = self.cwnd_acc.saturating_add(acked);
-        if self.cwnd_acc >= cwnd {
-            self.cwnd_acc -= cwnd;
-            self.rt.cwnd = (cwnd + 1).min(max);
-        }
+        self.cc.on_ack(&mut self.rt.cwnd, self.rt.una, max);
     }
 
-    /// Congestion: the window halves (to at least MIN_CWND), unless this
-    /// loss is of a packet sent before the last cut (the same event).
-    /// Go-back-N and the PSNs are untouched: the loss is still resent.
+    /// Congestion: the window halves, unless this loss is of a packet sent
+    /// before the last cut (the same event). Go-back-N and the PSNs are
+    /// untouched: the loss is still resent.
     pub(super) fn cut_window(&mut self, ctx: &mut Ctx) {
-        if self.cut_until.is_some_and(|p| psn_diff(self.rt.una, p) < 0) {
-            return;
+        let max = self.max_window() as u32;
+        if self.cc.cut(&mut self.rt.cwnd, self.rt.una, self.rt.max_sent, max) {
+            ctx.stats.window_cuts += 1;
         }
-        ctx.stats.window_cuts += 1;
-        // What was in flight, not a window grown while little was sent.
-        let flight = psn_diff(self.rt.max_sent, self.rt.una).max(0) as u32;
-        let cwnd = self.window().min(flight.max(MIN_CWND) as i32) as u32;
-        self.rt.cwnd = (cwnd / 2).max(MIN_CWND);
-        self.ssthresh = self.rt.cwnd;
-        self.cwnd_acc = 0;
-        self.cut_until = Some(self.rt.max_sent);
     }
 
     /// A round trip of `us` µs: one longer than a quarter of the IB timeout
@@ -211,7 +182,7 @@ impl Qp {
     pub fn on_local_congestion(&mut self, ctx: &mut Ctx) {
         let flight = psn_diff(self.rt.max_sent, self.rt.una);
         if !self.is_ud() && flight >= MIN_CWND as i32 && matches!(self.attr.qp_state, QpState::Rts | QpState::Sqd) {
-            self.cut_until = None;
+            self.cc.forget_cut();
             self.cut_window(ctx);
         }
     }
@@ -412,9 +383,9 @@ impl Qp {
         self.rt.retry_left -= 1;
         // Nothing came back for a whole timeout: start again from the
         // smallest window, slow start up to half of what was in flight.
-        self.cut_until = None;
-        self.cut_window(ctx);
-        self.rt.cwnd = MIN_CWND;
+        let max = self.max_window() as u32;
+        self.cc.timeout(&mut self.rt.cwnd, self.rt.una, self.rt.max_sent, max);
+        ctx.stats.window_cuts += 1;
         self.rewind(ctx);
         // Back off on consecutive timeouts so that a slow (not dead) peer
         // is not buried under go-back-N retransmissions of whole windows.
