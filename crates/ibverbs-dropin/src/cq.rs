@@ -167,7 +167,14 @@ pub unsafe extern "C" fn create_cq_ex(c: *mut ibv_context, attr: *mut ibv_cq_ini
         return std::ptr::null_mut();
     }
     let a = &*attr;
-    let flags_ok = a.comp_mask & !IBV_CQ_INIT_ATTR_MASK_FLAGS == 0 && (a.comp_mask & IBV_CQ_INIT_ATTR_MASK_FLAGS == 0 || a.flags == 0);
+    // A CQ may name a parent domain (and only one: mlx5's rule); its queue
+    // keeps the library's memory (parent_domain.rs).
+    if a.comp_mask & IBV_CQ_INIT_ATTR_MASK_PD != 0 && crate::pdmr::pd(a.parent_domain).is_none_or(|p| p.parent.is_none()) {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let known = IBV_CQ_INIT_ATTR_MASK_FLAGS | IBV_CQ_INIT_ATTR_MASK_PD;
+    let flags_ok = a.comp_mask & !known == 0 && (a.comp_mask & IBV_CQ_INIT_ATTR_MASK_FLAGS == 0 || a.flags == 0);
     if a.wc_flags & !WC_EX_FLAGS != 0 || !flags_ok {
         set_errno(libc::EOPNOTSUPP);
         return std::ptr::null_mut();

@@ -185,6 +185,9 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     v.alloc_dm = Some(crate::dm::alloc_dm);
     v.free_dm = Some(crate::dm::free_dm);
     v.reg_dm_mr = Some(crate::dm::reg_dm_mr);
+    v.alloc_td = Some(crate::parent_domain::alloc_td);
+    v.dealloc_td = Some(crate::parent_domain::dealloc_td);
+    v.alloc_parent_domain = Some(crate::parent_domain::alloc_parent_domain);
     v.context.device = dev;
     v.context.cmd_fd = c.cmd_fd.as_raw_fd();
     v.context.async_fd = c.async_fd.as_raw_fd();

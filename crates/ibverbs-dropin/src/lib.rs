@@ -22,6 +22,7 @@ pub mod dm;
 pub mod link;
 pub mod mem;
 pub mod mw;
+pub mod parent_domain;
 pub mod pdmr;
 pub mod qp;
 pub mod srq;

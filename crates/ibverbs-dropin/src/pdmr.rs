@@ -10,9 +10,12 @@ use crate::{mem, set_errno};
 #[repr(C)]
 pub struct Pd {
     pub pd: ibv_pd,
-    pub inner: verbs::Pd,
-    /// MRs and QPs made in this PD and not yet destroyed.
+    /// rnicd's PD (shared by a parent domain with its protection domain).
+    pub inner: std::sync::Arc<verbs::Pd>,
+    /// MRs, QPs and parent domains made in this PD and not yet destroyed.
     pub users: std::sync::atomic::AtomicUsize,
+    /// Set if this is a parent domain (parent_domain.rs).
+    pub parent: Option<crate::parent_domain::Parent>,
 }
 
 #[repr(C)]
@@ -41,7 +44,8 @@ pub unsafe extern "C" fn ibv_alloc_pd(c: *mut ibv_context) -> *mut ibv_pd {
     };
     match cx.inner.alloc_pd() {
         Ok(inner) => {
-            let b = Box::into_raw(Box::new(Pd { pd: ibv_pd { context: c, handle: 0 }, inner, users: 0.into() }));
+            let inner = std::sync::Arc::new(inner);
+            let b = Box::into_raw(Box::new(Pd { pd: ibv_pd { context: c, handle: 0 }, inner, users: 0.into(), parent: None }));
             &mut (*b).pd
         }
         Err(_) => {
@@ -57,6 +61,9 @@ pub unsafe extern "C" fn ibv_dealloc_pd(p: *mut ibv_pd) -> c_int {
     // As a kernel driver: a PD still used by MRs or QPs stays.
     if pd.users.load(std::sync::atomic::Ordering::Acquire) > 0 {
         return libc::EBUSY;
+    }
+    if let Some(parent) = &pd.parent {
+        crate::parent_domain::release(parent);
     }
     drop(Box::from_raw(p as *mut Pd));
     0

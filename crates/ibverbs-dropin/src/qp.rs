@@ -25,10 +25,14 @@ pub struct Qp {
     pd: *const Pd,
     /// Whether the QP was made with send_ops_flags (ibv_qp_to_qp_ex).
     extended: bool,
-    /// IBV_QPT_RC or IBV_QPT_UD.
+    /// IBV_QPT_RC, IBV_QPT_UC or IBV_QPT_UD.
     qp_type: ibv_qp_type,
     /// WRs built by ibv_wr_* since ibv_wr_start, posted by ibv_wr_complete.
     batch: std::sync::Mutex<Batch>,
+    /// The rings' memory from a parent domain's allocator: after `inner`
+    /// (dropped first, unmapping the rings), so that it goes back to the
+    /// allocator only once the rings are gone.
+    _queue_memory: Option<crate::parent_domain::QueueMemory>,
 }
 
 /// One WR built through the ibv_qp_ex builders.
@@ -78,9 +82,12 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     }
     let a = &mut *attr;
     let Some(pdr) = pd(a.pd) else { return fail(libc::EINVAL) };
-    if a.qp_type != IBV_QPT_RC && a.qp_type != IBV_QPT_UD {
-        return fail(libc::EOPNOTSUPP);
-    }
+    let qp_type = match a.qp_type {
+        IBV_QPT_RC => verbs::QpType::Rc,
+        IBV_QPT_UC => verbs::QpType::Uc,
+        IBV_QPT_UD => verbs::QpType::Ud,
+        _ => return fail(libc::EOPNOTSUPP),
+    };
     let srq = crate::srq::srq(a.srq);
     let (Some(scq), Some(rcq)) = (cq(a.send_cq), cq(a.recv_cq)) else { return fail(libc::EINVAL) };
     let Some(cx) = crate::device::ctx(c) else { return fail(libc::EINVAL) };
@@ -106,7 +113,12 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         max_inline_data: cap.max_inline_data,
     };
     init.sq_sig_all = a.sq_sig_all != 0;
-    init.qp_type = if a.qp_type == IBV_QPT_UD { verbs::QpType::Ud } else { verbs::QpType::Rc };
+    init.qp_type = qp_type;
+    let queue_memory = match crate::parent_domain::QueueMemory::for_qp(a.pd, verbs::qp_ring_bytes(&init.cap)) {
+        Ok(m) => m,
+        Err(e) => return fail(e),
+    };
+    init.rings_at = queue_memory.as_ref().map(|m| m.rings_at());
     let inner = match pdr.inner.create_qp(&init) {
         Ok(q) => q,
         Err(_) => return fail(libc::ENOMEM),
@@ -139,7 +151,11 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     libc::pthread_cond_init(&mut base.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
     let extended = a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
     if extended {
-        let ops = if a.qp_type == IBV_QPT_UD { UD_SEND_OPS } else { SEND_OPS };
+        let ops = match qp_type {
+            verbs::QpType::Rc => SEND_OPS,
+            verbs::QpType::Uc => UC_SEND_OPS,
+            verbs::QpType::Ud => UD_SEND_OPS,
+        };
         if a.send_ops_flags & !ops != 0 {
             return fail(libc::EOPNOTSUPP);
         }
@@ -152,6 +168,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         x.wr_rdma_write = Some(wr_rdma_write);
         x.wr_rdma_write_imm = Some(wr_rdma_write_imm);
         x.wr_rdma_read = Some(wr_rdma_read);
+        x.wr_atomic_write = Some(wr_atomic_write);
         x.wr_send = Some(wr_send);
         x.wr_send_imm = Some(wr_send_imm);
         x.wr_send_inv = Some(wr_send_inv);
@@ -179,6 +196,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         extended,
         qp_type: a.qp_type,
         batch: Default::default(),
+        _queue_memory: queue_memory,
     }));
     if let Some(cx) = crate::device::ctx(c) {
         cx.events.add_qp((*b).inner.qpn, b as *mut ibv_qp);
@@ -490,6 +508,10 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             err = libc::EINVAL;
             break;
         }
+        if x.qp_type == IBV_QPT_UC && !uc_carries(op) {
+            err = libc::EINVAL;
+            break;
+        }
         if op == verbs::WrOpcode::BindKey {
             // A bind names its range in bind_mw, not in the SGE list.
             let b = &r.__bindgen_anon_2.bind_mw;
@@ -606,7 +628,7 @@ pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *m
 /// QP that can send.
 pub(crate) unsafe fn post_one(q: *mut ibv_qp, s: verbs::SendWr) -> c_int {
     let Some(x) = qp(q) else { return libc::EINVAL };
-    if !x.can_send() || x.qp_type != IBV_QPT_RC {
+    if !x.can_send() || x.qp_type == IBV_QPT_UD {
         return libc::EINVAL;
     }
     if x.inner.send_slots() == 0 {
@@ -621,6 +643,7 @@ pub(crate) unsafe fn post_one(q: *mut ibv_qp, s: verbs::SendWr) -> c_int {
 /// The ibv_wr_* operations this device builds (send_ops_flags).
 const SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
     | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    | IBV_QP_EX_WITH_ATOMIC_WRITE
     | IBV_QP_EX_WITH_SEND
     | IBV_QP_EX_WITH_SEND_WITH_IMM
     | IBV_QP_EX_WITH_RDMA_READ
@@ -632,6 +655,20 @@ const SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
 
 /// Those of a UD QP.
 const UD_SEND_OPS: u64 = (IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM) as u64;
+/// UC: SEND and RDMA WRITE (with immediate), and the local WRs; no READ,
+/// atomics or SEND with invalidate (IBA 9.8.3).
+const UC_SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
+    | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    | IBV_QP_EX_WITH_SEND
+    | IBV_QP_EX_WITH_SEND_WITH_IMM
+    | IBV_QP_EX_WITH_LOCAL_INV
+    | IBV_QP_EX_WITH_BIND_MW) as u64;
+
+/// Whether a UC QP takes this WR (as rxe's `wr_opcode_mask` for UC).
+fn uc_carries(op: verbs::WrOpcode) -> bool {
+    use verbs::WrOpcode::*;
+    matches!(op, Send | SendImm | RdmaWrite | RdmaWriteImm | LocalInv | BindKey)
+}
 
 unsafe fn batch<'a>(q: *mut ibv_qp_ex) -> std::sync::MutexGuard<'a, Batch> {
     (*(q as *const Qp)).batch.lock().unwrap_or_else(|e| e.into_inner())
@@ -674,8 +711,13 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
             }
             s.ud = p.ud;
         }
+        if x.qp_type == IBV_QPT_UC && !uc_carries(p.opcode) {
+            return libc::EINVAL;
+        }
         if let Some(d) = &p.inline {
-            if d.len() > cap.max_inline_data as usize {
+            // An atomic write's 8 bytes travel in the WQE whatever the QP's
+            // inline size (they are the WR's operand, as a CAS's are).
+            if d.len() > cap.max_inline_data as usize && p.opcode != verbs::WrOpcode::AtomicWrite {
                 return libc::EINVAL;
             }
             s = s.with_inline(d);
@@ -720,6 +762,15 @@ unsafe extern "C" fn wr_rdma_write(q: *mut ibv_qp_ex, rkey: u32, addr: u64) {
 }
 unsafe extern "C" fn wr_rdma_write_imm(q: *mut ibv_qp_ex, rkey: u32, addr: u64, imm: __be32) {
     push(q, verbs::WrOpcode::RdmaWriteImm, rkey, addr).wrs.last_mut().unwrap().imm = u32::from_be(imm);
+}
+/// ibv_wr_atomic_write: the 8 bytes at `data` go in the WQE.
+unsafe extern "C" fn wr_atomic_write(q: *mut ibv_qp_ex, rkey: u32, addr: u64, data: *const std::ffi::c_void) {
+    let v = if data.is_null() { None } else { Some(std::slice::from_raw_parts(data as *const u8, 8).to_vec()) };
+    let mut b = push(q, verbs::WrOpcode::AtomicWrite, rkey, addr);
+    match v {
+        Some(v) => b.wrs.last_mut().unwrap().inline = Some(v),
+        None => b.err = libc::EINVAL,
+    }
 }
 unsafe extern "C" fn wr_rdma_read(q: *mut ibv_qp_ex, rkey: u32, addr: u64) {
     drop(push(q, verbs::WrOpcode::RdmaRead, rkey, addr));

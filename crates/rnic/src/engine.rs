@@ -369,7 +369,8 @@ impl Engine {
             return;
         }
         let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
-        if p.bth.opcode.is_response() {
+        // A UC QP takes no responses: its responder drops them.
+        if p.bth.opcode.is_response() && !qp.is_uc() {
             qp.on_response(&mut ctx, &p);
         } else {
             qp.on_request(&mut ctx, &p);
@@ -780,7 +781,7 @@ impl Engine {
         let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
         for qp in qps.values_mut().filter(|q| q.owner == client && (q.send_cq == cq || q.recv_cq == cq)) {
             qp.doorbell(&mut ctx);
-            if qp.is_ud() {
+            if qp.is_ud() || qp.is_uc() {
                 let mut budget = usize::MAX;
                 qp.transmit(&mut ctx, &mut budget);
             }
@@ -818,8 +819,8 @@ impl Engine {
         if let Some(q) = qpn {
             self.check_free_qpn(q)?;
         }
-        if q.qp_type == QpType::Ud && (restore.is_some() || q.await_state) {
-            bail!("a UD QP cannot be created from a suspended state");
+        if q.qp_type != QpType::Rc && (restore.is_some() || q.await_state) {
+            bail!("only an RC QP can be created from a suspended state");
         }
         if q.await_state && restore.is_some() {
             bail!("a QP awaiting its state cannot also be created from one");

@@ -93,6 +93,27 @@ impl Mapping {
         Ok(Mapping { ptr: p as *mut u8, len, window: None })
     }
 
+    /// Maps `len` bytes of `fd` at `offset` read-write over the caller's
+    /// memory at `addr` (both page aligned; MAP_FIXED replaces the pages
+    /// there): a queue placed in memory a program allocated (a parent
+    /// domain's allocator in the ibverbs drop-in). Dropping it unmaps the
+    /// range, leaving a hole the owner of the memory must map again.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be memory the caller owns and nothing else
+    /// uses while this mapping lives.
+    pub unsafe fn map_at(fd: &OwnedFd, offset: u64, len: usize, addr: *mut u8) -> anyhow::Result<Mapping> {
+        if !offset.is_multiple_of(4096) || !(addr as usize).is_multiple_of(4096) || len == 0 {
+            bail!("mapping at {addr:?} (offset {offset}, {len} bytes) is not page aligned");
+        }
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        let p = libc::mmap(addr as *mut libc::c_void, len, prot, libc::MAP_SHARED | libc::MAP_FIXED, fd.as_raw_fd(), offset as libc::off_t);
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error()).context("mmap");
+        }
+        Ok(Mapping { ptr: p as *mut u8, len, window: None })
+    }
+
     /// Maps a memory region's `len` bytes at `offset` of a memfd from a
     /// client: a view of the file's window when it has one (sealed against
     /// growing too), else a mapping of its own ([`Mapping::map_sealed`]).

@@ -99,6 +99,10 @@ pub struct Stats {
     pub seq_naks_sent: u64,
     /// Requests kept because they arrived ahead of a lost one.
     pub held_out_of_order: u64,
+    /// UC messages dropped by the responder (a PSN gap, a refused packet).
+    pub uc_dropped_msgs: u64,
+    /// UC packets dropped because their message had been.
+    pub uc_dropped_pkts: u64,
     pub rnr_naks_sent: u64,
     pub rnr_naks_received: u64,
     pub error_naks_sent: u64,

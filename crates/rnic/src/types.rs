@@ -39,13 +39,16 @@ pub mod mask {
     pub const DEST_QPN: u32 = 1 << 20;
 }
 
-/// QP transport service (ibv_qp_type): reliable connected, or unreliable
-/// datagram (one packet per message, no ACKs, destination per WR).
+/// QP transport service (ibv_qp_type): reliable connected, unreliable
+/// datagram (one packet per message, no ACKs, destination per WR), or
+/// unreliable connected (SEND and WRITE to one peer, no ACKs, a lost packet
+/// loses its message).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum QpType {
     #[default]
     Rc,
     Ud,
+    Uc,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -122,6 +125,9 @@ pub enum WrOpcode {
     /// window's bind also names its new key in `swap` (non-zero: the key is
     /// renamed first, `Keys::rename`); with no range it unbinds the window.
     BindKey = 11,
+    /// RDMA atomic write (IBTA 1.5, IBV_WR_ATOMIC_WRITE): 8 bytes written
+    /// to an aligned remote address in one store, as a WRITE's rights allow.
+    AtomicWrite = 15,
 }
 
 impl WrOpcode {
@@ -137,6 +143,7 @@ impl WrOpcode {
             7 => WrOpcode::LocalInv,
             9 => WrOpcode::SendInv,
             11 => WrOpcode::BindKey,
+            15 => WrOpcode::AtomicWrite,
             _ => return None,
         })
     }
@@ -215,6 +222,7 @@ pub enum WcOpcode {
     FetchAdd = 4,
     BindKey = 5,
     LocalInv = 6,
+    AtomicWrite = 9,
     Recv = 128,
     RecvRdmaWithImm = 129,
 }
@@ -229,6 +237,7 @@ impl WcOpcode {
             4 => WcOpcode::FetchAdd,
             5 => WcOpcode::BindKey,
             6 => WcOpcode::LocalInv,
+            9 => WcOpcode::AtomicWrite,
             129 => WcOpcode::RecvRdmaWithImm,
             _ => WcOpcode::Recv,
         }
@@ -242,6 +251,7 @@ impl WcOpcode {
             WrOpcode::AtomicFetchAdd => WcOpcode::FetchAdd,
             WrOpcode::LocalInv => WcOpcode::LocalInv,
             WrOpcode::BindKey => WcOpcode::BindKey,
+            WrOpcode::AtomicWrite => WcOpcode::AtomicWrite,
         }
     }
 }

@@ -114,7 +114,7 @@ impl OpInfo {
 /// the two cannot disagree.
 macro_rules! opcode_table {
     ($($variant:ident = $code:literal, $name:literal, $kind:ident, $pos:ident, [$($h:ident)|*];)*) => {
-        /// RC opcodes (transport bits 000) and UD's (011).
+        /// RC opcodes (transport bits 000), UC's (001) and UD's (011).
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         #[repr(u8)]
         pub enum Opcode {
@@ -152,6 +152,19 @@ opcode_table! {
     FetchAdd = 0x14, "FETCH_ADD", Atomic, Only, [ATOMIC_ETH];
     SendLastInv = 0x16, "SEND_LAST_WITH_INVALIDATE", Send, Last, [IETH];
     SendOnlyInv = 0x17, "SEND_ONLY_WITH_INVALIDATE", Send, Only, [IETH];
+    AtomicWrite = 0x1d, "RDMA_ATOMIC_WRITE", Write, Only, [RETH];
+    UcSendFirst = 0x20, "UC_SEND_FIRST", Send, First, [];
+    UcSendMiddle = 0x21, "UC_SEND_MIDDLE", Send, Middle, [];
+    UcSendLast = 0x22, "UC_SEND_LAST", Send, Last, [];
+    UcSendLastImm = 0x23, "UC_SEND_LAST_WITH_IMMEDIATE", Send, Last, [IMM];
+    UcSendOnly = 0x24, "UC_SEND_ONLY", Send, Only, [];
+    UcSendOnlyImm = 0x25, "UC_SEND_ONLY_WITH_IMMEDIATE", Send, Only, [IMM];
+    UcWriteFirst = 0x26, "UC_RDMA_WRITE_FIRST", Write, First, [RETH];
+    UcWriteMiddle = 0x27, "UC_RDMA_WRITE_MIDDLE", Write, Middle, [];
+    UcWriteLast = 0x28, "UC_RDMA_WRITE_LAST", Write, Last, [];
+    UcWriteLastImm = 0x29, "UC_RDMA_WRITE_LAST_WITH_IMMEDIATE", Write, Last, [IMM];
+    UcWriteOnly = 0x2a, "UC_RDMA_WRITE_ONLY", Write, Only, [RETH];
+    UcWriteOnlyImm = 0x2b, "UC_RDMA_WRITE_ONLY_WITH_IMMEDIATE", Write, Only, [RETH | IMM];
     UdSendOnly = 0x64, "UD_SEND_ONLY", Send, Only, [DETH];
     UdSendOnlyImm = 0x65, "UD_SEND_ONLY_WITH_IMMEDIATE", Send, Only, [DETH | IMM];
 }
@@ -204,6 +217,20 @@ impl Opcode {
     /// An unreliable datagram opcode (transport bits 011).
     pub fn is_ud(self) -> bool {
         self as u8 >> 5 == 3
+    }
+    /// An unreliable connected opcode (transport bits 001).
+    pub fn is_uc(self) -> bool {
+        self as u8 >> 5 == 1
+    }
+    /// The UC opcode of an RC SEND or WRITE opcode (the same message
+    /// position and headers, transport bits 001); None for the others.
+    pub fn to_uc(self) -> Option<Opcode> {
+        let v = self as u8;
+        if v <= Opcode::WriteOnlyImm as u8 {
+            Opcode::from_u8(v | 0x20)
+        } else {
+            None
+        }
     }
     pub fn is_atomic(self) -> bool {
         self.info().kind == OpKind::Atomic

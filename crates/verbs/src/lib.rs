@@ -542,8 +542,11 @@ impl Pd {
         let rql = ring_bytes::<RecvWqe>(rq_slots);
         let sqfd = sealed_memfd("transit-sq", sql)?;
         let rqfd = sealed_memfd("transit-rq", rql)?;
-        let sqm = Mapping::map(&sqfd, 0, sql)?;
-        let rqm = Mapping::map(&rqfd, 0, rql)?;
+        let (sqm, rqm) = match init.rings_at {
+            // SAFETY: the caller gave us these ranges for the QP's life.
+            Some((s, r)) => unsafe { (Mapping::map_at(&sqfd, 0, sql, s as *mut u8)?, Mapping::map_at(&rqfd, 0, rql, r as *mut u8)?) },
+            None => (Mapping::map(&sqfd, 0, sql)?, Mapping::map(&rqfd, 0, rql)?),
+        };
         sqm.populate();
         rqm.populate();
         // SAFETY: mappings of the right size, kept in the Qp.
@@ -915,6 +918,19 @@ pub struct QpInitAttr {
     pub cap: QpCap,
     pub sq_sig_all: bool,
     pub qp_type: QpType,
+    /// Where to map the send and receive rings instead of where the kernel
+    /// chooses: page-aligned addresses of memory the caller owns, of
+    /// [`qp_ring_bytes`] each (the ibverbs drop-in's parent-domain
+    /// allocators). The pages there are replaced; after the QP is dropped
+    /// the ranges are unmapped and the caller maps them again.
+    pub rings_at: Option<(usize, usize)>,
+}
+
+/// The bytes of a QP's send and receive rings for `cap`.
+pub fn qp_ring_bytes(cap: &QpCap) -> (usize, usize) {
+    let sq_slots = cap.max_send_wr.max(1).next_power_of_two();
+    let rq_slots = cap.max_recv_wr.max(1).next_power_of_two();
+    (ring_bytes::<SendWqe>(sq_slots), ring_bytes::<RecvWqe>(rq_slots))
 }
 
 impl QpInitAttr {
@@ -925,6 +941,7 @@ impl QpInitAttr {
             cap: QpCap { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 128 },
             sq_sig_all: false,
             qp_type: QpType::Rc,
+            rings_at: None,
         }
     }
 }
@@ -1158,6 +1175,23 @@ impl Qp {
         Ok(if active.bytes() < wanted.bytes() { active } else { wanted })
     }
 
+    /// A UC QP from RESET to RTS towards `remote`: INIT, RTR and RTS with
+    /// UC's attributes (RC's without retransmission, RNR and READ/atomic
+    /// ones: Linux's `qp_state_table` refuses those on UC).
+    pub fn uc_connect(&self, remote: &QpEndpoint, o: &ConnectOpts) -> anyhow::Result<()> {
+        let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: o.access, port_num: 1, ..Default::default() };
+        self.modify(&a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)?;
+        a.qp_state = QpState::Rtr;
+        a.path_mtu = self.path_mtu(o.mtu)?;
+        a.dest_gid = remote.gid;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        self.modify(&a, mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN)?;
+        a.qp_state = QpState::Rts;
+        a.sq_psn = o.sq_psn;
+        self.modify(&a, mask::STATE | mask::SQ_PSN)
+    }
+
     /// A UD QP from RESET to RTS as UD programs do: INIT with P_Key index
     /// 0, port 1 and `qkey`, RTR, then RTS sending from `sq_psn`.
     pub fn ud_activate(&self, qkey: u32, sq_psn: u32) -> anyhow::Result<()> {
@@ -1209,7 +1243,8 @@ impl Qp {
                 w.ud_qkey = d.qkey;
             }
             if let Some(d) = wr.inline {
-                if d.len() > self.cap.max_inline_data as usize || wr.opcode.is_read_or_atomic() {
+                let operand = wr.opcode == WrOpcode::AtomicWrite && d.len() == 8;
+                if (d.len() > self.cap.max_inline_data as usize && !operand) || wr.opcode.is_read_or_atomic() {
                     result = Err(anyhow!("inline data of {} bytes exceeds max_inline_data {}", d.len(), self.cap.max_inline_data));
                     break;
                 }

@@ -557,9 +557,9 @@ int main(void)
 		CHECK("dealloc busy pd", ibv_dealloc_pd(pd) == EBUSY, "ebusy");
 		CHECK("destroy busy cq", ibv_destroy_cq(cq) == EBUSY, "ebusy");
 		CHECK("destroy busy channel", ibv_destroy_comp_channel(ch) == EBUSY, "ebusy");
-		struct ibv_qp_init_attr uc = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UC,
-					       .cap = { 1, 1, 1, 1, 0 } };
-		CHECK("UC QP", !ibv_create_qp(pd, &uc) && errno == EOPNOTSUPP, "errno %d", errno);
+		struct ibv_qp_init_attr raw = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RAW_PACKET,
+						.cap = { 1, 1, 1, 1, 0 } };
+		CHECK("raw packet QP", !ibv_create_qp(pd, &raw) && errno == EOPNOTSUPP, "errno %d", errno);
 		/* Basic SRQs work (srq_check.c); XRC ones do not. */
 		struct ibv_srq_init_attr_ex xrc = { .attr = { 1, 1, 0 }, .srq_type = IBV_SRQT_XRC, .pd = pd, .cq = cq,
 						    .comp_mask = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_PD |

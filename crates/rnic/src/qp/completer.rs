@@ -11,7 +11,7 @@ use crate::types::{QpState, WcOpcode, WcStatus, WrOpcode};
 use crate::wire::{self, psn_add, psn_diff, NakCode, OpKind, Opcode, Packet, Syndrome};
 
 impl Qp {
-    fn complete_front(&mut self, ctx: &mut Ctx, status: WcStatus) {
+    pub(super) fn complete_front(&mut self, ctx: &mut Ctx, status: WcStatus) {
         let Some(e) = self.sq.pop_front() else { return };
         self.rt.sq_retired += 1;
         if self.tx_idx > 0 {

@@ -12,7 +12,9 @@
 //!   response;
 //! - [`snapshot`](self::snapshot): suspend, query, restore and resume (seed 000);
 //! - [`ud`](self::ud): unreliable datagram QPs, which share the QP, its
-//!   rings and its state machine but none of the RC transport.
+//!   rings and its state machine but none of the RC transport;
+//! - [`uc`](self::uc): unreliable connected QPs, RC's requester and
+//!   responder without ACKs, retransmission, READs or atomics.
 //!
 //! This module holds the QP itself, its queues and the rings it pulls WQEs
 //! from. Everything the transport needs to carry on lives in [`QpRuntime`],
@@ -25,6 +27,7 @@ mod responder;
 mod snapshot;
 mod srq;
 mod state;
+mod uc;
 pub mod ud;
 
 use std::collections::VecDeque;
@@ -183,6 +186,9 @@ pub struct Qp {
     /// The shared receive queue (its ID) the responder takes receive WQEs
     /// from instead of `rq_ring` (`qp::srq`).
     srq: Option<(u32, crate::srq::SharedSrq)>,
+    /// UC responder: the message under way was dropped; packets are
+    /// dropped until the next one begins (`qp::uc`).
+    uc_dropping: bool,
 }
 
 impl Qp {
@@ -239,6 +245,7 @@ impl Qp {
             ack_due: None,
             held_local: None,
             srq: None,
+            uc_dropping: false,
         };
         qp.set_rings_polled(false);
         qp
@@ -431,8 +438,14 @@ impl Qp {
 
     fn validate_send(&self, w: &SendWqe) -> Result<(WrOpcode, u64), ()> {
         let op = WrOpcode::from_u8(w.opcode).ok_or(())?;
+        if self.is_uc() && !uc::carries(op) {
+            return Err(());
+        }
         let len = if w.flags & send_flags::INLINE != 0 {
-            if w.inline_len as usize > MAX_INLINE || w.inline_len > self.cap.max_inline_data || op.is_read_or_atomic() {
+            // An atomic write's 8 bytes are its operand, inline whatever the
+            // QP's inline size.
+            let over = w.inline_len > self.cap.max_inline_data && op != WrOpcode::AtomicWrite;
+            if w.inline_len as usize > MAX_INLINE || over || op.is_read_or_atomic() {
                 return Err(());
             }
             w.inline_len as u64
@@ -442,7 +455,7 @@ impl Qp {
             }
             w.sge[..w.num_sge as usize].iter().map(|s| s.length as u64).sum()
         };
-        if len > MAX_MSG || (op.is_atomic() && len != 8) {
+        if len > MAX_MSG || ((op.is_atomic() || op == WrOpcode::AtomicWrite) && len != 8) {
             return Err(());
         }
         Ok((op, len))

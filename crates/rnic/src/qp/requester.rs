@@ -109,7 +109,9 @@ impl Qp {
                     self.rtt_sample = Some((psn, ctx.now));
                 }
             }
-            if self.retrans_deadline.is_none() {
+            if self.is_uc() {
+                self.uc_sent(ctx);
+            } else if self.retrans_deadline.is_none() {
                 self.arm_timer(ctx.now);
             }
         }
@@ -271,12 +273,14 @@ impl Qp {
                 let last = i + 1 == e.npkts;
                 let off = i as u64 * mtu;
                 let plen = (e.len - off).min(mtu) as usize;
-                let is_write = matches!(op, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteImm);
+                let is_write = matches!(op, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteImm | WrOpcode::AtomicWrite);
                 let imm = matches!(op, WrOpcode::RdmaWriteImm | WrOpcode::SendImm);
                 use Opcode::*;
                 let opc = match (is_write, first, last) {
                     (true, true, true) => {
-                        if imm {
+                        if op == WrOpcode::AtomicWrite {
+                            AtomicWrite
+                        } else if imm {
                             WriteOnlyImm
                         } else {
                             WriteOnly
@@ -308,6 +312,9 @@ impl Qp {
                 // Ask for ACKs often enough that the window never stalls.
                 h.bth.ack_req = (last && ask_ack) || (i + 1).is_multiple_of(self.ack_every());
                 h.bth.solicited = last && w.flags & send_flags::SOLICITED != 0;
+                if self.is_uc() {
+                    self.uc_headers(&mut h);
+                }
                 if is_write && first {
                     h.reth = Some(Reth { va: w.remote_addr, rkey: w.rkey, len: e.len as u32 });
                 }

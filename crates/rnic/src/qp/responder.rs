@@ -34,7 +34,7 @@ enum PsnCheck {
 /// Why the responder refuses a request, named after the responder's checks
 /// (IBTA vol. 1 9.7.5.1; Linux rxe's `RESPST_ERR_*` states).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Refusal {
+pub(super) enum Refusal {
     /// Opcode sequence: the middle or last packet of a message that never began.
     MissingOpcodeFirst,
     /// Opcode sequence: a new message before the one under way ended.
@@ -136,7 +136,7 @@ impl Qp {
 
     // One argument per field of the receive CQE it writes.
     #[allow(clippy::too_many_arguments)]
-    fn complete_recv(
+    pub(super) fn complete_recv(
         &mut self,
         ctx: &mut Ctx,
         status: WcStatus,
@@ -199,6 +199,10 @@ impl Qp {
     }
 
     pub fn on_request(&mut self, ctx: &mut Ctx, p: &Packet) {
+        if self.is_uc() != p.bth.opcode.is_uc() {
+            ctx.stats.rx_unknown_qp += 1; // no QP of this transport
+            return;
+        }
         let epsn = self.rt.epsn;
         self.handle_request(ctx, p);
         if !self.held.is_empty() && self.rt.epsn != epsn {
@@ -263,6 +267,11 @@ impl Qp {
             return;
         }
         match self.check_psn(p.bth.psn) {
+            _ if self.is_uc() => {
+                if !self.uc_in_sequence(ctx, p) {
+                    return;
+                }
+            }
             PsnCheck::Expected => {}
             PsnCheck::Ahead(d) => {
                 if !self.rt.nak_sent {
@@ -360,7 +369,7 @@ impl Qp {
     /// WRITE with immediate), room for the responses of a READ or atomic.
     fn check_resources(&mut self, ctx: &mut Ctx, p: &Packet) -> Result<(), Refusal> {
         let op = p.bth.opcode;
-        let needs_recv = (op.is_send() && op.starts_message()) || matches!(op, Opcode::WriteOnlyImm | Opcode::WriteLastImm);
+        let needs_recv = (op.is_send() && op.starts_message()) || (op.is_write() && op.has_imm());
         if needs_recv && !self.rq_head(ctx) {
             return Err(Refusal::Rnr);
         }
@@ -445,6 +454,9 @@ impl Qp {
                 return Err(Refusal::RkeyViolation);
             }
             let dst = ctx.keys.resolve(rkey, self.pd, va, n, need).ok_or(Refusal::RkeyViolation)?;
+            if op == Opcode::AtomicWrite {
+                return Self::atomic_write_target(dst, va, n);
+            }
             Ok(Target::Write(dst))
         } else if op == Opcode::ReadRequest {
             if let Some(reth) = p.reth.filter(|r| r.len > 0) {
@@ -466,6 +478,19 @@ impl Qp {
         } else {
             Ok(Target::None)
         }
+    }
+
+    /// An atomic write's target: 8 bytes at an 8-byte aligned address (IBTA
+    /// 1.5 o9-28.2), in host memory aligned too, so one store writes them.
+    fn atomic_write_target(dst: Span, va: u64, n: u64) -> Result<Target, Refusal> {
+        if n != 8 {
+            return Err(Refusal::Length);
+        }
+        let ptr = dst.contiguous().ok_or(Refusal::RkeyViolation)?;
+        if !va.is_multiple_of(8) || !(ptr as usize).is_multiple_of(8) {
+            return Err(Refusal::MisalignedAtomic);
+        }
+        Ok(Target::Atomic(ptr))
     }
 
     /// The region `rkey` if it lies in the QP's PD and grants `need` on
@@ -528,9 +553,12 @@ impl Qp {
         }
         let Some(mut w) = self.rt.write else { return Err(Refusal::MissingOpcodeFirst) };
         let n = p.payload.len() as u64;
-        if let Target::Write(dst) = target {
+        match (target, <[u8; 8]>::try_from(p.payload)) {
             // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
-            unsafe { dst.write(p.payload) };
+            (Target::Write(dst), _) => unsafe { dst.write(p.payload) },
+            // SAFETY: an atomic write's 8 aligned bytes, resolved just now.
+            (Target::Atomic(ptr), Ok(v)) => unsafe { AtomicU64::from_ptr(ptr as *mut u64) }.store(u64::from_ne_bytes(v), Ordering::SeqCst),
+            _ => {}
         }
         w.va += n;
         w.remaining -= n;
@@ -598,6 +626,9 @@ impl Qp {
     fn acknowledge(&mut self, ctx: &mut Ctx, p: &Packet) {
         self.rt.epsn = psn_add(p.bth.psn, 1);
         self.rt.nak_sent = false;
+        if self.is_uc() {
+            return;
+        }
         if p.bth.ack_req {
             self.queue_ack(p.bth.psn);
         } else if self.ack_due.is_none() {
@@ -610,6 +641,9 @@ impl Qp {
     /// moves the QP to ERR, after completing the receive WQE that the
     /// message consumed in error.
     fn refuse(&mut self, ctx: &mut Ctx, psn: u32, r: Refusal) {
+        if self.is_uc() {
+            return self.uc_refuse(ctx, r);
+        }
         match r {
             Refusal::Rnr => self.rnr(ctx, psn),
             Refusal::RecvLength => self.complete_recv(ctx, WcStatus::LocLenErr, WcOpcode::Recv, 0, None, None, false),

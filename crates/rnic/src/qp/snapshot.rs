@@ -56,8 +56,8 @@ impl Qp {
     /// Whether [`Qp::suspend`] takes this QP: a connected RC QP (a batch
     /// checks every QP before any is suspended).
     pub fn check_suspend(&self) -> Result<(), String> {
-        if self.is_ud() {
-            return Err("UD QPs cannot be suspended".into());
+        if self.qp_type != crate::types::QpType::Rc {
+            return Err(format!("{:?} QPs cannot be suspended", self.qp_type));
         }
         if !matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
             return Err(format!("only an RTR/RTS/SQD QP can be suspended, not {:?}", self.attr.qp_state));

@@ -5,7 +5,7 @@ use super::{Ctx, Qp, QpRuntime};
 use crate::async_events::{AsyncEvent, AsyncKind};
 use crate::ring::Cqe;
 use crate::types::mask as m;
-use crate::types::{QpAttr, QpState, WcOpcode, WcStatus};
+use crate::types::{QpAttr, QpState, QpType, WcOpcode, WcStatus};
 use crate::wire::{self, psn_diff};
 
 /// The attributes an RC transition requires and those it may take, as in
@@ -114,7 +114,11 @@ impl Qp {
     }
 
     fn check_modify(&self, attr: &QpAttr, mask: u32, cur: QpState, new: QpState) -> Result<(), String> {
-        let table = if self.is_ud() { super::ud::transition_attrs } else { transition_attrs };
+        let table = match self.qp_type {
+            QpType::Rc => transition_attrs,
+            QpType::Ud => super::ud::transition_attrs,
+            QpType::Uc => super::uc::transition_attrs,
+        };
         let (required, optional) = table(cur, new).ok_or_else(|| format!("invalid QP state transition {cur:?} -> {new:?}"))?;
         let given = mask & !m::STATE;
         if given & required != required {
