@@ -384,6 +384,19 @@ impl Engine {
         let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
         let n = qpn_order.len();
         let mut budget = budget;
+        // Every QP's queued ACKs and NAKs first: each is one small packet
+        // that moves a peer's window or makes it resend, and behind the
+        // fair shares below it could wait many rounds while other QPs send
+        // bulk data (with 256 QPs, resumed QPs' sequence NAKs and their
+        // answers to the peer's resends took hundreds of ms).
+        for k in 0..n {
+            if budget == 0 {
+                break;
+            }
+            if let Some(qp) = qps.get_mut(&qpn_order[(*rr + k) % n]) {
+                qp.transmit_acks(&mut ctx, &mut budget);
+            }
+        }
         let mut more = false;
         for k in 0..n {
             let qpn = qpn_order[(*rr + k) % n];

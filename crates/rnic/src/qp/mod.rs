@@ -265,6 +265,15 @@ impl Qp {
         self.requester_tx(ctx, budget);
     }
 
+    /// Sends only the responder's queued ACKs and NAKs (one small packet
+    /// each, up to the first READ response): see `Engine::poll_tx`.
+    pub fn transmit_acks(&mut self, ctx: &mut Ctx, budget: &mut usize) {
+        if self.suspended || self.is_ud() {
+            return;
+        }
+        self.responder_acks_tx(ctx, budget);
+    }
+
     /// Takes new send WQEs from the shared ring (bounded by max_send_wr).
     pub fn pull_sq(&mut self, ctx: &mut Ctx) {
         if self.suspended {

@@ -731,11 +731,24 @@ impl Qp {
     }
 
     pub(super) fn responder_tx(&mut self, ctx: &mut Ctx, budget: &mut usize) {
+        self.responses_tx(ctx, budget, false);
+    }
+
+    /// Sends the ACKs, NAKs and atomic ACKs at the head of the response
+    /// queue, and stops at the first READ response (the order holds).
+    pub(super) fn responder_acks_tx(&mut self, ctx: &mut Ctx, budget: &mut usize) {
+        self.responses_tx(ctx, budget, true);
+    }
+
+    fn responses_tx(&mut self, ctx: &mut Ctx, budget: &mut usize, acks_only: bool) {
         let flow = self.flow(ctx.gid);
         let dq = self.attr.dest_qp_num;
         let mtu = self.mtu();
         while *budget > 0 {
             let Some(job) = self.rt.resp_queue.front_mut() else { break };
+            if acks_only && matches!(job, RespJob::Read { .. }) {
+                break;
+            }
             match *job {
                 RespJob::Ack { psn, syndrome } => {
                     let mut h = Headers::new(Opcode::Ack, dq, psn);

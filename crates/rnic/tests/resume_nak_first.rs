@@ -1,0 +1,92 @@
+//! A resumed QP's sequence NAK leaves in the first transmit round, even
+//! while many other QPs of its namespace have bulk responses to send: ACKs
+//! and NAKs do not wait for the QP's turn in the fair shares of data (with
+//! 256 QPs resuming after a move, they once waited hundreds of ms, and the
+//! peer's resends went unanswered meanwhile).
+mod common;
+use std::net::Ipv4Addr;
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+use common::direct::{self, dup};
+use rnic::engine::Engine;
+use rnic::mem::sealed_memfd;
+use rnic::proto::{Reply, Request};
+use rnic::types::{access, mask, Mtu, QpAttr, QpState};
+use rnic::wire::{self, Flow, Headers, NakCode, Opcode, Reth, Syndrome, ROCE_PORT};
+
+const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 1);
+const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 2);
+const READ_LEN: u32 = 64 * 1024;
+const RQ_PSN: u32 = 100;
+/// QPs with READ responses to send, besides the one that resumes.
+const BUSY_QPS: u32 = 32;
+
+/// An RC QP of client 1 in RTS talking to PEER's QP `dest`.
+fn rts_qp(e: &mut Engine, pd: u32, cq: u32, dest: u32, keep: &mut Vec<OwnedFd>) -> u32 {
+    let (qpn, rings) = direct::rc_qp(e, 1, pd, cq, 1, 0);
+    keep.extend(rings);
+    let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: access::ALL, port_num: 1, ..Default::default() };
+    e.control(1, Request::ModifyQp { qpn, attr: a, mask: mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS }, vec![])
+        .unwrap();
+    a.qp_state = QpState::Rtr;
+    a.path_mtu = Mtu::M256;
+    a.dest_gid = PEER;
+    a.dest_qp_num = dest;
+    a.rq_psn = RQ_PSN;
+    a.max_dest_rd_atomic = 4;
+    let m = mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN | mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER;
+    e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
+    a.qp_state = QpState::Rts;
+    let m = mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC;
+    e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
+    qpn
+}
+
+#[test]
+fn a_resumed_qps_nak_goes_out_before_other_qps_bulk_responses() {
+    let mut e = Engine::new(LOCAL);
+    let mut keep = Vec::new();
+    let Reply::Pd(pd) = e.control(1, Request::AllocPd, vec![]).unwrap() else { panic!() };
+    let memfd = sealed_memfd("reads", READ_LEN as usize).unwrap();
+    let iova = 0x7000_0000_0000u64;
+    let req = Request::RegMr { pd, iova, len: READ_LEN.into(), access: access::ALL, fd_offset: 0, key: None };
+    let Reply::Mr { rkey, .. } = e.control(1, req, vec![dup(&memfd)]).unwrap() else { panic!() };
+    keep.push(memfd);
+    let (cq, cqfd) = direct::cq(&mut e, 1, 256);
+    keep.push(cqfd);
+
+    // The busy QPs come first in the transmit order; the one that resumes last.
+    let busy: Vec<u32> = (0..BUSY_QPS).map(|k| rts_qp(&mut e, pd, cq, 0x100 + k, &mut keep)).collect();
+    let resumed = rts_qp(&mut e, pd, cq, 0x999, &mut keep);
+    e.control(1, Request::SuspendQps { qpns: vec![resumed] }, vec![]).unwrap();
+
+    // Each busy QP has a 64 KiB READ to answer: 256 response packets.
+    let now = Instant::now();
+    for (k, &qpn) in busy.iter().enumerate() {
+        let flow = Flow { src: PEER, dst: LOCAL, sport: 0xc000 + k as u16, dport: ROCE_PORT };
+        let mut h = Headers::new(Opcode::ReadRequest, qpn, RQ_PSN);
+        h.reth = Some(Reth { va: iova, rkey, len: READ_LEN });
+        e.on_packet(&wire::build(&flow, &h, &[]), PEER, flow.sport, now);
+    }
+    e.control(1, Request::ResumeQps { qpns: vec![resumed] }, vec![]).unwrap();
+
+    // One round with a budget far below the READ responses queued.
+    e.poll_tx(64, Instant::now());
+    let out = std::mem::take(&mut e.tx.pkts);
+    let naks: Vec<_> = out
+        .iter()
+        .filter_map(|p| {
+            let flow = Flow { src: LOCAL, dst: PEER, sport: p.sport, dport: ROCE_PORT };
+            let w = wire::parse(&p.buf[..p.len], Some(&flow)).expect("rnicd sends valid packets");
+            (w.bth.dest_qpn == 0x999).then(|| (w.bth.opcode, w.bth.psn, w.aeth.map(|a| a.syndrome)))
+        })
+        .collect();
+    assert_eq!(
+        naks,
+        vec![(Opcode::Ack, RQ_PSN, Some(Syndrome::Nak(NakCode::PsnSeqError)))],
+        "the resumed QP's sequence NAK is in the first round ({} packets sent)",
+        out.len()
+    );
+    assert!(out.len() > 1, "the busy QPs' READ responses share the round");
+}
