@@ -1251,7 +1251,7 @@ mod tests {
         // getsockopt(SO_ERROR) cleared it: set it again for the send.
         frag_needed(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port), to, 60_000);
         std::thread::sleep(Duration::from_millis(50));
-        let mut pkt = OutPkt { buf: vec![0u8; 256], len: 64, dst: *to.ip(), sport: port };
+        let mut pkt = OutPkt { buf: vec![0u8; 256], len: 64, dst: *to.ip(), sport: port, in_place: None };
         pkt.buf[..4].copy_from_slice(b"ping");
         let mut errors = 0;
         let sent = senders.send_run(fd, std::slice::from_mut(&mut pkt), false, &mut errors);

@@ -145,6 +145,19 @@ fn without_traces_the_guest_sees_the_peers_lost_writes() {
     let b = destination(&bed, 1, gid, &PLAIN, "");
     start_migration(&bed, &a, 1, params(Precopy, &PLAIN));
     let st = wait_end(&a);
+    if st["status"] == "failed" {
+        // An untraced write can also land in a page while RAM sends it:
+        // its checksum then fails on the destination and nothing marks it
+        // dirty to send again, so the destination refuses the stream. The
+        // loss is detected then too, by the migration; the source runs on.
+        let err = st["error"].as_str().unwrap_or("");
+        assert!(err.contains("arrived damaged"), "only a damaged page may fail it: {st:#}");
+        eprintln!("the destination saw the lost write itself: {err}");
+        wait_for("the source's device running again", Duration::from_secs(30), || pvrdma(&a)["paused"] == false);
+        assert_qps_running(&a);
+        drop(peer);
+        return;
+    }
     assert_eq!(st["status"], "completed", "{st:#}");
     let d = pvrdma(&a);
     assert_eq!(d["counters"]["traced_pages"], 0, "{d:#}");
