@@ -1144,19 +1144,7 @@ impl Qp {
 
     /// RESET -> INIT -> RTR -> RTS towards `remote`, as every verbs program does.
     pub fn connect(&self, remote: &QpEndpoint, o: &ConnectOpts) -> anyhow::Result<()> {
-        let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: o.access, port_num: 1, ..Default::default() };
-        self.modify(&a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)?;
-        a.qp_state = QpState::Rtr;
-        a.path_mtu = self.path_mtu(o.mtu)?;
-        a.dest_gid = remote.gid;
-        a.dest_qp_num = remote.qpn;
-        a.rq_psn = remote.psn;
-        a.max_dest_rd_atomic = o.max_rd_atomic;
-        a.min_rnr_timer = o.min_rnr_timer;
-        self.modify(
-            &a,
-            mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN | mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER,
-        )?;
+        let mut a = self.init_then_rtr(remote, o, true)?;
         a.qp_state = QpState::Rts;
         a.sq_psn = o.sq_psn;
         a.timeout = o.timeout;
@@ -1164,6 +1152,26 @@ impl Qp {
         a.rnr_retry = o.rnr_retry;
         a.max_rd_atomic = o.max_rd_atomic;
         self.modify(&a, mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC)
+    }
+
+    /// RESET -> INIT -> RTR towards `remote`; with `rc`, RTR also sets the
+    /// responder's READ/atomic depth and RNR timer, which UC refuses.
+    fn init_then_rtr(&self, remote: &QpEndpoint, o: &ConnectOpts, rc: bool) -> anyhow::Result<QpAttr> {
+        let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: o.access, port_num: 1, ..Default::default() };
+        self.modify(&a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)?;
+        a.qp_state = QpState::Rtr;
+        a.path_mtu = self.path_mtu(o.mtu)?;
+        a.dest_gid = remote.gid;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        let mut m = mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN;
+        if rc {
+            a.max_dest_rd_atomic = o.max_rd_atomic;
+            a.min_rnr_timer = o.min_rnr_timer;
+            m |= mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER;
+        }
+        self.modify(&a, m)?;
+        Ok(a)
     }
 
     /// The path MTU `connect` sets for `wanted` (see [`ConnectOpts::mtu`]).
@@ -1179,14 +1187,7 @@ impl Qp {
     /// UC's attributes (RC's without retransmission, RNR and READ/atomic
     /// ones: Linux's `qp_state_table` refuses those on UC).
     pub fn uc_connect(&self, remote: &QpEndpoint, o: &ConnectOpts) -> anyhow::Result<()> {
-        let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: o.access, port_num: 1, ..Default::default() };
-        self.modify(&a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)?;
-        a.qp_state = QpState::Rtr;
-        a.path_mtu = self.path_mtu(o.mtu)?;
-        a.dest_gid = remote.gid;
-        a.dest_qp_num = remote.qpn;
-        a.rq_psn = remote.psn;
-        self.modify(&a, mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN)?;
+        let mut a = self.init_then_rtr(remote, o, false)?;
         a.qp_state = QpState::Rts;
         a.sq_psn = o.sq_psn;
         self.modify(&a, mask::STATE | mask::SQ_PSN)
