@@ -759,6 +759,13 @@ pub(crate) fn accept_channels(
 /// that role greeted with indexes `first..first + count`. Accepted in any
 /// order, each index once; returned by kind, in index order, each with
 /// the 30 s read timeout of its greeting.
+///
+/// A source opens its connections one after another (control spares, then
+/// data channels, then urgent ones), and one listener takes them in that
+/// order. Over several links something between the hosts (a proxy, a
+/// slow first packet on one path) can still hand over a later one first:
+/// a connection of the same session that a later call will take waits in
+/// [`EARLY`] for it instead of failing the migration.
 pub(crate) fn accept_announced(
     listener: &TcpListener,
     ctl: &Control,
@@ -766,26 +773,70 @@ pub(crate) fn accept_announced(
     kinds: &[(u8, u32, usize)],
 ) -> Result<Vec<Vec<TcpStream>>> {
     let mut slots: Vec<Vec<Option<TcpStream>>> = kinds.iter().map(|&(_, _, n)| (0..n).map(|_| None).collect()).collect();
-    for _ in 0..kinds.iter().map(|k| k.2).sum::<usize>() {
+    let slot_for = |role: u8, index: u32, slots: &[Vec<Option<TcpStream>>]| -> Option<(usize, usize)> {
+        kinds.iter().zip(slots.iter()).enumerate().find_map(|(k, (&(r, first, _), kind))| {
+            let i = index.checked_sub(first)? as usize;
+            (r == role && kind.get(i).is_some_and(|slot| slot.is_none())).then_some((k, i))
+        })
+    };
+    let mut missing = kinds.iter().map(|k| k.2).sum::<usize>();
+    {
+        let mut early = lock_early();
+        let waiting = early.entry(session).or_default();
+        let mut i = 0;
+        while i < waiting.len() {
+            let (role, index) = (waiting[i].0, waiting[i].1);
+            match slot_for(role, index, &slots) {
+                Some((k, j)) => {
+                    slots[k][j] = Some(waiting.swap_remove(i).2);
+                    missing -= 1;
+                }
+                None => i += 1,
+            }
+        }
+        if waiting.is_empty() {
+            early.remove(&session);
+        }
+    }
+    while missing > 0 {
         let mut s = accept(listener, ctl, Some(Duration::from_secs(30)))?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
         let role = wire::read_preamble(&mut s)?;
         let greeting = wire::recv_msg(&mut s)?;
-        let slot = match greeting {
-            Msg::Channel { session: ss, index } if ss == session => {
-                kinds.iter().zip(slots.iter_mut()).find_map(|(&(r, first, _), kind)| {
-                    let i = index.checked_sub(first)? as usize;
-                    (r == role).then(|| kind.get_mut(i)).flatten().filter(|slot| slot.is_none())
-                })
-            }
-            _ => None,
+        let Msg::Channel { session: ss, index } = greeting else {
+            bail!("bad connection greeting {greeting:?} (role {role}) for session {session:#x}")
         };
-        match slot {
-            Some(slot) => *slot = Some(s),
+        if ss != session {
+            bail!("connection greeting for session {ss:#x} (role {role}) while taking session {session:#x}'s");
+        }
+        match slot_for(role, index, &slots) {
+            Some((k, j)) => {
+                slots[k][j] = Some(s);
+                missing -= 1;
+            }
+            None if [wire::ROLE_DATA, wire::ROLE_URGENT, wire::ROLE_CONTROL_SPARE].contains(&role) => {
+                let mut early = lock_early();
+                let waiting = early.entry(session).or_default();
+                if waiting.len() >= MAX_EARLY || waiting.iter().any(|w| (w.0, w.1) == (role, index)) {
+                    bail!("connection {index} (role {role}) of session {session:#x} came twice or too early");
+                }
+                waiting.push((role, index, s));
+            }
             None => bail!("bad connection greeting {greeting:?} (role {role}) for session {session:#x}"),
         }
     }
     Ok(slots.into_iter().map(|kind| kind.into_iter().map(|s| s.expect("every slot filled once")).collect()).collect())
+}
+
+/// Connections that arrived before the call that takes them, by session:
+/// (role, index, connection).
+type Early = std::collections::HashMap<u64, Vec<(u8, u32, TcpStream)>>;
+static EARLY: OnceLock<Mutex<Early>> = OnceLock::new();
+/// More early connections than a source opens in one go is not a reorder.
+const MAX_EARLY: usize = 64;
+
+fn lock_early() -> std::sync::MutexGuard<'static, Early> {
+    EARLY.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks
