@@ -935,7 +935,7 @@ mod tests {
             assert_eq!(p.deth, h.deth);
             assert_eq!(p.payload, payload);
         }
-        for v in [0x15u8, 0x18, 0x20, 0x63, 0x66, 0xff] {
+        for v in [0x15u8, 0x18, 0x40, 0x63, 0x66, 0xff] {
             assert_eq!(Opcode::from_u8(v), None, "{v:#x}");
         }
         assert_eq!(Opcode::WriteOnlyImm.name(), "RDMA_WRITE_ONLY_WITH_IMMEDIATE");

@@ -50,7 +50,9 @@ fn latency_by_interrupt(vm: &VmProcess, seq: u64, iters: u64) -> u64 {
     assert!(halts > 0, "the guest never halted for an interrupt: {msg}");
     assert!(n(&after, "interrupts") - n(&before, "interrupts") >= halts, "one CQ interrupt per halt at least: {msg} {after}");
     assert_eq!(n(&after, "lost_interrupts"), 0, "{after}");
-    assert_eq!(n(&after, "cq_waits"), n(&before, "cq_waits"), "no WAIT doorbell slept: {after}");
+    // No count of WAIT doorbells here: between orders the firmware idles
+    // in an idle CQ's WAIT doorbell (so that it leaves the core to others),
+    // and those sleeps fall inside any window the test can read.
     seq
 }
 
