@@ -14,6 +14,22 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// An I/O handler with nothing behind it, as an empty bus answers: reads
+/// return all ones, writes go nowhere. For tests that run a vCPU over bare
+/// RAM.
+pub struct NoDevices;
+
+impl crate::hypervisor::IoHandler for NoDevices {
+    fn pio_read(&self, _: u16, d: &mut [u8]) {
+        d.fill(0xff)
+    }
+    fn pio_write(&self, _: u16, _: &[u8]) {}
+    fn mmio_read(&self, _: u64, d: &mut [u8]) {
+        d.fill(0xff)
+    }
+    fn mmio_write(&self, _: u64, _: &[u8]) {}
+}
+
 /// Make `cmd`'s process get SIGKILL when the thread that starts it ends
 /// (`PR_SET_PDEATHSIG`): a test or benchmark killed by a signal runs no
 /// destructor, and its VMs would run on.

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::hypervisor::unicorn::UnicornHypervisor;
-use vmm::hypervisor::IoHandler;
 use vmm::memory::GuestRam;
+use vmm::testing::NoDevices;
 use vmm::vcpus::VcpuSet;
 
 const CODE: u64 = 0x2_0000;
@@ -54,18 +54,6 @@ const HANDLER_AT: u64 = CODE + 0x100;
 /// `cli; hlt; jmp` back (at +0x200).
 const HALT_FOR_GOOD: &[u8] = &[0xfa, 0xf4, 0xeb, 0xfc];
 const HALT_FOR_GOOD_AT: u64 = CODE + 0x200;
-
-struct NoDevices;
-impl IoHandler for NoDevices {
-    fn pio_read(&self, _: u16, d: &mut [u8]) {
-        d.fill(0xff)
-    }
-    fn pio_write(&self, _: u16, _: &[u8]) {}
-    fn mmio_read(&self, _: u64, d: &mut [u8]) {
-        d.fill(0xff)
-    }
-    fn mmio_write(&self, _: u64, _: &[u8]) {}
-}
 
 struct Machine {
     ram: GuestRam,

@@ -10,25 +10,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::hypervisor::unicorn::UnicornHypervisor;
-use vmm::hypervisor::IoHandler;
 use vmm::memory::GuestRam;
+use vmm::testing::NoDevices;
 use vmm::vcpus::VcpuSet;
 
 const CODE: u64 = 0x2_0000;
 /// Where the guests leave their results.
 const RESULTS: u64 = 0x3_0000;
-
-struct NoDevices;
-impl IoHandler for NoDevices {
-    fn pio_read(&self, _: u16, d: &mut [u8]) {
-        d.fill(0xff)
-    }
-    fn pio_write(&self, _: u16, _: &[u8]) {}
-    fn mmio_read(&self, _: u64, d: &mut [u8]) {
-        d.fill(0xff)
-    }
-    fn mmio_write(&self, _: u64, _: &[u8]) {}
-}
 
 /// Runs `program` at CODE on one vCPU over 16 MiB of RAM that `setup`
 /// prepared, until it ends in `cli; hlt`; returns the RAM.
