@@ -120,6 +120,22 @@ impl CCheck {
     }
 }
 
+/// Builds tests/c/NAME.c and runs it on a one-host testbed (`tag`) with
+/// its own rnicd, through the drop-in; the check passes when the program
+/// exits 0 having printed "all ok".
+#[allow(dead_code)]
+pub fn c_check_passes_on_one_host(tag: &str, name: &str) {
+    let tb = Testbed::create(testbed::TestbedOpts::new(tag, 1)).expect("testbed (needs root)");
+    let nic = Nic::start(&tb, 0);
+    let exe = CCheck::build(name);
+    let mut c = tb.host(0).command(exe.path());
+    c.env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &nic.sock);
+    c.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let out = finish(HostChild::new(c.spawn().unwrap_or_else(|e| panic!("run {name}: {e}"))));
+    let t = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && t.contains("all ok"), "rnicd {}:\n{t}", nic.addr);
+}
+
 impl Drop for CCheck {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
