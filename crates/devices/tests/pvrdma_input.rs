@@ -82,14 +82,14 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
     d.wr(REG_CTL, 7);
     assert_eq!(d.rd(REG_ERR), EPERM, "unknown CTL value");
 
-    // Unknown commands, SRQ, bad handles.
+    // Unknown commands, an SRQ of no WQEs in no PD, bad handles.
     let (err, _) = d.cmd_raw(&Drv::hdr(99));
     assert_eq!(err, EINVAL as u32);
-    assert_eq!(d.cmd::<_, CmdCreateSrqResp>(CmdCreateSrq { hdr: Drv::hdr(CMD_CREATE_SRQ), ..Default::default() }).err(), Some(ENOSYS));
+    assert_eq!(d.cmd::<_, CmdCreateSrqResp>(CmdCreateSrq { hdr: Drv::hdr(CMD_CREATE_SRQ), ..Default::default() }).err(), Some(EINVAL));
     let pd = d.create_pd();
     let bad_pd = CmdCreateMr { hdr: Drv::hdr(CMD_CREATE_MR), pd_handle: 999, flags: MR_FLAG_DMA, ..Default::default() };
     assert_eq!(d.cmd::<_, CmdCreateMrResp>(bad_pd).err(), Some(EINVAL));
-    for cmd in [CMD_DESTROY_QP, CMD_DESTROY_CQ, CMD_DESTROY_MR, CMD_DESTROY_PD, CMD_DESTROY_UC] {
+    for cmd in [CMD_DESTROY_QP, CMD_DESTROY_CQ, CMD_DESTROY_MR, CMD_DESTROY_PD, CMD_DESTROY_UC, CMD_DESTROY_SRQ, CMD_QUERY_SRQ] {
         assert_eq!(
             d.cmd::<_, CmdRespHdr>(CmdDestroyQp { hdr: Drv::hdr(cmd), qp_handle: 4242, reserved: [0; 4] }).err(),
             Some(EINVAL),
