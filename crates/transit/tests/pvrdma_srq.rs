@@ -3,8 +3,9 @@
 //! peer sends each QP its sequence-numbered stream, the guest takes the
 //! receives from the SRQ and checks every message byte for byte against
 //! the QP it arrived at; beside the ring, table and atomic workloads; and
-//! the same saved on host 0 and restored on host 1 mid-stream (the SRQ and
-//! its posted receives move with the VM; the peer is never told).
+//! the same saved on host 0 and restored on host 1 mid-stream, and live
+//! migrated there and back in precopy and postcopy (the SRQ and its posted
+//! receives move with the VM; the peer is never told).
 
 mod pvrdma_bed;
 
@@ -66,6 +67,15 @@ fn srq_saved_on_one_host_restored_on_another_mid_stream() {
     assert_guest_clean(&console);
     assert!(after > before);
     assert_peer_clean(&rep);
+    for w in ["stream", "ring", "table", "atomic"] {
+        assert!(rep["workloads"][w]["verified"].as_u64().unwrap() > 0, "{w}: {rep:#}");
+    }
+}
+
+#[test]
+fn srq_moves_with_live_migration_there_and_back() {
+    let load = Load { args: "count=0 qps=12 srq=1", memory: "128M", max_bandwidth: 0 };
+    let rep = there_and_back("pvg-srqlm", load, [Mode::Precopy, Mode::Postcopy], |_, _| {});
     for w in ["stream", "ring", "table", "atomic"] {
         assert!(rep["workloads"][w]["verified"].as_u64().unwrap() > 0, "{w}: {rep:#}");
     }
