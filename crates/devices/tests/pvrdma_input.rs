@@ -281,7 +281,11 @@ fn fuzzed_commands_doorbells_and_wqes() {
     let (mut nq, mut ns, mut nr, nb, nk, np) = connection(&mut n, &bed, g2);
     let mut d = Drv::new(&bed.nics[0].sock, g1);
     d.bring_up();
-    let (mut qp, _scq, _rcq, buf, key, _peer) = connection(&mut d, &bed, g1);
+    let (mut qp, scq, rcq, buf, key, _peer) = connection(&mut d, &bed, g1);
+    // An SRQ with a QP on it, whose ring the loop fuzzes too.
+    let spd = d.create_pd();
+    let mut srq = d.create_srq(spd, 32, 2, 4);
+    let _sqp = d.try_create_qp_on_srq(spd, &scq, &rcq, srq.handle, 16, 1).unwrap();
     let seed = std::env::var("PVRDMA_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_1234_u64);
     let mut rng = Rng(seed | 1);
     let addr = |rng: &mut Rng| match rng.below(4) {
@@ -290,7 +294,7 @@ fn fuzzed_commands_doorbells_and_wqes() {
         _ => rng.below(RAM) & !0xfff,
     };
     for i in 0..3000 {
-        match rng.below(6) {
+        match rng.below(7) {
             0 | 1 => {
                 // A command with a real code and random (sometimes plausible) fields.
                 let mut raw = [0u8; CMD_REQ_MAX_SIZE];
@@ -343,6 +347,18 @@ fn fuzzed_commands_doorbells_and_wqes() {
                 if rng.below(10) == 0 {
                     d.put(qp.base + QP_RQ_RING_OFFSET, &(rng.next() as u32));
                 }
+            }
+            5 => {
+                // A random SRQ WQE (up to one SGE too many), sometimes with
+                // a garbage producer index.
+                let n_sge = rng.below(4) as usize;
+                let sges: Vec<Sge> =
+                    (0..n_sge).map(|_| Sge { addr: addr(&mut rng), length: rng.next() as u32, lkey: rng.next() as u32 }).collect();
+                d.put_srq_recv(&mut srq, i, &sges);
+                if rng.below(10) == 0 {
+                    d.put(srq.base + RING_STATE_RX_PROD_TAIL, &(rng.next() as u32));
+                }
+                d.doorbell(UAR_SRQ_OFFSET, UAR_SRQ_RECV | srq.handle);
             }
             _ => {
                 // Register writes other than RESET (tested below).
