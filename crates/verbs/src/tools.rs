@@ -83,6 +83,11 @@ pub struct PerfArgs {
     /// Outstanding work requests.
     #[arg(long, default_value_t = 128)]
     pub tx_depth: u32,
+    /// Receives a SEND test's receiver keeps posted: all posted before the
+    /// first message, each reposted as its completion is polled (perftest's
+    /// `-r`, whose default this is).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(16..=16384))]
+    pub rx_depth: u32,
     /// Local ACK timeout (IB code: 4.096 us * 2^t; 14 = 67 ms, the usual default).
     #[arg(long, default_value_t = 14)]
     pub timeout: u8,
@@ -116,6 +121,8 @@ struct Hello {
     mtu: usize,
     iters: usize,
     tx_depth: u32,
+    #[serde(default = "default_rx_depth")]
+    rx_depth: u32,
     timeout: u8,
     #[serde(default = "default_min_rnr_timer")]
     min_rnr_timer: u8,
@@ -123,6 +130,11 @@ struct Hello {
 
 fn default_min_rnr_timer() -> u8 {
     1
+}
+
+/// What a client that does not send `rx_depth` had its server post.
+fn default_rx_depth() -> u32 {
+    256
 }
 
 /// One measured result (also the JSON the bench reads).
@@ -283,14 +295,14 @@ struct Res {
     buf: MemBuf,
 }
 
-fn resources(ctx: &Context, size: usize, depth: u32) -> anyhow::Result<Res> {
+fn resources(ctx: &Context, size: usize, depth: u32, rx_depth: u32) -> anyhow::Result<Res> {
     let pd = ctx.alloc_pd()?;
     let scq = ctx.create_cq(depth * 2 + 64, None)?;
     let rchan = ctx.create_comp_channel()?;
-    let rcq = ctx.create_cq(depth * 2 + 64, Some(&rchan))?;
+    let rcq = ctx.create_cq(rx_depth.max(32) + 64, Some(&rchan))?;
     let mut init = QpInitAttr::new(&scq, &rcq);
     init.cap.max_send_wr = depth.max(16);
-    init.cap.max_recv_wr = depth.max(16) * 2;
+    init.cap.max_recv_wr = rx_depth.max(32);
     init.cap.max_send_sge = 1;
     init.cap.max_recv_sge = 1;
     init.cap.max_inline_data = 256;
@@ -330,7 +342,7 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
             if ch.test != test {
                 bail!("client runs {}, this server {test}", ch.test);
             }
-            let res = resources(&ctx, ch.size, ch.tx_depth)?;
+            let res = resources(&ctx, ch.size, ch.tx_depth, ch.rx_depth)?;
             let me = Hello { ep: res.qp.endpoint(psn), addr: res.mr.addr, rkey: res.mr.rkey, ..ch.clone() };
             res.qp.connect(&ch.ep, &ConnectOpts { sq_psn: psn, ..opts(&ch)? })?;
             send_line(&mut w, &me)?;
@@ -342,7 +354,7 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
             s.set_nodelay(true)?;
             let mut r = BufReader::new(s.try_clone()?);
             let mut w = s;
-            let res = resources(&ctx, size, a.tx_depth)?;
+            let res = resources(&ctx, size, a.tx_depth, a.rx_depth)?;
             let me = Hello {
                 test: test.into(),
                 ep: res.qp.endpoint(psn),
@@ -352,6 +364,7 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
                 mtu: a.mtu,
                 iters: a.iters,
                 tx_depth: a.tx_depth,
+                rx_depth: a.rx_depth,
                 timeout: a.timeout,
                 min_rnr_timer: a.min_rnr_timer,
             };
@@ -648,7 +661,7 @@ fn serve(test: &str, res: &Res, h: &Hello, wait: LatWait, r: &mut BufReader<TcpS
             }
         }
         "send_bw" => {
-            let depth = (h.tx_depth.max(16) * 2) as u64;
+            let depth = h.rx_depth.max(32) as u64;
             for k in 0..depth {
                 res.qp.post_recv(&[RecvWr { wr_id: k, sg_list: &recv_sg }])?;
             }
