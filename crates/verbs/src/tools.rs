@@ -560,11 +560,12 @@ fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64, wait: 
 /// Posts a latency message whose last 8 bytes (or fewer) carry the stamp
 /// `i`, signaled, as perftest's latency tests post every message (one WR in
 /// flight, so its CQ moderation is 1): a signaled message asks for an ACK
-/// at once (AckReq), while an unsignaled one leaves it to the responder's
-/// ACK timer, whose later packet and wakeups on both hosts land in the
-/// middle of the next round trip (2 B SEND p50 about 1.7x that of signaled
-/// messages). The completions of earlier messages, there by the time the
-/// answer came, are reaped first without waiting.
+/// at once (AckReq), while most unsignaled ones leave it to the
+/// responder's ACK timer, whose later packet and wakeups on both hosts
+/// fall within the next round trip (2 B SEND p50 1.7-1.9x that of signaled
+/// messages, docs/ibverbs.md "Benchmark"). The completions of earlier
+/// messages, there by the time the answer came, are reaped first without
+/// waiting.
 fn post_small(res: &Res, wr: SendWr, size: usize, inline: bool, i: u64) -> anyhow::Result<()> {
     reap_sends(res)?;
     let wr = wr.with_flags(send_flags::SIGNALED);
