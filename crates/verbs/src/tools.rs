@@ -562,7 +562,7 @@ fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64, wait: 
 /// flight, so its CQ moderation is 1): a signaled message asks for an ACK
 /// at once (AckReq), while most unsignaled ones leave it to the
 /// responder's ACK timer, whose later packet and wakeups on both hosts
-/// fall within the next round trip (2 B SEND p50 1.7-1.9x that of signaled
+/// fall within the next round trip (2 B p50 1.3-2x that of signaled
 /// messages, docs/ibverbs.md "Benchmark"). The completions of earlier
 /// messages, there by the time the answer came, are reaped first without
 /// waiting.
