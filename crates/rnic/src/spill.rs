@@ -56,8 +56,8 @@ impl Format {
         })
     }
 
-    /// A message in this format; a client's bytes, so any error is the
-    /// client's, never a panic or an allocation larger than the bytes allow.
+    /// A message in this format. The bytes are a client's: bad ones give
+    /// an error, never a panic, and bincode reads at most MAX_SPILL.
     pub fn decode<T: DeserializeOwned>(self, bytes: &[u8]) -> anyhow::Result<T> {
         Ok(match self {
             Format::Json => serde_json::from_slice(bytes)?,
