@@ -1078,19 +1078,22 @@ fn serve_client(
 /// read from its memfd, the message's last descriptor.
 fn parse_request(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<(Request, Vec<OwnedFd>), String> {
     let req = serde_json::from_slice::<Request>(bytes).map_err(|e| format!("malformed request: {e}"))?;
-    let Request::Spilled { len } = req else { return Ok((req, fds)) };
+    let Request::Spilled { len, format } = req else { return Ok((req, fds)) };
     let fd = fds.pop().ok_or("a spilled request needs its memfd")?;
     let bytes = crate::spill::read(fd, len).map_err(|e| format!("{e:#}"))?;
-    match serde_json::from_slice::<Request>(&bytes).map_err(|e| format!("malformed spilled request: {e}"))? {
+    match format.decode::<Request>(&bytes).map_err(|e| format!("malformed spilled request: {e:#}"))? {
         Request::Spilled { .. } => Err("a spilled request inside a spilled request".into()),
         req => Ok((req, fds)),
     }
 }
 
-/// Sends `resp`, spilled into a memfd when it is larger than a datagram.
+/// Sends `resp`, spilled into a memfd when it is larger than a datagram or
+/// carries QP states or traces (`crate::spill::Format::for_reply`).
 fn send_response(sock: &OwnedFd, resp: &Response) -> anyhow::Result<()> {
-    let bytes = serde_json::to_vec(resp)?;
-    if !crate::spill::needed(&bytes) {
+    let binary = crate::spill::Format::for_reply(resp);
+    let format = binary.unwrap_or_default();
+    let bytes = format.encode(resp)?;
+    if binary.is_none() && !crate::spill::needed(&bytes) {
         return Ok(fdmsg::send_bytes(sock, &bytes, &[])?);
     }
     // A reply that cannot be spilled (no memfd: EMFILE, ENOMEM) goes as an
@@ -1103,7 +1106,7 @@ fn send_response(sock: &OwnedFd, resp: &Response) -> anyhow::Result<()> {
             return Ok(fdmsg::send(sock, &err, &[])?);
         }
     };
-    let head: Response = Ok(Reply::Spilled { len: bytes.len() as u64 });
+    let head: Response = Ok(Reply::Spilled { len: bytes.len() as u64, format });
     Ok(fdmsg::send(sock, &head, &[fd.as_raw_fd()])?)
 }
 
