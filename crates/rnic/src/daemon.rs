@@ -25,6 +25,8 @@ use crate::objects::{ClientId, OutPkt};
 use crate::proto::{self, Reply, Request, Response};
 use crate::wire::{self, Flow, ROCE_PORT};
 
+mod spin;
+
 /// Most datagrams one receive pass takes (then the engine transmits).
 const RX_BATCH: usize = 64;
 /// Datagrams per recvmmsg: with GRO each holds up to 64 KiB, and 8 of them
@@ -33,7 +35,8 @@ const RX_BATCH: usize = 64;
 const RX_CHUNK: usize = 8;
 const RX_BUF: usize = 65536;
 const TX_BUDGET: usize = 256;
-/// How long the event loop keeps polling after the last activity.
+/// Longest the event loop keeps polling after the last activity (the
+/// spin adapts below it: `spin::Spin`).
 const SPIN: Duration = Duration::from_micros(200);
 const SOL_UDP: i32 = 17;
 const UDP_SEGMENT: i32 = 103;
@@ -598,7 +601,8 @@ struct LoopKnobs {
     /// UDP sockets (every EPOLL_EVERY-th round while polling), to measure
     /// what serving it every round gains.
     control_first: bool,
-    /// RNICD_SPIN_US: how long to keep polling after the last activity.
+    /// RNICD_SPIN_US: the longest the loop keeps polling after the last
+    /// activity (the spin adapts below it).
     /// 0 by default under a real-time policy (`--sched-fifo`): a spinning
     /// real-time loop would keep ordinary processes (its clients, the peer)
     /// off its CPU, where sleeping costs nothing since its wake-up preempts.
@@ -654,6 +658,7 @@ struct Daemon {
     rings_polled: bool,
     rounds_without_epoll: u32,
     last_activity: Instant,
+    spin: spin::Spin,
 }
 
 /// What one round found to do.
@@ -699,9 +704,11 @@ impl Daemon {
         ep.add(&ctl.0, readable(TOKEN_CTL))?;
         nss.insert(cfg.addr, ns);
         info!("rnicd serving {} (UDP {ROCE_PORT}), control socket {}", cfg.addr, cfg.sock.display());
+        let knobs = LoopKnobs::from_env();
         Ok(Daemon {
             cfg,
-            knobs: LoopKnobs::from_env(),
+            spin: spin::Spin::new(knobs.spin),
+            knobs,
             nss,
             listener,
             ep,
@@ -722,7 +729,7 @@ impl Daemon {
     fn wait(&mut self, evs: &mut [EpollEvent]) -> Round {
         // After activity, keep polling (politely) for a short while: the
         // next request of a ping-pong then finds us awake, not asleep in epoll.
-        let spinning = !self.busy && self.last_activity.elapsed() < self.knobs.spin;
+        let spinning = !self.busy && self.last_activity.elapsed() < self.spin.limit();
         if spinning {
             let _ = sched_yield();
         }
@@ -758,7 +765,13 @@ impl Daemon {
             }
         } else {
             self.rounds_without_epoll = 0;
-            self.ep.wait(evs, timeout_ms).unwrap_or(0)
+            let n = self.ep.wait(evs, timeout_ms).unwrap_or(0);
+            if n > 0 && timeout_ms > 0 {
+                // Slept and woken by work (not a timer): would a longer spin
+                // have caught it?
+                self.spin.woken_after(self.last_activity.elapsed());
+            }
+            n
         };
         if events == 0 && timeout_ms > 0 && self.knobs.ring_poll {
             for ns in self.nss.values_mut() {
