@@ -20,8 +20,12 @@ impl Qp {
             return Err(format!("an SRQ is attached to a QP in RESET, not {:?}", self.attr.qp_state));
         }
         // Receives already taken from its own ring would be given back to
-        // the SRQ (`give_back_srq_wqe`) and reach other QPs.
-        if self.rq_ring.ready() > 0 || !self.rq.is_empty() {
+        // the SRQ (`give_back_srq_wqe`) and reach other QPs. A QP restored
+        // in the middle of a SEND holds the SRQ WQE it was filling (the
+        // state's `srq_wqe`, put in `rq`): that one is the SRQ's already
+        // and the responder goes on filling it.
+        let restored_wqe = usize::from(self.suspended && self.rt.in_send);
+        if self.rq_ring.ready() > 0 || self.rq.len() > restored_wqe {
             return Err("the QP has receives posted on its own queue".into());
         }
         self.srq = Some((id, srq));
