@@ -905,8 +905,7 @@ impl Engine {
     /// Suspends the connected QPs of `qpns`, skips the others; returns the
     /// QPNs suspended, each once, in the request's order.
     fn suspend_connected(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Vec<u32>> {
-        let connected = |qp: &Qp| matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd);
-        self.apply_to_qps(client, qpns, proto::MAX_BATCH, connected, Qp::check_suspend, Qp::suspend)
+        self.apply_to_qps(client, qpns, proto::MAX_BATCH, is_connected, Qp::check_suspend, Qp::suspend)
     }
 
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
@@ -1024,4 +1023,9 @@ fn map_ring<T: Copy>(at: (&OwnedFd, u64), slots: u32, what: &str) -> anyhow::Res
     // SAFETY: a mapping of the checked length, kept beside the ring.
     let ring = unsafe { Ring::new(map.ptr(), len, slots) }.ok_or_else(|| anyhow!("bad {what} ring"))?;
     Ok((ring, map))
+}
+
+/// Whether `qp` has a transport (RTR, RTS or SQD): the QPs a pause suspends.
+pub(super) fn is_connected(qp: &Qp) -> bool {
+    matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd)
 }

@@ -550,6 +550,11 @@ impl Lifecycle for Pvrdma {
         for h in d.cqs.handles() {
             d.drain_cq(h);
         }
+        // Completions taken while paused left SRQ limits and ring WQEs
+        // unchecked.
+        for h in d.srqs.handles() {
+            d.srq_catch_up(h);
+        }
         d.switch.record("drain CQs after resume", t);
         // Vectors raised before a save are sent on the destination.
         d.send_pending();

@@ -131,7 +131,7 @@ impl Persist for Pvrdma {
             qps,
             counters: d.counters.clone(),
             pci: self.pci.guest_writable(),
-            srqs: super::srq::save(&d),
+            srqs: super::srq::save(&d).map_err(err)?,
         };
         let mut section = Section { name: self.name.clone(), version: VERSION, data: encode_checked(&saved) };
         d.switch.record("encode state", t);

@@ -141,6 +141,10 @@ impl Dev {
     /// many SGEs stop the SRQ with SRQ_ERR; the WQEs before a bad one are
     /// posted.
     pub(super) fn post_srq_recvs(&mut self, handle: u32) -> Result<(), Errno> {
+        if self.paused || !self.bus_master {
+            // The guest ring is guest memory; resuming posts what it holds.
+            return Err(Errno::EBUSY);
+        }
         if self.srqs.get(handle).ok_or(Errno::EINVAL)?.info.broken {
             return Err(Errno::EIO);
         }
@@ -155,19 +159,21 @@ impl Dev {
         let s = self.srqs.get_mut(handle).ok_or(Errno::EINVAL)?;
         let i = &mut s.info;
         let room = (i.rq.wqe_cnt as usize).saturating_sub(i.out.len());
+        // The ring's indices move only once rnicd has the WQEs: a refused
+        // post leaves them in the guest ring.
+        let (mut head, mut next_seq) = (i.rq.head, i.rq.next_seq);
         let mut batch: Vec<OutRecv> = Vec::new();
         let mut bad = None;
         while batch.len() < room {
-            let Ok(Some(slot)) = ring_has_data(tail, i.rq.head, i.rq.wqe_cnt) else { break };
+            let Ok(Some(slot)) = ring_has_data(tail, head, i.rq.wqe_cnt) else { break };
             let at = i.rq.offset + slot as u64 * i.rq.stride as u64;
+            head = idx_inc(head, i.rq.wqe_cnt);
             match read_recv(&guest, &i.pages, at, i.rq.stride, i.rq.max_sge) {
                 Ok((hdr, sges)) => {
-                    batch.push(OutRecv { seq: i.rq.next_seq, hdr, sges });
-                    i.rq.next_seq += 1;
-                    i.rq.head = idx_inc(i.rq.head, i.rq.wqe_cnt);
+                    batch.push(OutRecv { seq: next_seq, hdr, sges });
+                    next_seq += 1;
                 }
                 Err(e) => {
-                    i.rq.head = idx_inc(i.rq.head, i.rq.wqe_cnt);
                     bad = Some(e);
                     break;
                 }
@@ -175,10 +181,14 @@ impl Dev {
         }
         if !batch.is_empty() {
             let wrs: Vec<RecvWr> = batch.iter().map(|o| RecvWr { wr_id: o.seq, sg_list: sge_slice(&o.sges) }).collect();
-            s.srq.post_recv(&wrs).map_err(|_| Errno::ENOSPC)?;
+            if s.srq.post_recv(&wrs).is_err() {
+                self.srq_fatal(handle);
+                return Err(Errno::ENOSPC);
+            }
             self.counters.rq_wqes += batch.len() as u64;
             s.info.out.extend(batch);
         }
+        (s.info.rq.head, s.info.rq.next_seq) = (head, next_seq);
         let head_at = s.info.pages.gpa(s.info.rq.ring_offset + 4, 4)?;
         guest.store_u32(head_at, s.info.rq.head)?;
         if let Some(e) = bad {
@@ -190,27 +200,39 @@ impl Dev {
     }
 
     /// A receive of SRQ `handle` completed (`seq`, rnicd's wr_id): the
-    /// guest's wr_id. Raises the limit event when the posted count drops
-    /// below an armed limit, and takes WQEs left in the guest ring now
-    /// that rnicd has room.
+    /// guest's wr_id. While the device may touch guest memory, also raises
+    /// the limit event and takes WQEs left in the guest ring now that rnicd
+    /// has room; a paused device (or one without bus mastering) does both
+    /// when it resumes (`srq_catch_up`).
     pub(super) fn srq_completed(&mut self, handle: u32, seq: u64) -> Option<u64> {
         let s = self.srqs.get_mut(handle)?;
         let pos = s.info.out.iter().position(|o| o.seq == seq)?;
         let wr_id = s.info.out.remove(pos)?.hdr.wr_id;
+        self.srq_catch_up(handle);
+        Some(wr_id)
+    }
+
+    /// Raises SRQ_LIMIT_REACHED when the posted count is below an armed
+    /// limit, and posts WQEs the guest ring still holds. Reads the guest's
+    /// ring, so does nothing while the device is paused or has no bus
+    /// mastering (the limit stays armed: its event could not be delivered).
+    pub(super) fn srq_catch_up(&mut self, handle: u32) {
+        if self.paused || !self.bus_master {
+            return;
+        }
         let tail = self.srq_tail(handle).ok();
-        let s = self.srqs.get_mut(handle)?;
+        let Some(s) = self.srqs.get_mut(handle) else { return };
         let unread = tail.map_or(0, |t| ring_count(t, s.info.rq.head, s.info.rq.wqe_cnt));
         let posted = s.info.out.len() as u32 + unread;
         if s.info.limit > 0 && posted < s.info.limit {
             s.info.limit = 0;
             self.async_event(ib::event::SRQ_LIMIT_REACHED, handle);
         }
-        if unread > 0 && !self.paused {
+        if unread > 0 {
             if let Err(e) = self.post_srq_recvs(handle) {
                 self.regs.err = e as u32;
             }
         }
-        Some(wr_id)
     }
 }
 
@@ -223,22 +245,16 @@ pub(super) struct SavedSrq {
     state: SrqSnapshot,
 }
 
-/// Every SRQ's state, the device paused (its QPs suspended). An SRQ whose
-/// QPs are not all suspended in rnicd (none connected: in RESET, INIT or
-/// ERR, so none holds one of its WQEs) has rnicd taking nothing from it:
-/// its state then says that everything not yet complete is still in the
-/// ring.
-pub(super) fn save(d: &Dev) -> Vec<SavedSrq> {
+/// Every SRQ's state, the device paused (its connected QPs suspended, so
+/// rnicd's SRQ is still). rnicd refuses the state of an SRQ with a
+/// connected QP that is not suspended; the save then fails rather than
+/// guess which WQEs rnicd holds.
+pub(super) fn save(d: &Dev) -> Result<Vec<SavedSrq>, String> {
     d.srqs
         .iter()
         .map(|(h, s)| {
-            let state = s.srq.query_state().unwrap_or_else(|_| SrqSnapshot {
-                version: verbs::SRQ_SNAPSHOT_VERSION,
-                attr: verbs::SrqAttr { max_wr: s.info.rq.wqe_cnt, max_sge: s.info.rq.max_sge, srq_limit: 0 },
-                taken: s.info.out.front().map_or(s.info.rq.next_seq, |o| o.seq),
-                returned: Vec::new(),
-            });
-            SavedSrq { handle: *h, info: s.info.clone(), state }
+            let state = s.srq.query_state().map_err(|e| format!("SRQ {h}: {e:#}"))?;
+            Ok(SavedSrq { handle: *h, info: s.info.clone(), state })
         })
         .collect()
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context as _};
 
-use super::{map_ring, Engine};
+use super::{is_connected, map_ring, Engine};
 use crate::objects::ClientId;
 use crate::proto::Reply;
 use crate::ring::{RecvWqe, MAX_SGE};
@@ -88,8 +88,11 @@ impl Engine {
 
     pub(super) fn query_srq_state(&self, client: ClientId, id: u32) -> anyhow::Result<Reply> {
         let s = self.owned_srq(client, id)?;
-        if self.qps.values().any(|q| q.uses_srq(s) && !q.suspended) {
-            bail!("SRQ {id} has QPs that are not suspended");
+        // Only a connected QP can hold one of the SRQ's WQEs (RESET gives
+        // it back, ERR flushes it, INIT takes none): those must be
+        // suspended for the state to be still.
+        if self.qps.values().any(|q| q.uses_srq(s) && is_connected(q) && !q.suspended) {
+            bail!("SRQ {id} has connected QPs that are not suspended");
         }
         Ok(Reply::SrqState(srq::lock(s).snapshot()))
     }
