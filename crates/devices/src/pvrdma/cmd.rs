@@ -426,6 +426,13 @@ impl Dev {
     }
 
     fn destroy_qp(&mut self, c: CmdDestroyQp) -> Result<Vec<u8>, Errno> {
+        let q = self.qps.get(c.qp_handle).ok_or(Errno::EINVAL)?;
+        // Its completions still in rnicd are matched to the QP (and its
+        // SRQ's posted WQEs) only while it exists: take them first.
+        let cqs = [q.info.send_cq, q.info.recv_cq];
+        for cq in cqs {
+            self.pull_cq(cq);
+        }
         self.qps.remove(c.qp_handle).ok_or(Errno::EINVAL)?;
         // rnicd gave the SRQ back any receive the QP had taken.
         if let Some(s) = self.srq_of_qp(c.qp_handle).and_then(|s| self.srqs.get_mut(s)) {
