@@ -82,6 +82,27 @@ fn open_rnicd_for(rnicd: &str, local: Ipv4Addr) -> Result<Context> {
     Context::open_namespace(path, local).with_context(|| format!("rdma transport: opening rnicd for {local}"))
 }
 
+/// Source: the rnicd namespace of link `k`'s queue pairs. One address
+/// given alone: the rnicd's own. Links of their own (several, or one left
+/// of several after a recovery passed over a dead link, which may hold
+/// the rnicd's own address): the local address facing link `k`.
+fn open_for_link(rnicd: &str, links: &Links, k: usize) -> Result<Context> {
+    if links.namespace_per_link() {
+        open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)
+    } else {
+        open_rnicd(rnicd)
+    }
+}
+
+/// Destination: the rnicd namespace that answers a source address (GID):
+/// the local address the kernel routes it from, whether the source
+/// offers one address or several. (The rnicd's own address may be on a
+/// link that is cut while the source comes on another; when it is the
+/// routed one, this is the rnicd's own namespace.)
+fn open_rnicd_towards(rnicd: &str, source: Ipv4Addr) -> Result<Context> {
+    open_rnicd_for(rnicd, links::local_addr_towards(&format!("{source}:4791"))?)
+}
+
 /// Queue pair options: with several links, a dead link fails its queue
 /// pairs in about [`links::LINK_TIMEOUT`] so that their channels fail over.
 fn connect_opts(access: u32, several_links: bool) -> ConnectOpts {
@@ -190,7 +211,7 @@ pub(crate) fn open_channels(
             // control connection took (a loopback or proxied control
             // address names no namespace a peer can reach). Several: the
             // namespace of the local address facing each link.
-            let ctx = if links.len() == 1 { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)? };
+            let ctx = open_for_link(rnicd, links, k)?;
             register_ram(&ctx, &ram, 0)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -414,16 +435,13 @@ pub(crate) fn accept_channels(control: &ControlConn, rnicd: &str, ram: &RamRegio
     let gids = gids.iter().map(|g| gid_of(g)).collect::<Result<Vec<_>>>()?;
     // One namespace per source address (per link), guest RAM registered
     // in each: the local address the kernel routes that source address from.
-    // From one source address (one link): the rnicd's own namespace, as
-    // the source does.
-    let one_link = gids.windows(2).all(|w| w[0] == w[1]);
     let mut spaces: Vec<(Ipv4Addr, Arc<Ram>)> = Vec::new();
     for g in &gids {
         if !spaces.iter().any(|(s, _)| s == g) {
             if spaces.len() == 8 {
                 bail!("the source's queue pairs come from more than 8 addresses");
             }
-            let ctx = if one_link { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(&format!("{g}:4791"))?)? };
+            let ctx = open_rnicd_towards(rnicd, *g)?;
             spaces.push((*g, register_ram(&ctx, ram, access::LOCAL_WRITE | access::REMOTE_WRITE)?));
         }
     }
@@ -625,7 +643,7 @@ pub(crate) fn offer_ram(control: &mut ControlConn, rnicd: &str, links: &Links, r
     for k in 0..links.len() {
         // As the data channels: one link, the rnicd's own namespace;
         // several, the namespace of the local address facing each.
-        let ctx = if links.len() == 1 { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)? };
+        let ctx = open_for_link(rnicd, links, k)?;
         let shared = register_ram(&ctx, ram, access::REMOTE_READ)?;
         // The responder side never completes anything of its own.
         let cq = ctx.create_cq(READ_QPS as u32, None)?;
@@ -721,9 +739,9 @@ pub(crate) fn accept_reader(control: &ControlConn, rnicd: &str, ram: &RamRegion)
         {
             bail!("the queue pairs of one link to read through name different GIDs or keys");
         }
-        // As the data channels: from one source address, the rnicd's own
-        // namespace; from several, the local address routed towards each.
-        let ctx = if one_link { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(&format!("{gid}:4791"))?)? };
+        // As the data channels: the local address routed towards each
+        // source address.
+        let ctx = open_rnicd_towards(rnicd, gid)?;
         // Written by the local rnicd only (READ responses): no remote access.
         let shared = register_ram(&ctx, ram, access::LOCAL_WRITE)?;
         let chan = ctx.create_comp_channel()?;
