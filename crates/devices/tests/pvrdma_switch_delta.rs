@@ -73,7 +73,8 @@ fn a_delta_over_the_early_section_restores_exactly_mid_stream() {
     let q2 = d.query();
     assert_eq!(q2["mrs"], q["mrs"], "same MRs, keys and addresses");
     assert_eq!(q2["objects"], q["objects"], "the same objects");
-    let ids = |v: &serde_json::Value| v["qps"].as_array().unwrap().iter().map(|x| (x["handle"].clone(), x["qpn"].clone())).collect::<Vec<_>>();
+    let ids =
+        |v: &serde_json::Value| v["qps"].as_array().unwrap().iter().map(|x| (x["handle"].clone(), x["qpn"].clone())).collect::<Vec<_>>();
     assert_eq!(ids(&q2), ids(&q), "same QPs and QPNs");
     assert_eq!(q2["switch"]["delta"], true, "{q2}");
     d.dev.lock().unwrap().resume();
@@ -81,7 +82,11 @@ fn a_delta_over_the_early_section_restores_exactly_mid_stream() {
     send_msgs(20, MSGS);
     got.extend(d.wait_cqes(&mut rcq, (MSGS - 20) as usize));
     for (i, c) in got.iter().enumerate() {
-        assert_eq!((c.wr_id, c.status, c.opcode, c.byte_len), (i as u64, wc_status::SUCCESS, wc_opcode::RECV, 4096), "in order, exactly once: {c:?}");
+        assert_eq!(
+            (c.wr_id, c.status, c.opcode, c.byte_len),
+            (i as u64, wc_status::SUCCESS, wc_opcode::RECV, 4096),
+            "in order, exactly once: {c:?}"
+        );
         assert!(d.get_bytes(buf + i as u64 * 4096, 4096) == msg(i as u64), "message {i}");
     }
     assert_eq!(peer.qp.state().unwrap(), verbs::QpState::Rts);

@@ -642,14 +642,7 @@ struct Copied {
 
 /// Stop-and-copy: pause, send the last dirty pages, save the state, end the
 /// streams.
-fn stop_and_copy(
-    guard: &mut Outgoing,
-    plan: &Plan,
-    link: &mut Link,
-    log: &mut DirtyLog,
-    end: RoundsEnd,
-    ctl: &Control,
-) -> Result<Copied> {
+fn stop_and_copy(guard: &mut Outgoing, plan: &Plan, link: &mut Link, log: &mut DirtyLog, end: RoundsEnd, ctl: &Control) -> Result<Copied> {
     let total = plan.total;
     let RoundsEnd { mut pending, mut round, throttle, .. } = end;
     let pause = Downtime::pause(guard)?;

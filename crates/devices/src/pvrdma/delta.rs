@@ -39,11 +39,7 @@ pub(crate) struct Baseline {
 
 impl Baseline {
     pub fn of(early: Early) -> Baseline {
-        Baseline {
-            mrs: early.mrs.into_iter().collect(),
-            cqs: early.cqs.into_iter().collect(),
-            qps: early.qps.into_iter().collect(),
-        }
+        Baseline { mrs: early.mrs.into_iter().collect(), cqs: early.cqs.into_iter().collect(), qps: early.qps.into_iter().collect() }
     }
 }
 
@@ -98,7 +94,8 @@ fn same_queue(a: &WqQueue, b: &WqQueue) -> bool {
 
 /// Whether `now` differs from `then` only in what moves while a QP runs.
 fn same_qp(now: &QpInfo, then: &QpInfo) -> bool {
-    (now.qpn, now.pd_handle, now.send_cq, now.recv_cq, now.sq_sig_all) == (then.qpn, then.pd_handle, then.send_cq, then.recv_cq, then.sq_sig_all)
+    (now.qpn, now.pd_handle, now.send_cq, now.recv_cq, now.sq_sig_all)
+        == (then.qpn, then.pd_handle, then.send_cq, then.recv_cq, then.sq_sig_all)
         && now.pages.pages == then.pages.pages
         && same_queue(&now.sq, &then.sq)
         && same_queue(&now.rq, &then.rq)

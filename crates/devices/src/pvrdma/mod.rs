@@ -169,7 +169,17 @@ impl Pvrdma {
                 .map_err(|e| format!("notifier thread: {e}"))?
         };
         lock(&shared).notifier_thread = Some(notifier.thread().clone());
-        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter, paused_states: HashMap::new(), prepared: None, early_base: Mutex::new(None) })
+        Ok(Pvrdma {
+            name: cfg.name,
+            shared,
+            pci,
+            stop,
+            notifier: Some(notifier),
+            cq_waiter,
+            paused_states: HashMap::new(),
+            prepared: None,
+            early_base: Mutex::new(None),
+        })
     }
 
     pub fn name(&self) -> &str {

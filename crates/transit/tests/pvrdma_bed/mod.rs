@@ -78,7 +78,16 @@ impl Bed {
 
     /// As [`vm_sized`](Self::vm_sized), the vmm run with `env` set.
     #[allow(clippy::too_many_arguments)]
-    pub fn vm_env(&self, h: usize, gid: Ipv4Addr, memory: &str, args: &str, pvrdma: &str, extra: &[&str], env: &[(&str, &str)]) -> VmProcess {
+    pub fn vm_env(
+        &self,
+        h: usize,
+        gid: Ipv4Addr,
+        memory: &str,
+        args: &str,
+        pvrdma: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> VmProcess {
         let name = unique_name("pvrdma");
         let spec = format!("gid={gid}{pvrdma}");
         let fw_args = format!("gid={gid} {args}");
