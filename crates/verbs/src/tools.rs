@@ -83,6 +83,11 @@ pub struct PerfArgs {
     /// Outstanding work requests.
     #[arg(long, default_value_t = 128)]
     pub tx_depth: u32,
+    /// Receives a SEND test's receiver keeps posted: all posted before the
+    /// first message, each reposted as its completion is polled (perftest's
+    /// `-r`, whose default this is).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(16..=16384))]
+    pub rx_depth: u32,
     /// Local ACK timeout (IB code: 4.096 us * 2^t; 14 = 67 ms, the usual default).
     #[arg(long, default_value_t = 14)]
     pub timeout: u8,
@@ -91,6 +96,14 @@ pub struct PerfArgs {
     /// when the receiver has no receive posted.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=31))]
     pub min_rnr_timer: u8,
+    /// Latency tests: poll the receive CQ (send-lat) or buffer (write-lat)
+    /// in a loop without yielding, as perftest does, instead of sleeping on
+    /// the receive CQ's completion channel after TRANSIT_POLL_SPIN_US
+    /// (default 0) of spinning. Only for hosts with a CPU per program
+    /// besides rnicd's: where programs share CPUs, the spinner holds the
+    /// CPU its peer needs for a whole time slice (milliseconds).
+    #[arg(long)]
+    pub busy_poll: bool,
     #[arg(long)]
     pub sock: Option<PathBuf>,
     /// Print one JSON object instead of the table.
@@ -108,6 +121,8 @@ struct Hello {
     mtu: usize,
     iters: usize,
     tx_depth: u32,
+    #[serde(default = "default_rx_depth")]
+    rx_depth: u32,
     timeout: u8,
     #[serde(default = "default_min_rnr_timer")]
     min_rnr_timer: u8,
@@ -115,6 +130,11 @@ struct Hello {
 
 fn default_min_rnr_timer() -> u8 {
     1
+}
+
+/// What a client that does not send `rx_depth` had its server post.
+fn default_rx_depth() -> u32 {
+    256
 }
 
 /// One measured result (also the JSON the bench reads).
@@ -269,20 +289,20 @@ struct Res {
     mr: Mr,
     scq: Cq,
     rcq: Cq,
-    /// Completion channel of `rcq`: latency tests sleep on it after a short spin.
+    /// Completion channel of `rcq`: latency tests sleep on it (unless --busy-poll).
     rchan: CompChannel,
     _pd: Pd,
     buf: MemBuf,
 }
 
-fn resources(ctx: &Context, size: usize, depth: u32) -> anyhow::Result<Res> {
+fn resources(ctx: &Context, size: usize, depth: u32, rx_depth: u32) -> anyhow::Result<Res> {
     let pd = ctx.alloc_pd()?;
     let scq = ctx.create_cq(depth * 2 + 64, None)?;
     let rchan = ctx.create_comp_channel()?;
-    let rcq = ctx.create_cq(depth * 2 + 64, Some(&rchan))?;
+    let rcq = ctx.create_cq(rx_depth.max(32) + 64, Some(&rchan))?;
     let mut init = QpInitAttr::new(&scq, &rcq);
     init.cap.max_send_wr = depth.max(16);
-    init.cap.max_recv_wr = depth.max(16) * 2;
+    init.cap.max_recv_wr = rx_depth.max(32);
     init.cap.max_send_sge = 1;
     init.cap.max_recv_sge = 1;
     init.cap.max_inline_data = 256;
@@ -322,11 +342,11 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
             if ch.test != test {
                 bail!("client runs {}, this server {test}", ch.test);
             }
-            let res = resources(&ctx, ch.size, ch.tx_depth)?;
+            let res = resources(&ctx, ch.size, ch.tx_depth, ch.rx_depth)?;
             let me = Hello { ep: res.qp.endpoint(psn), addr: res.mr.addr, rkey: res.mr.rkey, ..ch.clone() };
             res.qp.connect(&ch.ep, &ConnectOpts { sq_psn: psn, ..opts(&ch)? })?;
             send_line(&mut w, &me)?;
-            serve(test, &res, &ch, &mut r)?;
+            serve(test, &res, &ch, LatWait::of(&a), &mut r)?;
             Ok(())
         }
         Some(peer) => {
@@ -334,7 +354,7 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
             s.set_nodelay(true)?;
             let mut r = BufReader::new(s.try_clone()?);
             let mut w = s;
-            let res = resources(&ctx, size, a.tx_depth)?;
+            let res = resources(&ctx, size, a.tx_depth, a.rx_depth)?;
             let me = Hello {
                 test: test.into(),
                 ep: res.qp.endpoint(psn),
@@ -344,13 +364,14 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
                 mtu: a.mtu,
                 iters: a.iters,
                 tx_depth: a.tx_depth,
+                rx_depth: a.rx_depth,
                 timeout: a.timeout,
                 min_rnr_timer: a.min_rnr_timer,
             };
             send_line(&mut w, &me)?;
             let sh: Hello = read_line(&mut r)?;
             res.qp.connect(&sh.ep, &ConnectOpts { sq_psn: psn, ..opts(&me)? })?;
-            let rep = client(test, &res, &me, &sh, a.duration)?;
+            let rep = client(test, &res, &me, &sh, a.duration, LatWait::of(&a))?;
             send_line(&mut w, &"done")?;
             let _ = read_line::<String>(&mut r);
             print_report(&rep, a.json);
@@ -408,16 +429,38 @@ fn poll_some(cq: &Cq, wcs: &mut [Wc]) -> anyhow::Result<usize> {
     Ok(n)
 }
 
-/// How long a latency test spins on its receive CQ before sleeping on the
-/// completion channel (TRANSIT_POLL_SPIN_US overrides).
-fn lat_spin() -> Duration {
-    let us = std::env::var("TRANSIT_POLL_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(LAT_SPIN_US);
-    Duration::from_micros(us)
+/// How a latency test waits for the peer's message.
+#[derive(Clone, Copy, Debug)]
+enum LatWait {
+    /// Poll the receive CQ (or, for WRITE, the buffer) in a loop without
+    /// yielding or a system call, as perftest's ib_send_lat and
+    /// ib_write_lat do: the message is seen the moment rnicd lands it, at
+    /// the price of a CPU per side.
+    Busy,
+    /// Spin this long on the receive CQ, then arm it and sleep on its
+    /// completion channel: a wakeup per message, the CPU left to rnicd and
+    /// the peer. What perftest gets from the drop-in, whose ibv_poll_cq
+    /// naps after a few empty polls (docs/ibverbs.md).
+    Events { spin: Duration },
 }
-const LAT_SPIN_US: u64 = 0;
 
-/// Waits for one receive completion: spin briefly, then sleep on the channel.
-fn wait_recv(res: &Res, wcs: &mut [Wc], spin: Duration, timeout: Duration) -> anyhow::Result<usize> {
+impl LatWait {
+    fn of(a: &PerfArgs) -> Self {
+        if a.busy_poll {
+            return LatWait::Busy;
+        }
+        let us = std::env::var("TRANSIT_POLL_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        LatWait::Events { spin: Duration::from_micros(us) }
+    }
+}
+
+/// Waits for one receive completion (at most `timeout`; 0 if none came).
+fn wait_recv(res: &Res, wcs: &mut [Wc], wait: LatWait, timeout: Duration) -> anyhow::Result<usize> {
+    // Busy: spin for the whole timeout (poll_or_wait spins without yielding).
+    let spin = match wait {
+        LatWait::Busy => timeout,
+        LatWait::Events { spin } => spin,
+    };
     let n = res.rcq.poll_or_wait(&mut wcs[..1], &res.rchan, spin, timeout)?;
     for w in &wcs[..n] {
         if w.status != WcStatus::Success {
@@ -427,7 +470,7 @@ fn wait_recv(res: &Res, wcs: &mut [Wc], spin: Duration, timeout: Duration) -> an
     Ok(n)
 }
 
-fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64) -> anyhow::Result<Report> {
+fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64, wait: LatWait) -> anyhow::Result<Report> {
     let size = me.size;
     let mut wcs = [Wc::default(); 64];
     let cpu0 = cpu_seconds();
@@ -484,7 +527,6 @@ fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64) -> any
             let sg = [res.mr.sge(size.max(8), size)];
             let recv_sg = [res.mr.sge(0, size.max(8))];
             let inline = size <= 256;
-            let spin = lat_spin();
             if test == "send_lat" {
                 for k in 0..16 {
                     res.qp.post_recv(&[RecvWr { wr_id: k, sg_list: &recv_sg }])?;
@@ -494,20 +536,16 @@ fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64) -> any
             for i in 1..=me.iters as u64 {
                 let t0 = Instant::now();
                 if test == "send_lat" {
-                    post_small(res, SendWr::send(i, &sg).unsignaled(), size, inline, i)?;
-                    if wait_recv(res, &mut wcs, spin, Duration::from_secs(10))? == 0 {
+                    post_small(res, SendWr::send(i, &sg), size, inline, i)?;
+                    if wait_recv(res, &mut wcs, wait, Duration::from_secs(10))? == 0 {
                         bail!("peer stopped answering");
                     }
                     res.qp.post_recv(&[RecvWr { wr_id: i, sg_list: &recv_sg }])?;
                 } else {
-                    post_small(res, SendWr::write(i, &sg, peer.addr, peer.rkey).unsignaled(), size, inline, i)?;
-                    wait_stamp(&res.buf, size, i)?;
+                    post_small(res, SendWr::write(i, &sg, peer.addr, peer.rkey), size, inline, i)?;
+                    wait_stamp(&res.buf, size, i, wait)?;
                 }
                 samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
-                if i % 64 == 0 {
-                    // Reap nothing (all unsignaled) but keep the send queue moving.
-                    let _ = res.scq.poll(&mut wcs);
-                }
             }
             rep.seconds = t_all.elapsed().as_secs_f64();
             rep.iters = me.iters as u64;
@@ -519,8 +557,18 @@ fn client(test: &str, res: &Res, me: &Hello, peer: &Hello, duration: f64) -> any
     Ok(rep)
 }
 
-/// Posts a latency message whose last 8 bytes (or fewer) carry the stamp `i`.
+/// Posts a latency message whose last 8 bytes (or fewer) carry the stamp
+/// `i`, signaled, as perftest's latency tests post every message (one WR in
+/// flight, so its CQ moderation is 1): a signaled message asks for an ACK
+/// at once (AckReq), while most unsignaled ones leave it to the
+/// responder's ACK timer, whose later packet and wakeups on both hosts
+/// fall within the next round trip (2 B p50 1.3-2x that of signaled
+/// messages, docs/ibverbs.md "Benchmark"). The completions of earlier
+/// messages, there by the time the answer came, are reaped first without
+/// waiting.
 fn post_small(res: &Res, wr: SendWr, size: usize, inline: bool, i: u64) -> anyhow::Result<()> {
+    reap_sends(res)?;
+    let wr = wr.with_flags(send_flags::SIGNALED);
     let off = size.max(8);
     let stamp = i.to_le_bytes();
     let n = size.min(8);
@@ -536,29 +584,51 @@ fn post_small(res: &Res, wr: SendWr, size: usize, inline: bool, i: u64) -> anyho
         match res.qp.post_send(&[wr]) {
             Ok(()) => return Ok(()),
             Err(_) => {
-                let mut w = [Wc::default(); 16];
-                res.scq.poll(&mut w)?;
+                reap_sends(res)?;
                 std::thread::yield_now();
             }
         }
     }
 }
 
-/// Spins until the peer's WRITE put stamp `i` at the end of our receive half.
-fn wait_stamp(buf: &MemBuf, size: usize, i: u64) -> anyhow::Result<()> {
+/// Takes the send completions that are there, failing on an error one.
+fn reap_sends(res: &Res) -> anyhow::Result<()> {
+    let mut w = [Wc::default(); 16];
+    loop {
+        let n = res.scq.poll(&mut w)?;
+        if let Some(bad) = w[..n].iter().find(|c| c.status != WcStatus::Success) {
+            bail!("send {} failed: {:?}", bad.wr_id, bad.status);
+        }
+        if n < w.len() {
+            return Ok(());
+        }
+    }
+}
+
+/// Spins until the peer's WRITE put stamp `i` at the end of our receive
+/// half, as ib_write_lat spins on its buffer's last byte. A WRITE raises no
+/// completion at its target, so there is nothing to sleep on: `Events` only
+/// yields between looks.
+fn wait_stamp(buf: &MemBuf, size: usize, i: u64, wait: LatWait) -> anyhow::Result<()> {
     let n = size.min(8);
     let want = &i.to_le_bytes()[..n];
     let t0 = Instant::now();
+    let mut got = [0u8; 8];
     loop {
-        // SAFETY: inside the buffer; volatile because the NIC writes it.
-        let got: Vec<u8> = (0..n).map(|k| unsafe { std::ptr::read_volatile(buf.as_ptr().add(size - n + k)) }).collect();
-        if got == want {
+        for (k, b) in got[..n].iter_mut().enumerate() {
+            // SAFETY: inside the buffer; volatile because the NIC writes it.
+            *b = unsafe { std::ptr::read_volatile(buf.as_ptr().add(size - n + k)) };
+        }
+        if &got[..n] == want {
             return Ok(());
         }
         if t0.elapsed() > Duration::from_secs(10) {
             bail!("peer stopped answering");
         }
-        std::thread::yield_now();
+        match wait {
+            LatWait::Busy => std::hint::spin_loop(),
+            LatWait::Events { .. } => std::thread::yield_now(),
+        }
     }
 }
 
@@ -571,7 +641,7 @@ fn fill_lat(rep: &mut Report, samples: &mut [f64]) {
 }
 
 /// The passive side: keeps receives posted or answers ping-pongs until "done".
-fn serve(test: &str, res: &Res, h: &Hello, r: &mut BufReader<TcpStream>) -> anyhow::Result<()> {
+fn serve(test: &str, res: &Res, h: &Hello, wait: LatWait, r: &mut BufReader<TcpStream>) -> anyhow::Result<()> {
     let size = h.size;
     let mut wcs = [Wc::default(); 64];
     r.get_ref().set_nonblocking(true)?;
@@ -592,7 +662,7 @@ fn serve(test: &str, res: &Res, h: &Hello, r: &mut BufReader<TcpStream>) -> anyh
             }
         }
         "send_bw" => {
-            let depth = (h.tx_depth.max(16) * 2) as u64;
+            let depth = h.rx_depth.max(32) as u64;
             for k in 0..depth {
                 res.qp.post_recv(&[RecvWr { wr_id: k, sg_list: &recv_sg }])?;
             }
@@ -613,17 +683,13 @@ fn serve(test: &str, res: &Res, h: &Hello, r: &mut BufReader<TcpStream>) -> anyh
                 res.qp.post_recv(&[RecvWr { wr_id: k, sg_list: &recv_sg }])?;
             }
             let inline = size <= 256;
-            let spin = lat_spin();
             let mut i = 0u64;
             loop {
-                let n = wait_recv(res, &mut wcs, spin, Duration::from_millis(20))?;
+                let n = wait_recv(res, &mut wcs, wait, Duration::from_millis(20))?;
                 if n == 1 {
                     i += 1;
                     res.qp.post_recv(&[RecvWr { wr_id: i, sg_list: &recv_sg }])?;
-                    post_small(res, SendWr::send(i, &sg).unsignaled(), size, inline, i)?;
-                    if i.is_multiple_of(64) {
-                        let _ = res.scq.poll(&mut wcs);
-                    }
+                    post_small(res, SendWr::send(i, &sg), size, inline, i)?;
                 } else if (i == 0 || i as usize >= h.iters) && done(r) {
                     break;
                 }
@@ -632,11 +698,8 @@ fn serve(test: &str, res: &Res, h: &Hello, r: &mut BufReader<TcpStream>) -> anyh
         "write_lat" => {
             let inline = size <= 256;
             for i in 1..=h.iters as u64 {
-                wait_stamp(&res.buf, size, i)?;
-                post_small(res, SendWr::write(i, &sg, h.addr, h.rkey).unsignaled(), size, inline, i)?;
-                if i % 64 == 0 {
-                    let _ = res.scq.poll(&mut wcs);
-                }
+                wait_stamp(&res.buf, size, i, wait)?;
+                post_small(res, SendWr::write(i, &sg, h.addr, h.rkey), size, inline, i)?;
             }
             while !done(r) {
                 std::thread::sleep(Duration::from_millis(5));
