@@ -9,14 +9,17 @@
 //! early section had it by its handle only, and for a CQ or QP whose
 //! pages and layout are unchanged only what moves while it runs (ring
 //! indices, arming, pending completions; the QP's attributes if the guest
-//! modified it since, the outstanding WQEs, rnicd's runtime state). An
+//! modified it since, rnicd's runtime state, and of its outstanding WQEs
+//! those posted since: a receive WQE the guest posted long before the
+//! early section and no message has consumed yet is named by its sequence
+//! number, not sent again). An
 //! object made or changed since the early section travels whole; one
 //! destroyed since is simply not named. The destination rebuilds the whole
 //! state from the early section and the delta, so `restore` has one path.
 
 use std::collections::{HashMap, VecDeque};
 
-use pvrdma_abi::{Cqe, QpAttr};
+use pvrdma_abi::{Cqe, Pod, QpAttr, Sge};
 use serde::{Deserialize, Serialize};
 use verbs::QpSnapshot;
 
@@ -72,8 +75,73 @@ struct QpRun {
     /// None: as in the early section (the guest did not modify the QP).
     attr: Option<Attr>,
     broken: bool,
-    sq_out: VecDeque<OutSend>,
-    rq_out: VecDeque<OutRecv>,
+    sq_out: Queue<OutSend>,
+    rq_out: Queue<OutRecv>,
+}
+
+/// A QP's outstanding WQEs: a run of those the early section had, then
+/// those posted since (a WQE's sequence number is given once, so a run
+/// is named by its first one and its length).
+#[derive(Serialize, Deserialize)]
+struct Queue<T> {
+    /// (sequence number of the first, how many in a row).
+    kept: Option<(u64, u32)>,
+    added: VecDeque<T>,
+}
+
+/// An outstanding WQE: its sequence number, and whether it is the very
+/// same WQE as another (its bytes too, should a QP have been remade with
+/// the same handle and numbers since).
+trait Outstanding: Clone {
+    fn seq(&self) -> u64;
+    fn same(&self, o: &Self) -> bool;
+}
+
+fn same_sges(a: &[Sge], b: &[Sge]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.as_bytes() == y.as_bytes())
+}
+
+impl Outstanding for OutSend {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn same(&self, o: &Self) -> bool {
+        self.seq == o.seq && self.hdr.as_bytes() == o.hdr.as_bytes() && same_sges(&self.sges, &o.sges)
+    }
+}
+
+impl Outstanding for OutRecv {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn same(&self, o: &Self) -> bool {
+        self.seq == o.seq && self.hdr.as_bytes() == o.hdr.as_bytes() && same_sges(&self.sges, &o.sges)
+    }
+}
+
+impl<T: Outstanding> Queue<T> {
+    fn take(now: &VecDeque<T>, then: &VecDeque<T>) -> Queue<T> {
+        let kept = now.front().and_then(|first| {
+            let j = then.iter().position(|t| t.seq() == first.seq())?;
+            let n = then.iter().skip(j).zip(now).take_while(|(a, b)| a.same(b)).count();
+            (n > 0).then_some((first.seq(), n as u32))
+        });
+        let skip = kept.map_or(0, |(_, n)| n as usize);
+        Queue { kept, added: now.iter().skip(skip).cloned().collect() }
+    }
+
+    fn apply(self, then: &VecDeque<T>) -> Result<VecDeque<T>, String> {
+        let mut out = VecDeque::with_capacity(self.added.len() + self.kept.map_or(0, |(_, n)| n as usize));
+        if let Some((first, n)) = self.kept {
+            let j = then.iter().position(|t| t.seq() == first).ok_or_else(|| format!("WQE {first} is not in the early section"))?;
+            if then.len() - j < n as usize {
+                return Err(format!("the early section has fewer than {n} WQEs from {first} on"));
+            }
+            out.extend(then.iter().skip(j).take(n as usize).cloned());
+        }
+        out.extend(self.added);
+        Ok(out)
+    }
 }
 
 /// The device state at the switch over an early section.
@@ -138,8 +206,8 @@ pub(super) fn take(d: &Dev, base: &Baseline, rest: Saved, states: &mut HashMap<u
                     rq: (i.rq.head, i.rq.next_seq),
                     attr: (i.attr != then.attr).then_some(Attr(i.attr)),
                     broken: i.broken,
-                    sq_out: i.sq_out.clone(),
-                    rq_out: i.rq_out.clone(),
+                    sq_out: Queue::take(&i.sq_out, &then.sq_out),
+                    rq_out: Queue::take(&i.rq_out, &then.rq_out),
                 }),
                 _ => Part::Whole(i.clone()),
             };
@@ -176,7 +244,9 @@ pub(super) fn apply(delta: Delta, base: &Baseline) -> Result<Saved, String> {
             Part::Whole(info) => info,
             Part::Runs(run) => {
                 let then = base.qps.get(&handle).ok_or_else(|| missing("QP", handle))?;
-                let mut info = QpInfo { broken: run.broken, sq_out: run.sq_out, rq_out: run.rq_out, ..then.clone() };
+                let bad = |why: String| format!("QP {handle}: {why}");
+                let (sq_out, rq_out) = (run.sq_out.apply(&then.sq_out).map_err(bad)?, run.rq_out.apply(&then.rq_out).map_err(bad)?);
+                let mut info = QpInfo { broken: run.broken, sq_out, rq_out, ..then.clone() };
                 (info.sq.head, info.sq.next_seq) = run.sq;
                 (info.rq.head, info.rq.next_seq) = run.rq;
                 if let Some(Attr(attr)) = run.attr {
