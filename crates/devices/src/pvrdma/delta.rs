@@ -217,13 +217,15 @@ pub(super) fn take(d: &Dev, base: &Baseline, rest: Saved, states: &mut HashMap<u
     Delta { rest, mrs_same, mrs, cqs, qps }
 }
 
-/// The whole state from `delta` over `base`.
-pub(super) fn apply(delta: Delta, base: &Baseline) -> Result<Saved, String> {
+/// The whole state from `delta` over `base`, whose objects it takes (no
+/// copy of their page lists inside the downtime); an object named twice
+/// is refused as one the early section did not have.
+pub(super) fn apply(delta: Delta, mut base: Baseline) -> Result<Saved, String> {
     let Delta { mut rest, mrs_same, mrs, cqs, qps } = delta;
     let missing = |what: &str, h: u32| format!("the delta names {what} {h} as in an early section that did not have it");
     rest.mrs = Vec::with_capacity(mrs_same.len() + mrs.len());
     for h in mrs_same {
-        rest.mrs.push((h, base.mrs.get(&h).ok_or_else(|| missing("MR", h))?.clone()));
+        rest.mrs.push((h, base.mrs.remove(&h).ok_or_else(|| missing("MR", h))?));
     }
     rest.mrs.extend(mrs);
     rest.mrs.sort_by_key(|(h, _)| *h);
@@ -232,8 +234,8 @@ pub(super) fn apply(delta: Delta, base: &Baseline) -> Result<Saved, String> {
         let ring = match part {
             Part::Whole(ring) => ring,
             Part::Runs(run) => {
-                let then = base.cqs.get(&h).ok_or_else(|| missing("CQ", h))?;
-                CqRing { tail: run.tail, armed: run.armed, pending: run.pending, ..then.clone() }
+                let then = base.cqs.remove(&h).ok_or_else(|| missing("CQ", h))?;
+                CqRing { tail: run.tail, armed: run.armed, pending: run.pending, ..then }
             }
         };
         rest.cqs.push((h, ring));
@@ -243,10 +245,10 @@ pub(super) fn apply(delta: Delta, base: &Baseline) -> Result<Saved, String> {
         let info = match part {
             Part::Whole(info) => info,
             Part::Runs(run) => {
-                let then = base.qps.get(&handle).ok_or_else(|| missing("QP", handle))?;
+                let then = base.qps.remove(&handle).ok_or_else(|| missing("QP", handle))?;
                 let bad = |why: String| format!("QP {handle}: {why}");
                 let (sq_out, rq_out) = (run.sq_out.apply(&then.sq_out).map_err(bad)?, run.rq_out.apply(&then.rq_out).map_err(bad)?);
-                let mut info = QpInfo { broken: run.broken, sq_out, rq_out, ..then.clone() };
+                let mut info = QpInfo { broken: run.broken, sq_out, rq_out, ..then };
                 (info.sq.head, info.sq.next_seq) = run.sq;
                 (info.rq.head, info.rq.next_seq) = run.rq;
                 if let Some(Attr(attr)) = run.attr {

@@ -218,7 +218,7 @@ impl Persist for Pvrdma {
         let saved: Saved = if is_delta {
             let base =
                 base.ok_or_else(|| err("a state that names only what changed since an early section this device did not receive".into()))?;
-            delta::apply(decode_checked(section, DELTA_VERSION)?, &base).map_err(err)?
+            delta::apply(decode_checked(section, DELTA_VERSION)?, base).map_err(err)?
         } else {
             decode_checked(section, VERSION)?
         };
