@@ -220,6 +220,8 @@ fn rnicd_counters(clients: &[verbs::Context]) -> Result<Vec<(String, u64)>> {
         "retransmit_rewinds",
         "loss_probes",
         "timeouts",
+        "window_cuts",
+        "local_drops",
         "dup_requests",
         "seq_naks_sent",
         "held_out_of_order",

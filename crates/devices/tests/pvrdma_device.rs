@@ -180,7 +180,7 @@ fn every_command_and_operation_with_a_bare_metal_peer() {
         d.cmd::<_, CmdRespHdr>(CmdDestroyCq { hdr: Drv::hdr(cmd), cq_handle: h, reserved: [0; 4] }).unwrap();
     }
     d.cmd::<_, CmdRespHdr>(CmdDestroyBind { hdr: Drv::hdr(CMD_DESTROY_BIND), index: 0, dest_gid: [0; 16], reserved: [0; 4] }).unwrap();
-    assert_eq!(d.query()["objects"], serde_json::json!({"contexts": 0, "pds": 0, "mrs": 0, "cqs": 0, "qps": 0}));
+    assert_eq!(d.query()["objects"], serde_json::json!({"contexts": 0, "pds": 0, "mrs": 0, "cqs": 0, "qps": 0, "srqs": 0}));
     d.wr(REG_CTL, DEVICE_CTL_RESET);
     assert_eq!(d.rd(REG_ERR), 0);
 }

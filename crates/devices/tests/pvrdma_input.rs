@@ -82,14 +82,14 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
     d.wr(REG_CTL, 7);
     assert_eq!(d.rd(REG_ERR), EPERM, "unknown CTL value");
 
-    // Unknown commands, SRQ, bad handles.
+    // Unknown commands, an SRQ of no WQEs in no PD, bad handles.
     let (err, _) = d.cmd_raw(&Drv::hdr(99));
     assert_eq!(err, EINVAL as u32);
-    assert_eq!(d.cmd::<_, CmdCreateSrqResp>(CmdCreateSrq { hdr: Drv::hdr(CMD_CREATE_SRQ), ..Default::default() }).err(), Some(ENOSYS));
+    assert_eq!(d.cmd::<_, CmdCreateSrqResp>(CmdCreateSrq { hdr: Drv::hdr(CMD_CREATE_SRQ), ..Default::default() }).err(), Some(EINVAL));
     let pd = d.create_pd();
     let bad_pd = CmdCreateMr { hdr: Drv::hdr(CMD_CREATE_MR), pd_handle: 999, flags: MR_FLAG_DMA, ..Default::default() };
     assert_eq!(d.cmd::<_, CmdCreateMrResp>(bad_pd).err(), Some(EINVAL));
-    for cmd in [CMD_DESTROY_QP, CMD_DESTROY_CQ, CMD_DESTROY_MR, CMD_DESTROY_PD, CMD_DESTROY_UC] {
+    for cmd in [CMD_DESTROY_QP, CMD_DESTROY_CQ, CMD_DESTROY_MR, CMD_DESTROY_PD, CMD_DESTROY_UC, CMD_DESTROY_SRQ, CMD_QUERY_SRQ] {
         assert_eq!(
             d.cmd::<_, CmdRespHdr>(CmdDestroyQp { hdr: Drv::hdr(cmd), qp_handle: 4242, reserved: [0; 4] }).err(),
             Some(EINVAL),
@@ -281,7 +281,11 @@ fn fuzzed_commands_doorbells_and_wqes() {
     let (mut nq, mut ns, mut nr, nb, nk, np) = connection(&mut n, &bed, g2);
     let mut d = Drv::new(&bed.nics[0].sock, g1);
     d.bring_up();
-    let (mut qp, _scq, _rcq, buf, key, _peer) = connection(&mut d, &bed, g1);
+    let (mut qp, scq, rcq, buf, key, _peer) = connection(&mut d, &bed, g1);
+    // An SRQ with a QP on it, whose ring the loop fuzzes too.
+    let spd = d.create_pd();
+    let mut srq = d.create_srq(spd, 32, 2, 4);
+    let _sqp = d.try_create_qp_on_srq(spd, &scq, &rcq, srq.handle, 16, 1).unwrap();
     let seed = std::env::var("PVRDMA_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_1234_u64);
     let mut rng = Rng(seed | 1);
     let addr = |rng: &mut Rng| match rng.below(4) {
@@ -290,7 +294,7 @@ fn fuzzed_commands_doorbells_and_wqes() {
         _ => rng.below(RAM) & !0xfff,
     };
     for i in 0..3000 {
-        match rng.below(6) {
+        match rng.below(7) {
             0 | 1 => {
                 // A command with a real code and random (sometimes plausible) fields.
                 let mut raw = [0u8; CMD_REQ_MAX_SIZE];
@@ -343,6 +347,18 @@ fn fuzzed_commands_doorbells_and_wqes() {
                 if rng.below(10) == 0 {
                     d.put(qp.base + QP_RQ_RING_OFFSET, &(rng.next() as u32));
                 }
+            }
+            5 => {
+                // A random SRQ WQE (up to one SGE too many), sometimes with
+                // a garbage producer index.
+                let n_sge = rng.below(4) as usize;
+                let sges: Vec<Sge> =
+                    (0..n_sge).map(|_| Sge { addr: addr(&mut rng), length: rng.next() as u32, lkey: rng.next() as u32 }).collect();
+                d.put_srq_recv(&mut srq, i, &sges);
+                if rng.below(10) == 0 {
+                    d.put(srq.base + RING_STATE_RX_PROD_TAIL, &(rng.next() as u32));
+                }
+                d.doorbell(UAR_SRQ_OFFSET, UAR_SRQ_RECV | srq.handle);
             }
             _ => {
                 // Register writes other than RESET (tested below).

@@ -747,6 +747,7 @@ fn commit(
         Ok(Msg::Resumed { unix_ns, resumed, cpu_s }) => ctl.update(|s| {
             s.downtime_steps.push(("destination resumed (reply)".into(), t_pause.elapsed().as_secs_f64() * 1e3));
             s.cpu_s_dest = Some(cpu_s);
+            s.paused_unix_ms = Some(paused_at as f64 / 1e6);
             s.downtime_ms =
                 Some(if resumed { unix_ns.saturating_sub(paused_at) as f64 / 1e6 } else { t_pause.elapsed().as_secs_f64() * 1e3 });
         }),

@@ -183,6 +183,10 @@ pub struct Stats {
     pub total_ms: f64,
     /// Source vCPU stop to destination vCPU start (both wall clocks).
     pub downtime_ms: Option<f64>,
+    /// Outgoing: when the source stopped the vCPUs (ms since the Unix
+    /// epoch), set with `downtime_ms`: where the switch lies on the clock
+    /// other processes (a peer timing its stalls) use.
+    pub paused_unix_ms: Option<f64>,
     pub expected_downtime_ms: f64,
     pub pages_sent: u64,
     pub zero_pages: u64,

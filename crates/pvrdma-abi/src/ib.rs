@@ -203,6 +203,19 @@ pub mod event {
     pub const GID_CHANGE: u32 = 18;
 }
 
+/// `ib_srq_type` in CREATE_SRQ (`IB_SRQT_BASIC` is what Linux creates).
+pub mod srq_type {
+    pub const BASIC: u8 = 0;
+    pub const XRC: u8 = 1;
+    pub const TM: u8 = 2;
+}
+
+/// `ib_srq_attr_mask` in MODIFY_SRQ.
+pub mod srq_attr_mask {
+    pub const MAX_WR: u32 = 1 << 0;
+    pub const LIMIT: u32 = 1 << 1;
+}
+
 /// `ib_gid_type` in CREATE_BIND.
 pub mod gid_type {
     pub const IB: u8 = 0;

@@ -25,6 +25,8 @@ use crate::objects::{ClientId, OutPkt};
 use crate::proto::{self, Reply, Request, Response};
 use crate::wire::{self, Flow, ROCE_PORT};
 
+mod spin;
+
 /// Most datagrams one receive pass takes (then the engine transmits).
 const RX_BATCH: usize = 64;
 /// Datagrams per recvmmsg: with GRO each holds up to 64 KiB, and 8 of them
@@ -33,7 +35,8 @@ const RX_BATCH: usize = 64;
 const RX_CHUNK: usize = 8;
 const RX_BUF: usize = 65536;
 const TX_BUDGET: usize = 256;
-/// How long the event loop keeps polling after the last activity.
+/// Longest the event loop keeps polling after the last activity (the
+/// spin adapts below it: `spin::Spin`).
 const SPIN: Duration = Duration::from_micros(200);
 const SOL_UDP: i32 = 17;
 const UDP_SEGMENT: i32 = 103;
@@ -598,7 +601,8 @@ struct LoopKnobs {
     /// UDP sockets (every EPOLL_EVERY-th round while polling), to measure
     /// what serving it every round gains.
     control_first: bool,
-    /// RNICD_SPIN_US: how long to keep polling after the last activity.
+    /// RNICD_SPIN_US: the longest the loop keeps polling after the last
+    /// activity (the spin adapts below it).
     /// 0 by default under a real-time policy (`--sched-fifo`): a spinning
     /// real-time loop would keep ordinary processes (its clients, the peer)
     /// off its CPU, where sleeping costs nothing since its wake-up preempts.
@@ -654,6 +658,7 @@ struct Daemon {
     rings_polled: bool,
     rounds_without_epoll: u32,
     last_activity: Instant,
+    spin: spin::Spin,
 }
 
 /// What one round found to do.
@@ -699,9 +704,11 @@ impl Daemon {
         ep.add(&ctl.0, readable(TOKEN_CTL))?;
         nss.insert(cfg.addr, ns);
         info!("rnicd serving {} (UDP {ROCE_PORT}), control socket {}", cfg.addr, cfg.sock.display());
+        let knobs = LoopKnobs::from_env();
         Ok(Daemon {
             cfg,
-            knobs: LoopKnobs::from_env(),
+            spin: spin::Spin::new(knobs.spin),
+            knobs,
             nss,
             listener,
             ep,
@@ -722,7 +729,7 @@ impl Daemon {
     fn wait(&mut self, evs: &mut [EpollEvent]) -> Round {
         // After activity, keep polling (politely) for a short while: the
         // next request of a ping-pong then finds us awake, not asleep in epoll.
-        let spinning = !self.busy && self.last_activity.elapsed() < self.knobs.spin;
+        let spinning = !self.busy && self.last_activity.elapsed() < self.spin.limit();
         if spinning {
             let _ = sched_yield();
         }
@@ -758,7 +765,13 @@ impl Daemon {
             }
         } else {
             self.rounds_without_epoll = 0;
-            self.ep.wait(evs, timeout_ms).unwrap_or(0)
+            let n = self.ep.wait(evs, timeout_ms).unwrap_or(0);
+            if n > 0 && timeout_ms > 0 {
+                // Slept and woken by work (not a timer): would a longer spin
+                // have caught it?
+                self.spin.woken_after(self.last_activity.elapsed());
+            }
+            n
         };
         if events == 0 && timeout_ms > 0 && self.knobs.ring_poll {
             for ns in self.nss.values_mut() {
@@ -1078,19 +1091,22 @@ fn serve_client(
 /// read from its memfd, the message's last descriptor.
 fn parse_request(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<(Request, Vec<OwnedFd>), String> {
     let req = serde_json::from_slice::<Request>(bytes).map_err(|e| format!("malformed request: {e}"))?;
-    let Request::Spilled { len } = req else { return Ok((req, fds)) };
+    let Request::Spilled { len, format } = req else { return Ok((req, fds)) };
     let fd = fds.pop().ok_or("a spilled request needs its memfd")?;
     let bytes = crate::spill::read(fd, len).map_err(|e| format!("{e:#}"))?;
-    match serde_json::from_slice::<Request>(&bytes).map_err(|e| format!("malformed spilled request: {e}"))? {
+    match format.decode::<Request>(&bytes).map_err(|e| format!("malformed spilled request: {e:#}"))? {
         Request::Spilled { .. } => Err("a spilled request inside a spilled request".into()),
         req => Ok((req, fds)),
     }
 }
 
-/// Sends `resp`, spilled into a memfd when it is larger than a datagram.
+/// Sends `resp`, spilled into a memfd when it is larger than a datagram or
+/// carries QP states or traces (`crate::spill::Format::for_reply`).
 fn send_response(sock: &OwnedFd, resp: &Response) -> anyhow::Result<()> {
-    let bytes = serde_json::to_vec(resp)?;
-    if !crate::spill::needed(&bytes) {
+    let binary = crate::spill::Format::for_reply(resp);
+    let format = binary.unwrap_or_default();
+    let bytes = format.encode(resp)?;
+    if binary.is_none() && !crate::spill::needed(&bytes) {
         return Ok(fdmsg::send_bytes(sock, &bytes, &[])?);
     }
     // A reply that cannot be spilled (no memfd: EMFILE, ENOMEM) goes as an
@@ -1103,7 +1119,7 @@ fn send_response(sock: &OwnedFd, resp: &Response) -> anyhow::Result<()> {
             return Ok(fdmsg::send(sock, &err, &[])?);
         }
     };
-    let head: Response = Ok(Reply::Spilled { len: bytes.len() as u64 });
+    let head: Response = Ok(Reply::Spilled { len: bytes.len() as u64, format });
     Ok(fdmsg::send(sock, &head, &[fd.as_raw_fd()])?)
 }
 

@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::types::{DeviceAttr, PortAttr, QpAttr, QpCap};
 
-pub const PROTO_VERSION: u32 = 2;
+/// 3: QP states and traces travel spilled in bincode (`crate::spill`).
+pub const PROTO_VERSION: u32 = 3;
 /// Most QPNs in one batched request.
 pub const MAX_BATCH: usize = 4096;
 /// Most QP states in one QueryQpStates or RestoreQps (larger than one
@@ -309,10 +310,13 @@ pub enum Request {
     FetchTraces {
         lkeys: Vec<u32>,
     },
-    /// The request is `len` bytes of JSON in the message's last descriptor
-    /// (a memfd): one larger than a datagram (`crate::spill`).
+    /// The request is `len` bytes in `format` in the message's last
+    /// descriptor (a memfd): one larger than a datagram, or one that
+    /// carries QP states (`crate::spill`).
     Spilled {
         len: u64,
+        #[serde(default)]
+        format: crate::spill::Format,
     },
 }
 
@@ -404,10 +408,13 @@ pub enum Reply {
     SrqState(crate::srq::SrqSnapshot),
     /// FetchTraces: one report per MR, in the request's order.
     Traces(Vec<crate::trace::TraceReport>),
-    /// The response is `len` bytes of JSON in the memfd beside this
-    /// message: one larger than a datagram (`crate::spill`).
+    /// The response is `len` bytes in `format` in the memfd beside this
+    /// message: one larger than a datagram, or one that carries QP states
+    /// or traces (`crate::spill`).
     Spilled {
         len: u64,
+        #[serde(default)]
+        format: crate::spill::Format,
     },
 }
 

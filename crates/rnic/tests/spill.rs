@@ -5,6 +5,8 @@ mod common;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use bincode::Options as _;
+
 use common::*;
 use verbs::*;
 
@@ -79,6 +81,12 @@ fn bad_spilled_requests_are_refused_and_harm_nothing() {
         String::from_utf8_lossy(&buf[..n]).into_owned()
     };
     let spilled = |len: u64| format!(r#"{{"Spilled":{{"len":{len}}}}}"#).into_bytes();
+    let binary = |len: u64| format!(r#"{{"Spilled":{{"len":{len},"format":"Bincode"}}}}"#).into_bytes();
+    // Bincode of LoadQpStates (variant index, then the states' count as a
+    // varint) claiming 2^60 states in 10 bytes.
+    let variant = bincode::DefaultOptions::new().serialize(&rnic::proto::Request::LoadQpStates { states: vec![] }).unwrap();
+    let mut huge = variant[..variant.len() - 1].to_vec();
+    huge.extend([0xfd, 0, 0, 0, 0, 0, 0, 0, 0x10]);
     let cases: Vec<(Vec<u8>, Option<OwnedFd>, &str)> = vec![
         (spilled(10), None, "needs its memfd"),
         (spilled(100), Some(memfd(b"{\"QueryDevice\"")), "shorter than it says"),
@@ -86,6 +94,9 @@ fn bad_spilled_requests_are_refused_and_harm_nothing() {
         (spilled(spilled(13).len() as u64), Some(memfd(&spilled(13))), "inside a spilled"),
         (spilled(7), Some(memfd(b"garbage")), "malformed spilled"),
         (spilled(7), Some(std::fs::File::open("/dev/null").unwrap().into()), "must be in a memfd"),
+        (binary(7), Some(memfd(b"garbage")), "malformed spilled"),
+        (binary(huge.len() as u64), Some(memfd(&huge)), "malformed spilled"),
+        (binary(3), Some(memfd(b"\"Qu")), "malformed spilled"),
     ];
     for (msg, fd, why) in &cases {
         let fds: Vec<i32> = fd.iter().map(|f| f.as_raw_fd()).collect();

@@ -69,20 +69,22 @@ impl Inner {
     /// one round trip.
     fn call(&self, req: &Request, fds: &[RawFd]) -> anyhow::Result<Reply> {
         let mut buf = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        let bytes = serde_json::to_vec(req)?;
-        if rnic::spill::needed(&bytes) {
+        let binary = rnic::spill::Format::for_request(req);
+        let format = binary.unwrap_or_default();
+        let bytes = format.encode(req)?;
+        if binary.is_some() || rnic::spill::needed(&bytes) {
             let spilled = rnic::spill::write(&bytes)?;
             let fds: Vec<RawFd> = fds.iter().copied().chain([spilled.as_raw_fd()]).collect();
-            fdmsg::send(&self.sock, &Request::Spilled { len: bytes.len() as u64 }, &fds)
+            fdmsg::send(&self.sock, &Request::Spilled { len: bytes.len() as u64, format }, &fds)
         } else {
             fdmsg::send_bytes(&self.sock, &bytes, fds)
         }
         .context("send control message")?;
         let (n, mut rfds) = fdmsg::recv(&self.sock, &mut buf).context("receive control message")?.context("rnicd closed the connection")?;
         let mut r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
-        if let Ok(Reply::Spilled { len }) = r {
+        if let Ok(Reply::Spilled { len, format }) = r {
             let fd = rfds.pop().context("a spilled reply without its memfd")?;
-            r = serde_json::from_slice(&rnic::spill::read(fd, len)?).context("bad spilled reply from rnicd")?;
+            r = format.decode(&rnic::spill::read(fd, len)?).context("bad spilled reply from rnicd")?;
         }
         r.map_err(|e| anyhow!("rnicd: {e}"))
     }

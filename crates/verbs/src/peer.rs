@@ -94,9 +94,15 @@ pub fn fill(first: u64, seed: u64, len: usize) -> Vec<u8> {
 
 /// The index of the first word of `data` (word 0 = `first`) that differs.
 pub fn check(data: &[u8], first: u64, seed: u64) -> Option<usize> {
-    data.chunks_exact(8).enumerate().position(|(j, w)| {
+    check_part(data, 0, first, seed)
+}
+
+/// [`check`] of a part of a message: `data` holds its words from index
+/// `at` on; returns the message's index of the first that differs.
+pub fn check_part(data: &[u8], at: usize, first: u64, seed: u64) -> Option<usize> {
+    data.chunks_exact(8).enumerate().map(|(j, w)| (at + j, w)).find_map(|(j, w)| {
         let w = u64::from_le_bytes(w.try_into().unwrap());
-        w != if j == 0 { first } else { pattern(seed, j as u64) }
+        (w != if j == 0 { first } else { pattern(seed, j as u64) }).then_some(j)
     })
 }
 
@@ -232,6 +238,8 @@ pub struct Gap {
     /// epoch: comparable with the times other processes of the host log.
     pub start_unix_ms: f64,
     pub ms: f64,
+    /// The workload whose completion ended it.
+    pub ended_by: &'static str,
 }
 
 /// How many of the connection's longest stalls a report lists: enough that
@@ -255,6 +263,12 @@ pub const PSN_STEP: u32 = 0x100;
 pub const BIG: u64 = 5 << 60;
 /// The most a big WRITE may be.
 pub const MAX_BIG: u64 = 1 << 30;
+/// Bytes of a big WRITE's round the peer checks and clears per pass of its
+/// loop. Checking a 64 MiB round whole takes the peer's one thread a few
+/// hundred ms, and every QP's completions wait meanwhile: a stall of the
+/// peer program that its gaps would count as the connection's. A MiB is
+/// about a ms.
+const BIG_CHECK_CHUNK: usize = 1 << 20;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Kind {
@@ -439,6 +453,17 @@ struct BigTarget {
     mr: Mr,
     len: usize,
     rounds: u64,
+    /// [`BIG_CHECK_CHUNK`] zero bytes, to clear the buffer with.
+    zeros: Vec<u8>,
+}
+
+/// A big WRITE's round that arrived, checked and cleared a chunk per pass.
+struct BigCheck {
+    round: u64,
+    /// The next byte to check.
+    next: usize,
+    /// What was wrong with it, first thing found.
+    bad: Option<String>,
 }
 
 struct Peer {
@@ -476,14 +501,14 @@ impl Peer {
             if let Some(t) = self.last_any {
                 let ms = now.duration_since(t).as_secs_f64() * 1e3;
                 self.rep.max_gap_ms = self.rep.max_gap_ms.max(ms);
-                self.note_gap(now, ms);
+                self.note_gap(now, ms, c.kind.name());
             }
             self.last_any = Some(now);
         }
     }
 
     /// Keeps the stall of `ms` that ended `now` if it is among the longest.
-    fn note_gap(&mut self, now: Instant, ms: f64) {
+    fn note_gap(&mut self, now: Instant, ms: f64, ended_by: &'static str) {
         let gaps = &mut self.rep.long_gaps;
         if ms < MIN_LISTED_GAP_MS || gaps.len() == LONG_GAPS && gaps.last().is_some_and(|g| g.ms >= ms) {
             return;
@@ -491,7 +516,7 @@ impl Peer {
         let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let start_unix_ms = since_epoch.as_secs_f64() * 1e3 - now.elapsed().as_secs_f64() * 1e3 - ms;
         let at = gaps.partition_point(|g| g.ms >= ms);
-        gaps.insert(at, Gap { start_unix_ms, ms });
+        gaps.insert(at, Gap { start_unix_ms, ms, ended_by });
         gaps.truncate(LONG_GAPS);
     }
 
@@ -580,7 +605,7 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
             }
             let b = MemBuf::new(len as usize)?;
             let m = pd.reg_mr(&b, 0, len as usize, access::LOCAL_WRITE | access::REMOTE_WRITE)?;
-            Some(BigTarget { buf: b, mr: m, len: len as usize, rounds: g.num("big.rounds").unwrap_or(0) })
+            Some(BigTarget { buf: b, mr: m, len: len as usize, rounds: g.num("big.rounds").unwrap_or(0), zeros: vec![0; BIG_CHECK_CHUNK] })
         }
     };
     let mtu = Mtu::from_bytes(a.mtu).context("MTU must be 256..4096")?;
@@ -799,9 +824,10 @@ fn post_all(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut [Chan], running: b
             Kind::Ring => c.st.ring_post(p, g, &c.qp, c.k, running)?,
             Kind::Table => c.st.table_post(p, g, &c.qp, c.k, running, a.table_reads)?,
             Kind::Big => {
+                let moved = State::big_check_step(p, c)?;
                 let b = p.big.as_ref().unwrap();
                 c.st.done = b.rounds > 0 && c.st.big_rounds >= b.rounds;
-                false
+                moved
             }
             Kind::Atomic => {
                 // The peer completes nothing here: the counter moving is the event.
@@ -854,11 +880,12 @@ struct State {
     atomic_verified: u64,
     // big
     big_rounds: u64,
+    big_check: Option<BigCheck>,
 }
 
 impl State {
     fn drained(&self) -> bool {
-        self.tx_done == self.tx_next && self.ring_done == self.ring_next && !self.table_inflight
+        self.tx_done == self.tx_next && self.ring_done == self.ring_next && !self.table_inflight && self.big_check.is_none()
     }
 
     fn stream_completion(p: &mut Peer, c: &mut Chan, wc: &Wc) -> anyhow::Result<()> {
@@ -1076,29 +1103,54 @@ impl State {
         }
     }
 
-    /// The guest's WRITE with immediate of round r arrived whole: check
-    /// every word (word 0 = r, the rest `pattern(BIG, j)`), clear the
-    /// buffer so that a part missing from the next round shows, and SEND
-    /// r back. Our acknowledgement's own completion needs nothing.
+    /// The guest's WRITE with immediate of round r arrived whole: its
+    /// completion is checked here, its words by [`State::big_check_step`].
+    /// Our acknowledgement's own completion needs nothing.
     fn big_completion(p: &mut Peer, c: &mut Chan, wc: &Wc) -> anyhow::Result<()> {
         if wc.wr_id & TAG_MASK == TAG_SEND {
             return Ok(());
         }
         let r = c.st.big_rounds;
-        let b = p.big.as_ref().unwrap();
+        if c.st.big_check.is_some() {
+            p.violation(Kind::Big, c.k, format!("round {r}: another WRITE arrived before the round was acknowledged"));
+            return Ok(());
+        }
         let imm = wc.wc_flags & wc_flags::WITH_IMM != 0;
-        let data = b.buf.read(0, b.len);
-        let first_word = u64::from_le_bytes(data[..8].try_into().unwrap());
         let bad = if wc.opcode != WcOpcode::RecvRdmaWithImm || !imm {
             Some(format!("round {r}: completion {:?} without an immediate", wc.opcode))
-        } else if wc.imm_data != r as u32 || first_word != r {
-            Some(format!("round {r}: immediate {} and word 0 {first_word}", wc.imm_data))
+        } else if wc.imm_data != r as u32 {
+            Some(format!("round {r}: immediate {}", wc.imm_data))
         } else {
-            check(&data[..b.len / 8 * 8], r, BIG).map(|j| format!("round {r}: word {j} of {} differs", b.len / 8))
+            None
         };
-        b.buf.write(0, &vec![0u8; b.len]);
-        let len = b.len as u64;
-        match bad {
+        c.st.big_check = Some(BigCheck { round: r, next: 0, bad });
+        Ok(())
+    }
+
+    /// Checks the next chunk of the round that arrived (word 0 = r, the
+    /// rest `pattern(BIG, j)`) and clears it, so that a part missing from
+    /// the next round shows as zeros; after the last chunk, counts the
+    /// round and SENDs r back. Whether there was a chunk to check.
+    fn big_check_step(p: &mut Peer, c: &mut Chan) -> anyhow::Result<bool> {
+        let Some(mut chk) = c.st.big_check.take() else {
+            return Ok(false);
+        };
+        let b = p.big.as_ref().unwrap();
+        let (start, end) = (chk.next, (chk.next + BIG_CHECK_CHUNK).min(b.len));
+        if chk.bad.is_none() {
+            let data = b.buf.read(start, end - start);
+            if let Some(j) = check_part(&data, start / 8, chk.round, BIG) {
+                chk.bad = Some(format!("round {}: word {j} of {} differs", chk.round, b.len / 8));
+            }
+        }
+        b.buf.write(start, &b.zeros[..end - start]);
+        chk.next = end;
+        if end < b.len {
+            c.st.big_check = Some(chk);
+            return Ok(true);
+        }
+        let (r, len) = (chk.round, b.len as u64);
+        match chk.bad {
             Some(msg) => p.violation(Kind::Big, c.k, msg),
             None => {
                 let w = p.wl(Kind::Big);
@@ -1112,6 +1164,26 @@ impl State {
         p.buf.write_u64(p.lay.big_ack(), r);
         let sge = [p.mr.sge(p.lay.big_ack(), 8)];
         c.qp.post_send(&[SendWr::send(TAG_SEND | r, &sge)])?;
-        Ok(())
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A big WRITE's round checked a chunk at a time finds what a check of
+    /// the whole finds, at the same word.
+    #[test]
+    fn a_message_checked_in_parts_finds_the_word_that_differs() {
+        let mut msg = fill(7, BIG, 4096);
+        let parts = |m: &[u8]| m.chunks(1024).enumerate().find_map(|(i, c)| check_part(c, i * 128, 7, BIG));
+        assert_eq!(parts(&msg), None);
+        assert_eq!(check(&msg, 7, BIG), None);
+        msg[300 * 8] ^= 1;
+        assert_eq!(parts(&msg), Some(300));
+        assert_eq!(check(&msg, 7, BIG), Some(300));
+        msg[0] ^= 1;
+        assert_eq!(parts(&msg), Some(0), "word 0 is the round");
     }
 }

@@ -36,7 +36,7 @@ fn a_vm_with_a_pvrdma_device_answers_query_pvrdma() {
     assert_eq!(d["name"], "pvrdma0", "{all}");
     assert_eq!(d["gid"], gid.to_string());
     assert_eq!(d["state"], "reset", "the firmware did not bring it up");
-    assert_eq!(d["objects"], json!({"contexts": 0, "pds": 0, "mrs": 0, "cqs": 0, "qps": 0}));
+    assert_eq!(d["objects"], json!({"contexts": 0, "pds": 0, "mrs": 0, "cqs": 0, "qps": 0, "srqs": 0}));
     assert_eq!(vm.exec("query-pvrdma", json!({"device": "pvrdma0"})).unwrap()["gid"], gid.to_string());
     let e = vm.exec("query-pvrdma", json!({"device": "nope"})).unwrap_err().to_string();
     assert!(e.contains("DeviceNotFound"), "{e}");

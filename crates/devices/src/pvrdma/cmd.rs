@@ -36,7 +36,8 @@ impl Dev {
     }
 
     fn run_command(&mut self) -> Result<(), Errno> {
-        if self.regs.state != DevState::Active || self.paused {
+        // Without bus mastering the command slot cannot be read.
+        if self.regs.state != DevState::Active || self.paused || !self.bus_master {
             return Err(Errno::EPERM);
         }
         let (cmd_slot, resp_slot) = self.dsr.as_ref().map(|d| (d.cmd_slot, d.resp_slot)).ok_or(Errno::EPERM)?;
@@ -75,8 +76,10 @@ impl Dev {
             CMD_DESTROY_UC => self.destroy_uc(self.guest.read(slot)?),
             CMD_CREATE_BIND => self.create_bind(self.guest.read(slot)?),
             CMD_DESTROY_BIND => self.destroy_bind(self.guest.read(slot)?),
-            // Shared receive queues are not implemented (caps.max_srq is 0).
-            CMD_CREATE_SRQ | CMD_MODIFY_SRQ | CMD_QUERY_SRQ | CMD_DESTROY_SRQ => Err(Errno::ENOSYS),
+            CMD_CREATE_SRQ => self.create_srq(self.guest.read(slot)?),
+            CMD_MODIFY_SRQ => self.modify_srq(self.guest.read(slot)?),
+            CMD_QUERY_SRQ => self.query_srq(self.guest.read(slot)?),
+            CMD_DESTROY_SRQ => self.destroy_srq(self.guest.read(slot)?),
             _ => Err(Errno::EINVAL),
         }
     }
@@ -140,8 +143,9 @@ impl Dev {
         if !self.pds.contains(c.pd_handle) {
             return Err(Errno::EINVAL);
         }
-        let used =
-            self.mrs.iter().any(|(_, m)| m.info.pd_handle == c.pd_handle) || self.qps.iter().any(|(_, q)| q.info.pd_handle == c.pd_handle);
+        let used = self.mrs.iter().any(|(_, m)| m.info.pd_handle == c.pd_handle)
+            || self.qps.iter().any(|(_, q)| q.info.pd_handle == c.pd_handle)
+            || self.srqs.iter().any(|(_, s)| s.info.pd_handle == c.pd_handle);
         if used {
             return Err(Errno::EBUSY);
         }
@@ -246,40 +250,48 @@ impl Dev {
     }
 
     fn create_qp(&mut self, c: CmdCreateQp) -> Result<Vec<u8>, Errno> {
-        if c.qp_type != ib::qp_type::RC || c.is_srq != 0 {
-            // UD, UC and GSI QPs and SRQs are not implemented.
+        if c.qp_type != ib::qp_type::RC {
+            // UD, UC and GSI QPs are not implemented.
             return Err(Errno::ENOSYS);
         }
+        // A QP on an SRQ (in its PD) has no receive queue of its own: the
+        // driver sends max_recv_wr and max_recv_sge 0 and no RQ pages.
+        let srq = match c.is_srq {
+            0 => None,
+            _ => match self.srqs.get(c.srq_handle) {
+                Some(s) if s.info.pd_handle == c.pd_handle => Some(c.srq_handle),
+                _ => return Err(Errno::EINVAL),
+            },
+        };
+        let (max_recv_wr, max_recv_sge) = if srq.is_some() { (0, 0) } else { (c.max_recv_wr, c.max_recv_sge) };
         let wr_ok = |n: u32| n.is_power_of_two() && n <= MAX_QP_WR;
         let sge_ok = |n: u32| (1..=MAX_SGE).contains(&n);
-        if !wr_ok(c.max_send_wr) || !wr_ok(c.max_recv_wr) || !sge_ok(c.max_send_sge) || !sge_ok(c.max_recv_sge) {
+        let rq_ok = srq.is_some() || (wr_ok(max_recv_wr) && sge_ok(max_recv_sge));
+        if !wr_ok(c.max_send_wr) || !sge_ok(c.max_send_sge) || !rq_ok {
             return Err(Errno::EINVAL);
         }
         let pd = self.pds.get(c.pd_handle).ok_or(Errno::EINVAL)?;
         let scq = self.cqs.get(c.send_cq_handle).ok_or(Errno::EINVAL)?;
         let rcq = self.cqs.get(c.recv_cq_handle).ok_or(Errno::EINVAL)?;
         let sq_stride = sq_wqe_stride(c.max_send_sge);
-        let rq_stride = rq_wqe_stride(c.max_recv_sge);
+        let rq_stride = rq_wqe_stride(max_recv_sge);
         let send_chunks = c.send_chunks as u32;
         let total = c.total_chunks as u32;
         if queue_pages(c.max_send_wr, sq_stride) > send_chunks
             || total < QP_NUM_HEADER_PAGES + send_chunks
-            || queue_pages(c.max_recv_wr, rq_stride) > total - QP_NUM_HEADER_PAGES - send_chunks
+            || queue_pages(max_recv_wr, rq_stride) > total - QP_NUM_HEADER_PAGES - send_chunks
         {
             return Err(Errno::EINVAL);
         }
         let pages = self.guest.resolve_pdir(c.pdir_dma, total)?;
         let h = self.qps.free_handle().ok_or(Errno::ENOMEM)?;
         let mut init = verbs::QpInitAttr::new(&scq.cq, &rcq.cq);
-        init.cap = verbs::QpCap {
-            max_send_wr: c.max_send_wr,
-            max_recv_wr: c.max_recv_wr,
-            max_send_sge: c.max_send_sge,
-            max_recv_sge: c.max_recv_sge,
-            max_inline_data: 0,
-        };
+        init.cap = verbs::QpCap { max_send_wr: c.max_send_wr, max_recv_wr, max_send_sge: c.max_send_sge, max_recv_sge, max_inline_data: 0 };
         init.sq_sig_all = c.sq_sig_all != 0;
         let qp = pd.pd.create_qp(&init).map_err(|_| Errno::ENOMEM)?;
+        if let Some(s) = srq.and_then(|h| self.srqs.get(h)) {
+            qp.attach_srq(&s.srq).map_err(|_| Errno::EINVAL)?;
+        }
         let queue = |wqe_cnt, max_sge, stride: usize, offset, ring_offset| WqQueue {
             wqe_cnt,
             max_sge,
@@ -296,7 +308,7 @@ impl Dev {
             recv_cq: c.recv_cq_handle,
             sq_sig_all: c.sq_sig_all != 0,
             sq: queue(c.max_send_wr, c.max_send_sge, sq_stride, QP_NUM_HEADER_PAGES as u64 * PAGE, QP_SQ_RING_OFFSET),
-            rq: queue(c.max_recv_wr, c.max_recv_sge, rq_stride, (QP_NUM_HEADER_PAGES + send_chunks) as u64 * PAGE, QP_RQ_RING_OFFSET),
+            rq: queue(max_recv_wr, max_recv_sge, rq_stride, (QP_NUM_HEADER_PAGES + send_chunks) as u64 * PAGE, QP_RQ_RING_OFFSET),
             pages,
             attr: QpAttr::default(),
             broken: false,
@@ -310,14 +322,17 @@ impl Dev {
         }
         let qpn = qp.qpn;
         self.qps.insert(h, Qp { info, qp });
+        if let Some(s) = srq.and_then(|s| self.srqs.get_mut(s)) {
+            s.info.qps.push(h);
+        }
         Ok(resp(CmdCreateQpRespV2 {
             hdr: Default::default(),
             qpn,
             qp_handle: h,
             max_send_wr: c.max_send_wr,
-            max_recv_wr: c.max_recv_wr,
+            max_recv_wr,
             max_send_sge: c.max_send_sge,
-            max_recv_sge: c.max_recv_sge,
+            max_recv_sge,
             max_inline_data: 0,
             pad: 0,
         }))
@@ -412,6 +427,10 @@ impl Dev {
 
     fn destroy_qp(&mut self, c: CmdDestroyQp) -> Result<Vec<u8>, Errno> {
         self.qps.remove(c.qp_handle).ok_or(Errno::EINVAL)?;
+        // rnicd gave the SRQ back any receive the QP had taken.
+        if let Some(s) = self.srq_of_qp(c.qp_handle).and_then(|s| self.srqs.get_mut(s)) {
+            s.info.qps.retain(|q| *q != c.qp_handle);
+        }
         Ok(resp(CmdDestroyQpResp { hdr: Default::default(), events_reported: 0, reserved: [0; 4] }))
     }
 

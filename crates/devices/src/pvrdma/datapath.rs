@@ -60,7 +60,7 @@ impl Dev {
     }
 
     fn ring_doorbell(&mut self, offset_in_page: u64, value: u32) -> Result<(), Errno> {
-        if self.paused || self.regs.state != super::dev::DevState::Active {
+        if self.paused || !self.bus_master || self.regs.state != super::dev::DevState::Active {
             return Err(Errno::EPERM);
         }
         let handle = value & UAR_HANDLE_MASK;
@@ -70,6 +70,10 @@ impl Dev {
                     return Err(Errno::EINVAL);
                 }
                 if value & UAR_QP_RECV != 0 {
+                    if self.srq_of_qp(handle).is_some() {
+                        // Its receives are the SRQ's: it has no queue to read.
+                        return Err(Errno::EINVAL);
+                    }
                     self.post_recvs(handle)?;
                 }
                 if value & UAR_QP_SEND != 0 {
@@ -89,7 +93,12 @@ impl Dev {
                 }
                 Ok(())
             }
-            // SRQs are not implemented.
+            UAR_SRQ_OFFSET => {
+                if !self.srqs.contains(handle) || value & UAR_SRQ_RECV == 0 {
+                    return Err(Errno::EINVAL);
+                }
+                self.post_srq_recvs(handle)
+            }
             _ => Err(Errno::EINVAL),
         }
     }
@@ -275,6 +284,10 @@ impl Dev {
     /// Moves completions from rnicd's CQ (and completions waiting for room)
     /// into the guest's CQ ring. Returns how many reached the guest ring.
     pub fn drain_cq(&mut self, handle: u32) -> usize {
+        if !self.bus_master {
+            // Completions wait in rnicd until the guest ring may be written.
+            return 0;
+        }
         let guest = self.guest.clone();
         self.pull_batch(handle);
         let Some(cq) = self.cqs.get_mut(handle) else { return 0 };
@@ -307,9 +320,12 @@ impl Dev {
     /// copies it completes (unsignaled ones before it included) are dropped.
     fn complete(&mut self, wc: &Wc) -> Option<Cqe> {
         let handle = self.qp_handle_of(wc.qp_num)?;
-        let qp = self.qps.get_mut(handle)?;
         let recv = matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
-        let wr_id = if recv {
+        let srq = if recv { self.srq_of_qp(handle) } else { None };
+        let qp = self.qps.get_mut(handle)?;
+        let wr_id = if let Some(srq) = srq {
+            self.srq_completed(srq, wc.wr_id)?
+        } else if recv {
             let pos = qp.info.rq_out.iter().position(|o| o.seq == wc.wr_id)?;
             let o = qp.info.rq_out.drain(..=pos).next_back()?;
             o.hdr.wr_id
@@ -340,7 +356,7 @@ impl Dev {
     /// next completion raises a channel event (the guest's own arming, for
     /// CQ notifications, stays as it was).
     pub fn cq_wait_done(&mut self, handle: u32) -> bool {
-        if self.paused || self.regs.state != super::dev::DevState::Active {
+        if self.paused || !self.bus_master || self.regs.state != super::dev::DevState::Active {
             return true;
         }
         if self.drain_and_notify(handle) > 0 || !self.guest_cq_empty(handle) {
@@ -414,7 +430,7 @@ fn read_send(
 }
 
 /// Reads and checks one receive WQE.
-fn read_recv(
+pub(crate) fn read_recv(
     guest: &super::guest::Guest,
     pages: &super::guest::PageList,
     at: u64,

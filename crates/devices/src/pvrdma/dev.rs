@@ -11,7 +11,7 @@ use pvrdma_abi::{Cqne, Dsr, Eqe, Pod};
 use serde::{Deserialize, Serialize};
 
 use super::guest::{Guest, PageList};
-use super::objects::{Cq, Mr, Pd, Qp, Table, Uc};
+use super::objects::{Cq, Mr, Pd, Qp, Srq, Table, Uc};
 use super::Errno;
 use crate::apic::MsiSink;
 
@@ -22,6 +22,11 @@ pub(crate) const MAX_MR: u32 = 4096;
 pub(crate) const MAX_PD: u32 = 1024;
 pub(crate) const MAX_UC: u32 = 64;
 pub(crate) const MAX_QP_WR: u32 = 1024;
+/// SRQs, and WQEs and SGEs per SRQ (what the driver checks CREATE_SRQ
+/// against; a non-zero `max_srq` is what makes Linux offer SRQs at all).
+pub(crate) const MAX_SRQ: u32 = 1024;
+pub(crate) const MAX_SRQ_WR: u32 = 1024;
+pub(crate) const MAX_SRQ_SGE: u32 = MAX_SGE;
 pub(crate) const MAX_CQE: u32 = 4096;
 /// rnicd's limit of SGEs per WQE.
 pub(crate) const MAX_SGE: u32 = 8;
@@ -140,12 +145,17 @@ pub(crate) struct Dev {
     pub mrs: Table<Mr>,
     pub cqs: Table<Cq>,
     pub qps: Table<Qp>,
+    pub srqs: Table<Srq>,
     /// QPs suspended by `pause` (or created suspended by a restore), which
     /// `resume` resumes.
     pub suspended: Vec<u32>,
     pub counters: Counters,
     /// Set by Lifecycle::pause: no guest memory access, no rnicd work.
     pub paused: bool,
+    /// Bus mastering (PCI command bit 2) as configuration space says:
+    /// without it the device reads and writes no guest memory and sends no
+    /// MSI-X message (`Pvrdma::follow_bus_master`).
+    pub bus_master: bool,
     /// A migration runs: every MR is traced (traces.rs).
     pub tracing: bool,
     /// Pages traced in MRs destroyed since the last take.
@@ -185,9 +195,11 @@ impl Dev {
             mrs: Table::new(MAX_MR),
             cqs: Table::new(MAX_CQ),
             qps: Table::new(MAX_QP),
+            srqs: Table::new(MAX_SRQ),
             suspended: Vec::new(),
             counters: Counters::default(),
             paused: false,
+            bus_master: false,
             tracing: false,
             traced: Vec::new(),
             claimed: false,
@@ -214,6 +226,7 @@ impl Dev {
             self.traced = traced;
         }
         self.qps.clear();
+        self.srqs.clear();
         self.cqs.clear();
         self.mrs.clear();
         self.suspended.clear();
@@ -251,6 +264,9 @@ impl Dev {
             max_cqe: MAX_CQE,
             max_mr: MAX_MR,
             max_pd: MAX_PD,
+            max_srq: MAX_SRQ,
+            max_srq_wr: MAX_SRQ_WR,
+            max_srq_sge: MAX_SRQ_SGE,
             max_qp_rd_atom: MAX_RD_ATOM,
             max_res_rd_atom: MAX_RD_ATOM * MAX_QP,
             max_qp_init_rd_atom: MAX_RD_ATOM,
@@ -270,6 +286,9 @@ impl Dev {
 
     /// DSRHIGH written: read the DSR, resolve its rings, write the caps.
     pub fn set_dsr(&mut self) -> Result<(), Errno> {
+        if !self.bus_master {
+            return Err(Errno::EPERM);
+        }
         let addr = (self.regs.dsr_high as u64) << 32 | self.regs.dsr_low as u64;
         let dsr: Dsr = self.guest.read(addr)?;
         let ring = |info: &abi::RingPageInfo, size: usize| -> Result<Option<EventRing>, Errno> {
@@ -333,7 +352,8 @@ impl Dev {
     /// when MSI-X is enabled (after a raise, an entry unmasked, MSI-X
     /// enabled or a restore).
     pub fn send_pending(&mut self) {
-        let Some(sink) = self.msi.as_ref().filter(|_| self.regs.msix_enabled) else { return };
+        // An MSI-X message is a memory write: it waits for bus mastering.
+        let Some(sink) = self.msi.as_ref().filter(|_| self.regs.msix_enabled && self.bus_master) else { return };
         for v in 0..MSIX_VECTORS {
             let e = self.regs.msix[v];
             if self.regs.pba & (1 << v) == 0 || e[3] & MSIX_ENTRY_MASKED != 0 {
@@ -353,6 +373,11 @@ impl Dev {
     /// full or broken (the event is counted as dropped).
     fn push_event<T: Pod>(&mut self, which: fn(&mut DsrInfo) -> Option<&mut EventRing>, entry: &T) -> bool {
         let guest = self.guest.clone();
+        if !self.bus_master {
+            // The ring is guest memory: no event without bus mastering.
+            self.counters.dropped_events += 1;
+            return false;
+        }
         let Some(r) = self.dsr.as_mut().and_then(which) else { return false };
         let size = std::mem::size_of::<T>() as u64;
         let ok = (|| -> Result<(), Errno> {

@@ -25,6 +25,7 @@ mod guest;
 mod negative;
 mod objects;
 mod persist;
+mod srq;
 mod switch;
 mod traces;
 
@@ -252,8 +253,13 @@ impl Pvrdma {
             "tracing": d.tracing,
             "objects": {
                 "contexts": d.ucs.len(), "pds": d.pds.len(), "mrs": d.mrs.len(),
-                "cqs": d.cqs.len(), "qps": d.qps.len(),
+                "cqs": d.cqs.len(), "qps": d.qps.len(), "srqs": d.srqs.len(),
             },
+            "bus_master": d.bus_master,
+            "srqs": d.srqs.iter().map(|(h, s)| json!({
+                "handle": h, "pd": s.info.pd_handle, "max_wr": s.info.rq.wqe_cnt, "max_sge": s.info.rq.max_sge,
+                "limit": s.info.limit, "broken": s.info.broken, "qps": s.info.qps, "outstanding": s.info.out.len(),
+            })).collect::<Vec<_>>(),
             "qps": qps,
             "mrs": mrs,
             "counters": serde_json::to_value(&d.counters).unwrap_or_default(),
@@ -452,12 +458,33 @@ impl BusDevice for PvrdmaBar {
     }
 }
 
+impl Pvrdma {
+    /// The command register's bus master enable, written by the guest.
+    /// Turned off, the device stops touching guest memory as hardware
+    /// whose DMA is blocked: it quiesces as for a pause (QPs suspended in
+    /// rnicd, so peers get RNR NAKs and rnicd moves no payload; completions
+    /// kept in the device), and commands, doorbells, events and MSI-X
+    /// messages wait or fail (docs/pvrdma.md). Turned on again, it resumes.
+    fn follow_bus_master(&mut self) {
+        let on = self.pci.bus_master();
+        let was = std::mem::replace(&mut lock(&self.shared).bus_master, on);
+        match (was, on) {
+            (true, false) => Lifecycle::pause(self),
+            (false, true) => Lifecycle::resume(self),
+            _ => {}
+        }
+    }
+}
+
 impl PciFunction for Pvrdma {
     fn pci_config(&mut self) -> &mut PciConfig {
         &mut self.pci
     }
 
     fn config_written(&mut self, reg: usize) {
+        if reg == 1 {
+            self.follow_bus_master();
+        }
         if reg * 4 == crate::pci::MSIX_CAP_OFFSET {
             let mut d = lock(&self.shared);
             d.follow_msix_control(&self.pci);
@@ -519,7 +546,9 @@ impl Lifecycle for Pvrdma {
             d.claimed = true;
             d.switch.record("claim GID", t);
         }
-        if !d.paused {
+        // A guest that turned bus mastering off keeps the device quiesced
+        // until it turns it on again.
+        if !d.paused || !d.bus_master {
             return;
         }
         let t = Instant::now();

@@ -1,4 +1,4 @@
-//! The device's object tables: user contexts, PDs, MRs, CQs and QPs, each
+//! The device's object tables: user contexts, PDs, MRs, CQs, SRQs and QPs, each
 //! keyed by the handle the guest uses. Handles are small (below the table's
 //! capacity, which is what the device reports as its maximum), because the
 //! Linux driver indexes its own tables with `handle % max`.
@@ -195,6 +195,35 @@ pub(crate) struct QpInfo {
 pub(crate) struct Qp {
     pub info: QpInfo,
     pub qp: verbs::Qp,
+}
+
+/// The guest-visible side of a shared receive queue: its ring in guest
+/// memory (page 0 the ring state, whose `rx` ring the driver produces into;
+/// WQEs from page 1, receive-WQE layout) and the WQEs taken from it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct SrqInfo {
+    pub pd_handle: u32,
+    pub pages: PageList,
+    /// The receive queue in those pages: `ring_offset` is the ring state's
+    /// `rx`, `head` the consumer index the device publishes, `next_seq` the
+    /// sequence of the next WQE handed to rnicd's SRQ (its wr_id there,
+    /// and its place in that SRQ's order since it was first created).
+    pub rq: WqQueue,
+    /// ARM LIMIT (`srq_limit`): 0, or the count of posted WQEs below
+    /// which the device raises SRQ_LIMIT_REACHED once and disarms.
+    pub limit: u32,
+    /// The device stopped reading this SRQ's ring after bad input.
+    pub broken: bool,
+    /// QPs (handles) created with `is_srq` on this SRQ.
+    pub qps: Vec<u32>,
+    /// WQEs handed to rnicd and not yet seen complete, in posting order
+    /// (they complete in the order messages arrive, across QPs).
+    pub out: VecDeque<OutRecv>,
+}
+
+pub(crate) struct Srq {
+    pub info: SrqInfo,
+    pub srq: verbs::Srq,
 }
 
 /// Interface structures as byte arrays in saved state.

@@ -33,9 +33,10 @@ use super::objects::{Cq, CqRing, Mr, MrInfo, Pd, Qp, QpInfo, Uc};
 use super::{lock, Pvrdma};
 use crate::pci::GuestWritable;
 
-/// 3: with the guest-written configuration space (2 had only MSI-X
-/// enable, in `regs`); 2: bincode with a CRC32 of its own (1 was JSON).
-const VERSION: u32 = 3;
+/// 4: with SRQs (`srqs`, pvrdma/srq.rs); 3: with the guest-written
+/// configuration space (2 had only MSI-X enable, in `regs`); 2: bincode
+/// with a CRC32 of its own (1 was JSON).
+const VERSION: u32 = 4;
 
 /// The state's bytes: bincode (varints: compact, and 10-20 times faster to
 /// make and read than JSON at hundreds of QPs) followed by the CRC32 of
@@ -88,6 +89,7 @@ pub(super) struct Saved {
     /// Configuration space as the guest left it (a driver that turned bus
     /// mastering or memory decoding off finds it off after a restore).
     pci: GuestWritable,
+    srqs: Vec<super::srq::SavedSrq>,
 }
 
 impl Pvrdma {
@@ -131,6 +133,7 @@ impl Pvrdma {
             qps: Vec::new(),
             counters: d.counters.clone(),
             pci: self.pci.guest_writable(),
+            srqs: super::srq::save(&d),
         };
         let mut section = match over {
             Some(base) => {
@@ -247,6 +250,7 @@ impl Persist for Pvrdma {
         if r.is_ok() {
             self.pci.set_guest_writable(pci);
             d.follow_msix_control(&self.pci);
+            d.bus_master = self.pci.bus_master();
         } else {
             self.pci.set_msix_enabled(d.regs.msix_enabled);
         }
@@ -385,6 +389,7 @@ fn restore_into(d: &mut Dev, s: Saved, prepared: Option<Prepared>) -> std::resul
         place_cq(d, h, ring, cq);
     }
     d.switch.record("CQs", t);
+    super::srq::restore(d, s.srqs)?;
     let t = Instant::now();
     let mut reposted = 0;
     let mut suspended = Vec::new();
@@ -448,6 +453,7 @@ fn restore_into(d: &mut Dev, s: Saved, prepared: Option<Prepared>) -> std::resul
         let verbs::Made::Qp(qp) = m else { return Err(format!("QP {handle}: rnicd made another object")) };
         all.push((handle, info, state, qp));
     }
+    super::srq::attach_restored(d, all.iter().map(|(h, _, _, qp)| (*h, qp)))?;
     for (handle, mut info, state, qp) in all {
         match &state {
             Some(state) => {

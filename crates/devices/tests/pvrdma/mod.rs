@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use devices::bus::BusDevice;
+use devices::pci::PciFunction;
 use devices::pvrdma::{Pvrdma, PvrdmaBar, PvrdmaConfig};
 use devices::GuestMemory;
 use pvrdma_abi::ib;
@@ -110,6 +111,15 @@ pub struct GQp {
     pub rq_tail: u32,
 }
 
+/// A guest-side SRQ: its pages (ring state page, then WQEs) and geometry.
+pub struct GSrq {
+    pub handle: u32,
+    pub base: u64,
+    pub cnt: u32,
+    pub stride: u64,
+    pub tail: u32,
+}
+
 pub struct GCq {
     pub handle: u32,
     pub base: u64,
@@ -148,6 +158,7 @@ impl Drv {
     /// RAM (a restore target); the old device is dropped.
     pub fn replace_device(&mut self, sock: &std::path::Path, gid: Ipv4Addr, fd: OwnedFd) {
         let cfg = PvrdmaConfig::parse(&format!("gid={gid},rnicd={}", sock.display())).unwrap();
+        // A restore target: its configuration space comes with the state.
         let dev = Pvrdma::new(cfg, self.mem.clone(), fd, BAR_BASE).expect("device");
         let bars = dev.bars();
         self.msix = bars[0].0.clone();
@@ -159,7 +170,8 @@ impl Drv {
     /// A device on existing guest RAM (a restore target).
     pub fn with_ram(sock: &std::path::Path, gid: Ipv4Addr, mem: GuestMemory, fd: OwnedFd) -> Drv {
         let cfg = PvrdmaConfig::parse(&format!("gid={gid},rnicd={}", sock.display())).unwrap();
-        let dev = Pvrdma::new(cfg, mem.clone(), fd, BAR_BASE).expect("device");
+        let mut dev = Pvrdma::new(cfg, mem.clone(), fd, BAR_BASE).expect("device");
+        set_bus_master(&mut dev, true);
         let bars = dev.bars();
         Drv {
             msix: bars[0].0.clone(),
@@ -391,6 +403,83 @@ impl Drv {
         }
     }
 
+    /// CREATE_SRQ as Linux sends it for rdma-core's ring (one state page,
+    /// then twice the WQE pages); returns the SRQ or the command's error.
+    pub fn try_create_srq(&mut self, pd: u32, max_wr: u32, max_sge: u32, limit: u32) -> Result<GSrq, u8> {
+        let stride = rq_wqe_stride(max_sge) as u64;
+        let n = 1 + 2 * queue_pages(max_wr, stride as usize);
+        let (base, pdir) = self.region(n as u64);
+        let attrs = SrqAttr { max_wr, max_sge, srq_limit: limit, reserved: 0 };
+        let r: CmdCreateSrqResp = self.cmd(CmdCreateSrq {
+            hdr: Self::hdr(CMD_CREATE_SRQ),
+            pdir_dma: pdir,
+            pd_handle: pd,
+            nchunks: n,
+            attrs,
+            srq_type: ib::srq_type::BASIC,
+            reserved: [0; 7],
+        })?;
+        Ok(GSrq { handle: r.srqn, base, cnt: max_wr, stride, tail: 0 })
+    }
+
+    pub fn create_srq(&mut self, pd: u32, max_wr: u32, max_sge: u32, limit: u32) -> GSrq {
+        self.try_create_srq(pd, max_wr, max_sge, limit).unwrap()
+    }
+
+    /// Writes a receive WQE into the SRQ ring and advances prod_tail.
+    pub fn put_srq_recv(&self, srq: &mut GSrq, wr_id: u64, sges: &[Sge]) {
+        let slot = srq.tail & (srq.cnt - 1);
+        let at = srq.base + 4096 + slot as u64 * srq.stride;
+        self.put(at, &RqWqeHdr { wr_id, num_sge: sges.len() as u32, total_len: 0 });
+        for (i, s) in sges.iter().enumerate() {
+            self.put(at + 16 + i as u64 * 16, s);
+        }
+        srq.tail = idx_inc(srq.tail, srq.cnt);
+        self.put(srq.base + RING_STATE_RX_PROD_TAIL, &srq.tail);
+    }
+
+    pub fn post_srq_recv(&self, srq: &mut GSrq, wr_id: u64, sges: &[Sge]) {
+        self.put_srq_recv(srq, wr_id, sges);
+        self.doorbell(UAR_SRQ_OFFSET, UAR_SRQ_RECV | srq.handle);
+    }
+
+    /// CREATE_QP with `is_srq`, as Linux sends it for a user QP on an SRQ:
+    /// no receive queue, no RQ pages.
+    pub fn try_create_qp_on_srq(&mut self, pd: u32, scq: &GCq, rcq: &GCq, srq: u32, depth: u32, sge: u32) -> Result<GQp, u8> {
+        let sq_stride = sq_wqe_stride(sge);
+        let sq_pages = queue_pages(depth, sq_stride);
+        let total = 1 + sq_pages;
+        let (base, pdir) = self.region(total as u64);
+        let r: CmdCreateQpRespV2 = self.cmd(CmdCreateQp {
+            hdr: Self::hdr(CMD_CREATE_QP),
+            pdir_dma: pdir,
+            pd_handle: pd,
+            send_cq_handle: scq.handle,
+            recv_cq_handle: rcq.handle,
+            srq_handle: srq,
+            max_send_wr: depth,
+            max_send_sge: sge,
+            total_chunks: total as u16,
+            send_chunks: sq_pages as u16,
+            qp_type: ib::qp_type::RC,
+            is_srq: 1,
+            ..Default::default()
+        })?;
+        assert_eq!((r.max_recv_wr, r.max_recv_sge), (0, 0), "no receive queue of its own");
+        Ok(GQp {
+            handle: r.qp_handle,
+            qpn: r.qpn,
+            base,
+            sq_cnt: depth,
+            rq_cnt: 0,
+            sq_stride: sq_stride as u64,
+            rq_stride: 0,
+            send_chunks: sq_pages,
+            sq_tail: 0,
+            rq_tail: 0,
+        })
+    }
+
     pub fn modify(&mut self, qp: &GQp, mask: u32, attrs: QpAttr) -> Result<(), u8> {
         self.cmd::<_, CmdRespHdr>(CmdModifyQp { hdr: Self::hdr(CMD_MODIFY_QP), qp_handle: qp.handle, attr_mask: mask, attrs }).map(|_| ())
     }
@@ -511,6 +600,21 @@ impl Drv {
     pub fn query(&self) -> serde_json::Value {
         self.dev.lock().unwrap().query()
     }
+
+    /// Writes the PCI command register's bus master enable, as the
+    /// driver's `pci_set_master` / `pci_clear_master`.
+    pub fn bus_master(&self, on: bool) {
+        set_bus_master(&mut self.dev.lock().unwrap(), on);
+    }
+}
+
+/// Memory space and bus master enable (command bits 1 and 2) as a driver
+/// sets them before it touches the device.
+pub fn set_bus_master(dev: &mut Pvrdma, on: bool) {
+    let cmd = dev.pci_config().read_dword(1) & 0xffff;
+    let cmd = if on { cmd | 0x6 } else { (cmd | 0x2) & !0x4 };
+    dev.pci_config().write_dword(1, cmd);
+    dev.config_written(1);
 }
 
 /// A send WQE header.

@@ -1,6 +1,6 @@
 //! A polled driver for the PVRDMA device (VMware's paravirtual RDMA NIC, as
 //! Linux's `vmw_pvrdma` drives it; the interface is crates/pvrdma-abi) and
-//! a small verbs layer: PD, MR, CQ, RC QP, post send/receive, poll.
+//! a small verbs layer: PD, MR, CQ, SRQ, RC QP, post send/receive, poll.
 //!
 //! Bring-up follows `pvrdma_pci_probe`: read VERSION, hand over the
 //! device-shared region (DSR) with the command and response slots and the
@@ -343,12 +343,72 @@ impl Device {
         Ok(Cq { handle: r.cq_handle, ring: pages + CQ_RING_OFFSET, cqes: pages + CQ_FIRST_CQE_OFFSET, entries, uar: self.uar })
     }
 
+    /// A shared receive queue of `depth` WQEs of up to `max_sge` SGEs, laid
+    /// out as rdma-core's provider does: a ring-state page (the driver
+    /// produces into its `rx` ring), then the WQEs.
+    pub fn create_srq(&mut self, region: &mut Region, pd: u32, depth: u32, max_sge: u32) -> Result<Srq> {
+        let wqes = depth.max(1).next_power_of_two();
+        let stride = rq_wqe_stride(max_sge);
+        let npages = 1 + queue_pages(wqes, stride);
+        let (dir, pages) = page_list(region, npages)?;
+        let req = CmdCreateSrq {
+            hdr: hdr(CMD_CREATE_SRQ),
+            pdir_dma: dir,
+            pd_handle: pd,
+            nchunks: npages,
+            attrs: SrqAttr { max_wr: wqes, max_sge, srq_limit: 0, reserved: 0 },
+            srq_type: ib::srq_type::BASIC,
+            reserved: [0; 7],
+        };
+        let r: CmdCreateSrqResp = self.command(&req)?;
+        Ok(Srq {
+            handle: r.srqn,
+            ring: pages + RING_STATE_RX_PROD_TAIL,
+            base: pages + PAGE,
+            stride: stride as u64,
+            wqes,
+            max_sge,
+            uar: self.uar,
+        })
+    }
+
     /// An RC QP with `depth` send and receive WQEs of up to `max_sge` SGEs.
     pub fn create_qp(&mut self, region: &mut Region, pd: u32, send_cq: &Cq, recv_cq: &Cq, depth: u32, max_sge: u32) -> Result<Qp> {
+        self.create_qp_with(region, pd, send_cq, recv_cq, depth, max_sge, None)
+    }
+
+    /// An RC QP with `depth` send WQEs that takes its receives from `srq`
+    /// (`is_srq`: no receive queue of its own).
+    #[allow(clippy::too_many_arguments)]
+    pub fn create_qp_on_srq(
+        &mut self,
+        region: &mut Region,
+        pd: u32,
+        send_cq: &Cq,
+        recv_cq: &Cq,
+        depth: u32,
+        max_sge: u32,
+        srq: &Srq,
+    ) -> Result<Qp> {
+        self.create_qp_with(region, pd, send_cq, recv_cq, depth, max_sge, Some(srq))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn create_qp_with(
+        &mut self,
+        region: &mut Region,
+        pd: u32,
+        send_cq: &Cq,
+        recv_cq: &Cq,
+        depth: u32,
+        max_sge: u32,
+        srq: Option<&Srq>,
+    ) -> Result<Qp> {
         let wqes = depth.max(1).next_power_of_two();
         let (sq_stride, rq_stride) = (sq_wqe_stride(max_sge), rq_wqe_stride(max_sge));
         let send_chunks = queue_pages(wqes, sq_stride);
-        let recv_chunks = queue_pages(wqes, rq_stride);
+        let (recv_wqes, recv_sge) = if srq.is_some() { (0, 0) } else { (wqes, max_sge) };
+        let recv_chunks = queue_pages(recv_wqes, rq_stride);
         let total = QP_NUM_HEADER_PAGES + send_chunks + recv_chunks;
         let (dir, pages) = page_list(region, total)?;
         let req = CmdCreateQp {
@@ -358,13 +418,15 @@ impl Device {
             send_cq_handle: send_cq.handle,
             recv_cq_handle: recv_cq.handle,
             max_send_wr: wqes,
-            max_recv_wr: wqes,
+            max_recv_wr: recv_wqes,
             max_send_sge: max_sge,
-            max_recv_sge: max_sge,
+            max_recv_sge: recv_sge,
             total_chunks: total as u16,
             send_chunks: send_chunks as u16,
             max_atomic_arg: 8,
             qp_type: qp_type::RC,
+            srq_handle: srq.map_or(0, |s| s.handle),
+            is_srq: srq.is_some() as u8,
             ..Default::default()
         };
         let (qpn, handle) = if self.version >= VERSION_QPHANDLE {
@@ -385,7 +447,8 @@ impl Device {
             sq_stride: sq_stride as u64,
             rq_stride: rq_stride as u64,
             wqes,
-            max_sge,
+            max_sge: recv_sge,
+            send_max_sge: max_sge,
             uar: self.uar,
             recv_unrung: core::cell::Cell::new(false),
         })
@@ -539,7 +602,9 @@ pub struct Qp {
     sq_stride: u64,
     rq_stride: u64,
     wqes: u32,
+    /// SGEs per receive WQE: 0 on an SRQ (its receives are the SRQ's).
     max_sge: u32,
+    send_max_sge: u32,
     uar: u64,
     /// Receive WQEs queued by `post_recv_later` whose RECV doorbell has not
     /// rung yet: the QP's next doorbell carries the RECV bit too.
@@ -586,7 +651,7 @@ impl Qp {
     }
 
     fn queue_send(&self, wr_id: u64, op: Op, sges: &[Sge], signaled: bool) -> Result<()> {
-        if sges.len() > self.max_sge as usize {
+        if sges.len() > self.send_max_sge as usize {
             return Err(Error::QueueFull);
         }
         let tail = rd32(self.sq_ring);
@@ -657,7 +722,7 @@ impl Qp {
     }
 
     fn queue_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
-        if sges.len() > self.max_sge as usize {
+        if self.max_sge == 0 || sges.len() > self.max_sge as usize {
             return Err(Error::QueueFull);
         }
         let tail = rd32(self.rq_ring);
@@ -671,6 +736,41 @@ impl Qp {
         }
         fence(Ordering::SeqCst);
         wr32(self.rq_ring, idx_inc(tail, self.wqes));
+        Ok(())
+    }
+}
+
+/// A shared receive queue: QPs created on it take their receives from its
+/// ring in the order messages arrive.
+pub struct Srq {
+    pub handle: u32,
+    /// Its `rx` ring state (prod_tail, then cons_head).
+    ring: u64,
+    base: u64,
+    stride: u64,
+    wqes: u32,
+    max_sge: u32,
+    uar: u64,
+}
+
+impl Srq {
+    /// Queues one receive WQE and rings the SRQ doorbell.
+    pub fn post_recv(&self, wr_id: u64, sges: &[Sge]) -> Result<()> {
+        if sges.len() > self.max_sge as usize {
+            return Err(Error::QueueFull);
+        }
+        let tail = rd32(self.ring);
+        let head = rd32(self.ring + 4);
+        let slot = ring_has_space(tail, head, self.wqes).map_err(|_| Error::BadRing)?.ok_or(Error::QueueFull)?;
+        let h = RqWqeHdr { wr_id, num_sge: sges.len() as u32, total_len: sges.iter().map(|s| s.length).sum() };
+        let at = self.base + slot as u64 * self.stride;
+        write_pod(at, &h);
+        for (i, s) in sges.iter().enumerate() {
+            write_pod(at + core::mem::size_of::<RqWqeHdr>() as u64 + 16 * i as u64, s);
+        }
+        fence(Ordering::SeqCst);
+        wr32(self.ring, idx_inc(tail, self.wqes));
+        mmio_write32(self.uar + UAR_SRQ_OFFSET, UAR_SRQ_RECV | (self.handle & UAR_HANDLE_MASK));
         Ok(())
     }
 }

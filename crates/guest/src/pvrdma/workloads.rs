@@ -4,7 +4,7 @@
 //!
 //! `workload=pvrdma gid=A.B.C.D [run=stream,ring,table,atomic] [count=N]
 //! [qps=N] [bigwrite=SIZE] [bigrounds=R] [size=256] [slots=16] [rec=128]
-//! [rows=8] [scatter=1] [pvrdma_mem=ADDR]`
+//! [rows=8] [scatter=1] [srq=0] [pvrdma_mem=ADDR]`
 //!
 //! The guest brings the device up, creates `qps` RC QPs (default: one per
 //! workload; QP i runs workload i mod the number of workloads named, each
@@ -19,8 +19,14 @@
 //!
 //! The workloads' buffer is one MR over scattered guest pages (`scatter=0`:
 //! one run of pages): see [`Layout`].
+//!
+//! `srq=1`: every stream QP takes its receives from one shared receive
+//! queue, which holds all their receive buffers (a receive's wr_id is its
+//! buffer's address); whichever QP a message arrives at uses the next one,
+//! and the guest checks each message against the sequence of the QP it
+//! arrived at before posting the buffer back to the SRQ.
 
-use super::{Cq, Device, Op, Qp, Remote};
+use super::{Cq, Device, Op, Qp, Remote, Srq};
 use crate::args::Args;
 use crate::hw::Platform;
 use crate::mailbox::{Mailbox, TextBuf};
@@ -269,8 +275,16 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     post_first(plat, &s);
     println!("pvrdma: connected, running {} on {} QPs with count={}", wanted, s.insts.len(), count);
 
-    let mut w =
-        Workloads { plat, sz: &s.sz, mr: &s.mr, big_mr: s.big_mr.as_ref(), t: targets, count, r: Run { plat, violations: 0, checked: 0 } };
+    let mut w = Workloads {
+        plat,
+        sz: &s.sz,
+        mr: &s.mr,
+        big_mr: s.big_mr.as_ref(),
+        srq: s.srq.as_ref(),
+        t: targets,
+        count,
+        r: Run { plat, violations: 0, checked: 0 },
+    };
     loop {
         let mut all_done = true;
         for i in s.insts.iter_mut() {
@@ -301,6 +315,7 @@ struct Setup {
     dev: Device,
     mr: super::Mr,
     big_mr: Option<super::Mr>,
+    srq: Option<Srq>,
     sz: Sizes,
     ring_base: u64,
     table_base: u64,
@@ -378,6 +393,18 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
         dev.reg_mr(&mut region, pd, at, big, pvrdma_abi::ib::access::LOCAL_WRITE).unwrap_or_else(|e| fail(plat, "CREATE_MR", e))
     });
 
+    // srq=1: one SRQ for every stream QP's receive buffers.
+    let streams = count_of(Kind::Stream);
+    let srq = (args.num("srq", 0) != 0 && streams > 0).then(|| {
+        let depth = (streams * DEPTH).next_power_of_two();
+        if depth > dev.caps.max_srq_wr as u64 {
+            println!("pvrdma: FAIL srq=1 with {streams} stream QPs needs {depth} SRQ WQEs, the device has {}", dev.caps.max_srq_wr);
+            plat.exit(2)
+        }
+        let srq = dev.create_srq(&mut region, pd, depth as u32, 1).unwrap_or_else(|e| fail(plat, "CREATE_SRQ", e));
+        println!("pvrdma: {streams} stream QPs share SRQ {} of {depth} WQEs", srq.handle);
+        srq
+    });
     let arr =
         region.alloc(total.max(1) * core::mem::size_of::<Inst>() as u64).unwrap_or_else(|| fail(plat, "memory", super::Error::NoMemory));
     let (ring_base, table_base) = (buf, buf + rings_len);
@@ -389,7 +416,11 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
         per_kind[kind as usize] += 1;
         let cq = dev.create_cq(&mut region, 4 * DEPTH as u32).unwrap_or_else(|e| fail(plat, "CREATE_CQ", e));
         let depth = if kind == Kind::Ring { (sz.slots as u32).max(DEPTH as u32) } else { DEPTH as u32 };
-        let qp = dev.create_qp(&mut region, pd, &cq, &cq, 2 * depth, 1).unwrap_or_else(|e| fail(plat, "CREATE_QP", e));
+        let qp = match &srq {
+            Some(srq) if kind == Kind::Stream => dev.create_qp_on_srq(&mut region, pd, &cq, &cq, 2 * depth, 1, srq),
+            _ => dev.create_qp(&mut region, pd, &cq, &cq, 2 * depth, 1),
+        };
+        let qp = qp.unwrap_or_else(|e| fail(plat, "CREATE_QP", e));
         let p = next_private;
         next_private += private(kind);
         let inst = Inst {
@@ -419,7 +450,7 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
     }
     // SAFETY: all `total` elements were written above; the RAM is never freed.
     let insts = unsafe { core::slice::from_raw_parts_mut(arr as *mut Inst, total as usize) };
-    Setup { mb, dev, mr, big_mr, sz, ring_base, table_base, insts }
+    Setup { mb, dev, mr, big_mr, srq, sz, ring_base, table_base, insts }
 }
 
 /// The indices into KINDS of the workloads `run=` names, in its order.
@@ -519,8 +550,13 @@ fn post_first(plat: Platform, s: &Setup) {
         match i.kind {
             Kind::Stream => {
                 for k in 0..DEPTH {
-                    let sge = mr.sge(i.rx + k * sz.size, sz.size as u32);
-                    i.qp.post_recv(k, &[sge]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+                    let at = i.rx + k * sz.size;
+                    let sge = mr.sge(at, sz.size as u32);
+                    let r = match &s.srq {
+                        Some(srq) => srq.post_recv(at, &[sge]),
+                        None => i.qp.post_recv(k, &[sge]),
+                    };
+                    r.unwrap_or_else(|e| fail(plat, "post_recv", e));
                 }
             }
             Kind::Ring => {
@@ -542,6 +578,8 @@ struct Workloads<'a> {
     sz: &'a Sizes,
     mr: &'a super::Mr,
     big_mr: Option<&'a super::Mr>,
+    /// srq=1: the stream QPs' shared receive queue.
+    srq: Option<&'a Srq>,
     t: Targets,
     count: u64,
     r: Run,
@@ -594,7 +632,9 @@ impl Workloads<'_> {
                 }
                 continue;
             }
-            let at = c.rx + (w.wr_id % DEPTH) * sz.size;
+            // On the SRQ a receive's wr_id is its buffer, which may have
+            // been posted by another stream QP.
+            let at = if self.srq.is_some() { w.wr_id } else { c.rx + (w.wr_id % DEPTH) * sz.size };
             let seq = rd64(at);
             let rx_expect = c.rx_expect;
             if seq != rx_expect {
@@ -607,7 +647,11 @@ impl Workloads<'_> {
                 self.r.checked();
             }
             c.rx_expect = seq + 1;
-            c.qp.post_recv(w.wr_id, &[mr.sge(at, sz.size as u32)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+            let r = match self.srq {
+                Some(srq) => srq.post_recv(at, &[mr.sge(at, sz.size as u32)]),
+                None => c.qp.post_recv(w.wr_id, &[mr.sge(at, sz.size as u32)]),
+            };
+            r.unwrap_or_else(|e| fail(plat, "post_recv", e));
         }
     }
 

@@ -182,6 +182,7 @@ fn switch_over(
     match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(control)) {
         Ok(Msg::Resumed { unix_ns, resumed, .. }) => ctl.update(|s| {
             s.downtime_steps.push(("destination resumed (reply)".into(), t_pause.elapsed().as_secs_f64() * 1e3));
+            s.paused_unix_ms = Some(paused_at as f64 / 1e6);
             s.downtime_ms =
                 Some(if resumed { unix_ns.saturating_sub(paused_at) as f64 / 1e6 } else { t_pause.elapsed().as_secs_f64() * 1e3 });
         }),

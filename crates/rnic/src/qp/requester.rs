@@ -3,9 +3,10 @@
 //! go-back-N, driven by the IB retransmission timer and a faster loss probe.
 //!
 //! Its congestion window ([`super::window`]) halves on a sequence NAK or a
-//! loss probe (once per window of packets), on a round trip longer than a
-//! quarter of the IB timeout (a queue that may soon fire the timer for
-//! packets only waiting in it), and at every packet of its flow the local
+//! loss probe (once per window of packets), shrinks in proportion to the
+//! excess on a round trip longer than a quarter of the IB timeout (a queue
+//! that may soon fire the timer for packets only waiting in it), and halves
+//! at every packet of its flow the local
 //! qdisc refuses (ENOBUFS); a retransmission timeout drops it to its
 //! minimum. Without this, a rate-capped link's queue overflows at every
 //! window and each overflow costs a resend.
@@ -162,11 +163,17 @@ impl Qp {
     /// means a queue on the path (a rate-capped link's qdisc holds 100 ms)
     /// that may soon make the timer fire for packets that are only waiting
     /// (the queue grows for a round trip before the next sample can tell),
-    /// and each such timeout resends the whole window. The window halves,
-    /// as on a loss (the delay signal of RDMA's TIMELY, with one threshold).
+    /// and each such timeout resends the whole window. The window shrinks
+    /// in proportion to the excess (the delay signal of RDMA's TIMELY,
+    /// with one threshold): the queue stays near the threshold and the
+    /// link busy, where halving drained it. The delay is the smaller of
+    /// this sample and the one before, so that one stalled round trip (a
+    /// host too loaded to run rnicd) is not taken for a queue.
     pub(super) fn on_rtt_sample(&mut self, ctx: &mut Ctx, us: f64) {
-        if wire::ack_timeout_us(self.attr.timeout).is_some_and(|t| us > t as f64 / 4.0) {
-            self.cut_window(ctx);
+        let Some(t) = wire::ack_timeout_us(self.attr.timeout) else { return };
+        let max = self.max_window() as u32;
+        if self.cc.delay_cut(&mut self.rt.cwnd, self.rt.una, self.rt.max_sent, max, us, t as f64 / 4.0) {
+            ctx.stats.window_cuts += 1;
         }
     }
 

@@ -4,7 +4,13 @@
 //! so loss and delay are its signals, and it windows instead of pacing).
 //!
 //! A loss halves the window, once per window of packets: losses of packets
-//! sent before the last cut are the same congestion event. The window never
+//! sent before the last cut are the same congestion event. A round trip
+//! above the delay threshold (a queue on the path) shrinks it in proportion
+//! to how far above, as RDMA's TIMELY does: by a fraction
+//! `DELAY_BETA * (1 - threshold / rtt)`, once per window too, so that the
+//! queue settles near the threshold instead of draining (halving at every
+//! crossing emptied a rate-capped link's queue and left the link idle
+//! while the window grew back by one packet per window). The window never
 //! drops below [`MIN_CWND`]. A retransmission timeout drops it to
 //! [`MIN_CWND`]. ACKs grow it back: by every ACKed packet up to half the
 //! window at the last cut (slow start), then by one packet per window
@@ -16,9 +22,11 @@ use crate::wire::psn_diff;
 
 /// Smallest congestion window (packets).
 pub const MIN_CWND: u32 = 16;
+/// The largest fraction a delay signal takes off the window (TIMELY's β).
+pub const DELAY_BETA: f64 = 0.8;
 
 /// What the window remembers between ACKs and losses.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Window {
     /// `una` when the window last grew.
     una: u32,
@@ -31,11 +39,14 @@ pub struct Window {
     /// After a cut: `max_sent` then. Losses of packets sent before it are
     /// the same congestion event and do not cut again.
     cut_until: Option<u32>,
+    /// The round trip sampled before the last (µs): a delay cut takes the
+    /// smaller of the two.
+    last_rtt_us: f64,
 }
 
 impl Default for Window {
     fn default() -> Window {
-        Window { una: 0, ssthresh: u32::MAX, acc: 0, cut_until: None }
+        Window { una: 0, ssthresh: u32::MAX, acc: 0, cut_until: None, last_rtt_us: 0.0 }
     }
 }
 
@@ -81,6 +92,31 @@ impl Window {
         let flight = psn_diff(max_sent, una).max(0) as u32;
         let w = effective(*cwnd, max).min(flight.max(MIN_CWND));
         *cwnd = (w / 2).max(MIN_CWND);
+        self.ssthresh = *cwnd;
+        self.acc = 0;
+        self.cut_until = Some(max_sent);
+        true
+    }
+
+    /// A round trip sample of `sample_us`. Its delay is the smaller of it
+    /// and the sample before: a queue on the path stands for several round
+    /// trips, a stall of either host (its rnicd not scheduled, which on a
+    /// loaded machine takes tens of milliseconds) inflates one sample, and
+    /// cutting for it only leaves the link idle. A delay above
+    /// `threshold_us` shrinks the window in flight by
+    /// `DELAY_BETA * (1 - threshold_us / rtt)` (at least one packet), to at
+    /// least [`MIN_CWND`], unless the last cut's event is still in flight.
+    /// True if the window was cut.
+    pub fn delay_cut(&mut self, cwnd: &mut u32, una: u32, max_sent: u32, max: u32, sample_us: f64, threshold_us: f64) -> bool {
+        let rtt_us = sample_us.min(self.last_rtt_us);
+        self.last_rtt_us = sample_us;
+        if rtt_us <= threshold_us || self.cut_until.is_some_and(|p| psn_diff(una, p) < 0) {
+            return false;
+        }
+        let flight = psn_diff(max_sent, una).max(0) as u32;
+        let w = effective(*cwnd, max).min(flight.max(MIN_CWND));
+        let keep = 1.0 - DELAY_BETA * (1.0 - threshold_us / rtt_us);
+        *cwnd = ((w as f64 * keep) as u32).min(w.saturating_sub(1)).max(MIN_CWND);
         self.ssthresh = *cwnd;
         self.acc = 0;
         self.cut_until = Some(max_sent);
@@ -221,6 +257,46 @@ mod tests {
         // 8 packets before the wrap and 8 after it.
         w.on_ack(&mut cwnd, 8, MAX);
         assert_eq!(cwnd, MIN_CWND + 16);
+    }
+
+    #[test]
+    fn one_slow_round_trip_is_a_stall_not_a_queue() {
+        let (mut w, mut cwnd) = full(500);
+        assert!(!w.delay_cut(&mut cwnd, 0, 500, MAX, 900.0, 1000.0));
+        assert!(!w.delay_cut(&mut cwnd, 0, 500, MAX, 50_000.0, 1000.0), "one sample over: no cut");
+        assert!(!w.delay_cut(&mut cwnd, 0, 500, MAX, 800.0, 1000.0));
+        assert_eq!(cwnd, 500);
+        assert!(!w.delay_cut(&mut cwnd, 0, 500, MAX, 3000.0, 1000.0));
+        assert!(w.delay_cut(&mut cwnd, 0, 500, MAX, 2000.0, 1000.0), "two over: a queue");
+        assert_eq!(cwnd, 300, "cut for the smaller of the two");
+    }
+
+    #[test]
+    fn a_delay_cut_is_in_proportion_to_the_excess() {
+        let (mut w, mut cwnd) = full(500);
+        assert!(!w.delay_cut(&mut cwnd, 0, 500, MAX, 900.0, 1000.0), "under the threshold: no cut");
+        assert_eq!(cwnd, 500);
+        // Twice the threshold: 1 - 0.8 * (1 - 1/2) = 0.6 of the window stays.
+        assert!(!w.delay_cut(&mut cwnd, 0, 500, MAX, 2000.0, 1000.0), "the first sample over");
+        assert!(w.delay_cut(&mut cwnd, 0, 500, MAX, 2000.0, 1000.0));
+        assert_eq!(cwnd, 300);
+        // Once per window, as a loss.
+        assert!(!w.delay_cut(&mut cwnd, 100, 500, MAX, 4000.0, 1000.0));
+        assert_eq!(cwnd, 300);
+        w.on_ack(&mut cwnd, 500, MAX);
+        // Just above: at least one packet goes (the sample before was
+        // far above).
+        assert!(w.delay_cut(&mut cwnd, 500, 800, MAX, 1000.1, 1000.0));
+        assert_eq!(cwnd, 299);
+        // Far above: at most DELAY_BETA of it, never under the floor.
+        w.on_ack(&mut cwnd, 800, MAX);
+        assert!(!w.delay_cut(&mut cwnd, 800, 1099, MAX, 500.0, 1000.0));
+        assert!(!w.delay_cut(&mut cwnd, 800, 1099, MAX, 1e9, 1000.0));
+        assert!(w.delay_cut(&mut cwnd, 800, 1099, MAX, 1e9, 1000.0));
+        assert_eq!(cwnd, 59);
+        w.on_ack(&mut cwnd, 1099, MAX);
+        assert!(w.delay_cut(&mut cwnd, 1099, 1120, MAX, 1e9, 1000.0));
+        assert_eq!(cwnd, MIN_CWND);
     }
 
     #[test]
