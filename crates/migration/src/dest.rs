@@ -149,6 +149,16 @@ struct Hello {
     spare_controls: usize,
 }
 
+/// `TRANSIT_NO_EARLY_STATE=1`: this destination answers as a build without
+/// early device sections does (the source then sends the whole device
+/// state at the switch), to test a migration between such builds.
+const NO_EARLY_STATE_ENV: &str = "TRANSIT_NO_EARLY_STATE";
+
+/// Whether this destination offers to build the devices' early sections.
+fn builds_early_state() -> bool {
+    std::env::var(NO_EARLY_STATE_ENV).map_or(true, |v| v != "1")
+}
+
 /// The control connection's preamble and hello, answered with a welcome.
 fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control, clients: Option<&RamClients>) -> Result<Hello> {
     let ram = vm.ram();
@@ -166,7 +176,7 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control,
         bail!("first connection is not a control connection");
     }
     let hello = match wire::recv_msg(control)? {
-        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode, transport, spare_controls } => {
+        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode, transport, spare_controls, early_state } => {
             let mine = vm.shape();
             if shape != mine {
                 bail!("VM shape differs: source {shape:?}, destination {mine:?}");
@@ -194,11 +204,16 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control,
             if spare_controls > 7 {
                 bail!("{spare_controls} spare control connections is out of range (links: at most 8)");
             }
-            Hello { session, channels: channels as usize, compress, mode, rdma, spare_controls: spare_controls as usize }
+            let early = early_state && builds_early_state();
+            if early_state && !early {
+                tracing::info!("{NO_EARLY_STATE_ENV}=1: no early device sections; the source sends the whole device state at the switch");
+            }
+            (Hello { session, channels: channels as usize, compress, mode, rdma, spare_controls: spare_controls as usize }, early)
         }
         other => bail!("expected hello, got {other:?}"),
     };
-    wire::send_msg(control, &Msg::Welcome)?;
+    let (hello, early) = hello;
+    wire::send_msg(control, if early { &Msg::WelcomeEarlyState } else { &Msg::Welcome })?;
     ctl.update(|s| {
         s.channels = hello.channels as u32;
         s.transport = if hello.rdma { "rdma" } else { "tcp" }.into();

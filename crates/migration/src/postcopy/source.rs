@@ -151,7 +151,7 @@ fn switch_over(
         None => (None, None),
     };
     step("scanned");
-    let state = vm.save_state().context("saving vCPU and device state")?;
+    let state = guard.save_state().context("saving vCPU and device state")?;
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
     state.write_to(&mut blob)?;
     step("state saved");
@@ -475,6 +475,7 @@ fn recover_hello(
             mode: "recover".into(),
             transport: transport.into(),
             spare_controls: live.len() as u32 - 1,
+            early_state: false,
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
