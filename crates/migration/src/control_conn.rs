@@ -19,13 +19,14 @@
 //! carries it. With one link there is one connection and nothing to fail
 //! over to: an error is the engine's, as on a plain socket.
 
+use crate::acceptor::Acceptor;
 use crate::links::shorten_timeout;
 use crate::stats::Control;
 use crate::wire::{self, Msg};
 use anyhow::Result;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -182,8 +183,8 @@ impl ControlConn {
 
     /// The destination's side of [`open_spares`](Self::open_spares):
     /// `count` connections of `session`, in link order after `first`.
-    pub fn accept_spares(first: TcpStream, listener: &TcpListener, session: u64, count: usize, ctl: &Control) -> Result<Vec<TcpStream>> {
-        let mut spares = crate::receiver::accept_announced(listener, ctl, session, &[(wire::ROLE_CONTROL_SPARE, 1, count)])?;
+    pub fn accept_spares(first: TcpStream, acceptor: &Acceptor, session: u64, count: usize, ctl: &Control) -> Result<Vec<TcpStream>> {
+        let mut spares = acceptor.take(ctl, session, &[(wire::ROLE_CONTROL_SPARE, 1, count)])?;
         Ok(std::iter::once(first).chain(spares.remove(0)).collect())
     }
 

@@ -19,7 +19,8 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::receiver::{accept, accept_channels, drop_channel, receive_channel, RoundBarrier, RxShared, Suspects};
+use crate::acceptor::Acceptor;
+use crate::receiver::{accept_channels, drop_channel, receive_channel, RoundBarrier, RxShared, Suspects};
 pub use crate::receiver::{listen, IncomingParams, Prealloc, DATA_IDLE_TIMEOUT};
 
 /// Receive one migration on `listener` into the paused `vm`.
@@ -39,7 +40,10 @@ pub fn run(
     });
     let mut control: Option<ControlConn> = None;
     let mut started = t0;
-    let r = run_inner(&vm, &listener, params, &ctl, &mut control, &mut started, clients);
+    // Every step takes its connections from it; what it holds still is
+    // closed when the migration ends.
+    let acceptor = Acceptor::new(listener);
+    let r = run_inner(&vm, &acceptor, params, &ctl, &mut control, &mut started, clients);
     if let Err(e) = &r {
         if let Some(c) = control.as_mut() {
             let _ = wire::send_msg(c, &Msg::Abort { reason: format!("{e:#}") });
@@ -75,7 +79,7 @@ pub fn run(
 /// checked, the state loaded and the VM started on the source's go.
 fn run_inner(
     vm: &Arc<dyn MigratableVm>,
-    listener: &TcpListener,
+    acceptor: &Acceptor,
     params: &IncomingParams,
     ctl: &Arc<Control>,
     control_out: &mut Option<ControlConn>,
@@ -89,14 +93,14 @@ fn run_inner(
     // From the moment we listen; stopped when the migration ends.
     let prealloc = if params.prealloc { Some(Prealloc::start(ram)?) } else { None };
     let timeout = (params.accept_timeout_s > 0).then(|| Duration::from_secs(params.accept_timeout_s));
-    let mut control = accept(listener, ctl, timeout)?;
+    let mut control = acceptor.accept(ctl, timeout)?;
     *t0 = Instant::now();
     *control_out = Some(ControlConn::new(vec![control.try_clone()?], ctl)?);
     let hello = handshake(vm, &mut control, ctl, clients.as_deref())?;
-    let conns = ControlConn::accept_spares(control, listener, hello.session, hello.spare_controls, ctl)?;
+    let conns = ControlConn::accept_spares(control, acceptor, hello.session, hello.spare_controls, ctl)?;
     let mut control = ControlConn::new(conns, ctl)?;
     *control_out = Some(control.clone());
-    let (sh, threads, urgent) = start_channels(vm, listener, &control, &hello, data_before, prealloc.as_ref(), &params.rnicd, ctl, *t0)?;
+    let (sh, threads, urgent) = start_channels(vm, acceptor, &control, &hello, data_before, prealloc.as_ref(), &params.rnicd, ctl, *t0)?;
 
     // The source pauses the VM only once we can take the switch at once:
     // setup here must not count as downtime.
@@ -117,7 +121,7 @@ fn run_inner(
         let sw =
             crate::postcopy::dest::Switch { state_bytes: *state_bytes, source_paused: *source_paused_unix_ns, dirty_ranges: *dirty_ranges };
         let pages = urgent.ok_or_else(|| anyhow!("postcopy without an urgent connection"))?;
-        return crate::postcopy::dest::run(vm, listener, params, ctl, control, sh, threads, pages, hello.session, sw, clients, armed);
+        return crate::postcopy::dest::run(vm, acceptor, params, ctl, control, sh, threads, pages, hello.session, sw, clients, armed);
     }
     let downtime = Steps { since: Instant::now(), ctl };
     if end.is_err() {
@@ -145,6 +149,16 @@ struct Hello {
     spare_controls: usize,
 }
 
+/// `TRANSIT_NO_EARLY_STATE=1`: this destination answers as a build without
+/// early device sections does (the source then sends the whole device
+/// state at the switch), to test a migration between such builds.
+const NO_EARLY_STATE_ENV: &str = "TRANSIT_NO_EARLY_STATE";
+
+/// Whether this destination offers to build the devices' early sections.
+fn builds_early_state() -> bool {
+    std::env::var(NO_EARLY_STATE_ENV).map_or(true, |v| v != "1")
+}
+
 /// The control connection's preamble and hello, answered with a welcome.
 fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control, clients: Option<&RamClients>) -> Result<Hello> {
     let ram = vm.ram();
@@ -162,7 +176,7 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control,
         bail!("first connection is not a control connection");
     }
     let hello = match wire::recv_msg(control)? {
-        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode, transport, spare_controls } => {
+        Msg::Hello { session, shape, ram_bytes, page_size, channels, compress, mode, transport, spare_controls, early_state } => {
             let mine = vm.shape();
             if shape != mine {
                 bail!("VM shape differs: source {shape:?}, destination {mine:?}");
@@ -190,11 +204,16 @@ fn handshake(vm: &Arc<dyn MigratableVm>, control: &mut TcpStream, ctl: &Control,
             if spare_controls > 7 {
                 bail!("{spare_controls} spare control connections is out of range (links: at most 8)");
             }
-            Hello { session, channels: channels as usize, compress, mode, rdma, spare_controls: spare_controls as usize }
+            let early = early_state && builds_early_state();
+            if early_state && !early {
+                tracing::info!("{NO_EARLY_STATE_ENV}=1: no early device sections; the source sends the whole device state at the switch");
+            }
+            (Hello { session, channels: channels as usize, compress, mode, rdma, spare_controls: spare_controls as usize }, early)
         }
         other => bail!("expected hello, got {other:?}"),
     };
-    wire::send_msg(control, &Msg::Welcome)?;
+    let (hello, early) = hello;
+    wire::send_msg(control, if early { &Msg::WelcomeEarlyState } else { &Msg::Welcome })?;
     ctl.update(|s| {
         s.channels = hello.channels as u32;
         s.transport = if hello.rdma { "rdma" } else { "tcp" }.into();
@@ -213,7 +232,7 @@ type ChannelThreads = Vec<std::thread::JoinHandle<Result<(u64, f64)>>>;
 #[allow(clippy::too_many_arguments)]
 fn start_channels(
     vm: &Arc<dyn MigratableVm>,
-    listener: &TcpListener,
+    acceptor: &Acceptor,
     control: &ControlConn,
     hello: &Hello,
     data_before: Vec<PageRange>,
@@ -236,7 +255,7 @@ fn start_channels(
     } else {
         // Postcopy and hybrid: an urgent connection per link.
         let urgents = if mode == Mode::Precopy { 0 } else { hello.spare_controls + 1 };
-        let (s, u) = accept_channels(listener, ctl, hello.session, hello.channels, urgents)?;
+        let (s, u) = accept_channels(acceptor, ctl, hello.session, hello.channels, urgents)?;
         (s, (urgents > 0).then_some(PageSource::Urgent(u)), Vec::new())
     };
     ctl.update(|s| {

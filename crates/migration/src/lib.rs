@@ -10,6 +10,7 @@
 //! - [`memvm`]: a small VM (memfd RAM + dirtier threads) for tests and benches
 //! - [`testing`]: damage injected on purpose (the `testing` parameter)
 
+pub mod acceptor;
 pub mod compress;
 pub mod control_conn;
 pub mod cputime;

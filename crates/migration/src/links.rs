@@ -57,6 +57,9 @@ pub const RDMA_LINK_RETRIES: u8 = 2;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Links {
     addrs: Vec<String>,
+    /// Taken from a list of several ([`Links::from_link`]): the addresses
+    /// name links of their own, even when one is left.
+    part_of_several: bool,
 }
 
 impl Links {
@@ -79,7 +82,7 @@ impl Links {
         if addrs.len() > 8 {
             bail!("migration address {uri:?} names {} links; at most 8", addrs.len());
         }
-        Ok(Links { addrs })
+        Ok(Links { addrs, part_of_several: false })
     }
 
     /// The first link's address: the control connection starts there.
@@ -97,12 +100,22 @@ impl Links {
 
     /// The links from `k` on (those before it are left out).
     pub fn from_link(&self, k: usize) -> Links {
-        Links { addrs: self.addrs[k..].to_vec() }
+        Links { addrs: self.addrs[k..].to_vec(), part_of_several: self.part_of_several || self.several() }
     }
 
     /// More than one link: a channel lost with its link is failed over.
     pub fn several(&self) -> bool {
         self.addrs.len() > 1
+    }
+
+    /// Each address is a link of its own, whose rdma queue pairs live in
+    /// the rnicd namespace of the local address facing it: several
+    /// addresses, or what is left of several after a recovery passed over
+    /// a dead link (the rnicd's own address may be on that link). One
+    /// address given alone may be a loopback or proxied control address
+    /// that names no namespace a peer can reach: the rnicd's own then.
+    pub fn namespace_per_link(&self) -> bool {
+        self.several() || self.part_of_several
     }
 
     /// The link of data channel `i`: round-robin.
@@ -218,6 +231,10 @@ mod tests {
         assert_eq!(Links::parse("tcp:a:1,tcp:b:2").unwrap().to_string(), "a:1,b:2");
         assert_eq!(Links::parse("a:1").unwrap().first(), "a:1");
         assert_eq!(two.from_link(1).to_string(), "10.0.2.2:4445");
+        assert!(!one.namespace_per_link());
+        assert!(two.namespace_per_link());
+        assert!(two.from_link(1).namespace_per_link(), "a link left of two is still a link of its own");
+        assert!(!two.from_link(1).several());
         for bad in ["tcp:", "tcp:a", "tcp:a:1,", "tcp:a:1,b", "tcp::1", "tcp:a:99999", "tcp:a:1,a:1"] {
             assert!(Links::parse(bad).is_err(), "{bad}");
         }

@@ -82,6 +82,34 @@ fn open_rnicd_for(rnicd: &str, local: Ipv4Addr) -> Result<Context> {
     Context::open_namespace(path, local).with_context(|| format!("rdma transport: opening rnicd for {local}"))
 }
 
+/// Source: the rnicd namespace of link `k`'s queue pairs. One address
+/// given alone: the rnicd's own. Links of their own (several, or one left
+/// of several after a recovery passed over a dead link, which may hold
+/// the rnicd's own address): the local address facing link `k`.
+fn open_for_link(rnicd: &str, links: &Links, k: usize) -> Result<Context> {
+    if links.namespace_per_link() {
+        open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)
+    } else {
+        open_rnicd(rnicd)
+    }
+}
+
+/// Destination: the rnicd namespace that answers a source address (GID).
+/// A source whose queue pairs are on links of their own (it names a GID
+/// per queue pair, [`Links::namespace_per_link`]): the local address the
+/// kernel routes that GID from, even when one link is left (the rnicd's
+/// own address may be on a link that is cut). One that names one GID for
+/// all uses its rnicd's own namespace, and so do we: two rnicds of one
+/// host (tests on loopback addresses) would otherwise route to each
+/// other's address.
+fn open_rnicd_towards(rnicd: &str, source: Ipv4Addr, per_link: bool) -> Result<Context> {
+    if per_link {
+        open_rnicd_for(rnicd, links::local_addr_towards(&format!("{source}:4791"))?)
+    } else {
+        open_rnicd(rnicd)
+    }
+}
+
 /// Queue pair options: with several links, a dead link fails its queue
 /// pairs in about [`links::LINK_TIMEOUT`] so that their channels fail over.
 fn connect_opts(access: u32, several_links: bool) -> ConnectOpts {
@@ -190,7 +218,7 @@ pub(crate) fn open_channels(
             // control connection took (a loopback or proxied control
             // address names no namespace a peer can reach). Several: the
             // namespace of the local address facing each link.
-            let ctx = if links.len() == 1 { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)? };
+            let ctx = open_for_link(rnicd, links, k)?;
             register_ram(&ctx, &ram, 0)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -198,7 +226,7 @@ pub(crate) fn open_channels(
     let qps = eps.iter().map(|e| (e.qp.qpn, PSN)).collect();
     let gids: Vec<String> = eps.iter().map(|e| e.ram.pd.context().gid().to_string()).collect();
     let gid = gids.first().cloned().unwrap_or_default();
-    let gids = if links.several() { gids } else { Vec::new() };
+    let gids = if links.namespace_per_link() { gids } else { Vec::new() };
     wire::send_msg(control, &Msg::RdmaConnect { gid, qps, gids })?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     let (gids, qps, rkeys) = match recv_reply(control)? {
@@ -404,8 +432,8 @@ pub(crate) struct RdmaReceiver {
 pub(crate) fn accept_channels(control: &ControlConn, rnicd: &str, ram: &RamRegion, channels: usize) -> Result<Vec<RdmaReceiver>> {
     let mut c = control;
     c.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let (gids, qps) = match wire::recv_msg(&mut c)? {
-        Msg::RdmaConnect { gid, qps, gids } => (per_qp(&gids, &gid, qps.len(), "GIDs")?, qps),
+    let (gids, qps, per_link) = match wire::recv_msg(&mut c)? {
+        Msg::RdmaConnect { gid, qps, gids } => (per_qp(&gids, &gid, qps.len(), "GIDs")?, qps, !gids.is_empty()),
         other => bail!("expected the source's queue pairs, got {other:?}"),
     };
     if qps.len() != channels {
@@ -413,17 +441,14 @@ pub(crate) fn accept_channels(control: &ControlConn, rnicd: &str, ram: &RamRegio
     }
     let gids = gids.iter().map(|g| gid_of(g)).collect::<Result<Vec<_>>>()?;
     // One namespace per source address (per link), guest RAM registered
-    // in each: the local address the kernel routes that source address from.
-    // From one source address (one link): the rnicd's own namespace, as
-    // the source does.
-    let one_link = gids.windows(2).all(|w| w[0] == w[1]);
+    // in each ([`open_rnicd_towards`]).
     let mut spaces: Vec<(Ipv4Addr, Arc<Ram>)> = Vec::new();
     for g in &gids {
         if !spaces.iter().any(|(s, _)| s == g) {
             if spaces.len() == 8 {
                 bail!("the source's queue pairs come from more than 8 addresses");
             }
-            let ctx = if one_link { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(&format!("{g}:4791"))?)? };
+            let ctx = open_rnicd_towards(rnicd, *g, per_link)?;
             spaces.push((*g, register_ram(&ctx, ram, access::LOCAL_WRITE | access::REMOTE_WRITE)?));
         }
     }
@@ -625,7 +650,7 @@ pub(crate) fn offer_ram(control: &mut ControlConn, rnicd: &str, links: &Links, r
     for k in 0..links.len() {
         // As the data channels: one link, the rnicd's own namespace;
         // several, the namespace of the local address facing each.
-        let ctx = if links.len() == 1 { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(links.addr(k))?)? };
+        let ctx = open_for_link(rnicd, links, k)?;
         let shared = register_ram(&ctx, ram, access::REMOTE_READ)?;
         // The responder side never completes anything of its own.
         let cq = ctx.create_cq(READ_QPS as u32, None)?;
@@ -643,7 +668,7 @@ pub(crate) fn offer_ram(control: &mut ControlConn, rnicd: &str, links: &Links, r
         ours.push(ReadableLink { qps, _cq: cq, _ram: shared });
     }
     let (gid, rkey) = (gids[0].clone(), rkeys[0]);
-    let (gids, rkeys) = if links.several() { (gids, rkeys) } else { (Vec::new(), Vec::new()) };
+    let (gids, rkeys) = if links.namespace_per_link() { (gids, rkeys) } else { (Vec::new(), Vec::new()) };
     wire::send_msg(control, &Msg::RdmaReadOffer { gid, qpns: qpns.clone(), rkey, gids, rkeys })?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     let (gids, theirs) = match recv_reply(control)? {
@@ -698,10 +723,10 @@ struct ReadLink {
 pub(crate) fn accept_reader(control: &ControlConn, rnicd: &str, ram: &RamRegion) -> Result<PageReader> {
     let mut c = control;
     c.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let (gids, qpns, rkeys) = match wire::recv_msg(&mut c)? {
+    let (gids, qpns, rkeys, per_link) = match wire::recv_msg(&mut c)? {
         Msg::RdmaReadOffer { gid, qpns, rkey, gids, rkeys } => {
             let n = qpns.len();
-            (per_qp(&gids, &gid, n, "GIDs")?, qpns, per_qp(&rkeys, &rkey, n, "keys")?)
+            (per_qp(&gids, &gid, n, "GIDs")?, qpns, per_qp(&rkeys, &rkey, n, "keys")?, !gids.is_empty())
         }
         other => bail!("expected the source's guest RAM to read, got {other:?}"),
     };
@@ -721,9 +746,8 @@ pub(crate) fn accept_reader(control: &ControlConn, rnicd: &str, ram: &RamRegion)
         {
             bail!("the queue pairs of one link to read through name different GIDs or keys");
         }
-        // As the data channels: from one source address, the rnicd's own
-        // namespace; from several, the local address routed towards each.
-        let ctx = if one_link { open_rnicd(rnicd)? } else { open_rnicd_for(rnicd, links::local_addr_towards(&format!("{gid}:4791"))?)? };
+        // As the data channels ([`open_rnicd_towards`]).
+        let ctx = open_rnicd_towards(rnicd, gid, per_link)?;
         // Written by the local rnicd only (READ responses): no remote access.
         let shared = register_ram(&ctx, ram, access::LOCAL_WRITE)?;
         let chan = ctx.create_comp_channel()?;

@@ -5,6 +5,7 @@
 //! (precopy, and the run until a postcopy switch) and
 //! [`crate::postcopy::dest`] (after it) drive it; it uses neither.
 
+use crate::acceptor::Acceptor;
 use crate::compress::{decompress, Compress};
 use crate::cputime::{thread_cpu_s, CpuTally};
 use crate::dirty::PAGE_SIZE;
@@ -729,13 +730,13 @@ pub(crate) fn receive_channel(index: usize, mut s: TcpStream, sh: Arc<RxShared>)
 /// Accept the data connections (and, for postcopy, the urgent ones, one
 /// per link) of `session`, each once, in any order.
 pub(crate) fn accept_channels(
-    listener: &TcpListener,
+    acceptor: &Acceptor,
     ctl: &Control,
     session: u64,
     channels: usize,
     urgents: usize,
 ) -> Result<(Vec<TcpStream>, Vec<TcpStream>)> {
-    let mut kinds = accept_announced(listener, ctl, session, &[(wire::ROLE_DATA, 0, channels), (wire::ROLE_URGENT, 0, urgents)])?;
+    let mut kinds = acceptor.take(ctl, session, &[(wire::ROLE_DATA, 0, channels), (wire::ROLE_URGENT, 0, urgents)])?;
     let (streams, urgent) = (std::mem::take(&mut kinds[0]), std::mem::take(&mut kinds[1]));
     for s in &streams {
         // A source that vanishes without a FIN (link cut) must not leave
@@ -754,128 +755,12 @@ pub(crate) fn accept_channels(
     Ok((streams, urgent))
 }
 
-/// The connections a source announces for `session` after its control
-/// connection: for each `(role, first, count)`, `count` connections of
-/// that role greeted with indexes `first..first + count`. Accepted in any
-/// order, each index once; returned by kind, in index order, each with
-/// the 30 s read timeout of its greeting.
-///
-/// A source opens its connections one after another (control spares, then
-/// data channels, then urgent ones), and one listener takes them in that
-/// order. Over several links something between the hosts (a proxy, a
-/// slow first packet on one path) can still hand over a later one first:
-/// a connection of the same session that a later call will take waits in
-/// [`EARLY`] for it instead of failing the migration.
-pub(crate) fn accept_announced(
-    listener: &TcpListener,
-    ctl: &Control,
-    session: u64,
-    kinds: &[(u8, u32, usize)],
-) -> Result<Vec<Vec<TcpStream>>> {
-    let mut slots: Vec<Vec<Option<TcpStream>>> = kinds.iter().map(|&(_, _, n)| (0..n).map(|_| None).collect()).collect();
-    let slot_for = |role: u8, index: u32, slots: &[Vec<Option<TcpStream>>]| -> Option<(usize, usize)> {
-        kinds.iter().zip(slots.iter()).enumerate().find_map(|(k, (&(r, first, _), kind))| {
-            let i = index.checked_sub(first)? as usize;
-            (r == role && kind.get(i).is_some_and(|slot| slot.is_none())).then_some((k, i))
-        })
-    };
-    let mut missing = kinds.iter().map(|k| k.2).sum::<usize>();
-    {
-        let mut early = lock_early();
-        let waiting = early.entry(session).or_default();
-        let mut i = 0;
-        while i < waiting.len() {
-            let (role, index) = (waiting[i].0, waiting[i].1);
-            match slot_for(role, index, &slots) {
-                Some((k, j)) => {
-                    slots[k][j] = Some(waiting.swap_remove(i).2);
-                    missing -= 1;
-                }
-                None => i += 1,
-            }
-        }
-        if waiting.is_empty() {
-            early.remove(&session);
-        }
-    }
-    while missing > 0 {
-        let mut s = accept(listener, ctl, Some(Duration::from_secs(30)))?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        let role = wire::read_preamble(&mut s)?;
-        let greeting = wire::recv_msg(&mut s)?;
-        let Msg::Channel { session: ss, index } = greeting else {
-            bail!("bad connection greeting {greeting:?} (role {role}) for session {session:#x}")
-        };
-        if ss != session {
-            bail!("connection greeting for session {ss:#x} (role {role}) while taking session {session:#x}'s");
-        }
-        match slot_for(role, index, &slots) {
-            Some((k, j)) => {
-                slots[k][j] = Some(s);
-                missing -= 1;
-            }
-            None if [wire::ROLE_DATA, wire::ROLE_URGENT, wire::ROLE_CONTROL_SPARE].contains(&role) => {
-                let mut early = lock_early();
-                let waiting = early.entry(session).or_default();
-                if waiting.len() >= MAX_EARLY || waiting.iter().any(|w| (w.0, w.1) == (role, index)) {
-                    bail!("connection {index} (role {role}) of session {session:#x} came twice or too early");
-                }
-                waiting.push((role, index, s));
-            }
-            None => bail!("bad connection greeting {greeting:?} (role {role}) for session {session:#x}"),
-        }
-    }
-    Ok(slots.into_iter().map(|kind| kind.into_iter().map(|s| s.expect("every slot filled once")).collect()).collect())
-}
-
-/// Connections that arrived before the call that takes them, by session:
-/// (role, index, connection).
-type Early = std::collections::HashMap<u64, Vec<(u8, u32, TcpStream)>>;
-static EARLY: OnceLock<Mutex<Early>> = OnceLock::new();
-/// More early connections than a source opens in one go is not a reorder.
-const MAX_EARLY: usize = 64;
-
-fn lock_early() -> std::sync::MutexGuard<'static, Early> {
-    EARLY.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Bind the listening socket for `uri` ("tcp:ADDR:PORT"; port 0 picks
 /// one). "rdma:ADDR:PORT" is the same: the control connection is TCP with
 /// either transport, and the source's hello picks the transport.
 pub fn listen(uri: &str) -> Result<TcpListener> {
     let a = uri.strip_prefix("tcp:").or_else(|| uri.strip_prefix("rdma:")).unwrap_or(uri);
     TcpListener::bind(a).with_context(|| format!("listening on {a}"))
-}
-
-pub(crate) fn accept(l: &TcpListener, ctl: &Control, timeout: Option<Duration>) -> Result<TcpStream> {
-    l.set_nonblocking(true)?;
-    let t = Instant::now();
-    loop {
-        match l.accept() {
-            Ok((s, _)) => {
-                s.set_nonblocking(false)?;
-                s.set_nodelay(true)?;
-                wire::tune_socket(&s);
-                ctl.register(&s);
-                return Ok(s);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if ctl.is_cancelled() {
-                    bail!("cancelled");
-                }
-                if timeout.is_some_and(|to| t.elapsed() >= to) {
-                    bail!("no connection from the source within {:?}", timeout.unwrap());
-                }
-                // Wake on the connection itself (a sleep here added up to
-                // its length to every accept, and so to postcopy's downtime),
-                // and look at cancel and the deadline every 50 ms.
-                let mut pfd = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                // SAFETY: one valid pollfd.
-                unsafe { libc::poll(&mut pfd, 1, 50) };
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
 }
 
 #[cfg(test)]

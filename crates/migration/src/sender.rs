@@ -547,9 +547,21 @@ pub(crate) struct Outgoing {
     pub ctl: Arc<Control>,
     pub paused_by_us: bool,
     pub committed: bool,
+    /// The devices' early sections went to the destination, which built
+    /// them: the state at the switch may carry only what changed since.
+    pub early_sent: bool,
 }
 
 impl Outgoing {
+    /// The paused VM's state for the switch.
+    pub fn save_state(&self) -> anyhow::Result<snapshot::StateSet> {
+        if self.early_sent {
+            self.vm.save_switch_state()
+        } else {
+            self.vm.save_state()
+        }
+    }
+
     /// The destination owns the VM from here: this side never runs it again.
     /// What only one host may hold is let go first; if that fails, so does
     /// the migration, before its commit (the VM runs on here).
@@ -578,9 +590,12 @@ impl Drop for Outgoing {
 
 /// The destination's answer to our hello: welcome, a refusal, or (when it
 /// speaks another stream version) its own preamble.
-pub(crate) fn recv_welcome(control: &mut impl std::io::Read, hello: &str) -> Result<()> {
+/// The destination's answer to a hello: whether it builds the devices'
+/// early sections.
+pub(crate) fn recv_welcome(control: &mut impl std::io::Read, hello: &str) -> Result<bool> {
     match wire::recv_answer(control).map_err(|e| anyhow!("destination: {e}"))? {
-        Msg::Welcome => Ok(()),
+        Msg::Welcome => Ok(false),
+        Msg::WelcomeEarlyState => Ok(true),
         Msg::Abort { reason } => bail!("destination refused: {reason}"),
         other => bail!("destination answered {other:?} to the {hello}"),
     }

@@ -73,18 +73,18 @@ fn run_inner(
     t0: Instant,
 ) -> Result<()> {
     let plan = Plan::new(&vm, uri, params, ctl, t0)?;
-    let mut guard = Outgoing { vm: vm.clone(), ctl: ctl.clone(), paused_by_us: false, committed: false };
+    let mut guard = Outgoing { vm: vm.clone(), ctl: ctl.clone(), paused_by_us: false, committed: false, early_sent: false };
     let mut link = connect_session(&vm, &plan, params, ctl)?;
     if plan.mode == Mode::Postcopy {
         return postcopy_at_once(&mut guard, &vm, plan, link, ctl);
     }
-    send_early_state(&vm, &plan, &mut link, ctl)?;
+    guard.early_sent = send_early_state(&vm, &plan, &mut link, ctl)?;
     let mut pass = first_pass(&vm, sources, &plan, &mut link, ctl)?;
     let end = rounds(&vm, params, &plan, &mut link, &mut pass, ctl)?;
     if end.switch {
         return switch_to_postcopy(&mut guard, &vm, &plan, link, pass, end);
     }
-    let fin = stop_and_copy(&mut guard, &vm, &plan, &mut link, &mut pass.log, end, ctl)?;
+    let fin = stop_and_copy(&mut guard, &plan, &mut link, &mut pass.log, end, ctl)?;
     commit(&mut guard, &vm, params, link, pass.log, fin, ctl)
 }
 
@@ -142,6 +142,9 @@ struct Link {
     /// Postcopy and hybrid over rdma: our guest RAM, for the destination
     /// to READ what it lacks after the switch (no urgent connection then).
     reads: Option<crate::rdma::ReadableRam>,
+    /// The destination builds the devices' early sections
+    /// (`Msg::WelcomeEarlyState`).
+    builds_early: bool,
     /// When the devices' early state was sent, while the destination has
     /// not yet said it is built (`Msg::EarlyBuilt`).
     early_pending: Option<Instant>,
@@ -165,10 +168,14 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
             mode: plan.mode.to_string(),
             transport: plan.transport.name().into(),
             spare_controls: plan.links.len() as u32 - 1,
+            early_state: true,
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
-    recv_welcome(&mut control, "hello")?;
+    let builds_early = recv_welcome(&mut control, "hello")?;
+    if !builds_early {
+        tracing::info!("the destination does not build early device sections (an older build, or TRANSIT_NO_EARLY_STATE=1 there): the whole device state goes at the switch");
+    }
     let spares: Vec<&str> = (1..plan.links.len()).map(|k| plan.links.addr(k)).collect();
     let mut conns = vec![control];
     conns.extend(ControlConn::open_spares(&spares, session, ctl)?);
@@ -197,7 +204,7 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
         (Transport::Rdma { rnicd }, _) => (None, Some(crate::rdma::offer_ram(&mut control, rnicd, &plan.links, &ram)?)),
     };
     plan.setup_step(ctl, "channels open");
-    Ok(Link { session, bucket, control, channels, urgent, reads, early_pending: None })
+    Ok(Link { session, bucket, control, channels, urgent, reads, builds_early, early_pending: None })
 }
 
 /// Postcopy: no RAM moves before the switch. The destination runs as
@@ -214,7 +221,7 @@ fn postcopy_at_once(guard: &mut Outgoing, vm: &Arc<dyn MigratableVm>, plan: Plan
         other => bail!("destination answered {other:?} instead of ready"),
     }
     link.control.set_read_timeout(None)?;
-    send_early_state(vm, &plan, &mut link, ctl)?;
+    guard.early_sent = send_early_state(vm, &plan, &mut link, ctl)?;
     wait_early_built(&mut link, &plan, ctl)?;
     let data = walk.join().map_err(|_| anyhow!("the hole walk panicked"))?.context("finding the memfd's data ranges")?;
     let holes = complement(&data, plan.total);
@@ -253,11 +260,16 @@ fn hand_over(
 /// The devices' early sections go first, so that the destination builds
 /// them while the rounds run (precopy, hybrid) or while the VM runs here
 /// before a postcopy switch; the state at the switch then finds them
-/// built. Nothing is sent if no device has one.
-fn send_early_state(vm: &Arc<dyn MigratableVm>, plan: &Plan, link: &mut Link, ctl: &Control) -> Result<()> {
+/// built. Nothing is sent if no device has one, or to a destination that
+/// does not build them (an older build; `TRANSIT_NO_EARLY_STATE=1` there):
+/// it then gets the whole device state at the switch. Whether they went.
+fn send_early_state(vm: &Arc<dyn MigratableVm>, plan: &Plan, link: &mut Link, ctl: &Control) -> Result<bool> {
+    if !link.builds_early {
+        return Ok(false);
+    }
     let early = vm.save_early_state().context("saving the devices' early state")?;
     if early.sections.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     let mut blob = Vec::with_capacity(early.encoded_len() + 4);
     early.write_to(&mut blob)?;
@@ -266,7 +278,7 @@ fn send_early_state(vm: &Arc<dyn MigratableVm>, plan: &Plan, link: &mut Link, ct
     link.early_pending = Some(Instant::now());
     ctl.update(|s| s.early_state_bytes = blob.len() as u64);
     plan.setup_step(ctl, "early device state sent");
-    Ok(())
+    Ok(true)
 }
 
 /// Postcopy: with no rounds to run meanwhile, wait here (the VM runs on)
@@ -630,15 +642,7 @@ struct Copied {
 
 /// Stop-and-copy: pause, send the last dirty pages, save the state, end the
 /// streams.
-fn stop_and_copy(
-    guard: &mut Outgoing,
-    vm: &Arc<dyn MigratableVm>,
-    plan: &Plan,
-    link: &mut Link,
-    log: &mut DirtyLog,
-    end: RoundsEnd,
-    ctl: &Control,
-) -> Result<Copied> {
+fn stop_and_copy(guard: &mut Outgoing, plan: &Plan, link: &mut Link, log: &mut DirtyLog, end: RoundsEnd, ctl: &Control) -> Result<Copied> {
     let total = plan.total;
     let RoundsEnd { mut pending, mut round, throttle, .. } = end;
     let pause = Downtime::pause(guard)?;
@@ -671,7 +675,7 @@ fn stop_and_copy(
         }
     }
     step("last pages sent");
-    let state = vm.save_state().context("saving vCPU and device state")?;
+    let state = guard.save_state().context("saving vCPU and device state")?;
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
     state.write_to(&mut blob)?;
     step("state saved");

@@ -90,6 +90,13 @@ pub trait MigratableVm: Send + Sync {
     /// Load vCPU and device state into a paused VM built from the same config.
     fn restore_state(&self, state: &StateSet) -> anyhow::Result<()>;
 
+    /// The state at a switch whose early sections went to the destination
+    /// (`snapshot::Persist::save_switch`: a device may send only what
+    /// changed since its early section).
+    fn save_switch_state(&self) -> anyhow::Result<StateSet> {
+        self.save_state()
+    }
+
     /// The devices' early sections (`snapshot::Persist::save_early`),
     /// taken while the VM runs: precopy and hybrid send them ahead of
     /// the RAM, and the destination builds them (`prepare_state`) while

@@ -107,9 +107,17 @@ pub enum Msg {
         /// per link after the first (`crate::control_conn`).
         #[serde(default)]
         spare_controls: u32,
+        /// The source sends the devices' early sections (`EarlyState`) to
+        /// a destination that answers `WelcomeEarlyState`; a destination
+        /// without them ignores this field and answers `Welcome`.
+        #[serde(default)]
+        early_state: bool,
     },
     /// Destination accepts; data connections may follow.
     Welcome,
+    /// Destination accepts, as `Welcome`, and builds the devices' early
+    /// sections (the answer to a `Hello` with `early_state` only).
+    WelcomeEarlyState,
     /// Destination -> source, postcopy: every connection is accepted and
     /// served; the source may pause the VM.
     Ready,

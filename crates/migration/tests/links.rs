@@ -376,6 +376,7 @@ mod first_link {
         hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other,
         postcopy_every_link_cut_pauses_and_recovers,
         postcopy_recovery_with_the_first_link_still_cut_rides_the_second,
+        postcopy_second_cut_after_a_recovery_completes_without_a_pause,
     );
 
     over_transport!(rdma:
@@ -385,6 +386,8 @@ mod first_link {
         postcopy_first_link_silent_cut_after_the_switch_completes_on_the_other,
         hybrid_first_link_cut_under_heavy_faulting_completes_on_the_other,
         postcopy_every_link_cut_pauses_and_recovers,
+        postcopy_recovery_with_the_first_link_still_cut_rides_the_second,
+        postcopy_second_cut_after_a_recovery_completes_without_a_pause,
     );
 }
 
@@ -485,7 +488,7 @@ fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u
 /// and `migrate` with `resume` reconnects: the migration completes with
 /// one recovery, no page missing, and the oracle holding.
 fn postcopy_every_link_cut_pauses_and_recovers(transport: &'static str) {
-    every_link_cut_then_recovery(transport, &[0, 1]);
+    every_link_cut_then_recovery(transport, &[0, 1], false);
 }
 
 /// The same, but only the second link comes back: the recovery's control
@@ -493,10 +496,20 @@ fn postcopy_every_link_cut_pauses_and_recovers(transport: &'static str) {
 /// and rides the second, and so do its channels and, over tcp, its
 /// urgent connection.
 fn postcopy_recovery_with_the_first_link_still_cut_rides_the_second(transport: &'static str) {
-    every_link_cut_then_recovery(transport, &[1]);
+    every_link_cut_then_recovery(transport, &[1], false);
 }
 
-fn every_link_cut_then_recovery(transport: &'static str, back: &[usize]) {
+/// The recovery over both links gives the control connection its spare
+/// on the second again: the first link cut once more after the recovery
+/// moves the control stream there, and the migration completes without
+/// a second pause.
+fn postcopy_second_cut_after_a_recovery_completes_without_a_pause(transport: &'static str) {
+    every_link_cut_then_recovery(transport, &[0, 1], true);
+}
+
+/// `back`: the links that come back before the recovery; `cut_again`:
+/// the first link is cut once more while the recovered postcopy runs.
+fn every_link_cut_then_recovery(transport: &'static str, back: &[usize], cut_again: bool) {
     let p = pair(transport, "dirtier", "64M");
     // 64 MiB at 2 x 20 Mbit/s: the push runs for many seconds.
     p.cap_both(20);
@@ -529,6 +542,9 @@ fn every_link_cut_then_recovery(transport: &'static str, back: &[usize]) {
     let h = p.tb.host(1);
     let uri = format!("{}:{}:4445,{}:4445", transport, h.addr(0), h.addr(1));
     p.src.exec("migrate", json!({"uri": uri, "resume": true})).unwrap();
+    if cut_again {
+        second_cut_after_the_recovery(&p);
+    }
     let s = p.source_result();
     assert_eq!(s["status"], "completed", "{s:#}");
     assert_eq!(s["recoveries"], 1, "{s:#}");
@@ -538,13 +554,55 @@ fn every_link_cut_then_recovery(transport: &'static str, back: &[usize]) {
         let links = s["links"].as_array().unwrap();
         assert_eq!(links.len(), 2 - back[0], "{s:#}");
         assert_eq!(links[0]["addr"], format!("{}:4445", h.addr(back[0])), "{s:#}");
-        assert_eq!(links[0]["control"], true, "{s:#}");
+        // After a second cut of the first link the control stream rides
+        // the second.
+        // (`control` is left out where false.)
+        assert_eq!(links[0]["control"].as_bool().unwrap_or(false), !cut_again, "{s:#}");
+        if cut_again {
+            assert_eq!(links[1]["control"], true, "{s:#}");
+        }
     }
     let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
     assert_eq!(d["status"], "completed", "destination {d:#}");
     assert_eq!(d["recoveries"], 1, "{d:#}");
     assert_eq!(d["remaining_pages"], 0, "{d:#}");
     p.check_dirtier_on_destination();
+}
+
+/// Once the recovered postcopy runs again on both ends with pages still
+/// missing, cuts the first link (the recovery's control link) and waits
+/// until the destination completes: it must never pause again.
+fn second_cut_after_the_recovery(p: &Pair) {
+    let active = |vm: &VmProcess| {
+        let t = std::time::Instant::now();
+        let mut q = vm.client().unwrap();
+        loop {
+            let s = q.execute("query-migrate", json!({})).unwrap();
+            if s["status"] == "postcopy-active" && s["recoveries"] == 1 {
+                return s;
+            }
+            assert!(t.elapsed() < Duration::from_secs(90), "the recovery does not resume the postcopy: {s:#}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    active(&p.src);
+    active(&p.dst);
+    // Both ends run on the recovered connections for a while first.
+    std::thread::sleep(Duration::from_secs(1));
+    let mut q = p.dst.client().unwrap();
+    let d = q.execute("query-migrate", json!({})).unwrap();
+    assert!(d["remaining_pages"].as_u64().unwrap_or(0) > 0, "the recovered postcopy ended before the second cut: {d:#}");
+    p.tb.link_down(0, 0).unwrap();
+    let t = std::time::Instant::now();
+    loop {
+        let d = q.execute("query-migrate", json!({})).unwrap();
+        assert_ne!(d["status"], "postcopy-paused", "the second cut paused the migration again: {d:#}");
+        if d["status"] == "completed" {
+            return;
+        }
+        assert!(t.elapsed() < Duration::from_secs(180), "the migration does not complete after the second cut: {d:#}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Postcopy over tcp with two links (two loopback proxies in front of one

@@ -131,6 +131,16 @@ pub trait Persist {
         Ok(None)
     }
 
+    /// The state at a migration's switch, once this migration's
+    /// [`save_early`](Self::save_early) section went to a destination that
+    /// builds early sections: it may carry only what changed since that
+    /// section, which the destination's `restore` applies over the early
+    /// section [`prepare`](Self::prepare) received. Save files and
+    /// destinations without early sections get [`save`](Self::save).
+    fn save_switch(&self) -> Result<Section> {
+        self.save()
+    }
+
     /// Destination: builds what an early section of this device describes.
     /// `restore` then takes the whole state and keeps what was built
     /// ahead where the state still has it; whatever the source changed

@@ -129,6 +129,36 @@ fn objects_changed_after_the_early_section_are_rebuilt_exactly() {
     objects_changed_after_the_early_section("pvm-churn", Precopy);
 }
 
+/// A destination that does not build early device sections (an older
+/// build; here `TRANSIT_NO_EARLY_STATE=1`, which makes it answer the
+/// source's hello as such a build does) still takes the VM: the source
+/// sends no early section and the whole device state at the switch, and
+/// every workload goes on.
+#[test]
+fn a_destination_without_early_sections_gets_the_whole_state() {
+    let bed = Bed::new("pvm-noearly");
+    let gid = bed.vm_gid(1);
+    let mut a = bed.vm_with(0, gid, PLAIN.args, "", &["--keep-after-migrate"]);
+    let mut peer = Peer::start(&bed, &a, PEER);
+    let p0 = a.wait_progress(STEP, LONG).unwrap();
+    let incoming = ["--incoming", "tcp:0.0.0.0:4444", "--keep-after-migrate"];
+    let b = bed.vm_env(1, gid, PLAIN.memory, PLAIN.args, "", &incoming, &[("TRANSIT_NO_EARLY_STATE", "1")]);
+    start_traced_precopy(&bed, &a, 1, &PLAIN);
+    let st = finish_hop(&a, &b, Precopy);
+    assert_eq!(st["early_state_bytes"], 0, "no early section went: {st:#}");
+    let sw = &pvrdma(&b)["switch"];
+    eprintln!("the destination's switch: {sw}");
+    assert_eq!(sw["delta"], false, "the whole state came: {sw:#}");
+    assert_eq!(sw["early_built"], json!([0, 0, 0, 0]), "nothing was built ahead: {sw:#}");
+    check_hop(&bed, &mut a, &b, (0, 1), gid, true);
+    b.wait_progress(p0 + STEP, LONG).unwrap();
+    peer.wait_progress(PEER_STEP, LONG);
+    let consoles = [a.console(), b.console()];
+    assert_qps_running(&b);
+    let rep = peer.stop();
+    assert_run_clean(&consoles, &rep);
+}
+
 /// Negative control: without write traces the pages the peer writes during
 /// the rounds are not sent again, and the guest's checks on the
 /// destination see the old contents. `testing=no-traces` also makes the

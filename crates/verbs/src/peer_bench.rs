@@ -4,9 +4,10 @@
 //! `gid= big.addr= big.rkey= write.qpn= write.psn= lat.qpn= lat.psn=`,
 //! then gives the guest's WRITEs a 1 MiB target and answers every SEND on
 //! the latency QP with a SEND of the same size, waiting on its CQ the way
-//! `transit rdma send-lat`'s server does (a completion channel, so that
-//! the two sides of the comparison use the CPU alike), until `--duration`
-//! is over.
+//! `transit rdma send-lat`'s server does (a completion channel on the
+//! receive CQ, so that the two sides of the comparison use the CPU alike;
+//! every pong signaled, its completion on a send CQ that wakes nobody and
+//! is reaped before the next pong), until `--duration` is over.
 
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
@@ -18,8 +19,6 @@ use crate::*;
 
 const TARGET_LEN: usize = 1 << 20;
 const DEPTH: u32 = 64;
-/// One pong in this many is signaled.
-const SIGNAL_EVERY: u64 = 16;
 
 /// Runs the responder; `publish` gets this side's IDs.
 pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Result<()>) -> anyhow::Result<()> {
@@ -38,8 +37,11 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
     let chan = ctx.create_comp_channel()?;
     let mut qps = Vec::new();
     for (w, psn) in [("write", 0x10_0000u32), ("lat", 0x20_0000)] {
+        // The latency QP's receive CQ wakes this side; its send CQ only
+        // gets polled, as `transit rdma send-lat`'s.
         let cq = ctx.create_cq(2 * DEPTH, (w == "lat").then_some(&chan))?;
-        let mut init = QpInitAttr::new(&cq, &cq);
+        let scq = ctx.create_cq(2 * DEPTH, None)?;
+        let mut init = QpInitAttr::new(&scq, &cq);
         init.cap.max_send_wr = DEPTH;
         init.cap.max_recv_wr = DEPTH;
         let qp = pd.create_qp(&init)?;
@@ -48,9 +50,9 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
         qp.connect(&remote, &opts).with_context(|| format!("connecting the {w} QP"))?;
         me.set(&format!("{w}.qpn"), qp.qpn);
         me.set(&format!("{w}.psn"), psn);
-        qps.push((qp, cq));
+        qps.push((qp, cq, scq));
     }
-    let (lqp, lcq) = &qps[1];
+    let (lqp, lcq, lscq) = &qps[1];
     let recv_sge = [pmr.sge(0, 4096)];
     for k in 0..DEPTH as u64 / 2 {
         lqp.post_recv(&[RecvWr { wr_id: k, sg_list: &recv_sge }])?;
@@ -68,19 +70,34 @@ pub fn serve(a: &PeerArgs, g: &Info, publish: impl FnOnce(&str) -> anyhow::Resul
             if wc.opcode == WcOpcode::Recv {
                 let sge = [pmr.sge(4096, wc.byte_len as usize)];
                 let wr = SendWr::send(u64::MAX, &sge);
-                // As `transit rdma send-lat`'s server and ib_send_lat: a
-                // signaled pong would wake this side again for its ACK,
-                // while the next ping is on its way; one in SIGNAL_EVERY
-                // keeps the send queue moving.
-                let wr = if (answered + 1).is_multiple_of(SIGNAL_EVERY) { wr } else { wr.unsignaled() };
+                // Signaled, as `transit rdma send-lat`'s server and
+                // ib_send_lat post theirs: the guest's side then ACKs at
+                // once rather than on its ACK timer. The completions of
+                // earlier pongs are reaped first, without waiting.
+                reap_sends(lscq)?;
                 lqp.post_send(&[wr])?;
                 lqp.post_recv(&[RecvWr { wr_id: wc.wr_id, sg_list: &recv_sge }])?;
                 answered += 1;
             }
         }
-        let (_, wcq) = &qps[0];
+        let (_, wcq, wscq) = &qps[0];
         let _ = wcq.poll(&mut wcs)?;
+        let _ = wscq.poll(&mut wcs)?;
     }
     println!("{{\"ok\": true, \"answered\": {answered}}}");
     Ok(())
+}
+
+/// Takes the send completions that are there, failing on an error one.
+fn reap_sends(cq: &Cq) -> anyhow::Result<()> {
+    let mut w = [Wc::default(); 16];
+    loop {
+        let n = cq.poll(&mut w)?;
+        if let Some(bad) = w[..n].iter().find(|c| c.status != WcStatus::Success) {
+            anyhow::bail!("pong {} failed: {:?}", bad.wr_id, bad.status);
+        }
+        if n < w.len() {
+            return Ok(());
+        }
+    }
 }

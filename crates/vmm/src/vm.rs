@@ -375,13 +375,23 @@ impl Vm {
 
     /// vCPU and device state; the VM must be paused.
     pub fn save_state(&self) -> Result<StateSet> {
+        self.save_state_with(|d| d.save())
+    }
+
+    /// The state at a migration's switch after the early sections went
+    /// (`Persist::save_switch`: devices may send only what changed since).
+    pub fn save_switch_state(&self) -> Result<StateSet> {
+        self.save_state_with(|d| d.save_switch())
+    }
+
+    fn save_state_with(&self, save: impl Fn(&dyn VmDevice) -> snapshot::Result<Section>) -> Result<StateSet> {
         let vcpus = self.vcpus.lock().unwrap();
         let mut set = StateSet::default();
         for (i, s) in vcpus.states()?.iter().enumerate() {
             set.push(Section::encode(&format!("cpu{i}"), VCPU_STATE_VERSION, s));
         }
         for (_, d) in &self.devices {
-            set.push(d.lock().unwrap().save()?);
+            set.push(save(&*d.lock().unwrap())?);
         }
         set.push(Section::encode(PCI_LAYOUT_SECTION, PCI_LAYOUT_VERSION, &self.pci_layout()));
         Ok(set)
@@ -400,15 +410,22 @@ impl Vm {
     }
 
     /// Builds what early sections describe in the devices they name (an
-    /// incoming migration, before its state arrives).
+    /// incoming migration, before its state arrives). Every device is
+    /// given its section, even after another's failed (each keeps the
+    /// section its state at the switch may be a delta over); the first
+    /// error is returned.
     pub fn prepare_state(&self, early: &StateSet) -> Result<()> {
+        let mut first = Ok(());
         for s in &early.sections {
-            let Some((_, d)) = self.devices.iter().find(|(name, _)| *name == s.name) else {
-                bail!("the early state names a device {:?} this VM does not have", s.name);
+            let r = match self.devices.iter().find(|(name, _)| *name == s.name) {
+                Some((_, d)) => d.lock().unwrap().prepare(s).map_err(anyhow::Error::from),
+                None => Err(anyhow::anyhow!("the early state names a device {:?} this VM does not have", s.name)),
             };
-            d.lock().unwrap().prepare(s)?;
+            if first.is_ok() {
+                first = r;
+            }
         }
-        Ok(())
+        first
     }
 
     /// Drops what `prepare_state` built (the migration failed).
@@ -520,6 +537,9 @@ impl migration::vm::MigratableVm for Vm {
     }
     fn restore_state(&self, s: &StateSet) -> Result<()> {
         Vm::restore_state(self, s)
+    }
+    fn save_switch_state(&self) -> Result<StateSet> {
+        Vm::save_switch_state(self)
     }
     fn save_early_state(&self) -> Result<StateSet> {
         Vm::save_early_state(self)

@@ -9,11 +9,17 @@
 //! populated. Nothing of it answers a peer: the QPs are suspended, and the
 //! GID is not on the destination's host before the commit.
 //!
-//! At the switch the full state arrives and `persist::restore_into` keeps
-//! every prepared object the state still has unchanged, drops the others
-//! first (an object the source destroyed, or one whose handle now names
-//! another), makes what the source created since, and loads the QPs'
-//! states into the kept QPs with one `LoadQpStates` request.
+//! The section also carries the CQ rings and connected QPs whole (their
+//! guest pages and ring layout), so that the state at the switch can name
+//! only what changed since (`delta.rs`): the source keeps the section it
+//! sent, the destination the one it received.
+//!
+//! At the switch the state arrives (whole, or as a delta over this
+//! section) and `persist::restore_into` keeps every prepared object the
+//! state still has unchanged, drops the others first (an object the source
+//! destroyed, or one whose handle now names another), makes what the
+//! source created since, and loads the QPs' states into the kept QPs with
+//! one `LoadQpStates` request.
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -24,11 +30,12 @@ use serde::{Deserialize, Serialize};
 use snapshot::{Result, Section, StateError};
 
 use super::dev::Dev;
-use super::objects::{MrInfo, QpInfo};
+use super::objects::{CqRing, MrInfo, QpInfo};
 use super::persist::{decode_checked, encode_checked};
 
 /// Version of the early section (bincode with a CRC32, as the state).
-const EARLY_VERSION: u32 = 1;
+/// 2: CQ rings and connected QPs whole (1 had their sizes and shapes).
+const EARLY_VERSION: u32 = 2;
 
 /// What a QP is, apart from its runtime state: what the destination
 /// builds it from, and what must not have changed for it to be kept.
@@ -76,16 +83,15 @@ impl QpShape {
 }
 
 #[derive(Serialize, Deserialize)]
-struct Early {
-    gid: Ipv4Addr,
+pub(crate) struct Early {
+    pub gid: Ipv4Addr,
     /// (handle, user context handle).
-    pds: Vec<(u32, u32)>,
-    mrs: Vec<(u32, MrInfo)>,
-    /// (handle, entries).
-    cqs: Vec<(u32, u32)>,
+    pub pds: Vec<(u32, u32)>,
+    pub mrs: Vec<(u32, MrInfo)>,
+    pub cqs: Vec<(u32, CqRing)>,
     /// The QPs that are connected (the guest last moved them to RTR, RTS
     /// or SQD): those the switch gives a state to.
-    qps: Vec<(u32, QpShape)>,
+    pub qps: Vec<(u32, QpInfo)>,
 }
 
 /// What a destination built from an early section, by the guest's handles,
@@ -106,8 +112,9 @@ fn connected(info: &QpInfo) -> bool {
     matches!(info.attr.qp_state, ib::qp_state::RTR | ib::qp_state::RTS | ib::qp_state::SQD)
 }
 
-/// The early section of a running device; `None` if it has no objects.
-pub(crate) fn save(name: &str, d: &Dev) -> Option<Section> {
+/// The early section of a running device, and what it holds (which the
+/// switch's delta is taken against); `None` if it has no objects.
+pub(crate) fn save(name: &str, d: &Dev) -> Option<(Section, Early)> {
     if d.pds.len() == 0 {
         return None;
     }
@@ -115,17 +122,22 @@ pub(crate) fn save(name: &str, d: &Dev) -> Option<Section> {
         gid: d.gid,
         pds: d.pds.iter().map(|(h, p)| (*h, p.ctx_handle)).collect(),
         mrs: d.mrs.iter().map(|(h, m)| (*h, m.info.clone())).collect(),
-        cqs: d.cqs.iter().map(|(h, c)| (*h, c.ring.entries)).collect(),
-        qps: d.qps.iter().filter(|(_, q)| connected(&q.info)).map(|(h, q)| (*h, QpShape::of(&q.info))).collect(),
+        cqs: d.cqs.iter().map(|(h, c)| (*h, c.ring.clone())).collect(),
+        qps: d.qps.iter().filter(|(_, q)| connected(&q.info)).map(|(h, q)| (*h, q.info.clone())).collect(),
     };
-    Some(Section { name: name.to_string(), version: EARLY_VERSION, data: encode_checked(&early) })
+    Some((Section { name: name.to_string(), version: EARLY_VERSION, data: encode_checked(&early) }, early))
 }
 
-/// Builds what `section` describes in the device's namespace. The objects
-/// are not the device's yet: `restore` takes those the state still has.
-pub(crate) fn prepare(section: &Section, d: &Dev) -> Result<Prepared> {
-    let early: Early = decode_checked(section, EARLY_VERSION)?;
-    let err = |why: String| StateError::Mismatch { name: section.name.clone(), why };
+/// What an early section holds, checked.
+pub(crate) fn decode(section: &Section) -> Result<Early> {
+    decode_checked(section, EARLY_VERSION)
+}
+
+/// Builds what `early` (of section `name`) describes in the device's
+/// namespace. The objects are not the device's yet: `restore` takes those
+/// the state still has.
+pub(crate) fn prepare(name: &str, early: &Early, d: &Dev) -> Result<Prepared> {
+    let err = |why: String| StateError::Mismatch { name: name.to_string(), why };
     if early.gid != d.gid {
         return Err(err(format!("the early state is of GID {}, this device is {}", early.gid, d.gid)));
     }
@@ -144,7 +156,8 @@ pub(crate) fn prepare(section: &Section, d: &Dev) -> Result<Prepared> {
     let t = Instant::now();
     let ram_fd = d.be.ram.fd();
     let mut mrs = Vec::new();
-    for (h, info) in early.mrs {
+    for (h, info) in &early.mrs {
+        let (h, info) = (*h, info.clone());
         if !info.runs_valid(d.ram_size) {
             return Err(err(format!("MR {h} lies outside guest RAM")));
         }
@@ -164,7 +177,7 @@ pub(crate) fn prepare(section: &Section, d: &Dev) -> Result<Prepared> {
             key: Some(info.key),
         })
         .collect();
-    objects.extend(early.cqs.iter().map(|(_, entries)| verbs::NewObject::Cq { cqe: *entries, channel: Some(&d.be.channel) }));
+    objects.extend(early.cqs.iter().map(|(_, ring)| verbs::NewObject::Cq { cqe: ring.entries, channel: Some(&d.be.channel) }));
     let made = d.be.ctx.create_batch(&objects).map_err(|e| err(format!("MRs and CQs: {e:#}")))?;
     drop(objects);
     let mut made = made.into_iter();
@@ -172,14 +185,15 @@ pub(crate) fn prepare(section: &Section, d: &Dev) -> Result<Prepared> {
         let verbs::Made::Mr(mr) = m else { return Err(err(format!("MR {h}: rnicd made another object"))) };
         p.mrs.insert(h, (info, mr));
     }
-    for ((h, entries), m) in early.cqs.into_iter().zip(made) {
+    for ((h, ring), m) in early.cqs.iter().zip(made) {
         let verbs::Made::Cq(cq) = m else { return Err(err(format!("CQ {h}: rnicd made another object"))) };
-        p.cqs.insert(h, (entries, cq));
+        p.cqs.insert(*h, (ring.entries, cq));
     }
     p.phases.push(("early: MRs and CQs".into(), t.elapsed().as_secs_f64() * 1e3));
     let t = Instant::now();
     let mut qps = Vec::new();
-    for (h, shape) in early.qps {
+    for (h, info) in &early.qps {
+        let (h, shape) = (*h, QpShape::of(info));
         let (Some((_, scq)), Some((_, rcq))) = (p.cqs.get(&shape.send_cq), p.cqs.get(&shape.recv_cq)) else {
             return Err(err(format!("QP {h} names a missing CQ")));
         };

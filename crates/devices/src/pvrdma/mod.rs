@@ -18,6 +18,7 @@ mod churn;
 mod cmd;
 mod config;
 mod datapath;
+mod delta;
 mod dev;
 mod early;
 mod guest;
@@ -112,6 +113,9 @@ pub struct Pvrdma {
     /// Destination: what an early section built ahead of the switch
     /// (`early.rs`), until `restore` takes it or the migration fails.
     prepared: Option<early::Prepared>,
+    /// The early section this device last sent (source) or received
+    /// (destination): what the state at the switch is a delta over.
+    early_base: Mutex<Option<delta::Baseline>>,
 }
 
 /// One of the device's BARs on the MMIO bus.
@@ -166,7 +170,17 @@ impl Pvrdma {
                 .map_err(|e| format!("notifier thread: {e}"))?
         };
         lock(&shared).notifier_thread = Some(notifier.thread().clone());
-        Ok(Pvrdma { name: cfg.name, shared, pci, stop, notifier: Some(notifier), cq_waiter, paused_states: HashMap::new(), prepared: None })
+        Ok(Pvrdma {
+            name: cfg.name,
+            shared,
+            pci,
+            stop,
+            notifier: Some(notifier),
+            cq_waiter,
+            paused_states: HashMap::new(),
+            prepared: None,
+            early_base: Mutex::new(None),
+        })
     }
 
     pub fn name(&self) -> &str {

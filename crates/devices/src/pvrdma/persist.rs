@@ -7,6 +7,10 @@
 //! consumer indices, the device's copies of outstanding WQEs and, for
 //! connected QPs, rnicd's runtime state from query-suspended).
 //!
+//! At a migration's switch (`save_switch`) the state is a delta over the
+//! early section the source sent (`delta.rs`) when it sent one; `restore`
+//! takes either.
+//!
 //! `save` needs a paused device (Lifecycle::pause suspended the QPs and took
 //! every completion out of rnicd). `restore` builds the objects again in this
 //! device's namespace with the same QPNs and keys, creates connected QPs
@@ -22,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use snapshot::{Persist, Result, Section, StateError};
 use verbs::{QpSnapshot, RecvWr};
 
+use super::delta::{self, Baseline, DELTA_VERSION};
 use super::dev::{Counters, Dev, DsrInfo, Regs};
 use super::early::{self, Prepared, QpShape};
 use super::objects::{Cq, CqRing, Mr, MrInfo, Pd, Qp, QpInfo, Uc};
@@ -62,24 +67,24 @@ pub(super) fn decode_checked<T: serde::de::DeserializeOwned>(section: &Section, 
 }
 
 #[derive(Serialize, Deserialize)]
-struct SavedQp {
-    handle: u32,
-    info: QpInfo,
+pub(super) struct SavedQp {
+    pub handle: u32,
+    pub info: QpInfo,
     /// rnicd's runtime state of a connected (suspended) QP.
-    state: Option<QpSnapshot>,
+    pub state: Option<QpSnapshot>,
 }
 
 #[derive(Serialize, Deserialize)]
-struct Saved {
+pub(super) struct Saved {
     gid: std::net::Ipv4Addr,
     regs: Regs,
     dsr: Option<DsrInfo>,
     gids: Vec<(u32, [u8; 16])>,
     ucs: Vec<(u32, Uc)>,
     pds: Vec<(u32, u32)>,
-    mrs: Vec<(u32, MrInfo)>,
-    cqs: Vec<(u32, CqRing)>,
-    qps: Vec<SavedQp>,
+    pub mrs: Vec<(u32, MrInfo)>,
+    pub cqs: Vec<(u32, CqRing)>,
+    pub qps: Vec<SavedQp>,
     counters: Counters,
     /// Configuration space as the guest left it (a driver that turned bus
     /// mastering or memory decoding off finds it off after a restore).
@@ -87,12 +92,10 @@ struct Saved {
     srqs: Vec<super::srq::SavedSrq>,
 }
 
-impl Persist for Pvrdma {
-    fn state_name(&self) -> String {
-        self.name.clone()
-    }
-
-    fn save(&self) -> Result<Section> {
+impl Pvrdma {
+    /// The state of the paused device: whole, or (`over`) as a delta over
+    /// the early section the source sent.
+    fn save_as(&self, over: Option<&Baseline>) -> Result<Section> {
         let mut d = lock(&self.shared);
         let err = |why: String| StateError::Mismatch { name: self.name.clone(), why };
         if !d.paused && d.qps.len() > 0 {
@@ -102,8 +105,8 @@ impl Persist for Pvrdma {
         // any other (a device restored and saved again without running)
         // in one batched request.
         let t = Instant::now();
-        let suspended: std::collections::HashSet<u32> = d.suspended.iter().copied().collect();
-        let mut states = std::collections::HashMap::new();
+        let suspended: HashSet<u32> = d.suspended.iter().copied().collect();
+        let mut states = HashMap::new();
         let mut ask = Vec::new();
         for (h, q) in d.qps.iter().filter(|(h, _)| suspended.contains(h)) {
             match self.paused_states.get(&q.qp.qpn) {
@@ -118,29 +121,55 @@ impl Persist for Pvrdma {
         }
         d.switch.record("query QP states", t);
         let t = Instant::now();
-        let qps: Vec<SavedQp> = d.qps.iter().map(|(h, q)| SavedQp { handle: *h, info: q.info.clone(), state: states.remove(h) }).collect();
-        let saved = Saved {
+        let mut saved = Saved {
             gid: d.gid,
             regs: d.regs.clone(),
             dsr: d.dsr.clone(),
             gids: d.gids.iter().map(|(k, v)| (*k, *v)).collect(),
             ucs: d.ucs.iter().map(|(h, u)| (*h, u.clone())).collect(),
             pds: d.pds.iter().map(|(h, p)| (*h, p.ctx_handle)).collect(),
-            mrs: d.mrs.iter().map(|(h, m)| (*h, m.info.clone())).collect(),
-            cqs: d.cqs.iter().map(|(h, c)| (*h, c.ring.clone())).collect(),
-            qps,
+            mrs: Vec::new(),
+            cqs: Vec::new(),
+            qps: Vec::new(),
             counters: d.counters.clone(),
             pci: self.pci.guest_writable(),
             srqs: super::srq::save(&d).map_err(err)?,
         };
-        let mut section = Section { name: self.name.clone(), version: VERSION, data: encode_checked(&saved) };
-        d.switch.record("encode state", t);
+        let mut section = match over {
+            Some(base) => {
+                let delta = delta::take(&d, base, saved, &mut states);
+                Section { name: self.name.clone(), version: DELTA_VERSION, data: encode_checked(&delta) }
+            }
+            None => {
+                saved.mrs = d.mrs.iter().map(|(h, m)| (*h, m.info.clone())).collect();
+                saved.cqs = d.cqs.iter().map(|(h, c)| (*h, c.ring.clone())).collect();
+                saved.qps = d.qps.iter().map(|(h, q)| SavedQp { handle: *h, info: q.info.clone(), state: states.remove(h) }).collect();
+                Section { name: self.name.clone(), version: VERSION, data: encode_checked(&saved) }
+            }
+        };
+        d.switch.record(if over.is_some() { "encode state (delta over the early section)" } else { "encode state" }, t);
         d.switch.state_bytes = section.data.len() as u64;
-        d.switch.objects = [saved.pds.len(), saved.mrs.len(), saved.cqs.len(), saved.qps.len(), 0];
+        d.switch.delta = over.is_some();
+        d.switch.objects = [d.pds.len(), d.mrs.len(), d.cqs.len(), d.qps.len(), 0];
         if std::mem::take(&mut d.testing.corrupt_state) {
             damage(&mut section.data);
         }
         Ok(section)
+    }
+}
+
+impl Persist for Pvrdma {
+    fn state_name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn save(&self) -> Result<Section> {
+        self.save_as(None)
+    }
+
+    fn save_switch(&self) -> Result<Section> {
+        let base = self.early_base.lock().unwrap_or_else(|e| e.into_inner());
+        self.save_as(base.as_ref())
     }
 
     fn save_early(&self) -> Result<Option<Section>> {
@@ -148,22 +177,34 @@ impl Persist for Pvrdma {
         let churn = d.testing.churn_early;
         let err = |why: String| StateError::Mismatch { name: self.name.clone(), why };
         let spare = if churn { Some(d.make_spares().map_err(err)?) } else { None };
-        let section = early::save(&self.name, &d);
+        let early = early::save(&self.name, &d);
         if let Some(spare) = spare {
             d.replace_spares(spare).map_err(err)?;
         }
+        // What the switch's delta is taken against: this section, the last
+        // one taken (a migration takes one before its switch).
+        let (section, base) = early.map(|(s, e)| (s, Baseline::of(e))).unzip();
+        *self.early_base.lock().unwrap_or_else(|e| e.into_inner()) = base;
         Ok(section)
     }
 
     fn prepare(&mut self, section: &Section) -> Result<()> {
-        if let Some(old) = self.prepared.take() {
-            old.discard();
-        }
+        self.discard_prepared();
+        *self.early_base.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        let early = early::decode(section)?;
         let d = lock(&self.shared);
-        self.prepared = Some(early::prepare(section, &d)?);
+        let built = early::prepare(&section.name, &early, &d);
+        drop(d);
+        // Kept even if nothing could be built: the delta at the switch is
+        // over the section, whatever was built from it.
+        *self.early_base.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(Baseline::of(early));
+        self.prepared = Some(built?);
         Ok(())
     }
 
+    /// The objects go; the section stays (the engine discards them when
+    /// the build failed, and the switch's delta is over the section). The
+    /// next early section or restore replaces it.
     fn discard_prepared(&mut self) {
         if let Some(p) = self.prepared.take() {
             p.discard();
@@ -173,14 +214,23 @@ impl Persist for Pvrdma {
     fn restore(&mut self, section: &Section) -> Result<()> {
         let name = self.name.clone();
         let prepared = self.prepared.take();
-        let t = Instant::now();
-        let saved: Saved = decode_checked(section, VERSION)?;
-        let pci = saved.pci;
+        let base = self.early_base.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         let err = |why: String| StateError::Mismatch { name: name.clone(), why };
+        let t = Instant::now();
+        let is_delta = section.version == DELTA_VERSION;
+        let saved: Saved = if is_delta {
+            let base =
+                base.ok_or_else(|| err("a state that names only what changed since an early section this device did not receive".into()))?;
+            delta::apply(decode_checked(section, DELTA_VERSION)?, base).map_err(err)?
+        } else {
+            decode_checked(section, VERSION)?
+        };
+        let pci = saved.pci;
         let mut d = lock(&self.shared);
         d.switch.begin();
-        d.switch.record("decode state", t);
+        d.switch.record(if is_delta { "decode state (delta over the early section)" } else { "decode state" }, t);
         d.switch.state_bytes = section.data.len() as u64;
+        d.switch.delta = is_delta;
         if saved.gid != d.gid {
             return Err(err(format!("the state is of GID {}, this device is {}", saved.gid, d.gid)));
         }

@@ -13,6 +13,8 @@ pub(crate) struct SwitchLog {
     pub phases: Vec<(String, f64)>,
     /// Bytes of the last device state saved or restored.
     pub state_bytes: u64,
+    /// Whether it was a delta over the early section (`delta.rs`).
+    pub delta: bool,
     /// Objects in it: PDs, MRs, CQs, QPs, WQEs reposted.
     pub objects: [usize; 5],
     /// Destination: objects built ahead from the early section (PDs, MRs,

@@ -12,7 +12,8 @@
 //!   test=write size=S bytes=B ns=N wqes=W post_ns=P` where P is the
 //!   guest's own time spent posting (building the WQE and ringing the
 //!   doorbell) over all W WQEs;
-//! - `lat size=S iters=N`: N SEND round trips of S bytes; answers `result
+//! - `lat size=S iters=N`: N SEND round trips of S bytes, every ping
+//!   signaled and its completion taken before the next; answers `result
 //!   test=lat size=S iters=N p50_ns= p99_ns= avg_ns= irq_waits=`, each
 //!   sample half a round trip as `ib_send_lat` counts it; `irq_waits` is
 //!   how many times the guest halted for a CQ interrupt.
@@ -37,8 +38,6 @@ use pvrdma_abi::ib::{wc_opcode, wc_status};
 const MAX_SIZE: u64 = 1 << 20;
 const DEPTH: u32 = 64;
 const MAX_ITERS: u64 = 100_000;
-/// One ping in this many is signaled in the latency test.
-const SIGNAL_EVERY: usize = 16;
 
 pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
     let Some(gid) = args.get("gid").and_then(parse_ip) else {
@@ -215,23 +214,25 @@ impl Bench<'_> {
         // SAFETY: `samples` is our RAM for MAX_ITERS u32s.
         let samples = unsafe { core::slice::from_raw_parts_mut(self.samples as *mut u32, iters as usize) };
         let mut total = 0u64;
-        for (i, s) in samples.iter_mut().enumerate() {
-            // As ib_send_lat and `transit rdma send-lat`: the pings are
-            // unsignaled but every SIGNAL_EVERY-th, which keeps the send
-            // queue moving; only the pong is waited for.
-            let signaled = i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
+        for s in samples.iter_mut() {
+            // Every ping is signaled, as ib_send_lat and `transit rdma
+            // send-lat` post theirs: a signaled SEND asks the peer for its
+            // ACK at once, where an unsignaled one would wait for the
+            // responder's ACK timer (docs/ibverbs.md, "Benchmark"). Its
+            // completion is collected before the next ping is posted; the
+            // sample ends at the pong.
             let ping = [self.mr.sge(self.ping, size as u32)];
             let t0 = plat.now_ns();
             // With the WAIT doorbell the SEND's own doorbell waits for the
             // pong (one MMIO exit for both), and carries the receive
             // reposted after the last pong.
             let mut first = if self.wait == Wait::Doorbell {
-                qp.post_send_wait(0, Op::Send, &ping, signaled, cq).unwrap_or_else(|e| fail(plat, "post_send", e))
+                qp.post_send_wait(0, Op::Send, &ping, true, cq).unwrap_or_else(|e| fail(plat, "post_send", e))
             } else {
-                qp.post_send(0, Op::Send, &ping, signaled).unwrap_or_else(|e| fail(plat, "post_send", e));
+                qp.post_send(0, Op::Send, &ping, true).unwrap_or_else(|e| fail(plat, "post_send", e));
                 None
             };
-            let (mut sent, mut got, mut dt) = (!signaled, false, 0);
+            let (mut sent, mut got, mut dt) = (false, false, 0);
             while !(sent && got) {
                 // Sleep for the first completion, then take what else came.
                 let mut block = true;

@@ -10,16 +10,17 @@ use super::faults::{FaultThread, RequestSink};
 use super::fetch::Fetcher;
 use super::place::{Placer, Via};
 use super::push::PushQueue;
+use crate::acceptor::Acceptor;
 use crate::control_conn::ControlConn;
 use crate::cputime::{thread_cpu_s, unix_ns, CpuTally};
 use crate::pages::{normalize, PageRange};
-use crate::receiver::{accept, accept_channels, drop_channel, place_batch, receive_channel, IncomingParams, RxShared};
+use crate::receiver::{accept_channels, drop_channel, place_batch, receive_channel, IncomingParams, RxShared};
 use crate::stats::{Control, RecoverRequest, Status};
 use crate::vm::MigratableVm;
 use crate::wire::{self, DataItem, DataReader, Msg};
 use anyhow::{anyhow, bail, Context, Result};
 use snapshot::StateSet;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -293,7 +294,7 @@ pub(crate) fn arm(sh: &RxShared) -> Result<Armed> {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     vm: &Arc<dyn MigratableVm>,
-    listener: &TcpListener,
+    acceptor: &Acceptor,
     params: &IncomingParams,
     ctl: &Arc<Control>,
     control: ControlConn,
@@ -329,7 +330,7 @@ pub(crate) fn run(
         s.remaining_pages = placer.missing();
     });
 
-    let mut link = wait_for_every_page(listener, &params.rnicd, ctl, session, &sh, &placer, &sink, link);
+    let mut link = wait_for_every_page(acceptor, &params.rnicd, ctl, session, &sh, &placer, &sink, link);
     // Every page is in.
     faults.stop();
     if let Some(t) = premap {
@@ -477,7 +478,7 @@ fn load_at_switch(
 /// old one). Returns the link that delivered the last page, if any.
 #[allow(clippy::too_many_arguments)]
 fn wait_for_every_page(
-    listener: &TcpListener,
+    acceptor: &Acceptor,
     rnicd: &str,
     ctl: &Arc<Control>,
     session: u64,
@@ -486,7 +487,8 @@ fn wait_for_every_page(
     sink: &Arc<RequestSink>,
     mut link: Option<Link>,
 ) -> Option<Link> {
-    let mut listener_now: Option<TcpListener> = None;
+    // The one `migrate-recover` gave last, with its own connections.
+    let mut acceptor_now: Option<Acceptor> = None;
     loop {
         if placer.wait_complete(Duration::from_millis(20)) {
             break;
@@ -515,13 +517,13 @@ fn wait_for_every_page(
         ctl.forget_connections();
         let recovered = loop {
             if let Some(RecoverRequest::Listen(nl)) = ctl.try_recovery() {
-                listener_now = Some(nl);
+                acceptor_now = Some(Acceptor::new(nl));
             }
             if placer.is_complete() {
                 break None;
             }
-            let lis = listener_now.as_ref().unwrap_or(listener);
-            match accept_recovery(lis, rnicd, ctl, session, sh, placer, sink) {
+            let a = acceptor_now.as_ref().unwrap_or(acceptor);
+            match accept_recovery(a, rnicd, ctl, session, sh, placer, sink) {
                 Ok(Some(l)) => break Some(l),
                 Ok(None) => {}
                 Err(e) => tracing::warn!("recovery attempt refused: {e:#}"),
@@ -543,7 +545,7 @@ fn wait_for_every_page(
 /// One recovery attempt: a source that comes back with our session gets
 /// our received-pages bitmap and reconnects its channels.
 fn accept_recovery(
-    l: &TcpListener,
+    acceptor: &Acceptor,
     rnicd: &str,
     ctl: &Control,
     session: u64,
@@ -551,7 +553,7 @@ fn accept_recovery(
     placer: &Placer,
     sink: &RequestSink,
 ) -> Result<Option<Link>> {
-    let mut control = match accept(l, ctl, Some(Duration::from_millis(200))) {
+    let mut control = match acceptor.accept(ctl, Some(Duration::from_millis(200))) {
         Ok(c) => c,
         Err(_) => return Ok(None),
     };
@@ -559,9 +561,11 @@ fn accept_recovery(
     if wire::read_preamble(&mut control)? != wire::ROLE_CONTROL {
         bail!("first connection is not a control connection");
     }
-    let (channels, rdma) = match wire::recv_msg(&mut control)? {
-        Msg::Hello { session: s, mode, channels, transport, .. } if mode == "recover" && s == session && (1..=64).contains(&channels) => {
-            (channels as usize, transport == "rdma")
+    let (channels, rdma, spares) = match wire::recv_msg(&mut control)? {
+        Msg::Hello { session: s, mode, channels, transport, spare_controls, .. }
+            if mode == "recover" && s == session && (1..=64).contains(&channels) && spare_controls <= 7 =>
+        {
+            (channels as usize, transport == "rdma", spare_controls as usize)
         }
         Msg::Hello { mode, session: s, .. } => {
             let why = if mode != "recover" {
@@ -574,11 +578,15 @@ fn accept_recovery(
         }
         other => bail!("expected hello, got {other:?}"),
     };
+    // What an earlier attempt left waiting would only collide with this
+    // one's connections.
+    acceptor.forget_early();
     wire::send_msg(&mut control, &Msg::Welcome)?;
     wire::send_blob(&mut control, &sh.seen.to_le_bytes())?;
     control.set_read_timeout(None)?;
-    // After a recovery the control connection rides the link it came on only.
-    let control = ControlConn::new(vec![control], ctl)?;
+    // The control connection's spares, one on each other link of the
+    // recovery, as at the start.
+    let control = ControlConn::new(ControlConn::accept_spares(control, acceptor, session, spares, ctl)?, ctl)?;
     if rdma {
         // New queue pairs to read through; the source's plan of what is
         // left follows on the control connection.
@@ -591,7 +599,8 @@ fn accept_recovery(
         }
         return Ok(Some(link));
     }
-    let (streams, urgent) = accept_channels(l, ctl, session, channels, 1)?;
+    // An urgent connection per link of the recovery.
+    let (streams, urgent) = accept_channels(acceptor, ctl, session, channels, spares + 1)?;
     let socks = streams.iter().map(TcpStream::try_clone).collect::<std::io::Result<Vec<_>>>()?;
     let threads = streams
         .into_iter()

@@ -151,7 +151,7 @@ fn switch_over(
         None => (None, None),
     };
     step("scanned");
-    let state = vm.save_state().context("saving vCPU and device state")?;
+    let state = guard.save_state().context("saving vCPU and device state")?;
     let mut blob = Vec::with_capacity(state.encoded_len() + 16);
     state.write_to(&mut blob)?;
     step("state saved");
@@ -474,32 +474,42 @@ fn recover_hello(
             compress: compress.into(),
             mode: "recover".into(),
             transport: transport.into(),
-            spare_controls: 0,
+            spare_controls: live.len() as u32 - 1,
+            early_state: false,
         },
     )?;
     control.set_read_timeout(Some(Duration::from_secs(30)))?;
     recv_welcome(&mut control, "recovery hello")?;
     let have = wire::recv_blob(&mut control).map_err(|e| anyhow!("received-pages bitmap: {e}"))?;
+    // The control connection gets its spares again, one on each link of
+    // the recovery after its own, so that a link cut after the recovery
+    // moves the control stream rather than pausing again.
+    let spares: Vec<&str> = (1..live.len()).map(|k| live.addr(k)).collect();
+    let mut conns = vec![control];
+    conns.extend(ControlConn::open_spares(&spares, session, ctl)?);
     let have = AtomicBitmap::from_le_bytes(total, &have)
         .ok_or_else(|| anyhow!("received-pages bitmap of {} bytes for {total} pages", have.len()))?;
-    control.set_read_timeout(None)?;
     let missing: Vec<PageRange> = (0..total).filter(|&p| !have.get(p)).map(|p| PageRange { first: p, count: 1 }).collect();
     let missing = normalize(missing, total);
     // The VM is paused on both sides: one full walk is exact.
     let holes = complement(&ram.data_ranges().context("finding the memfd's data ranges")?, total);
     let (data, zero) = split_known_zero(&holes, &missing);
-    // After a recovery the control connection rides the link it came on only.
-    Ok((ControlConn::new(vec![control], ctl)?, live, data, zero))
+    let control = ControlConn::new(conns, ctl)?;
+    control.set_read_timeout(None)?;
+    Ok((control, live, data, zero))
 }
 
 /// The links' statistics after a recovery: the control connection rides
-/// the first of the links used.
-fn mark_control(ctl: &Control, live: &Links) {
-    ctl.update(|s| {
+/// the first of the links used, and the link it moves to later.
+fn mark_control(ctl: &Arc<Control>, control: &ControlConn, live: &Links) {
+    let on_link = |s: &mut crate::stats::Stats, addr: &str| {
         for l in s.links.iter_mut() {
-            l.control = l.addr == live.first();
+            l.control = l.addr == addr;
         }
-    });
+    };
+    ctl.update(|s| on_link(s, live.first()));
+    let (c, live) = (ctl.clone(), live.clone());
+    control.on_move(move |k| c.update(|s| on_link(s, live.addr(k))));
 }
 
 /// A new set of connections to a destination that kept its RAM: it tells
@@ -519,9 +529,9 @@ fn reconnect(
     queue.reset(ram.pages(), &data, zero);
     let mut ch = open_channels(&live, session, channels, *ram, compress, bucket, ctl, None)?;
     ch.enable_failover(&control)?;
-    mark_control(ctl, &live);
-    // After a recovery requests come on the control connection's link only.
-    let urgent = open_urgent(&Links::parse(live.first())?, session, ctl)?;
+    mark_control(ctl, &control, &live);
+    // An urgent connection per link of the recovery, as at the start.
+    let urgent = open_urgent(&live, session, ctl)?;
     Ok((control, ch, urgent))
 }
 
@@ -678,14 +688,14 @@ fn reconnect_reads(
     ram: &RamRegion,
     rnicd: &str,
     cap: u64,
-    ctl: &Control,
+    ctl: &Arc<Control>,
 ) -> Result<(ControlConn, ReadableRam)> {
     let (addr, _) = Transport::from_uri(target, "rdma", rnicd)?;
     let addr = crate::sender::parse_tcp_uri(&addr)?;
     let channels = ctl.snapshot().channels.max(1);
     let (mut control, live, data, zero) = recover_hello(&addr, session, ram, channels, "", "rdma", ctl)?;
     let reads = crate::rdma::offer_ram(&mut control, rnicd, &live, ram)?;
-    mark_control(ctl, &live);
+    mark_control(ctl, &control, &live);
     send_plan(&mut control, &data, &zero, cap)?;
     Ok((control, reads))
 }

@@ -73,12 +73,29 @@ impl Bed {
     /// As [`vm_with`](Self::vm_with) with `memory` of RAM (many QPs and a
     /// big WRITE's buffer need more than 64 MiB).
     pub fn vm_sized(&self, h: usize, gid: Ipv4Addr, memory: &str, args: &str, pvrdma: &str, extra: &[&str]) -> VmProcess {
+        self.vm_env(h, gid, memory, args, pvrdma, extra, &[])
+    }
+
+    /// As [`vm_sized`](Self::vm_sized), the vmm run with `env` set.
+    #[allow(clippy::too_many_arguments)]
+    pub fn vm_env(
+        &self,
+        h: usize,
+        gid: Ipv4Addr,
+        memory: &str,
+        args: &str,
+        pvrdma: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> VmProcess {
         let name = unique_name("pvrdma");
         let spec = format!("gid={gid}{pvrdma}");
         let fw_args = format!("gid={gid} {args}");
         let mut all = vec!["vm", "run", "--name", &name, "--memory", memory, "--workload", "pvrdma", "--args", &fw_args, "--pvrdma", &spec];
         all.extend_from_slice(extra);
-        VmProcess::start(self.tb.host(h).command(transit_bin()), &name, &all).unwrap()
+        let mut cmd = self.tb.host(h).command(transit_bin());
+        cmd.envs(env.iter().copied());
+        VmProcess::start(cmd, &name, &all).unwrap()
     }
 
     pub fn vm(&self, h: usize, gid: Ipv4Addr, args: &str) -> VmProcess {

@@ -145,6 +145,7 @@ pub fn objects_changed_after_the_early_section(tag: &str, mode: Mode) {
     let sw = &after["switch"];
     let n = |v: &serde_json::Value, i: usize| v.as_array().unwrap()[i].as_u64().unwrap();
     let (built, kept) = (&sw["early_built"], &sw["early_kept"]);
+    assert_eq!(sw["delta"], true, "the state at the switch named only what changed since the early section: {sw:#}");
     eprintln!("built ahead (PDs, MRs, CQs, QPs) {built}, kept {kept}; phases {}", sw["phases"]);
     assert_eq!(n(built, 1), before["mrs"].as_array().unwrap().len() as u64 + 1, "{sw:#}");
     assert_eq!(n(built, 3), before["qps"].as_array().unwrap().len() as u64 + 1, "{sw:#}");
