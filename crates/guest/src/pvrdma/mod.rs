@@ -725,19 +725,26 @@ impl Qp {
         if self.max_sge == 0 || sges.len() > self.max_sge as usize {
             return Err(Error::QueueFull);
         }
-        let tail = rd32(self.rq_ring);
-        let head = rd32(self.rq_ring + 4);
-        let slot = ring_has_space(tail, head, self.wqes).map_err(|_| Error::BadRing)?.ok_or(Error::QueueFull)?;
-        let h = RqWqeHdr { wr_id, num_sge: sges.len() as u32, total_len: sges.iter().map(|s| s.length).sum() };
-        let at = self.rq_base + slot as u64 * self.rq_stride;
-        write_pod(at, &h);
-        for (i, s) in sges.iter().enumerate() {
-            write_pod(at + core::mem::size_of::<RqWqeHdr>() as u64 + 16 * i as u64, s);
-        }
-        fence(Ordering::SeqCst);
-        wr32(self.rq_ring, idx_inc(tail, self.wqes));
-        Ok(())
+        queue_recv_wqe(self.rq_ring, self.rq_base, self.rq_stride, self.wqes, wr_id, sges)
     }
+}
+
+/// Writes one receive WQE into a receive ring, a QP's or an SRQ's (the
+/// same layout), and publishes it by moving `prod_tail`; the caller rings
+/// the doorbell.
+fn queue_recv_wqe(ring: u64, base: u64, stride: u64, wqes: u32, wr_id: u64, sges: &[Sge]) -> Result<()> {
+    let tail = rd32(ring);
+    let head = rd32(ring + 4);
+    let slot = ring_has_space(tail, head, wqes).map_err(|_| Error::BadRing)?.ok_or(Error::QueueFull)?;
+    let h = RqWqeHdr { wr_id, num_sge: sges.len() as u32, total_len: sges.iter().map(|s| s.length).sum() };
+    let at = base + slot as u64 * stride;
+    write_pod(at, &h);
+    for (i, s) in sges.iter().enumerate() {
+        write_pod(at + core::mem::size_of::<RqWqeHdr>() as u64 + 16 * i as u64, s);
+    }
+    fence(Ordering::SeqCst);
+    wr32(ring, idx_inc(tail, wqes));
+    Ok(())
 }
 
 /// A shared receive queue: QPs created on it take their receives from its
@@ -759,17 +766,7 @@ impl Srq {
         if sges.len() > self.max_sge as usize {
             return Err(Error::QueueFull);
         }
-        let tail = rd32(self.ring);
-        let head = rd32(self.ring + 4);
-        let slot = ring_has_space(tail, head, self.wqes).map_err(|_| Error::BadRing)?.ok_or(Error::QueueFull)?;
-        let h = RqWqeHdr { wr_id, num_sge: sges.len() as u32, total_len: sges.iter().map(|s| s.length).sum() };
-        let at = self.base + slot as u64 * self.stride;
-        write_pod(at, &h);
-        for (i, s) in sges.iter().enumerate() {
-            write_pod(at + core::mem::size_of::<RqWqeHdr>() as u64 + 16 * i as u64, s);
-        }
-        fence(Ordering::SeqCst);
-        wr32(self.ring, idx_inc(tail, self.wqes));
+        queue_recv_wqe(self.ring, self.base, self.stride, self.wqes, wr_id, sges)?;
         mmio_write32(self.uar + UAR_SRQ_OFFSET, UAR_SRQ_RECV | (self.handle & UAR_HANDLE_MASK));
         Ok(())
     }
