@@ -10,56 +10,11 @@ use std::process::{Child, Stdio};
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
-use testbed::{HostChild, Testbed, TestbedOpts};
 use verbs::peer::{check, fill, Info, HELLO, RING, STREAM_TO_GUEST, STREAM_TO_PEER, TABLE, TABLE_ROW};
 use verbs::*;
 
-/// rnicd next to this test binary (target/<profile>/rnicd).
-fn rnicd_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let mut d = exe.parent().unwrap().to_path_buf();
-    if d.ends_with("deps") {
-        d.pop();
-    }
-    let p = d.join("rnicd");
-    assert!(p.exists(), "{} missing: cargo build --release -p rnic --bin rnicd", p.display());
-    p
-}
-
-/// Testbed hosts, one rnicd each; rnicd processes go before the testbed.
-struct Bed {
-    nics: Vec<(HostChild, PathBuf)>,
-    tb: Testbed,
-}
-
-impl Bed {
-    fn new(prefix: &str, hosts: usize) -> Bed {
-        let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
-        let mut nics = Vec::new();
-        for i in 0..hosts {
-            let h = tb.host(i);
-            let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-            let _ = std::fs::remove_file(&sock);
-            let child =
-                h.spawn(rnicd_bin().to_str().unwrap(), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).unwrap();
-            let t0 = Instant::now();
-            while !sock.exists() {
-                assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            nics.push((child, sock));
-        }
-        Bed { nics, tb }
-    }
-}
-
-impl Drop for Bed {
-    fn drop(&mut self) {
-        for (_, s) in self.nics.drain(..) {
-            let _ = std::fs::remove_file(s);
-        }
-    }
-}
+mod common;
+use common::Bed;
 
 /// The peer process; killed if the test fails before it ends.
 struct PeerProc {

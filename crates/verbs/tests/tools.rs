@@ -4,52 +4,15 @@
 //! the receiver's `--rx-depth`, each checked by its JSON report. Real rnicd
 //! and tool processes; nothing is mocked.
 
-use std::path::PathBuf;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use testbed::{HostChild, Testbed, TestbedOpts};
-
-/// rnicd next to this test binary (target/<profile>/rnicd).
-fn rnicd_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let mut d = exe.parent().unwrap().to_path_buf();
-    if d.ends_with("deps") {
-        d.pop();
-    }
-    let p = d.join("rnicd");
-    assert!(p.exists(), "{} missing: cargo build --release -p rnic --bin rnicd", p.display());
-    p
-}
+mod common;
+use common::Bed;
 
 const TOOL: &str = env!("CARGO_BIN_EXE_transit-rdma");
 
-/// Two hosts, one rnicd each; the rnicds go before the testbed.
-struct Bed {
-    nics: Vec<(HostChild, PathBuf)>,
-    tb: Testbed,
-}
-
 impl Bed {
-    fn new(prefix: &str) -> Bed {
-        let tb = Testbed::create(TestbedOpts::new(prefix, 2)).expect("testbed (needs root)");
-        let mut nics = Vec::new();
-        for i in 0..2 {
-            let h = tb.host(i);
-            let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-            let _ = std::fs::remove_file(&sock);
-            let child =
-                h.spawn(rnicd_bin().to_str().unwrap(), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).unwrap();
-            let t0 = Instant::now();
-            while !sock.exists() {
-                assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            nics.push((child, sock));
-        }
-        Bed { nics, tb }
-    }
-
     /// Runs `transit-rdma TEST` as server on host 1 and client on host 0
     /// with the same options; returns the client's JSON report.
     fn pair(&self, test: &str, opts: &[&str]) -> serde_json::Value {
@@ -69,14 +32,6 @@ impl Bed {
     }
 }
 
-impl Drop for Bed {
-    fn drop(&mut self) {
-        for (_, s) in self.nics.drain(..) {
-            let _ = std::fs::remove_file(s);
-        }
-    }
-}
-
 fn assert_latency(rep: &serde_json::Value, test: &str, iters: u64) {
     assert_eq!(rep["test"], test, "{rep}");
     assert_eq!(rep["iters"], iters, "{rep}");
@@ -90,7 +45,7 @@ fn assert_latency(rep: &serde_json::Value, test: &str, iters: u64) {
 /// deliver every answer.
 #[test]
 fn latency_tests_complete_sleeping_and_busy_polling() {
-    let bed = Bed::new("vtlat");
+    let bed = Bed::new("vtlat", 2);
     for test in ["send-lat", "write-lat"] {
         let name = test.replace('-', "_");
         let rep = bed.pair(test, &["--iters", "1000", "--port", "18521"]);
@@ -106,7 +61,7 @@ fn latency_tests_complete_sleeping_and_busy_polling() {
 /// fixed 256) and reposts them: the run delivers data.
 #[test]
 fn send_bw_with_a_deep_receive_queue() {
-    let bed = Bed::new("vtsbw");
+    let bed = Bed::new("vtsbw", 2);
     for depth in ["512", "1024"] {
         let rep = bed.pair("send-bw", &["--size", "4096", "--duration", "0.5", "--rx-depth", depth, "--port", "18523"]);
         assert_eq!(rep["test"], "send_bw", "{rep}");
