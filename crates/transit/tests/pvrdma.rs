@@ -123,11 +123,7 @@ fn save_on_one_host_restore_on_another_mid_stream() {
     vm.kill();
     // Its namespace closed with the process: host 0 released the GID, and
     // the restored device claims it on host 1.
-    let t0 = std::time::Instant::now();
-    while bed.holds(0, gid) {
-        assert!(t0.elapsed() < Duration::from_secs(10), "host 0 still holds {gid}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    bed.wait_released(0, gid);
     let name = unique_name("pvrdma-moved");
     let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.path().to_str().unwrap()]).unwrap();
     let after = moved.wait_progress(before + 300, Duration::from_secs(120)).unwrap();

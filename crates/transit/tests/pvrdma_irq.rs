@@ -72,11 +72,7 @@ fn guest_waits_for_completions_by_interrupt_before_and_after_a_move() {
     let save = TempPath::new(&format!("{}.save", vm.name));
     vm.exec("save", json!({"filename": save.path()})).unwrap();
     vm.kill();
-    let t0 = Instant::now();
-    while bed.holds(0, gid) {
-        assert!(t0.elapsed() < Duration::from_secs(10), "host 0 still holds {gid}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    bed.wait_released(0, gid);
     let name = unique_name("pvirq-moved");
     let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.path().to_str().unwrap()]).unwrap();
     latency_by_interrupt(&moved, seq, 300);

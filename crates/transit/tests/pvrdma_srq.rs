@@ -52,11 +52,7 @@ fn srq_saved_on_one_host_restored_on_another_mid_stream() {
     let save = TempPath::new(&format!("{}.save", vm.name));
     vm.exec("save", json!({"filename": save.path()})).unwrap();
     vm.kill();
-    let t0 = std::time::Instant::now();
-    while bed.holds(0, gid) {
-        assert!(t0.elapsed() < Duration::from_secs(10), "host 0 still holds {gid}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    bed.wait_released(0, gid);
     let name = unique_name("pvrdma-srq-moved");
     let moved = VmProcess::start(bed.tb.host(1).command(transit_bin()), &name, &["vm", "restore", save.path().to_str().unwrap()]).unwrap();
     srq_in_use(&moved);

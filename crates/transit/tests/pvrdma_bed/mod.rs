@@ -64,6 +64,16 @@ impl Bed {
         self.tb.host(h).sh("ip -4 -o addr show dev eth0").unwrap().contains(&format!(" {gid}/"))
     }
 
+    /// Waits (at most 10 s) until host `h` no longer holds `gid`: a killed
+    /// VM's namespace closes with its process and its host releases the GID.
+    pub fn wait_released(&self, h: usize, gid: Ipv4Addr) {
+        let t0 = std::time::Instant::now();
+        while self.holds(h, gid) {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(10), "host {h} still holds {gid}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
     /// A VM on host `h` running every workload with firmware `args`;
     /// `extra` adds to its command line, `pvrdma` to its device spec.
     pub fn vm_with(&self, h: usize, gid: Ipv4Addr, args: &str, pvrdma: &str, extra: &[&str]) -> VmProcess {
