@@ -8,12 +8,13 @@
 
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::device::ctx;
 use crate::set_errno;
 use crate::sys::*;
+use verbs::pace::{now_ns, Idle, Pace};
 
 #[repr(C)]
 pub struct Cq {
@@ -25,12 +26,8 @@ pub struct Cq {
     chan: *mut Channel,
     /// QPs using this CQ.
     pub users: std::sync::atomic::AtomicUsize,
-    /// ibv_poll_cq calls in a row that found nothing.
-    empty_polls: std::sync::atomic::AtomicU32,
-    /// When (`now_ns`) a poll last found completions, and the smoothed gap
-    /// between such polls: how a stream is told from an idle CQ.
-    last_found_ns: AtomicU64,
-    found_gap_ns: AtomicU64,
+    /// Its polls' history: whether an empty poll spins, yields or naps.
+    pace: Pace,
     /// The completion ibv_start_poll/ibv_next_poll stand on (ibv_cq_ex).
     current: std::cell::Cell<verbs::Wc>,
     /// The context's idle channel's eventfd for a CQ made without a
@@ -38,62 +35,14 @@ pub struct Cq {
     idle_fd: c_int,
 }
 
-/// Empty polls in a row after which ibv_poll_cq yields the CPU. A program
-/// that spins on its CQ (as perftest and ibv_rc_pingpong do) would
-/// otherwise starve rnicd, which does the NIC's work on the same CPUs: on a
-/// loaded 2-CPU host a spinning ping-pong took 30 ms per round trip, and
-/// 90 us when it yielded. A poll that finds completions never yields.
-const SPINS_BEFORE_YIELD: u32 = 16;
-
-/// Empty polls in a row after which ibv_poll_cq of a CQ without a
-/// completion channel sleeps on the context's idle channel (rnicd signals
-/// it when a completion lands in an armed CQ) for at most IDLE_NAP_MS, and
-/// then returns what it finds. A program spinning on its CQ then costs the
-/// CPU rnicd needs no more than one sleeping on a channel; a program whose
-/// completions come in a steady stream never gets this far.
-const SPINS_BEFORE_SLEEP: u32 = 4;
+/// The longest nap of an idle ibv_poll_cq on the idle channel.
 const IDLE_NAP_MS: c_int = 1;
 
-/// A CQ whose completions come in a stream does not nap between them: it
-/// keeps polling (yielding) for up to twice the smoothed gap between the
-/// polls that found completions, at most STREAM_SPIN_MAX_NS, before the
-/// nap. Napping between the messages of a stream cost rnicd an eventfd
-/// write and the program a wake-up per message (perftest's `ib_send_bw`
-/// receiver: 7,000-10,000 CQ events in a 2-second run, 200-350 with the
-/// spin). `TRANSIT_IBV_NO_STREAM_SPIN=1` turns it off, for comparison.
-const STREAM_SPIN_MAX_NS: u64 = 250_000;
-
-/// Nanoseconds on the monotonic clock (vDSO: no system call).
-fn now_ns() -> u64 {
-    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid timespec; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-}
-
-impl Cq {
-    /// Notes a poll that found completions (for `streaming`).
-    fn found(&self) {
-        let now = now_ns();
-        let last = self.last_found_ns.swap(now, Ordering::Relaxed);
-        if last != 0 {
-            let gap = now.saturating_sub(last).min(10 * STREAM_SPIN_MAX_NS);
-            let avg = self.found_gap_ns.load(Ordering::Relaxed);
-            self.found_gap_ns.store(if avg == 0 { gap } else { (3 * avg + gap) / 4 }, Ordering::Relaxed);
-        }
-    }
-
-    /// Whether the next completion of a stream is still due: less than
-    /// twice the usual gap (at most STREAM_SPIN_MAX_NS) since the last.
-    fn streaming(&self) -> bool {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if *OFF.get_or_init(|| std::env::var("TRANSIT_IBV_NO_STREAM_SPIN").as_deref() == Ok("1")) {
-            return false;
-        }
-        let last = self.last_found_ns.load(Ordering::Relaxed);
-        let window = (2 * self.found_gap_ns.load(Ordering::Relaxed)).min(STREAM_SPIN_MAX_NS);
-        last != 0 && now_ns().saturating_sub(last) < window
-    }
+/// Whether streams are told from idle CQs (`TRANSIT_IBV_NO_STREAM_SPIN=1`:
+/// not, for comparison).
+fn stream_spin() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("TRANSIT_IBV_NO_STREAM_SPIN").as_deref() == Ok("1"))
 }
 
 #[repr(C)]
@@ -303,9 +252,7 @@ unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *
         armed: AtomicBool::new(false),
         chan,
         users: 0.into(),
-        empty_polls: 0.into(),
-        last_found_ns: 0.into(),
-        found_gap_ns: 0.into(),
+        pace: Pace::default(),
         current: Default::default(),
         idle_fd,
     }));
@@ -375,41 +322,50 @@ pub unsafe extern "C" fn poll_cq(c: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c
     if n < 0 || (n > 0 && wc.is_null()) {
         return -libc::EINVAL;
     }
-    let done = match take(q, n as usize, wc) {
-        Ok(k) => k,
-        Err(e) => return e,
-    };
-    if done > 0 || n == 0 {
-        q.empty_polls.store(0, Ordering::Relaxed);
-        if done > 0 {
-            q.found();
+    match look(q, n as usize, wc) {
+        Ok(k) => {
+            // Every completion counts for the pace, found at once or after
+            // a nap: a ping-pong whose completions came after naps and went
+            // unnoted looked idle from then on and napped in every round
+            // trip (verbs::pace).
+            if k > 0 {
+                q.pace.found(now_ns());
+            }
+            k as c_int
         }
-        return done as c_int;
+        Err(e) => e,
     }
-    let empty = q.empty_polls.fetch_add(1, Ordering::Relaxed) + 1;
-    if q.idle_fd >= 0 && empty >= SPINS_BEFORE_SLEEP && !q.streaming() {
-        // Arm, look once more (a completion may have landed before the
-        // arm), then sleep until rnicd signals or the nap ends.
-        q.inner.req_notify(false);
-        match take(q, n as usize, wc) {
-            Ok(0) => {}
-            Ok(k) => return k as c_int,
-            Err(e) => return e,
+}
+
+/// One ibv_poll_cq: takes what is there; if nothing, spins, yields or naps
+/// as the CQ's pace says, and then takes what is there.
+unsafe fn look(q: &Cq, n: usize, wc: *mut ibv_wc) -> Result<usize, c_int> {
+    let k = take(q, n, wc)?;
+    if k > 0 || n == 0 {
+        return Ok(k);
+    }
+    match q.pace.empty(now_ns(), q.idle_fd >= 0, stream_spin()) {
+        Idle::Spin => Ok(0),
+        Idle::Yield => {
+            libc::sched_yield();
+            Ok(0)
         }
-        let mut p = libc::pollfd { fd: q.idle_fd, events: libc::POLLIN, revents: 0 };
-        if libc::poll(&mut p, 1, IDLE_NAP_MS) > 0 {
-            let mut v = 0u64;
-            libc::read(q.idle_fd, &mut v as *mut u64 as *mut c_void, 8);
+        Idle::Nap => {
+            // Arm, look once more (a completion may have landed before the
+            // arm), then sleep until rnicd signals or the nap ends.
+            q.inner.req_notify(false);
+            let k = take(q, n, wc)?;
+            if k > 0 {
+                return Ok(k);
+            }
+            let mut p = libc::pollfd { fd: q.idle_fd, events: libc::POLLIN, revents: 0 };
+            if libc::poll(&mut p, 1, IDLE_NAP_MS) > 0 {
+                let mut v = 0u64;
+                libc::read(q.idle_fd, &mut v as *mut u64 as *mut c_void, 8);
+            }
+            take(q, n, wc)
         }
-        return match take(q, n as usize, wc) {
-            Ok(k) => k as c_int,
-            Err(e) => e,
-        };
     }
-    if empty >= SPINS_BEFORE_YIELD {
-        libc::sched_yield();
-    }
-    0
 }
 
 /// Moves up to `n` completions from the ring into `wc`.

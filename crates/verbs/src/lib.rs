@@ -47,6 +47,7 @@ pub use srq::{Srq, SrqAttr, SrqSnapshot, MAX_SRQ, MAX_SRQ_SGE, MAX_SRQ_WR, SRQ_S
 
 mod batch;
 pub mod mkeys;
+pub mod pace;
 pub mod peer;
 pub mod peer_bench;
 pub mod rcache;
