@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
 
+use crate::pace::{self, Idle, Pace};
 use crate::*;
 
 #[derive(clap::Subcommand)]
@@ -291,6 +292,9 @@ struct Res {
     rcq: Cq,
     /// Completion channel of `rcq`: latency tests sleep on it (unless --busy-poll).
     rchan: CompChannel,
+    /// How a latency test's waits on `rcq` went: whether it yields or
+    /// sleeps while waiting, as the drop-in's ibv_poll_cq decides.
+    rpace: Pace,
     _pd: Pd,
     buf: MemBuf,
 }
@@ -310,7 +314,7 @@ fn resources(ctx: &Context, size: usize, depth: u32, rx_depth: u32) -> anyhow::R
     // Two halves: one the peer writes into, one we send from.
     let buf = MemBuf::new(size.max(8) * 2)?;
     let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL)?;
-    Ok(Res { qp, mr, scq, rcq, rchan, _pd: pd, buf })
+    Ok(Res { qp, mr, scq, rcq, rchan, rpace: Pace::default(), _pd: pd, buf })
 }
 
 fn opts(h: &Hello) -> anyhow::Result<ConnectOpts> {
@@ -437,10 +441,10 @@ enum LatWait {
     /// ib_write_lat do: the message is seen the moment rnicd lands it, at
     /// the price of a CPU per side.
     Busy,
-    /// Spin this long on the receive CQ, then arm it and sleep on its
-    /// completion channel: a wakeup per message, the CPU left to rnicd and
-    /// the peer. What perftest gets from the drop-in, whose ibv_poll_cq
-    /// naps after a few empty polls (docs/ibverbs.md).
+    /// Poll the receive CQ as the drop-in's ibv_poll_cq does for perftest
+    /// (`verbs::pace`): yield after a few empty polls while the next
+    /// message is due, else arm the CQ and sleep on its completion channel
+    /// (after `spin` of spinning), the CPU left to rnicd and the peer.
     Events { spin: Duration },
 }
 
@@ -455,13 +459,31 @@ impl LatWait {
 }
 
 /// Waits for one receive completion (at most `timeout`; 0 if none came).
+/// `Events` waits as the drop-in's ibv_poll_cq (`verbs::pace`): polls,
+/// yielding after a few, while the next message of the ping-pong is due,
+/// else (or after TRANSIT_POLL_SPIN_US of spinning) sleeps on the channel.
 fn wait_recv(res: &Res, wcs: &mut [Wc], wait: LatWait, timeout: Duration) -> anyhow::Result<usize> {
-    // Busy: spin for the whole timeout (poll_or_wait spins without yielding).
-    let spin = match wait {
-        LatWait::Busy => timeout,
-        LatWait::Events { spin } => spin,
+    let n = match wait {
+        // Spin for the whole timeout (poll_or_wait spins without yielding).
+        LatWait::Busy => res.rcq.poll_or_wait(&mut wcs[..1], &res.rchan, timeout, timeout)?,
+        LatWait::Events { spin } => {
+            let t0 = Instant::now();
+            loop {
+                let n = res.rcq.poll(&mut wcs[..1])?;
+                if n > 0 {
+                    break n;
+                }
+                match res.rpace.empty(pace::now_ns(), true, true) {
+                    Idle::Spin => std::hint::spin_loop(),
+                    Idle::Yield => std::thread::yield_now(),
+                    Idle::Nap => break res.rcq.poll_or_wait(&mut wcs[..1], &res.rchan, spin, timeout.saturating_sub(t0.elapsed()))?,
+                }
+            }
+        }
     };
-    let n = res.rcq.poll_or_wait(&mut wcs[..1], &res.rchan, spin, timeout)?;
+    if n > 0 {
+        res.rpace.found(pace::now_ns());
+    }
     for w in &wcs[..n] {
         if w.status != WcStatus::Success {
             bail!("work request {} failed: {:?}", w.wr_id, w.status);
