@@ -143,7 +143,7 @@ mod tests {
     /// A ping-pong: one completion per 100 us round trip. Its waits keep
     /// yielding instead of napping.
     #[test]
-    fn a_ping_pong_whose_completions_follow_naps_stays_a_stream() {
+    fn a_ping_pong_stays_a_stream() {
         let p = Pace::default();
         let mut now = 1_000_000 * US;
         p.found(now);
