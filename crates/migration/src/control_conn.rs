@@ -12,6 +12,13 @@
 //! the resume arriving on that connection (or the failure itself) and
 //! does the same, so both ends continue on it with no byte lost or doubled.
 //!
+//! The peer's FIN alone moves nothing while the engine does not read: a
+//! peer that moves the stream writes its resume on the next connection,
+//! and one whose migration ended closes every connection, which is no
+//! link failure. An end that is done with the stream says so
+//! ([`ControlConn::close`]) before it tears anything down, so that its own
+//! teardown is not taken for a failure either.
+//!
 //! A watcher thread per end looks at the connections every
 //! [`WATCH_EVERY`], so a failover happens even while the engine neither
 //! reads nor writes the control connection. The engine reads and writes a
@@ -28,7 +35,7 @@ use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -42,7 +49,7 @@ const WATCH_EVERY: Duration = Duration::from_millis(100);
 const RESUME_TIMEOUT: Duration = Duration::from_secs(10);
 /// The first bytes of a resume: this magic, then the bytes received.
 const RESUME_MAGIC: [u8; 8] = *b"TRCTLRSM";
-/// `live` once every connection failed.
+/// `live` once every connection failed, or the stream was closed.
 const DEAD: usize = usize::MAX;
 
 /// One end of the control connection (clones share it).
@@ -59,6 +66,11 @@ struct Inner {
     live: AtomicUsize,
     /// Waiting connections the watcher saw die: a failover skips them.
     quiet: Vec<AtomicBool>,
+    /// This end is done with the stream ([`ControlConn::close`]): nothing
+    /// moves it any more.
+    closed: AtomicBool,
+    /// Times the stream moved to another connection.
+    moves: AtomicU64,
     /// One failover at a time.
     switch: Mutex<()>,
     tx: Mutex<Tx>,
@@ -66,6 +78,8 @@ struct Inner {
     read_timeout: Mutex<Option<Duration>>,
     /// Told the link the stream moved to.
     on_move: Mutex<Option<MoveHook>>,
+    /// `control_moves` in the statistics.
+    ctl: Arc<Control>,
 }
 
 type MoveHook = Box<dyn Fn(usize) + Send>;
@@ -139,11 +153,11 @@ fn poll_one(s: &TcpStream, events: i16, wait: Duration) -> i16 {
 impl ControlConn {
     /// Wrap the connections of a session, set up and announced: `conns[0]`
     /// carries the stream from here on, the others wait.
-    pub fn new(conns: Vec<TcpStream>, ctl: &Control) -> Result<ControlConn> {
+    pub fn new(conns: Vec<TcpStream>, ctl: &Arc<Control>) -> Result<ControlConn> {
         assert!(!conns.is_empty());
         // Each was registered with `ctl` as it connected: a cancel shuts
-        // every one of them.
-        let _ = ctl;
+        // every one of them. Its statistics count the moves.
+        let ctl = ctl.clone();
         for c in &conns {
             c.set_read_timeout(None)?;
             if conns.len() > 1 {
@@ -153,6 +167,8 @@ impl ControlConn {
         let several = conns.len() > 1;
         let inner = Arc::new(Inner {
             quiet: conns.iter().map(|_| AtomicBool::new(false)).collect(),
+            closed: AtomicBool::new(false),
+            moves: AtomicU64::new(0),
             conns,
             live: AtomicUsize::new(0),
             switch: Mutex::new(()),
@@ -160,6 +176,7 @@ impl ControlConn {
             rx: Mutex::new(Rx { received: 0, drained: VecDeque::new() }),
             read_timeout: Mutex::new(None),
             on_move: Mutex::new(None),
+            ctl,
         });
         if several {
             let weak = Arc::downgrade(&inner);
@@ -252,10 +269,27 @@ impl ControlConn {
         *lock(&self.inner.on_move) = Some(Box::new(hook));
     }
 
+    /// How many times the stream moved to another connection.
+    pub fn moves(&self) -> u64 {
+        self.inner.moves.load(Ordering::SeqCst)
+    }
+
     pub fn shutdown(&self) {
         for c in &self.inner.conns {
             let _ = c.shutdown(Shutdown::Both);
         }
+    }
+
+    /// This end is done with the stream (the migration ended, cleanly or
+    /// not): from here nothing moves it, neither the peer closing its end
+    /// nor this end shutting its sockets (a source's channel teardown shuts
+    /// every connection of the migration), and every connection is shut.
+    /// Reads and writes after it fail.
+    pub fn close(&self) {
+        let _one = lock(&self.inner.switch);
+        self.inner.closed.store(true, Ordering::SeqCst);
+        self.inner.live.store(DEAD, Ordering::SeqCst);
+        self.shutdown();
     }
 }
 
@@ -353,7 +387,7 @@ impl Inner {
     fn fail_over(&self, from: usize) -> io::Result<()> {
         let _one = lock(&self.switch);
         let live = self.live.load(Ordering::SeqCst);
-        if live == DEAD {
+        if live == DEAD || self.closed.load(Ordering::SeqCst) {
             return Err(lost());
         }
         if live != from {
@@ -384,10 +418,18 @@ impl Inner {
                 Ok(()) => {
                     tracing::warn!("migration: control connection moved from link {from} to link {next}");
                     self.live.store(next, Ordering::SeqCst);
+                    self.moves.fetch_add(1, Ordering::SeqCst);
+                    self.ctl.update(|s| s.control_moves += 1);
                     if let Some(hook) = lock(&self.on_move).as_ref() {
                         hook(next);
                     }
                     return Ok(());
+                }
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    // The peer closed that connection too: its migration
+                    // ended (or its process did), no link failed.
+                    tracing::debug!("migration: control connection: the peer closed link {next} as well");
+                    let _ = self.conns[next].shutdown(Shutdown::Both);
                 }
                 Err(e) => {
                     tracing::warn!("migration: control connection cannot resume on link {next}: {e}");
@@ -442,10 +484,13 @@ impl Inner {
 /// a later one, starts a failover without waiting for the engine to read
 /// or write. Ends with the connection.
 fn watch(weak: Weak<Inner>) {
+    // The live connection whose peer sent its FIN: from then on only its
+    // errors count (poll reports those unasked).
+    let mut fin_seen = None;
     loop {
         let Some(inner) = weak.upgrade() else { return };
         let live = inner.live.load(Ordering::SeqCst);
-        if live == DEAD {
+        if live == DEAD || inner.closed.load(Ordering::SeqCst) {
             return;
         }
         let mut fds: Vec<libc::pollfd> = Vec::new();
@@ -455,7 +500,11 @@ fn watch(weak: Weak<Inner>) {
                 continue;
             }
             // The live one: only its failure (its data is the engine's).
-            let events = if k == live { libc::POLLRDHUP } else { libc::POLLIN | libc::POLLRDHUP };
+            let events = match k == live {
+                true if fin_seen == Some(live) => 0,
+                true => libc::POLLRDHUP,
+                false => libc::POLLIN | libc::POLLRDHUP,
+            };
             fds.push(libc::pollfd { fd: c.as_raw_fd(), events, revents: 0 });
             which.push(k);
         }
@@ -470,7 +519,15 @@ fn watch(weak: Weak<Inner>) {
                 continue;
             }
             if k == live {
-                move_on = true;
+                if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+                    move_on = true;
+                } else {
+                    // The peer's FIN alone: a peer that moves the stream
+                    // resumes on a later connection (seen here), one that
+                    // ended closes them all. The engine's own read of the
+                    // end still moves it.
+                    fin_seen = Some(live);
+                }
             } else if p.revents & libc::POLLIN != 0 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLRDHUP) == 0 {
                 // The peer moved the stream there.
                 move_on = true;
@@ -528,7 +585,7 @@ mod tests {
             a.push(TcpStream::connect(l.local_addr().unwrap()).unwrap());
             b.push(l.accept().unwrap().0);
         }
-        let ctl = Control::default();
+        let ctl = Arc::new(Control::default());
         let (ra, rb) = (a.iter().map(|s| s.try_clone().unwrap()).collect(), b.iter().map(|s| s.try_clone().unwrap()).collect());
         (ControlConn::new(a, &ctl).unwrap(), ControlConn::new(b, &ctl).unwrap(), ra, rb)
     }
@@ -572,6 +629,23 @@ mod tests {
         assert_eq!(wire::recv_msg(&mut &b).unwrap(), Msg::Go);
         assert_eq!(wire::recv_msg(&mut &b).unwrap(), Msg::Ready);
         assert_eq!(a.live_link(), Some(1));
+    }
+
+    #[test]
+    fn a_peer_that_closes_after_its_last_message_moves_nothing() {
+        let (a, b, _, _) = pair(2);
+        wire::send_msg(&mut &b, &Msg::Go).unwrap();
+        b.close();
+        // The watcher sees both FINs, the reader the message and the end.
+        std::thread::sleep(WATCH_EVERY * 3);
+        assert_eq!(wire::recv_msg(&mut &a).unwrap(), Msg::Go);
+        assert!(wire::recv_msg(&mut &a).is_err(), "the stream ended");
+        assert_eq!((a.moves(), b.moves()), (0, 0));
+        // Nor does this end's own teardown once it closed.
+        a.close();
+        a.shutdown();
+        std::thread::sleep(WATCH_EVERY * 2);
+        assert_eq!(a.moves(), 0);
     }
 
     #[test]

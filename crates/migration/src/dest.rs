@@ -47,6 +47,7 @@ pub fn run(
     if let Err(e) = &r {
         if let Some(c) = control.as_mut() {
             let _ = wire::send_msg(c, &Msg::Abort { reason: format!("{e:#}") });
+            c.close();
         }
         ctl.shutdown_all();
         // Devices built ahead from an early section (nothing once the
@@ -463,6 +464,7 @@ fn resume_on_go(
     downtime.step("resumed");
     let t = unix_ns();
     let _ = wire::send_msg(control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
+    control.close();
     if resumed {
         // Same figure as the source's, so it survives a source that exits.
         ctl.update(|s| s.downtime_ms = Some(t.saturating_sub(stream.source_paused) as f64 / 1e6));

@@ -754,6 +754,9 @@ fn commit(
         Ok(other) => tracing::warn!("destination sent {other:?} instead of resumed"),
         Err(e) => tracing::warn!("destination loaded the VM but did not confirm its start: {e:#}"),
     }
+    // The stream ends here: the channels' teardown below shuts every
+    // connection of the migration, which must not look like a failed link.
+    control.close();
     // The VM never runs here again (after the downtime: a VM that does
     // not keep it unregisters now).
     vm.retire(Box::new(log.into_tracker()));

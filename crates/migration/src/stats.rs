@@ -241,6 +241,10 @@ pub struct Stats {
     /// entry per source address; `channels` counts its queue pairs to read
     /// through, `throughput_gbps` stays 0).
     pub links: Vec<crate::links::LinkStat>,
+    /// Times the control stream moved to another link's connection (a
+    /// failover; 0 in a migration no link failure touched).
+    #[serde(default)]
+    pub control_moves: u64,
 }
 
 /// Shared between the engine thread and the control socket.

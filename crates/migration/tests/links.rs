@@ -189,6 +189,7 @@ macro_rules! over_transport {
 
 over_transport!(tcp:
     two_links_byte_exact_and_dirtier_oracle,
+    clean_two_link_migration_keeps_the_control_connection,
     one_link_cut_mid_migration_completes_on_the_other,
     one_link_cut_under_a_dirtier_completes_with_the_oracle,
     both_links_cut_fails_and_the_source_runs_on,
@@ -199,6 +200,7 @@ over_transport!(tcp:
 
 over_transport!(rdma:
     two_links_byte_exact_and_dirtier_oracle,
+    clean_two_link_migration_keeps_the_control_connection,
     one_link_cut_mid_migration_completes_on_the_other,
     one_link_cut_under_a_dirtier_completes_with_the_oracle,
     both_links_cut_fails_and_the_source_runs_on,
@@ -225,6 +227,27 @@ fn two_links_byte_exact_and_dirtier_oracle(transport: &'static str) {
             p.check_dirtier_on_destination();
         }
     }
+}
+
+/// A clean migration over two links ends with the control stream where
+/// it began: neither end's teardown (the source shuts every connection of
+/// the migration, the destination closes its own) is taken for a failed
+/// link, so no end moves it (`control_moves`), and the source's mark stays
+/// on the first link. Both ends are asked a while after the end, when a
+/// move at the teardown would have happened.
+fn clean_two_link_migration_keeps_the_control_connection(transport: &'static str) {
+    let p = pair(transport, "fill", "64M");
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "verify_ram": true, "timeout_s": 300})).unwrap();
+    let s = p.source_result();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    p.destination_completed();
+    // The source exits 2 s after it completed: ask it again within that.
+    std::thread::sleep(Duration::from_secs(1));
+    let s = p.src.client().and_then(|mut c| c.execute("query-migrate", json!({}))).unwrap_or(s);
+    let d = p.dst.client().unwrap().execute("query-migrate", json!({})).unwrap();
+    assert_eq!(s["control_moves"], 0, "source: {s:#}");
+    assert_eq!(d["control_moves"], 0, "destination: {d:#}");
+    assert_eq!(s["links"][0]["control"], true, "the control connection stayed on the first link: {s:#}");
 }
 
 /// The second link is cut in the middle of the first pass: its channels

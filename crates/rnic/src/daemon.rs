@@ -162,6 +162,9 @@ impl Namespace {
         if gso {
             setsockopt(&udp, sockopt::UdpGroSegment, &true).context("UDP_GRO")?;
         }
+        // Each datagram's arrival time, for round trips that leave out how
+        // late rnicd got to it (`recv_chunk`).
+        setsockopt(&udp, sockopt::ReceiveTimestampns, &true).context("SO_TIMESTAMPNS")?;
         let senders = Senders::new(gid, gso)?;
         let mut engine = Engine::new(gid);
         engine.set_active_mtu(crate::link::path_mtu_from(gid));
@@ -933,7 +936,8 @@ fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
 fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize {
     // SAFETY: zeroed structs are valid; every pointer refers to live buffers.
     let mut addrs: [libc::sockaddr_in; RX_CHUNK] = unsafe { std::mem::zeroed() };
-    let mut cbufs = [[0u64; 4]; RX_CHUNK];
+    // UDP_GRO's segment size and SCM_TIMESTAMPNS's arrival time.
+    let mut cbufs = [[0u64; 8]; RX_CHUNK];
     let mut iovs: Vec<libc::iovec> =
         bufs.iter_mut().map(|b| libc::iovec { iov_base: b.as_mut_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
     let mut hdrs: [libc::mmsghdr; RX_CHUNK] = unsafe { std::mem::zeroed() };
@@ -943,13 +947,14 @@ fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
         hdrs[k].msg_hdr.msg_iov = &mut iovs[k];
         hdrs[k].msg_hdr.msg_iovlen = 1;
         hdrs[k].msg_hdr.msg_control = cbufs[k].as_mut_ptr() as *mut libc::c_void;
-        hdrs[k].msg_hdr.msg_controllen = std::mem::size_of::<[u64; 4]>();
+        hdrs[k].msg_hdr.msg_controllen = std::mem::size_of::<[u64; 8]>();
     }
     let n = unsafe { libc::recvmmsg(udp.as_raw_fd(), hdrs.as_mut_ptr(), RX_CHUNK as u32, libc::MSG_DONTWAIT, std::ptr::null_mut()) };
     if n <= 0 {
         return 0;
     }
     let now = Instant::now();
+    let wall = std::time::SystemTime::now();
     for k in 0..n as usize {
         let len = hdrs[k].msg_len as usize;
         let src = Ipv4Addr::from(u32::from_be(addrs[k].sin_addr.s_addr));
@@ -960,12 +965,16 @@ fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
         }
         // A GRO-coalesced datagram carries several packets of `seg` bytes.
         let mut seg = len;
+        let mut arrived = now;
         // SAFETY: walking the control messages the kernel wrote.
         unsafe {
             let mut c = libc::CMSG_FIRSTHDR(&hdrs[k].msg_hdr);
             while !c.is_null() {
                 if (*c).cmsg_level == SOL_UDP && (*c).cmsg_type == UDP_GRO {
                     seg = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const i32).max(1) as usize;
+                } else if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_TIMESTAMPNS {
+                    let ts = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::timespec);
+                    arrived = arrival(now, wall, &ts);
                 }
                 c = libc::CMSG_NXTHDR(&hdrs[k].msg_hdr, c);
             }
@@ -975,10 +984,21 @@ fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
             continue;
         }
         for chunk in bufs[k][..len].chunks(seg.max(1)) {
-            engine.on_packet(chunk, src, sport, now);
+            engine.on_packet_at(chunk, src, sport, now, arrived);
         }
     }
     n as usize
+}
+
+/// The monotonic time of a kernel receive timestamp (wall clock), given
+/// both clocks at `now`: at most a second back (a stamp older than that,
+/// or from the future after a clock step, is taken as `now`).
+fn arrival(now: Instant, wall: std::time::SystemTime, ts: &libc::timespec) -> Instant {
+    let stamp = std::time::UNIX_EPOCH + Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
+    match wall.duration_since(stamp) {
+        Ok(age) if age < Duration::from_secs(1) => now.checked_sub(age).unwrap_or(now),
+        _ => now,
+    }
 }
 
 /// The daemon's two epolls: namespaces' UDP sockets, and the control side.

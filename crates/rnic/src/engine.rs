@@ -111,7 +111,10 @@ impl Engine {
         stats: &'a mut Stats,
         asyncs: &'a mut AsyncSinks,
     ) -> Ctx<'a> {
-        Ctx { gid, keys, cqs, tx, stats, now: Instant::now(), asyncs }
+        {
+            let now = Instant::now();
+            Ctx { gid, keys, cqs, tx, stats, now, arrived: now, asyncs }
+        }
     }
 
     pub fn device_attr(&self) -> DeviceAttr {
@@ -340,6 +343,12 @@ impl Engine {
 
     /// One received UDP payload from `src:sport`.
     pub fn on_packet(&mut self, buf: &[u8], src: Ipv4Addr, sport: u16, now: Instant) {
+        self.on_packet_at(buf, src, sport, now, now)
+    }
+
+    /// [`on_packet`](Self::on_packet) of a packet that reached the kernel
+    /// at `arrived` (its receive timestamp), handled at `now`.
+    pub fn on_packet_at(&mut self, buf: &[u8], src: Ipv4Addr, sport: u16, now: Instant, arrived: Instant) {
         self.stats.rx_packets += 1;
         let flow = Flow { src, dst: self.gid, sport, dport: ROCE_PORT };
         let p = match wire::parse(buf, Some(&flow)) {
@@ -359,7 +368,7 @@ impl Engine {
             return;
         };
         if qp.is_ud() || p.bth.opcode.is_ud() {
-            let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
+            let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, arrived, asyncs };
             qp.ud_on_packet(&mut ctx, &p, src, buf.len());
             return;
         }
@@ -368,7 +377,7 @@ impl Engine {
             stats.rx_unknown_qp += 1;
             return;
         }
-        let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
+        let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, arrived, asyncs };
         // A UC QP takes no responses: its responder drops them.
         if p.bth.opcode.is_response() && !qp.is_uc() {
             qp.on_response(&mut ctx, &p);
@@ -381,7 +390,7 @@ impl Engine {
     /// Returns whether more transmit work is pending.
     pub fn poll_tx(&mut self, budget: usize, now: Instant) -> bool {
         let Engine { gid, keys, cqs, tx, stats, asyncs, qps, qpn_order, rr, .. } = self;
-        let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, asyncs };
+        let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, arrived: now, asyncs };
         let n = qpn_order.len();
         let mut budget = budget;
         // Every QP's queued ACKs and NAKs first: each is one small packet

@@ -273,6 +273,25 @@ pub struct Bth {
     pub dest_qpn: u32,
     pub ack_req: bool,
     pub psn: u32,
+    /// The six reserved bits of BTH byte 4 (below FECN and BECN), which
+    /// the ICRC masks. An rnicd responder puts how long it held the
+    /// request an ACK answers there ([`encode_hold`]); other devices send
+    /// and ignore zero.
+    pub resv6: u8,
+}
+
+/// Units of [`Bth::resv6`]'s hold: 1 ms, up to 63 ms.
+pub const HOLD_UNIT_US: u64 = 1000;
+
+/// A responder's hold of `us` µs as [`Bth::resv6`]: whole units rounded
+/// down (never more than it held), at most 63.
+pub fn encode_hold(us: u64) -> u8 {
+    (us / HOLD_UNIT_US).min(0x3f) as u8
+}
+
+/// The hold a peer reported in [`Bth::resv6`], µs.
+pub fn decode_hold(resv6: u8) -> u64 {
+    (resv6 & 0x3f) as u64 * HOLD_UNIT_US
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -594,6 +613,7 @@ pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, Parse
         dest_qpn: be24(&body[5..8]),
         ack_req: body[8] & 0x80 != 0,
         psn: be24(&body[9..12]),
+        resv6: body[4] & 0x3f,
     };
     let mut p = Packet { bth, reth: None, imm: None, aeth: None, atomic: None, atomic_ack: None, ieth: None, deth: None, payload: &[] };
     let mut off = BTH_LEN;
@@ -667,7 +687,7 @@ pub struct Headers {
 impl Headers {
     pub fn new(opcode: Opcode, dest_qpn: u32, psn: u32) -> Headers {
         Headers {
-            bth: Bth { opcode, solicited: false, mig_req: false, pad: 0, pkey: DEFAULT_PKEY, dest_qpn, ack_req: false, psn },
+            bth: Bth { opcode, solicited: false, mig_req: false, pad: 0, pkey: DEFAULT_PKEY, dest_qpn, ack_req: false, psn, resv6: 0 },
             reth: None,
             imm: None,
             aeth: None,
@@ -686,7 +706,7 @@ impl Headers {
         out[0] = b.opcode as u8;
         out[1] = (b.solicited as u8) << 7 | (b.mig_req as u8) << 6 | pad << 4;
         out[2..4].copy_from_slice(&b.pkey.to_be_bytes());
-        out[4] = 0;
+        out[4] = b.resv6 & 0x3f;
         out[5..8].copy_from_slice(&(b.dest_qpn & QPN_MASK).to_be_bytes()[1..]);
         out[8] = (b.ack_req as u8) << 7;
         out[9..12].copy_from_slice(&(b.psn & PSN_MASK).to_be_bytes()[1..]);
@@ -869,6 +889,12 @@ mod tests {
         b[13] ^= 0x40;
         b[4] = 0xc0;
         assert!(parse(&b, Some(&f)).is_ok());
+        // So is the responder's hold in its six low bits.
+        b[4] = 0xc0 | encode_hold(17_900);
+        assert_eq!(parse(&b, Some(&f)).map(|p| decode_hold(p.bth.resv6)), Ok(17_000));
+        assert_eq!(encode_hold(999), 0);
+        assert_eq!(decode_hold(encode_hold(10_000_000)), 63_000);
+        b[4] = 0xc0;
         // Sealed for GSO segment 5 (IP id 5): still accepted; the delta is
         // what a full recomputation gives.
         let mut h5 = b.clone();

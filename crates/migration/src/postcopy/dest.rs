@@ -373,6 +373,7 @@ pub(crate) fn run(
         if let Err(e) = wire::send_msg(&mut l.control, &complete) {
             tracing::warn!("could not tell the source that postcopy completed: {e}");
         }
+        l.control.close();
         // The source stops pushing on Complete and ends its streams; a link
         // that dies now loses nothing, so wait only a little.
         let t = Instant::now();
@@ -547,7 +548,7 @@ fn wait_for_every_page(
 fn accept_recovery(
     acceptor: &Acceptor,
     rnicd: &str,
-    ctl: &Control,
+    ctl: &Arc<Control>,
     session: u64,
     sh: &Arc<RxShared>,
     placer: &Placer,

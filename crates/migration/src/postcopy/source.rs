@@ -259,7 +259,14 @@ fn serve_with_recovery(
     let mut conn = Some((control, channels));
     loop {
         let r = match conn.take() {
-            Some((mut control, mut channels)) => serve(&mut control, &mut channels, queue, ctl, ram),
+            Some((mut control, mut channels)) => {
+                let r = serve(&mut control, &mut channels, queue, ctl, ram);
+                if r.is_ok() {
+                    // Complete: the stream ends before the channels' teardown.
+                    control.close();
+                }
+                r
+            }
             None => Err(anyhow!("not connected")),
         };
         match r {
@@ -445,7 +452,7 @@ fn recover_hello(
     channels: u32,
     compress: &str,
     transport: &str,
-    ctl: &Control,
+    ctl: &Arc<Control>,
 ) -> Result<Recovered> {
     let total = ram.pages();
     let mut tried = Vec::new();
@@ -590,7 +597,13 @@ fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
     loop {
         let r = match conn.take() {
             // The RAM stays readable until the destination has it all.
-            Some((mut c, _reads)) => wait_complete(&mut c, &ctl),
+            Some((mut c, _reads)) => {
+                let r = wait_complete(&mut c, &ctl);
+                if r.is_ok() {
+                    c.close();
+                }
+                r
+            }
             None => Err(anyhow!("not connected")),
         };
         let Err(e) = r else { break };

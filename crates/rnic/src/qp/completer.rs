@@ -49,10 +49,15 @@ impl Qp {
     fn progress(&mut self, ctx: &mut Ctx) {
         if let Some((p, t)) = self.rtt_sample {
             if psn_diff(self.rt.una, p) > 0 {
+                // The timers wait for answers as they come, late ones
+                // included; the delay signal takes the path's part only:
+                // from the send to the ACK's arrival in the kernel, less
+                // what the responder reports it held the requests.
                 let us = ctx.now.saturating_duration_since(t).as_secs_f64() * 1e6;
                 self.rtt_update(us);
                 self.rtt_sample = None;
-                self.on_rtt_sample(ctx, us);
+                let path_us = ctx.arrived.saturating_duration_since(t).as_secs_f64() * 1e6 - self.peer_hold_us as f64;
+                self.on_rtt_sample(ctx, path_us.max(0.0));
             }
         }
         self.probe_backoff = 0;
@@ -150,6 +155,12 @@ impl Qp {
 
     /// ACK, RNR NAK or NAK.
     fn on_ack(&mut self, ctx: &mut Ctx, p: &Packet) {
+        self.peer_hold_us = wire::decode_hold(p.bth.resv6);
+        self.on_ack_held(ctx, p);
+        self.peer_hold_us = 0;
+    }
+
+    fn on_ack_held(&mut self, ctx: &mut Ctx, p: &Packet) {
         let psn = p.bth.psn;
         let prev = psn_add(psn, wire::PSN_MASK);
         let Some(aeth) = p.aeth else { return };

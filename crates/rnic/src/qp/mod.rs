@@ -98,6 +98,10 @@ pub struct Ctx<'a> {
     pub tx: &'a mut Tx,
     pub stats: &'a mut Stats,
     pub now: Instant,
+    /// When the packet being handled reached this host's kernel (its
+    /// receive timestamp; `now` elsewhere): a round trip measured to it
+    /// leaves out how late rnicd got to the packet.
+    pub arrived: Instant,
     pub asyncs: &'a mut AsyncSinks,
 }
 
@@ -144,6 +148,12 @@ pub struct Qp {
     rttvar_us: f64,
     /// A new packet being timed: (PSN, sent at).
     rtt_sample: Option<(u32, Instant)>,
+    /// Requester: how long the responder held the requests the ACK being
+    /// handled answers (µs, [`wire::decode_hold`]; 0 from other devices).
+    peer_hold_us: u64,
+    /// Responder: when the oldest request the next ACK answers reached
+    /// the kernel; the ACK reports how long it was held since.
+    ack_since: Option<Instant>,
     rnr_until: Option<Instant>,
     /// Avoids rewinding again for the same gap while a rewind is under way.
     last_rewind: Option<u32>,
@@ -232,6 +242,8 @@ impl Qp {
             held_bytes: 0,
             unasked_msgs: 0,
             ack_due: None,
+            peer_hold_us: 0,
+            ack_since: None,
             held_local: None,
             srq: None,
             uc_dropping: false,

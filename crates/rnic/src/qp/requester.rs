@@ -166,9 +166,12 @@ impl Qp {
     /// and each such timeout resends the whole window. The window shrinks
     /// in proportion to the excess (the delay signal of RDMA's TIMELY,
     /// with one threshold): the queue stays near the threshold and the
-    /// link busy, where halving drained it. The delay is the smaller of
-    /// this sample and the one before, so that one stalled round trip (a
-    /// host too loaded to run rnicd) is not taken for a queue.
+    /// link busy, where halving drained it. `us` is the path's part of the
+    /// round trip: neither this rnicd's lateness in reading the ACK (the
+    /// kernel's receive timestamp) nor the responder's in answering (the
+    /// hold its ACK reports) counts. The delay is the smaller of this
+    /// sample and the one before, so that one stalled round trip is not
+    /// taken for a queue.
     pub(super) fn on_rtt_sample(&mut self, ctx: &mut Ctx, us: f64) {
         let Some(t) = wire::ack_timeout_us(self.attr.timeout) else { return };
         let max = self.max_window() as u32;

@@ -2,7 +2,7 @@
 //! order, and queues its responses in PSN order.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Ctx, Qp, ReadExec, RespJob, WriteCtx, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE};
 use crate::async_events::AsyncKind;
@@ -629,6 +629,7 @@ impl Qp {
         if self.is_uc() {
             return;
         }
+        self.ack_since.get_or_insert(ctx.arrived);
         if p.bth.ack_req {
             self.queue_ack(p.bth.psn);
         } else if self.ack_due.is_none() {
@@ -753,6 +754,12 @@ impl Qp {
                 RespJob::Ack { psn, syndrome } => {
                     let mut h = Headers::new(Opcode::Ack, dq, psn);
                     h.aeth = Some(Aeth { syndrome: Syndrome::from_u8(syndrome), msn: self.rt.msn });
+                    // How long the requests it answers waited here (for
+                    // rnicd, or its host's scheduler): the requester's
+                    // delay signal leaves it out.
+                    if let Some(t) = self.ack_since.take() {
+                        h.bth.resv6 = wire::encode_hold(Instant::now().saturating_duration_since(t).as_micros() as u64);
+                    }
                     let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
                     self.rt.resp_queue.pop_front();
                 }

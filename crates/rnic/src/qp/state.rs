@@ -266,6 +266,8 @@ impl Qp {
         self.suspended_nak_at = None;
         self.unasked_msgs = 0;
         self.ack_due = None;
+        self.ack_since = None;
+        self.peer_hold_us = 0;
         self.restart_congestion();
     }
 

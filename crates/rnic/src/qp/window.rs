@@ -5,6 +5,9 @@
 //!
 //! A loss halves the window, once per window of packets: losses of packets
 //! sent before the last cut are the same congestion event. A round trip
+//! (the path's part of it, as TIMELY takes it from NIC timestamps: from the
+//! send to the ACK's arrival in the kernel, less the time the responder
+//! reports it held the requests; `qp::completer`)
 //! above the delay threshold (a queue on the path) shrinks it in proportion
 //! to how far above, as RDMA's TIMELY does: by a fraction
 //! `DELAY_BETA * (1 - threshold / rtt)`, once per window too, so that the
