@@ -23,17 +23,9 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 #[ignore]
 fn datapath_figures() {
     let bed = Bed::new("pvbench", 3);
-    let gid = bed.vm_gid(0, 1);
-    let mut d = Drv::new(&bed.nics[0].sock, gid);
-    d.bring_up();
-    let pd = d.create_pd();
-    let (buf, _, key) = d.create_mr(pd, 1 << 20);
-    let mut scq = d.create_cq(256);
-    let mut rcq = d.create_cq(256);
-    let mut qp = d.create_qp(pd, &scq, &rcq, 64, 1);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 1, 2);
-    peer.connect(gid, qp.qpn, 2, 1);
+    let (gid, mut d) = bed.device();
+    let Conn { buf, key, mut scq, mut rcq, mut qp, .. } = d.rc_conn(ConnSpec { cq_entries: 256, depth: 64, sge: 1, ..Default::default() });
+    let peer = bed.peer_of(&mut d, &qp, gid, 1, 2);
 
     // Cost per posted WQE: 64-byte WRITEs, every 32nd signaled.
     const N: u64 = 20_000;

@@ -17,9 +17,7 @@ use verbs::{RecvWr, SendWr, WcOpcode, WcStatus};
 #[test]
 fn every_command_and_operation_with_a_bare_metal_peer() {
     let bed = Bed::new("pvdev", 2);
-    let gid = bed.vm_gid(0, 1);
-    let mut d = Drv::new(&bed.nics[0].sock, gid);
-    d.bring_up();
+    let (gid, mut d) = bed.device();
 
     // Commands a driver runs at probe and for a user context.
     let bind = CmdCreateBind {
@@ -43,14 +41,8 @@ fn every_command_and_operation_with_a_bare_metal_peer() {
     d.cmd::<_, CmdRespHdr>(CmdDestroyUc { hdr: Drv::hdr(CMD_DESTROY_UC), ctx_handle: uc.ctx_handle, reserved: [0; 4] }).unwrap();
 
     // The objects of one connection.
-    let pd = d.create_pd();
-    let (buf, _mrh, key) = d.create_mr(pd, 1 << 20);
-    let mut scq = d.create_cq(64);
-    let mut rcq = d.create_cq(64);
-    let mut qp = d.create_qp(pd, &scq, &rcq, 32, 4);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 500, 700);
-    peer.connect(gid, qp.qpn, 700, 500);
+    let Conn { pd, buf, mr: _mrh, key, mut scq, mut rcq, mut qp } = d.rc_conn(ConnSpec::default());
+    let peer = bed.peer_of(&mut d, &qp, gid, 500, 700);
     let a = d.query_qp(&qp);
     assert_eq!(a.qp_state, ib::qp_state::RTS);
     assert_eq!(a.dest_qp_num, peer.qp.qpn);

@@ -18,23 +18,17 @@ const EFAULT: u8 = 14;
 const EINVAL: u8 = 22;
 const ENOSYS: u8 = 38;
 
-/// One guest connection to a fresh peer end; returns the pieces.
-fn connection(d: &mut Drv, bed: &Bed, gid: Ipv4Addr) -> (GQp, GCq, GCq, u64, u32, Peer) {
-    let pd = d.create_pd();
-    let (buf, _, key) = d.create_mr(pd, 1 << 20);
-    let scq = d.create_cq(64);
-    let rcq = d.create_cq(64);
-    let qp = d.create_qp(pd, &scq, &rcq, 32, 4);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 1, 2);
-    peer.connect(gid, qp.qpn, 2, 1);
-    (qp, scq, rcq, buf, key, peer)
+/// One guest connection to a fresh peer end.
+fn connection(d: &mut Drv, bed: &Bed, gid: Ipv4Addr) -> (Conn, Peer) {
+    let c = d.rc_conn(ConnSpec::default());
+    let peer = bed.peer_of(d, &c.qp, gid, 1, 2);
+    (c, peer)
 }
 
 /// A WRITE guest -> peer and a SEND peer -> guest, checked byte for byte.
-/// (Takes the pieces `connection` returns, as they are.)
-#[allow(clippy::too_many_arguments)]
-fn round_trip(d: &mut Drv, qp: &mut GQp, scq: &mut GCq, rcq: &mut GCq, buf: u64, key: u32, peer: &Peer, seed: u64) {
+fn round_trip(d: &mut Drv, c: &mut Conn, peer: &Peer, seed: u64) {
+    let Conn { qp, scq, rcq, buf, key, .. } = c;
+    let (buf, key) = (*buf, *key);
     let data = pattern(seed, 5000);
     d.put_bytes(buf, &data);
     let mut h = sq(seed, wr_opcode::RDMA_WRITE);
@@ -164,8 +158,9 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
     assert_eq!(d.query()["objects"]["qps"], 0);
 
     // A working connection, then bad input on its rings and WQEs.
-    let (mut qp, mut scq, mut rcq, buf, key, peer) = connection(&mut d, &bed, gid);
-    round_trip(&mut d, &mut qp, &mut scq, &mut rcq, buf, key, &peer, 10);
+    let (mut c, peer) = connection(&mut d, &bed, gid);
+    round_trip(&mut d, &mut c, &peer, 10);
+    let Conn { mut qp, mut scq, buf, key, .. } = c;
     let mut ev_head = 0;
     // Too many SGEs: a LOC_LEN_ERR completion for that WQE.
     let sges = [Sge { addr: buf, length: 8, lkey: key }; 4];
@@ -183,22 +178,23 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
     assert!(d.async_events(&mut ev_head).is_empty(), "a bad WQE is reported by its CQE only");
 
     // A fresh connection: an unsupported opcode, an SGE outside its MR.
-    let (mut qp2, mut scq2, mut rcq2, buf2, key2, peer2) = connection(&mut d, &bed, gid);
-    round_trip(&mut d, &mut qp2, &mut scq2, &mut rcq2, buf2, key2, &peer2, 20);
+    let (mut c2, peer2) = connection(&mut d, &bed, gid);
+    round_trip(&mut d, &mut c2, &peer2, 20);
+    let Conn { qp: mut qp2, scq: mut scq2, buf: buf2, key: key2, .. } = c2;
     let mut h = sq(600, wr_opcode::RDMA_WRITE);
     h.wr.set_rdma(&WrRdma { remote_addr: peer2.mr.addr, rkey: peer2.mr.rkey, reserved: [0; 4] });
     d.post_send(&mut qp2, h, &[Sge { addr: buf2 + (1 << 20) - 16, length: 64, lkey: key2 }]);
     let c = d.wait_cqes(&mut scq2, 1)[0];
     assert_eq!((c.wr_id, c.status), (600, wc_status::LOC_PROT_ERR), "SGE beyond its MR: {c:?}");
-    let (mut qp3, mut scq3, mut rcq3, buf3, key3, peer3) = connection(&mut d, &bed, gid);
+    let (Conn { qp: mut qp3, scq: mut scq3, .. }, _peer3) = connection(&mut d, &bed, gid);
     d.post_send(&mut qp3, sq(700, wr_opcode::LOCAL_INV), &[]);
     let c = d.wait_cqes(&mut scq3, 1)[0];
     assert_eq!((c.wr_id, c.status), (700, wc_status::LOC_QP_OP_ERR), "{c:?}");
-    let _ = (&mut rcq3, buf3, key3, &peer3);
 
     // Ring indices outside [0, 2N): ERR, a QP_FATAL async event, nothing read.
-    let (mut qp4, mut scq4, mut rcq4, buf4, key4, peer4) = connection(&mut d, &bed, gid);
-    round_trip(&mut d, &mut qp4, &mut scq4, &mut rcq4, buf4, key4, &peer4, 30);
+    let (mut c4, peer4) = connection(&mut d, &bed, gid);
+    round_trip(&mut d, &mut c4, &peer4, 30);
+    let qp4 = c4.qp;
     d.put(qp4.base + QP_SQ_RING_OFFSET, &(2 * qp4.sq_cnt + 5));
     d.doorbell(UAR_QP_OFFSET, UAR_QP_SEND | qp4.handle);
     assert_eq!(d.rd(REG_ERR), 34, "ERANGE");
@@ -216,8 +212,9 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
     assert_eq!(d.query()["counters"]["bad_doorbells"].as_u64().unwrap(), before + 3);
 
     // After all of it, a new connection works as before.
-    let (mut qp6, mut scq6, mut rcq6, buf6, key6, peer6) = connection(&mut d, &bed, gid);
-    round_trip(&mut d, &mut qp6, &mut scq6, &mut rcq6, buf6, key6, &peer6, 40);
+    let (mut c6, peer6) = connection(&mut d, &bed, gid);
+    round_trip(&mut d, &mut c6, &peer6, 40);
+    let (buf6, key6) = (c6.buf, c6.key);
     // A peer WRITE with a wrong rkey fails at the peer (remote access error).
     peer6.qp.post_send(&[SendWr::write(1, &[peer6.mr.sge(0, 64)], buf6, key6 ^ 0x5a5a)]).unwrap();
     assert_eq!(peer6.cq.wait(1, T).unwrap()[0].status, WcStatus::RemAccessErr);
@@ -233,9 +230,10 @@ fn two_devices_with_the_same_ids_beside_each_other() {
     let mut d2 = Drv::new(&bed.nics[0].sock, g2);
     d1.bring_up();
     d2.bring_up();
-    let (mut q1, mut s1, mut r1, b1, k1, p1) = connection(&mut d1, &bed, g1);
-    let (mut q2, mut s2, mut r2, b2, k2, p2) = connection(&mut d2, &bed, g2);
-    assert_eq!((q1.qpn, k1, q1.handle), (q2.qpn, k2, q2.handle), "both namespaces hand out the same IDs");
+    let (mut c1, p1) = connection(&mut d1, &bed, g1);
+    let (mut c2, p2) = connection(&mut d2, &bed, g2);
+    let (b1, k1, b2, k2) = (c1.buf, c1.key, c2.buf, c2.key);
+    assert_eq!((c1.qp.qpn, k1, c1.qp.handle), (c2.qp.qpn, k2, c2.qp.handle), "both namespaces hand out the same IDs");
     assert_eq!(b1, b2, "and the same guest addresses");
     for round in 0..20u64 {
         // Each peer QP writes its own pattern to the same (address, rkey) of
@@ -249,8 +247,8 @@ fn two_devices_with_the_same_ids_beside_each_other() {
         assert_eq!(p2.cq.wait(1, T).unwrap()[0].status, WcStatus::Success);
         assert_eq!(d1.get_bytes(b1 + 65536, 4096), x1);
         assert_eq!(d2.get_bytes(b2 + 65536, 4096), x2);
-        round_trip(&mut d1, &mut q1, &mut s1, &mut r1, b1, k1, &p1, 100 + round * 4);
-        round_trip(&mut d2, &mut q2, &mut s2, &mut r2, b2, k2, &p2, 102 + round * 4);
+        round_trip(&mut d1, &mut c1, &p1, 100 + round * 4);
+        round_trip(&mut d2, &mut c2, &p2, 102 + round * 4);
     }
     let _ = RecvWr { wr_id: 0, sg_list: &[] };
 }
@@ -278,10 +276,10 @@ fn fuzzed_commands_doorbells_and_wqes() {
     let (g1, g2) = (bed.vm_gid(0, 1), bed.vm_gid(0, 2));
     let mut n = Drv::new(&bed.nics[0].sock, g2);
     n.bring_up();
-    let (mut nq, mut ns, mut nr, nb, nk, np) = connection(&mut n, &bed, g2);
+    let (mut nc, np) = connection(&mut n, &bed, g2);
     let mut d = Drv::new(&bed.nics[0].sock, g1);
     d.bring_up();
-    let (mut qp, scq, rcq, buf, key, _peer) = connection(&mut d, &bed, g1);
+    let (Conn { mut qp, scq, rcq, buf, key, .. }, _peer) = connection(&mut d, &bed, g1);
     // An SRQ with a QP on it, whose ring the loop fuzzes too.
     let spd = d.create_pd();
     let mut srq = d.create_srq(spd, 32, 2, 4);
@@ -370,7 +368,7 @@ fn fuzzed_commands_doorbells_and_wqes() {
             }
         }
         if i % 500 == 0 {
-            round_trip(&mut n, &mut nq, &mut ns, &mut nr, nb, nk, &np, 1000 + i);
+            round_trip(&mut n, &mut nc, &np, 1000 + i);
         }
     }
     // The fuzzed device resets and works again; its neighbour never stopped.
@@ -379,7 +377,7 @@ fn fuzzed_commands_doorbells_and_wqes() {
     assert_eq!(d.query()["objects"]["qps"], 0);
     d.next = 32 << 20;
     d.bring_up();
-    let (mut q, mut s, mut r, b, k, p) = connection(&mut d, &bed, g1);
-    round_trip(&mut d, &mut q, &mut s, &mut r, b, k, &p, 5000);
-    round_trip(&mut n, &mut nq, &mut ns, &mut nr, nb, nk, &np, 6000);
+    let (mut c, p) = connection(&mut d, &bed, g1);
+    round_trip(&mut d, &mut c, &p, 5000);
+    round_trip(&mut n, &mut nc, &np, 6000);
 }

@@ -152,13 +152,8 @@ fn response_and_cq_notification_arrive_as_msix_messages() {
     assert_eq!(rec.take(), vec![(MSI_ADDR, data(INTR_VECTOR_RESPONSE))]);
 
     // An armed CQ: the completion of a peer SEND raises the CQ vector.
-    let (buf, _mrh, key) = d.create_mr(pd, 1 << 20);
-    let scq = d.create_cq(16);
-    let mut rcq = d.create_cq(16);
-    let mut qp = d.create_qp(pd, &scq, &rcq, 8, 2);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 500, 700);
-    peer.connect(gid, qp.qpn, 700, 500);
+    let Conn { buf, key, mut rcq, mut qp, .. } = d.rc_conn_in(pd, ConnSpec { cq_entries: 16, depth: 8, sge: 2, ..Default::default() });
+    let peer = bed.peer_of(&mut d, &qp, gid, 500, 700);
     rec.take();
     d.doorbell(UAR_CQ_OFFSET, UAR_CQ_ARM | rcq.handle);
     d.post_recv(&mut qp, 9, &[Sge { addr: buf, length: 64, lkey: key }]);
@@ -182,10 +177,7 @@ fn response_and_cq_notification_arrive_as_msix_messages() {
 #[test]
 fn configuration_space_as_the_guest_left_it_survives_save_and_restore() {
     let bed = Bed::new("pvcfg", 1);
-    let gid = bed.vm_gid(0, 1);
-    let (mem, fd) = guest_ram();
-    let mut d = Drv::with_ram(&bed.nics[0].sock, gid, mem, fd.try_clone().unwrap());
-    d.bring_up();
+    let (gid, mut d, fd) = bed.movable_device();
     d.create_pd();
     let cap = MSIX_CAP_OFFSET / 4;
     const MEMORY: u32 = 1 << 1;

@@ -13,19 +13,9 @@ use verbs::{RecvWr, SendWr, WcStatus};
 #[test]
 fn save_on_one_host_restore_on_another_mid_stream() {
     let bed = Bed::new("pvmove", 3);
-    let gid = bed.vm_gid(0, 1);
-    let (mem, fd) = guest_ram();
-    let fd_b = fd.try_clone().unwrap();
-    let mut d = Drv::with_ram(&bed.nics[0].sock, gid, mem, fd);
-    d.bring_up();
-    let pd = d.create_pd();
-    let (buf, _, key) = d.create_mr(pd, 16 << 20);
-    let mut scq = d.create_cq(128);
-    let mut rcq = d.create_cq(128);
-    let mut qp = d.create_qp(pd, &scq, &rcq, 64, 2);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 10, 20);
-    peer.connect(gid, qp.qpn, 20, 10);
+    let (gid, mut d, fd_b) = bed.movable_device();
+    let Conn { buf, key, mut scq, mut rcq, mut qp, .. } = d.rc_conn(ConnSpec { mr_len: 16 << 20, cq_entries: 128, depth: 64, sge: 2 });
+    let peer = bed.peer_of(&mut d, &qp, gid, 10, 20);
 
     // Receives for 40 messages of 4 KiB: each names its own slot.
     const MSGS: u64 = 40;
@@ -61,8 +51,7 @@ fn save_on_one_host_restore_on_another_mid_stream() {
     let q = d.query();
     let outstanding = q["qps"][0]["sq_outstanding"].as_u64().unwrap() + q["qps"][0]["rq_outstanding"].as_u64().unwrap();
     assert!(outstanding > 0, "the move happens with work in flight: {q}");
-    bed.tb.host(0).sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
-    bed.tb.host(2).sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    bed.move_gid(gid, 0, 2);
     d.replace_device(&bed.nics[2].sock, gid, fd_b);
     d.dev.lock().unwrap().restore(&section).expect("restore");
     let q2 = d.query();

@@ -65,11 +65,7 @@ fn peer_write_read_atomics(d: &Drv, peer: &Peer, block: u64, key: u32, seed: u64
 #[test]
 fn scattered_region_both_ways_and_across_save_restore() {
     let bed = Bed::new("pvscat", 3);
-    let gid = bed.vm_gid(0, 1);
-    let (mem, fd) = guest_ram();
-    let fd_b = fd.try_clone().unwrap();
-    let mut d = Drv::with_ram(&bed.nics[0].sock, gid, mem, fd);
-    d.bring_up();
+    let (gid, mut d, fd_b) = bed.movable_device();
     let pd = d.create_pd();
     let block = d.alloc(12);
     let pages: Vec<u64> = ORDER.iter().map(|p| block + p * PAGE).collect();
@@ -77,9 +73,7 @@ fn scattered_region_both_ways_and_across_save_restore() {
     let mut scq = d.create_cq(64);
     let mut rcq = d.create_cq(64);
     let mut qp = d.create_qp(pd, &scq, &rcq, 32, 4);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 10, 20);
-    peer.connect(gid, qp.qpn, 20, 10);
+    let peer = bed.peer_of(&mut d, &qp, gid, 10, 20);
 
     peer_write_read_atomics(&d, &peer, block, key, 1);
     // Pages of the block outside the region were never touched.
@@ -116,8 +110,7 @@ fn scattered_region_both_ways_and_across_save_restore() {
     d.dev.lock().unwrap().pause();
     let section = d.dev.lock().unwrap().save().expect("save");
     let q = d.query();
-    bed.tb.host(0).sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
-    bed.tb.host(2).sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    bed.move_gid(gid, 0, 2);
     d.replace_device(&bed.nics[2].sock, gid, fd_b);
     d.dev.lock().unwrap().restore(&section).expect("restore");
     assert_eq!(d.query()["mrs"], q["mrs"], "same keys, addresses and runs");

@@ -69,9 +69,7 @@ fn check_receives(d: &Drv, cqes: &[Cqe], buf: u64, qp_of_peer: &[u32], next: &mu
 #[test]
 fn qps_share_one_srq_with_bare_metal_peers() {
     let bed = Bed::new("pvsrq", 2);
-    let gid = bed.vm_gid(0, 1);
-    let mut d = Drv::new(&bed.nics[0].sock, gid);
-    d.bring_up();
+    let (gid, mut d) = bed.device();
     let caps: DeviceCaps = d.get(d.dsr + Dsr::CAPS_OFFSET as u64);
     assert!(caps.max_srq > 0, "Linux offers SRQs only when max_srq is not 0: {caps:?}");
     assert!(caps.max_srq_wr >= 64 && caps.max_srq_sge >= 2, "{caps:?}");
@@ -90,9 +88,7 @@ fn qps_share_one_srq_with_bare_metal_peers() {
     let mut peers = Vec::new();
     for i in 0..QPS {
         let qp = d.try_create_qp_on_srq(pd, &scq, &rcq, srq.handle, 16, 1).unwrap();
-        let peer = Peer::new(bed.ctx(1));
-        d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 100 + i as u32, 200 + i as u32);
-        peer.connect(gid, qp.qpn, 200 + i as u32, 100 + i as u32);
+        let peer = bed.peer_of(&mut d, &qp, gid, 100 + i as u32, 200 + i as u32);
         qps.push(qp);
         peers.push(peer);
     }
@@ -190,9 +186,7 @@ fn qps_share_one_srq_with_bare_metal_peers() {
 #[test]
 fn bad_srq_input_gets_errors_and_harms_nothing() {
     let bed = Bed::new("pvsrqbad", 2);
-    let gid = bed.vm_gid(0, 1);
-    let mut d = Drv::new(&bed.nics[0].sock, gid);
-    d.bring_up();
+    let (gid, mut d) = bed.device();
     let pd = d.create_pd();
     let pd2 = d.create_pd();
     let (buf, _, key) = d.create_mr(pd, 64 * SLOT);
@@ -287,9 +281,7 @@ fn bad_srq_input_gets_errors_and_harms_nothing() {
     // The device still works: a QP on a third SRQ receives from a peer.
     let mut srq3 = d.create_srq(pd, 16, 2, 0);
     let qp = d.try_create_qp_on_srq(pd, &scq, &rcq, srq3.handle, 16, 1).unwrap();
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 1, 2);
-    peer.connect(gid, qp.qpn, 2, 1);
+    let peer = bed.peer_of(&mut d, &qp, gid, 1, 2);
     d.post_srq_recv(&mut srq3, 9, &slot_sges(buf, key, 9));
     send_from(&peer, 0, 0);
     check_receives(&d, &d.wait_cqes(&mut rcq, 1), buf, &[qp.handle], &mut [0]);
@@ -302,11 +294,7 @@ fn bad_srq_input_gets_errors_and_harms_nothing() {
 #[test]
 fn srq_with_posted_receives_is_saved_and_restored_on_another_host() {
     let bed = Bed::new("pvsrqmv", 3);
-    let gid = bed.vm_gid(0, 1);
-    let (mem, fd) = guest_ram();
-    let fd_b = fd.try_clone().unwrap();
-    let mut d = Drv::with_ram(&bed.nics[0].sock, gid, mem, fd);
-    d.bring_up();
+    let (gid, mut d, fd_b) = bed.movable_device();
     let pd = d.create_pd();
     let (buf, _, key) = d.create_mr(pd, 64 * SLOT);
     let scq = d.create_cq(128);
@@ -316,9 +304,7 @@ fn srq_with_posted_receives_is_saved_and_restored_on_another_host() {
     let mut peers = Vec::new();
     for i in 0..2u32 {
         let qp = d.try_create_qp_on_srq(pd, &scq, &rcq, srq.handle, 16, 1).unwrap();
-        let peer = Peer::new(bed.ctx(1));
-        d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 10 + i, 20 + i);
-        peer.connect(gid, qp.qpn, 20 + i, 10 + i);
+        let peer = bed.peer_of(&mut d, &qp, gid, 10 + i, 20 + i);
         qps.push(qp);
         peers.push(peer);
     }
@@ -339,8 +325,7 @@ fn srq_with_posted_receives_is_saved_and_restored_on_another_host() {
     let section = d.dev.lock().unwrap().save().expect("save");
     let q = d.query();
     assert_eq!(q["srqs"][0]["outstanding"], 20, "{q}");
-    bed.tb.host(0).sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
-    bed.tb.host(2).sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    bed.move_gid(gid, 0, 2);
     // The peers keep sending while the VM is away: RNR NAKs, retries.
     for m in 5..8 {
         send_from(&peers[0], 0, m);
@@ -381,18 +366,14 @@ fn srq_with_posted_receives_is_saved_and_restored_on_another_host() {
 #[test]
 fn without_bus_mastering_the_device_leaves_guest_memory_alone() {
     let bed = Bed::new("pvbm", 2);
-    let gid = bed.vm_gid(0, 1);
-    let mut d = Drv::new(&bed.nics[0].sock, gid);
-    d.bring_up();
+    let (gid, mut d) = bed.device();
     let pd = d.create_pd();
     let (buf, _, key) = d.create_mr(pd, 64 * SLOT);
     let scq = d.create_cq(64);
     let mut rcq = d.create_cq(64);
     let mut srq = d.create_srq(pd, 16, 2, 0);
     let qp = d.try_create_qp_on_srq(pd, &scq, &rcq, srq.handle, 16, 1).unwrap();
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 1, 2);
-    peer.connect(gid, qp.qpn, 2, 1);
+    let peer = bed.peer_of(&mut d, &qp, gid, 1, 2);
     d.post_srq_recv(&mut srq, 0, &slot_sges(buf, key, 0));
     let mut next = [0u64];
     send_from(&peer, 0, 0);

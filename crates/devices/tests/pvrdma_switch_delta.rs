@@ -16,19 +16,9 @@ use verbs::SendWr;
 #[test]
 fn a_delta_over_the_early_section_restores_exactly_mid_stream() {
     let bed = Bed::new("pvdelta", 3);
-    let gid = bed.vm_gid(0, 1);
-    let (mem, fd) = guest_ram();
-    let fd_b = fd.try_clone().unwrap();
-    let mut d = Drv::with_ram(&bed.nics[0].sock, gid, mem, fd);
-    d.bring_up();
-    let pd = d.create_pd();
-    let (buf, _, key) = d.create_mr(pd, 1 << 20);
-    let scq = d.create_cq(128);
-    let mut rcq = d.create_cq(128);
-    let mut qp = d.create_qp(pd, &scq, &rcq, 64, 2);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 10, 20);
-    peer.connect(gid, qp.qpn, 20, 10);
+    let (gid, mut d, fd_b) = bed.movable_device();
+    let Conn { pd, buf, key, mut rcq, mut qp, .. } = d.rc_conn(ConnSpec { cq_entries: 128, depth: 64, sge: 2, ..Default::default() });
+    let peer = bed.peer_of(&mut d, &qp, gid, 10, 20);
 
     const MSGS: u64 = 30;
     for i in 0..MSGS {
@@ -62,8 +52,7 @@ fn a_delta_over_the_early_section_restores_exactly_mid_stream() {
     let q = d.query();
     assert!(q["mrs"].as_array().unwrap().iter().any(|m| m["handle"] == late_mr && m["key"] == late_key), "{q}");
 
-    bed.tb.host(0).sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
-    bed.tb.host(2).sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    bed.move_gid(gid, 0, 2);
     d.replace_device(&bed.nics[2].sock, gid, fd_b);
     // Without the early section it is over, the delta is refused.
     let err = d.dev.lock().unwrap().restore(&delta).expect_err("a delta without its early section");

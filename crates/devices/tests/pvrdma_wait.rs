@@ -22,17 +22,9 @@ const WAIT: u32 = UAR_CQ_POLL | transit::UAR_CQ_WAIT;
 #[test]
 fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
     let bed = Bed::new("pvwait", 2);
-    let gid = bed.vm_gid(0, 1);
-    let mut d = Drv::new(&bed.nics[0].sock, gid);
-    d.bring_up();
-    let pd = d.create_pd();
-    let (buf, _mrh, key) = d.create_mr(pd, 1 << 20);
-    let mut scq = d.create_cq(64);
-    let mut rcq = d.create_cq(64);
-    let mut qp = d.create_qp(pd, &scq, &rcq, 32, 4);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 500, 700);
-    peer.connect(gid, qp.qpn, 700, 500);
+    let (gid, mut d) = bed.device();
+    let Conn { buf, key, mut scq, mut rcq, mut qp, .. } = d.rc_conn(ConnSpec::default());
+    let peer = bed.peer_of(&mut d, &qp, gid, 500, 700);
 
     // Nothing is coming: the WAIT returns by itself (bounded) with an
     // empty ring and no error.
@@ -119,17 +111,9 @@ fn wait_doorbell_sleeps_until_a_completion_reaches_the_ring() {
 #[test]
 fn send_doorbell_with_wait_returns_with_the_answer() {
     let bed = Bed::new("pvqpwait", 2);
-    let gid = bed.vm_gid(0, 1);
-    let mut d = Drv::new(&bed.nics[0].sock, gid);
-    d.bring_up();
-    let pd = d.create_pd();
-    let (buf, _mrh, key) = d.create_mr(pd, 1 << 20);
-    let scq = d.create_cq(64);
-    let mut rcq = d.create_cq(64);
-    let mut qp = d.create_qp(pd, &scq, &rcq, 32, 4);
-    let peer = Peer::new(bed.ctx(1));
-    d.connect(&qp, bed.nics[1].addr, peer.qp.qpn, 500, 700);
-    peer.connect(gid, qp.qpn, 700, 500);
+    let (gid, mut d) = bed.device();
+    let Conn { buf, key, mut rcq, mut qp, .. } = d.rc_conn(ConnSpec::default());
+    let peer = bed.peer_of(&mut d, &qp, gid, 500, 700);
 
     const N: u64 = 50;
     const RECVS: u64 = 4;

@@ -83,6 +83,43 @@ impl Bed {
     pub fn ctx(&self, i: usize) -> verbs::Context {
         verbs::Context::open(Some(&self.nics[i].sock)).unwrap()
     }
+
+    /// The VM of most tests: a device on host 0's rnicd for VM address
+    /// (spare) 1, brought up on fresh guest RAM; returns its GID and driver.
+    pub fn device(&self) -> (Ipv4Addr, Drv) {
+        let gid = self.vm_gid(0, 1);
+        let mut d = Drv::new(&self.nics[0].sock, gid);
+        d.bring_up();
+        (gid, d)
+    }
+
+    /// As [`Bed::device`], and a second handle on the guest RAM for the
+    /// device that restores this one's state ([`Drv::replace_device`]).
+    pub fn movable_device(&self) -> (Ipv4Addr, Drv, OwnedFd) {
+        let gid = self.vm_gid(0, 1);
+        let (mem, fd) = guest_ram();
+        let restore_fd = fd.try_clone().unwrap();
+        let mut d = Drv::with_ram(&self.nics[0].sock, gid, mem, fd);
+        d.bring_up();
+        (gid, d, restore_fd)
+    }
+
+    /// Moves VM address `gid` from host `from` to host `to`, as a
+    /// migration's switch does.
+    pub fn move_gid(&self, gid: Ipv4Addr, from: usize, to: usize) {
+        self.tb.host(from).sh(&format!("ip addr del {gid}/24 dev eth0")).unwrap();
+        self.tb.host(to).sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
+    }
+
+    /// A bare-metal peer on host 1 connected to the guest's `qp` (whose
+    /// GID is `gid`) both ways: the guest expects `rq_psn` and sends from
+    /// `sq_psn`, the peer the other way round.
+    pub fn peer_of(&self, d: &mut Drv, qp: &GQp, gid: Ipv4Addr, rq_psn: u32, sq_psn: u32) -> Peer {
+        let peer = Peer::new(self.ctx(1));
+        d.connect(qp, self.nics[1].addr, peer.qp.qpn, rq_psn, sq_psn);
+        peer.connect(gid, qp.qpn, sq_psn, rq_psn);
+        peer
+    }
 }
 
 /// Guest RAM: a sealed memfd mapped as vm-memory, as the vmm has it.
@@ -125,6 +162,38 @@ pub struct GCq {
     pub base: u64,
     pub entries: u32,
     pub head: u32,
+}
+
+/// The sizes of a guest RC connection's objects ([`Drv::rc_conn`]).
+#[derive(Clone, Copy)]
+pub struct ConnSpec {
+    /// Bytes of the memory region (fresh contiguous pages).
+    pub mr_len: u64,
+    /// Entries of each of the two CQs.
+    pub cq_entries: u32,
+    /// Send and receive queue depth.
+    pub depth: u32,
+    /// SGEs per WQE.
+    pub sge: u32,
+}
+
+impl Default for ConnSpec {
+    fn default() -> ConnSpec {
+        ConnSpec { mr_len: 1 << 20, cq_entries: 64, depth: 32, sge: 4 }
+    }
+}
+
+/// A guest RC connection's objects: PD, MR (guest address `buf`, handle
+/// `mr`, key `key`), send CQ, receive CQ and the QP on them (not yet
+/// connected).
+pub struct Conn {
+    pub pd: u32,
+    pub buf: u64,
+    pub mr: u32,
+    pub key: u32,
+    pub scq: GCq,
+    pub rcq: GCq,
+    pub qp: GQp,
 }
 
 /// The driver: the device, its BARs, guest memory and a page allocator.
@@ -352,6 +421,23 @@ impl Drv {
         })?;
         assert_eq!(r.lkey, r.rkey);
         Ok((r.mr_handle, r.lkey))
+    }
+
+    /// A new PD and an RC connection's objects in it, in the order a
+    /// driver creates them.
+    pub fn rc_conn(&mut self, spec: ConnSpec) -> Conn {
+        let pd = self.create_pd();
+        self.rc_conn_in(pd, spec)
+    }
+
+    /// An RC connection's objects in the existing PD `pd`: MR, send CQ,
+    /// receive CQ, QP.
+    pub fn rc_conn_in(&mut self, pd: u32, spec: ConnSpec) -> Conn {
+        let (buf, mr, key) = self.create_mr(pd, spec.mr_len);
+        let scq = self.create_cq(spec.cq_entries);
+        let rcq = self.create_cq(spec.cq_entries);
+        let qp = self.create_qp(pd, &scq, &rcq, spec.depth, spec.sge);
+        Conn { pd, buf, mr, key, scq, rcq, qp }
     }
 
     pub fn create_cq(&mut self, entries: u32) -> GCq {
