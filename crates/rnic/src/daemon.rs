@@ -38,10 +38,10 @@ const TX_BUDGET: usize = 256;
 /// Longest the event loop keeps polling after the last activity (the
 /// spin adapts below it: `spin::Spin`).
 const SPIN: Duration = Duration::from_micros(200);
-/// The longest wait a spin is worth (`spin::Spin`): about what a sleep in
-/// epoll and the wake-up by a packet or a doorbell cost here (docs/rnic.md,
-/// "Process model").
-const SPIN_WORTH: Duration = Duration::from_micros(25);
+/// The longest wait a spin is worth (`spin::Spin`): about twice what a
+/// sleep in epoll and a wake-up cost here in latency and CPU together
+/// (docs/rnic.md, "Process model").
+const SPIN_WORTH: Duration = Duration::from_micros(50);
 /// Longest sleep in epoll without a timer due (a stop request is seen
 /// this late at most).
 const IDLE_WAIT: Duration = Duration::from_millis(100);

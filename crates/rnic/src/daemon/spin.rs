@@ -7,7 +7,7 @@
 //! than a sleep and a wake-up would cost (`worth`): a ping-pong's next
 //! request then finds rnicd awake. Work that comes later is cheaper to
 //! sleep for, whether the spin caught it or not: when rnicd waits on the
-//! wire (a migration over a rate-capped link, a packet every 30-100 µs), a
+//! wire (a migration over a rate-capped link, a packet every 30-500 µs), a
 //! spin that catches each packet keeps it polling all the time. So:
 //! - woken from a sleep by work within `worth` of the last activity (a
 //!   longer spin would have caught it, cheaply): the spin doubles, from
@@ -116,7 +116,7 @@ mod tests {
     use super::*;
 
     const MAX: Duration = Duration::from_micros(200);
-    const WORTH: Duration = Duration::from_micros(25);
+    const WORTH: Duration = Duration::from_micros(50);
 
     #[test]
     fn wake_ups_long_after_activity_stop_the_spin() {
@@ -133,11 +133,11 @@ mod tests {
 
     #[test]
     fn wake_ups_past_the_break_even_shrink_it_too() {
-        // A packet every 40 µs (a capped link): waking for each is cheaper
+        // A packet every 80 µs (a capped link): waking for each is cheaper
         // than spinning for each, though a spin would have caught them.
         let mut s = Spin::new(MAX, WORTH);
         for _ in 0..5 {
-            s.woken_after(Duration::from_micros(40));
+            s.woken_after(Duration::from_micros(80));
         }
         assert_eq!(s.limit(), Duration::ZERO);
     }
@@ -145,20 +145,20 @@ mod tests {
     #[test]
     fn spins_that_find_work_too_late_shrink_it() {
         let mut s = Spin::new(MAX, WORTH);
-        s.found_after(Duration::from_micros(40));
+        s.found_after(Duration::from_micros(80));
         assert_eq!(s.limit(), MAX / 2, "successful but too long");
         for _ in 0..4 {
-            s.found_after(Duration::from_micros(40));
+            s.found_after(Duration::from_micros(80));
         }
         assert_eq!(s.limit(), Duration::ZERO);
-        assert_eq!(s.counts.found[bucket(Duration::from_micros(40))], 5);
+        assert_eq!(s.counts.found[bucket(Duration::from_micros(80))], 5);
     }
 
     #[test]
     fn spins_that_find_work_soon_change_nothing() {
         let mut s = Spin::new(MAX, WORTH);
         for _ in 0..100 {
-            s.found_after(Duration::from_micros(15));
+            s.found_after(Duration::from_micros(30));
         }
         assert_eq!(s.limit(), MAX, "a ping-pong keeps its spin");
     }
@@ -170,13 +170,13 @@ mod tests {
             s.woken_after(Duration::from_secs(1));
         }
         assert_eq!(s.limit(), Duration::ZERO);
-        s.woken_after(Duration::from_micros(20));
+        s.woken_after(Duration::from_micros(40));
         assert_eq!(s.limit(), GROW_FROM);
         for _ in 0..4 {
-            s.woken_after(Duration::from_micros(20));
+            s.woken_after(Duration::from_micros(40));
         }
         assert_eq!(s.limit(), Duration::from_micros(160));
-        s.woken_after(Duration::from_micros(20));
+        s.woken_after(Duration::from_micros(40));
         assert_eq!(s.limit(), MAX, "never beyond the ceiling");
     }
 
