@@ -38,6 +38,16 @@ const TX_BUDGET: usize = 256;
 /// Longest the event loop keeps polling after the last activity (the
 /// spin adapts below it: `spin::Spin`).
 const SPIN: Duration = Duration::from_micros(200);
+/// The longest wait a spin is worth (`spin::Spin`): about twice what a
+/// sleep in epoll and a wake-up cost here in latency and CPU together
+/// (docs/rnic.md, "Process model").
+const SPIN_WORTH: Duration = Duration::from_micros(50);
+/// Longest sleep in epoll without a timer due (a stop request is seen
+/// this late at most).
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// Timer slack of the event loop's thread: its sleeps until a QP timer
+/// end within this of the deadline (the default slack is 50 µs).
+const TIMER_SLACK_NS: libc::c_ulong = 1000;
 const SOL_UDP: i32 = 17;
 const UDP_SEGMENT: i32 = 103;
 const UDP_GRO: i32 = 104;
@@ -610,6 +620,11 @@ struct LoopKnobs {
     /// real-time loop would keep ordinary processes (its clients, the peer)
     /// off its CPU, where sleeping costs nothing since its wake-up preempts.
     spin: Duration,
+    /// RNICD_SPIN_WORTH_US: the longest wait a spin is worth; a spin that
+    /// finds work later, or a wake-up later than that, shrinks the spin
+    /// (RNICD_SPIN_WORTH_US=RNICD_SPIN_US: shrink only on wake-ups after
+    /// the ceiling).
+    spin_worth: Duration,
 }
 
 impl LoopKnobs {
@@ -625,6 +640,11 @@ impl LoopKnobs {
             } else {
                 SPIN
             }),
+            spin_worth: std::env::var("RNICD_SPIN_WORTH_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_micros)
+                .unwrap_or(SPIN_WORTH),
         }
     }
 }
@@ -670,6 +690,8 @@ struct Round {
     direct_rx: bool,
     /// Events epoll returned.
     events: usize,
+    /// This round is a spin's: the activity it waits after.
+    spin_since: Option<Instant>,
 }
 
 /// Runs rnicd until SIGINT/SIGTERM or `stop` is set.
@@ -682,6 +704,8 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
             signal(Signal::SIGPIPE, SigHandler::SigIgn)?;
         }
     }
+    // SAFETY: sets the calling thread's timer slack; no pointers.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, TIMER_SLACK_NS) };
     let mut d = Daemon::start(cfg)?;
     let mut evs = vec![EpollEvent::empty(); 64];
     while !(STOP.load(Ordering::Relaxed) || stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed))) {
@@ -690,7 +714,7 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
         d.pump(&round, &udp_ready);
     }
     let _ = std::fs::remove_file(&d.cfg.sock);
-    info!("rnicd stopped");
+    info!("rnicd stopped; event loop: {}", d.spin.counts.summary());
     Ok(())
 }
 
@@ -710,7 +734,7 @@ impl Daemon {
         let knobs = LoopKnobs::from_env();
         Ok(Daemon {
             cfg,
-            spin: spin::Spin::new(knobs.spin),
+            spin: spin::Spin::new(knobs.spin, knobs.spin_worth),
             knobs,
             nss,
             listener,
@@ -733,24 +757,27 @@ impl Daemon {
         // After activity, keep polling (politely) for a short while: the
         // next request of a ping-pong then finds us awake, not asleep in epoll.
         let spinning = !self.busy && self.last_activity.elapsed() < self.spin.limit();
+        let spin_since = spinning.then_some(self.last_activity);
         if spinning {
             let _ = sched_yield();
         }
         let polling = self.poll_rings(self.busy || spinning);
-        let timeout_ms = if polling {
-            0
+        let timeout = if polling {
+            Duration::ZERO
         } else {
-            // A refused packet's retry is rounded up to whole milliseconds:
-            // a zero timeout would spin until it passes. QP timers keep
-            // their rounding down, so that a due ACK is not late.
+            // QP timers are slept for to the microsecond (a responder's
+            // delayed ACK is due within 100 µs of a request: a timeout in
+            // whole milliseconds, rounded down, polled until it passed). A
+            // refused packet's retry is rounded up to whole milliseconds.
             let now = Instant::now();
-            let ms = |d: Instant, up: bool| {
-                let us = d.saturating_duration_since(now).as_micros();
-                (if up { us.div_ceil(1000).max(1) } else { us / 1000 }).min(100) as u16
-            };
-            let timers = self.nss.values().filter_map(|n| n.engine.next_deadline()).min().map(|d| ms(d, false));
-            let retries = self.nss.values().filter_map(|n| n.retry_deadline()).min().map(|d| ms(d, true));
-            timers.into_iter().chain(retries).min().unwrap_or(100)
+            let timers = self.nss.values().filter_map(|n| n.engine.next_deadline()).min().map(|d| d.saturating_duration_since(now));
+            let retries = self
+                .nss
+                .values()
+                .filter_map(|n| n.retry_deadline())
+                .min()
+                .map(|d| Duration::from_millis(d.saturating_duration_since(now).as_micros().div_ceil(1000).max(1) as u64));
+            timers.into_iter().chain(retries).min().unwrap_or(IDLE_WAIT).min(IDLE_WAIT)
         };
         // While we poll, epoll is needed only for control sockets, new
         // clients and doorbells (which clients skip meanwhile): look every
@@ -768,21 +795,21 @@ impl Daemon {
             }
         } else {
             self.rounds_without_epoll = 0;
-            let n = self.ep.wait(evs, timeout_ms).unwrap_or(0);
-            if n > 0 && timeout_ms > 0 {
+            let n = epoll_wait_for(&self.ep, evs, timeout);
+            if n > 0 && !timeout.is_zero() {
                 // Slept and woken by work (not a timer): would a longer spin
                 // have caught it?
                 self.spin.woken_after(self.last_activity.elapsed());
             }
             n
         };
-        if events == 0 && timeout_ms > 0 && self.knobs.ring_poll {
+        if events == 0 && !timeout.is_zero() && self.knobs.ring_poll {
             for ns in self.nss.values_mut() {
                 let late = ns.engine.poll_rings() as u64;
                 ns.engine.stats.late_ring_wqes += late;
             }
         }
-        Round { direct_rx, events }
+        Round { direct_rx, events, spin_since }
     }
 
     /// While polling, rnicd reads the QPs' rings itself and clients skip
@@ -877,6 +904,10 @@ impl Daemon {
             ns.engine.client_gone(id);
             ns.engine.stats.clients_gone += 1;
         }
+        if self.clients.is_empty() {
+            info!("event loop while it had clients: {}", self.spin.counts.summary());
+            self.spin.counts = Default::default();
+        }
         let in_use = self.clients.values().any(|o| o.ns == c.ns);
         if c.ns != self.cfg.addr && !in_use {
             if let Some(ns) = self.nss.remove(&c.ns) {
@@ -912,7 +943,23 @@ impl Daemon {
         if more || got > 0 || sent > 0 || round.events > 0 {
             self.last_activity = Instant::now();
         }
+        if let Some(since) = round.spin_since {
+            if self.last_activity == since {
+                self.spin.empty_round();
+            } else {
+                self.spin.found_after(self.last_activity - since);
+            }
+        }
     }
+}
+
+/// epoll_wait with a timeout to the microsecond (epoll_pwait2).
+fn epoll_wait_for(ep: &Epoll, evs: &mut [EpollEvent], timeout: Duration) -> usize {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    // SAFETY: EpollEvent is a transparent libc::epoll_event, and `evs`
+    // outlives the call.
+    let n = unsafe { libc::epoll_pwait2(ep.0.as_raw_fd(), evs.as_mut_ptr().cast(), evs.len() as i32, &ts, std::ptr::null()) };
+    n.max(0) as usize
 }
 
 /// An epoll registration for input, with its token.
