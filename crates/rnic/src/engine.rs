@@ -202,7 +202,8 @@ impl Engine {
             Request::ResizeCq { cq, cap } => self.resize_cq(client, cq, cap, fds),
             Request::SettleCq { cq } => self.settle_cq(client, cq),
             Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, qp_type } => {
-                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type, await_state: false, peer: None };
+                let q =
+                    QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type, await_state: false, peer: None };
                 let [sq, rq] = &fds[..] else { bail!("CreateQp needs the SQ and RQ ring memfds") };
                 self.create_qp(client, q, restore, (sq, 0), (rq, 0))
             }

@@ -60,7 +60,7 @@ pub fn neighbour_use_request(index: u32, addr: Ipv4Addr, seq: u32) -> Vec<u8> {
     m.extend_from_slice(&(flags as u16).to_ne_bytes());
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes()); // to the kernel
-    // ndmsg: family, 3 pad bytes, index, state (NUD_NONE), flags, type.
+                                              // ndmsg: family, 3 pad bytes, index, state (NUD_NONE), flags, type.
     m.extend_from_slice(&[libc::AF_INET as u8, 0, 0, 0]);
     m.extend_from_slice(&(index as i32).to_ne_bytes());
     m.extend_from_slice(&0u16.to_ne_bytes());
