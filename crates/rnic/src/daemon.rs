@@ -268,6 +268,25 @@ impl Namespace {
         }
     }
 
+    /// Opens the send sockets of the flows the engine made ready to resume
+    /// (`engine::FlowAhead`) and warms the neighbour entries of their
+    /// peers (`host`: rnicd's own address, whose link they are on).
+    fn prepare_ahead(&mut self, host: Ipv4Addr) {
+        if self.engine.ahead.is_empty() {
+            return;
+        }
+        let mut peers = std::collections::HashSet::new();
+        for f in std::mem::take(&mut self.engine.ahead) {
+            self.senders.get(f.sport, false);
+            peers.extend(f.peer);
+        }
+        for peer in peers {
+            if let Err(e) = crate::neighbour::warm(host, peer) {
+                warn!("{}: {e:#}", self.engine.gid);
+            }
+        }
+    }
+
     /// When packets the qdisc refused are tried again, if any are held.
     fn retry_deadline(&self) -> Option<Instant> {
         (!self.held.is_empty()).then_some(self.retry_at)
@@ -1147,6 +1166,12 @@ fn serve_client(
             }),
         };
         let Some(c) = clients.get(&id) else { return false };
+        // Before the answer: a migration's destination answers EarlyBuilt
+        // once its QPs are made, and the switch follows; sockets still
+        // being made then would delay its first request (LoadQpStates).
+        if let Some(ns) = nss.get_mut(&c.ns) {
+            ns.prepare_ahead(cfg.addr);
+        }
         if let Err(e) = send_response(&c.sock, &resp) {
             warn!("client {id}: {e:#}");
             return false;

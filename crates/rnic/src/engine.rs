@@ -53,6 +53,22 @@ pub struct Engine {
     /// whole, set by the daemon from the interface (`crate::link`) with
     /// `set_active_mtu`.
     pub active_mtu: Mtu,
+    /// Flows of QPs made or loaded to resume later, for the daemon to
+    /// prepare (`FlowAhead`); it takes them after each control request.
+    pub ahead: Vec<FlowAhead>,
+}
+
+/// A flow a QP made suspended (awaiting its state, or from one) will send
+/// on once it resumes: its source port, and its peer when known. The
+/// daemon opens the port's send socket and warms the host's neighbour
+/// entry for the peer when the QP is made, so that at a migration's switch
+/// the resumed QPs' first packets (one sequence NAK each, 256 at once at
+/// 256 QPs) leave without a socket made and bound per QP on the way, and
+/// without an ARP round trip first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowAhead {
+    pub sport: u16,
+    pub peer: Option<Ipv4Addr>,
 }
 
 impl Engine {
@@ -76,6 +92,7 @@ impl Engine {
             qpn_order_stale: 0,
             asyncs: AsyncSinks::default(),
             active_mtu: crate::link::UNKNOWN_LINK_PATH_MTU,
+            ahead: Vec::new(),
         }
     }
 
@@ -188,7 +205,8 @@ impl Engine {
             Request::ResizeCq { cq, cap } => self.resize_cq(client, cq, cap, fds),
             Request::SettleCq { cq } => self.settle_cq(client, cq),
             Request::CreateQp { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, restore, qp_type } => {
-                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type, await_state: false };
+                let q =
+                    QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type, await_state: false, peer: None };
                 let [sq, rq] = &fds[..] else { bail!("CreateQp needs the SQ and RQ ring memfds") };
                 self.create_qp(client, q, restore, (sq, 0), (rq, 0))
             }
@@ -480,6 +498,8 @@ struct QpRequest {
     qp_type: QpType,
     /// Made suspended, in RESET, until LoadQpStates gives it a state.
     await_state: bool,
+    /// The peer the state will name, if known (`FlowAhead`).
+    peer: Option<Ipv4Addr>,
 }
 
 /// Device verbs.
@@ -862,6 +882,11 @@ impl Engine {
         // until its state is loaded and it resumes.
         qp.suspended |= q.await_state;
         qp.awaiting_state = q.await_state;
+        if let Some(s) = &restore {
+            self.ahead.push(FlowAhead { sport: qp.sport, peer: Some(s.attr.dest_gid) });
+        } else if q.await_state {
+            self.ahead.push(FlowAhead { sport: qp.sport, peer: q.peer });
+        }
         if self.qpn_order_stale > 0 {
             // The QPN may be a destroyed QP's, still listed.
             self.compact_qpn_order();
@@ -983,7 +1008,9 @@ impl Engine {
             checked.push((s.qpn, Qp::check_snapshot(s).map_err(|e| anyhow!("QP {:#x}: {e}", s.qpn))?));
         }
         for (qpn, state) in checked {
-            self.qps.get_mut(&qpn).expect("checked above").take_state(state);
+            let qp = self.qps.get_mut(&qpn).expect("checked above");
+            qp.take_state(state);
+            self.ahead.push(FlowAhead { sport: qp.sport, peer: Some(qp.attr.dest_gid) });
         }
         Ok(Reply::Ok)
     }

@@ -23,7 +23,7 @@ const ANNOUNCEMENTS: usize = 3;
 
 /// The interface holding `ip` (its index and name) and the prefix length
 /// of `ip` there; `None` if no interface of this network namespace holds it.
-fn address_of(ip: Ipv4Addr) -> Result<Option<(u32, String, u8)>> {
+pub(crate) fn address_of(ip: Ipv4Addr) -> Result<Option<(u32, String, u8)>> {
     let Ok((index, iface, _)) = crate::announce::interface_of(ip) else { return Ok(None) };
     let addrs = nix::ifaddrs::getifaddrs().context("listing interface addresses")?;
     let prefix = addrs

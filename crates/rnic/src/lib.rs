@@ -19,6 +19,7 @@ pub mod gid;
 pub mod keys;
 pub mod link;
 pub mod mem;
+pub mod neighbour;
 pub mod netlink;
 pub mod objects;
 pub mod proto;

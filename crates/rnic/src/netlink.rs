@@ -6,6 +6,11 @@
 //! messages: a `nlmsghdr`, an `ifaddrmsg`, then `IFA_LOCAL` and
 //! `IFA_ADDRESS` attributes; the kernel answers with an `NLMSG_ERROR`
 //! whose code is 0 for success.
+//!
+//! Also what `ip neigh replace ADDR dev IFACE use` sends (`RTM_NEWNEIGH`
+//! with `NTF_USE`: an `ndmsg`, then `NDA_DST`): the kernel makes the
+//! neighbour entry if there is none and resolves it as if a packet were
+//! waiting for it, so a later first packet finds it ready.
 
 use std::io;
 use std::net::Ipv4Addr;
@@ -14,6 +19,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 const NLMSG_HDR: usize = 16;
 const IFADDRMSG: usize = 8;
+const NDMSG: usize = 12;
 const RTA_IPV4: usize = 8;
 
 static SEQ: AtomicU32 = AtomicU32::new(1);
@@ -41,6 +47,30 @@ pub fn address_request(add: bool, index: u32, addr: Ipv4Addr, prefix: u8, seq: u
     m
 }
 
+/// The request bytes of `ip neigh replace addr dev <index> use`: make the
+/// entry of `addr` on interface `index` if missing, and resolve it unless
+/// it is fresh (`NTF_USE`; the state asked is NUD_NONE, which `NTF_USE`
+/// leaves alone).
+pub fn neighbour_use_request(index: u32, addr: Ipv4Addr, seq: u32) -> Vec<u8> {
+    let len = NLMSG_HDR + NDMSG + RTA_IPV4;
+    let flags = libc::NLM_F_REQUEST | libc::NLM_F_ACK | libc::NLM_F_CREATE | libc::NLM_F_REPLACE;
+    let mut m = Vec::with_capacity(len);
+    m.extend_from_slice(&(len as u32).to_ne_bytes());
+    m.extend_from_slice(&libc::RTM_NEWNEIGH.to_ne_bytes());
+    m.extend_from_slice(&(flags as u16).to_ne_bytes());
+    m.extend_from_slice(&seq.to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes()); // to the kernel
+                                              // ndmsg: family, 3 pad bytes, index, state (NUD_NONE), flags, type.
+    m.extend_from_slice(&[libc::AF_INET as u8, 0, 0, 0]);
+    m.extend_from_slice(&(index as i32).to_ne_bytes());
+    m.extend_from_slice(&0u16.to_ne_bytes());
+    m.extend_from_slice(&[libc::NTF_USE, 0]);
+    m.extend_from_slice(&(RTA_IPV4 as u16).to_ne_bytes());
+    m.extend_from_slice(&libc::NDA_DST.to_ne_bytes());
+    m.extend_from_slice(&addr.octets());
+    m
+}
+
 /// The error code of the kernel's answer to request `seq` in `buf` (one
 /// datagram, possibly several messages): Some(0) on success, Some(-errno).
 fn ack_of(buf: &[u8], seq: u32) -> Option<i32> {
@@ -64,6 +94,20 @@ fn ack_of(buf: &[u8], seq: u32) -> Option<i32> {
 /// thread's network namespace and waits for the kernel's answer (at most
 /// one second).
 pub fn change_address(add: bool, index: u32, addr: Ipv4Addr, prefix: u8) -> io::Result<()> {
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+    request(&address_request(add, index, addr, prefix, seq), seq)
+}
+
+/// Makes and resolves the neighbour entry of `addr` on interface `index`
+/// (`neighbour_use_request`) and waits for the kernel's answer (at most
+/// one second), not for the resolution.
+pub fn use_neighbour(index: u32, addr: Ipv4Addr) -> io::Result<()> {
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+    request(&neighbour_use_request(index, addr, seq), seq)
+}
+
+/// Sends one request `seq` to the kernel and waits for its answer.
+fn request(req: &[u8], seq: u32) -> io::Result<()> {
     // SAFETY: socket() result checked and owned.
     let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
     if fd < 0 {
@@ -81,8 +125,6 @@ pub fn change_address(add: bool, index: u32, addr: Ipv4Addr, prefix: u8) -> io::
             std::mem::size_of::<libc::timeval>() as u32,
         )
     };
-    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    let req = address_request(add, index, addr, prefix, seq);
     // SAFETY: a zeroed sockaddr_nl is the kernel's address (pid 0).
     let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
     sa.nl_family = libc::AF_NETLINK as u16;
@@ -129,6 +171,19 @@ mod tests {
         assert_eq!(u32::from_ne_bytes(m[20..24].try_into().unwrap()), 7);
         assert_eq!(&m[28..32], &[10, 1, 2, 3]);
         assert_eq!(&m[36..40], &[10, 1, 2, 3]);
+    }
+
+    #[test]
+    fn neighbour_request_layout() {
+        let m = neighbour_use_request(7, Ipv4Addr::new(10, 1, 2, 3), 9);
+        assert_eq!(m.len(), 36);
+        assert_eq!(u32::from_ne_bytes(m[0..4].try_into().unwrap()), 36);
+        assert_eq!(u16::from_ne_bytes(m[4..6].try_into().unwrap()), libc::RTM_NEWNEIGH);
+        assert_eq!(m[16], libc::AF_INET as u8);
+        assert_eq!(i32::from_ne_bytes(m[20..24].try_into().unwrap()), 7);
+        assert_eq!(m[26], libc::NTF_USE);
+        assert_eq!(u16::from_ne_bytes(m[30..32].try_into().unwrap()), libc::NDA_DST);
+        assert_eq!(&m[32..36], &[10, 1, 2, 3]);
     }
 
     #[test]

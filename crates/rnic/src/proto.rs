@@ -348,6 +348,12 @@ pub enum Create {
         /// packet until LoadQpStates gives it one. Not with `restore`.
         #[serde(default)]
         await_state: bool,
+        /// The peer's address the state will name, if the caller knows it:
+        /// rnicd makes the host's neighbour entry for it ahead (an ARP
+        /// request from the host's own address, never one for the GID),
+        /// so the QP's first packet after its resume waits for no ARP.
+        #[serde(default)]
+        peer: Option<std::net::Ipv4Addr>,
     },
 }
 

@@ -53,6 +53,7 @@ fn qp(pd: u32, cq: u32, qpn: u32, page: u64) -> Create {
         sq_offset: page * PAGE,
         rq_offset: page * PAGE + sq_len,
         await_state: false,
+        peer: None,
     }
 }
 

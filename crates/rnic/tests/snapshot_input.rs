@@ -130,8 +130,8 @@ fn load_qp_states_fills_only_qps_awaiting_their_state() {
     // Built ahead: suspended, no state yet (RESET), rings allocated.
     let made = ctx
         .create_batch(&[
-            NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x600 },
-            NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x601 },
+            NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x600, peer: None },
+            NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x601, peer: None },
         ])
         .unwrap();
     let qps: Vec<Qp> = made.into_iter().map(|m| if let Made::Qp(q) = m { q } else { panic!("not a QP") }).collect();
@@ -190,7 +190,7 @@ fn load_qp_states_fills_only_qps_awaiting_their_state() {
     assert!(err(ctx.load_qp_states(&[valid(0x600)])).contains("not awaiting"), "a resumed QP takes no state");
     // One made to await a state that resumed without one is an ordinary
     // QP in RESET: it takes none either.
-    let made = ctx.create_batch(&[NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x603 }]).unwrap();
+    let made = ctx.create_batch(&[NewObject::QpAwaitingState { pd: &pd, init: &init, qpn: 0x603, peer: None }]).unwrap();
     let Made::Qp(unloaded) = &made[0] else { panic!("not a QP") };
     ctx.resume_qps(&[unloaded]).unwrap();
     assert!(err(ctx.load_qp_states(&[valid(0x603)])).contains("not awaiting"));
@@ -198,7 +198,7 @@ fn load_qp_states_fills_only_qps_awaiting_their_state() {
     // A QP awaiting a state cannot be UD, and rnicd is still fine.
     let mut ud = QpInitAttr::new(&cq, &cq);
     ud.qp_type = QpType::Ud;
-    assert!(ctx.create_batch(&[NewObject::QpAwaitingState { pd: &pd, init: &ud, qpn: 0x610 }]).is_err());
+    assert!(ctx.create_batch(&[NewObject::QpAwaitingState { pd: &pd, init: &ud, qpn: 0x610, peer: None }]).is_err());
     assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 14);
     // The QPs that refused states still work: the one that ran resumes
     // and carries a message.

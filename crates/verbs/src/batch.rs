@@ -28,7 +28,10 @@ pub enum NewObject<'a> {
     /// allocated: it answers nothing and reads nothing until
     /// [`Context::load_qp_states`] gives it a state and it resumes. A
     /// migration's destination builds its QPs so ahead of the switch.
-    QpAwaitingState { pd: &'a Pd, init: &'a QpInitAttr, qpn: u32 },
+    /// `peer`, the address the state will name if known: rnicd warms its
+    /// host's neighbour entry for it (an ARP request from the host's own
+    /// address), as it opens the QP's send socket, before the resume.
+    QpAwaitingState { pd: &'a Pd, init: &'a QpInitAttr, qpn: u32, peer: Option<std::net::Ipv4Addr> },
 }
 
 /// What [`Context::create_batch`] made, in the order asked.
@@ -187,8 +190,8 @@ fn item(o: &NewObject, mr_fds: &[RawFd], rings_len: usize) -> anyhow::Result<(Cr
             let item = Create::Cq { cap, channel: channel.map(|c| c.handle), fd: 0, ring_offset: rings_len as u64 };
             (item, fds, rings_len + ring_bytes::<Cqe>(cap))
         }
-        NewObject::Qp { pd, init, qpn, state } => qp_item(pd, init, qpn.or(state.map(|s| s.qpn)), state, false, fds, rings_len)?,
-        NewObject::QpAwaitingState { pd, init, qpn } => qp_item(pd, init, Some(qpn), None, true, fds, rings_len)?,
+        NewObject::Qp { pd, init, qpn, state } => qp_item(pd, init, qpn.or(state.map(|s| s.qpn)), state, None, fds, rings_len)?,
+        NewObject::QpAwaitingState { pd, init, qpn, peer } => qp_item(pd, init, Some(qpn), None, Some(peer), fds, rings_len)?,
     })
 }
 
@@ -198,7 +201,8 @@ fn qp_item(
     init: &QpInitAttr,
     qpn: Option<u32>,
     state: Option<&QpSnapshot>,
-    await_state: bool,
+    // Made awaiting its state (with its peer, if known).
+    awaiting: Option<Option<std::net::Ipv4Addr>>,
     fds: Vec<RawFd>,
     rings_len: usize,
 ) -> anyhow::Result<(Create, Vec<RawFd>, usize)> {
@@ -224,7 +228,8 @@ fn qp_item(
         fd: 0,
         sq_offset,
         rq_offset,
-        await_state,
+        await_state: awaiting.is_some(),
+        peer: awaiting.flatten(),
     };
     Ok((item, fds, rq_offset as usize + ring_bytes::<RecvWqe>(rq_slots)))
 }

@@ -372,7 +372,12 @@ impl Dev {
             return Err(Errno::EINVAL);
         }
         qp.qp.modify(&v, mask).map_err(|_| Errno::EINVAL)?;
+        // The address vector stays that of the modify that set it (RTR),
+        // not the zeros of later ones: a migration's early section tells
+        // the destination the peer from it (early.rs).
+        let av = if mask & ib::qp_attr_mask::AV != 0 { a.ah_attr } else { qp.info.attr.ah_attr };
         qp.info.attr = *a;
+        qp.info.attr.ah_attr = av;
         if mask & ib::qp_attr_mask::STATE != 0 && a.qp_state == ib::qp_state::RESET {
             // The driver resets its rings with the QP: so does the device.
             let i = &mut qp.info;

@@ -201,15 +201,17 @@ pub(crate) fn prepare(name: &str, early: &Early, d: &Dev) -> Result<Prepared> {
             return Err(err(format!("QP {h} names a missing PD")));
         }
         let init = shape.init(scq, rcq);
-        qps.push((h, shape, init));
+        // The peer the QP's state will name: rnicd warms its neighbour entry.
+        let peer = info.attr.ah_attr.grh.dgid.ipv4().map(Ipv4Addr::from);
+        qps.push((h, shape, init, peer));
     }
     let objects: Vec<verbs::NewObject> = qps
         .iter()
-        .map(|(_, shape, init)| verbs::NewObject::QpAwaitingState { pd: &p.pds[&shape.pd_handle], init, qpn: shape.qpn })
+        .map(|(_, shape, init, peer)| verbs::NewObject::QpAwaitingState { pd: &p.pds[&shape.pd_handle], init, qpn: shape.qpn, peer: *peer })
         .collect();
     let made = d.be.ctx.create_batch(&objects).map_err(|e| err(format!("QPs: {e:#}")))?;
     drop(objects);
-    for ((h, shape, _), m) in qps.into_iter().zip(made) {
+    for ((h, shape, _, _), m) in qps.into_iter().zip(made) {
         let verbs::Made::Qp(qp) = m else { return Err(err(format!("QP {h}: rnicd made another object"))) };
         p.qps.insert(h, (shape, qp));
     }

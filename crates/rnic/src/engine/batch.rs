@@ -71,11 +71,12 @@ impl Engine {
                 sq_offset,
                 rq_offset,
                 await_state,
+                peer,
             } => {
                 ring_aligned(sq_offset)?;
                 ring_aligned(rq_offset)?;
                 let ring = fd(f)?;
-                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type, await_state };
+                let q = QpRequest { pd, send_cq, recv_cq, cap, sq_sig_all, sq_slots, rq_slots, qpn, qp_type, await_state, peer };
                 let r = self.create_qp(client, q, restore, (ring, sq_offset), (ring, rq_offset)).context("QP")?;
                 let Reply::Qp { qpn, .. } = r else { bail!("CreateQp made no QP") };
                 Ok((Made::Qp(qpn), r))
