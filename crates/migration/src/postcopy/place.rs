@@ -512,7 +512,7 @@ impl Placer {
         let mut w = self.waiters.lock().unwrap();
         if self.seen.get(pfn) {
             drop(w);
-            dom.resolve(addr);
+            self.resolve_around(&dom, addr, pfn);
             dom.waits.lock().unwrap().faults_present += 1;
             return;
         }
@@ -541,6 +541,29 @@ impl Placer {
             if !self.claimed.get(p) && !self.asked.get(p) && self.prefetched.test_and_set(p) {
                 out.soon.push(p);
             }
+        }
+    }
+
+    /// A thread of `dom` faulted at `addr` on page `pfn`, which is here but
+    /// not mapped in that process (a RAM client dropped its mappings when
+    /// postcopy began; pages are placed into the vmm's mapping only). Map
+    /// it with the pages after it that are here too, up to
+    /// [`FAULT_WINDOW`], in one call, as the kernel's fault-around would:
+    /// rnicd reading a 64 MiB WRITE's source faulted once per page, each a
+    /// round trip through this thread.
+    fn resolve_around(&self, dom: &FaultDomain, addr: u64, pfn: u64) {
+        let a = addr & !(PAGE - 1);
+        let Some(r) = dom.ranges.iter().find(|r| addr >= r.0 && addr < r.0 + r.2) else { return dom.resolve(addr) };
+        let in_range = (r.0 + r.2 - a) / PAGE;
+        let mut n = 1;
+        while n < FAULT_WINDOW.min(in_range) && pfn + n < self.total && self.seen.get(pfn + n) {
+            n += 1;
+        }
+        // Done if every page went in (which wakes the thread); else (a
+        // known-zero hole, a page the process mapped meanwhile) the
+        // faulting page on its own, which wakes it in every case.
+        if n == 1 || uffd_continue(dom.uffd.as_raw_fd(), a, n * PAGE).is_err() {
+            dom.resolve(addr);
         }
     }
 
