@@ -670,10 +670,10 @@ pub(crate) fn receive_channel(index: usize, mut s: TcpStream, sh: Arc<RxShared>)
                 DataItem::Pages { data_len, .. } if sh.placer.get().is_some() => {
                     let placer = sh.placer.get().expect("checked");
                     if postcopy.is_none() {
-                        // The guest waits on these pages (and a fault on a
-                        // page this thread claimed waits for it): go before
-                        // the host's other work, like the fault path.
-                        crate::postcopy::urgent_priority();
+                        // Background work beside the VM it serves (a fault
+                        // on a page this thread claimed waits only for a
+                        // real-time section, see `place_batch_direct`).
+                        crate::postcopy::push_priority();
                         postcopy = Some(CpuTally::new(&sh.ctl, true));
                         crate::postcopy::bound_push_buffer(&s, sh.barrier.n, false);
                     }

@@ -278,9 +278,8 @@ impl Channel {
     fn push(&mut self, q: &PushQueue, comp: &mut PageCompressor, batch: &mut BatchWriter, cbuf: &mut Vec<u8>) -> Result<Sent> {
         let mut sent = Sent::default();
         let mut claims = Vec::new();
-        // The destination's guest waits on this push: it goes before the
-        // host's other work, like the fault path.
-        crate::postcopy::urgent_priority();
+        // Background work: what the guest waits on goes by the fault path.
+        crate::postcopy::push_priority();
         while q.claim(CHUNK_PAGES, &mut claims) {
             for c in &claims {
                 let item = WorkItem { first: c.first, count: c.count, known_zero: c.known_zero, armed: false };

@@ -150,6 +150,32 @@ impl Status {
     }
 }
 
+/// What missing pages cost one process that maps guest RAM on a postcopy
+/// destination (the vmm, or a RAM client such as rnicd): its threads block
+/// on a missing page until it is placed.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+#[serde(default)]
+pub struct FaultWaits {
+    /// "vmm", or the RAM client's name ("rnicd" for PVRDMA devices).
+    pub name: String,
+    /// Accesses that blocked on a page not here yet.
+    pub faults: u64,
+    /// Their waits added up, fault to wake: a single-threaded client
+    /// (rnicd's event loop) did nothing else for this long.
+    pub wait_ms: f64,
+    /// The longest of them.
+    pub wait_max_us: f64,
+    /// Accesses that blocked on a page that was here already but not
+    /// mapped in that process (it dropped its page table entries when
+    /// postcopy began): resolved at once, at the cost of a round trip
+    /// through the fault thread.
+    pub faults_present: u64,
+    /// The first fault and the last wake, ms since the Unix epoch (the
+    /// clock of the source's `paused_unix_ms`).
+    pub first_fault_unix_ms: Option<f64>,
+    pub last_wake_unix_ms: Option<f64>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct RoundStat {
     pub round: u64,
@@ -236,6 +262,9 @@ pub struct Stats {
     pub recoveries: u32,
     /// Helper processes (rnicd, vhost-user backends) whose faults were served.
     pub ram_clients: u32,
+    /// Incoming postcopy: how long each process that maps guest RAM (the
+    /// vmm, then each RAM client) waited for missing pages, as it goes.
+    pub fault_waits: Vec<FaultWaits>,
     /// Outgoing: what each link carried (one entry per destination address).
     /// Incoming postcopy over rdma: what each link's READs carried (one
     /// entry per source address; `channels` counts its queue pairs to read

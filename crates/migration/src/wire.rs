@@ -198,6 +198,10 @@ pub enum Msg {
         /// for faults: the source's CPU never saw them.
         #[serde(default)]
         pages_read: Option<(u64, u64)>,
+        /// What missing pages cost each process that maps guest RAM there
+        /// (the vmm, each RAM client).
+        #[serde(default)]
+        fault_waits: Vec<crate::stats::FaultWaits>,
     },
     /// Source -> destination, postcopy and hybrid over the rdma transport:
     /// the GID of the source's rnicd, the queue pairs the destination reads

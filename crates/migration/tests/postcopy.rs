@@ -394,6 +394,12 @@ fn helper_reads(net: &Net, prealloc: bool) {
     let (_, d) = finish(&src, &dst);
     assert_eq!(d["ram_clients"], 1);
     assert!(d["faults"].as_u64().unwrap() >= 3, "{d:#}");
+    // What the faults cost each process: the helper's three reads each
+    // blocked on a missing page (and waited for it), counted as its own.
+    let waits = &d["fault_waits"];
+    assert_eq!((&waits[0]["name"], &waits[1]["name"]), (&json!("vmm"), &json!("ram-client-probe")), "{waits:#}");
+    assert!(waits[1]["faults"].as_u64().unwrap() >= 3 && waits[1]["wait_ms"].as_f64().unwrap() > 0.0, "{waits:#}");
+    assert!(waits[1]["last_wake_unix_ms"].as_f64().unwrap() >= waits[1]["first_fault_unix_ms"].as_f64().unwrap(), "{waits:#}");
     assert_same(&want, &dst.hashes());
 }
 

@@ -125,8 +125,24 @@ impl RamClient {
     /// advise, unregister on end. When the vmm goes away mid-postcopy the
     /// uffd is closed here too, which wakes any thread blocked on it.
     pub fn serve(&self, ranges: &[(u64, u64, u64)]) -> Result<()> {
+        self.serve_with(ranges, |_| {})
+    }
+
+    /// [`serve`](Self::serve), telling `postcopy` when this client's
+    /// postcopy begins (`true`, once its ranges are registered) and ends
+    /// (`false`: at `postcopy-end`, or when the vmm goes away during it).
+    pub fn serve_with(&self, ranges: &[(u64, u64, u64)], mut postcopy: impl FnMut(bool)) -> Result<()> {
         let fd = self.sock.as_fd();
         let mut uffd: Option<Uffd> = None;
+        let served = self.answer(fd, ranges, &mut uffd, &mut postcopy);
+        // The vmm went away (or the socket failed) during postcopy.
+        if uffd.is_some() {
+            postcopy(false);
+        }
+        served
+    }
+
+    fn answer(&self, fd: BorrowedFd, ranges: &[(u64, u64, u64)], uffd: &mut Option<Uffd>, postcopy: &mut impl FnMut(bool)) -> Result<()> {
         while let Some((v, _)) = recv(fd)? {
             match v["op"].as_str() {
                 Some("postcopy-advise") => {
@@ -144,7 +160,9 @@ impl RamClient {
                     match r {
                         Ok(u) => {
                             send(fd, &json!({"op": "postcopy-listen", "ranges": ranges}), Some(u.as_raw_fd()))?;
-                            uffd = Some(u);
+                            if uffd.replace(u).is_none() {
+                                postcopy(true);
+                            }
                         }
                         Err(e) => send(fd, &json!({"op": "error", "reason": format!("{e:#}")}), None)?,
                     }
@@ -154,6 +172,7 @@ impl RamClient {
                         for r in ranges {
                             let _ = u.unregister(r.0 as *mut libc::c_void, r.2 as usize);
                         }
+                        postcopy(false);
                     }
                     send(fd, &json!({"op": "postcopy-ended"}), None)?;
                 }

@@ -1148,6 +1148,7 @@ fn serve_client(
                 .map(|r| match r {
                     Reply::Stats(mut v) => {
                         v["ram_clients"] = crate::ramclient::joined().into();
+                        v["ram_clients_in_postcopy"] = crate::ramclient::in_postcopy().into();
                         Reply::Stats(v)
                     }
                     r => r,

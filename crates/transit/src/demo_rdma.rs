@@ -156,6 +156,27 @@ fn gap_place(g: &Value, h: &Hop) -> String {
 /// most the VM's downtime + 10 ms.
 const GAP_SLACK_MS: f64 = 10.0;
 
+/// What missing pages cost one process on a postcopy destination (the
+/// vmm, or rnicd: while rnicd waits, every QP of its host waits), placed
+/// against the source's pause.
+fn fault_waits_line(w: &Value, paused_unix_ms: Option<f64>) -> String {
+    let f = |k: &str| w[k].as_f64().unwrap_or(0.0);
+    let at = |k: &str| match (w[k].as_f64(), paused_unix_ms) {
+        (Some(t), Some(p)) => format!("{:+.0} ms", t - p),
+        _ => "-".into(),
+    };
+    format!(
+        "{} on the destination: {} faults on missing pages ({} on pages already here), {:.1} ms waited in all (longest {:.1} ms), first fault at {} and last wake at {} of the pause",
+        w["name"].as_str().unwrap_or("?"),
+        w["faults"].as_u64().unwrap_or(0),
+        w["faults_present"].as_u64().unwrap_or(0),
+        f("wait_ms"),
+        f("wait_max_us") / 1e3,
+        at("first_fault_unix_ms"),
+        at("last_wake_unix_ms"),
+    )
+}
+
 fn mailbox_msg(vm: &VmProcess) -> Result<String> {
     let t0 = Instant::now();
     loop {
@@ -240,12 +261,16 @@ fn hop(
         if rounds.is_empty() { "none".to_string() } else { rounds.join(", ") },
         st["downtime_ms"].as_f64().unwrap_or(0.0),
     );
+    let paused = st["paused_unix_ms"].as_f64();
+    for w in st["fault_waits"].as_array().map(Vec::as_slice).unwrap_or_default() {
+        eprintln!("    {}", fault_waits_line(w, paused));
+    }
     let hop = Hop {
         window: (window_start, window_end),
         switch: st["paused_unix_ms"].as_f64().map(|p| (p, p + st["downtime_ms"].as_f64().unwrap_or(0.0))),
         downtime_ms: st["downtime_ms"].as_f64().unwrap_or(0.0),
         stats: json!({"total_ms": st["total_ms"], "downtime_ms": st["downtime_ms"], "rounds": st["rounds"], "migration_mode": a.mode,
-                      "peer_nic": counters.0}),
+                      "postcopy_ms": st["postcopy_ms"], "fault_waits": st["fault_waits"], "peer_nic": counters.0}),
     };
     Ok((dst, hop))
 }

@@ -120,6 +120,28 @@ fn admitted_socket(path: &Path) -> OwnedFd {
     s
 }
 
+/// The nice values of the threads of the rnicd that serves `sock`.
+fn rnicd_thread_nices(sock: &Path) -> Vec<i64> {
+    let sock = sock.to_str().unwrap();
+    let pid = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+            args.contains(&b"rnicd".as_slice()) && args.contains(&sock.as_bytes())
+        })
+        .expect("rnicd's process");
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| {
+            let stat = std::fs::read_to_string(t.ok()?.path().join("stat")).ok()?;
+            // Field 19 (nice), counted after the command name's ")".
+            stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok()
+        })
+        .collect()
+}
+
 /// Copies `data` to the start of the peer's buffer (no operation in flight).
 fn put(buf: &MemBuf, data: &[u8]) {
     assert!(data.len() <= buf.len());
@@ -226,6 +248,15 @@ fn run(join: bool) {
     }
     let during = status(&b.dst);
     assert!(during["remaining_pages"].as_u64().unwrap() > 0, "the migration ended before the checks: {during:#}");
+    // While the vmm it serves is in postcopy, rnicd's event loop runs
+    // ahead of the push (nice -10), and only then.
+    assert_eq!(ctx0.stats().unwrap()["ram_clients_in_postcopy"], 1);
+    let nices = rnicd_thread_nices(&b.nics[0].1);
+    assert!(nices.contains(&-10), "no thread of rnicd at nice -10 during postcopy: {nices:?}");
+    // What the faults cost rnicd, as the destination reports it so far.
+    let waits = &during["fault_waits"];
+    assert_eq!(waits[1]["name"], "rnicd", "{waits:#}");
+    assert!(waits[1]["faults"].as_u64().unwrap() >= 4 && waits[1]["wait_ms"].as_f64().unwrap() > 0.0, "{waits:#}");
 
     wait_for("the destination to complete", || {
         let s = status(&b.src);
@@ -234,6 +265,14 @@ fn run(join: bool) {
     });
     let d = status(&b.dst);
     assert_eq!(d["ram_clients"], 1, "{d:#}");
+    assert_eq!(ctx0.stats().unwrap()["ram_clients_in_postcopy"], 0);
+    let nices = rnicd_thread_nices(&b.nics[0].1);
+    assert!(!nices.contains(&-10), "rnicd kept nice -10 after postcopy: {nices:?}");
+    // The VM stayed paused: no fault was the vmm's own, and rnicd's are
+    // counted as its own.
+    let waits = &d["fault_waits"];
+    assert_eq!((&waits[0]["name"], &waits[0]["faults"]), (&json!("vmm"), &json!(0)), "{waits:#}");
+    assert_eq!(waits[1]["faults"], d["faults"], "{waits:#}");
     // The destination VM stayed paused: every fault was rnicd's.
     assert!(d["faults"].as_u64().unwrap() >= 4, "{d:#}");
     eprintln!(

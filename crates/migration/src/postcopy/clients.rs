@@ -130,7 +130,7 @@ impl RamClients {
             // SAFETY: the fd came with the message and is a uffd by
             // protocol; any other fd fails its first ioctl.
             let uffd = unsafe { userfaultfd::Uffd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(uffd)) };
-            out.push(FaultDomain { uffd, ranges, name: c.name.clone(), gone: Default::default() });
+            out.push(FaultDomain::new(&c.name, uffd, ranges));
             keep.push(c);
         }
         *conns = keep;

@@ -355,6 +355,7 @@ pub(crate) fn run(
         s.pages_requested = placer.requested.load(std::sync::atomic::Ordering::Relaxed);
         s.postcopy_ms = t_post.elapsed().as_secs_f64() * 1e3;
         s.remaining_pages = 0;
+        s.fault_waits = placer.fault_waits();
     });
     if let Some(mut l) = link.take() {
         let pages_read = l.fetch.is_some().then(|| {
@@ -369,6 +370,7 @@ pub(crate) fn run(
             cpu_s: cpu,
             ram_clients: n_clients,
             pages_read,
+            fault_waits: placer.fault_waits(),
         };
         if let Err(e) = wire::send_msg(&mut l.control, &complete) {
             tracing::warn!("could not tell the source that postcopy completed: {e}");
@@ -494,7 +496,10 @@ fn wait_for_every_page(
         if placer.wait_complete(Duration::from_millis(20)) {
             break;
         }
-        ctl.update(|s| s.remaining_pages = placer.missing());
+        ctl.update(|s| {
+            s.remaining_pages = placer.missing();
+            s.fault_waits = placer.fault_waits();
+        });
         let broken = match link.as_mut() {
             Some(l) => l.check(sh, sink),
             None => Some("not connected".into()),

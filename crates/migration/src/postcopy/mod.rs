@@ -47,11 +47,8 @@ pub(crate) fn bound_push_buffer(s: &std::net::TcpStream, channels: usize, send: 
     }
 }
 
-/// The postcopy push's senders and receivers (and, without the privilege
-/// for [`fault_path_priority`], the fault path) get a larger CPU share
-/// (nice -10) than the vCPUs and the host's other work, so that the push
-/// stays quick on busy CPUs. Not a real-time class: the push never blocks
-/// and would starve everything else.
+/// Without the privilege for [`fault_path_priority`], the fault path gets
+/// a larger CPU share (nice -10) than the vCPUs and the host's other work.
 pub(crate) fn urgent_priority() {
     // Threads started by the switch inherit its real-time class: drop it.
     set_priority(false);
@@ -59,6 +56,23 @@ pub(crate) fn urgent_priority() {
     let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
     if r != 0 {
         tracing::debug!("no higher priority for postcopy: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// The postcopy push's senders and receivers run at the host's normal
+/// priority (leaving the real-time class the switch may have passed on).
+/// The push is background work: what a thread of the guest or of a RAM
+/// client waits on goes by the fault path, ahead of it. At nice -10 it
+/// took the destination's CPUs from the VM it serves: rnicd's event loop
+/// waited up to 130 ms for a CPU while the push ran (a peer of the VM saw
+/// every QP stall that long), since on a shared host only threads of one
+/// session group compete by nice value, and those are the VM's own.
+pub(crate) fn push_priority() {
+    set_priority(false);
+    // SAFETY: plain syscalls on the calling thread.
+    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) };
+    if r != 0 {
+        tracing::debug!("push priority unchanged: {}", std::io::Error::last_os_error());
     }
 }
 

@@ -142,9 +142,34 @@ pub struct FaultDomain {
     pub name: String,
     /// Its process is gone (the uffd hung up): stop polling it.
     pub gone: std::sync::atomic::AtomicBool,
+    /// How long its threads waited for pages.
+    pub waits: Mutex<crate::stats::FaultWaits>,
 }
 
 impl FaultDomain {
+    pub fn new(name: &str, uffd: Uffd, ranges: Vec<(u64, u64, u64)>) -> FaultDomain {
+        let waits = crate::stats::FaultWaits { name: name.to_string(), ..Default::default() };
+        FaultDomain { uffd, ranges, name: name.to_string(), gone: Default::default(), waits: Mutex::new(waits) }
+    }
+
+    /// A thread of this process blocked on a page not here yet.
+    fn note_fault(&self) {
+        let mut w = self.waits.lock().unwrap();
+        w.faults += 1;
+        if w.first_fault_unix_ms.is_none() {
+            w.first_fault_unix_ms = Some(crate::cputime::unix_ns() as f64 / 1e6);
+        }
+    }
+
+    /// A thread of this process that blocked `waited` ago goes on.
+    fn note_wake(&self, waited: std::time::Duration) {
+        let us = waited.as_secs_f64() * 1e6;
+        let mut w = self.waits.lock().unwrap();
+        w.wait_ms += us / 1e3;
+        w.wait_max_us = w.wait_max_us.max(us);
+        w.last_wake_unix_ms = Some(crate::cputime::unix_ns() as f64 / 1e6);
+    }
+
     fn pfn_of(&self, addr: u64) -> Option<u64> {
         self.ranges.iter().find(|r| addr >= r.0 && addr < r.0 + r.2).map(|r| (r.1 + addr - r.0) / PAGE)
     }
@@ -172,7 +197,8 @@ impl FaultDomain {
 
 struct Waiter {
     since: Instant,
-    who: Vec<(usize, u64)>, // (domain index, faulting address)
+    /// (domain index, faulting address, when it faulted)
+    who: Vec<(usize, u64, Instant)>,
 }
 
 /// Who placed a page (for the pushed/requested statistics).
@@ -238,7 +264,7 @@ impl Placer {
         // SAFETY: fstat of our memfd.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         let prefilled = unsafe { libc::fstat(ram.memfd, &mut st) } == 0 && st.st_blocks as u64 * 512 >= ram.len;
-        let vmm = FaultDomain { uffd, ranges: vec![(ram.host_addr as u64, 0, ram.len)], name: "vmm".into(), gone: Default::default() };
+        let vmm = FaultDomain::new("vmm", uffd, vec![(ram.host_addr as u64, 0, ram.len)]);
         let present = seen.count_ones();
         Ok(Placer {
             ram,
@@ -455,8 +481,9 @@ impl Placer {
         let w = self.waiters.lock().unwrap().remove(&pfn);
         if let Some(w) = w {
             let domains = self.domains.read().unwrap();
-            for (d, addr) in &w.who {
+            for (d, addr, since) in &w.who {
                 domains[*d].resolve(*addr);
+                domains[*d].note_wake(since.elapsed());
             }
             self.latencies_us.lock().unwrap().push(w.since.elapsed().as_secs_f64() * 1e6);
         }
@@ -485,16 +512,19 @@ impl Placer {
         let mut w = self.waiters.lock().unwrap();
         if self.seen.get(pfn) {
             drop(w);
-            dom.resolve(addr);
+            self.resolve_around(&dom, addr, pfn);
+            dom.waits.lock().unwrap().faults_present += 1;
             return;
         }
+        let now = Instant::now();
+        dom.note_fault();
         match w.entry(pfn) {
             std::collections::hash_map::Entry::Occupied(mut e) => {
-                e.get_mut().who.push((d, addr));
+                e.get_mut().who.push((d, addr, now));
                 return;
             }
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Waiter { since: Instant::now(), who: vec![(d, addr)] });
+                e.insert(Waiter { since: now, who: vec![(d, addr, now)] });
                 self.faults.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -511,6 +541,29 @@ impl Placer {
             if !self.claimed.get(p) && !self.asked.get(p) && self.prefetched.test_and_set(p) {
                 out.soon.push(p);
             }
+        }
+    }
+
+    /// A thread of `dom` faulted at `addr` on page `pfn`, which is here but
+    /// not mapped in that process (a RAM client dropped its mappings when
+    /// postcopy began; pages are placed into the vmm's mapping only). Map
+    /// it with the pages after it that are here too, up to
+    /// [`FAULT_WINDOW`], in one call, as the kernel's fault-around would:
+    /// rnicd reading a 64 MiB WRITE's source faulted once per page, each a
+    /// round trip through this thread.
+    fn resolve_around(&self, dom: &FaultDomain, addr: u64, pfn: u64) {
+        let a = addr & !(PAGE - 1);
+        let Some(r) = dom.ranges.iter().find(|r| addr >= r.0 && addr < r.0 + r.2) else { return dom.resolve(addr) };
+        let in_range = (r.0 + r.2 - a) / PAGE;
+        let mut n = 1;
+        while n < FAULT_WINDOW.min(in_range) && pfn + n < self.total && self.seen.get(pfn + n) {
+            n += 1;
+        }
+        // Done if every page went in (which wakes the thread); else (a
+        // known-zero hole, a page the process mapped meanwhile) the
+        // faulting page on its own, which wakes it in every case.
+        if n == 1 || uffd_continue(dom.uffd.as_raw_fd(), a, n * PAGE).is_err() {
+            dom.resolve(addr);
         }
     }
 
@@ -550,6 +603,12 @@ impl Placer {
     /// Pages threads wait for (asked again after a reconnection).
     pub fn waiting(&self) -> Vec<u64> {
         self.waiters.lock().unwrap().keys().copied().collect()
+    }
+
+    /// How long each fault domain's threads waited for pages so far (the
+    /// vmm's first, then each RAM client's).
+    pub fn fault_waits(&self) -> Vec<crate::stats::FaultWaits> {
+        self.domains.read().unwrap().iter().map(|d| d.waits.lock().unwrap().clone()).collect()
     }
 
     /// (p50, p99, max) of fault-to-wake latency in microseconds.

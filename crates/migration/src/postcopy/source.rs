@@ -374,7 +374,7 @@ fn serve(control: &mut ControlConn, channels: &mut ChannelSet, queue: &Arc<PushQ
 
 /// The destination's figures from its `Complete` into the statistics.
 fn note_complete(s: &mut Stats, complete: &Msg) {
-    let Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, .. } = *complete else {
+    let Msg::Complete { faults, fault_p50_us, fault_p99_us, fault_max_us, cpu_s, ram_clients, ref fault_waits, .. } = *complete else {
         unreachable!("only a Complete carries the destination's figures")
     };
     s.faults = faults;
@@ -383,6 +383,7 @@ fn note_complete(s: &mut Stats, complete: &Msg) {
     s.fault_max_us = fault_max_us;
     s.cpu_s_dest = Some(cpu_s);
     s.ram_clients = ram_clients;
+    s.fault_waits = fault_waits.clone();
 }
 
 /// Run the push, and again whenever the destination's report after a lost

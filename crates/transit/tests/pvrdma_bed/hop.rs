@@ -123,17 +123,25 @@ pub fn finish_hop(src: &VmProcess, dst: &VmProcess, mode: Mode) -> Value {
     assert_eq!(st["mode"], mode.name(), "{st:#}");
     if mode.switches() {
         assert!(st["postcopy_ms"].as_f64().unwrap() > 0.0, "the VM ran on the destination before all pages were in: {st:#}");
-        // The destination's rnicd served its faults as a RAM client.
+        // The destination's rnicd served its faults as a RAM client, and
+        // the destination reported what they cost rnicd apart from the
+        // vmm's own (every fault is one or the other's).
         assert_eq!(st["ram_clients"], 1, "{st:#}");
+        let waits = st["fault_waits"].as_array().expect("fault_waits");
+        let names: Vec<&str> = waits.iter().map(|w| w["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["vmm", "rnicd"], "{st:#}");
+        let faults: u64 = waits.iter().map(|w| w["faults"].as_u64().unwrap()).sum();
+        assert!(faults >= st["faults"].as_u64().unwrap(), "{st:#}");
     }
     wait_for("the destination to run", LONG, || dst.status().unwrap()["running"] == true);
     eprintln!(
-        "hop ({}): downtime {} ms, total {} ms, postcopy {} ms, faults {}",
+        "hop ({}): downtime {} ms, total {} ms, postcopy {} ms, faults {}, per process {}",
         mode.name(),
         st["downtime_ms"],
         st["total_ms"],
         st["postcopy_ms"],
-        st["faults"]
+        st["faults"],
+        st["fault_waits"]
     );
     st
 }
