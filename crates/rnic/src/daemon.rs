@@ -978,6 +978,9 @@ fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
             engine.on_packet(chunk, src, sport, now);
         }
     }
+    // WRITE payloads placed with streaming stores reach memory before the
+    // ACKs for them leave (one fence per chunk, not per packet).
+    crate::mem::fence_streamed();
     n as usize
 }
 

@@ -257,8 +257,11 @@ impl Span {
     /// migration land in guest RAM that is not in any cache, and a plain
     /// copy first reads every destination line from memory, then evicts
     /// the cached packets the next ICRC check reads (see "Data path
-    /// costs" in docs/rnic.md). The stores are fenced before it returns,
-    /// so a completion or ACK published afterwards is ordered after them.
+    /// costs" in docs/rnic.md). Streaming stores are weakly ordered: the
+    /// caller must call [`fence_streamed`] before anything that tells
+    /// another process the bytes are there (a CQE, an ACK). Fencing after
+    /// every packet instead stalled the loop until each packet's lines
+    /// had reached memory.
     ///
     /// # Safety
     /// As `write`.
@@ -276,9 +279,8 @@ impl Span {
                 }
             }
         }
-        #[cfg(target_arch = "x86_64")]
         if data.len() >= STREAM_MIN {
-            std::arch::x86_64::_mm_sfence();
+            UNFENCED.with(|u| u.set(true));
         }
     }
 
@@ -327,6 +329,27 @@ pub const STREAM_MIN: usize = 1024;
 pub fn streaming_enabled() -> bool {
     static ON: LazyLock<bool> = LazyLock::new(|| std::env::var("RNICD_STREAM_WRITES").map_or(true, |v| v != "0"));
     *ON
+}
+
+thread_local! {
+    /// Whether this thread made streaming stores since its last fence.
+    static UNFENCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Orders the streaming stores this thread made ([`Span::write_streaming`])
+/// before its later stores and sends: called before a CQE is published and
+/// after each receive batch, before the ACKs it produced leave. A no-op
+/// when there were none.
+pub fn fence_streamed() {
+    UNFENCED.with(|u| {
+        if u.replace(false) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a store fence has no preconditions.
+            unsafe {
+                std::arch::x86_64::_mm_sfence()
+            };
+        }
+    });
 }
 
 /// Copies `n` bytes from `src` to `dst` (not overlapping); from `STREAM_MIN`
