@@ -1053,6 +1053,9 @@ fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
             engine.on_packet_at(chunk, src, sport, now, arrived);
         }
     }
+    // WRITE payloads placed with streaming stores reach memory before the
+    // ACKs for them leave (one fence per chunk, not per packet).
+    crate::mem::fence_streamed();
     n as usize
 }
 

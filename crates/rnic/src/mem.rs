@@ -251,6 +251,39 @@ impl Span {
         }
     }
 
+    /// Copies `data` into the span as `write` does, with streaming
+    /// (non-temporal) stores for pieces of [`STREAM_MIN`] bytes or more
+    /// when [`streaming_enabled`]: the incoming WRITE payloads of a
+    /// migration land in guest RAM that is not in any cache, and a plain
+    /// copy first reads every destination line from memory, then evicts
+    /// the cached packets the next ICRC check reads (see "Data path
+    /// costs" in docs/rnic.md). Streaming stores are weakly ordered: the
+    /// caller must call [`fence_streamed`] before anything that tells
+    /// another process the bytes are there (a CQE, an ACK). Fencing after
+    /// every packet instead stalled the loop until each packet's lines
+    /// had reached memory.
+    ///
+    /// # Safety
+    /// As `write`.
+    pub unsafe fn write_streaming(&self, data: &[u8]) {
+        if !streaming_enabled() {
+            return self.write(data);
+        }
+        match self {
+            Span::One(p) => stream_copy(*p, data.as_ptr(), data.len()),
+            Span::Many(v) => {
+                let mut off = 0;
+                for (p, n) in v {
+                    stream_copy(*p, data[off..].as_ptr(), *n);
+                    off += n;
+                }
+            }
+        }
+        if data.len() >= STREAM_MIN {
+            UNFENCED.with(|u| u.set(true));
+        }
+    }
+
     /// Copies the span into `out` (same conditions as `write`).
     ///
     /// # Safety
@@ -284,6 +317,74 @@ impl Span {
             Span::Many(_) => None,
         }
     }
+}
+
+/// Smallest piece [`Span::write_streaming`] writes with streaming stores:
+/// below it a plain copy costs less than a store that bypasses the cache
+/// line by line.
+pub const STREAM_MIN: usize = 1024;
+
+/// Whether WRITE payloads are placed with streaming stores
+/// (`RNICD_STREAM_WRITES=0` turns them off, for A/B runs).
+pub fn streaming_enabled() -> bool {
+    static ON: LazyLock<bool> = LazyLock::new(|| std::env::var("RNICD_STREAM_WRITES").map_or(true, |v| v != "0"));
+    *ON
+}
+
+thread_local! {
+    /// Whether this thread made streaming stores since its last fence.
+    static UNFENCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Orders the streaming stores this thread made ([`Span::write_streaming`])
+/// before its later stores and sends: called before a CQE is published and
+/// after each receive batch, before the ACKs it produced leave. A no-op
+/// when there were none.
+pub fn fence_streamed() {
+    UNFENCED.with(|u| {
+        if u.replace(false) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a store fence has no preconditions.
+            unsafe {
+                std::arch::x86_64::_mm_sfence()
+            };
+        }
+    });
+}
+
+/// Copies `n` bytes from `src` to `dst` (not overlapping); from `STREAM_MIN`
+/// bytes on, the whole 64-byte lines of `dst` are written with SSE2
+/// non-temporal stores (baseline on x86-64), the ragged head and tail
+/// with a plain copy. The caller fences.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`.
+unsafe fn stream_copy(dst: *mut u8, src: *const u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if n >= STREAM_MIN {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let head = dst.align_offset(64).min(n);
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let lines = (n - head) / 64;
+        let (mut d, mut s) = (dst.add(head), src.add(head));
+        for _ in 0..lines {
+            // SAFETY: d is 64-byte aligned (so 16-byte aligned, as
+            // _mm_stream_si128 needs) and both lines are in bounds.
+            let a = _mm_loadu_si128(s as *const __m128i);
+            let b = _mm_loadu_si128(s.add(16) as *const __m128i);
+            let c = _mm_loadu_si128(s.add(32) as *const __m128i);
+            let e = _mm_loadu_si128(s.add(48) as *const __m128i);
+            _mm_stream_si128(d as *mut __m128i, a);
+            _mm_stream_si128(d.add(16) as *mut __m128i, b);
+            _mm_stream_si128(d.add(32) as *mut __m128i, c);
+            _mm_stream_si128(d.add(48) as *mut __m128i, e);
+            d = d.add(64);
+            s = s.add(64);
+        }
+        std::ptr::copy_nonoverlapping(s, d, n - head - lines * 64);
+        return;
+    }
+    std::ptr::copy_nonoverlapping(src, dst, n);
 }
 
 /// Most runs one memory region may have: the run list travels in one
@@ -454,6 +555,33 @@ fn prefault_present(w: &Arc<Mapping>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A streamed write lands exactly the bytes a plain one does, for
+    /// destinations at every offset within a cache line, lengths below
+    /// and above STREAM_MIN with ragged tails, one piece or several.
+    #[test]
+    fn streamed_writes_land_exactly_the_payload() {
+        let data: Vec<u8> = (0..9000u32).map(|i| (i * 13 + i / 7) as u8).collect();
+        for len in [0usize, 1, 63, 64, 65, STREAM_MIN - 1, STREAM_MIN, STREAM_MIN + 3, 4096, 4099, 8191] {
+            for at in [0usize, 1, 8, 15, 16, 33, 63] {
+                let mut dst = vec![0xeeu8; 8192 + 256];
+                let base = dst.as_mut_ptr().wrapping_add(dst.as_ptr().align_offset(64) + at);
+                // SAFETY: base + len stays inside dst (64 + 63 + 8191 < its length).
+                unsafe { Span::One(base).write_streaming(&data[..len]) };
+                let off = base as usize - dst.as_ptr() as usize;
+                assert_eq!(&dst[off..off + len], &data[..len], "len {len} at {at}");
+                assert!(dst[..off].iter().chain(&dst[off + len..]).all(|&b| b == 0xee), "len {len} at {at}: bytes outside");
+                let split = len / 3;
+                let mut two = vec![0xeeu8; 2 * 8192 + 256];
+                let p = two.as_mut_ptr().wrapping_add(at);
+                let q = two.as_mut_ptr().wrapping_add(8192 + 128);
+                // SAFETY: both pieces lie inside `two`.
+                unsafe { Span::Many(vec![(p, split), (q, len - split)]).write_streaming(&data[..len]) };
+                assert_eq!(&two[at..at + split], &data[..split]);
+                assert_eq!(&two[8192 + 128..8192 + 128 + len - split], &data[split..len]);
+            }
+        }
+    }
 
     /// Pieces of a span as (memfd offset, len), given the window's base.
     fn pieces(m: &RegionMemory, base: *mut u8, off: u64, len: u64) -> Vec<(u64, usize)> {

@@ -66,6 +66,8 @@ pub struct Cq {
 
 impl Cq {
     pub fn push(&mut self, cqe: &Cqe, solicited: bool, stats: &mut Stats) {
+        // The data this completion announces is in memory before it is.
+        crate::mem::fence_streamed();
         if !self.ring.push(cqe) {
             stats.cq_overflows += 1;
             self.ring.header().error.fetch_or(CQ_ERR_OVERFLOW, Ordering::Release);

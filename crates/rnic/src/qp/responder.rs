@@ -555,7 +555,7 @@ impl Qp {
         let n = p.payload.len() as u64;
         match (target, <[u8; 8]>::try_from(p.payload)) {
             // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
-            (Target::Write(dst), _) => unsafe { dst.write(p.payload) },
+            (Target::Write(dst), _) => unsafe { dst.write_streaming(p.payload) },
             // SAFETY: an atomic write's 8 aligned bytes, resolved just now.
             (Target::Atomic(ptr), Ok(v)) => unsafe { AtomicU64::from_ptr(ptr as *mut u64) }.store(u64::from_ne_bytes(v), Ordering::SeqCst),
             _ => {}
