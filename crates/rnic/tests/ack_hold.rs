@@ -9,11 +9,11 @@ use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use common::direct::{self, dup};
+use common::direct::{self, dup, Path};
 use rnic::engine::Engine;
 use rnic::mem::sealed_memfd;
 use rnic::proto::{Reply, Request};
-use rnic::types::{access, mask, Mtu, QpAttr, QpState};
+use rnic::types::{access, Mtu};
 use rnic::wire::{self, Flow, Headers, Opcode, Reth, Syndrome, ROCE_PORT};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 2, 1);
@@ -23,22 +23,8 @@ const LEN: usize = 4096;
 
 /// An RC QP of client 1 in RTS talking to PEER's QP `dest`.
 fn rts_qp(e: &mut Engine, pd: u32, cq: u32, dest: u32, keep: &mut Vec<OwnedFd>) -> u32 {
-    let (qpn, rings) = direct::rc_qp(e, 1, pd, cq, 1, 0);
-    keep.extend(rings);
-    let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: access::ALL, port_num: 1, ..Default::default() };
-    e.control(1, Request::ModifyQp { qpn, attr: a, mask: mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS }, vec![])
-        .unwrap();
-    a.qp_state = QpState::Rtr;
-    a.path_mtu = Mtu::M1024;
-    a.dest_gid = PEER;
-    a.dest_qp_num = dest;
-    a.rq_psn = RQ_PSN;
-    let m = mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN | mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER;
-    e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
-    a.qp_state = QpState::Rts;
-    let m = mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC;
-    e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
-    qpn
+    let path = Path { peer: PEER, dest_qpn: dest, rq_psn: RQ_PSN, mtu: Mtu::M1024, max_dest_rd_atomic: 1 };
+    direct::rts_qp(e, pd, cq, &path, keep)
 }
 
 /// The ACK's reported hold of a WRITE that arrived `held` before it was

@@ -8,11 +8,11 @@ use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
-use common::direct::{self, dup};
+use common::direct::{self, dup, Path};
 use rnic::engine::Engine;
 use rnic::mem::sealed_memfd;
 use rnic::proto::{Reply, Request};
-use rnic::types::{access, mask, Mtu, QpAttr, QpState};
+use rnic::types::{access, Mtu};
 use rnic::wire::{self, Flow, Headers, NakCode, Opcode, Reth, Syndrome, ROCE_PORT};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 1);
@@ -24,23 +24,8 @@ const BUSY_QPS: u32 = 32;
 
 /// An RC QP of client 1 in RTS talking to PEER's QP `dest`.
 fn rts_qp(e: &mut Engine, pd: u32, cq: u32, dest: u32, keep: &mut Vec<OwnedFd>) -> u32 {
-    let (qpn, rings) = direct::rc_qp(e, 1, pd, cq, 1, 0);
-    keep.extend(rings);
-    let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: access::ALL, port_num: 1, ..Default::default() };
-    e.control(1, Request::ModifyQp { qpn, attr: a, mask: mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS }, vec![])
-        .unwrap();
-    a.qp_state = QpState::Rtr;
-    a.path_mtu = Mtu::M256;
-    a.dest_gid = PEER;
-    a.dest_qp_num = dest;
-    a.rq_psn = RQ_PSN;
-    a.max_dest_rd_atomic = 4;
-    let m = mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN | mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER;
-    e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
-    a.qp_state = QpState::Rts;
-    let m = mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC;
-    e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
-    qpn
+    let path = Path { peer: PEER, dest_qpn: dest, rq_psn: RQ_PSN, mtu: Mtu::M256, max_dest_rd_atomic: 4 };
+    direct::rts_qp(e, pd, cq, &path, keep)
 }
 
 #[test]

@@ -3,14 +3,15 @@
 //! their requests carry. The caller keeps the memfds while it uses the
 //! objects.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-
 use rnic::engine::Engine;
 use rnic::mem::sealed_memfd;
 use rnic::objects::ClientId;
 use rnic::proto::{Reply, Request};
 use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
-use rnic::types::{QpCap, QpType};
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use rnic::types::{access, mask, Mtu, QpAttr, QpCap, QpState, QpType};
 
 /// Slots of each ring of a QP made by [`rc_qp`] (and its WRs each way).
 pub const QP_DEPTH: u32 = 16;
@@ -53,4 +54,36 @@ pub fn rc_qp(e: &mut Engine, c: ClientId, pd: u32, cq: u32, sges: u32, inline: u
         panic!("CreateQp answered with another reply")
     };
     (qpn, [sq, rq])
+}
+
+/// The path of an RC QP made by [`rts_qp`]: its peer, the PSN it expects
+/// first, the path MTU and how many READs or atomics it answers at once.
+pub struct Path {
+    pub peer: Ipv4Addr,
+    pub dest_qpn: u32,
+    pub rq_psn: u32,
+    pub mtu: Mtu,
+    pub max_dest_rd_atomic: u8,
+}
+
+/// An RC QP of client 1 in RTS on `pd` and `cq` (one SGE, no inline data)
+/// talking to `path`; its rings' memfds go to `keep`.
+pub fn rts_qp(e: &mut Engine, pd: u32, cq: u32, path: &Path, keep: &mut Vec<OwnedFd>) -> u32 {
+    let (qpn, rings) = rc_qp(e, 1, pd, cq, 1, 0);
+    keep.extend(rings);
+    let mut a = QpAttr { qp_state: QpState::Init, qp_access_flags: access::ALL, port_num: 1, ..Default::default() };
+    e.control(1, Request::ModifyQp { qpn, attr: a, mask: mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS }, vec![])
+        .unwrap();
+    a.qp_state = QpState::Rtr;
+    a.path_mtu = path.mtu;
+    a.dest_gid = path.peer;
+    a.dest_qp_num = path.dest_qpn;
+    a.rq_psn = path.rq_psn;
+    a.max_dest_rd_atomic = path.max_dest_rd_atomic;
+    let m = mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN | mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER;
+    e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
+    a.qp_state = QpState::Rts;
+    let m = mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC;
+    e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
+    qpn
 }
