@@ -975,9 +975,27 @@ impl Daemon {
 /// epoll_wait with a timeout to the microsecond (epoll_pwait2).
 fn epoll_wait_for(ep: &Epoll, evs: &mut [EpollEvent], timeout: Duration) -> usize {
     let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
-    // SAFETY: EpollEvent is a transparent libc::epoll_event, and `evs`
-    // outlives the call.
-    let n = unsafe { libc::epoll_pwait2(ep.0.as_raw_fd(), evs.as_mut_ptr().cast(), evs.len() as i32, &ts, std::ptr::null()) };
+    static UNSUPPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed) {
+        // SAFETY: EpollEvent is a transparent libc::epoll_event, and `evs`
+        // outlives the call.
+        let n = unsafe { libc::epoll_pwait2(ep.0.as_raw_fd(), evs.as_mut_ptr().cast(), evs.len() as i32, &ts, std::ptr::null()) };
+        if n >= 0 {
+            return n as usize;
+        }
+        let e = std::io::Error::last_os_error().raw_os_error();
+        if e != Some(libc::ENOSYS) && e != Some(libc::EPERM) {
+            return 0; // EINTR: no events this round
+        }
+        // Kernels before 5.11, or a seccomp profile older than the call:
+        // milliseconds, rounded up so that a timer is never polled early
+        // in a loop that does not sleep.
+        tracing::info!("epoll_pwait2 unavailable: epoll_wait with millisecond timers");
+        UNSUPPORTED.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    // SAFETY: as above.
+    let n = unsafe { libc::epoll_wait(ep.0.as_raw_fd(), evs.as_mut_ptr().cast(), evs.len() as i32, ms) };
     n.max(0) as usize
 }
 

@@ -60,8 +60,9 @@ fn reported_hold_ms(held: Duration) -> u64 {
 
 #[test]
 fn an_ack_reports_how_long_the_responder_held_its_request() {
-    assert_eq!(reported_hold_ms(Duration::ZERO), 0, "handled at once: no hold");
+    let h = reported_hold_ms(Duration::ZERO);
+    assert!(h <= 1, "handled at once: no hold (a preempted test thread may add 1 ms): reported {h} ms");
     let h = reported_hold_ms(Duration::from_millis(20));
-    assert!((20..=25).contains(&h), "held 20 ms before rnicd handled it: reported {h} ms");
+    assert!((20..=40).contains(&h), "held 20 ms before rnicd handled it: reported {h} ms");
     assert_eq!(reported_hold_ms(Duration::from_millis(500)), 63, "at most 63 ms");
 }

@@ -554,6 +554,15 @@ impl Qp {
         let Some(mut w) = self.rt.write else { return Err(Refusal::MissingOpcodeFirst) };
         let n = p.payload.len() as u64;
         match (target, <[u8; 8]>::try_from(p.payload)) {
+            // The message's last packet: programs poll a WRITE's last byte
+            // (ib_write_lat, eager buffers), so the earlier packets'
+            // streaming stores are fenced first and this one is a plain
+            // copy, which cannot become visible before them.
+            (Target::Write(dst), _) if p.bth.opcode.ends_message() => {
+                crate::mem::fence_streamed();
+                // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
+                unsafe { dst.write(p.payload) }
+            }
             // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
             (Target::Write(dst), _) => unsafe { dst.write_streaming(p.payload) },
             // SAFETY: an atomic write's 8 aligned bytes, resolved just now.
@@ -629,7 +638,10 @@ impl Qp {
         if self.is_uc() {
             return;
         }
-        self.ack_since.get_or_insert(ctx.arrived);
+        // The newest request's arrival: the requester times one PSN of the
+        // batch this ACK answers, and a hold counted from an older one
+        // would be more than that packet was held (wire::encode_hold).
+        self.ack_since = Some(ctx.arrived);
         if p.bth.ack_req {
             self.queue_ack(p.bth.psn);
         } else if self.ack_due.is_none() {
