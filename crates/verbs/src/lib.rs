@@ -1208,6 +1208,13 @@ impl Qp {
         self.modify(&a, mask::STATE | mask::SQ_PSN)
     }
 
+    /// Send WRs the queue takes now: rnicd frees a slot only when it has
+    /// taken the WQE, so a producer that may outrun it (a device posting
+    /// what its guest queued) asks before it consumes its own queue.
+    pub fn send_room(&self) -> u32 {
+        self.sq.lock().unwrap_or_else(|e| e.into_inner()).free_slots()
+    }
+
     /// ibv_post_send: queues the WRs in order, then rings the doorbell once.
     /// Fails (posting nothing more) when the send queue is full.
     pub fn post_send(&self, wrs: &[SendWr]) -> anyhow::Result<()> {

@@ -142,7 +142,13 @@ impl Dev {
             let qp = self.qps.get_mut(handle).ok_or(Errno::EINVAL)?;
             let i = &mut qp.info;
             let mut batch: Vec<OutSend> = Vec::new();
-            while let Ok(Some(slot)) = ring_has_data(tail, i.sq.head, i.sq.wqe_cnt) {
+            // Take no more WQEs than rnicd's queue has room for: the rest
+            // stay in the guest's ring (its head does not pass them) and go
+            // when completions free room (`drain_cq`). Taken and refused,
+            // they would be lost, and their completions with them.
+            let room = qp.qp.send_room() as usize;
+            while batch.len() < room {
+                let Ok(Some(slot)) = ring_has_data(tail, i.sq.head, i.sq.wqe_cnt) else { break };
                 let at = i.sq.offset + slot as u64 * i.sq.stride as u64;
                 match read_send(&guest, &i.pages, at, i.sq.stride, i.sq.max_sge) {
                     Ok((hdr, sges)) => {
@@ -262,10 +268,23 @@ impl Dev {
     /// Takes up to one batch of rnicd's completions of CQ `handle` into its
     /// pending list; returns how many there were.
     fn pull_batch(&mut self, handle: u32) -> usize {
+        self.pull_batch_noting(handle, &mut Vec::new())
+    }
+
+    /// `pull_batch`, adding to `sent` the QPs whose sends completed (their
+    /// completions freed room in rnicd's send queue).
+    fn pull_batch_noting(&mut self, handle: u32, sent: &mut Vec<u32>) -> usize {
         let mut wcs = [Wc::default(); DRAIN_BATCH];
         let Some(cq) = self.cqs.get_mut(handle) else { return 0 };
         let polled = cq.cq.poll(&mut wcs).unwrap_or(0);
         for wc in &wcs[..polled] {
+            if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+                if let Some(qp) = self.qp_handle_of(wc.qp_num) {
+                    if !sent.contains(&qp) {
+                        sent.push(qp);
+                    }
+                }
+            }
             if let Some(cqe) = self.complete(wc) {
                 if let Some(cq) = self.cqs.get_mut(handle) {
                     cq.ring.pending.push_back(cqe);
@@ -289,7 +308,16 @@ impl Dev {
             return 0;
         }
         let guest = self.guest.clone();
-        self.pull_batch(handle);
+        let mut sent = Vec::new();
+        self.pull_batch_noting(handle, &mut sent);
+        // WQEs the guest queued while rnicd's send queue was full.
+        for qp in sent {
+            let waiting = self.qps.get(qp).is_some_and(|q| !q.info.broken)
+                && self.ring_tail(qp, true).is_ok_and(|t| self.qps.get(qp).is_some_and(|q| t != q.info.sq.head));
+            if waiting {
+                let _ = self.post_sends(qp);
+            }
+        }
         let Some(cq) = self.cqs.get_mut(handle) else { return 0 };
         let r = &mut cq.ring;
         let mut moved = 0;
