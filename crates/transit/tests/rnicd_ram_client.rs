@@ -253,10 +253,13 @@ fn run(join: bool) {
     assert_eq!(ctx0.stats().unwrap()["ram_clients_in_postcopy"], 1);
     let nices = rnicd_thread_nices(&b.nics[0].1);
     assert!(nices.contains(&-10), "no thread of rnicd at nice -10 during postcopy: {nices:?}");
-    // What the faults cost rnicd, as the destination reports it so far.
+    // What the faults cost rnicd, as the destination reports it so far:
+    // some, and waited for. Not how many: a fault maps the arrived pages
+    // after the one it waited for too (fault-around), so how many of the
+    // accesses above fault depends on what the push had placed by then.
     let waits = &during["fault_waits"];
     assert_eq!(waits[1]["name"], "rnicd", "{waits:#}");
-    assert!(waits[1]["faults"].as_u64().unwrap() >= 4 && waits[1]["wait_ms"].as_f64().unwrap() > 0.0, "{waits:#}");
+    assert!(waits[1]["faults"].as_u64().unwrap() >= 1 && waits[1]["wait_ms"].as_f64().unwrap() > 0.0, "{waits:#}");
 
     wait_for("the destination to complete", || {
         let s = status(&b.src);
