@@ -60,6 +60,28 @@ impl Host {
         Ok(HostChild::new(child))
     }
 
+    /// Starts a daemon as [`spawn`](Self::spawn) does and waits until it
+    /// shows it is ready by making `ready` (its control socket): an error
+    /// if the daemon exits first or `timeout` passes.
+    pub fn spawn_ready<I, S>(&self, program: &str, args: I, ready: &std::path::Path, timeout: std::time::Duration) -> Result<HostChild>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut child = self.spawn(program, args)?;
+        let t0 = std::time::Instant::now();
+        while !ready.exists() {
+            if let Some(status) = child.try_wait()? {
+                bail!("{program} in {} exited ({status}) before making {}", self.netns, ready.display());
+            }
+            if t0.elapsed() > timeout {
+                bail!("{program} in {} did not make {} within {timeout:?}", self.netns, ready.display());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        Ok(child)
+    }
+
     /// Runs `sh -c script` in this host and returns its stdout; a non-zero exit is an
     /// error that carries stderr.
     pub fn sh(&self, script: &str) -> Result<String> {

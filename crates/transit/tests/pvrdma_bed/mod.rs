@@ -42,12 +42,8 @@ impl Bed {
             let sock = rnic::daemon::default_socket_path(h.addr(0));
             let _ = std::fs::remove_file(&sock);
             let addr = h.addr(0).to_string();
-            let child = h.spawn(transit_bin().to_str().unwrap(), [&["rnicd", "--addr", &addr], args].concat()).unwrap();
-            let t0 = Instant::now();
-            while !sock.exists() {
-                assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            let args = [&["rnicd", "--addr", &addr], args].concat();
+            let child = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("rnicd did not start");
             nics.push((child, sock));
         }
         Bed { nics, tb }

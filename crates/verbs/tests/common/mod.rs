@@ -2,7 +2,7 @@
 //! one real rnicd each.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use testbed::{HostChild, Testbed, TestbedOpts};
 
@@ -32,13 +32,8 @@ impl Bed {
             let h = tb.host(i);
             let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
             let _ = std::fs::remove_file(&sock);
-            let child =
-                h.spawn(rnicd_bin().to_str().unwrap(), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).unwrap();
-            let t0 = Instant::now();
-            while !sock.exists() {
-                assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            let args = ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
+            let child = h.spawn_ready(rnicd_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("rnicd did not start");
             nics.push((child, sock));
         }
         Bed { nics, tb }
