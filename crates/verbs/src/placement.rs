@@ -9,10 +9,10 @@
 //! and gone back to sleep. On another CPU the two overlap, as a program
 //! and its NIC do: rnicd is often still awake when the program posts again
 //! and takes the WQE without a doorbell. On the 2-CPU test host a
-//! ping-pong whose programs each shared their own rnicd's CPU took 46-60 us
-//! per one-way trip, and 27-36 us with each program beside the other
-//! host's rnicd; which of the two a run got was the scheduler's pick, held
-//! for the whole run (docs/ibverbs.md, "Benchmark": the two levels).
+//! ping-pong whose programs each shared their own rnicd's CPU took 46-51 us
+//! per one-way trip, and 27-30 us in most runs with each program beside
+//! the other host's rnicd; which of the two a run got was the scheduler's
+//! pick, held for the whole run (docs/ibverbs.md, "The two latency levels").
 //!
 //! With the variable set, the first post of each thread looks at the CPU
 //! rnicd's event loop last ran on (`/proc/PID/stat`, the PID from the
