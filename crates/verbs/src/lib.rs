@@ -50,6 +50,7 @@ pub mod mkeys;
 pub mod pace;
 pub mod peer;
 pub mod peer_bench;
+pub mod placement;
 pub mod rcache;
 mod srq;
 pub mod tools;
@@ -62,6 +63,8 @@ struct Inner {
     sock_path: PathBuf,
     /// rnicd's ID of this connection (what another client grants keys to).
     client: u64,
+    /// Where rnicd runs: posting threads may keep off its CPU (placement.rs).
+    rnicd_cpu: placement::RnicdCpu,
 }
 
 impl Inner {
@@ -146,8 +149,16 @@ impl Context {
         let ua = nix::sys::socket::UnixAddr::new(&path)?;
         nix::sys::socket::connect(sock.as_raw_fd(), &ua).with_context(|| format!("connect to rnicd at {}", path.display()))?;
         let doorbell = rnic::eventfd::create(true)?;
-        let mut inner =
-            Inner { sock, lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]), doorbell, gid: Ipv4Addr::UNSPECIFIED, sock_path: path, client: 0 };
+        let rnicd_cpu = placement::RnicdCpu::of_peer(&sock);
+        let mut inner = Inner {
+            sock,
+            lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]),
+            doorbell,
+            gid: Ipv4Addr::UNSPECIFIED,
+            sock_path: path,
+            client: 0,
+            rnicd_cpu,
+        };
         match inner.call(&Request::Hello { version: proto::PROTO_VERSION, namespace }, &[inner.doorbell.as_raw_fd()])? {
             Reply::Hello { gid, client } => (inner.gid, inner.client) = (gid, client),
             r => bail!("unexpected reply {r:?}"),
@@ -1282,6 +1293,10 @@ impl Qp {
         if posted > 0 && doorbell && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
         }
+        drop(ring);
+        if posted > 0 {
+            self.ctx.inner.rnicd_cpu.keep_off();
+        }
         result
     }
 
@@ -1318,6 +1333,10 @@ impl Qp {
         }
         if posted > 0 && doorbell && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell();
+        }
+        drop(ring);
+        if posted > 0 {
+            self.ctx.inner.rnicd_cpu.keep_off();
         }
         result
     }
