@@ -779,7 +779,12 @@ mod tests {
             .collect();
         // Channel 2 is lost: marking it alone completes nothing.
         b.mark_gone(2);
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        // Both others must have arrived before channel 2 leaves, or the
+        // leave completes nothing and a late waiter is the last (a loaded
+        // host can start a thread well after any fixed sleep).
+        while b.st.lock().unwrap().arrived != 0b11 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         assert!(waiters.iter().all(|w| !w.is_finished()), "the round waits for the lost reader to stop");
         // Its reader stops and leaves: the round completes, and the leave
         // reports it (the last of the others to arrive was not the last).
