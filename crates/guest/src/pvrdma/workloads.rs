@@ -421,8 +421,9 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
 
     // srq=1: one SRQ for every stream QP's receive buffers.
     let streams = count_of(Kind::Stream);
+    let srq_depth = (streams * DEPTH).next_power_of_two();
     let srq = (args.num("srq", 0) != 0 && streams > 0).then(|| {
-        let depth = (streams * DEPTH).next_power_of_two();
+        let depth = srq_depth;
         if depth > dev.caps.max_srq_wr as u64 {
             println!("pvrdma: FAIL srq=1 with {streams} stream QPs needs {depth} SRQ WQEs, the device has {}", dev.caps.max_srq_wr);
             plat.exit(2)
@@ -440,8 +441,14 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
         let kind = kind_of(i);
         let k = per_kind[kind as usize];
         per_kind[kind as usize] += 1;
-        let cq = dev.create_cq(&mut region, 4 * DEPTH as u32).unwrap_or_else(|e| fail(plat, "CREATE_CQ", e));
         let depth = if kind == Kind::Ring { (sz.slots as u32).max(DEPTH as u32) } else { DEPTH as u32 };
+        // Room for every completion the QP can have outstanding: its whole
+        // send queue and every receive that can land on it, which on the
+        // SRQ is every receive of the SRQ. A CQ that overruns loses its
+        // completions and takes no more (the device raises CQ_ERR).
+        let on_srq = srq.is_some() && kind == Kind::Stream;
+        let recvs = if on_srq { srq_depth as u32 } else { 2 * depth };
+        let cq = dev.create_cq(&mut region, (2 * depth + recvs).next_power_of_two()).unwrap_or_else(|e| fail(plat, "CREATE_CQ", e));
         let qp = match &srq {
             Some(srq) if kind == Kind::Stream => dev.create_qp_on_srq(&mut region, pd, &cq, &cq, 2 * depth, 1, srq),
             _ => dev.create_qp(&mut region, pd, &cq, &cq, 2 * depth, 1),
