@@ -1175,6 +1175,12 @@ fn serve_client(
                     r => r,
                 })
                 .map_err(|e| format!("{e:#}")),
+            Ok((Request::DumpQps, _)) => {
+                let now = Instant::now();
+                let mut all: Vec<_> = nss.values().map(|n| n.engine.dump_qps(now)).collect();
+                all.sort_by(|a, b| a["gid"].as_str().cmp(&b["gid"].as_str()));
+                Ok(Reply::QpDump(all.into()))
+            }
             Ok((req @ (Request::ClaimGid | Request::ReleaseGid), _)) => {
                 let gid = c.ns;
                 claim_or_release(nss, cfg, gid, matches!(req, Request::ClaimGid))

@@ -23,6 +23,7 @@ use crate::types::{access, DeviceAttr, Mtu, PortAttr, QpAttr, QpCap, QpState, Qp
 use crate::wire::{self, Flow, ROCE_PORT};
 
 mod batch;
+mod dump;
 mod srq;
 
 pub const MAX_QP: u32 = 1 << 16;
@@ -160,7 +161,12 @@ impl Engine {
     /// grouped below as device, memory, completion, QP and QP migration.
     pub fn control(&mut self, client: ClientId, req: Request, fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
         match req {
-            Request::Hello { .. } | Request::ClaimGid | Request::ReleaseGid | Request::JoinRamClient | Request::Spilled { .. } => {
+            Request::Hello { .. }
+            | Request::ClaimGid
+            | Request::ReleaseGid
+            | Request::JoinRamClient
+            | Request::Spilled { .. }
+            | Request::DumpQps => {
                 bail!("handled by the daemon")
             }
             Request::QueryDevice => Ok(Reply::Device(self.device_attr())),

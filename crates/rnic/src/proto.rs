@@ -227,6 +227,10 @@ pub enum Request {
         states: Vec<crate::qp_snapshot::QpSnapshot>,
     },
     Stats,
+    /// The transport state of every QP and SRQ in every namespace of this
+    /// rnicd (PSNs, window, timers, queues: `qp::debug`), for operators and
+    /// failing tests. Reply: `QpDump`.
+    DumpQps,
     /// Carries one end of a vmm's RAM-client socket (`ram-client`): rnicd
     /// joins it, so that in an incoming postcopy its accesses to guest RAM
     /// wait for pages not yet migrated. Not bound to the caller's namespace.
@@ -396,6 +400,8 @@ pub enum Reply {
     QpStates(Vec<crate::qp_snapshot::QpSnapshot>),
     Trace(crate::trace::TraceReport),
     Stats(serde_json::Value),
+    /// DumpQps: one object per namespace.
+    QpDump(serde_json::Value),
     RamClient {
         ram_bytes: u64,
     },

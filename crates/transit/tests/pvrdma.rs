@@ -20,7 +20,7 @@ fn every_workload_checked_by_guest_and_peer() {
     let vm = bed.vm(0, gid, "count=300");
     let peer = Peer::start(&bed, &vm, &[]);
     let rep = peer.report();
-    let res = guest_result(&vm);
+    let res = guest_result(&bed, &vm);
     assert!(res.starts_with("pvrdma: PASS"), "{res}\n{}", vm.console());
     assert_all_verified(&rep, 300);
 }
@@ -44,7 +44,7 @@ fn many_qps(prefix: &str, qps: u64, count: u64) {
     assert!(ids.contains(&format!("qps={qps}")), "{ids}");
     let peer = Peer::start(&bed, &vm, &[]);
     let rep = peer.report();
-    let res = guest_result(&vm);
+    let res = guest_result(&bed, &vm);
     assert!(res.starts_with("pvrdma: PASS"), "{res}\n{}", vm.console());
     assert!(res.contains(&format!("qps={qps} ")), "{res}");
     assert_eq!(rep["qps"], qps, "{rep:#}");
@@ -72,7 +72,7 @@ fn big_write_verified_whole_beside_every_workload() {
     let vm = vm_with_memory(&bed, 0, gid, "count=200 bigwrite=64M bigrounds=3", "256M");
     let peer = Peer::start(&bed, &vm, &[]);
     let rep = peer.report();
-    let res = guest_result(&vm);
+    let res = guest_result(&bed, &vm);
     assert!(res.starts_with("pvrdma: PASS") && res.contains(" big=3"), "{res}\n{}", vm.console());
     assert_all_verified(&rep, 200);
     assert_eq!(rep["workloads"]["big"]["verified"], 3, "{rep:#}");
@@ -91,7 +91,7 @@ fn two_vms_with_the_same_ids_on_one_host() {
     let (pa, pb) = (Peer::start(&bed, &a, &[]), Peer::start(&bed, &b, &[]));
     let (ra, rb) = (pa.report(), pb.report());
     for (vm, rep) in [(&a, &ra), (&b, &rb)] {
-        assert!(guest_result(vm).starts_with("pvrdma: PASS"), "{}", vm.console());
+        assert!(guest_result(&bed, vm).starts_with("pvrdma: PASS"), "{}", vm.console());
         assert_all_verified(rep, 200);
     }
 }
@@ -106,7 +106,7 @@ fn exactly_once_at_one_percent_loss() {
     let vm = bed.vm(0, gid, "count=300");
     let peer = Peer::start(&bed, &vm, &["--timeout", "12"]);
     let rep = peer.report();
-    assert!(guest_result(&vm).starts_with("pvrdma: PASS"), "{}", vm.console());
+    assert!(guest_result(&bed, &vm).starts_with("pvrdma: PASS"), "{}", vm.console());
     assert_all_verified(&rep, 300);
 }
 

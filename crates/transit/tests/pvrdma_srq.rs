@@ -32,7 +32,7 @@ fn stream_qps_share_one_srq_checked_by_guest_and_peer() {
     let peer = Peer::start(&bed, &vm, &[]);
     srq_in_use(&vm);
     let rep = peer.report();
-    let res = guest_result(&vm);
+    let res = guest_result(&bed, &vm);
     assert!(res.starts_with("pvrdma: PASS"), "{res}\n{}", vm.console());
     assert!(vm.console().contains("3 stream QPs share SRQ"), "{}", vm.console());
     assert_peer_clean(&rep);

@@ -221,6 +221,15 @@ impl Context {
         }
     }
 
+    /// The transport state of every QP and SRQ of rnicd, one object per
+    /// namespace (`transit rdma qps`).
+    pub fn dump_qps(&self) -> anyhow::Result<serde_json::Value> {
+        match self.inner.call(&Request::DumpQps, &[])? {
+            Reply::QpDump(s) => Ok(s),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     /// Makes this host answer for the namespace's GID (rnicd adds the
     /// address and announces it). Claim only after the previous host
     /// released it: two hosts must never answer for one GID.

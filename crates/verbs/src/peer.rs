@@ -826,7 +826,12 @@ fn post_all(a: &PeerArgs, g: &Info, p: &mut Peer, chans: &mut [Chan], running: b
             Kind::Big => {
                 let moved = State::big_check_step(p, c)?;
                 let b = p.big.as_ref().unwrap();
-                c.st.done = b.rounds > 0 && c.st.big_rounds >= b.rounds;
+                // Done once the last round's acknowledgement has arrived
+                // (its SEND completed), not when it was posted: this
+                // process ending destroys its QPs, and a SEND still in
+                // flight or in an RNR wait would never reach the guest,
+                // which waits for it without end.
+                c.st.done = b.rounds > 0 && c.st.big_acked >= b.rounds;
                 moved
             }
             Kind::Atomic => {
@@ -880,12 +885,18 @@ struct State {
     atomic_verified: u64,
     // big
     big_rounds: u64,
+    /// Rounds whose acknowledgement SEND completed.
+    big_acked: u64,
     big_check: Option<BigCheck>,
 }
 
 impl State {
     fn drained(&self) -> bool {
-        self.tx_done == self.tx_next && self.ring_done == self.ring_next && !self.table_inflight && self.big_check.is_none()
+        self.tx_done == self.tx_next
+            && self.ring_done == self.ring_next
+            && !self.table_inflight
+            && self.big_check.is_none()
+            && self.big_acked == self.big_rounds
     }
 
     fn stream_completion(p: &mut Peer, c: &mut Chan, wc: &Wc) -> anyhow::Result<()> {
@@ -1105,9 +1116,10 @@ impl State {
 
     /// The guest's WRITE with immediate of round r arrived whole: its
     /// completion is checked here, its words by [`State::big_check_step`].
-    /// Our acknowledgement's own completion needs nothing.
+    /// Our acknowledgement's completion counts the round as delivered.
     fn big_completion(p: &mut Peer, c: &mut Chan, wc: &Wc) -> anyhow::Result<()> {
         if wc.wr_id & TAG_MASK == TAG_SEND {
+            c.st.big_acked += 1;
             return Ok(());
         }
         let r = c.st.big_rounds;

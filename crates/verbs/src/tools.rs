@@ -30,6 +30,12 @@ pub enum RdmaCmd {
         #[arg(long)]
         sock: Option<PathBuf>,
     },
+    /// The transport state of every QP and SRQ of rnicd, in all its
+    /// namespaces (PSNs, window, timers, queues) as JSON.
+    Qps {
+        #[arg(long)]
+        sock: Option<PathBuf>,
+    },
     /// RDMA WRITE bandwidth (ib_write_bw).
     WriteBw(PerfArgs),
     /// RDMA READ bandwidth (ib_read_bw).
@@ -165,6 +171,11 @@ pub fn run(c: RdmaCmd) -> anyhow::Result<()> {
         RdmaCmd::Stats { sock } => {
             let ctx = Context::open(sock.as_deref())?;
             println!("{}", serde_json::to_string_pretty(&ctx.stats()?)?);
+            Ok(())
+        }
+        RdmaCmd::Qps { sock } => {
+            let ctx = Context::open(sock.as_deref())?;
+            println!("{}", serde_json::to_string_pretty(&ctx.dump_qps()?)?);
             Ok(())
         }
         RdmaCmd::WriteBw(a) => perf("write_bw", a),

@@ -214,7 +214,7 @@ impl Dev {
         let h = self.cqs.free_handle().ok_or(Errno::ENOMEM)?;
         let cq = self.be.ctx.create_cq(c.cqe, Some(&self.be.channel)).map_err(|_| Errno::ENOMEM)?;
         let ring = CqRing { ctx_handle: c.ctx_handle, entries: c.cqe, pages, tail, armed: 0, pending: Default::default() };
-        self.cqs.insert(h, Cq { ring, cq });
+        self.cqs.insert(h, Cq { ring, cq, overran: false });
         Ok(resp(CmdCreateCqResp { hdr: Default::default(), cq_handle: h, cqe: c.cqe }))
     }
 

@@ -276,7 +276,21 @@ impl Dev {
     fn pull_batch_noting(&mut self, handle: u32, sent: &mut Vec<u32>) -> usize {
         let mut wcs = [Wc::default(); DRAIN_BATCH];
         let Some(cq) = self.cqs.get_mut(handle) else { return 0 };
-        let polled = cq.cq.poll(&mut wcs).unwrap_or(0);
+        let polled = match cq.cq.poll(&mut wcs) {
+            Ok(n) => n,
+            Err(_) => {
+                // Overrun: the guest's CQ was smaller than what it had
+                // outstanding. Its completions are lost and no more come,
+                // so the guest hears of it as from hardware (CQ_ERR)
+                // rather than waiting without end; once.
+                if !cq.overran {
+                    cq.overran = true;
+                    self.counters.cq_overruns += 1;
+                    self.async_event(ib::event::CQ_ERR, handle);
+                }
+                0
+            }
+        };
         for wc in &wcs[..polled] {
             if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
                 if let Some(qp) = self.qp_handle_of(wc.qp_num) {

@@ -103,6 +103,8 @@ pub(crate) struct Counters {
     pub error_cqes: u64,
     pub bad_doorbells: u64,
     pub async_events: u64,
+    /// rnicd CQs that overran (completions lost; see `Cq::overran`).
+    pub cq_overruns: u64,
     pub cq_notifications: u64,
     pub dropped_events: u64,
     /// Guest pages rnicd wrote while traced (migrations: sent again).

@@ -129,6 +129,9 @@ pub(crate) struct CqRing {
 pub(crate) struct Cq {
     pub ring: CqRing,
     pub cq: verbs::Cq,
+    /// rnicd's CQ overran (it was given more completions than it holds):
+    /// those are lost and it takes no more; the guest was told (CQ_ERR).
+    pub overran: bool,
 }
 
 /// A queue of guest WQEs in a QP's pages.

@@ -511,5 +511,5 @@ fn place_cq(d: &mut Dev, h: u32, ring: CqRing, cq: verbs::Cq) {
     if ring.armed != 0 {
         cq.req_notify(ring.armed == pvrdma_abi::CQ_FLAG_ARMED_SOL);
     }
-    d.cqs.insert(h, Cq { ring, cq });
+    d.cqs.insert(h, Cq { ring, cq, overran: false });
 }

@@ -49,6 +49,15 @@ const MAX_QPS: u64 = 256;
 /// the big WRITE's acknowledgement, then the hello.
 const WORDS: u64 = 64 * 8;
 const PSN_STEP: u32 = 0x100;
+/// A QP with work left and no completion for this long (guest clock, which
+/// stands still while the VM is stopped) is stuck: the run fails naming it.
+/// Longer than rnicd takes to give up on an unanswered request (7 retries
+/// of a backed-off 67 ms timeout, about 13 s) and than the peer's `--stall`
+/// of 60 s, so a failure there is reported as what it is.
+const WATCHDOG_NS: u64 = 90_000_000_000;
+/// Workload rounds between two looks of the watchdog (each reads the
+/// clock, an exit to the vmm).
+const WATCHDOG_EVERY: u64 = 4096;
 
 fn pattern(seed: u64, j: u64) -> u64 {
     seed.wrapping_add(j).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17) ^ j
@@ -215,6 +224,12 @@ struct Inst {
     word: u64,
     big_round: u64,
     big_busy: bool,
+    /// Completions taken from its CQ (table QPs: updates made): what the
+    /// watchdog watches move.
+    events: u64,
+    /// `events` at the watchdog's last look, and when it last moved (ns).
+    seen_events: u64,
+    seen_at: u64,
 }
 
 impl Inst {
@@ -243,6 +258,9 @@ struct Run {
     plat: Platform,
     violations: u64,
     checked: u64,
+    /// The run cannot go on (an error completion, a QP without progress):
+    /// it ends at once with FAIL.
+    fatal: bool,
 }
 
 impl Run {
@@ -283,9 +301,17 @@ pub fn run(plat: Platform, args: &Args, boot: &crate::boot::BootInfo) -> ! {
         srq: s.srq.as_ref(),
         t: targets,
         count,
-        r: Run { plat, violations: 0, checked: 0 },
+        r: Run { plat, violations: 0, checked: 0, fatal: false },
     };
+    let mut rounds = 0u64;
     loop {
+        rounds += 1;
+        if rounds.is_multiple_of(WATCHDOG_EVERY) {
+            w.watchdog(s.insts);
+        }
+        if w.r.fatal {
+            break;
+        }
         let mut all_done = true;
         for i in s.insts.iter_mut() {
             if w.done(i) {
@@ -395,8 +421,9 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
 
     // srq=1: one SRQ for every stream QP's receive buffers.
     let streams = count_of(Kind::Stream);
+    let srq_depth = (streams * DEPTH).next_power_of_two();
     let srq = (args.num("srq", 0) != 0 && streams > 0).then(|| {
-        let depth = (streams * DEPTH).next_power_of_two();
+        let depth = srq_depth;
         if depth > dev.caps.max_srq_wr as u64 {
             println!("pvrdma: FAIL srq=1 with {streams} stream QPs needs {depth} SRQ WQEs, the device has {}", dev.caps.max_srq_wr);
             plat.exit(2)
@@ -414,8 +441,14 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
         let kind = kind_of(i);
         let k = per_kind[kind as usize];
         per_kind[kind as usize] += 1;
-        let cq = dev.create_cq(&mut region, 4 * DEPTH as u32).unwrap_or_else(|e| fail(plat, "CREATE_CQ", e));
         let depth = if kind == Kind::Ring { (sz.slots as u32).max(DEPTH as u32) } else { DEPTH as u32 };
+        // Room for every completion the QP can have outstanding: its whole
+        // send queue and every receive that can land on it, which on the
+        // SRQ is every receive of the SRQ. A CQ that overruns loses its
+        // completions and takes no more (the device raises CQ_ERR).
+        let on_srq = srq.is_some() && kind == Kind::Stream;
+        let recvs = if on_srq { srq_depth as u32 } else { 2 * depth };
+        let cq = dev.create_cq(&mut region, (2 * depth + recvs).next_power_of_two()).unwrap_or_else(|e| fail(plat, "CREATE_CQ", e));
         let qp = match &srq {
             Some(srq) if kind == Kind::Stream => dev.create_qp_on_srq(&mut region, pd, &cq, &cq, 2 * depth, 1, srq),
             _ => dev.create_qp(&mut region, pd, &cq, &cq, 2 * depth, 1),
@@ -444,6 +477,9 @@ fn bring_up(plat: Platform, args: &Args, boot: &crate::boot::BootInfo, gid: [u8;
             word: 0,
             big_round: 0,
             big_busy: false,
+            events: 0,
+            seen_events: 0,
+            seen_at: 0,
         };
         // SAFETY: `arr` is fresh RAM for `total` Insts that nothing else uses.
         unsafe { core::ptr::write((arr as *mut Inst).add(i as usize), inst) };
@@ -621,10 +657,9 @@ impl Workloads<'_> {
             }
             c.tx_next += 1;
         }
-        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+        while let Some(w) = poll(plat, c) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("stream {}: completion {:#x} status {}", c.k, w.wr_id, w.status));
-                continue;
+                return self.error_completion(c, &w);
             }
             if w.opcode == wc_opcode::SEND {
                 if w.wr_id != HELLO_WR {
@@ -657,10 +692,9 @@ impl Workloads<'_> {
 
     fn ring_step(&mut self, c: &mut Inst) {
         let (plat, sz, mr) = (self.plat, self.sz, self.mr);
-        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+        while let Some(w) = poll(plat, c) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("ring {}: completion {:#x} status {}", c.k, w.wr_id, w.status));
-                continue;
+                return self.error_completion(c, &w);
             }
             if w.opcode != wc_opcode::RECV_RDMA_WITH_IMM {
                 continue;
@@ -699,9 +733,10 @@ impl Workloads<'_> {
         fence(Ordering::SeqCst);
         wr64(at, v + 2);
         c.table_updates += 1;
-        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(self.plat, "poll", e)) {
+        c.events += 1;
+        while let Some(w) = poll(self.plat, c) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("table {}: completion {:#x} status {}", c.k, w.wr_id, w.status));
+                return self.error_completion(c, &w);
             }
         }
     }
@@ -718,10 +753,9 @@ impl Workloads<'_> {
             };
             c.atomic_busy = c.qp.post_send(2, op, &[mr.sge(c.result_word(), 8)], true).is_ok();
         }
-        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+        while let Some(w) = poll(plat, c) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("atomic {}: completion {:#x} status {}", c.k, w.wr_id, w.status));
-                continue;
+                return self.error_completion(c, &w);
             }
             if w.wr_id != 2 {
                 continue;
@@ -752,10 +786,9 @@ impl Workloads<'_> {
             let op = Op::WriteImm { raddr: self.t.big_at, rkey: self.t.big_rkey, imm: r as u32 };
             c.big_busy = c.qp.post_send(4, op, &[big.sge(big.addr, big.len as u32)], true).is_ok();
         }
-        while let Some(w) = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e)) {
+        while let Some(w) = poll(plat, c) {
             if w.status != wc_status::SUCCESS {
-                self.r.violation(format_args!("big: completion {:#x} status {}", w.wr_id, w.status));
-                continue;
+                return self.error_completion(c, &w);
             }
             if w.opcode != wc_opcode::RECV {
                 continue;
@@ -769,6 +802,50 @@ impl Workloads<'_> {
             c.big_round += 1;
             c.big_busy = false;
             c.qp.post_recv(0, &[mr.sge(c.ack_word(), 8)]).unwrap_or_else(|e| fail(plat, "post_recv", e));
+        }
+    }
+
+    /// An error completion: the QP is in ERR and its workload cannot
+    /// finish, so the run ends now, naming the QP and the status.
+    fn error_completion(&mut self, c: &Inst, w: &pvrdma_abi::Cqe) {
+        let mut what = TextBuf::<160>::new();
+        describe(&mut what, c, self.sz);
+        println!(
+            "pvrdma: FAIL QP {} (handle {}, {}): completion of wr {:#x} opcode {} status {}",
+            c.qp.qpn,
+            c.qp.handle,
+            core::str::from_utf8(what.as_bytes()).unwrap_or(""),
+            w.wr_id,
+            w.opcode,
+            w.status
+        );
+        self.r.violations += 1;
+        self.r.fatal = true;
+    }
+
+    /// Fails the run if a QP with work left has completed nothing for
+    /// WATCHDOG_NS: a stuck QP ends in a FAIL that names it, not a hang.
+    fn watchdog(&mut self, insts: &mut [Inst]) {
+        let now = self.plat.now_ns();
+        for i in insts.iter_mut() {
+            if i.events != i.seen_events || i.seen_at == 0 {
+                (i.seen_events, i.seen_at) = (i.events, now);
+                continue;
+            }
+            if self.done(i) || now.saturating_sub(i.seen_at) < WATCHDOG_NS {
+                continue;
+            }
+            let mut what = TextBuf::<160>::new();
+            describe(&mut what, i, self.sz);
+            println!(
+                "pvrdma: FAIL QP {} (handle {}, {}): no completion for {} s",
+                i.qp.qpn,
+                i.qp.handle,
+                core::str::from_utf8(what.as_bytes()).unwrap_or(""),
+                (now - i.seen_at) / 1_000_000_000
+            );
+            self.r.violations += 1;
+            self.r.fatal = true;
         }
     }
 
@@ -794,6 +871,24 @@ impl Workloads<'_> {
         mb.publish(res.as_bytes());
         ok
     }
+}
+
+/// The next completion of the QP's CQ, counted as progress.
+fn poll(plat: Platform, c: &mut Inst) -> Option<pvrdma_abi::Cqe> {
+    let w = c.cq.poll().unwrap_or_else(|e| fail(plat, "poll", e));
+    c.events += w.is_some() as u64;
+    w
+}
+
+/// The QP's workload and where it stands, for a FAIL line.
+fn describe<const N: usize>(out: &mut TextBuf<N>, i: &Inst, sz: &Sizes) {
+    let _ = match i.kind {
+        Kind::Stream => write!(out, "stream {}: sent {} completed {} received {}", i.k, i.tx_next, i.tx_done, i.rx_expect),
+        Kind::Ring => write!(out, "ring {}: records {}", i.k, i.ring_expect),
+        Kind::Table => write!(out, "table {}: updates {}", i.k, i.table_updates),
+        Kind::Atomic => write!(out, "atomic {}: operations {} busy {}", i.k, i.atomic_i, i.atomic_busy),
+        Kind::Big => write!(out, "big: round {} of {} busy {}", i.big_round, sz.big_rounds, i.big_busy),
+    };
 }
 
 /// The device stays up (the peer may still be finishing: its last ACKs and

@@ -22,6 +22,7 @@
 //! and recreated elsewhere.
 
 mod completer;
+mod debug;
 mod requester;
 mod responder;
 mod snapshot;

@@ -133,7 +133,7 @@ impl Qp {
         (WINDOW_BYTES / self.attr.path_mtu.bytes()).clamp(MIN_CWND as usize, WINDOW as usize) as i32
     }
 
-    fn window(&self) -> i32 {
+    pub(super) fn window(&self) -> i32 {
         window::effective(self.rt.cwnd, self.max_window() as u32) as i32
     }
 

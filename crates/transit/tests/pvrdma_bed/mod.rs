@@ -104,6 +104,21 @@ impl Bed {
         VmProcess::start(cmd, &name, &all).unwrap()
     }
 
+    /// Every host's rnicd QP and SRQ states (`transit rdma qps`): PSNs,
+    /// windows, timers and queues of both ends of the guest's QPs.
+    pub fn rnicd_qps(&self) -> String {
+        let mut out = String::new();
+        for (h, (_, sock)) in self.nics.iter().enumerate() {
+            let r = std::process::Command::new(transit_bin()).args(["rdma", "qps", "--sock"]).arg(sock).output();
+            let text = match r {
+                Ok(o) => format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
+                Err(e) => format!("{e}"),
+            };
+            out += &format!("rnicd of host {h} ({}):\n{text}\n", sock.display());
+        }
+        out
+    }
+
     pub fn vm(&self, h: usize, gid: Ipv4Addr, args: &str) -> VmProcess {
         self.vm_with(h, gid, args, "", &[])
     }
@@ -244,24 +259,32 @@ impl Peer {
         while self.take(Duration::from_secs(1)) {}
         let _ = self.child.wait();
         let last = self.last.clone().unwrap_or_default();
+        // Shown if the test fails later (a guest that gives no result).
+        eprintln!("the peer's report: {last}");
         serde_json::from_str(&last).unwrap_or_else(|e| panic!("bad peer report {last:?}: {e}"))
     }
 }
 
-/// The guest's result line once it is there.
-pub fn guest_result(vm: &VmProcess) -> String {
+/// The guest's result line once it is there. If it does not come, the
+/// failure shows what the device and every host's rnicd hold.
+pub fn guest_result(bed: &Bed, vm: &VmProcess) -> String {
     let t0 = Instant::now();
     loop {
         let r = vm.exec("mailbox-read", json!({})).unwrap();
         let d = r["data"].as_str().unwrap_or("");
         if d.starts_with("pvrdma: ") {
+            if d.starts_with("pvrdma: FAIL") {
+                // Shown when the test fails on it: why the guest failed.
+                let dev = vm.exec("query-pvrdma", json!({})).map(|q| format!("{q:#}")).unwrap_or_else(|e| format!("{e:#}"));
+                eprintln!("the guest failed; console:\n{}\nquery-pvrdma:\n{dev}\n{}", vm.console(), bed.rnicd_qps());
+            }
             return d.to_string();
         }
         if t0.elapsed() >= Duration::from_secs(300) {
             // What the device and rnicd hold (rings, outstanding WQEs, SRQ
             // room, QP states), to tell which wait never ended.
             let dev = vm.exec("query-pvrdma", json!({})).map(|q| format!("{q:#}")).unwrap_or_else(|e| format!("{e:#}"));
-            panic!("no result from the guest; console:\n{}\nquery-pvrdma:\n{dev}", vm.console());
+            panic!("no result from the guest; console:\n{}\nquery-pvrdma:\n{dev}\n{}", vm.console(), bed.rnicd_qps());
         }
         std::thread::sleep(Duration::from_millis(100));
     }
