@@ -264,8 +264,17 @@ fn read_resent_after_rebind_is_not_answered_not_mixed() {
         let dups = b.ctx.stats().unwrap()["dup_requests"].as_u64().unwrap_or(0);
         // About 4 of the 16 responses (1 KiB payload, about 1.07 KB each) pass.
         stall_after(&bed, 0, responder_addr, Some(4400));
+        let sent = |c: &verbs::Context| c.stats().unwrap()["tx_packets"].as_u64().unwrap_or(0);
+        let tx0 = sent(&b.ctx);
         a.qp.post_send(&[SendWr::read(1, &[a.mr.sge(0, MSG)], iova, key.key())]).unwrap();
-        std::thread::sleep(Duration::from_millis(5));
+        // The rebind must come after the responder answered the READ from
+        // the old binding (its 16 responses left), however late a loaded
+        // host gets to it; a fixed sleep let it rebind first.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while sent(&b.ctx) < tx0 + (MSG / 1024) as u64 {
+            assert!(std::time::Instant::now() < deadline, "the responder never answered the READ");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         // The requester probes and resends from the first lost response;
         // until the stall is lifted its resent responses are lost too.
         if rebind {
