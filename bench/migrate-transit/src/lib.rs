@@ -293,17 +293,9 @@ impl Rnicd {
     pub fn start(bin: &Path, tb: &Testbed, host: usize) -> Result<Rnicd> {
         let h = tb.host(host);
         let sock = rnic::daemon::default_socket_path(h.addr(0));
-        let _ = std::fs::remove_file(&sock);
-        let child = h.spawn(bin.to_str().context("binary path")?, ["rnicd", "--addr", &h.addr(0).to_string()])?;
-        let r = Rnicd { child, sock };
-        let t0 = Instant::now();
-        while !r.sock.exists() {
-            if t0.elapsed() > Duration::from_secs(20) {
-                bail!("rnicd in host {host} did not start");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Ok(r)
+        let args = ["rnicd", "--addr", &h.addr(0).to_string()];
+        let child = h.spawn_ready(bin.to_str().context("binary path")?, args, &sock, Duration::from_secs(20))?;
+        Ok(Rnicd { child, sock })
     }
 
     /// Its CPU seconds so far, user and system (`ip netns exec` execs

@@ -6,7 +6,7 @@
 //! sent and received on the stream and keep what they sent since the last
 //! failover. When the connection carrying the stream fails (an error, a
 //! hang-up, the peer's FIN, or TCP giving up on unacknowledged bytes after
-//! [`crate::links::LINK_TIMEOUT`]), the side that notices shuts it and moves to the next
+//! [`LINK_TIMEOUT`]), the side that notices shuts it and moves to the next
 //! connection: it writes there how many bytes it received, reads how many
 //! the peer received, and resends what the peer lacks. The peer notices
 //! the resume arriving on that connection (or the failure itself) and
@@ -17,7 +17,10 @@
 //! and one whose migration ended closes every connection, which is no
 //! link failure. An end that is done with the stream says so
 //! ([`ControlConn::close`]) before it tears anything down, so that its own
-//! teardown is not taken for a failure either.
+//! teardown is not taken for a failure either. The end that sent the last
+//! message first waits, bounded, for the peer's close
+//! ([`ControlConn::finish`]): until the peer read it, that message may
+//! still need a failover.
 //!
 //! A watcher thread per end looks at the connections every
 //! [`WATCH_EVERY`], so a failover happens even while the engine neither
@@ -27,7 +30,7 @@
 //! over to: an error is the engine's, as on a plain socket.
 
 use crate::acceptor::Acceptor;
-use crate::links::shorten_timeout;
+use crate::links::{shorten_timeout, LINK_TIMEOUT};
 use crate::stats::Control;
 use crate::wire::{self, Msg};
 use anyhow::Result;
@@ -47,6 +50,12 @@ const WATCH_EVERY: Duration = Duration::from_millis(100);
 /// writer of the peer stuck on the dead connection is released by the
 /// shutdown that starts the peer's failover.
 const RESUME_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the end that sent the stream's last message waits for the
+/// peer's close ([`ControlConn::finish`]). The peer closes as soon as it
+/// read the message; if the link carrying it dies first, one end finds it
+/// dead within [`LINK_TIMEOUT`] (unacknowledged bytes, or idle probes),
+/// and the resume on the next connection takes at most [`RESUME_TIMEOUT`].
+pub const LAST_MESSAGE_WAIT: Duration = Duration::from_secs(2 * LINK_TIMEOUT.as_secs() + RESUME_TIMEOUT.as_secs());
 /// The first bytes of a resume: this magic, then the bytes received.
 const RESUME_MAGIC: [u8; 8] = *b"TRCTLRSM";
 /// `live` once every connection failed, or the stream was closed.
@@ -280,6 +289,21 @@ impl ControlConn {
         }
     }
 
+    /// This end sent the stream's last message: wait, at most
+    /// [`LAST_MESSAGE_WAIT`], until the peer closed its end (it read everything, and closes on
+    /// the last message), failing over meanwhile as ever, then
+    /// [`close`](Self::close). Closing at once would end failover for that
+    /// message: a link that dies before the peer reads it leaves the peer
+    /// waiting on a stream that no longer moves. With one connection there
+    /// is nothing to fail over to, and it closes at once. Whatever the
+    /// peer still sends is read and dropped. Whether the peer closed in
+    /// time.
+    pub fn finish(&self) -> bool {
+        let closed = self.inner.conns.len() > 1 && self.inner.wait_peer_close(LAST_MESSAGE_WAIT);
+        self.close();
+        closed
+    }
+
     /// This end is done with the stream (the migration ended, cleanly or
     /// not): from here nothing moves it, neither the peer closing its end
     /// nor this end shutting its sockets (a source's channel teardown shuts
@@ -379,6 +403,74 @@ impl Inner {
         };
         // The bytes are kept: the failover resends what the peer lacks.
         self.fail_over(live).map(|()| buf.len())
+    }
+
+    /// See [`ControlConn::finish`].
+    fn wait_peer_close(&self, wait: Duration) -> bool {
+        let t = Instant::now();
+        let mut buf = [0u8; 4096];
+        loop {
+            let left = wait.saturating_sub(t.elapsed());
+            let live = self.live.load(Ordering::SeqCst);
+            if left.is_zero() || live == DEAD {
+                return false;
+            }
+            // Wait without holding `rx`: the watcher's failover takes it.
+            let c = &self.conns[live];
+            poll_one(c, libc::POLLIN, left.min(WATCH_EVERY));
+            let failed = {
+                let mut rx = lock(&self.rx);
+                rx.drained.clear();
+                if self.live.load(Ordering::SeqCst) != live || poll_one(c, libc::POLLIN, Duration::ZERO) == 0 {
+                    continue;
+                }
+                match (&*c).read(&mut buf) {
+                    Ok(0) => match self.peer_ended_after(live) {
+                        Some(true) => return true,
+                        Some(false) => true,
+                        None => {
+                            // Its FIN on the live connection alone: a
+                            // close shuts the others in the same instant,
+                            // a failover resumes on one of them.
+                            drop(rx);
+                            std::thread::sleep(left.min(WATCH_EVERY / 10));
+                            false
+                        }
+                    },
+                    Ok(n) => {
+                        rx.received += n as u64;
+                        false
+                    }
+                    Err(e) => e.kind() != io::ErrorKind::Interrupted,
+                }
+            };
+            if failed && self.fail_over(live).is_err() {
+                return false;
+            }
+        }
+    }
+
+    /// The peer's FIN came on the live connection `live`: whether it closed
+    /// every later connection too (`Some(true)`: its stream ended), resumes
+    /// on one of them (`Some(false)`), or neither yet (`None`).
+    fn peer_ended_after(&self, live: usize) -> Option<bool> {
+        for (k, c) in self.conns.iter().enumerate().skip(live + 1) {
+            if self.quiet[k].load(Ordering::SeqCst) {
+                continue;
+            }
+            let ev = poll_one(c, libc::POLLIN | libc::POLLRDHUP, Duration::ZERO);
+            if ev & (libc::POLLERR | libc::POLLHUP) != 0 {
+                continue;
+            }
+            if ev & libc::POLLIN == 0 {
+                return None;
+            }
+            match c.peek(&mut [0u8]) {
+                Ok(n) if n > 0 => return Some(false),
+                _ => {}
+            }
+        }
+        Some(true)
     }
 
     /// The connection `from` failed (or the peer moved on from it): move
@@ -646,6 +738,26 @@ mod tests {
         a.shutdown();
         std::thread::sleep(WATCH_EVERY * 2);
         assert_eq!(a.moves(), 0);
+    }
+
+    #[test]
+    fn the_last_sender_waits_until_the_peer_read_its_message() {
+        let (a, b, _, _) = pair(2);
+        wire::send_msg(&mut &b, &Msg::Go).unwrap();
+        let waiter = std::thread::spawn(move || b.finish());
+        std::thread::sleep(WATCH_EVERY * 3);
+        assert!(!waiter.is_finished(), "it waits for the peer's close");
+        assert_eq!(wire::recv_msg(&mut &a).unwrap(), Msg::Go);
+        a.close();
+        assert!(waiter.join().unwrap(), "the peer's close ends the wait");
+        assert_eq!(a.moves(), 0);
+    }
+
+    #[test]
+    fn the_wait_for_the_peer_is_bounded() {
+        let (_a, b, _, _) = pair(2);
+        wire::send_msg(&mut &b, &Msg::Go).unwrap();
+        assert!(!b.inner.wait_peer_close(WATCH_EVERY * 3), "a peer that never closes");
     }
 
     #[test]

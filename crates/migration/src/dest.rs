@@ -464,7 +464,9 @@ fn resume_on_go(
     downtime.step("resumed");
     let t = unix_ns();
     let _ = wire::send_msg(control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: cpu });
-    control.close();
+    // The last message: it must survive a link that dies before the
+    // source read it.
+    control.finish();
     if resumed {
         // Same figure as the source's, so it survives a source that exits.
         ctl.update(|s| s.downtime_ms = Some(t.saturating_sub(stream.source_paused) as f64 / 1e6));

@@ -103,14 +103,15 @@ impl Pair {
     /// Cuts the source host's link `k`: `Cut::Pulled` takes the cable
     /// out, `Cut::Silent` drops every IPv4 packet on it, both ways
     /// (nftables): no reset, no carrier change, and a socket that neither
-    /// end writes to hears nothing of it.
+    /// end writes to hears nothing of it. `Cut::Tcp` drops only TCP
+    /// segments so: the link's RoCE traffic goes on.
     fn cut(&self, k: usize, how: Cut) {
         match how {
             Cut::Pulled => self.tb.link_down(0, k).unwrap(),
             // (`Testbed::set_loss` takes at most 99.9999 %.)
-            Cut::Silent => {
+            Cut::Silent | Cut::Tcp => {
                 let dev = format!("eth{k}");
-                let rule = "meta protocol ip counter drop";
+                let rule = if how == Cut::Tcp { "ip protocol tcp counter drop" } else { "meta protocol ip counter drop" };
                 let script = format!(
                     "nft -f - <<'EOF'\ntable netdev silent_cut_{dev} {{\n\
                      chain rx {{ type filter hook ingress device \"{dev}\" priority -200; {rule}; }}\n\
@@ -168,6 +169,7 @@ impl Pair {
 enum Cut {
     Pulled,
     Silent,
+    Tcp,
 }
 
 /// Bytes each link carried, from the source's `links` statistics.
@@ -508,6 +510,44 @@ fn first_link_cut_after_the_switch(transport: &'static str, mode: &str, after: u
         assert_eq!(d["links"][1]["failed"], false, "{d:#}");
     }
     p.check_dirtier_on_destination();
+}
+
+/// Postcopy over rdma, the control connection's link cut (TCP only: the
+/// READs go on over both links) just before the destination has every
+/// page, so that its last message, `Complete`, goes into the cut link
+/// before either end can find it dead (an idle connection's probes go
+/// unanswered for the 4 s link timeout first). The destination waits for
+/// the source's close; once the link is found dead, `Complete` goes again
+/// on the second link. Both ends complete with no pause.
+#[test]
+fn postcopy_control_link_cut_after_the_last_message_completes() {
+    let p = pair("rdma", "fill", "64M");
+    // 64 MiB READ at 8 MB/s: 8 s after the switch.
+    let cap = 8_000_000u64;
+    p.src.exec("migrate", json!({"uri": p.uri(), "channels": 4, "mode": "postcopy", "timeout_s": 300, "max_bandwidth": cap})).unwrap();
+    let mut q = p.dst.client().unwrap();
+    let t = std::time::Instant::now();
+    // The cut when half a second of READs is left.
+    let last = cap / 2 / 4096;
+    loop {
+        let d = q.execute("query-migrate", json!({})).unwrap();
+        let left = d["remaining_pages"].as_u64().unwrap_or(0);
+        if d["status"] == "postcopy-active" && left > 0 && left <= last {
+            break;
+        }
+        assert!(d["postcopy_ms"].as_f64().unwrap_or(0.0) == 0.0, "every page came before the cut: {d:#}");
+        assert!(t.elapsed() < Duration::from_secs(120), "the postcopy does not get near its end: {d:#}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    p.cut(0, Cut::Tcp);
+    let s = wait_migration(&p.src, Duration::from_secs(60)).unwrap();
+    assert_eq!(s["status"], "completed", "{s:#}");
+    assert_eq!(s["recoveries"], 0, "{s:#}");
+    assert_eq!(s["links"][1]["control"], true, "the control connection moved to the second link: {s:#}");
+    let d = wait_migration(&p.dst, Duration::from_secs(60)).unwrap();
+    assert_eq!(d["status"], "completed", "destination {d:#}");
+    assert_eq!(d["recoveries"], 0, "{d:#}");
+    assert_eq!(d["remaining_pages"], 0, "{d:#}");
 }
 
 /// Every link cut while a postcopy's push runs: the control connection

@@ -37,13 +37,8 @@ fn start_rnicds(bin: &std::path::Path, tb: &Testbed) -> Vec<(HostChild, PathBuf)
         .map(|i| {
             let h = tb.host(i);
             let sock = rnic::daemon::default_socket_path(h.addr(0));
-            let _ = std::fs::remove_file(&sock);
-            let child = h.spawn(bin.to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string()]).unwrap();
-            let t0 = Instant::now();
-            while !sock.exists() {
-                assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            let args = ["rnicd", "--addr", &h.addr(0).to_string()];
+            let child = h.spawn_ready(bin.to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
             (child, sock)
         })
         .collect()

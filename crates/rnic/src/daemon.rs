@@ -158,6 +158,12 @@ struct Namespace {
     /// released when the namespace closes, so a host whose VM went away
     /// (or died) stops answering for it.
     claimed: bool,
+    /// Peers whose neighbour entry `prepare_ahead` made: a QP built ahead
+    /// names its peer when made and again when its state is loaded (at
+    /// the switch, where a netlink round trip per peer is downtime). An
+    /// entry once made stays usable (a stale one still sends while it is
+    /// confirmed again).
+    warmed: std::collections::HashSet<Ipv4Addr>,
 }
 
 /// Epoll tokens of namespace UDP sockets: this bit plus the GID.
@@ -180,7 +186,7 @@ impl Namespace {
         engine.set_active_mtu(crate::link::path_mtu_from(gid));
         engine.tx.in_place = std::env::var("RNICD_IN_PLACE_TX").map_or(true, |v| v != "0");
         let now = Instant::now();
-        Ok(Namespace { engine, udp, senders, held: Vec::new(), held_since: now, retry_at: now, claimed: false })
+        Ok(Namespace { engine, udp, senders, held: Vec::new(), held_since: now, retry_at: now, claimed: false, warmed: Default::default() })
     }
 
     /// Receives and transmits; returns (packets received, packets sent, more work pending).
@@ -270,7 +276,8 @@ impl Namespace {
 
     /// Opens the send sockets of the flows the engine made ready to resume
     /// (`engine::FlowAhead`) and warms the neighbour entries of their
-    /// peers (`host`: rnicd's own address, whose link they are on).
+    /// peers not warmed yet (`host`: rnicd's own address, whose link they
+    /// are on).
     fn prepare_ahead(&mut self, host: Ipv4Addr) {
         if self.engine.ahead.is_empty() {
             return;
@@ -278,11 +285,14 @@ impl Namespace {
         let mut peers = std::collections::HashSet::new();
         for f in std::mem::take(&mut self.engine.ahead) {
             self.senders.get(f.sport, false);
-            peers.extend(f.peer);
+            peers.extend(f.peer.filter(|p| !self.warmed.contains(p)));
         }
         for peer in peers {
-            if let Err(e) = crate::neighbour::warm(host, peer) {
-                warn!("{}: {e:#}", self.engine.gid);
+            match crate::neighbour::warm(host, peer) {
+                Ok(_) => {
+                    self.warmed.insert(peer);
+                }
+                Err(e) => warn!("{}: {e:#}", self.engine.gid),
             }
         }
     }
@@ -692,6 +702,8 @@ struct Daemon {
     ctl_evs: Vec<EpollEvent>,
     clients: HashMap<ClientId, Client>,
     next_client: ClientId,
+    /// The vmms it serves as a RAM client (`ramclient`).
+    ram_clients: Arc<crate::ramclient::RamClients>,
     rxbufs: Vec<Vec<u8>>,
     ctlbuf: Vec<u8>,
     /// More to send, or a full receive batch: loop again at once.
@@ -762,6 +774,7 @@ impl Daemon {
             ctl_evs: vec![EpollEvent::empty(); 64],
             clients: HashMap::new(),
             next_client: 1,
+            ram_clients: crate::ramclient::RamClients::new(),
             rxbufs: (0..RX_CHUNK).map(|_| vec![0u8; RX_BUF]).collect(),
             ctlbuf: vec![0u8; fdmsg::MAX_MSG],
             busy: false,
@@ -883,7 +896,7 @@ impl Daemon {
             t => {
                 let id = t >> 1;
                 let eps = Eps { udp: &self.ep, ctl: &self.ctl };
-                if !serve_client(&mut self.nss, &self.cfg, eps, &mut self.clients, id, &mut self.ctlbuf) {
+                if !serve_client(&mut self.nss, &self.cfg, eps, &self.ram_clients, &mut self.clients, id, &mut self.ctlbuf) {
                     self.client_gone(id);
                 }
             }
@@ -1100,6 +1113,7 @@ fn serve_client(
     nss: &mut HashMap<Ipv4Addr, Namespace>,
     cfg: &Config,
     eps: Eps,
+    ram_clients: &Arc<crate::ramclient::RamClients>,
     clients: &mut HashMap<ClientId, Client>,
     id: ClientId,
     buf: &mut [u8],
@@ -1153,23 +1167,25 @@ fn serve_client(
             Ok((Request::JoinRamClient, fds)) => {
                 let mut fds = fds;
                 match (fds.pop(), fds.is_empty()) {
-                    (Some(sock), true) => crate::ramclient::join(sock).map(|ram_bytes| Reply::RamClient { ram_bytes }).map_err(|e| {
-                        engine.stats.bad_client_requests += 1;
-                        format!("{e:#}")
-                    }),
+                    (Some(sock), true) => {
+                        crate::ramclient::join(ram_clients, sock).map(|ram_bytes| Reply::RamClient { ram_bytes }).map_err(|e| {
+                            engine.stats.bad_client_requests += 1;
+                            format!("{e:#}")
+                        })
+                    }
                     _ => {
                         engine.stats.bad_client_requests += 1;
                         Err("JoinRamClient needs one socket".into())
                     }
                 }
             }
-            // Process-wide figures beside the namespace's own.
+            // The daemon's figures beside the namespace's own.
             Ok((Request::Stats, fds)) => engine
                 .control(id, Request::Stats, fds)
                 .map(|r| match r {
                     Reply::Stats(mut v) => {
-                        v["ram_clients"] = crate::ramclient::joined().into();
-                        v["ram_clients_in_postcopy"] = crate::ramclient::in_postcopy().into();
+                        v["ram_clients"] = ram_clients.joined().into();
+                        v["ram_clients_in_postcopy"] = ram_clients.in_postcopy().into();
                         Reply::Stats(v)
                     }
                     r => r,

@@ -18,6 +18,7 @@ pub mod eventfd;
 pub mod gid;
 pub mod keys;
 pub mod link;
+pub mod loop_priority;
 pub mod mem;
 pub mod neighbour;
 pub mod netlink;

@@ -547,7 +547,7 @@ fn prefault_present(w: &Arc<Mapping>) {
             }
         }
     };
-    if let Err(e) = std::thread::Builder::new().name("prefault".into()).spawn(run) {
+    if let Err(e) = crate::loop_priority::spawn("prefault", run) {
         tracing::warn!("no thread to prefault guest memory ({e}); its pages fault in on first use");
     }
 }

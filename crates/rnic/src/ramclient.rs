@@ -20,76 +20,41 @@
 //! drops its userfaultfd, and the kernel lets the access go on.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use anyhow::{bail, Context as _};
 use ram_client::RamClient;
 use tracing::{info, warn};
 
+use crate::loop_priority::LoopPriority;
 use crate::mem::{self, Mapping};
-
-/// The event loop's nice value while a vmm it serves is in postcopy: the
-/// VM runs there and its RDMA traffic goes through this loop, beside the
-/// migration's push threads (normal priority) that copy its pages. At the
-/// same priority, on a loaded host, the loop waited for a CPU for as long
-/// as the push ran (a peer saw every QP stall 60-130 ms past the VM's
-/// restart). Not a real-time class: the loop polls while it has work.
-const POSTCOPY_NICE: i32 = -10;
-
-/// The event loop's thread (the one that joins).
-static EVENT_LOOP: AtomicI32 = AtomicI32::new(0);
-/// vmms in postcopy now, and the event loop's nice value before the first.
-static IN_POSTCOPY: Mutex<(usize, i32)> = Mutex::new((0, 0));
-
-/// vmms this rnicd serves whose postcopy is under way (its event loop runs
-/// at [`POSTCOPY_NICE`] meanwhile).
-pub fn in_postcopy() -> usize {
-    IN_POSTCOPY.lock().unwrap().0
-}
-
-fn nice_of(tid: i32) -> i32 {
-    // SAFETY: plain syscall (-1 is a valid nice value, so errors read as it).
-    unsafe { libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t) }
-}
-
-fn set_nice(tid: i32, nice: i32) -> std::io::Result<()> {
-    // SAFETY: plain syscall.
-    if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// A vmm this rnicd serves entered (`true`) or left postcopy.
-fn postcopy_phase(on: bool) {
-    let tid = EVENT_LOOP.load(Ordering::Relaxed);
-    let mut g = IN_POSTCOPY.lock().unwrap();
-    if on {
-        g.0 += 1;
-        if g.0 == 1 {
-            g.1 = nice_of(tid);
-            if let Err(e) = set_nice(tid, POSTCOPY_NICE.min(g.1)) {
-                warn!("the event loop keeps its priority during postcopy: {e}");
-            }
-        }
-    } else if g.0 > 0 {
-        g.0 -= 1;
-        if g.0 == 0 {
-            if let Err(e) = set_nice(tid, g.1) {
-                warn!("restoring the event loop's priority after postcopy: {e}");
-            }
-        }
-    }
-}
 
 /// Most vmms one rnicd serves as a RAM client at a time (one thread each).
 pub const MAX_RAM_CLIENTS: usize = 256;
-static JOINED: AtomicUsize = AtomicUsize::new(0);
 
-/// vmms this rnicd serves as a RAM client now.
-pub fn joined() -> usize {
-    JOINED.load(Ordering::Relaxed)
+/// The vmms one daemon serves as a RAM client, and its event loop's
+/// priority, raised while any of them is in postcopy (`loop_priority`).
+pub struct RamClients {
+    joined: AtomicUsize,
+    priority: Arc<LoopPriority>,
+}
+
+impl RamClients {
+    /// Made on the daemon's event loop thread (the one it raises).
+    pub fn new() -> Arc<RamClients> {
+        Arc::new(RamClients { joined: AtomicUsize::new(0), priority: LoopPriority::of_this_thread() })
+    }
+
+    /// vmms served now.
+    pub fn joined(&self) -> usize {
+        self.joined.load(Ordering::Relaxed)
+    }
+
+    /// vmms served whose postcopy is under way.
+    pub fn in_postcopy(&self) -> usize {
+        self.priority.in_postcopy()
+    }
 }
 
 /// Sets or clears O_NONBLOCK on `fd`.
@@ -107,8 +72,8 @@ fn set_nonblocking(fd: &OwnedFd, on: bool) -> anyhow::Result<()> {
 /// Joins the vmm at the other end of `sock` (already admitted by it: its
 /// welcome with the guest RAM memfd is waiting) and serves it on a thread
 /// of its own until the vmm closes. Returns the guest RAM size.
-pub fn join(sock: OwnedFd) -> anyhow::Result<u64> {
-    if JOINED.load(Ordering::Relaxed) >= MAX_RAM_CLIENTS {
+pub fn join(clients: &Arc<RamClients>, sock: OwnedFd) -> anyhow::Result<u64> {
+    if clients.joined() >= MAX_RAM_CLIENTS {
         bail!("this rnicd already serves {MAX_RAM_CLIENTS} vmms as a RAM client");
     }
     // Called on the event loop: the welcome must be there already, never
@@ -123,21 +88,21 @@ pub fn join(sock: OwnedFd) -> anyhow::Result<u64> {
     let ram_bytes = client.ram_bytes;
     // Registered whole, page aligned: the window maps the file from 0.
     let ranges = [(window.ptr() as u64, 0u64, (window.len() as u64).next_multiple_of(4096))];
-    JOINED.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: plain syscall.
-    EVENT_LOOP.store(unsafe { libc::gettid() }, Ordering::Relaxed);
-    let spawned = std::thread::Builder::new().name("ram-client".into()).spawn(move || {
+    clients.joined.fetch_add(1, Ordering::Relaxed);
+    let me = clients.clone();
+    // Not at the loop's raised priority (another vmm's postcopy): its own.
+    let spawned = crate::loop_priority::spawn("ram-client", move || {
         info!(ram_bytes, "joined a vmm as a RAM client");
-        match client.serve_with(&ranges, postcopy_phase) {
+        match client.serve_with(&ranges, |on| me.priority.postcopy_phase(on)) {
             Ok(()) => info!("the vmm closed its RAM client socket"),
             Err(e) => warn!("RAM client: {e:#}"),
         }
         // The window stays mapped while memory regions still use it.
         drop(window);
-        JOINED.fetch_sub(1, Ordering::Relaxed);
+        me.joined.fetch_sub(1, Ordering::Relaxed);
     });
     if let Err(e) = spawned {
-        JOINED.fetch_sub(1, Ordering::Relaxed);
+        clients.joined.fetch_sub(1, Ordering::Relaxed);
         bail!("starting the RAM client thread: {e}");
     }
     Ok(ram_bytes)

@@ -3,7 +3,8 @@
 //! before it resumes: the send socket of its source port is open, and the
 //! host's neighbour entry for the peer named at creation is made, by an
 //! ARP request from the host's own address: nothing announces the GID,
-//! which is not on the host before the commit.
+//! which is not on the host before the commit. A peer is warmed once: the
+//! states loaded at the switch ask again only for peers not warmed yet.
 mod common;
 use common::*;
 use std::time::{Duration, Instant};
@@ -57,5 +58,15 @@ fn a_qp_made_to_await_its_state_has_its_socket_and_neighbour_ready() {
         assert_eq!(bed.tb.host(h).sh(&format!("ip neigh show {gid}")).unwrap().trim(), "", "host {h}");
     }
     assert!(!bed.tb.host(0).sh("ip -4 -o addr show dev eth0").unwrap().contains(&format!(" {gid}/")));
+
+    // At the switch the states are loaded, each naming its peer again:
+    // only a peer not warmed yet (the second QP named none when made) is
+    // warmed then; the first QP's peer is not asked for again, even with
+    // its entry gone.
+    bed.tb.host(0).sh(&format!("ip neigh flush to {peer}")).unwrap();
+    ctx.load_qp_states(&[rts_state(0x700, peer), rts_state(0x701, other)]).unwrap();
+    let entry = eventually(&bed, 0, &format!("ip neigh show {other}"), |o| o.contains("lladdr"));
+    assert!(entry.contains("lladdr"), "host 0 has no neighbour entry for the loaded peer {other}: {entry:?}");
+    assert_eq!(bed.tb.host(0).sh(&format!("ip neigh show {peer}")).unwrap().trim(), "", "{peer} was warmed again");
     drop(made);
 }

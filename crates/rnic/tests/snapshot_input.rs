@@ -6,15 +6,7 @@ use rnic::qp::RespJob;
 use verbs::*;
 
 fn valid(qpn: u32) -> QpSnapshot {
-    let attr = QpAttr {
-        qp_state: QpState::Rts,
-        dest_gid: "10.9.9.9".parse().unwrap(),
-        dest_qp_num: 0x77,
-        path_mtu: Mtu::M1024,
-        ..Default::default()
-    };
-    let runtime = QpRuntime { next_psn: 90, una: 95, tx_psn: 95, max_sent: 100, epsn: 5, ..Default::default() };
-    QpSnapshot { version: QP_SNAPSHOT_VERSION, qpn, attr, runtime }
+    rts_state(qpn, "10.9.9.9".parse().unwrap())
 }
 
 #[test]

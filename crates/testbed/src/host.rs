@@ -62,12 +62,19 @@ impl Host {
 
     /// Starts a daemon as [`spawn`](Self::spawn) does and waits until it
     /// shows it is ready by making `ready` (its control socket): an error
-    /// if the daemon exits first or `timeout` passes.
+    /// if the daemon exits first or `timeout` passes. A `ready` left by an
+    /// earlier run is removed first, so only this daemon's counts.
     pub fn spawn_ready<I, S>(&self, program: &str, args: I, ready: &std::path::Path, timeout: std::time::Duration) -> Result<HostChild>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
+        match std::fs::remove_file(ready) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing the stale {}", ready.display()));
+            }
+            _ => {}
+        }
         let mut child = self.spawn(program, args)?;
         let t0 = std::time::Instant::now();
         while !ready.exists() {

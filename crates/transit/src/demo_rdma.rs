@@ -42,15 +42,8 @@ fn start_nics(tb: &testbed::Testbed, me: &std::path::Path) -> Result<Nics> {
         // lose while the request is out.
         h.sh("sysctl -qw net.ipv4.conf.all.arp_announce=2")?;
         let sock = rnic::daemon::default_socket_path(h.addr(0));
-        let _ = std::fs::remove_file(&sock);
-        n.children.push(h.spawn(me.to_str().context("path")?, ["--log", "warn", "rnicd", "--addr", &h.addr(0).to_string()])?);
-        let t0 = Instant::now();
-        while !sock.exists() {
-            if t0.elapsed() > Duration::from_secs(20) {
-                bail!("rnicd did not start on {}", h.name());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let args = ["--log", "warn", "rnicd", "--addr", &h.addr(0).to_string()];
+        n.children.push(h.spawn_ready(me.to_str().context("path")?, args, &sock, Duration::from_secs(20))?);
         n.socks.push(sock);
     }
     Ok(n)

@@ -61,11 +61,8 @@ fn bed(tag: &str) -> Bed {
     for i in 0..2 {
         let h = tb.host(i);
         let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-        let _ = std::fs::remove_file(&sock);
-        let child = h
-            .spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
-            .unwrap();
-        wait_for("rnicd", || sock.exists());
+        let args = ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
+        let child = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
         nics.push((child, sock));
     }
     let name = unique_name(tag);
@@ -295,11 +292,9 @@ fn an_incoming_pvrdma_vm_makes_its_rnicd_a_ram_client() {
     let tb = Testbed::create(TestbedOpts::new("rcwire", 1)).expect("testbed (needs root)");
     let h = tb.host(0);
     let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
-    let _ = std::fs::remove_file(&sock);
     let _sock_gone = TempPath(sock.clone());
-    let _nic =
-        h.spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).unwrap();
-    wait_for("rnicd", || sock.exists());
+    let args = ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
+    let _nic = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
     let gid = tb.spare_addr(0, 0);
     h.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
     let spec = format!("gid={gid},rnicd={}", sock.display());
@@ -335,11 +330,9 @@ fn join_requests_without_a_proper_welcome_are_refused() {
     let tb = Testbed::create(TestbedOpts::new("rcbad", 1)).expect("testbed (needs root)");
     let h = tb.host(0);
     let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
-    let _ = std::fs::remove_file(&sock);
     let _sock_gone = TempPath(sock.clone());
-    let _nic =
-        h.spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).unwrap();
-    wait_for("rnicd", || sock.exists());
+    let args = ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
+    let _nic = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
     let ctx = Context::open(Some(&sock)).unwrap();
     let pair = || socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap();
 

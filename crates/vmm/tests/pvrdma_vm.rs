@@ -4,7 +4,7 @@
 //! the old BAR layout (64-bit BARs above 4 GiB) refused, and a bad spec
 //! refused.
 //! Needs root (a testbed host) and the transit binary.
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::json;
 use testbed::{Testbed, TestbedOpts};
@@ -15,15 +15,8 @@ fn a_vm_with_a_pvrdma_device_answers_query_pvrdma() {
     let tb = Testbed::create(TestbedOpts::new("pvvm", 1)).expect("testbed (needs root)");
     let h = tb.host(0);
     let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
-    let _ = std::fs::remove_file(&sock);
-    let rnicd = h
-        .spawn(transit_bin().to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
-        .expect("start rnicd");
-    let t0 = Instant::now();
-    while !sock.exists() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let args = ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
+    let rnicd = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
     let gid = tb.spare_addr(0, 7);
     h.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
 

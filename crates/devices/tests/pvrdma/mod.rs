@@ -57,18 +57,9 @@ impl Bed {
         for i in 0..hosts {
             let h = tb.host(i);
             let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-            let _ = std::fs::remove_file(&sock);
-            let child = h
-                .spawn(rnicd_bin().to_str().unwrap(), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()])
-                .expect("start rnicd");
-            let mut nic = Nic { child: Some(child), sock, addr: h.addr(0) };
-            let t0 = Instant::now();
-            while !nic.sock.exists() {
-                assert!(nic.child.as_mut().unwrap().try_wait().unwrap().is_none(), "rnicd exited");
-                assert!(t0.elapsed() < T, "rnicd did not start");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            nics.push(nic);
+            let args = ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
+            let child = h.spawn_ready(rnicd_bin().to_str().unwrap(), args, &sock, T).expect("start rnicd");
+            nics.push(Nic { child: Some(child), sock, addr: h.addr(0) });
         }
         Bed { nics, tb }
     }

@@ -39,19 +39,9 @@ impl Nic {
         assert!(rnicd.exists(), "{} is missing: cargo build --release -p rnic", rnicd.display());
         let h = tb.host(i);
         let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-        let _ = std::fs::remove_file(&sock);
-        let child =
-            h.spawn(rnicd.to_str().unwrap(), ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()]).expect("start rnicd");
-        let mut nic = Nic { child: Some(child), sock, addr: h.addr(0) };
-        let t0 = Instant::now();
-        while !nic.sock.exists() {
-            if let Some(st) = nic.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("rnicd exited: {st}");
-            }
-            assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        nic
+        let args = ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
+        let child = h.spawn_ready(rnicd.to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
+        Nic { child: Some(child), sock, addr: h.addr(0) }
     }
 }
 

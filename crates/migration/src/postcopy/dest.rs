@@ -375,7 +375,9 @@ pub(crate) fn run(
         if let Err(e) = wire::send_msg(&mut l.control, &complete) {
             tracing::warn!("could not tell the source that postcopy completed: {e}");
         }
-        l.control.close();
+        // The last message: until the source read it (and closed its
+        // end), a link that dies under it is failed over.
+        l.control.finish();
         // The source stops pushing on Complete and ends its streams; a link
         // that dies now loses nothing, so wait only a little.
         let t = Instant::now();

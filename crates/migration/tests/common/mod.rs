@@ -260,9 +260,8 @@ impl RdmaBed {
             .map(|i| {
                 let h = tb.host(i);
                 let sock = rnic::daemon::default_socket_path(h.addr(0));
-                let _ = std::fs::remove_file(&sock);
-                let child = h.spawn(bin.to_str().unwrap(), ["rnicd", "--addr", &h.addr(0).to_string()]).unwrap();
-                wait_until("rnicd", || sock.exists());
+                let args = ["rnicd", "--addr", &h.addr(0).to_string()];
+                let child = h.spawn_ready(bin.to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
                 (child, sock)
             })
             .collect();

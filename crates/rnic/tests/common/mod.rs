@@ -65,16 +65,10 @@ impl Bed {
         for i in 0..hosts {
             let h = tb.host(i);
             let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-            let _ = std::fs::remove_file(&sock);
-            let child = h
-                .spawn(
-                    &rnicd_bin(),
-                    ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()].into_iter().chain(extra.iter().copied()),
-                )
-                .expect("start rnicd");
-            let mut nic = Nic { child: Some(child), sock, addr: h.addr(0) };
-            wait_for(&mut nic);
-            nics.push(nic);
+            let addr = h.addr(0).to_string();
+            let args = ["--addr", &addr, "--sock", sock.to_str().unwrap()].into_iter().chain(extra.iter().copied());
+            let child = h.spawn_ready(&rnicd_bin(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
+            nics.push(Nic { child: Some(child), sock, addr: h.addr(0) });
         }
         Bed { nics, tb }
     }
@@ -95,15 +89,12 @@ fn rnicd_bin() -> String {
     std::env::var("RNICD_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_rnicd").to_string())
 }
 
-fn wait_for(nic: &mut Nic) {
-    let t0 = Instant::now();
-    while !nic.sock.exists() {
-        if let Some(st) = nic.child.as_mut().unwrap().try_wait().unwrap() {
-            panic!("rnicd exited: {st}");
-        }
-        assert!(t0.elapsed() < Duration::from_secs(20), "rnicd did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+/// A consistent state of an RTS QP talking to `dest_gid` (what a
+/// migration's switch loads), with requests out and unacknowledged.
+pub fn rts_state(qpn: u32, dest_gid: Ipv4Addr) -> QpSnapshot {
+    let attr = QpAttr { qp_state: QpState::Rts, dest_gid, dest_qp_num: 0x77, path_mtu: Mtu::M1024, ..Default::default() };
+    let runtime = QpRuntime { next_psn: 90, una: 95, tx_psn: 95, max_sent: 100, epsn: 5, ..Default::default() };
+    QpSnapshot { version: QP_SNAPSHOT_VERSION, qpn, attr, runtime }
 }
 
 /// One end of a connection: its own PD, CQs, QP and a registered buffer.
