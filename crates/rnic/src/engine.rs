@@ -438,7 +438,7 @@ impl Engine {
     /// Runs timers and emits up to `budget` packets into `self.tx`.
     /// Returns whether more transmit work is pending.
     pub fn poll_tx(&mut self, budget: usize, now: Instant) -> bool {
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, qpn_order, rr, .. } = self;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, qpn_order, rr, acks_alone, .. } = self;
         let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, arrived: now, asyncs };
         let n = qpn_order.len();
         let mut budget = budget;
@@ -454,6 +454,14 @@ impl Engine {
             if let Some(qp) = qps.get_mut(&qpn_order[(*rr + k) % n]) {
                 qp.transmit_acks(&mut ctx, &mut budget);
             }
+        }
+        // After a resume the NAKs leave in a round of their own: the data
+        // of the round below reads guest memory, which on a postcopy
+        // destination may wait for pages on the network (or on the vmm's
+        // fault thread), and the peers' resends wait on the NAKs.
+        if std::mem::take(acks_alone) && !ctx.tx.pkts.is_empty() {
+            ctx.stats.ack_only_rounds += 1;
+            return true;
         }
         let mut more = false;
         for k in 0..n {
@@ -922,6 +930,7 @@ impl Engine {
             // The QPN may be a destroyed QP's, still listed.
             self.compact_qpn_order();
         }
+        self.doorbell_slots.entry((client, doorbell::slot(qpn) as u16)).or_default().push(qpn);
         self.qps.insert(qpn, qp);
         self.qpn_order.push(qpn);
         Ok(Reply::Qp { qpn, cap })
@@ -983,6 +992,7 @@ impl Engine {
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
         let suspended = |qp: &Qp| if qp.suspended { Ok(()) } else { Err("QP is not suspended".to_string()) };
         self.apply_to_qps(client, qpns, max, |_| true, suspended, Qp::resume)?;
+        self.acks_alone = true;
         Ok(Reply::Ok)
     }
 
