@@ -115,6 +115,16 @@ pub trait MigratableVm: Send + Sync {
     /// Destination: the migration failed; what `prepare_state` built goes.
     fn discard_prepared(&self) {}
 
+    /// Guest pages that devices reach without the vCPU once the VM runs on
+    /// the destination (a PVRDMA device's rings and memory regions, where
+    /// its rnicd moves the peers' data), in the order they matter. Asked
+    /// at the switch, while paused: a postcopy push sends the missing ones
+    /// of them before the rest, so that a device's first accesses after
+    /// the restart seldom wait for a page on the network.
+    fn device_pages(&self) -> Vec<PageRange> {
+        Vec::new()
+    }
+
     /// Slow the vCPUs to run only (100 - pct)% of the time (auto-converge).
     fn set_cpu_throttle(&self, pct: u8);
 

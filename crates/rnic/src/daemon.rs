@@ -19,6 +19,7 @@ use nix::sys::socket::{
 };
 use tracing::{info, warn};
 
+use crate::doorbell::DoorbellPage;
 use crate::engine::Engine;
 use crate::eventfd;
 use crate::objects::{ClientId, OutPkt};
@@ -137,6 +138,9 @@ const SOCKET_BUF: usize = 16 << 20;
 struct Client {
     sock: OwnedFd,
     doorbell: Option<OwnedFd>,
+    /// Which QPs rang (`crate::doorbell`); without it a doorbell looks at
+    /// every QP of the client.
+    doorbell_page: Option<DoorbellPage>,
     /// The namespace (GID) the client works in, set by its Hello.
     ns: Ipv4Addr,
 }
@@ -910,7 +914,7 @@ impl Daemon {
             let id = self.next_client;
             self.next_client += 1;
             if self.ctl.add(&sock, readable(id << 1)).is_ok() {
-                self.clients.insert(id, Client { sock, doorbell: None, ns: self.cfg.addr });
+                self.clients.insert(id, Client { sock, doorbell: None, doorbell_page: None, ns: self.cfg.addr });
             }
         }
     }
@@ -919,7 +923,10 @@ impl Daemon {
         if let Some(c) = self.clients.get(&id) {
             if let (Some(db), Some(ns)) = (c.doorbell.as_ref(), self.nss.get_mut(&c.ns)) {
                 eventfd::drain(db);
-                ns.engine.doorbell(id);
+                match &c.doorbell_page {
+                    Some(page) => ns.engine.doorbell_marked(id, page),
+                    None => ns.engine.doorbell(id),
+                }
             }
         }
     }
@@ -1140,8 +1147,15 @@ fn serve_client(
             }
             Ok((Request::Hello { version, namespace }, fds)) => {
                 let mut fds = fds;
-                match (version == proto::PROTO_VERSION, fds.pop()) {
-                    (true, Some(db)) if c.doorbell.is_none() => {
+                // The eventfd comes last; a doorbell page, if any, before it.
+                let db = fds.pop();
+                let page = fds.pop().map(|fd| DoorbellPage::map(&fd)).transpose();
+                match (version == proto::PROTO_VERSION, db, page) {
+                    (true, Some(_), Err(e)) => {
+                        engine.stats.bad_client_requests += 1;
+                        Err(format!("doorbell page: {e:#}"))
+                    }
+                    (true, Some(db), Ok(page)) if c.doorbell.is_none() && fds.is_empty() => {
                         let gid = namespace.unwrap_or(cfg.addr);
                         match enter_namespace(nss, cfg, eps.udp, gid) {
                             Err(e) => Err(format!("{e:#}")),
@@ -1149,6 +1163,7 @@ fn serve_client(
                                 let r = eps.ctl.add(&db, readable(id << 1 | 1));
                                 if let Some(c) = clients.get_mut(&id) {
                                     c.doorbell = Some(db);
+                                    c.doorbell_page = page;
                                     c.ns = gid;
                                 }
                                 if let Some(ns) = nss.get_mut(&gid) {
@@ -1160,7 +1175,10 @@ fn serve_client(
                     }
                     _ => {
                         engine.stats.bad_client_requests += 1;
-                        Err(format!("hello needs protocol version {} and one doorbell eventfd", proto::PROTO_VERSION))
+                        Err(format!(
+                            "hello needs protocol version {}, one doorbell eventfd and at most one doorbell page",
+                            proto::PROTO_VERSION
+                        ))
                     }
                 }
             }

@@ -4,6 +4,7 @@
 //! The engine is pure logic: packets in, packets out (`tx`), no sockets, so
 //! it runs the same inside the daemon and in a single-process loopback test.
 
+use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
@@ -13,6 +14,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context as _};
 
 use crate::async_events::AsyncSinks;
+use crate::doorbell::{self, DoorbellPage};
 use crate::keys::{AliasTarget, Export, Grant, IndirectKey, IndirectKind, Keys, MAX_INDIRECT, MAX_KLM};
 use crate::mem::{Mapping, RegionMemory};
 use crate::objects::{ClientId, Cq, IdMap, Mr, Stats, Tx};
@@ -57,6 +59,13 @@ pub struct Engine {
     /// Flows of QPs made or loaded to resume later, for the daemon to
     /// prepare (`FlowAhead`); it takes them after each control request.
     pub ahead: Vec<FlowAhead>,
+    /// Each client's QPs by doorbell slot (`doorbell::slot`): the QPs a
+    /// bit of its doorbell page names.
+    doorbell_slots: HashMap<(ClientId, u16), Vec<u32>>,
+    /// QPs resumed since the last transmit round: the next round sends the
+    /// queued ACKs and NAKs (their resume NAKs among them) alone, before
+    /// any QP reads guest memory for the data it resends.
+    acks_alone: bool,
 }
 
 /// A flow a QP made suspended (awaiting its state, or from one) will send
@@ -94,6 +103,8 @@ impl Engine {
             asyncs: AsyncSinks::default(),
             active_mtu: crate::link::UNKNOWN_LINK_PATH_MTU,
             ahead: Vec::new(),
+            doorbell_slots: HashMap::new(),
+            acks_alone: false,
         }
     }
 
@@ -311,6 +322,7 @@ impl Engine {
     /// A client went away: everything it owned goes, nothing else.
     pub fn client_gone(&mut self, client: ClientId) {
         self.qps.retain(|_, q| q.owner != client);
+        self.doorbell_slots.retain(|(c, _), _| *c != client);
         self.compact_qpn_order();
         self.keys.client_gone(client);
         self.srqs.retain(|_, s| crate::srq::lock(s).owner != client);
@@ -320,13 +332,32 @@ impl Engine {
         self.asyncs.close(client);
     }
 
-    /// The client rang its doorbell: look at its QPs' rings.
+    /// The client rang its doorbell without a doorbell page: look at the
+    /// rings of all its QPs.
     pub fn doorbell(&mut self, client: ClientId) {
         let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
         let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        ctx.stats.doorbells += 1;
         for qp in qps.values_mut().filter(|q| q.owner == client) {
+            ctx.stats.doorbell_qp_looks += 1;
             qp.doorbell(&mut ctx);
         }
+    }
+
+    /// The client rang its doorbell: look at the rings of the QPs whose
+    /// bits it set in its doorbell page (`crate::doorbell`), only those.
+    pub fn doorbell_marked(&mut self, client: ClientId, page: &DoorbellPage) {
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, doorbell_slots, .. } = self;
+        let mut ctx = Self::ctx(*gid, keys, cqs, tx, stats, asyncs);
+        ctx.stats.doorbells += 1;
+        page.take(|slot| {
+            for qpn in doorbell_slots.get(&(client, slot as u16)).map(Vec::as_slice).unwrap_or_default() {
+                if let Some(qp) = qps.get_mut(qpn) {
+                    ctx.stats.doorbell_qp_looks += 1;
+                    qp.doorbell(&mut ctx);
+                }
+            }
+        });
     }
 
     /// While rnicd polls (after activity), it reads the rings of up to this
@@ -413,7 +444,7 @@ impl Engine {
     /// Runs timers and emits up to `budget` packets into `self.tx`.
     /// Returns whether more transmit work is pending.
     pub fn poll_tx(&mut self, budget: usize, now: Instant) -> bool {
-        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, qpn_order, rr, .. } = self;
+        let Engine { gid, keys, cqs, tx, stats, asyncs, qps, qpn_order, rr, acks_alone, .. } = self;
         let mut ctx = Ctx { gid: *gid, keys, cqs, tx, stats, now, arrived: now, asyncs };
         let n = qpn_order.len();
         let mut budget = budget;
@@ -429,6 +460,14 @@ impl Engine {
             if let Some(qp) = qps.get_mut(&qpn_order[(*rr + k) % n]) {
                 qp.transmit_acks(&mut ctx, &mut budget);
             }
+        }
+        // After a resume the NAKs leave in a round of their own: the data
+        // of the round below reads guest memory, which on a postcopy
+        // destination may wait for pages on the network (or on the vmm's
+        // fault thread), and the peers' resends wait on the NAKs.
+        if std::mem::take(acks_alone) && !ctx.tx.pkts.is_empty() {
+            ctx.stats.ack_only_rounds += 1;
+            return true;
         }
         let mut more = false;
         for k in 0..n {
@@ -897,6 +936,7 @@ impl Engine {
             // The QPN may be a destroyed QP's, still listed.
             self.compact_qpn_order();
         }
+        self.doorbell_slots.entry((client, doorbell::slot(qpn) as u16)).or_default().push(qpn);
         self.qps.insert(qpn, qp);
         self.qpn_order.push(qpn);
         Ok(Reply::Qp { qpn, cap })
@@ -919,7 +959,14 @@ impl Engine {
     /// Forgets QP `qpn`; its transmit-order entry goes at the next
     /// compaction, which runs once half the entries are stale.
     fn remove_qp(&mut self, qpn: u32) {
-        if self.qps.remove(&qpn).is_some() {
+        if let Some(qp) = self.qps.remove(&qpn) {
+            let key = (qp.owner, doorbell::slot(qpn) as u16);
+            if let Some(v) = self.doorbell_slots.get_mut(&key) {
+                v.retain(|&q| q != qpn);
+                if v.is_empty() {
+                    self.doorbell_slots.remove(&key);
+                }
+            }
             self.qpn_order_stale += 1;
             if self.qpn_order_stale * 2 > self.qpn_order.len() {
                 self.compact_qpn_order();
@@ -951,6 +998,7 @@ impl Engine {
     fn resume_qps(&mut self, client: ClientId, qpns: &[u32], max: usize) -> anyhow::Result<Reply> {
         let suspended = |qp: &Qp| if qp.suspended { Ok(()) } else { Err("QP is not suspended".to_string()) };
         self.apply_to_qps(client, qpns, max, |_| true, suspended, Qp::resume)?;
+        self.acks_alone = true;
         Ok(Reply::Ok)
     }
 

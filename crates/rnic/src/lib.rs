@@ -2,17 +2,18 @@
 //!
 //! `wire` is the packet format, `qp` the RC transport, `engine` one namespace
 //! of objects, `daemon` the process (sockets, clients, event loop). `ring`,
-//! `proto`, `types`, `eventfd` and `qp_snapshot` are shared with the client
+//! `proto`, `types`, `eventfd`, `doorbell` and `qp_snapshot` are shared with the client
 //! side (the `verbs` crate).
 //!
 //! Dependencies run one way, from the bottom up:
 //! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd`, `spill` (no crate imports);
-//! `qp_snapshot`, `announce`, `netlink`, `gid`, `link`; `objects`; `srq`; `async_events` and `proto`; `qp`;
+//! `qp_snapshot`, `announce`, `netlink`, `gid`, `link`, `doorbell`; `objects`; `srq`; `async_events` and `proto`; `qp`;
 //! `engine`; `ramclient`; `daemon`; `cli`.
 pub mod announce;
 pub mod async_events;
 pub mod cli;
 pub mod daemon;
+pub mod doorbell;
 pub mod engine;
 pub mod eventfd;
 pub mod gid;

@@ -132,6 +132,14 @@ pub struct Stats {
     /// doorbell, no packet): a doorbell the client skipped but should have
     /// rung. Expected to stay 0 (a diagnostic of ring polling).
     pub late_ring_wqes: u64,
+    /// Doorbells rung, and the QPs whose rings they made rnicd look at:
+    /// with a doorbell page those whose bits were set, without one every
+    /// QP of the client (`crate::doorbell`).
+    pub doorbells: u64,
+    pub doorbell_qp_looks: u64,
+    /// Transmit rounds that sent only ACKs and NAKs: the first after a
+    /// resume, so that the resume NAKs wait for no QP's data.
+    pub ack_only_rounds: u64,
     /// Indirect keys bound or invalidated by work requests, and such
     /// requests refused (bad key, owner, range or list length).
     pub key_binds: u64,

@@ -59,6 +59,8 @@ struct Inner {
     sock: OwnedFd,
     lock: Mutex<Vec<u8>>,
     doorbell: OwnedFd,
+    /// Which QPs rang (`rnic::doorbell`), shared with rnicd.
+    doorbell_page: rnic::doorbell::DoorbellPage,
     gid: Ipv4Addr,
     sock_path: PathBuf,
     /// rnicd's ID of this connection (what another client grants keys to).
@@ -93,7 +95,9 @@ impl Inner {
         r.map_err(|e| anyhow!("rnicd: {e}"))
     }
 
-    fn ring_doorbell(&self) {
+    /// QP `qpn` posted: its bit, then the eventfd (`rnic::doorbell`).
+    fn ring_doorbell(&self, qpn: u32) {
+        self.doorbell_page.mark(qpn);
         rnic::eventfd::signal(&self.doorbell);
     }
 }
@@ -150,16 +154,20 @@ impl Context {
         nix::sys::socket::connect(sock.as_raw_fd(), &ua).with_context(|| format!("connect to rnicd at {}", path.display()))?;
         let doorbell = rnic::eventfd::create(true)?;
         let rnicd_cpu = placement::RnicdCpu::of_peer(&sock);
+        let (doorbell_page, page_fd) = rnic::doorbell::DoorbellPage::create()?;
         let mut inner = Inner {
             sock,
             lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]),
             doorbell,
+            doorbell_page,
             gid: Ipv4Addr::UNSPECIFIED,
             sock_path: path,
             client: 0,
             rnicd_cpu,
         };
-        match inner.call(&Request::Hello { version: proto::PROTO_VERSION, namespace }, &[inner.doorbell.as_raw_fd()])? {
+        // The doorbell page, then the eventfd (rnicd takes the last fd as the eventfd).
+        let hello_fds = [page_fd.as_raw_fd(), inner.doorbell.as_raw_fd()];
+        match inner.call(&Request::Hello { version: proto::PROTO_VERSION, namespace }, &hello_fds)? {
             Reply::Hello { gid, client } => (inner.gid, inner.client) = (gid, client),
             r => bail!("unexpected reply {r:?}"),
         }
@@ -1300,7 +1308,7 @@ impl Qp {
         // While rnicd polls our rings (after recent activity) it sees the
         // WQEs without the doorbell, a syscall and a wakeup saved per post.
         if posted > 0 && doorbell && ring.needs_doorbell() {
-            self.ctx.inner.ring_doorbell();
+            self.ctx.inner.ring_doorbell(self.qpn);
         }
         drop(ring);
         if posted > 0 {
@@ -1341,7 +1349,7 @@ impl Qp {
             posted += 1;
         }
         if posted > 0 && doorbell && ring.needs_doorbell() {
-            self.ctx.inner.ring_doorbell();
+            self.ctx.inner.ring_doorbell(self.qpn);
         }
         drop(ring);
         if posted > 0 {

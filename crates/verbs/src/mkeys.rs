@@ -165,7 +165,7 @@ impl Qp {
             }
         }
         if posted > 0 && ring.needs_doorbell() {
-            self.ctx.inner.ring_doorbell();
+            self.ctx.inner.ring_doorbell(self.qpn);
         }
         result
     }

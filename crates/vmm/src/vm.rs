@@ -567,6 +567,20 @@ impl migration::vm::MigratableVm for Vm {
         }
         Ok(())
     }
+    /// The PVRDMA devices' rings and memory regions, as page ranges.
+    fn device_pages(&self) -> Vec<migration::pages::PageRange> {
+        let page = migration::pages::PAGE_SIZE;
+        let mut out: Vec<migration::pages::PageRange> = Vec::new();
+        for (gpa, len) in self.pvrdma.iter().flat_map(|d| d.lock().unwrap().device_pages()) {
+            let (first, end) = (gpa / page, (gpa + len).div_ceil(page));
+            match out.last_mut() {
+                Some(r) if r.first + r.count == first => r.count += end - first,
+                _ if end > first => out.push(migration::pages::PageRange { first, count: end - first }),
+                _ => {}
+            }
+        }
+        out
+    }
     /// Small for vCPUs and devices, except memory-backed NVMe namespaces:
     /// their bytes travel in the state, and the downtime estimate must see them.
     fn state_size_estimate(&self) -> u64 {

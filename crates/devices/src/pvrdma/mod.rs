@@ -25,6 +25,7 @@ mod guest;
 mod negative;
 mod objects;
 mod persist;
+mod reach;
 mod srq;
 mod switch;
 mod traces;
@@ -203,6 +204,13 @@ impl Pvrdma {
                 (Arc::new(Mutex::new(bar)), b.addr, b.size)
             })
             .collect()
+    }
+
+    /// The guest pages this device and its rnicd reach without the vCPU
+    /// (rings, then memory regions), as `(gpa, len)` byte ranges: what a
+    /// postcopy pushes first (`reach.rs`).
+    pub fn device_pages(&self) -> Vec<(u64, u64)> {
+        reach::device_pages(&lock(&self.shared))
     }
 
     /// The destination owns the VM now: this host stops answering for the

@@ -461,6 +461,11 @@ fn load_at_switch(
     let link = Some(Link::start(control.try_clone()?, channels, pages, sh, &sink)?);
     step("faults armed");
     vm.restore_state(&state).context("loading vCPU and device state")?;
+    if n_clients > 0 {
+        // What the devices reach goes into the RAM clients' mappings as it
+        // is here (hybrid: most of it already).
+        placer.map_for_clients(&vm.device_pages());
+    }
     step("state restored");
     wire::send_msg(&mut control, &Msg::Loaded { cpu_s: thread_cpu_s() - cpu0 })?;
     match wire::recv_msg(&mut control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {

@@ -228,6 +228,10 @@ pub struct Placer {
     prefilled: bool,
     /// Domain 0 is the vmm's own mapping; helpers follow.
     domains: RwLock<Vec<Arc<FaultDomain>>>,
+    /// Pages that devices reach without the vCPU (`MigratableVm::
+    /// device_pages`): mapped into the RAM clients as soon as they are
+    /// here (`map_for_clients`), not on each client's first access.
+    device: AtomicBitmap,
     /// Pages that are here (placed, or known zero and left as a hole).
     pub seen: Arc<AtomicBitmap>,
     present: AtomicU64,
@@ -275,6 +279,7 @@ impl Placer {
             prefetched: AtomicBitmap::new(total),
             prefilled,
             domains: RwLock::new(vec![Arc::new(vmm)]),
+            device: AtomicBitmap::new(total),
             seen,
             present: AtomicU64::new(present),
             total,
@@ -298,6 +303,57 @@ impl Placer {
         }
         self.domains.write().unwrap().push(Arc::new(d));
         Ok(())
+    }
+
+    /// The pages of `ranges` are the devices' (`MigratableVm::
+    /// device_pages`): map those here now into every RAM client, and the
+    /// others as they arrive. A RAM client (rnicd) dropped its mappings
+    /// when postcopy began, and each page it touched after the restart
+    /// cost it a fault and a round trip through the fault thread, even a
+    /// page that was here (with 256 QPs, 80-200 such faults, while every
+    /// QP of its host waited).
+    pub fn map_for_clients(&self, ranges: &[PageRange]) {
+        for r in ranges {
+            for p in r.first..r.end().min(self.total) {
+                self.device.set(p);
+            }
+        }
+        for r in ranges {
+            self.continue_in_clients(r.first, r.count.min(self.total.saturating_sub(r.first)));
+        }
+    }
+
+    /// Map the pages of `[first, first + count)` that are here into every
+    /// RAM client (best effort: a page mapped already, or a known-zero
+    /// hole, is skipped; a fault maps what this misses).
+    fn continue_in_clients(&self, first: u64, count: u64) {
+        let doms = self.domains.read().unwrap();
+        for d in doms.iter().skip(1).filter(|d| !d.gone.load(Ordering::Relaxed)) {
+            for &(addr, off, len) in &d.ranges {
+                let (lo, hi) = ((off / PAGE).max(first), ((off + len) / PAGE).min(first + count));
+                let mut p = lo;
+                while p < hi {
+                    if !self.seen.get(p) {
+                        p += 1;
+                        continue;
+                    }
+                    let run = p;
+                    while p < hi && self.seen.get(p) {
+                        p += 1;
+                    }
+                    let at = |q: u64| addr + q * PAGE - off;
+                    let mut q = run;
+                    while q < p {
+                        match uffd_continue(d.uffd.as_raw_fd(), at(q), (p - q) * PAGE) {
+                            Ok(_) => break,
+                            Err((libc::EAGAIN, n)) if n > 0 => q += n / PAGE,
+                            // Mapped already, or a hole: skip that page.
+                            Err((_, n)) => q += n / PAGE + 1,
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Fds to poll for faults, with their domain index.
@@ -465,7 +521,11 @@ impl Placer {
                 Ok(())
             }
             Some(e) => anyhow::bail!("mapping page {p} (of {first}..{}): {}", first + count, std::io::Error::from_raw_os_error(e)),
-        })
+        })?;
+        if (first..first + count).any(|p| self.device.get(p)) {
+            self.continue_in_clients(first, count);
+        }
+        Ok(())
     }
 
     fn arrived(&self, pfn: u64, via: Via) {

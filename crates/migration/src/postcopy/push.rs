@@ -1,13 +1,17 @@
 //! The source's background push: the pages the destination still misses,
 //! handed to the bulk channels in chunks, starting next to the most recent
 //! fault (a guest that touched page p will likely touch p+1 soon), as
-//! QEMU's postcopy does after each page request.
+//! QEMU's postcopy does after each page request. Pages that devices reach
+//! without the vCPU (`MigratableVm::device_pages`) go before all others.
 
 use crate::pages::PageRange;
 use std::sync::Mutex;
 
 struct Inner {
     bits: Vec<u64>,
+    /// Ranges to push before the cursor's sweep, in order (the devices'
+    /// pages); the pages of them still queued in `bits` go first.
+    first: std::collections::VecDeque<PageRange>,
     /// Known-zero ranges (memfd holes): sent first, one record each.
     zero: Vec<PageRange>,
     cursor: u64,
@@ -41,14 +45,24 @@ impl PushQueue {
                 }
             }
         }
-        PushQueue { inner: Mutex::new(Inner { bits, zero, cursor: 0, left }), total }
+        PushQueue { inner: Mutex::new(Inner { bits, first: Default::default(), zero, cursor: 0, left }), total }
     }
 
     /// Start over with this work (after a reconnection: what the
     /// destination reports missing).
+    /// The ranges of `push_first` stay first.
     pub fn reset(&self, total: u64, data: &[PageRange], zero: Vec<PageRange>) {
-        let fresh = PushQueue::new(total, data, zero).inner.into_inner().unwrap();
-        *self.inner.lock().unwrap() = fresh;
+        let mut fresh = PushQueue::new(total, data, zero).inner.into_inner().unwrap();
+        let mut g = self.inner.lock().unwrap();
+        fresh.first = std::mem::take(&mut g.first);
+        *g = fresh;
+    }
+
+    /// Push the queued pages of `ranges` (in their order) before any
+    /// other; the known-zero runs still go first (one record each).
+    pub fn push_first(&self, ranges: &[PageRange]) {
+        let mut g = self.inner.lock().unwrap();
+        g.first = ranges.iter().filter(|r| r.first < self.total && r.count > 0).copied().collect();
     }
 
     /// Nothing more to push (the destination has every page).
@@ -128,9 +142,33 @@ impl PushQueue {
         if g.left == 0 {
             return false;
         }
+        let mut taken = 0u64;
+        while taken < max {
+            let Some(r) = g.first.pop_front() else { break };
+            let end = r.end().min(self.total);
+            let mut p = r.first;
+            while p < end && taken < max {
+                let (w, b) = ((p / 64) as usize, p % 64);
+                if g.bits[w] & (1 << b) != 0 {
+                    g.bits[w] &= !(1 << b);
+                    taken += 1;
+                    match out.last_mut() {
+                        Some(c) if c.first + c.count == p => c.count += 1,
+                        _ => out.push(Claim { first: p, count: 1, known_zero: false }),
+                    }
+                }
+                p += 1;
+            }
+            if p < end {
+                g.first.push_front(PageRange { first: p, count: end - p });
+            }
+        }
+        if taken > 0 {
+            g.left -= taken;
+            return true;
+        }
         let words = g.bits.len();
         let mut w = (g.cursor / 64) as usize;
-        let mut taken = 0u64;
         // At most one full turn over the bitmap (+1 for the cursor's word).
         for turn in 0..=words {
             let mut word = g.bits[w];
@@ -188,6 +226,30 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&s| s));
+        assert_eq!(q.left(), 0);
+    }
+
+    #[test]
+    fn the_devices_pages_go_first_once() {
+        let q = PushQueue::new(1000, &[PageRange { first: 0, count: 1000 }], Vec::new());
+        q.requested(600, 1); // a fault's page went out on the urgent channel
+        q.push_first(&[PageRange { first: 590, count: 20 }, PageRange { first: 10, count: 2 }, PageRange { first: 5000, count: 3 }]);
+        let mut out = Vec::new();
+        assert!(q.claim(16, &mut out));
+        assert_eq!(out, vec![Claim { first: 590, count: 10, known_zero: false }, Claim { first: 601, count: 6, known_zero: false }]);
+        assert!(q.claim(16, &mut out));
+        assert_eq!(out, vec![Claim { first: 607, count: 3, known_zero: false }, Claim { first: 10, count: 2, known_zero: false }]);
+        // Then the sweep, from the last fault on, without those pages.
+        assert!(q.claim(4, &mut out));
+        assert_eq!(out, vec![Claim { first: 610, count: 4, known_zero: false }]);
+        let mut n = 4 + 21;
+        while q.claim(64, &mut out) {
+            for c in &out {
+                assert!(!(590..610).contains(&c.first) && !(10..12).contains(&c.first));
+                n += c.count;
+            }
+        }
+        assert_eq!(n, 999);
         assert_eq!(q.left(), 0);
     }
 

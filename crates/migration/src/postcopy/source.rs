@@ -158,6 +158,9 @@ fn switch_over(
     // Requests are served from now on, even while the destination loads
     // the state (a device may touch RAM); the push queue fills below.
     let queue = Arc::new(PushQueue::new(total, &[], Vec::new()));
+    // What devices reach without the vCPU goes first (`device_pages`):
+    // taken now, while the devices still hold what the VM had.
+    queue.push_first(&vm.device_pages());
     let server = urgent.map(|u| UrgentServer::start(u, ram, queue.clone(), ctl.clone())).transpose()?;
     wire::send_msg(
         control,
