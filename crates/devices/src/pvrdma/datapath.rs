@@ -89,7 +89,10 @@ impl Dev {
                     self.arm_cq(handle, value & UAR_CQ_ARM_SOL != 0 && value & UAR_CQ_ARM == 0);
                 }
                 if value & UAR_CQ_POLL != 0 {
-                    self.drain_cq(handle);
+                    // An armed CQ notifies whoever moves its completions:
+                    // a POLL that drained them first would leave the
+                    // notifier thread nothing to notify for.
+                    self.drain_and_notify(handle);
                 }
                 Ok(())
             }
@@ -413,7 +416,7 @@ impl Dev {
     /// Drains CQ `handle` into the guest ring; if the guest armed the CQ and
     /// completions arrived, it gets its CQ notification (whoever drained:
     /// the notifier thread or a vCPU in a WAIT doorbell).
-    fn drain_and_notify(&mut self, handle: u32) -> usize {
+    pub(super) fn drain_and_notify(&mut self, handle: u32) -> usize {
         let moved = self.drain_cq(handle);
         if moved > 0 {
             if let Some(c) = self.cqs.get_mut(handle).filter(|c| c.ring.armed != 0) {

@@ -570,7 +570,7 @@ impl Lifecycle for Pvrdma {
         let t = Instant::now();
         d.paused = false;
         for h in d.cqs.handles() {
-            d.drain_cq(h);
+            d.drain_and_notify(h);
         }
         // Completions taken while paused left SRQ limits and ring WQEs
         // unchecked.
