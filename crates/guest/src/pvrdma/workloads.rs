@@ -808,17 +808,15 @@ impl Workloads<'_> {
     /// An error completion: the QP is in ERR and its workload cannot
     /// finish, so the run ends now, naming the QP and the status.
     fn error_completion(&mut self, c: &Inst, w: &pvrdma_abi::Cqe) {
+        self.fail_qp(c, format_args!("completion of wr {:#x} opcode {} status {}", w.wr_id, w.opcode, w.status));
+    }
+
+    /// Ends the run with a FAIL line naming QP `c`, its workload's state
+    /// and `why`.
+    fn fail_qp(&mut self, c: &Inst, why: core::fmt::Arguments) {
         let mut what = TextBuf::<160>::new();
         describe(&mut what, c, self.sz);
-        println!(
-            "pvrdma: FAIL QP {} (handle {}, {}): completion of wr {:#x} opcode {} status {}",
-            c.qp.qpn,
-            c.qp.handle,
-            core::str::from_utf8(what.as_bytes()).unwrap_or(""),
-            w.wr_id,
-            w.opcode,
-            w.status
-        );
+        println!("pvrdma: FAIL QP {} (handle {}, {}): {}", c.qp.qpn, c.qp.handle, core::str::from_utf8(what.as_bytes()).unwrap_or(""), why);
         self.r.violations += 1;
         self.r.fatal = true;
     }
@@ -835,17 +833,7 @@ impl Workloads<'_> {
             if self.done(i) || now.saturating_sub(i.seen_at) < WATCHDOG_NS {
                 continue;
             }
-            let mut what = TextBuf::<160>::new();
-            describe(&mut what, i, self.sz);
-            println!(
-                "pvrdma: FAIL QP {} (handle {}, {}): no completion for {} s",
-                i.qp.qpn,
-                i.qp.handle,
-                core::str::from_utf8(what.as_bytes()).unwrap_or(""),
-                (now - i.seen_at) / 1_000_000_000
-            );
-            self.r.violations += 1;
-            self.r.fatal = true;
+            self.fail_qp(i, format_args!("no completion for {} s", (now - i.seen_at) / 1_000_000_000));
         }
     }
 
