@@ -1,5 +1,5 @@
-//! WRITE payloads sent in place (docs/rnic.md, "Sending WRITE payloads in
-//! place"): the first transmission of a WRITE packet leaves from the
+//! WRITE payloads sent in place (docs/rnic.md, "WRITE payloads leave in
+//! place on their first transmission"): the first transmission of a WRITE packet leaves from the
 //! source's memory region, its ICRC computed there before the kernel copies
 //! the bytes. A payload the owner rewrites in between leaves with a bad
 //! ICRC; the receiver must drop it, and the resend (a copy) must repair it.
