@@ -406,15 +406,7 @@ impl Engine {
     pub fn on_packet_at(&mut self, buf: &[u8], src: Ipv4Addr, sport: u16, now: Instant, arrived: Instant) {
         self.stats.rx_packets += 1;
         let flow = Flow { src, dst: self.gid, sport, dport: ROCE_PORT };
-        // A WRITE's bulk has its ICRC checked as its payload is placed
-        // (`Qp::places_unverified`); the rest here. A packet that does
-        // not parse is checked whole, so that damage counts as damage.
-        let parsed = if wire::may_defer_icrc(buf, crate::mem::STREAM_MIN) {
-            wire::parse_deferring_icrc(buf, &flow).or_else(|_| wire::parse(buf, Some(&flow)))
-        } else {
-            wire::parse(buf, Some(&flow))
-        };
-        let mut p = match parsed {
+        let p = match wire::parse(buf, Some(&flow)) {
             Ok(p) => p,
             Err(wire::ParseError::Icrc) => {
                 self.stats.rx_bad_icrc += 1;
@@ -426,13 +418,6 @@ impl Engine {
             }
         };
         let Engine { gid, keys, cqs, tx, stats, asyncs, qps, .. } = self;
-        if p.icrc.is_some() && !qps.get(&p.bth.dest_qpn).is_some_and(|qp| qp.attr.dest_gid == src && qp.places_unverified(&p)) {
-            if !p.icrc_intact() {
-                stats.rx_bad_icrc += 1;
-                return;
-            }
-            p.icrc = None;
-        }
         let Some(qp) = qps.get_mut(&p.bth.dest_qpn) else {
             stats.rx_unknown_qp += 1;
             return;

@@ -6,13 +6,12 @@
 //! side (the `verbs` crate).
 //!
 //! Dependencies run one way, from the bottom up:
-//! `types`, `crc_copy`, `wire`, `ring`, `mem`, `trace`, `eventfd`, `spill` (no crate imports);
+//! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd`, `spill` (no crate imports);
 //! `qp_snapshot`, `announce`, `netlink`, `gid`, `link`, `doorbell`; `objects`; `srq`; `async_events` and `proto`; `qp`;
 //! `engine`; `ramclient`; `daemon`; `cli`.
 pub mod announce;
 pub mod async_events;
 pub mod cli;
-pub mod crc_copy;
 pub mod daemon;
 pub mod doorbell;
 pub mod engine;

@@ -284,39 +284,6 @@ impl Span {
         }
     }
 
-    /// Copies `data` into the span as [`Span::write_streaming`] does and
-    /// returns the CRC-32 of `data` continued from `crc` (as
-    /// `crc32fast::Hasher::new_with_initial(crc)` would give after it):
-    /// a packet whose ICRC is checked as it is placed is read once
-    /// ([`crate::crc_copy`]). The caller fences, as after
-    /// `write_streaming`.
-    ///
-    /// # Safety
-    /// As `write`.
-    pub unsafe fn write_streaming_crc(&self, data: &[u8], crc: u32) -> u32 {
-        if !streaming_enabled() || !crate::crc_copy::available() {
-            let mut h = crc32fast::Hasher::new_with_initial(crc);
-            h.update(data);
-            self.write_streaming(data);
-            return h.finalize();
-        }
-        let mut crc = crc;
-        match self {
-            Span::One(p) => crc = stream_copy_crc(*p, data, crc),
-            Span::Many(v) => {
-                let mut off = 0;
-                for (p, n) in v {
-                    crc = stream_copy_crc(*p, &data[off..off + n], crc);
-                    off += n;
-                }
-            }
-        }
-        if data.len() >= STREAM_MIN {
-            UNFENCED.with(|u| u.set(true));
-        }
-        crc
-    }
-
     /// Copies the span into `out` (same conditions as `write`).
     ///
     /// # Safety
@@ -418,37 +385,6 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, n: usize) {
         return;
     }
     std::ptr::copy_nonoverlapping(src, dst, n);
-}
-
-/// Copies `src` to `dst` as [`stream_copy`] does, with the whole
-/// [`crate::crc_copy::BLOCK`]s after `dst`'s ragged head copied and hashed
-/// in one pass; returns the CRC-32 of `src` continued from `crc`.
-///
-/// # Safety
-/// As `std::ptr::copy_nonoverlapping` for `src.len()` bytes;
-/// [`crate::crc_copy::available`] is true.
-unsafe fn stream_copy_crc(dst: *mut u8, src: &[u8], crc: u32) -> u32 {
-    use crate::crc_copy::{stream_blocks_crc, BLOCK};
-    let n = src.len();
-    let head = if n >= STREAM_MIN { dst.align_offset(64).min(n) } else { n };
-    let blocks = (n - head) / BLOCK;
-    let mut h = crc32fast::Hasher::new_with_initial(crc);
-    if blocks == 0 {
-        h.update(src);
-        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, n);
-        return h.finalize();
-    }
-    h.update(&src[..head]);
-    std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
-    let body = blocks * BLOCK;
-    #[cfg(target_arch = "x86_64")]
-    let crc = stream_blocks_crc(h.finalize(), dst.add(head), src.as_ptr().add(head), blocks);
-    #[cfg(not(target_arch = "x86_64"))]
-    let crc = unreachable!("crc_copy is not available here");
-    let mut h = crc32fast::Hasher::new_with_initial(crc);
-    h.update(&src[head + body..]);
-    stream_copy(dst.add(head + body), src[head + body..].as_ptr(), n - head - body);
-    h.finalize()
 }
 
 /// Most runs one memory region may have: the run list travels in one
@@ -648,42 +584,6 @@ mod tests {
     }
 
     /// Pieces of a span as (memfd offset, len), given the window's base.
-    /// A copy that hashes as it goes lands exactly the bytes and gives
-    /// the CRC a separate pass gives, for destinations at every offset
-    /// within a cache line, lengths around the block size, and a span cut
-    /// in two anywhere.
-    #[test]
-    fn hashed_streamed_writes_land_the_payload_and_its_crc() {
-        let data: Vec<u8> = (0..9000).map(|i| (i * 37 + i / 251) as u8).collect();
-        let mut buf = vec![0u8; 9000 + 256];
-        let base = unsafe { buf.as_mut_ptr().add(buf.as_ptr().align_offset(64)) };
-        for len in [0usize, 5, 255, 1023, 1024, 1280, 4096, 4099, 8192] {
-            let mut want = crc32fast::Hasher::new_with_initial(0x1234_5678);
-            want.update(&data[..len]);
-            let want = want.finalize();
-            for off in [0usize, 1, 17, 63] {
-                let dst = unsafe { base.add(off) };
-                unsafe { std::ptr::write_bytes(dst, 0, len) };
-                let crc = unsafe { Span::One(dst).write_streaming_crc(&data[..len], 0x1234_5678) };
-                fence_streamed();
-                assert_eq!(crc, want, "len {len} off {off}");
-                assert_eq!(unsafe { std::slice::from_raw_parts(dst, len) }, &data[..len], "len {len} off {off}");
-                let split = len / 3 + off;
-                if split <= len {
-                    let (p, q) = (dst, unsafe { dst.add(len + 64) });
-                    let q = unsafe { q.sub(q as usize % 64) };
-                    if unsafe { q.add(len - split) } <= unsafe { base.add(9000 + 192) } {
-                        let crc = unsafe { Span::Many(vec![(p, split), (q, len - split)]).write_streaming_crc(&data[..len], 0x1234_5678) };
-                        fence_streamed();
-                        assert_eq!(crc, want, "split {split} of {len}");
-                        assert_eq!(unsafe { std::slice::from_raw_parts(p, split) }, &data[..split]);
-                        assert_eq!(unsafe { std::slice::from_raw_parts(q, len - split) }, &data[split..len]);
-                    }
-                }
-            }
-        }
-    }
-
     fn pieces(m: &RegionMemory, base: *mut u8, off: u64, len: u64) -> Vec<(u64, usize)> {
         let mut v = Vec::new();
         m.span(off, len).push_to(len as usize, &mut v);

@@ -401,50 +401,6 @@ pub struct Packet<'a> {
     pub ieth: Option<u32>,
     pub deth: Option<Deth>,
     pub payload: &'a [u8],
-    /// The ICRC check left to the payload's placement
-    /// ([`parse_deferring_icrc`]); None once checked, or if never asked for.
-    pub icrc: Option<PendingIcrc>,
-}
-
-impl Packet<'_> {
-    /// Whether the packet is intact: true unless it has an ICRC check
-    /// pending ([`Packet::icrc`]) and that check fails.
-    pub fn icrc_intact(&self) -> bool {
-        self.icrc.is_none_or(|c| {
-            let mut h = crc32fast::Hasher::new_with_initial(c.before_payload);
-            h.update(self.payload);
-            c.matches(h.finalize())
-        })
-    }
-}
-
-/// An ICRC check left to whoever reads the payload next: a WRITE's payload
-/// is copied into client memory with its CRC computed during the copy
-/// (`mem::Span::write_streaming_crc`), so the packet is read once, not
-/// once for the check and again for the copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PendingIcrc {
-    /// The CRC of everything the ICRC covers before the payload (the
-    /// masked IPv4/UDP headers and the transport headers).
-    pub before_payload: u32,
-    /// The pad bytes after the payload, as received, and their count.
-    pad: [u8; 3],
-    pad_len: u8,
-    /// The ICRC the packet carries.
-    received: u32,
-    /// The packet's length without its ICRC.
-    body_len: usize,
-}
-
-impl PendingIcrc {
-    /// Whether the packet is intact, given `crc`: [`Self::before_payload`]
-    /// continued over the payload.
-    pub fn matches(&self, crc: u32) -> bool {
-        let mut h = crc32fast::Hasher::new_with_initial(crc);
-        h.update(&self.pad[..self.pad_len as usize]);
-        let diff = h.finalize() ^ self.received;
-        diff == 0 || ip_id_for_delta(self.body_len, diff).is_some()
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -515,28 +471,21 @@ pub fn icrc_with_ip_id(flow: &Flow, pkt: &[u8], ip_id: u16) -> u32 {
 /// memory region) is covered without first copying it into one.
 pub fn icrc_of_parts(flow: &Flow, head: &[u8], rest: &[&[u8]], ip_id: u16) -> u32 {
     debug_assert!(rest.is_empty() || head.len() >= BTH_LEN);
-    let body_len = head.len() + rest.iter().map(|r| r.len()).sum::<usize>();
-    let mut h = icrc_of_head(flow, body_len, head, ip_id);
+    let pkt = head;
+    let udp_len = (8 + head.len() + rest.iter().map(|r| r.len()).sum::<usize>() + ICRC_LEN) as u16;
+    let mut h = crc32fast::Hasher::new_with_initial(pseudo_header_crc(flow, udp_len, ip_id));
+    let n = BTH_LEN.min(pkt.len());
+    let mut bth = [0u8; BTH_LEN];
+    bth[..n].copy_from_slice(&pkt[..n]);
+    bth[4] = 0xff; // resv8a
+    h.update(&bth[..n]);
+    if pkt.len() > BTH_LEN {
+        h.update(&pkt[BTH_LEN..]);
+    }
     for r in rest {
         h.update(r);
     }
     h.finalize()
-}
-
-/// The ICRC's hasher after the pseudo header and `head`, the first bytes
-/// of a packet of `body_len` bytes without its ICRC.
-fn icrc_of_head(flow: &Flow, body_len: usize, head: &[u8], ip_id: u16) -> crc32fast::Hasher {
-    let udp_len = (8 + body_len + ICRC_LEN) as u16;
-    let mut h = crc32fast::Hasher::new_with_initial(pseudo_header_crc(flow, udp_len, ip_id));
-    let n = BTH_LEN.min(head.len());
-    let mut bth = [0u8; BTH_LEN];
-    bth[..n].copy_from_slice(&head[..n]);
-    bth[4] = 0xff; // resv8a
-    h.update(&bth[..n]);
-    if head.len() > BTH_LEN {
-        h.update(&head[BTH_LEN..]);
-    }
-    h
 }
 
 /// Bytes the ICRC covers before the BTH: 8 of ones for the masked LRH,
@@ -681,40 +630,6 @@ fn with_ip_id_solver<R>(len: usize, f: impl FnOnce(&IpIdSolver) -> R) -> R {
     f(unsafe { &*s })
 }
 
-/// Whether [`parse_deferring_icrc`] may be worth it for this UDP payload:
-/// a WRITE's middle packet (the bulk of a large WRITE, placed where its
-/// QP's state says, not where its headers do: see
-/// `Qp::places_unverified`) with at least `min_payload` bytes.
-pub fn may_defer_icrc(buf: &[u8], min_payload: usize) -> bool {
-    buf.first() == Some(&(Opcode::WriteMiddle as u8)) && buf.len() >= BTH_LEN + ICRC_LEN + min_payload
-}
-
-/// Parses one UDP payload as [`parse`] does with `flow`, but leaves the
-/// ICRC check to the payload's reader ([`Packet::icrc`]); a packet with no
-/// payload is checked at once. The caller must check it
-/// ([`Packet::icrc_intact`], or [`PendingIcrc::matches`] after placing
-/// the payload) before it acts on the packet.
-pub fn parse_deferring_icrc<'a>(buf: &'a [u8], flow: &Flow) -> Result<Packet<'a>, ParseError> {
-    let mut p = parse(buf, None)?;
-    if p.payload.is_empty() {
-        return parse(buf, Some(flow));
-    }
-    let body_len = buf.len() - ICRC_LEN;
-    let start = p.payload.as_ptr() as usize - buf.as_ptr() as usize;
-    let end = start + p.payload.len();
-    let mut pad = [0u8; 3];
-    pad[..body_len - end].copy_from_slice(&buf[end..body_len]);
-    let c = &buf[body_len..];
-    p.icrc = Some(PendingIcrc {
-        before_payload: icrc_of_head(flow, body_len, &buf[..start], 0).finalize(),
-        pad,
-        pad_len: (body_len - end) as u8,
-        received: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-        body_len,
-    });
-    Ok(p)
-}
-
 /// Parses and validates one UDP payload. `flow` enables the ICRC check.
 pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, ParseError> {
     if buf.len() < BTH_LEN + ICRC_LEN {
@@ -745,8 +660,7 @@ pub fn parse<'a>(buf: &'a [u8], flow: Option<&Flow>) -> Result<Packet<'a>, Parse
         psn: be24(&body[9..12]),
         resv6: body[4] & 0x3f,
     };
-    let mut p =
-        Packet { bth, reth: None, imm: None, aeth: None, atomic: None, atomic_ack: None, ieth: None, deth: None, payload: &[], icrc: None };
+    let mut p = Packet { bth, reth: None, imm: None, aeth: None, atomic: None, atomic_ack: None, ieth: None, deth: None, payload: &[] };
     let mut off = BTH_LEN;
     let need = |off: usize, n: usize| if body.len() < off + n { Err(ParseError::Short) } else { Ok(()) };
     if opcode.has_deth() {
@@ -984,44 +898,6 @@ mod tests {
         let q = parse(&p3, Some(&f)).unwrap();
         assert_eq!(q.ieth, Some(0x55));
         assert_eq!(q.payload, b"x");
-    }
-
-    /// A deferred ICRC check, finished over the payload, accepts exactly
-    /// what the whole check accepts: an intact packet (sealed for IP id 0
-    /// or for a GSO segment's id), and no packet with a byte changed in
-    /// its headers, payload, pad or ICRC.
-    #[test]
-    fn a_deferred_icrc_check_judges_as_the_whole_check() {
-        let f = flow();
-        for plen in [1024usize, 1027] {
-            let payload: Vec<u8> = (0..plen).map(|i| (i * 13 + 5) as u8).collect();
-            let mut h = Headers::new(Opcode::WriteMiddle, 0x42, 900);
-            h.bth.ack_req = true;
-            let mut good = build(&f, &h, &payload);
-            assert!(may_defer_icrc(&good, 1024));
-            for ip_id in [0u16, 3] {
-                let body = good.len() - ICRC_LEN;
-                let c = icrc_with_ip_id(&f, &good[..body], ip_id);
-                good[body..].copy_from_slice(&c.to_le_bytes());
-                let p = parse_deferring_icrc(&good, &f).unwrap();
-                assert_eq!(p.payload, &payload[..]);
-                let pending = p.icrc.expect("deferred");
-                assert!(p.icrc_intact());
-                let mut hh = crc32fast::Hasher::new_with_initial(pending.before_payload);
-                hh.update(&payload);
-                assert!(pending.matches(hh.finalize()));
-            }
-            for at in [0usize, 4, 9, 20, plen / 2, good.len() - 5, good.len() - 1] {
-                let mut bad = good.clone();
-                bad[at] ^= 0x10;
-                let whole = parse(&bad, Some(&f));
-                let deferred = parse_deferring_icrc(&bad, &f);
-                // resv8a (byte 4) is masked: changing it is no damage.
-                let intact = deferred.as_ref().is_ok_and(|p| p.icrc_intact());
-                assert_eq!(whole.is_ok(), intact, "byte {at} of {plen}");
-                assert_eq!(at == 4, intact, "byte {at} of {plen}");
-            }
-        }
     }
 
     /// A packet finished with its payload apart (sent in place) carries

@@ -55,16 +55,13 @@ pub(super) enum Refusal {
     RkeyViolation,
     /// Execute: the receive WQE's own buffers are not valid local memory.
     MalformedWqe,
-    /// Execute: a packet placed before its ICRC check failed it (see
-    /// `places_unverified`): it is dropped as if it never came.
-    Damaged,
 }
 
 impl Refusal {
     /// The NAK that answers it; none for an RNR (an RNR NAK, not an error).
     fn nak_code(self) -> Option<NakCode> {
         Some(match self {
-            Refusal::Rnr | Refusal::Damaged => return None,
+            Refusal::Rnr => return None,
             Refusal::OpNotEnabled | Refusal::RkeyViolation => NakCode::RemoteAccessError,
             Refusal::MalformedWqe => NakCode::RemoteOpError,
             Refusal::MissingOpcodeFirst
@@ -300,30 +297,8 @@ impl Qp {
             .and_then(|target| self.execute(ctx, p, target));
         match checked {
             Ok(()) => {}
-            Err(Refusal::Damaged) => ctx.stats.rx_bad_icrc += 1,
-            // Only an intact packet gets an answer.
-            Err(_) if !p.icrc_intact() => ctx.stats.rx_bad_icrc += 1,
             Err(refusal) => self.refuse(ctx, p.bth.psn, refusal),
         }
-    }
-
-    /// Whether `p` may be placed before its ICRC is checked, the check
-    /// running in the copy (`mem::Span::write_streaming_crc`), so that the
-    /// packet is read once: a WRITE's middle packet at the expected PSN of
-    /// an RC QP (in a state that takes requests) whose message is under
-    /// way. Its bytes go to the next `mtu` bytes of that message, which
-    /// the QP's state gives, not the packet's headers: a damaged packet
-    /// fails the check before the QP's state changes, and leaves bytes
-    /// only where the intact resend of that PSN writes again. Any other
-    /// packet is checked before anything is done with it.
-    pub(crate) fn places_unverified(&self, p: &Packet) -> bool {
-        p.bth.opcode == Opcode::WriteMiddle
-            && !self.is_uc()
-            && !self.is_ud()
-            && !self.suspended
-            && matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
-            && p.bth.psn == self.rt.epsn
-            && self.rt.write.is_some()
     }
 
     /// A suspended QP answers any request with an RNR NAK, one per RNR
@@ -588,16 +563,8 @@ impl Qp {
                 // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
                 unsafe { dst.write(p.payload) }
             }
-            // SAFETY (both): the R_Key check resolved [va, va+n) in this packet's handling.
-            (Target::Write(dst), _) => match p.icrc {
-                Some(icrc) => {
-                    let crc = unsafe { dst.write_streaming_crc(p.payload, icrc.before_payload) };
-                    if !icrc.matches(crc) {
-                        return Err(Refusal::Damaged);
-                    }
-                }
-                None => unsafe { dst.write_streaming(p.payload) },
-            },
+            // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
+            (Target::Write(dst), _) => unsafe { dst.write_streaming(p.payload) },
             // SAFETY: an atomic write's 8 aligned bytes, resolved just now.
             (Target::Atomic(ptr), Ok(v)) => unsafe { AtomicU64::from_ptr(ptr as *mut u64) }.store(u64::from_ne_bytes(v), Ordering::SeqCst),
             _ => {}
