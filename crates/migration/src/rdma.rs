@@ -57,13 +57,17 @@ const RECV_SLOTS: usize = 16;
 const SQ_DEPTH: u32 = 1024;
 /// How often a waiting channel looks at the migration's state.
 const POLL: Duration = Duration::from_millis(50);
-/// Every this many batches, a batch's SEND is solicited, and so are round
-/// ends and the end of the stream: the destination's channel sleeps until
-/// a solicited SEND completes (or [`POLL`] passes) and then takes in every
-/// message that came before it, so it wakes once per this many batches,
-/// not once per batch (each wake-up is an eventfd write in rnicd and a
-/// context switch in the vmm). A quarter of [`RECV_SLOTS`]: the receives
-/// the unprocessed messages hold never run out.
+/// While a channel streams (most of its message buffers in flight), one
+/// batch's SEND in this many is solicited; round ends, the end of the
+/// stream and every batch sent with few messages in flight (the last
+/// round, a postcopy push, a capped trickle) are too. The destination's
+/// channel sleeps until a solicited SEND completes (or [`POLL`] passes)
+/// and then takes in every message that came before it, so a stream
+/// wakes it once per this many batches, not once per batch (each wake-up
+/// is an eventfd write in rnicd and a context switch in the vmm), while
+/// a batch that may be waited for is taken in at once. A quarter of
+/// [`RECV_SLOTS`]: the receives the unprocessed messages hold never run
+/// out.
 const SOLICIT_EVERY: usize = RECV_SLOTS / 4;
 /// The first packet sequence number of every queue pair (fresh ones).
 const PSN: u32 = 0;
@@ -323,8 +327,8 @@ impl RdmaSink {
     }
 
     /// Post the WRITEs of `self.runs`, then the SEND of `len` bytes of
-    /// buffer `slot`, solicited if `solicit` or if [`SOLICIT_EVERY`]
-    /// batches went without.
+    /// buffer `slot` (taken from `free`), solicited if `solicit` or as
+    /// [`SOLICIT_EVERY`] says.
     fn post(&mut self, slot: usize, len: usize, solicit: bool) -> io::Result<()> {
         let lkey = self.ep.ram.mr.lkey;
         // (local buffer, destination address) of each WRITE.
@@ -337,7 +341,8 @@ impl RdmaSink {
             writes.iter().map(|(sge, gpa)| SendWr::write(0, std::slice::from_ref(sge), *gpa, self.rkey).unsignaled()).collect();
         self.unsolicited += 1;
         let mut send = SendWr::send(slot as u64, &msg);
-        if solicit || self.unsolicited >= SOLICIT_EVERY {
+        let streaming = self.free.len() < SEND_SLOTS / 2;
+        if solicit || !streaming || self.unsolicited >= SOLICIT_EVERY {
             send = send.solicited();
             self.unsolicited = 0;
         }
