@@ -885,6 +885,26 @@ impl Cq {
     /// without a wakeup; sleeping leaves the CPU to rnicd and the peer,
     /// which on a small host is what a ping-pong waits for.
     pub fn poll_or_wait(&self, wc: &mut [Wc], channel: &CompChannel, spin: Duration, timeout: Duration) -> anyhow::Result<usize> {
+        self.poll_or_wait_for(wc, channel, spin, timeout, false)
+    }
+
+    /// As [`Cq::poll_or_wait`], woken only by a solicited completion (or
+    /// an error one): completions of unsolicited messages wait in the CQ
+    /// for the next solicited one, or for `timeout`, and then come
+    /// together, so that a receiver of a stream of messages wakes once per
+    /// several of them.
+    pub fn poll_or_wait_solicited(&self, wc: &mut [Wc], channel: &CompChannel, timeout: Duration) -> anyhow::Result<usize> {
+        self.poll_or_wait_for(wc, channel, Duration::ZERO, timeout, true)
+    }
+
+    fn poll_or_wait_for(
+        &self,
+        wc: &mut [Wc],
+        channel: &CompChannel,
+        spin: Duration,
+        timeout: Duration,
+        solicited_only: bool,
+    ) -> anyhow::Result<usize> {
         let t0 = std::time::Instant::now();
         loop {
             let n = self.poll(wc)?;
@@ -897,7 +917,7 @@ impl Cq {
             std::hint::spin_loop();
         }
         loop {
-            self.req_notify(false);
+            self.req_notify(solicited_only);
             // A completion that landed before the arm raised no event: poll again.
             let n = self.poll(wc)?;
             if n > 0 {
@@ -1051,6 +1071,12 @@ impl<'a> SendWr<'a> {
     pub fn with_inline(mut self, data: &'a [u8]) -> Self {
         self.inline = Some(data);
         self.flags |= send_flags::INLINE;
+        self
+    }
+    /// Sets the solicited event bit of the message's last packet: a
+    /// receiver waiting for solicited completions only wakes for it.
+    pub fn solicited(mut self) -> Self {
+        self.flags |= send_flags::SOLICITED;
         self
     }
     pub fn unsignaled(mut self) -> Self {

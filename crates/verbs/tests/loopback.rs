@@ -141,3 +141,49 @@ fn ping_pong_sleeping_and_polling() {
         }
     }
 }
+
+/// A receiver that waits for solicited completions only
+/// (`Cq::poll_or_wait_solicited`) sleeps through an unsolicited message
+/// and wakes for the solicited one after it, and then gets both.
+#[test]
+fn a_solicited_wait_sleeps_through_unsolicited_messages() {
+    let a = nic(Ipv4Addr::new(127, 0, 0, 8));
+    let b = nic(Ipv4Addr::new(127, 0, 0, 9));
+    let ca = Context::open(Some(&a.path)).unwrap();
+    let cb = Context::open(Some(&b.path)).unwrap();
+    let (pa, pb) = (ca.alloc_pd().unwrap(), cb.alloc_pd().unwrap());
+    let chb = cb.create_comp_channel().unwrap();
+    let scqa = ca.create_cq(16, None).unwrap();
+    let rcqb = cb.create_cq(16, Some(&chb)).unwrap();
+    let qa = pa.create_qp(&QpInitAttr::new(&scqa, &scqa)).unwrap();
+    let qb = pb.create_qp(&QpInitAttr::new(&rcqb, &rcqb)).unwrap();
+    let (ba, bb) = (MemBuf::new(1 << 16).unwrap(), MemBuf::new(1 << 16).unwrap());
+    let ma = pa.reg_mr(&ba, 0, ba.len(), access::ALL).unwrap();
+    let mb = pb.reg_mr(&bb, 0, bb.len(), access::ALL).unwrap();
+    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
+    qa.connect(&qb.endpoint(7), &ConnectOpts { sq_psn: 9, ..o }).unwrap();
+    qb.connect(&qa.endpoint(9), &ConnectOpts { sq_psn: 7, ..o }).unwrap();
+    for i in 0..2u64 {
+        qb.post_recv(&[RecvWr { wr_id: i, sg_list: &[mb.sge(i as usize * 64, 64)] }]).unwrap();
+    }
+    let woke = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let mut wc = [Wc::default(); 4];
+            let n = rcqb.poll_or_wait_solicited(&mut wc, &chb, Duration::from_secs(20)).unwrap();
+            woke.store(true, std::sync::atomic::Ordering::SeqCst);
+            wc[..n].iter().map(|w| (w.status, w.wr_id)).collect::<Vec<_>>()
+        });
+        // Let the waiter arm its CQ and sleep first.
+        std::thread::sleep(Duration::from_millis(200));
+        qa.post_send(&[SendWr::send(1, &[ma.sge(0, 8)])]).unwrap();
+        assert_eq!(scqa.wait(1, Duration::from_secs(10)).unwrap()[0].status, WcStatus::Success);
+        // The unsolicited message is in the receiver's CQ (the sender's
+        // completion says it was placed); it raised no event.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!woke.load(std::sync::atomic::Ordering::SeqCst), "an unsolicited completion woke the waiter");
+        qa.post_send(&[SendWr::send(2, &[ma.sge(8, 8)]).solicited()]).unwrap();
+        let got = waiter.join().unwrap();
+        assert_eq!(got, vec![(WcStatus::Success, 0), (WcStatus::Success, 1)]);
+    });
+}
