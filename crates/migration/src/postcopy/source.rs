@@ -767,7 +767,10 @@ impl UrgentServer {
             threads.push(std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
                 let r = first
                     .map_or(Ok(0), |pages| {
-                        // The switch's real-time class, inherited: this is downtime.
+                        // The switch's real-time class, inherited: this is
+                        // downtime (at the normal class the destination
+                        // waited 3-28 ms for them after its restore, against
+                        // 0.1 ms).
                         let mut w = &s2;
                         super::device::send(&mut w, ram, &pages, &ctl)
                     })
