@@ -19,7 +19,7 @@
 //! (`dest::populate_device_pages`, from the early sections) and places
 //! them in the switch's real-time class, beside its restore; at 256 QPs
 //! (2132 pages, 8.3 MiB) they were all there 0.1 ms after the restore,
-//! and mapping them into rnicd took 1.3-2.4 ms.
+//! and mapping them into rnicd took 1.1-2.4 ms.
 
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
@@ -32,7 +32,8 @@ use std::io::Write;
 
 /// The most device pages that cross inside a switch (10 MiB): the
 /// source reads, hashes and sends each in about 3 us under load (2132
-/// pages at 256 QPs in 4.5-6.7 ms, beside the destination's restore), so
+/// pages at 256 QPs in 4.5-6.7 ms in three runs, 21 ms in one under a
+/// heavier load, beside the destination's restore), so
 /// this bounds what they add to the downtime. The rings and the regions
 /// come first in the devices' list; a region of tens of MiB (the source of
 /// a big RDMA WRITE) would add its whole transfer for the few pages rnicd
