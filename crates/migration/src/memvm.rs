@@ -117,6 +117,9 @@ struct Shared {
     state_pad: usize,
     restored: Mutex<Option<StateSet>>,
     shape: String,
+    /// Pages after each dirtier's position that `device_pages` names (0:
+    /// none): a device that reaches the very pages the guest writes first.
+    reach: AtomicU64,
 }
 
 /// A VM made of guest RAM and `dirtiers` threads, each incrementing the first
@@ -149,6 +152,7 @@ impl MemVm {
             state_pad: 16 << 10,
             restored: Mutex::new(None),
             shape,
+            reach: AtomicU64::new(0),
         });
         let mut threads = Vec::new();
         for i in 0..dirtiers {
@@ -216,6 +220,13 @@ impl MemVm {
             }
         }
         Ok(())
+    }
+    /// `device_pages` names the `pages` each dirtier writes next (from
+    /// its position, wrapping in its slice): as a device reaching the
+    /// guest's pages without the vCPU would, these are the pages touched
+    /// first after a switch.
+    pub fn set_device_reach(&self, pages: u64) {
+        self.sh.reach.store(pages, Ordering::SeqCst);
     }
     /// Passes done so far by dirtier 0 (from its first byte at slice start).
     pub fn progress(&self) -> u8 {
@@ -329,5 +340,18 @@ impl MigratableVm for MemVm {
     }
     fn state_size_estimate(&self) -> u64 {
         self.sh.state_pad as u64 + 256
+    }
+    fn device_pages(&self) -> Vec<crate::pages::PageRange> {
+        use crate::pages::PageRange;
+        let n = self.sh.reach.load(Ordering::SeqCst);
+        let mut out = Vec::new();
+        for (i, &(start, end)) in self.sh.slices.iter().enumerate() {
+            let (p, n) = (self.sh.pos[i].load(Ordering::SeqCst), n.min(end - start));
+            let first = n.min(end - p);
+            out.push(PageRange { first: p, count: first });
+            out.push(PageRange { first: start, count: n - first });
+        }
+        out.retain(|r| r.count > 0);
+        out
     }
 }

@@ -174,6 +174,34 @@ pub struct FaultWaits {
     /// clock of the source's `paused_unix_ms`).
     pub first_fault_unix_ms: Option<f64>,
     pub last_wake_unix_ms: Option<f64>,
+    /// Of `faults`, those on the devices' pages named at the switch
+    /// (`MigratableVm::device_pages`): 0 unless some of them were left
+    /// to the push (beyond what crosses in the switch).
+    pub device_faults: u64,
+}
+
+/// The devices' pages at a postcopy or hybrid switch
+/// (`MigratableVm::device_pages`, `postcopy::device`).
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+#[serde(default)]
+pub struct DevicePages {
+    /// Pages the devices named (the destination's count, after it loaded
+    /// the state; the source's at its pause).
+    pub named: u64,
+    /// Of them, those that crossed in the switch because the destination
+    /// lacked them: sent by the source, or waited for by the destination
+    /// before it reported the VM loaded.
+    pub at_switch: u64,
+    /// Destination: of `at_switch`, those it asked for itself (the source
+    /// did not name them).
+    pub asked: u64,
+    /// Destination: from the state loaded until the last of them was here
+    /// (downtime).
+    pub wait_ms: f64,
+    /// Named pages the destination lacked beyond what crosses in the
+    /// switch (`postcopy::device::SWITCH_PAGES_MAX`): pushed first after
+    /// the resume.
+    pub after_resume: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -265,6 +293,9 @@ pub struct Stats {
     /// Incoming postcopy: how long each process that maps guest RAM (the
     /// vmm, then each RAM client) waited for missing pages, as it goes.
     pub fault_waits: Vec<FaultWaits>,
+    /// Postcopy and hybrid: the devices' pages at the switch.
+    #[serde(default)]
+    pub device_pages: DevicePages,
     /// Outgoing: what each link carried (one entry per destination address).
     /// Incoming postcopy over rdma: what each link's READs carried (one
     /// entry per source address; `channels` counts its queue pairs to read

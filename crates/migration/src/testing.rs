@@ -23,18 +23,23 @@ pub enum Fault {
     /// rdma: a byte of the first batch table flipped in the SEND buffer
     /// after the table's checksum was taken.
     CorruptTable = 3,
+    /// Postcopy and hybrid over tcp: the first device page with data that
+    /// crosses in the switch leaves from a copy with one byte flipped,
+    /// with the right page's hash.
+    CorruptDevicePage = 4,
 }
 
 impl Fault {
     /// The parameter's value: "" (none), `corrupt-write`,
-    /// `corrupt-compressed` or `corrupt-table`.
+    /// `corrupt-compressed`, `corrupt-table` or `corrupt-device-page`.
     pub fn parse(s: &str) -> Result<Option<Fault>, String> {
         match s {
             "" => Ok(None),
             "corrupt-write" => Ok(Some(Fault::CorruptWrite)),
             "corrupt-compressed" => Ok(Some(Fault::CorruptCompressed)),
             "corrupt-table" => Ok(Some(Fault::CorruptTable)),
-            other => Err(format!("testing must be corrupt-write, corrupt-compressed or corrupt-table, not {other:?}")),
+            "corrupt-device-page" => Ok(Some(Fault::CorruptDevicePage)),
+            other => Err(format!("testing must be corrupt-write, corrupt-compressed, corrupt-table or corrupt-device-page, not {other:?}")),
         }
     }
 }

@@ -157,7 +157,19 @@ pub enum Msg {
     /// `dirty_ranges`, a blob of (first, count) u64 pairs: pages sent before
     /// that changed since (the destination drops its copies). Without it,
     /// no page was sent yet (pure postcopy).
-    Switchover { state_bytes: u64, source_paused_unix_ns: u64, dirty_ranges: bool },
+    Switchover {
+        state_bytes: u64,
+        source_paused_unix_ns: u64,
+        dirty_ranges: bool,
+        /// The devices' pages the destination lacks that the source sends
+        /// at once, as page batches on the first urgent connection ahead
+        /// of any answer there, as (first, count): the destination has
+        /// them before it reports the VM loaded (`postcopy::device`).
+        /// Absent: none (a source that does not send them; the
+        /// destination asks for them itself).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        device_pages: Vec<(u64, u64)>,
+    },
     /// Source -> destination, several links: data channel `index` was lost
     /// with its link; the destination stops reading it, and its pages not
     /// confirmed by a `round_done` come again on the other channels.

@@ -153,6 +153,58 @@ fn postcopy_dirtier(net: &Net, prealloc: bool) {
     oracle_holds_on_destination(&src, &dst);
 }
 
+/// The pages a device reaches (`device_pages`: here the 256 pages each
+/// dirtier writes next, which the destination's guest touches first) cross
+/// inside the switch: the destination has every one before it runs, and
+/// its threads never fault on them, while they fault on the pages after
+/// them, which come by the slow push or on request.
+#[test]
+fn postcopy_brings_the_devices_pages_in_the_switch() {
+    for mode in ["postcopy", "hybrid"] {
+        let (src, dst, port) = dirtier_pair(&Net::Tcp, false);
+        for side in [&src, &dst] {
+            side.vm.set_device_reach(256);
+        }
+        let params = json!({"mode": mode, "channels": 2, "max_bandwidth": 40_000_000u64, "downtime_ms": 0});
+        src.cmd("migrate", Net::Tcp.migrate_args(port, params)).unwrap();
+        let (s, d) = finish(&src, &dst);
+        assert_eq!(s["mode"], mode);
+        let dev = &d["device_pages"];
+        assert_eq!(dev["named"], 512, "{mode}: {d:#}");
+        // Pure postcopy: the destination had none of them; hybrid: those
+        // the guest wrote since its pass (with the dirtiers there, most).
+        assert!(dev["at_switch"].as_u64().unwrap() > 0, "{mode}: {d:#}");
+        assert_eq!(dev["at_switch"], s["device_pages"]["at_switch"], "{mode}: what the source sent: {s:#}\n{d:#}");
+        assert_eq!(dev["asked"], 0, "{mode}: the source sent every one: {d:#}");
+        assert_eq!(dev["after_resume"], 0, "{mode}: {d:#}");
+        let vmm = &d["fault_waits"][0];
+        assert_eq!(vmm["device_faults"], 0, "{mode}: {d:#}");
+        assert!(d["faults"].as_u64().unwrap() > 0, "{mode}: the guest waited for no page after them: {d:#}");
+        oracle_holds_on_destination(&src, &dst);
+    }
+}
+
+/// A device page damaged on its way in the switch (its bytes differ from
+/// its hash) fails the switch before the commit: the destination never
+/// runs and the source runs on.
+#[test]
+fn a_damaged_device_page_fails_the_switch_and_the_source_runs_on() {
+    let (src, dst, port) = dirtier_pair(&Net::Tcp, false);
+    for side in [&src, &dst] {
+        side.vm.set_device_reach(64);
+    }
+    let params = json!({"mode": "postcopy", "channels": 2, "testing": "corrupt-device-page"});
+    let (os, od, st) = migrate(&src, &dst, port, params);
+    let Some(Outcome::OutgoingFailed(_)) = os else { panic!("source outcome {os:?}: {st:#}") };
+    assert_eq!(st["status"], "failed", "{st:#}");
+    assert_eq!(st["committed"], false, "{st:#}");
+    let Some(Outcome::IncomingFailed(e)) = od else { panic!("destination outcome {od:?}") };
+    assert!(e.contains("corrupted") && e.contains("devices' pages"), "{e}");
+    assert!(dst.vm.is_paused(), "the destination must never run");
+    assert!(!src.vm.is_paused(), "the source must run on");
+    run_and_check_oracle(&src.vm, Duration::from_millis(100));
+}
+
 /// Hybrid: a precopy pass whose rest cannot fit the downtime (a zero
 /// target never fits), then the switch.
 #[test]

@@ -159,9 +159,10 @@ fn fault_waits_line(w: &Value, paused_unix_ms: Option<f64>) -> String {
         _ => "-".into(),
     };
     format!(
-        "{} on the destination: {} faults on missing pages ({} on pages already here), {:.1} ms waited in all (longest {:.1} ms), first fault at {} and last wake at {} of the pause",
+        "{} on the destination: {} faults on missing pages ({} on the device's pages, {} on pages already here), {:.1} ms waited in all (longest {:.1} ms), first fault at {} and last wake at {} of the pause",
         w["name"].as_str().unwrap_or("?"),
         w["faults"].as_u64().unwrap_or(0),
+        w["device_faults"].as_u64().unwrap_or(0),
         w["faults_present"].as_u64().unwrap_or(0),
         f("wait_ms"),
         f("wait_max_us") / 1e3,

@@ -521,6 +521,21 @@ fn elf_entry(path: &std::path::Path) -> Result<u64> {
     Ok(u64::from_le_bytes(hdr[24..32].try_into().unwrap()))
 }
 
+/// `(gpa, len)` byte ranges as page ranges, in their order (neighbours merged).
+fn page_ranges(bytes: impl Iterator<Item = (u64, u64)>) -> Vec<migration::pages::PageRange> {
+    let page = migration::pages::PAGE_SIZE;
+    let mut out: Vec<migration::pages::PageRange> = Vec::new();
+    for (gpa, len) in bytes {
+        let (first, end) = (gpa / page, (gpa + len).div_ceil(page));
+        match out.last_mut() {
+            Some(r) if r.first + r.count == first => r.count += end - first,
+            _ if end > first => out.push(migration::pages::PageRange { first, count: end - first }),
+            _ => {}
+        }
+    }
+    out
+}
+
 impl migration::vm::MigratableVm for Vm {
     fn ram(&self) -> migration::vm::RamRegion {
         migration::vm::RamRegion { host_addr: self.ram.host_addr(), len: self.ram.size(), memfd: self.ram.memfd_raw() }
@@ -569,17 +584,11 @@ impl migration::vm::MigratableVm for Vm {
     }
     /// The PVRDMA devices' rings and memory regions, as page ranges.
     fn device_pages(&self) -> Vec<migration::pages::PageRange> {
-        let page = migration::pages::PAGE_SIZE;
-        let mut out: Vec<migration::pages::PageRange> = Vec::new();
-        for (gpa, len) in self.pvrdma.iter().flat_map(|d| d.lock().unwrap().device_pages()) {
-            let (first, end) = (gpa / page, (gpa + len).div_ceil(page));
-            match out.last_mut() {
-                Some(r) if r.first + r.count == first => r.count += end - first,
-                _ if end > first => out.push(migration::pages::PageRange { first, count: end - first }),
-                _ => {}
-            }
-        }
-        out
+        page_ranges(self.pvrdma.iter().flat_map(|d| d.lock().unwrap().device_pages()))
+    }
+    /// The same, as the early sections the PVRDMA devices received name them.
+    fn device_pages_ahead(&self) -> Vec<migration::pages::PageRange> {
+        page_ranges(self.pvrdma.iter().flat_map(|d| d.lock().unwrap().early_pages()))
     }
     /// Small for vCPUs and devices, except memory-backed NVMe namespaces:
     /// their bytes travel in the state, and the downtime estimate must see them.

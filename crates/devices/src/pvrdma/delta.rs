@@ -35,9 +35,9 @@ pub(super) const DELTA_VERSION: u32 = 0x101;
 /// An early section by handle: what a delta is taken against and applied
 /// over.
 pub(crate) struct Baseline {
-    mrs: HashMap<u32, MrInfo>,
-    cqs: HashMap<u32, CqRing>,
-    qps: HashMap<u32, QpInfo>,
+    pub mrs: HashMap<u32, MrInfo>,
+    pub cqs: HashMap<u32, CqRing>,
+    pub qps: HashMap<u32, QpInfo>,
 }
 
 impl Baseline {

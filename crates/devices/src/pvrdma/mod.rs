@@ -213,6 +213,12 @@ impl Pvrdma {
         reach::device_pages(&lock(&self.shared))
     }
 
+    /// Destination, before its switch: the same pages as far as the early
+    /// section it received names them (none without one).
+    pub fn early_pages(&self) -> Vec<(u64, u64)> {
+        self.early_base.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(reach::early_pages).unwrap_or_default()
+    }
+
     /// The destination owns the VM now: this host stops answering for the
     /// GID, before the destination claims it.
     pub fn release_gid(&self) -> Result<(), String> {

@@ -6,13 +6,16 @@
 //! QP of that host) or a doorbell, so the source pushes them first
 //! (`migration::vm::MigratableVm::device_pages`).
 
+use super::delta::Baseline;
 use super::dev::Dev;
+use super::objects::MrInfo;
+
+const PAGE: u64 = 4096;
 
 /// `(gpa, len)` byte ranges, the rings first (small, and touched on every
 /// doorbell), then the memory regions in handle order. DMA regions (all of
 /// guest RAM) are left out: they say nothing about which pages matter.
 pub(crate) fn device_pages(d: &Dev) -> Vec<(u64, u64)> {
-    const PAGE: u64 = 4096;
     let mut out = Vec::new();
     let mut pages = |list: &[u64]| out.extend(list.iter().map(|&gpa| (gpa, PAGE)));
     if let Some(dsr) = &d.dsr {
@@ -29,10 +32,36 @@ pub(crate) fn device_pages(d: &Dev) -> Vec<(u64, u64)> {
     for (_, s) in d.srqs.iter() {
         pages(&s.info.pages.pages);
     }
-    let mut mrs: Vec<_> = d.mrs.iter().filter(|(_, m)| m.info.flags & pvrdma_abi::MR_FLAG_DMA == 0).collect();
-    mrs.sort_by_key(|(h, _)| **h);
-    for (_, m) in mrs {
-        out.extend(m.info.runs.iter().copied());
-    }
+    mr_runs(d.mrs.iter().map(|(h, m)| (*h, &m.info)), &mut out);
     out
+}
+
+/// The same pages as far as an early section names them (a destination
+/// before its switch: the QPs', CQs' and memory regions' pages, not the
+/// DSR's and SRQs'): what it allocates ahead of a postcopy switch.
+pub(crate) fn early_pages(b: &Baseline) -> Vec<(u64, u64)> {
+    let (mrs, cqs, qps) = (&b.mrs, &b.cqs, &b.qps);
+    let mut out = Vec::new();
+    let mut pages = |list: &[u64]| out.extend(list.iter().map(|&gpa| (gpa, PAGE)));
+    let mut by_handle: Vec<_> = qps.iter().collect();
+    by_handle.sort_by_key(|(h, _)| **h);
+    for (_, q) in by_handle {
+        pages(&q.pages.pages);
+    }
+    let mut by_handle: Vec<_> = cqs.iter().collect();
+    by_handle.sort_by_key(|(h, _)| **h);
+    for (_, c) in by_handle {
+        pages(&c.pages.pages);
+    }
+    mr_runs(mrs.iter().map(|(h, m)| (*h, m)), &mut out);
+    out
+}
+
+/// The runs of memory regions but DMA ones, in handle order.
+fn mr_runs<'a>(mrs: impl Iterator<Item = (u32, &'a MrInfo)>, out: &mut Vec<(u64, u64)>) {
+    let mut mrs: Vec<_> = mrs.filter(|(_, m)| m.flags & pvrdma_abi::MR_FLAG_DMA == 0).collect();
+    mrs.sort_by_key(|(h, _)| *h);
+    for (_, m) in mrs {
+        out.extend(m.runs.iter().copied());
+    }
 }

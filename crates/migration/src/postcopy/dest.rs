@@ -29,6 +29,8 @@ pub(crate) struct Switch {
     pub state_bytes: u64,
     pub source_paused: u64,
     pub dirty_ranges: bool,
+    /// The devices' pages the source sends on the first urgent connection.
+    pub device_pages: Vec<PageRange>,
 }
 
 type ChannelThread = JoinHandle<Result<(u64, f64)>>;
@@ -61,12 +63,15 @@ struct Link {
 }
 
 impl Link {
+    /// `first`: pages the source sends unasked on the first urgent
+    /// connection (the devices' pages of the switch).
     fn start(
         control: ControlConn,
         channels: Vec<ChannelThread>,
         pages: PageSource,
         sh: &Arc<RxShared>,
         sink: &RequestSink,
+        first: u64,
     ) -> Result<Link> {
         let placer = sh.placer.get().expect("placer set before the link starts").clone();
         let total = sh.total;
@@ -74,11 +79,12 @@ impl Link {
         match pages {
             PageSource::Urgent(urgent) => {
                 let mut urgent_rx = Vec::new();
+                let mut first = Some(first);
                 for s in &urgent {
-                    let (rx, placer, ctl) = (s.try_clone()?, placer.clone(), ctl.clone());
+                    let (rx, placer, ctl, first) = (s.try_clone()?, placer.clone(), ctl.clone(), first.take().unwrap_or(0));
                     let t = std::thread::Builder::new()
                         .name("postcopy-urgent".into())
-                        .spawn(move || receive_urgent(rx, &placer, total, &ctl))?;
+                        .spawn(move || receive_urgent(rx, &placer, total, &ctl, first))?;
                     urgent_rx.push(Some(t));
                 }
                 sink.connect(urgent.iter().map(TcpStream::try_clone).collect::<std::io::Result<_>>()?);
@@ -226,15 +232,34 @@ fn ranges_blob(b: &[u8], total: u64) -> Result<Vec<PageRange>> {
     Ok(normalize(out, total))
 }
 
-fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control) -> Result<()> {
+/// Place what comes on an urgent connection: first the `first` pages the
+/// source sends unasked in the switch (the devices' pages), in the
+/// switch's real-time class, which this thread inherits (in the fault
+/// path's class, capped at 30% of a CPU, 8 MiB of them took 20 ms), then
+/// the answers to page requests.
+fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control, mut first: u64) -> Result<()> {
     let _cpu = CpuTally::new(ctl, true);
-    super::fault_path_priority();
+    if first == 0 {
+        super::fault_path_priority();
+    } else {
+        // The switch's class, set again so that the placer's real-time
+        // sections leave it alone: each would take two scheduler calls per
+        // run of pages (the devices' pages come in runs of 2-3), and drop
+        // this thread to the normal class after the first.
+        super::set_priority(true);
+    }
     let mut rd = DataReader::default();
     let mut zstd = None;
     loop {
         match rd.next(&mut s)? {
             DataItem::Pages { .. } => {
-                place_batch(placer, ctl, &rd, total, Via::Request, &mut zstd)?;
+                let n = place_batch(placer, ctl, &rd, total, Via::Request, &mut zstd)?;
+                if first > 0 {
+                    first = first.saturating_sub(n);
+                    if first == 0 {
+                        super::fault_path_priority();
+                    }
+                }
             }
             _ => bail!("unexpected frame on the urgent connection"),
         }
@@ -446,11 +471,16 @@ fn load_at_switch(
         let stale = wire::recv_blob(&mut control).map_err(|e| anyhow!("stale page list: {e}"))?;
         drop_pages(sh, &stale)?;
     }
+    // What is here at the switch (the devices' pages the destination asks
+    // for are those it lacks now, as the source sees them).
+    let here = crate::pages::AtomicBitmap::from_le_bytes(sh.total, &sh.seen.to_le_bytes()).expect("same size");
     step("state received");
     let Armed { placer, sink, faults } = match armed {
         Some(a) => a,
         None => arm(sh)?,
     };
+    // On their way: a fault on one waits for it.
+    placer.expect(&sw.device_pages);
     let mut n_clients = 0;
     if let Some(c) = clients {
         for d in c.advise().context("RAM clients")? {
@@ -458,15 +488,22 @@ fn load_at_switch(
             n_clients += 1;
         }
     }
-    let link = Some(Link::start(control.try_clone()?, channels, pages, sh, &sink)?);
+    let first = crate::pages::count_pages(&sw.device_pages);
+    let mut link = Link::start(control.try_clone()?, channels, pages, sh, &sink, first)?;
     step("faults armed");
     vm.restore_state(&state).context("loading vCPU and device state")?;
-    if n_clients > 0 {
-        // What the devices reach goes into the RAM clients' mappings as it
-        // is here (hybrid: most of it already).
-        placer.map_for_clients(&vm.device_pages());
-    }
     step("state restored");
+    let device = vm.device_pages();
+    device_pages_here(ctl, sh, &placer, &sink, &mut link, &device, &sw.device_pages, &here)?;
+    if n_clients > 0 {
+        // What the devices reach goes into the RAM clients' mappings: all
+        // of it but what is left to the push, which goes in as it comes.
+        placer.map_for_clients(&device);
+    } else {
+        placer.mark_device(&device);
+    }
+    step("device pages here");
+    let link = Some(link);
     wire::send_msg(&mut control, &Msg::Loaded { cpu_s: thread_cpu_s() - cpu0 })?;
     match wire::recv_msg(&mut control).map_err(|e| anyhow!("waiting for the source's go: {e}"))? {
         Msg::Go => {}
@@ -481,6 +518,64 @@ fn load_at_switch(
     let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: thread_cpu_s() - cpu0 });
     super::set_priority(false);
     Ok(Running { resumed, resumed_at: t, placer, sink, faults, link, n_clients })
+}
+
+/// How long the switch waits for the devices' pages (a link that breaks
+/// meanwhile fails it sooner).
+const DEVICE_PAGES_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The switch's share of the devices' pages (`super::device`): `device`
+/// as the restored VM names them, `sent` what the source said it sends,
+/// `here` what was here when the state came. Asks for the pages of the
+/// share the source does not send, and waits until every one is here. A
+/// broken or damaged page stream fails the switch (before the commit).
+#[allow(clippy::too_many_arguments)]
+fn device_pages_here(
+    ctl: &Control,
+    sh: &RxShared,
+    placer: &Placer,
+    sink: &RequestSink,
+    link: &mut Link,
+    device: &[PageRange],
+    sent: &[PageRange],
+    here: &crate::pages::AtomicBitmap,
+) -> Result<()> {
+    let t = Instant::now();
+    let lacks = |p: u64| !here.get(p);
+    let share = super::device::at_switch(device, lacks, sh.total, super::device::SWITCH_PAGES_MAX);
+    let lacking = crate::pages::count_pages(&super::device::at_switch(device, lacks, sh.total, u64::MAX));
+    let sent_set = normalize(sent.to_vec(), sh.total);
+    let mut asks = super::place::Asks::default();
+    for p in share.iter().flat_map(|r| r.first..r.end()) {
+        if !super::device::in_ranges(Some(&sent_set), p) {
+            placer.ask_now(p, &mut asks);
+        }
+    }
+    let asked = asks.now.len() as u64;
+    if !asks.now.is_empty() && !sink.request(&mut asks.now, &mut []) {
+        bail!("the devices' pages: no connection to ask the source for them");
+    }
+    let mut all = share.clone();
+    all.extend_from_slice(sent);
+    let all = normalize(all, sh.total);
+    let at_switch = crate::pages::count_pages(&all);
+    let waited = placer.wait_present(&all, Instant::now() + DEVICE_PAGES_TIMEOUT, || link.check(sh, sink));
+    match waited {
+        Ok(true) => {}
+        Ok(false) => bail!("the devices' {at_switch} pages of the switch did not arrive within {DEVICE_PAGES_TIMEOUT:?}"),
+        Err(why) => bail!("the devices' pages of the switch: {why}"),
+    }
+    let named = crate::pages::count_pages(&super::device::at_switch(device, |_| true, sh.total, u64::MAX));
+    ctl.update(|s| {
+        s.device_pages = crate::stats::DevicePages {
+            named,
+            at_switch,
+            asked,
+            wait_ms: t.elapsed().as_secs_f64() * 1e3,
+            after_resume: lacking.saturating_sub(crate::pages::count_pages(&share)),
+        }
+    });
+    Ok(())
 }
 
 /// Serve faults until every page is here; on a break, pause and wait for
@@ -604,7 +699,7 @@ fn accept_recovery(
         // New queue pairs to read through; the source's plan of what is
         // left follows on the control connection.
         let reader = crate::rdma::accept_reader(&control, rnicd, &sh.ram)?;
-        let link = Link::start(control, Vec::new(), PageSource::Reads(reader), sh, sink)?;
+        let link = Link::start(control, Vec::new(), PageSource::Reads(reader), sh, sink, 0)?;
         placer.forget_asked();
         let mut waiting = placer.waiting();
         if !waiting.is_empty() {
@@ -623,7 +718,7 @@ fn accept_recovery(
             std::thread::Builder::new().name(format!("migrate-rx{i}")).spawn(move || receive_channel(i, s, sh))
         })
         .collect::<std::io::Result<Vec<_>>>()?;
-    let mut link = Link::start(control, threads, PageSource::Urgent(urgent), sh, sink)?;
+    let mut link = Link::start(control, threads, PageSource::Urgent(urgent), sh, sink, 0)?;
     link.socks = socks;
     // Ask again for what threads wait on: those requests died with the link.
     placer.forget_asked();

@@ -8,9 +8,11 @@
 //! - [`fetch`]: the rdma transport's destination, which READs the pages
 //! - [`push`]: the order of the background push (near recent faults first)
 //! - [`clients`]: processes other than the vmm that map guest RAM
+//! - [`device`]: the devices' pages, which cross inside the switch
 
 pub mod clients;
 pub(crate) mod dest;
+pub mod device;
 pub mod faults;
 pub(crate) mod fetch;
 pub mod place;

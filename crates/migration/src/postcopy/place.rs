@@ -152,10 +152,12 @@ impl FaultDomain {
         FaultDomain { uffd, ranges, name: name.to_string(), gone: Default::default(), waits: Mutex::new(waits) }
     }
 
-    /// A thread of this process blocked on a page not here yet.
-    fn note_fault(&self) {
+    /// A thread of this process blocked on a page not here yet (`device`:
+    /// one of the devices' pages).
+    fn note_fault(&self, device: bool) {
         let mut w = self.waits.lock().unwrap();
         w.faults += 1;
+        w.device_faults += device as u64;
         if w.first_fault_unix_ms.is_none() {
             w.first_fault_unix_ms = Some(crate::cputime::unix_ns() as f64 / 1e6);
         }
@@ -242,6 +244,10 @@ pub struct Placer {
     pub pushed: AtomicU64,
     pub requested: AtomicU64,
     done: (Mutex<bool>, Condvar),
+    /// Threads in [`wait_present`](Self::wait_present): `arrived` wakes
+    /// them (and takes the lock only then).
+    watchers: AtomicU64,
+    arrivals: (Mutex<()>, Condvar),
 }
 
 impl Placer {
@@ -289,6 +295,8 @@ impl Placer {
             pushed: AtomicU64::new(0),
             requested: AtomicU64::new(0),
             done: (Mutex::new(present == total), Condvar::new()),
+            watchers: AtomicU64::new(0),
+            arrivals: (Mutex::new(()), Condvar::new()),
         })
     }
 
@@ -313,11 +321,7 @@ impl Placer {
     /// page that was here (with 256 QPs, 80-200 such faults, while every
     /// QP of its host waited).
     pub fn map_for_clients(&self, ranges: &[PageRange]) {
-        for r in ranges {
-            for p in r.first..r.end().min(self.total) {
-                self.device.set(p);
-            }
-        }
+        self.mark_device(ranges);
         for r in ranges {
             self.continue_in_clients(r.first, r.count.min(self.total.saturating_sub(r.first)));
         }
@@ -551,6 +555,61 @@ impl Placer {
             *self.done.0.lock().unwrap() = true;
             self.done.1.notify_all();
         }
+        if self.watchers.load(Ordering::Acquire) > 0 {
+            // Under the lock: a watcher checks `seen` holding it, so it
+            // either saw this page or waits by now and hears this.
+            let _g = self.arrivals.0.lock().unwrap();
+            self.arrivals.1.notify_all();
+        }
+    }
+
+    /// Wait until every page of `pages` is here, looking at `broken` every
+    /// few milliseconds (a reason to give up). Ok(true) once they are all
+    /// here, Ok(false) at `deadline`.
+    pub fn wait_present(&self, pages: &[PageRange], deadline: Instant, mut broken: impl FnMut() -> Option<String>) -> Result<bool, String> {
+        let mut left = pages.iter().flat_map(|r| r.first..r.end().min(self.total)).peekable();
+        self.watchers.fetch_add(1, Ordering::AcqRel);
+        let mut g = self.arrivals.0.lock().unwrap();
+        let r = loop {
+            while left.next_if(|&p| self.seen.get(p)).is_some() {}
+            if left.peek().is_none() {
+                break Ok(true);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break Ok(false);
+            }
+            let slice = (deadline - now).min(std::time::Duration::from_millis(5));
+            g = self.arrivals.1.wait_timeout(g, slice).unwrap().0;
+            if let Some(why) = broken() {
+                break Err(why);
+            }
+        };
+        drop(g);
+        self.watchers.fetch_sub(1, Ordering::AcqRel);
+        r
+    }
+
+    /// The devices' pages (`MigratableVm::device_pages`): faults on them
+    /// are counted apart (`FaultWaits::device_faults`), and once the RAM
+    /// clients joined they are mapped into them as they are here
+    /// ([`map_for_clients`](Self::map_for_clients)).
+    pub fn mark_device(&self, ranges: &[PageRange]) {
+        for r in ranges {
+            for p in r.first..r.end().min(self.total) {
+                self.device.set(p);
+            }
+        }
+    }
+
+    /// The source sends `pages` unasked (the devices' pages of the
+    /// switch): a fault on one of them waits for it rather than asking.
+    pub fn expect(&self, pages: &[PageRange]) {
+        for r in pages {
+            for p in r.first..r.end().min(self.total) {
+                self.asked.set(p);
+            }
+        }
     }
 
     /// A thread of domain `d` faulted at `addr`: remember who waits, and
@@ -577,7 +636,7 @@ impl Placer {
             return;
         }
         let now = Instant::now();
-        dom.note_fault();
+        dom.note_fault(self.device.get(pfn));
         match w.entry(pfn) {
             std::collections::hash_map::Entry::Occupied(mut e) => {
                 e.get_mut().who.push((d, addr, now));

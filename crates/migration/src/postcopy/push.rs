@@ -94,6 +94,19 @@ impl PushQueue {
         });
     }
 
+    /// Pages that went another way (the devices' pages of the switch):
+    /// drop them from the queue, the cursor stays.
+    pub fn drop_queued(&self, first: u64, count: u64) {
+        let mut g = self.inner.lock().unwrap();
+        for p in first..(first + count).min(self.total) {
+            let (w, b) = ((p / 64) as usize, p % 64);
+            if g.bits[w] & (1 << b) != 0 {
+                g.bits[w] &= !(1 << b);
+                g.left -= 1;
+            }
+        }
+    }
+
     /// Drop the queued pages of `first..first+count` (calling `taken` on
     /// each) and move the cursor after the range.
     fn take(&self, first: u64, count: u64, mut taken: impl FnMut(u64)) {

@@ -99,9 +99,9 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     let urgent = urgent.ok_or_else(|| anyhow!("postcopy over tcp without an urgent connection"))?;
     let ctl = guard.ctl.clone();
     let ram = guard.vm.ram();
-    let (missing, queue, server) = switch_over(guard, &mut control, Some(urgent), log, pending)?;
+    let (missing, queue, server, sent) = switch_over(guard, &mut control, Some(urgent), log, pending)?;
     let server = server.expect("an urgent server for the urgent connection");
-    plan_push(ram, missing, holes, &queue)?;
+    plan_push(ram, missing, holes, &queue, &sent)?;
     let t_post = Instant::now();
     ctl.update(|s| {
         s.status = Status::PostcopyActive;
@@ -119,8 +119,9 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
 }
 
 /// What the switch leaves: the pages the destination lacks (`None`: all),
-/// the push queue, and the urgent server (tcp only).
-type Switched = (Option<Vec<PageRange>>, Arc<PushQueue>, Option<UrgentServer>);
+/// the push queue, the urgent server (tcp only), and the devices' pages
+/// it sent in the switch.
+type Switched = (Option<Vec<PageRange>>, Arc<PushQueue>, Option<UrgentServer>, Vec<PageRange>);
 
 /// The switch, all of it downtime: pause, the stale pages, the state; the
 /// destination loads it and owns the VM from then on (the commit), and is
@@ -158,13 +159,32 @@ fn switch_over(
     // Requests are served from now on, even while the destination loads
     // the state (a device may touch RAM); the push queue fills below.
     let queue = Arc::new(PushQueue::new(total, &[], Vec::new()));
-    // What devices reach without the vCPU goes first (`device_pages`):
-    // taken now, while the devices still hold what the VM had.
-    queue.push_first(&vm.device_pages());
-    let server = urgent.map(|u| UrgentServer::start(u, ram, queue.clone(), ctl.clone())).transpose()?;
+    // What devices reach without the vCPU (`device_pages`), taken now,
+    // while the devices still hold what the VM had: the missing ones of
+    // the switch's share cross now, on the first urgent connection ahead
+    // of any answer there (over rdma the destination asks for them), and
+    // the rest goes first in the push.
+    let device = vm.device_pages();
+    queue.push_first(&device);
+    let sent = match &urgent {
+        Some(_) => {
+            let lacks = |p| super::device::in_ranges(missing.as_deref(), p);
+            super::device::at_switch(&device, lacks, total, super::device::SWITCH_PAGES_MAX)
+        }
+        None => Vec::new(),
+    };
+    let server = urgent.map(|u| UrgentServer::start(u, ram, queue.clone(), ctl.clone(), sent.clone())).transpose()?;
+    let sent_n = crate::pages::count_pages(&sent);
+    let named = crate::pages::count_pages(&super::device::at_switch(&device, |_| true, total, u64::MAX));
+    ctl.update(|s| s.device_pages = crate::stats::DevicePages { named, at_switch: sent_n, ..Default::default() });
     wire::send_msg(
         control,
-        &Msg::Switchover { state_bytes: blob.len() as u64, source_paused_unix_ns: paused_at, dirty_ranges: missing.is_some() },
+        &Msg::Switchover {
+            state_bytes: blob.len() as u64,
+            source_paused_unix_ns: paused_at,
+            dirty_ranges: missing.is_some(),
+            device_pages: super::device::to_wire(&sent),
+        },
     )?;
     wire::send_blob(control, &blob)?;
     if let Some(m) = &missing {
@@ -199,7 +219,7 @@ fn switch_over(
     if let Some(log) = log {
         vm.retire(Box::new(log.into_tracker()));
     }
-    Ok((missing, queue, server))
+    Ok((missing, queue, server, sent))
 }
 
 /// Plan the push: everything the destination lacks, split into pages to
@@ -209,6 +229,7 @@ fn plan_push(
     missing: Option<Vec<PageRange>>,
     holes: Vec<PageRange>,
     queue: &Arc<PushQueue>,
+    sent: &[PageRange],
 ) -> Result<(Vec<PageRange>, Vec<PageRange>)> {
     let total = ram.pages();
     // Everything the destination lacks, split into pages to read and memfd
@@ -217,7 +238,7 @@ fn plan_push(
     // runs, not during the downtime (on two busy CPUs it delayed the
     // destination's vCPU thread).
     // Pages requested meanwhile may go twice; the second copy is dropped.
-    let q2 = queue.clone();
+    let (q2, sent) = (queue.clone(), sent.to_vec());
     let fill = std::thread::spawn(move || {
         let all = [PageRange { first: 0, count: total }];
         let pages = missing.as_deref().unwrap_or(&all);
@@ -233,6 +254,10 @@ fn plan_push(
             }
         };
         q2.reset(total, &data, zero.clone());
+        // The devices' pages of the switch went already.
+        for r in &sent {
+            q2.drop_queued(r.first, r.count);
+        }
         (data, zero)
     });
     // The push can only start once it knows what to push.
@@ -284,7 +309,7 @@ fn serve_with_recovery(
                 // pages, as a failed reconnection does: returning an error
                 // would end the migration with the pages unreachable.
                 let resumed = reconnect(&target, session, &ram, compress, bucket, ctl, queue)
-                    .and_then(|(c, ch, u)| Ok((c, ch, UrgentServer::start(u, ram, queue.clone(), ctl.clone())?)));
+                    .and_then(|(c, ch, u)| Ok((c, ch, UrgentServer::start(u, ram, queue.clone(), ctl.clone(), Vec::new())?)));
                 match resumed {
                     Ok((c, ch, s)) => {
                         server = s;
@@ -583,8 +608,8 @@ fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
     // Kept (ended) until the migration ends: dropping the set shuts every
     // connection of the migration down, the control connection too.
     let _channels = channels;
-    let (missing, queue, _) = switch_over(guard, &mut control, None, log, pending)?;
-    let (data, zero) = plan_push(ram, missing, holes, &queue)?;
+    let (missing, queue, _, _) = switch_over(guard, &mut control, None, log, pending)?;
+    let (data, zero) = plan_push(ram, missing, holes, &queue, &[])?;
     let t_post = Instant::now();
     ctl.update(|s| {
         s.status = Status::PostcopyActive;
@@ -726,12 +751,31 @@ struct UrgentServer {
 }
 
 impl UrgentServer {
-    fn start(streams: Vec<TcpStream>, ram: RamRegion, queue: Arc<PushQueue>, ctl: Arc<Control>) -> Result<UrgentServer> {
+    /// `first`: pages the first connection sends before it answers
+    /// anything (the devices' pages of the switch).
+    fn start(
+        streams: Vec<TcpStream>,
+        ram: RamRegion,
+        queue: Arc<PushQueue>,
+        ctl: Arc<Control>,
+        first: Vec<PageRange>,
+    ) -> Result<UrgentServer> {
         let mut threads = Vec::new();
+        let mut first = Some(first).filter(|f| !f.is_empty());
         for (k, s) in streams.iter().enumerate() {
-            let (s2, queue, ctl) = (s.try_clone()?, queue.clone(), ctl.clone());
+            let (s2, queue, ctl, first) = (s.try_clone()?, queue.clone(), ctl.clone(), first.take());
             threads.push(std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
-                if let Err(e) = serve_requests(s2, ram, &queue, &ctl) {
+                let r = first
+                    .map_or(Ok(0), |pages| {
+                        // The switch's real-time class, inherited: this is
+                        // downtime (at the normal class the destination
+                        // waited 3-28 ms for them after its restore, against
+                        // 0.1 ms).
+                        let mut w = &s2;
+                        super::device::send(&mut w, ram, &pages, &ctl)
+                    })
+                    .and_then(|_| serve_requests(s2, ram, &queue, &ctl));
+                if let Err(e) = r {
                     tracing::debug!("urgent connection of link {k} ended: {e:#}");
                 }
             })?);

@@ -132,16 +132,29 @@ pub fn finish_hop(src: &VmProcess, dst: &VmProcess, mode: Mode) -> Value {
         assert_eq!(names, ["vmm", "rnicd"], "{st:#}");
         let faults: u64 = waits.iter().map(|w| w["faults"].as_u64().unwrap()).sum();
         assert!(faults >= st["faults"].as_u64().unwrap(), "{st:#}");
+        // The device's rings and regions crossed in the switch: neither
+        // the vmm nor rnicd waited for one of them once the VM ran, unless
+        // some were left to the push (beyond the switch's share: a 64 MiB
+        // region).
+        let d = migration(dst);
+        let dev = &d["device_pages"];
+        assert!(dev["named"].as_u64().unwrap() > 0, "{d:#}");
+        if dev["after_resume"] == 0 {
+            for w in waits {
+                assert_eq!(w["device_faults"], 0, "{} faulted on a device page: {st:#}\n{d:#}", w["name"]);
+            }
+        }
     }
     wait_for("the destination to run", LONG, || dst.status().unwrap()["running"] == true);
     eprintln!(
-        "hop ({}): downtime {} ms, total {} ms, postcopy {} ms, faults {}, per process {}",
+        "hop ({}): downtime {} ms, total {} ms, postcopy {} ms, faults {}, per process {}, the device's pages {}",
         mode.name(),
         st["downtime_ms"],
         st["total_ms"],
         st["postcopy_ms"],
         st["faults"],
-        st["fault_waits"]
+        st["fault_waits"],
+        migration(dst)["device_pages"]
     );
     st
 }
