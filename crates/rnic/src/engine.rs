@@ -501,6 +501,16 @@ impl Engine {
         }
     }
 
+    /// Whether any QP streams (`Qp::streaming`): receive moderation may hold off.
+    pub fn streaming(&self) -> bool {
+        self.qps.values().any(|q| q.streaming())
+    }
+
+    /// Sends every delayed ACK at the next transmit (`Qp::ack_delayed_now`).
+    pub fn ack_delayed_now(&mut self) {
+        self.qps.values_mut().for_each(|q| q.ack_delayed_now());
+    }
+
     /// Earliest timer of any QP.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.qps.values().filter_map(|q| q.next_deadline()).min()

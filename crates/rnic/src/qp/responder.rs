@@ -649,6 +649,22 @@ impl Qp {
         }
     }
 
+    /// Receive moderation's coalesced ACK: a delayed ACK goes now, after
+    /// a pass that drained what a hold-off gathered, instead of by its
+    /// timer, which would end the next hold-off early. So a stream gets
+    /// one ACK per drained batch, never later than the ACK timer allows.
+    pub fn ack_delayed_now(&mut self) {
+        if self.ack_due.is_some() && !self.suspended {
+            self.ack_last_executed();
+        }
+    }
+
+    /// A message this QP receives is mid-way: the rest of it is in the
+    /// peer's window and comes without waiting for this end.
+    pub(super) fn receiving_message(&self) -> bool {
+        self.rt.write.is_some() || self.rt.in_send
+    }
+
     /// Answers a refused request: an RNR NAK leaves the QP as it is (the
     /// requester resends after its RNR wait); every other refusal NAKs and
     /// moves the QP to ERR, after completing the receive WQE that the
@@ -773,6 +789,7 @@ impl Qp {
                         h.bth.resv6 = wire::encode_hold(Instant::now().saturating_duration_since(t).as_micros() as u64);
                     }
                     let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
+                    ctx.stats.ack_packets_sent += 1;
                     self.rt.resp_queue.pop_front();
                 }
                 RespJob::AtomicAck { psn, orig } => {
