@@ -199,15 +199,14 @@ impl Namespace {
     }
 
     /// Receives and transmits; returns (packets received, packets sent, more work pending).
-    /// `ack_batch`: receive moderation is on, and each received batch is
-    /// acknowledged at once (`Qp::ack_delayed_now`).
-    fn pump(&mut self, udp_ready: bool, ack_batch: bool, rxbufs: &mut [Vec<u8>]) -> (usize, usize, bool) {
+    fn pump(&mut self, udp_ready: bool, rxbufs: &mut [Vec<u8>]) -> (usize, usize, bool) {
         let (mut got, mut sent, mut more) = (0, 0, false);
         for _ in 0..4 {
             let k = if udp_ready { recv_batch(&self.udp, rxbufs, &mut self.engine) } else { 0 };
             got += k;
-            if ack_batch && k > 0 {
-                self.engine.ack_delayed_now();
+            if k > 0 {
+                // Coalesced ACKs of streams go with this batch's transmit.
+                self.engine.end_of_receive_pass(Instant::now());
             }
             // Transmit after every receive batch: the ACKs (and READ
             // responses) it produced leave at once, so the peer's window
@@ -814,16 +813,13 @@ impl Daemon {
 
     /// Decides whether this round polls, then waits for events (or not).
     fn wait(&mut self, evs: &mut [EpollEvent]) -> Round {
-        // During a stream, receive moderation holds off (`holdoff`) where
-        // the loop would otherwise spin or sleep until the next packet.
-        let stream = !self.busy && self.holdoff.enabled() && self.nss.values().any(|n| n.engine.streaming());
-        let hold = if stream { self.holdoff.limit() } else { Duration::ZERO };
         // After activity, keep polling (politely) for a short while: the
-        // next request of a ping-pong then finds us awake, not asleep in
-        // epoll. Not during a stream: its next packets come whether or not
-        // we answer, and a spin that catches each of them one by one costs
-        // more than a hold-off that takes several at once.
-        let spinning = !self.busy && !stream && self.last_activity.elapsed() < self.spin.limit();
+        // next request of a ping-pong then finds us awake, not asleep in epoll.
+        let spinning = !self.busy && self.last_activity.elapsed() < self.spin.limit();
+        // Where the loop would sleep until the next packet of a stream,
+        // receive moderation holds off instead (`holdoff`).
+        let stream = !self.busy && !spinning && self.holdoff.enabled() && self.nss.values().any(|n| n.engine.streaming());
+        let hold = if stream { self.holdoff.limit() } else { Duration::ZERO };
         let spin_since = spinning.then_some(self.last_activity);
         if spinning {
             let _ = sched_yield();
@@ -1016,10 +1012,9 @@ impl Daemon {
     /// next round starts at once.
     fn pump(&mut self, round: &Round, udp_ready: &[Ipv4Addr]) {
         let (mut got, mut pkts, mut sent, mut more) = (0, 0, 0, false);
-        let ack_batch = !self.holdoff.limit().is_zero();
         for (gid, ns) in self.nss.iter_mut() {
             let rx0 = ns.engine.stats.rx_packets;
-            let (g, t, m) = ns.pump(self.busy || round.direct_rx || udp_ready.contains(gid), ack_batch, &mut self.rxbufs);
+            let (g, t, m) = ns.pump(self.busy || round.direct_rx || udp_ready.contains(gid), &mut self.rxbufs);
             got += g;
             pkts += (ns.engine.stats.rx_packets - rx0) as usize;
             sent += t;

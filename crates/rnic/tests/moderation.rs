@@ -71,16 +71,19 @@ fn a_paced_stream_is_received_in_batches_and_acknowledged_per_batch() {
     let bed = Bed::new("rxmod", 2);
     let (d, _) = paced_stream(&bed, 0.0);
     let (holdoffs, packets, rx, acks) = (d[0], d[1], d[2], d[3]);
-    assert!(holdoffs > 0, "no hold-off during a paced stream: {d:?}");
-    assert!(packets > holdoffs, "hold-offs gathered {packets} packets in {holdoffs}: {d:?}");
-    assert!(acks * 4 < rx, "{acks} ACKs for {rx} packets: not coalesced ({d:?})");
+    // How many wake-ups a hold-off replaces depends on how the link
+    // spaces the packets (tbf sends some in bursts) and on the load; that
+    // the loop held off and gathered packets so does not.
+    assert!(holdoffs > 0 && packets > 0, "no hold-off gathered packets of a paced stream: {d:?}");
+    assert!(acks * 8 < rx, "{acks} ACKs for {rx} packets: not coalesced ({d:?})");
+    assert_eq!((d[4], d[5]), (0, 0), "resends without loss: {d:?}");
 }
 
 #[test]
 fn a_loss_inside_a_coalesced_batch_is_recovered() {
     let bed = Bed::new("rxmodl", 2);
     let (d, rewinds) = paced_stream(&bed, 1.0);
-    assert!(d[0] > 0, "no hold-off during a paced stream: {d:?}");
+    assert!(d[0] > 0 && d[1] > 0, "no hold-off gathered packets of a paced stream: {d:?}");
     assert!(rewinds > 0 || d[5] > 0, "1% loss and no recovery: rewinds {rewinds}, {d:?}");
 }
 

@@ -8,9 +8,10 @@
 //! every 33 µs) the loop otherwise wakes for every packet, and a sleep and
 //! a wake-up cost about 4 µs of CPU here, as much as the packet's own work.
 //! Only a stream is held off (`Engine::streaming`: a message a QP receives
-//! is mid-way, so the rest of it is already in the peer's window, or a QP
-//! has many requests in flight): a ping-pong of single-packet messages
-//! never is, and keeps its latency.
+//! is mid-way, so the rest of it is already in the peer's window), and
+//! only where the loop would sleep until the next packet: a spin that
+//! catches the packets (`spin`) is left alone, and a ping-pong of
+//! single-packet messages is never held off, so it keeps its latency.
 //!
 //! The hold-off adapts to what the wake-ups find:
 //! - woken by a packet during a stream, finding at most `FEW` packets,

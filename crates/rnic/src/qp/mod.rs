@@ -42,7 +42,7 @@ use crate::mem::Mapping;
 use crate::objects::{ClientId, Cq, IdMap, Stats, Tx};
 use crate::ring::{Cqe, RecvWqe, Ring, SendWqe, Sge, MAX_INLINE, MAX_SGE};
 use crate::types::{send_flags, QpAttr, QpCap, QpState, QpType, WcOpcode, WcStatus, WrOpcode};
-use crate::wire::{self, psn_add, psn_diff, Flow, Packet, ROCE_PORT};
+use crate::wire::{self, psn_add, Flow, Packet, ROCE_PORT};
 
 pub use crate::qp_snapshot::{QpRuntime, QpSnapshot, ReadExec, RespJob, WriteCtx, QP_SNAPSHOT_VERSION};
 pub use requester::{WINDOW, WINDOW_BYTES};
@@ -55,8 +55,6 @@ const ATOMIC_REPLAY: usize = 16;
 const MAX_RESP_QUEUE: usize = 256;
 /// First span of a loss recovery (packets): a lost UDP GSO batch is up to ~60.
 const RECOVERY_FIRST: u32 = 64;
-/// Request packets in flight from which a QP counts as a stream (`Qp::streaming`).
-const STREAM_FLIGHT: i32 = 16;
 
 /// The ranges of a bind WR: (address, length, MR key) from its SGEs, then
 /// from 16-byte `Sge`s in its inline area; None if it names more than fit.
@@ -184,6 +182,10 @@ pub struct Qp {
     unasked_msgs: u32,
     /// Responder: requests were executed without an ACK; one goes out by then.
     ack_due: Option<Instant>,
+    /// Responder: how many requests wait for that ACK, and since when
+    /// (ACK coalescing of a stream, `end_of_receive_pass`).
+    unacked: u32,
+    unacked_since: Option<Instant>,
     /// A bind or invalidate WR waiting for every earlier WR to complete
     /// (an implicit fence: no earlier message, resent or not, sees a binding
     /// it was not posted under); later WRs wait behind it in the ring.
@@ -245,6 +247,8 @@ impl Qp {
             held_bytes: 0,
             unasked_msgs: 0,
             ack_due: None,
+            unacked: 0,
+            unacked_since: None,
             peer_hold_us: 0,
             ack_since: None,
             held_local: None,
@@ -525,14 +529,16 @@ impl Qp {
     /// Whether more packets of this QP's traffic are surely on their way
     /// without waiting for this end, so that rnicd may hold off before it
     /// looks at the wire again (receive moderation, `daemon::holdoff`): a
-    /// message it receives is mid-way, or it has a window of requests in
-    /// flight (their ACKs or READ responses come). A ping-pong of
-    /// single-packet messages is neither.
+    /// message it receives is mid-way (the rest of it is in the peer's
+    /// window). A ping-pong of single-packet messages never is. A window
+    /// of requests in flight is not taken for a stream: their ACKs come
+    /// as the peer coalesces them (`responder::STREAM_ACK_BATCH`), too
+    /// sparse for a hold-off to gather several.
     pub fn streaming(&self) -> bool {
         !self.suspended
             && !self.is_ud()
             && matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd)
-            && (self.receiving_message() || psn_diff(self.rt.max_sent, self.rt.una) >= STREAM_FLIGHT)
+            && self.receiving_message()
     }
 
     pub fn next_deadline(&self) -> Option<Instant> {
