@@ -663,8 +663,10 @@ struct LoopKnobs {
     /// off its CPU, where sleeping costs nothing since its wake-up preempts.
     spin: Duration,
     /// RNICD_HOLDOFF_US: the longest hold-off of receive moderation
-    /// (`holdoff::Holdoff`); 0 turns it off.
+    /// (`holdoff::Holdoff`); 0 turns it off. RNICD_HOLDOFF_FIXED=1: that
+    /// long during every stream, not adapted.
     holdoff: Duration,
+    holdoff_fixed: bool,
     /// RNICD_SPIN_WORTH_US: the longest wait a spin is worth; a spin that
     /// finds work later, or a wake-up later than that, shrinks the spin
     /// (RNICD_SPIN_WORTH_US=RNICD_SPIN_US: shrink only on wake-ups after
@@ -686,6 +688,7 @@ impl LoopKnobs {
                 SPIN
             }),
             holdoff: std::env::var("RNICD_HOLDOFF_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(HOLDOFF),
+            holdoff_fixed: std::env::var("RNICD_HOLDOFF_FIXED").is_ok_and(|v| v == "1"),
             spin_worth: std::env::var("RNICD_SPIN_WORTH_US")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -791,7 +794,7 @@ impl Daemon {
         Ok(Daemon {
             cfg,
             spin: spin::Spin::new(knobs.spin, knobs.spin_worth),
-            holdoff: holdoff::Holdoff::new(knobs.holdoff),
+            holdoff: holdoff::Holdoff::new(knobs.holdoff, knobs.holdoff_fixed),
             knobs,
             nss,
             listener,

@@ -38,6 +38,9 @@ const FEW: usize = 2;
 pub(super) struct Holdoff {
     limit: Duration,
     max: Duration,
+    /// Always `max` during a stream, never adapted (`RNICD_HOLDOFF_FIXED=1`:
+    /// tests that need a hold-off whatever the load, A/B runs).
+    fixed: bool,
     pub(super) counts: Counts,
 }
 
@@ -58,8 +61,8 @@ pub(super) struct Counts {
 impl Holdoff {
     /// Off until a stream's wake-ups ask for it; never longer than `max`
     /// (`RNICD_HOLDOFF_US`; 0 turns moderation off).
-    pub(super) fn new(max: Duration) -> Holdoff {
-        Holdoff { limit: Duration::ZERO, max, counts: Counts::default() }
+    pub(super) fn new(max: Duration, fixed: bool) -> Holdoff {
+        Holdoff { limit: if fixed { max } else { Duration::ZERO }, max, fixed, counts: Counts::default() }
     }
 
     /// Whether moderation may ever hold off.
@@ -76,7 +79,7 @@ impl Holdoff {
     /// During a stream the loop slept until work woke it, `idle` after
     /// the last packet received, and the pass found `pkts` packets.
     pub(super) fn woken(&mut self, idle: Duration, pkts: usize) {
-        if pkts <= FEW && idle * 2 <= self.max {
+        if !self.fixed && pkts <= FEW && idle * 2 <= self.max {
             self.grow();
         }
     }
@@ -87,7 +90,7 @@ impl Holdoff {
         self.counts.holdoffs += 1;
         self.counts.holdoff_packets += pkts as u64;
         self.counts.holdoff_empty += u64::from(pkts == 0);
-        if !full {
+        if !full || self.fixed {
             return;
         }
         if pkts == 0 {
@@ -124,7 +127,7 @@ mod tests {
     #[test]
     fn a_paced_stream_grows_it_to_the_ceiling() {
         // A packet every 33 µs (4 KiB at 1 Gbit/s): each wake finds one.
-        let mut h = Holdoff::new(MAX);
+        let mut h = Holdoff::new(MAX, false);
         h.woken(Duration::from_micros(33), 1);
         assert_eq!(h.limit(), GROW_FROM);
         h.drained(1, true);
@@ -142,7 +145,7 @@ mod tests {
     fn wake_ups_too_sparse_to_gather_leave_it_off() {
         // Work more than half the ceiling apart: a hold-off would gather
         // one packet per wake-up, no better than waking for each.
-        let mut h = Holdoff::new(MAX);
+        let mut h = Holdoff::new(MAX, false);
         for _ in 0..10 {
             h.woken(Duration::from_micros(150), 1);
         }
@@ -151,7 +154,7 @@ mod tests {
 
     #[test]
     fn busy_wake_ups_leave_it_off() {
-        let mut h = Holdoff::new(MAX);
+        let mut h = Holdoff::new(MAX, false);
         for _ in 0..10 {
             h.woken(Duration::from_micros(10), 8);
         }
@@ -160,7 +163,7 @@ mod tests {
 
     #[test]
     fn empty_hold_offs_turn_it_off() {
-        let mut h = Holdoff::new(MAX);
+        let mut h = Holdoff::new(MAX, false);
         for _ in 0..4 {
             h.drained(1, true);
         }
@@ -176,7 +179,7 @@ mod tests {
 
     #[test]
     fn a_hold_off_cut_short_changes_nothing() {
-        let mut h = Holdoff::new(MAX);
+        let mut h = Holdoff::new(MAX, false);
         h.woken(Duration::from_micros(20), 1);
         h.drained(0, false);
         h.drained(1, false);
@@ -185,8 +188,16 @@ mod tests {
     }
 
     #[test]
+    fn a_fixed_hold_off_does_not_adapt() {
+        let mut h = Holdoff::new(MAX, true);
+        h.drained(0, true);
+        h.woken(Duration::from_secs(1), 100);
+        assert_eq!(h.limit(), MAX);
+    }
+
+    #[test]
     fn no_ceiling_no_hold_off() {
-        let mut h = Holdoff::new(Duration::ZERO);
+        let mut h = Holdoff::new(Duration::ZERO, false);
         assert!(!h.enabled());
         h.woken(Duration::ZERO, 1);
         h.drained(1, true);

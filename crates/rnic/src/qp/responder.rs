@@ -19,9 +19,9 @@ const ACK_DELAY_US: u64 = 100;
 /// A stream's coalesced ACK (`Qp::end_of_receive_pass`): at the end of a
 /// receive pass once this many requests wait for it, and while a message
 /// is mid-way no later than STREAM_ACK_DELAY after the first of them.
-/// 32 packets are 128 KiB at path MTU 4096; a requester whose window is
+/// 16 packets are 64 KiB at path MTU 4096; a requester whose window is
 /// smaller asks for ACKs itself more often (AckReq, `requester::ack_every`).
-const STREAM_ACK_BATCH: u32 = 32;
+const STREAM_ACK_BATCH: u32 = 16;
 /// Far below the requester's loss probe (4 ms at least) and its IB
 /// timeout: the rest of the message comes long before, and its ACK with it.
 const STREAM_ACK_DELAY: Duration = Duration::from_micros(500);
