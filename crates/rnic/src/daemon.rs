@@ -749,7 +749,7 @@ struct Round {
     /// This round follows a hold-off; whether it ran its whole length.
     held_off: Option<bool>,
     /// This round follows a sleep during a stream that work ended, this
-    /// long after the last activity.
+    /// long after the last packet received.
     stream_woken: Option<Duration>,
 }
 

@@ -4,10 +4,12 @@
 //! interrupt moderation does (ethtool's `rx-usecs`, adaptive with
 //! `adaptive-rx`; Linux's DIM for mlx5 and others).
 //!
-//! Why: at a paced rate (a migration over a 1 Gbit/s link, a 4 KiB packet
-//! every 33 µs) the loop otherwise wakes for every packet, and a sleep and
-//! a wake-up cost about 4 µs of CPU here, as much as the packet's own work.
-//! Only a stream is held off (`Engine::streaming`: a message a QP receives
+//! Why: a stream whose packets come one or two at a time, further apart
+//! than the spin's break-even (`spin`), wakes the loop for each of them,
+//! and a sleep and a wake-up cost about 4 µs of CPU here, as much as a
+//! packet's own work. (Where the link delivers a stream in bursts, as the
+//! testbed's tbf does at 1 Gbit/s, GRO and each wake-up already take
+//! several packets, and the hold-off rarely grows.) Only a stream is held off (`Engine::streaming`: a message a QP receives
 //! is mid-way, so the rest of it is already in the peer's window), and
 //! only where the loop would sleep until the next packet: a spin that
 //! catches the packets (`spin`) is left alone, and a ping-pong of
