@@ -237,7 +237,7 @@ fn rnicd_counters(clients: &[verbs::Context]) -> Result<Vec<(String, u64)>> {
 
 /// The event loop's counters of one rnicd (`loop_*` of its stats: the
 /// daemon's, whichever namespace is asked), by name without the prefix.
-const LOOP_KEYS: &[&str] = &["sleeps", "woken_by_work", "holdoffs", "holdoff_packets", "holdoff_empty"];
+const LOOP_KEYS: &[&str] = &["sleeps", "woken_by_work"];
 
 /// Per host: the event loop's counters and the namespace counters that
 /// give them a scale (packets received and sent, ACKs sent and received),
@@ -259,11 +259,11 @@ fn loop_counters(stats: &[verbs::Context], links: usize) -> Result<Vec<serde_jso
         .collect()
 }
 
-/// What receive moderation and ACK coalescing did over a migration, from
-/// the per-host counters before and after (`loop_counters`): wake-ups
-/// per packet the destination received and the source sent, and ACKs per
-/// packet received.
-fn moderation(before: &[serde_json::Map<String, Value>], after: &[serde_json::Map<String, Value>]) -> Value {
+/// rnicd's wake-ups and ACKs over a migration, from the per-host counters
+/// before and after (`loop_counters`): wake-ups per packet the destination
+/// received and the source sent, and ACKs per packet received (ACK
+/// coalescing of streams).
+fn wakeups(before: &[serde_json::Map<String, Value>], after: &[serde_json::Map<String, Value>]) -> Value {
     let d = |h: usize, k: &str| {
         let g = |m: &[serde_json::Map<String, Value>]| m.get(h).and_then(|x| x[k].as_u64()).unwrap_or(0);
         g(after).saturating_sub(g(before)) as f64
@@ -280,7 +280,6 @@ fn moderation(before: &[serde_json::Map<String, Value>], after: &[serde_json::Ma
         "source": side(0),
         "dest": side(1),
         "wakes_per_packet_dest": per(d(1, "sleeps"), d(1, "rx_packets")),
-        "packets_per_holdoff_dest": per(d(1, "holdoff_packets"), d(1, "holdoffs")),
         "acks_per_packet_dest": per(d(1, "ack_packets_sent"), d(1, "rx_packets")),
         "wakes_per_packet_source": per(d(0, "sleeps"), d(0, "tx_packets")),
     })
@@ -395,7 +394,7 @@ fn run_row(bin: &Path, rnicd: Option<&Path>, transport: &str, links: usize, gib:
         "cpu_s_per_gb_dest": (cpu_dst + rnicd_dst) / gb,
         "raw_tcp_gbps": raw,
         "rnicd_counters": if rnicds.is_empty() { Value::Null } else { Value::Object(counters) },
-        "rnicd_moderation": if rnicds.is_empty() { Value::Null } else { moderation(&loop0, &loop1) },
+        "rnicd_wakeups": if rnicds.is_empty() { Value::Null } else { wakeups(&loop0, &loop1) },
         // Where the time went: connecting (queue pairs, registrations) and the rounds.
         "setup_ms": s["setup_ms"],
         "setup_steps": s["setup_steps"],
@@ -532,22 +531,21 @@ fn print_table(rows: &[Value]) {
             println!("  error: {e}");
         }
     }
-    // rnicd's wake-ups (receive moderation, ACK coalescing) and seconds.
-    if rows.iter().any(|r| r["rnicd_moderation"].is_object()) {
+    // rnicd's wake-ups, ACKs (coalesced for streams) and seconds.
+    if rows.iter().any(|r| r["rnicd_wakeups"].is_object()) {
         println!(
-            "\n{:<18} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
-            "rnicd", "links", "src rnicd s", "dst rnicd s", "dst wake/pkt", "dst pkt/hold", "dst ack/pkt", "src wake/pkt"
+            "\n{:<18} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "rnicd", "links", "src rnicd s", "dst rnicd s", "dst wake/pkt", "dst ack/pkt", "src wake/pkt"
         );
-        for r in rows.iter().filter(|r| r["rnicd_moderation"].is_object()) {
-            let m = &r["rnicd_moderation"];
+        for r in rows.iter().filter(|r| r["rnicd_wakeups"].is_object()) {
+            let m = &r["rnicd_wakeups"];
             println!(
-                "{:<18} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+                "{:<18} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12}",
                 r["rnicd"].as_str().unwrap_or("-"),
                 r["links"],
                 f(r, "cpu_s_rnicd_source", 2),
                 f(r, "cpu_s_rnicd_dest", 2),
                 f(m, "wakes_per_packet_dest", 3),
-                f(m, "packets_per_holdoff_dest", 2),
                 f(m, "acks_per_packet_dest", 3),
                 f(m, "wakes_per_packet_source", 3),
             );

@@ -26,7 +26,6 @@ use crate::objects::{ClientId, OutPkt};
 use crate::proto::{self, Reply, Request, Response};
 use crate::wire::{self, Flow, ROCE_PORT};
 
-mod holdoff;
 mod spin;
 
 /// Most datagrams one receive pass takes (then the engine transmits).
@@ -44,10 +43,6 @@ const SPIN: Duration = Duration::from_micros(200);
 /// sleep in epoll and a wake-up cost here in latency and CPU together
 /// (docs/rnic.md, "Process model").
 const SPIN_WORTH: Duration = Duration::from_micros(50);
-/// Longest hold-off of receive moderation (`holdoff::Holdoff`): at
-/// 1 Gbit/s six 4 KiB packets, and far less than any QP's loss probe
-/// (4 ms at least) or its peer's window takes to drain.
-const HOLDOFF: Duration = Duration::from_micros(200);
 /// Longest sleep in epoll without a timer due (a stop request is seen
 /// this late at most).
 const IDLE_WAIT: Duration = Duration::from_millis(100);
@@ -662,11 +657,6 @@ struct LoopKnobs {
     /// real-time loop would keep ordinary processes (its clients, the peer)
     /// off its CPU, where sleeping costs nothing since its wake-up preempts.
     spin: Duration,
-    /// RNICD_HOLDOFF_US: the longest hold-off of receive moderation
-    /// (`holdoff::Holdoff`); 0 turns it off. RNICD_HOLDOFF_FIXED=1: that
-    /// long during every stream, not adapted.
-    holdoff: Duration,
-    holdoff_fixed: bool,
     /// RNICD_SPIN_WORTH_US: the longest wait a spin is worth; a spin that
     /// finds work later, or a wake-up later than that, shrinks the spin
     /// (RNICD_SPIN_WORTH_US=RNICD_SPIN_US: shrink only on wake-ups after
@@ -687,8 +677,6 @@ impl LoopKnobs {
             } else {
                 SPIN
             }),
-            holdoff: std::env::var("RNICD_HOLDOFF_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(HOLDOFF),
-            holdoff_fixed: std::env::var("RNICD_HOLDOFF_FIXED").is_ok_and(|v| v == "1"),
             spin_worth: std::env::var("RNICD_SPIN_WORTH_US")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -732,10 +720,19 @@ struct Daemon {
     rings_polled: bool,
     rounds_without_epoll: u32,
     last_activity: Instant,
-    /// When a round last received packets (the stream's pace, `holdoff`).
-    last_rx: Instant,
     spin: spin::Spin,
-    holdoff: holdoff::Holdoff,
+    sleeps: Sleeps,
+}
+
+/// How often the event loop slept in epoll, and how many of those sleeps
+/// work ended (a packet, a doorbell, a control request) rather than a
+/// timer: against the packets received, the wake-ups a packet costs.
+/// In the stats as `loop_sleeps` and `loop_woken_by_work`, counted over
+/// rnicd's life and all its namespaces.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sleeps {
+    sleeps: u64,
+    woken_by_work: u64,
 }
 
 /// What one round found to do.
@@ -746,11 +743,6 @@ struct Round {
     events: usize,
     /// This round is a spin's: the activity it waits after.
     spin_since: Option<Instant>,
-    /// This round follows a hold-off; whether it ran its whole length.
-    held_off: Option<bool>,
-    /// This round follows a sleep during a stream that work ended, this
-    /// long after the last packet received.
-    stream_woken: Option<Duration>,
 }
 
 /// Runs rnicd until SIGINT/SIGTERM or `stop` is set.
@@ -773,7 +765,7 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
         d.pump(&round, &udp_ready);
     }
     let _ = std::fs::remove_file(&d.cfg.sock);
-    info!("rnicd stopped; event loop: {}; {}", d.spin.counts.summary(), d.holdoff.counts.summary());
+    info!("rnicd stopped; event loop: {}", d.spin.counts.summary());
     Ok(())
 }
 
@@ -794,7 +786,7 @@ impl Daemon {
         Ok(Daemon {
             cfg,
             spin: spin::Spin::new(knobs.spin, knobs.spin_worth),
-            holdoff: holdoff::Holdoff::new(knobs.holdoff, knobs.holdoff_fixed),
+            sleeps: Sleeps::default(),
             knobs,
             nss,
             listener,
@@ -810,7 +802,6 @@ impl Daemon {
             rings_polled: false,
             rounds_without_epoll: 0,
             last_activity: Instant::now(),
-            last_rx: Instant::now(),
         })
     }
 
@@ -819,10 +810,6 @@ impl Daemon {
         // After activity, keep polling (politely) for a short while: the
         // next request of a ping-pong then finds us awake, not asleep in epoll.
         let spinning = !self.busy && self.last_activity.elapsed() < self.spin.limit();
-        // Where the loop would sleep until the next packet of a stream,
-        // receive moderation holds off instead (`holdoff`).
-        let stream = !self.busy && !spinning && self.holdoff.enabled() && self.nss.values().any(|n| n.engine.streaming());
-        let hold = if stream { self.holdoff.limit() } else { Duration::ZERO };
         let spin_since = spinning.then_some(self.last_activity);
         if spinning {
             let _ = sched_yield();
@@ -850,7 +837,6 @@ impl Daemon {
         // EPOLL_EVERY-th round, and in between read the UDP sockets of a few
         // namespaces directly: one syscall per received packet, not two.
         let direct_rx = polling && self.knobs.direct_rx && self.nss.len() <= DIRECT_RX_MAX_NS && self.rounds_without_epoll < EPOLL_EVERY;
-        let (mut held_off, mut stream_woken) = (None, None);
         let events = if direct_rx {
             self.rounds_without_epoll += 1;
             // Control first: a request must not wait behind the rounds of
@@ -860,30 +846,17 @@ impl Daemon {
             } else {
                 0
             }
-        } else if !timeout.is_zero() && !hold.is_zero() {
-            self.rounds_without_epoll = 0;
-            // Hold off: packets wait in the socket, and only control work
-            // (a request, a doorbell) or a QP timer ends the sleep early;
-            // then everything that came is taken in one pass.
-            let h = hold.min(timeout);
-            let counts = &mut self.holdoff.counts;
-            counts.sleeps += 1;
-            let woken = epoll_wait_for(&self.ctl, &mut evs[..1], h) > 0;
-            counts.woken_by_work += u64::from(woken);
-            held_off = Some(!woken && h == hold);
-            epoll_wait_for(&self.ep, evs, Duration::ZERO)
         } else {
             self.rounds_without_epoll = 0;
             let n = epoll_wait_for(&self.ep, evs, timeout);
             if !timeout.is_zero() {
-                self.holdoff.counts.sleeps += 1;
-            }
-            if n > 0 && !timeout.is_zero() {
-                // Slept and woken by work (not a timer): would a longer spin
-                // have caught it, or, during a stream, a hold-off gathered more?
-                self.spin.woken_after(self.last_activity.elapsed());
-                self.holdoff.counts.woken_by_work += 1;
-                stream_woken = stream.then(|| self.last_rx.elapsed());
+                self.sleeps.sleeps += 1;
+                if n > 0 {
+                    // Slept and woken by work (not a timer): would a longer
+                    // spin have caught it?
+                    self.spin.woken_after(self.last_activity.elapsed());
+                    self.sleeps.woken_by_work += 1;
+                }
             }
             n
         };
@@ -893,7 +866,7 @@ impl Daemon {
                 ns.engine.stats.late_ring_wqes += late;
             }
         }
-        Round { direct_rx, events, spin_since, held_off, stream_woken }
+        Round { direct_rx, events, spin_since }
     }
 
     /// While polling, rnicd reads the QPs' rings itself and clients skip
@@ -948,8 +921,8 @@ impl Daemon {
             t => {
                 let id = t >> 1;
                 let eps = Eps { udp: &self.ep, ctl: &self.ctl };
-                let counts = self.holdoff.counts;
-                if !serve_client(&mut self.nss, &self.cfg, eps, &self.ram_clients, counts, &mut self.clients, id, &mut self.ctlbuf) {
+                let sleeps = self.sleeps;
+                if !serve_client(&mut self.nss, &self.cfg, eps, &self.ram_clients, sleeps, &mut self.clients, id, &mut self.ctlbuf) {
                     self.client_gone(id);
                 }
             }
@@ -993,7 +966,7 @@ impl Daemon {
             ns.engine.stats.clients_gone += 1;
         }
         if self.clients.is_empty() {
-            info!("event loop while it had clients: {}; {}", self.spin.counts.summary(), self.holdoff.counts.summary());
+            info!("event loop while it had clients: {}", self.spin.counts.summary());
             self.spin.counts = Default::default();
         }
         let in_use = self.clients.values().any(|o| o.ns == c.ns);
@@ -1014,23 +987,12 @@ impl Daemon {
     /// Receives and transmits in every namespace, and decides whether the
     /// next round starts at once.
     fn pump(&mut self, round: &Round, udp_ready: &[Ipv4Addr]) {
-        let (mut got, mut pkts, mut sent, mut more) = (0, 0, 0, false);
+        let (mut got, mut sent, mut more) = (0, 0, false);
         for (gid, ns) in self.nss.iter_mut() {
-            let rx0 = ns.engine.stats.rx_packets;
             let (g, t, m) = ns.pump(self.busy || round.direct_rx || udp_ready.contains(gid), &mut self.rxbufs);
             got += g;
-            pkts += (ns.engine.stats.rx_packets - rx0) as usize;
             sent += t;
             more |= m;
-        }
-        if let Some(full) = round.held_off {
-            self.holdoff.drained(pkts, full);
-        }
-        if let Some(idle) = round.stream_woken.filter(|_| pkts > 0) {
-            self.holdoff.woken(idle, pkts);
-        }
-        if pkts > 0 {
-            self.last_rx = Instant::now();
         }
         // Busy (loop again at once, without yielding) only while there is
         // more to send or the socket had more than a batch. After an ordinary
@@ -1182,7 +1144,7 @@ fn serve_client(
     cfg: &Config,
     eps: Eps,
     ram_clients: &Arc<crate::ramclient::RamClients>,
-    loop_counts: holdoff::Counts,
+    sleeps: Sleeps,
     clients: &mut HashMap<ClientId, Client>,
     id: ClientId,
     buf: &mut [u8],
@@ -1267,11 +1229,8 @@ fn serve_client(
                         v["ram_clients"] = ram_clients.joined().into();
                         v["ram_clients_in_postcopy"] = ram_clients.in_postcopy().into();
                         // The event loop's, for all its namespaces.
-                        v["loop_sleeps"] = loop_counts.sleeps.into();
-                        v["loop_woken_by_work"] = loop_counts.woken_by_work.into();
-                        v["loop_holdoffs"] = loop_counts.holdoffs.into();
-                        v["loop_holdoff_packets"] = loop_counts.holdoff_packets.into();
-                        v["loop_holdoff_empty"] = loop_counts.holdoff_empty.into();
+                        v["loop_sleeps"] = sleeps.sleeps.into();
+                        v["loop_woken_by_work"] = sleeps.woken_by_work.into();
                         Reply::Stats(v)
                     }
                     r => r,

@@ -522,11 +522,6 @@ impl Engine {
         }
     }
 
-    /// Whether any QP streams (`Qp::streaming`): receive moderation may hold off.
-    pub fn streaming(&self) -> bool {
-        self.qps.values().any(|q| q.streaming())
-    }
-
     /// Earliest timer of any QP.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.qps.values().filter_map(|q| q.next_deadline()).min()

@@ -526,21 +526,6 @@ impl Qp {
             && !self.blocked()
     }
 
-    /// Whether more packets of this QP's traffic are surely on their way
-    /// without waiting for this end, so that rnicd may hold off before it
-    /// looks at the wire again (receive moderation, `daemon::holdoff`): a
-    /// message it receives is mid-way (the rest of it is in the peer's
-    /// window). A ping-pong of single-packet messages never is. A window
-    /// of requests in flight is not taken for a stream: their ACKs come
-    /// as the peer coalesces them (`responder::STREAM_ACK_BATCH`), too
-    /// sparse for a hold-off to gather several.
-    pub fn streaming(&self) -> bool {
-        !self.suspended
-            && !self.is_ud()
-            && matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd)
-            && self.receiving_message()
-    }
-
     pub fn next_deadline(&self) -> Option<Instant> {
         if self.suspended {
             return None;

@@ -670,14 +670,14 @@ impl Qp {
     }
 
     /// ACK coalescing of a stream, at the end of a receive pass (all the
-    /// packets the socket held, what a GRO batch or a hold-off gathered):
-    /// once STREAM_ACK_BATCH requests wait, one ACK covers them all now,
-    /// before the ACK timer would wake rnicd for it. Fewer wait, and a
-    /// message is mid-way: its next packets come without this ACK, and the
-    /// ACK waits for them, up to STREAM_ACK_DELAY after the first request
-    /// it covers (so a paced stream is not woken for by the 100 µs ACK
-    /// timer between its packets). Otherwise (a message ended) the ACK
-    /// timer stands: a ping-pong's lone messages are acknowledged as before.
+    /// packets the socket held, what a GRO batch gathered): once
+    /// STREAM_ACK_BATCH requests wait, one ACK covers them all now, before
+    /// the ACK timer would wake rnicd for it. Fewer wait, and a message is
+    /// mid-way: its next packets come without this ACK, and the ACK waits
+    /// for them, up to STREAM_ACK_DELAY after the first request it covers
+    /// (so a paced stream is not woken for by the ACK timer between its
+    /// packets). Otherwise (a message ended) the ACK timer stands: a
+    /// ping-pong's lone messages are acknowledged within ACK_DELAY_US.
     pub fn end_of_receive_pass(&mut self, now: Instant) {
         let (Some(due), Some(first)) = (self.ack_due, self.unacked_since) else { return };
         if self.suspended {
@@ -692,7 +692,7 @@ impl Qp {
 
     /// A message this QP receives is mid-way: the rest of it is in the
     /// peer's window and comes without waiting for this end.
-    pub(super) fn receiving_message(&self) -> bool {
+    fn receiving_message(&self) -> bool {
         self.rt.write.is_some() || self.rt.in_send
     }
 
