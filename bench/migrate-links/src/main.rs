@@ -228,9 +228,61 @@ fn rnicd_counters(clients: &[verbs::Context]) -> Result<Vec<(String, u64)>> {
         "rnr_naks_sent",
         "rx_bad_icrc",
         "send_errors",
+        "ack_packets_sent",
+        "ack_packets_received",
     ];
     let all = clients.iter().map(|c| c.stats()).collect::<Result<Vec<_>>>()?;
     Ok(KEYS.iter().map(|k| (k.to_string(), all.iter().filter_map(|s| s[*k].as_u64()).sum())).collect())
+}
+
+/// The event loop's counters of one rnicd (`loop_*` of its stats: the
+/// daemon's, whichever namespace is asked), by name without the prefix.
+const LOOP_KEYS: &[&str] = &["sleeps", "woken_by_work"];
+
+/// Per host: the event loop's counters and the namespace counters that
+/// give them a scale (packets received and sent, ACKs sent and received),
+/// from `stats` (a client per host and link, host by host).
+fn loop_counters(stats: &[verbs::Context], links: usize) -> Result<Vec<serde_json::Map<String, Value>>> {
+    stats
+        .chunks(links)
+        .map(|host| {
+            let all = host.iter().map(|c| c.stats()).collect::<Result<Vec<_>>>()?;
+            let mut m = serde_json::Map::new();
+            for k in LOOP_KEYS {
+                m.insert(k.to_string(), json!(all[0][format!("loop_{k}")].as_u64().unwrap_or(0)));
+            }
+            for k in ["rx_packets", "tx_packets", "ack_packets_sent", "ack_packets_received"] {
+                m.insert(k.to_string(), json!(all.iter().filter_map(|s| s[k].as_u64()).sum::<u64>()));
+            }
+            Ok(m)
+        })
+        .collect()
+}
+
+/// rnicd's wake-ups and ACKs over a migration, from the per-host counters
+/// before and after (`loop_counters`): wake-ups per packet the destination
+/// received and the source sent, and ACKs per packet received (ACK
+/// coalescing of streams).
+fn wakeups(before: &[serde_json::Map<String, Value>], after: &[serde_json::Map<String, Value>]) -> Value {
+    let d = |h: usize, k: &str| {
+        let g = |m: &[serde_json::Map<String, Value>]| m.get(h).and_then(|x| x[k].as_u64()).unwrap_or(0);
+        g(after).saturating_sub(g(before)) as f64
+    };
+    let per = |a: f64, b: f64| if b > 0.0 { json!(a / b) } else { Value::Null };
+    let side = |h: usize| {
+        let mut m = serde_json::Map::new();
+        for k in LOOP_KEYS.iter().chain(&["rx_packets", "tx_packets", "ack_packets_sent", "ack_packets_received"]) {
+            m.insert(k.to_string(), json!(d(h, k)));
+        }
+        Value::Object(m)
+    };
+    json!({
+        "source": side(0),
+        "dest": side(1),
+        "wakes_per_packet_dest": per(d(1, "sleeps"), d(1, "rx_packets")),
+        "acks_per_packet_dest": per(d(1, "ack_packets_sent"), d(1, "rx_packets")),
+        "wakes_per_packet_source": per(d(0, "sleeps"), d(0, "tx_packets")),
+    })
 }
 
 /// `perf record -g` of one process until dropped (SIGINT, so perf writes its file).
@@ -298,10 +350,12 @@ fn run_row(bin: &Path, rnicd: Option<&Path>, transport: &str, links: usize, gib:
         .flat_map(|(h, r)| (0..links).map(move |k| verbs::Context::open_namespace(Some(r.socket()), tbr.host(h).addr(k))))
         .collect::<Result<_>>()?;
     let stats0 = rnicd_counters(&stats)?;
+    let loop0 = loop_counters(&stats, links)?;
     src.exec("migrate", json!({"uri": uri, "channels": channels, "downtime_ms": 300, "timeout_s": 600}))?;
     let s = wait_migration(&src, Duration::from_secs(660))?;
     let rnicd1 = rnicd_cpu()?;
     drop(perf);
+    let loop1 = loop_counters(&stats, links)?;
     let counters: serde_json::Map<String, Value> =
         rnicd_counters(&stats)?.into_iter().zip(stats0).map(|((k, b), (_, a))| (k, json!(b - a))).collect();
     let rnicd_side = |h: usize| rnicd1.get(h).zip(rnicd0.get(h)).map_or(0.0, |(b, a)| b - a);
@@ -340,6 +394,7 @@ fn run_row(bin: &Path, rnicd: Option<&Path>, transport: &str, links: usize, gib:
         "cpu_s_per_gb_dest": (cpu_dst + rnicd_dst) / gb,
         "raw_tcp_gbps": raw,
         "rnicd_counters": if rnicds.is_empty() { Value::Null } else { Value::Object(counters) },
+        "rnicd_wakeups": if rnicds.is_empty() { Value::Null } else { wakeups(&loop0, &loop1) },
         // Where the time went: connecting (queue pairs, registrations) and the rounds.
         "setup_ms": s["setup_ms"],
         "setup_steps": s["setup_steps"],
@@ -474,6 +529,26 @@ fn print_table(rows: &[Value]) {
         );
         if let Some(e) = r["error"].as_str() {
             println!("  error: {e}");
+        }
+    }
+    // rnicd's wake-ups, ACKs (coalesced for streams) and seconds.
+    if rows.iter().any(|r| r["rnicd_wakeups"].is_object()) {
+        println!(
+            "\n{:<18} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "rnicd", "links", "src rnicd s", "dst rnicd s", "dst wake/pkt", "dst ack/pkt", "src wake/pkt"
+        );
+        for r in rows.iter().filter(|r| r["rnicd_wakeups"].is_object()) {
+            let m = &r["rnicd_wakeups"];
+            println!(
+                "{:<18} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12}",
+                r["rnicd"].as_str().unwrap_or("-"),
+                r["links"],
+                f(r, "cpu_s_rnicd_source", 2),
+                f(r, "cpu_s_rnicd_dest", 2),
+                f(m, "wakes_per_packet_dest", 3),
+                f(m, "acks_per_packet_dest", 3),
+                f(m, "wakes_per_packet_source", 3),
+            );
         }
     }
     // Two links against one, per transport, rnicd build and THP setting,

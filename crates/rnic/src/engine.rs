@@ -66,6 +66,9 @@ pub struct Engine {
     /// queued ACKs and NAKs (their resume NAKs among them) alone, before
     /// any QP reads guest memory for the data it resends.
     acks_alone: bool,
+    /// QPs that received requests without an ACK in this receive pass
+    /// (`end_of_receive_pass`).
+    acks_delayed: Vec<u32>,
 }
 
 /// A flow a QP made suspended (awaiting its state, or from one) will send
@@ -105,6 +108,7 @@ impl Engine {
             ahead: Vec::new(),
             doorbell_slots: HashMap::new(),
             acks_alone: false,
+            acks_delayed: Vec::new(),
         }
     }
 
@@ -438,7 +442,24 @@ impl Engine {
             qp.on_response(&mut ctx, &p);
         } else {
             qp.on_request(&mut ctx, &p);
+            if qp.ack_delayed() && self.acks_delayed.last() != Some(&p.bth.dest_qpn) {
+                self.acks_delayed.push(p.bth.dest_qpn);
+            }
         }
+    }
+
+    /// A receive pass ended: the QPs that received requests without an
+    /// ACK decide whether their coalesced ACK goes now (`Qp::end_of_receive_pass`).
+    pub fn end_of_receive_pass(&mut self, now: Instant) {
+        let mut looks = std::mem::take(&mut self.acks_delayed);
+        looks.sort_unstable();
+        looks.dedup();
+        for qpn in looks.drain(..) {
+            if let Some(qp) = self.qps.get_mut(&qpn) {
+                qp.end_of_receive_pass(now);
+            }
+        }
+        self.acks_delayed = looks;
     }
 
     /// Runs timers and emits up to `budget` packets into `self.tx`.

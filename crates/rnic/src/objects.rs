@@ -156,6 +156,11 @@ pub struct Stats {
     pub ud_no_recv_drops: u64,
     pub ud_other_drops: u64,
     pub ud_oversize_sends: u64,
+    /// ACK, NAK and RNR NAK packets the responders sent, and those the
+    /// requesters received (their ratio to `rx_packets`/`tx_packets`
+    /// shows ACK coalescing).
+    pub ack_packets_sent: u64,
+    pub ack_packets_received: u64,
 }
 
 pub struct OutPkt {

@@ -155,6 +155,7 @@ impl Qp {
 
     /// ACK, RNR NAK or NAK.
     fn on_ack(&mut self, ctx: &mut Ctx, p: &Packet) {
+        ctx.stats.ack_packets_received += 1;
         self.peer_hold_us = wire::decode_hold(p.bth.resv6);
         self.on_ack_held(ctx, p);
         self.peer_hold_us = 0;

@@ -182,6 +182,10 @@ pub struct Qp {
     unasked_msgs: u32,
     /// Responder: requests were executed without an ACK; one goes out by then.
     ack_due: Option<Instant>,
+    /// Responder: how many requests wait for that ACK, and since when
+    /// (ACK coalescing of a stream, `end_of_receive_pass`).
+    unacked: u32,
+    unacked_since: Option<Instant>,
     /// A bind or invalidate WR waiting for every earlier WR to complete
     /// (an implicit fence: no earlier message, resent or not, sees a binding
     /// it was not posted under); later WRs wait behind it in the ring.
@@ -243,6 +247,8 @@ impl Qp {
             held_bytes: 0,
             unasked_msgs: 0,
             ack_due: None,
+            unacked: 0,
+            unacked_since: None,
             peer_hold_us: 0,
             ack_since: None,
             held_local: None,

@@ -16,6 +16,15 @@ use crate::wire::{self, psn_add, psn_diff, Aeth, Headers, NakCode, Opcode, Packe
 /// stops sending still hears about its last messages long before its loss
 /// probe (`requester::MIN_PROBE_US`).
 const ACK_DELAY_US: u64 = 100;
+/// A stream's coalesced ACK (`Qp::end_of_receive_pass`): at the end of a
+/// receive pass once this many requests wait for it, and while a message
+/// is mid-way no later than STREAM_ACK_DELAY after the first of them.
+/// 16 packets are 64 KiB at path MTU 4096; a requester whose window is
+/// smaller asks for ACKs itself more often (AckReq, `requester::ack_every`).
+const STREAM_ACK_BATCH: u32 = 16;
+/// Far below the requester's loss probe (4 ms at least) and its IB
+/// timeout: the rest of the message comes long before, and its ACK with it.
+const STREAM_ACK_DELAY: Duration = Duration::from_micros(500);
 /// Requests a responder keeps when they arrive ahead of a gap (see `Qp::hold`).
 const HOLD_MAX_PKTS: usize = 2048;
 const HOLD_MAX_BYTES: usize = 4 << 20;
@@ -93,6 +102,7 @@ impl Qp {
     fn queue_ack(&mut self, psn: u32) {
         // Acknowledges everything before it, the coalesced ones too.
         self.ack_due = None;
+        self.unacked = 0;
         if let Some(RespJob::Ack { psn: p, syndrome }) = self.rt.resp_queue.back_mut() {
             if Syndrome::from_u8(*syndrome) == Syndrome::Ack(0x1f) {
                 *p = psn;
@@ -644,9 +654,46 @@ impl Qp {
         self.ack_since = Some(ctx.arrived);
         if p.bth.ack_req {
             self.queue_ack(p.bth.psn);
-        } else if self.ack_due.is_none() {
-            self.ack_due = Some(ctx.now + Duration::from_micros(ACK_DELAY_US));
+        } else {
+            if self.ack_due.is_none() {
+                self.ack_due = Some(ctx.now + Duration::from_micros(ACK_DELAY_US));
+                self.unacked_since = Some(ctx.now);
+                self.unacked = 0;
+            }
+            self.unacked += 1;
         }
+    }
+
+    /// Whether executed requests wait for a delayed ACK.
+    pub fn ack_delayed(&self) -> bool {
+        self.ack_due.is_some()
+    }
+
+    /// ACK coalescing of a stream, at the end of a receive pass (all the
+    /// packets the socket held, what a GRO batch gathered): once
+    /// STREAM_ACK_BATCH requests wait, one ACK covers them all now, before
+    /// the ACK timer would wake rnicd for it. Fewer wait, and a message is
+    /// mid-way: its next packets come without this ACK, and the ACK waits
+    /// for them, up to STREAM_ACK_DELAY after the first request it covers
+    /// (so a paced stream is not woken for by the ACK timer between its
+    /// packets). Otherwise (a message ended) the ACK timer stands: a
+    /// ping-pong's lone messages are acknowledged within ACK_DELAY_US.
+    pub fn end_of_receive_pass(&mut self, now: Instant) {
+        let (Some(due), Some(first)) = (self.ack_due, self.unacked_since) else { return };
+        if self.suspended {
+            return;
+        }
+        if self.unacked >= STREAM_ACK_BATCH {
+            self.ack_last_executed();
+        } else if self.receiving_message() {
+            self.ack_due = Some(due.max(first + STREAM_ACK_DELAY).max(now));
+        }
+    }
+
+    /// A message this QP receives is mid-way: the rest of it is in the
+    /// peer's window and comes without waiting for this end.
+    fn receiving_message(&self) -> bool {
+        self.rt.write.is_some() || self.rt.in_send
     }
 
     /// Answers a refused request: an RNR NAK leaves the QP as it is (the
@@ -773,6 +820,7 @@ impl Qp {
                         h.bth.resv6 = wire::encode_hold(Instant::now().saturating_duration_since(t).as_micros() as u64);
                     }
                     let _ = ctx.tx.emit(&flow, &h, 0, |_| Ok::<(), ()>(()));
+                    ctx.stats.ack_packets_sent += 1;
                     self.rt.resp_queue.pop_front();
                 }
                 RespJob::AtomicAck { psn, orig } => {
