@@ -98,19 +98,19 @@ impl PushQueue {
     /// drop them from the queue, the cursor stays.
     pub fn drop_queued(&self, first: u64, count: u64) {
         let mut g = self.inner.lock().unwrap();
-        for p in first..(first + count).min(self.total) {
-            let (w, b) = ((p / 64) as usize, p % 64);
-            if g.bits[w] & (1 << b) != 0 {
-                g.bits[w] &= !(1 << b);
-                g.left -= 1;
-            }
-        }
+        self.unqueue(&mut g, first, count, |_| {});
     }
 
     /// Drop the queued pages of `first..first+count` (calling `taken` on
     /// each) and move the cursor after the range.
-    fn take(&self, first: u64, count: u64, mut taken: impl FnMut(u64)) {
+    fn take(&self, first: u64, count: u64, taken: impl FnMut(u64)) {
         let mut g = self.inner.lock().unwrap();
+        self.unqueue(&mut g, first, count, taken);
+        g.cursor = (first + count) % self.total.max(1);
+    }
+
+    /// Clears the queued pages of `first..first+count`, calling `taken` on each.
+    fn unqueue(&self, g: &mut Inner, first: u64, count: u64, mut taken: impl FnMut(u64)) {
         for p in first..(first + count).min(self.total) {
             let (w, b) = ((p / 64) as usize, p % 64);
             if g.bits[w] & (1 << b) != 0 {
@@ -119,7 +119,6 @@ impl PushQueue {
                 taken(p);
             }
         }
-        g.cursor = (first + count) % self.total.max(1);
     }
 
     /// Claimed pages that were not sent after all: queue them again.
