@@ -1,6 +1,6 @@
 //! Coalesced ACKs of a stream (`Qp::end_of_receive_pass`): a stream of
 //! multi-packet WRITEs paced by a capped link is acknowledged once per
-//! batch of packets, not per packet, and nothing is resent for it; a
+//! batch of packets, not per packet, and no NAK asks for a resend; a
 //! packet lost inside such a batch is still recovered by go-back-N with
 //! every byte in place; in a ping-pong of single-packet messages no ACK
 //! waits to be coalesced: each message gets its own.
@@ -30,7 +30,7 @@ fn stats(ctx: &Context, keys: &[&str]) -> Vec<u64> {
 const KEYS: &[&str] = &["rx_packets", "ack_packets_sent", "seq_naks_sent", "dup_requests"];
 
 /// What a paced stream changed: the receiver's KEYS, and the sender's
-/// go-back-N rewinds.
+/// go-back-N rewinds and loss probes.
 #[derive(Debug)]
 struct Stream {
     rx_packets: u64,
@@ -38,6 +38,7 @@ struct Stream {
     seq_naks: u64,
     dups: u64,
     rewinds: u64,
+    probes: u64,
 }
 
 /// Streams TOTAL bytes of 64 KiB WRITEs from host 0 to host 1 over a link
@@ -52,6 +53,7 @@ fn paced_stream(bed: &Bed, loss_pct: f64) -> Stream {
     bed.tb.set_loss(1, 0, loss_pct).unwrap();
     let before = stats(&b.ctx, KEYS);
     let rewinds0 = stat(&a.ctx, "retransmit_rewinds");
+    let probes0 = stat(&a.ctx, "loss_probes");
     let msgs = TOTAL / MSG;
     let (mut posted, mut done) = (0, 0);
     let t0 = Instant::now();
@@ -75,15 +77,28 @@ fn paced_stream(bed: &Bed, loss_pct: f64) -> Stream {
     bed.tb.set_rate(1, 0, None).unwrap();
     assert!(b.buf.read(0, TOTAL) == data, "the written bytes arrived");
     let d: Vec<u64> = stats(&b.ctx, KEYS).iter().zip(&before).map(|(x, y)| x - y).collect();
-    Stream { rx_packets: d[0], acks: d[1], seq_naks: d[2], dups: d[3], rewinds: stat(&a.ctx, "retransmit_rewinds") - rewinds0 }
+    Stream {
+        rx_packets: d[0],
+        acks: d[1],
+        seq_naks: d[2],
+        dups: d[3],
+        rewinds: stat(&a.ctx, "retransmit_rewinds") - rewinds0,
+        probes: stat(&a.ctx, "loss_probes") - probes0,
+    }
 }
 
 #[test]
-fn a_paced_stream_is_acknowledged_per_batch_and_nothing_is_resent() {
+fn a_paced_stream_is_acknowledged_per_batch_without_naks() {
     let bed = Bed::new("stack", 2);
     let s = paced_stream(&bed, 0.0);
     assert!(s.acks * 8 < s.rx_packets, "{} ACKs for {} packets: not coalesced ({s:?})", s.acks, s.rx_packets);
-    assert_eq!((s.rewinds, s.seq_naks, s.dups), (0, 0, 0), "resends without loss: {s:?}");
+    // No packet was lost or reordered, so no NAK asks for a resend. The
+    // requester's loss probe (4 ms at least, against the 500 us a
+    // coalesced ACK may wait) can still fire when the responder's host does
+    // not run its rnicd for that long (a loaded CI host): resends may only
+    // start from such a probe.
+    assert_eq!(s.seq_naks, 0, "a NAK without loss: {s:?}");
+    assert!((s.rewinds, s.dups) == (0, 0) || s.probes > 0, "resent without a loss probe: {s:?}");
 }
 
 #[test]
