@@ -19,6 +19,10 @@ impl PageRange {
     pub fn end(&self) -> u64 {
         self.first + self.count
     }
+    /// The part of the range below page `total` (empty if none is).
+    pub fn clipped(&self, total: u64) -> PageRange {
+        PageRange { first: self.first, count: self.end().min(total).saturating_sub(self.first) }
+    }
 }
 
 /// Sort, merge overlapping or adjacent ranges, clip to `total` pages.
@@ -90,6 +94,10 @@ impl AtomicBitmap {
             }
         }
         Some(AtomicBitmap { words, bits })
+    }
+    /// A copy of the bits as they are now.
+    pub fn snapshot(&self) -> AtomicBitmap {
+        AtomicBitmap { words: self.words.iter().map(|w| AtomicU64::new(w.load(Ordering::Acquire))).collect(), bits: self.bits }
     }
     pub fn get(&self, i: u64) -> bool {
         self.words[(i / 64) as usize].load(Ordering::Relaxed) & (1 << (i % 64)) != 0
@@ -274,6 +282,13 @@ mod tests {
         b.set_range(PageRange { first: 5, count: 1 });
         assert_eq!(b.count_ones(), 141);
         assert!(b.get(5) && !b.get(59) && b.get(60) && b.get(127) && b.get(199) && !b.get(200));
+        // A snapshot keeps the bits of its moment.
+        let snap = b.snapshot();
+        b.set(250);
+        assert_eq!((snap.count_ones(), snap.len(), snap.get(250)), (141, 300, false));
+        // Clipping to RAM.
+        assert_eq!(PageRange { first: 95, count: 10 }.clipped(100), PageRange { first: 95, count: 5 });
+        assert_eq!(PageRange { first: 120, count: 10 }.clipped(100).count, 0);
         // Data ranges of a memfd, whole and within windows.
         // SAFETY: plain syscalls on a file we own.
         let fd = unsafe { libc::memfd_create(c"pages-test".as_ptr(), 0) };

@@ -473,7 +473,7 @@ fn load_at_switch(
     }
     // What is here at the switch (the devices' pages the destination asks
     // for are those it lacks now, as the source sees them).
-    let here = crate::pages::AtomicBitmap::from_le_bytes(sh.total, &sh.seen.to_le_bytes()).expect("same size");
+    let here = sh.seen.snapshot();
     step("state received");
     let Armed { placer, sink, faults } = match armed {
         Some(a) => a,

@@ -270,7 +270,7 @@ impl Placer {
             .create()
             .map_err(|e| anyhow::anyhow!("userfaultfd: {e}"))?;
         register_ram(&uffd, ram.host_addr as *mut libc::c_void, ram.len as usize)?;
-        let claimed = AtomicBitmap::from_le_bytes(total, &seen.to_le_bytes()).expect("same size");
+        let claimed = seen.snapshot();
         // SAFETY: fstat of our memfd.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         let prefilled = unsafe { libc::fstat(ram.memfd, &mut st) } == 0 && st.st_blocks as u64 * 512 >= ram.len;
@@ -323,7 +323,8 @@ impl Placer {
     pub fn map_for_clients(&self, ranges: &[PageRange]) {
         self.mark_device(ranges);
         for r in ranges {
-            self.continue_in_clients(r.first, r.count.min(self.total.saturating_sub(r.first)));
+            let r = r.clipped(self.total);
+            self.continue_in_clients(r.first, r.count);
         }
     }
 
@@ -596,9 +597,7 @@ impl Placer {
     /// ([`map_for_clients`](Self::map_for_clients)).
     pub fn mark_device(&self, ranges: &[PageRange]) {
         for r in ranges {
-            for p in r.first..r.end().min(self.total) {
-                self.device.set(p);
-            }
+            self.device.set_range(r.clipped(self.total));
         }
     }
 
@@ -606,9 +605,7 @@ impl Placer {
     /// switch): a fault on one of them waits for it rather than asking.
     pub fn expect(&self, pages: &[PageRange]) {
         for r in pages {
-            for p in r.first..r.end().min(self.total) {
-                self.asked.set(p);
-            }
+            self.asked.set_range(r.clipped(self.total));
         }
     }
 
