@@ -542,8 +542,8 @@ fn device_pages_here(
 ) -> Result<()> {
     let t = Instant::now();
     let lacks = |p: u64| !here.get(p);
-    let share = super::device::at_switch(device, lacks, sh.total, super::device::SWITCH_PAGES_MAX);
-    let lacking = crate::pages::count_pages(&super::device::at_switch(device, lacks, sh.total, u64::MAX));
+    let lacking = super::device::lacking_in_order(device, lacks, sh.total);
+    let share = super::device::first_pages(&lacking, super::device::SWITCH_PAGES_MAX);
     let sent_set = normalize(sent.to_vec(), sh.total);
     let mut asks = super::place::Asks::default();
     for p in share.iter().flat_map(|r| r.first..r.end()) {
@@ -565,14 +565,14 @@ fn device_pages_here(
         Ok(false) => bail!("the devices' {at_switch} pages of the switch did not arrive within {DEVICE_PAGES_TIMEOUT:?}"),
         Err(why) => bail!("the devices' pages of the switch: {why}"),
     }
-    let named = crate::pages::count_pages(&super::device::at_switch(device, |_| true, sh.total, u64::MAX));
+    let named = crate::pages::count_pages(&super::device::lacking_in_order(device, |_| true, sh.total));
     ctl.update(|s| {
         s.device_pages = crate::stats::DevicePages {
             named,
             at_switch,
             asked,
             wait_ms: t.elapsed().as_secs_f64() * 1e3,
-            after_resume: lacking.saturating_sub(crate::pages::count_pages(&share)),
+            after_resume: crate::pages::count_pages(&lacking) - crate::pages::count_pages(&share),
         }
     });
     Ok(())

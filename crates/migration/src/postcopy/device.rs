@@ -52,20 +52,16 @@ pub fn in_ranges(missing: Option<&[PageRange]>, p: u64) -> bool {
 }
 
 /// The devices' pages, in their order, that the destination `lacks`, each
-/// once, up to `max` pages: what crosses in the switch.
-pub fn at_switch(device: &[PageRange], lacks: impl Fn(u64) -> bool, total: u64, max: u64) -> Vec<PageRange> {
+/// once (the first [`SWITCH_PAGES_MAX`] of them cross in the switch,
+/// [`first_pages`]).
+pub fn lacking_in_order(device: &[PageRange], lacks: impl Fn(u64) -> bool, total: u64) -> Vec<PageRange> {
     let taken = AtomicBitmap::new(total);
     let mut out: Vec<PageRange> = Vec::new();
-    let mut n = 0;
     for r in device {
         for p in r.first..r.end().min(total) {
-            if n == max {
-                return out;
-            }
             if !lacks(p) || !taken.test_and_set(p) {
                 continue;
             }
-            n += 1;
             match out.last_mut() {
                 Some(l) if l.end() == p => l.count += 1,
                 _ => out.push(PageRange { first: p, count: 1 }),
@@ -75,11 +71,26 @@ pub fn at_switch(device: &[PageRange], lacks: impl Fn(u64) -> bool, total: u64, 
     out
 }
 
+/// The first `max` pages of `ranges`, in their order.
+pub fn first_pages(ranges: &[PageRange], max: u64) -> Vec<PageRange> {
+    let mut left = max;
+    let mut out = Vec::new();
+    for r in ranges {
+        if left == 0 {
+            break;
+        }
+        let count = r.count.min(left);
+        out.push(PageRange { first: r.first, count });
+        left -= count;
+    }
+    out
+}
+
 /// Source: write `pages` of the paused VM's RAM to `w` as page batches
 /// (zero pages as zero records). Returns the pages written. (The calling
 /// thread's CPU is its caller's to count.)
 pub(crate) fn send(w: &mut impl Write, ram: RamRegion, pages: &[PageRange], ctl: &Control) -> Result<u64> {
-    // SAFETY: `at_switch` kept the pages inside guest RAM; the VM is
+    // SAFETY: `lacking_in_order` kept the pages inside guest RAM; the VM is
     // paused, so nothing writes them.
     let page = |pfn: u64| unsafe { std::slice::from_raw_parts(ram.host_addr.add((pfn * PAGE_SIZE) as usize), PAGE_SIZE as usize) };
     // Tests: the first page with data leaves damaged, with its right hash.
@@ -151,13 +162,13 @@ mod tests {
         let device = [r(50, 4), r(10, 2), r(51, 2), r(90, 20)];
         // Pure postcopy: every page is missing.
         let all = |p| in_ranges(None, p);
-        assert_eq!(at_switch(&device, all, 100, 100), vec![r(50, 4), r(10, 2), r(90, 10)]);
+        assert_eq!(lacking_in_order(&device, all, 100), vec![r(50, 4), r(10, 2), r(90, 10)]);
         // Budget: the first 5 pages in the devices' order.
-        assert_eq!(at_switch(&device, all, 100, 5), vec![r(50, 4), r(10, 1)]);
+        assert_eq!(first_pages(&lacking_in_order(&device, all, 100), 5), vec![r(50, 4), r(10, 1)]);
         // Hybrid: only what the destination lacks.
         let missing = [r(0, 11), r(52, 40)];
-        assert_eq!(at_switch(&device, |p| in_ranges(Some(&missing), p), 100, 100), vec![r(52, 2), r(10, 1), r(90, 2)]);
-        assert!(at_switch(&device, |p| in_ranges(Some(&[]), p), 100, 100).is_empty());
+        assert_eq!(lacking_in_order(&device, |p| in_ranges(Some(&missing), p), 100), vec![r(52, 2), r(10, 1), r(90, 2)]);
+        assert!(lacking_in_order(&device, |p| in_ranges(Some(&[]), p), 100).is_empty());
     }
 
     #[test]

@@ -169,13 +169,13 @@ fn switch_over(
     let sent = match &urgent {
         Some(_) => {
             let lacks = |p| super::device::in_ranges(missing.as_deref(), p);
-            super::device::at_switch(&device, lacks, total, super::device::SWITCH_PAGES_MAX)
+            super::device::first_pages(&super::device::lacking_in_order(&device, lacks, total), super::device::SWITCH_PAGES_MAX)
         }
         None => Vec::new(),
     };
     let server = urgent.map(|u| UrgentServer::start(u, ram, queue.clone(), ctl.clone(), sent.clone())).transpose()?;
     let sent_n = crate::pages::count_pages(&sent);
-    let named = crate::pages::count_pages(&super::device::at_switch(&device, |_| true, total, u64::MAX));
+    let named = crate::pages::count_pages(&super::device::lacking_in_order(&device, |_| true, total));
     ctl.update(|s| s.device_pages = crate::stats::DevicePages { named, at_switch: sent_n, ..Default::default() });
     wire::send_msg(
         control,
