@@ -118,9 +118,10 @@ pub trait MigratableVm: Send + Sync {
     /// Guest pages that devices reach without the vCPU once the VM runs on
     /// the destination (a PVRDMA device's rings and memory regions, where
     /// its rnicd moves the peers' data), in the order they matter. Asked
-    /// at the switch, while paused: a postcopy push sends the missing ones
-    /// of them before the rest, so that a device's first accesses after
-    /// the restart seldom wait for a page on the network.
+    /// at a postcopy or hybrid switch, while paused: the missing ones cross
+    /// inside the switch, up to `postcopy::device::SWITCH_PAGES_MAX`, and
+    /// the push sends the rest before other pages, so that a device's
+    /// accesses after the restart do not wait for a page on the network.
     fn device_pages(&self) -> Vec<PageRange> {
         Vec::new()
     }

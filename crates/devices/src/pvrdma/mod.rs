@@ -208,7 +208,7 @@ impl Pvrdma {
 
     /// The guest pages this device and its rnicd reach without the vCPU
     /// (rings, then memory regions), as `(gpa, len)` byte ranges: what a
-    /// postcopy pushes first (`reach.rs`).
+    /// postcopy switch carries (`reach.rs`).
     pub fn device_pages(&self) -> Vec<(u64, u64)> {
         reach::device_pages(&lock(&self.shared))
     }

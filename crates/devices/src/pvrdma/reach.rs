@@ -3,8 +3,9 @@
 //! doorbells and completions) and its memory regions (rnicd moves payload
 //! in and out of them for the peers). On a postcopy destination each of
 //! these pages that has not arrived yet stalls rnicd's event loop (every
-//! QP of that host) or a doorbell, so the source pushes them first
-//! (`migration::vm::MigratableVm::device_pages`).
+//! QP of that host) or a doorbell, so they cross inside the switch (the
+//! rest of them first in the push; `migration::vm::MigratableVm::
+//! device_pages`).
 
 use super::delta::Baseline;
 use super::dev::Dev;
