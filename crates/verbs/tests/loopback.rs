@@ -23,6 +23,21 @@ fn nic(addr: Ipv4Addr) -> Nic {
     Nic { stop, h: Some(h), path }
 }
 
+/// A buffer of `len` bytes registered with `pd` for every access.
+fn buf_mr(pd: &Pd, len: usize) -> (MemBuf, Mr) {
+    let b = MemBuf::new(len).unwrap();
+    let m = pd.reg_mr(&b, 0, b.len(), access::ALL).unwrap();
+    (b, m)
+}
+
+/// Connects `qa` and `qb` to each other at path MTU `mtu`, their first
+/// send PSNs `psn_a` and `psn_b`.
+fn connect(qa: &Qp, qb: &Qp, mtu: Mtu, psn_a: u32, psn_b: u32) {
+    let o = ConnectOpts { mtu, ..Default::default() };
+    qa.connect(&qb.endpoint(psn_b), &ConnectOpts { sq_psn: psn_a, ..o }).unwrap();
+    qb.connect(&qa.endpoint(psn_a), &ConnectOpts { sq_psn: psn_b, ..o }).unwrap();
+}
+
 #[test]
 fn write_read_send_atomic_loopback() {
     let a = nic(Ipv4Addr::new(127, 0, 0, 2));
@@ -33,13 +48,8 @@ fn write_read_send_atomic_loopback() {
     let (cqa, cqb) = (ca.create_cq(64, None).unwrap(), cb.create_cq(64, None).unwrap());
     let qa = pa.create_qp(&QpInitAttr::new(&cqa, &cqa)).unwrap();
     let qb = pb.create_qp(&QpInitAttr::new(&cqb, &cqb)).unwrap();
-    let ba = MemBuf::new(1 << 20).unwrap();
-    let bb = MemBuf::new(1 << 20).unwrap();
-    let ma = pa.reg_mr(&ba, 0, ba.len(), access::ALL).unwrap();
-    let mb = pb.reg_mr(&bb, 0, bb.len(), access::ALL).unwrap();
-    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
-    qa.connect(&qb.endpoint(100), &ConnectOpts { sq_psn: 200, ..o }).unwrap();
-    qb.connect(&qa.endpoint(200), &ConnectOpts { sq_psn: 100, ..o }).unwrap();
+    let ((ba, ma), (bb, mb)) = (buf_mr(&pa, 1 << 20), buf_mr(&pb, 1 << 20));
+    connect(&qa, &qb, Mtu::M1024, 200, 100);
     let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + 3) as u8).collect();
     ba.write(0, &data);
     qa.post_send(&[SendWr::write(1, &[ma.sge(0, data.len())], mb.addr, mb.rkey)]).unwrap();
@@ -79,13 +89,8 @@ fn big_read_small_mtu() {
     let (cqa, cqb) = (ca.create_cq(64, None).unwrap(), cb.create_cq(64, None).unwrap());
     let qa = pa.create_qp(&QpInitAttr::new(&cqa, &cqa)).unwrap();
     let qb = pb.create_qp(&QpInitAttr::new(&cqb, &cqb)).unwrap();
-    let ba = MemBuf::new(4 << 20).unwrap();
-    let bb = MemBuf::new(4 << 20).unwrap();
-    let ma = pa.reg_mr(&ba, 0, ba.len(), access::ALL).unwrap();
-    let mb = pb.reg_mr(&bb, 0, bb.len(), access::ALL).unwrap();
-    let o = ConnectOpts { mtu: Mtu::M256, ..Default::default() };
-    qa.connect(&qb.endpoint(100), &ConnectOpts { sq_psn: 200, ..o }).unwrap();
-    qb.connect(&qa.endpoint(200), &ConnectOpts { sq_psn: 100, ..o }).unwrap();
+    let ((_ba, ma), (_bb, mb)) = (buf_mr(&pa, 4 << 20), buf_mr(&pb, 4 << 20));
+    connect(&qa, &qb, Mtu::M256, 200, 100);
     qa.post_send(&[SendWr::read(2, &[ma.sge(0, 4 << 20)], mb.addr, mb.rkey)]).unwrap();
     let wc = cqa.wait(1, Duration::from_secs(20)).unwrap();
     eprintln!("A {}\nB {}", ca.stats().unwrap(), cb.stats().unwrap());
@@ -108,12 +113,8 @@ fn ping_pong_sleeping_and_polling() {
     let (rcqa, rcqb) = (ca.create_cq(64, Some(&cha)).unwrap(), cb.create_cq(64, Some(&chb)).unwrap());
     let qa = pa.create_qp(&QpInitAttr::new(&scqa, &rcqa)).unwrap();
     let qb = pb.create_qp(&QpInitAttr::new(&scqb, &rcqb)).unwrap();
-    let (ba, bb) = (MemBuf::new(1 << 16).unwrap(), MemBuf::new(1 << 16).unwrap());
-    let ma = pa.reg_mr(&ba, 0, ba.len(), access::ALL).unwrap();
-    let mb = pb.reg_mr(&bb, 0, bb.len(), access::ALL).unwrap();
-    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
-    qa.connect(&qb.endpoint(7), &ConnectOpts { sq_psn: 9, ..o }).unwrap();
-    qb.connect(&qa.endpoint(9), &ConnectOpts { sq_psn: 7, ..o }).unwrap();
+    let ((ba, ma), (bb, mb)) = (buf_mr(&pa, 1 << 16), buf_mr(&pb, 1 << 16));
+    connect(&qa, &qb, Mtu::M1024, 9, 7);
     let mut wc = [Wc::default(); 4];
     let spin = Duration::from_micros(2);
     let recv = |q: &Qp, m: &Mr, i: u64| q.post_recv(&[RecvWr { wr_id: i, sg_list: &[m.sge(0, 64)] }]).unwrap();
@@ -157,12 +158,8 @@ fn a_solicited_wait_sleeps_through_unsolicited_messages() {
     let rcqb = cb.create_cq(16, Some(&chb)).unwrap();
     let qa = pa.create_qp(&QpInitAttr::new(&scqa, &scqa)).unwrap();
     let qb = pb.create_qp(&QpInitAttr::new(&rcqb, &rcqb)).unwrap();
-    let (ba, bb) = (MemBuf::new(1 << 16).unwrap(), MemBuf::new(1 << 16).unwrap());
-    let ma = pa.reg_mr(&ba, 0, ba.len(), access::ALL).unwrap();
-    let mb = pb.reg_mr(&bb, 0, bb.len(), access::ALL).unwrap();
-    let o = ConnectOpts { mtu: Mtu::M1024, ..Default::default() };
-    qa.connect(&qb.endpoint(7), &ConnectOpts { sq_psn: 9, ..o }).unwrap();
-    qb.connect(&qa.endpoint(9), &ConnectOpts { sq_psn: 7, ..o }).unwrap();
+    let ((_ba, ma), (_bb, mb)) = (buf_mr(&pa, 1 << 16), buf_mr(&pb, 1 << 16));
+    connect(&qa, &qb, Mtu::M1024, 9, 7);
     for i in 0..2u64 {
         qb.post_recv(&[RecvWr { wr_id: i, sg_list: &[mb.sge(i as usize * 64, 64)] }]).unwrap();
     }
