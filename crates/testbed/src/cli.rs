@@ -77,13 +77,30 @@ pub enum TestbedCmd {
         #[arg(long, value_parser = ["up", "down"])]
         link: Option<String>,
     },
+    /// Round trip of one cache line between two CPUs of this machine, in ns.
+    ///
+    /// On a virtual machine whose vCPUs the hypervisor places on cores that
+    /// share a cache (about 65-90 ns here) or not (320-350 ns), every figure
+    /// that hands data between CPUs follows that placement; benches record it
+    /// around each run (`crate::cpu_distance`).
+    CpuRtt {
+        /// The two CPUs.
+        #[arg(long, value_delimiter = ',', default_values_t = [0, 1])]
+        cpus: Vec<usize>,
+        /// Round trips to average over.
+        #[arg(long, default_value_t = 100_000)]
+        iters: u64,
+        /// Print `{"cpu_rtt_ns": N}` instead of a sentence.
+        #[arg(long)]
+        json: bool,
+    },
     /// (internal) Runs the reorder delayer of a CLI testbed's NIC until killed.
     #[command(hide = true)]
     ReorderDaemon { name: String, host: usize, nic: usize, pct: f64, delay_ms: u64 },
 }
 
 pub fn run(cmd: TestbedCmd) -> Result<()> {
-    if !matches!(cmd, TestbedCmd::List) {
+    if !matches!(cmd, TestbedCmd::List | TestbedCmd::CpuRtt { .. }) {
         sys::require_root()?;
     }
     match cmd {
@@ -147,6 +164,17 @@ pub fn run(cmd: TestbedCmd) -> Result<()> {
             Ok(())
         }
         TestbedCmd::Sweep => crate::sweep(),
+        TestbedCmd::CpuRtt { cpus, iters, json } => {
+            let [a, b] = cpus[..] else { bail!("--cpus takes two CPUs, as 0,1") };
+            let rtt = crate::cpu_distance::cache_line_round_trip(a, b, iters)?;
+            let ns = rtt.as_nanos();
+            if json {
+                println!("{}", serde_json::json!({ "cpu_rtt_ns": ns, "cpus": cpus }));
+            } else {
+                println!("a cache line goes from CPU {} to CPU {} and back in {ns} ns (mean of {iters})", cpus[0], cpus[1]);
+            }
+            Ok(())
+        }
         TestbedCmd::Shape { name, host, nic, rate_mbit, loss, dup, reorder, reorder_delay_ms, link } => {
             let tb = Testbed::open(&name)?;
             let h = parse_host(&name, &host)?;

@@ -16,6 +16,7 @@
 //! ```
 
 pub mod cli;
+pub mod cpu_distance;
 mod faults;
 mod host;
 mod reorder;
