@@ -351,9 +351,13 @@ fn run_row(bin: &Path, rnicd: Option<&Path>, transport: &str, links: usize, gib:
         .collect::<Result<_>>()?;
     let stats0 = rnicd_counters(&stats)?;
     let loop0 = loop_counters(&stats, links)?;
+    // Whether the vCPUs shared a cache through the migration: copies between
+    // the CPUs, and so CPU per GB, depend on it (testbed::cpu_distance).
+    let rtt0 = testbed::cpu_distance::rtt_now();
     src.exec("migrate", json!({"uri": uri, "channels": channels, "downtime_ms": 300, "timeout_s": 600}))?;
     let s = wait_migration(&src, Duration::from_secs(660))?;
     let rnicd1 = rnicd_cpu()?;
+    let rtt1 = testbed::cpu_distance::rtt_now();
     drop(perf);
     let loop1 = loop_counters(&stats, links)?;
     let counters: serde_json::Map<String, Value> =
@@ -393,6 +397,8 @@ fn run_row(bin: &Path, rnicd: Option<&Path>, transport: &str, links: usize, gib:
         "cpu_s_per_gb_source": (cpu_src + rnicd_src) / gb,
         "cpu_s_per_gb_dest": (cpu_dst + rnicd_dst) / gb,
         "raw_tcp_gbps": raw,
+        "cpu_rtt_ns": [rtt0.map(|d| d.as_nanos() as u64), rtt1.map(|d| d.as_nanos() as u64)],
+        "cache": rtt0.zip(rtt1).map(|(a, b)| testbed::cpu_distance::cache_state(a, b)),
         "rnicd_counters": if rnicds.is_empty() { Value::Null } else { Value::Object(counters) },
         "rnicd_wakeups": if rnicds.is_empty() { Value::Null } else { wakeups(&loop0, &loop1) },
         // Where the time went: connecting (queue pairs, registrations) and the rounds.
@@ -491,7 +497,7 @@ fn raw_tcp_with_retries(tb: &Testbed, links: usize, streams: u32, secs: u32) -> 
 fn print_table(rows: &[Value]) {
     let f = |v: &Value, k: &str, p: usize| v[k].as_f64().map(|x| format!("{x:.p$}")).unwrap_or_else(|| "-".into());
     println!(
-        "{:<9} {:<18} {:<7} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "{:<9} {:<18} {:<7} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
         "transport",
         "rnicd",
         "THP",
@@ -506,11 +512,12 @@ fn print_table(rows: &[Value]) {
         "CPU s/GB",
         "src s/GB",
         "dst s/GB",
-        "rnicd s/GB"
+        "rnicd s/GB",
+        "cache"
     );
     for r in rows {
         println!(
-            "{:<9} {:<18} {:<7} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "{:<9} {:<18} {:<7} {:>5} {:>7} {:>9} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
             r["transport"].as_str().unwrap_or("?"),
             r["rnicd"].as_str().unwrap_or("-"),
             r["shmem_thp"].as_str().unwrap_or("-"),
@@ -526,6 +533,7 @@ fn print_table(rows: &[Value]) {
             f(r, "cpu_s_per_gb_source", 3),
             f(r, "cpu_s_per_gb_dest", 3),
             f(r, "cpu_s_per_gb_rnicd", 3),
+            r["cache"].as_str().unwrap_or("-"),
         );
         if let Some(e) = r["error"].as_str() {
             println!("  error: {e}");

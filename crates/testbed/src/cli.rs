@@ -90,7 +90,7 @@ pub enum TestbedCmd {
         /// Round trips to average over.
         #[arg(long, default_value_t = 100_000)]
         iters: u64,
-        /// Print `{"cpu_rtt_ns": N}` instead of a sentence.
+        /// Print `{"cpu_rtt_ns": N, "cpus": [A, B], "shared_cache": BOOL}` instead of a sentence.
         #[arg(long)]
         json: bool,
     },
@@ -169,7 +169,8 @@ pub fn run(cmd: TestbedCmd) -> Result<()> {
             let rtt = crate::cpu_distance::cache_line_round_trip(a, b, iters)?;
             let ns = rtt.as_nanos();
             if json {
-                println!("{}", serde_json::json!({ "cpu_rtt_ns": ns, "cpus": cpus }));
+                let shared = rtt < crate::cpu_distance::SHARED_CACHE_RTT;
+                println!("{}", serde_json::json!({ "cpu_rtt_ns": ns, "cpus": cpus, "shared_cache": shared }));
             } else {
                 println!("a cache line goes from CPU {} to CPU {} and back in {ns} ns (mean of {iters})", cpus[0], cpus[1]);
             }

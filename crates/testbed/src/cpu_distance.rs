@@ -18,6 +18,26 @@ use nix::unistd::Pid;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// A round trip below this means the two CPUs share a cache (65-90 ns
+/// here), above it that they do not (320-350 ns).
+pub const SHARED_CACHE_RTT: Duration = Duration::from_nanos(200);
+
+/// Where a bench's run took place, from the round trips measured before
+/// and after it.
+pub fn cache_state(before: Duration, after: Duration) -> &'static str {
+    match (before < SHARED_CACHE_RTT, after < SHARED_CACHE_RTT) {
+        (true, true) => "shared",
+        (false, false) => "split",
+        _ => "moved",
+    }
+}
+
+/// The round trip between CPUs 0 and 1 now (20,000 round trips, a few
+/// ms), for benches to record around a run; None on a machine with one CPU.
+pub fn rtt_now() -> Option<Duration> {
+    cache_line_round_trip(0, 1, 20_000).ok()
+}
+
 /// The line the two threads pass back and forth, alone in its cache line.
 #[repr(align(128))]
 struct Line(AtomicU64);
