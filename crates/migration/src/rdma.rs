@@ -126,6 +126,9 @@ fn open_rnicd_towards(rnicd: &str, source: Ipv4Addr, per_link: bool) -> Result<C
 /// pairs in about [`links::LINK_TIMEOUT`] so that their channels fail over.
 fn connect_opts(access: u32, several_links: bool) -> ConnectOpts {
     let mut o = ConnectOpts { access, sq_psn: PSN, ..Default::default() };
+    if let Some(m) = std::env::var("TRANSIT_MIGRATION_RDMA_MTU").ok().and_then(|v| v.parse().ok()).and_then(verbs::Mtu::from_bytes) {
+        o.mtu = m;
+    }
     if several_links {
         o.timeout = links::RDMA_LINK_TIMEOUT;
         o.retry_cnt = links::RDMA_LINK_RETRIES;
