@@ -57,6 +57,7 @@ pub fn run(
     let cpu = thread_cpu_s() - cpu0;
     ctl.update(|s| {
         // From the source's connection on, not from when we began to listen.
+        s.ended_unix_ms = Some(crate::cputime::unix_ns() as f64 / 1e6);
         s.total_ms = started.elapsed().as_secs_f64() * 1e3;
         s.cpu_s_dest = Some(s.cpu_s_dest.unwrap_or(0.0) + cpu);
         let secs = (s.total_ms - s.setup_ms) / 1e3;

@@ -39,6 +39,7 @@ pub fn run(vm: Arc<dyn MigratableVm>, uri: &str, params: &Params, sources: Vec<A
     let r = run_inner(vm, uri, params, sources, &ctl, t0);
     let cpu_main = thread_cpu_s() - cpu0;
     ctl.update(|s| {
+        s.ended_unix_ms = Some(crate::cputime::unix_ns() as f64 / 1e6);
         s.total_ms = t0.elapsed().as_secs_f64() * 1e3;
         s.cpu_s_source = Some(s.cpu_s_source.unwrap_or(0.0) + cpu_main);
         let secs = s.total_ms / 1e3;

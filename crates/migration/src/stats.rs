@@ -241,6 +241,10 @@ pub struct Stats {
     /// epoch), set with `downtime_ms`: where the switch lies on the clock
     /// other processes (a peer timing its stalls) use.
     pub paused_unix_ms: Option<f64>,
+    /// When this side's part of the migration ended, teardown included
+    /// (ms since the Unix epoch): with `paused_unix_ms`, where the end lies
+    /// on other processes' clocks.
+    pub ended_unix_ms: Option<f64>,
     pub expected_downtime_ms: f64,
     pub pages_sent: u64,
     pub zero_pages: u64,

@@ -49,7 +49,6 @@ fn pin_to(cpu: usize) -> Result<()> {
     Ok(())
 }
 
-
 /// The mean round trip of a cache line between CPUs `a` and `b`, over
 /// `iters` round trips: a thread on `a` writes an odd number, one on `b`
 /// answers with the next even one. Both threads spin, so the two CPUs are
