@@ -80,7 +80,7 @@ fn up_exec_shape_list_down() {
 #[test]
 fn help_explains_every_command() {
     let help = ok(&["--help"]);
-    for cmd in ["up", "exec", "down", "list", "shape"] {
+    for cmd in ["up", "exec", "down", "list", "shape", "cpu-rtt"] {
         assert!(help.contains(cmd), "{help}");
     }
     assert!(!help.contains("reorder-daemon"), "internal commands stay hidden");
@@ -100,4 +100,22 @@ fn non_root_gets_a_clear_error() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("needs root"), "{stderr}");
+}
+
+#[test]
+fn cpu_rtt_measures_two_cpus_and_refuses_bad_ones() {
+    // SAFETY: sysconf has no preconditions.
+    if unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) } < 2 {
+        return;
+    }
+    let out = ok(&["cpu-rtt", "--iters", "2000", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["cpu_rtt_ns"].as_u64().unwrap() > 0, "{out}");
+    assert_eq!(v["cpus"], serde_json::json!([0, 1]));
+    assert!(v["shared_cache"].is_boolean(), "{out}");
+    assert!(ok(&["cpu-rtt", "--cpus", "1,0", "--iters", "100"]).contains("from CPU 1 to CPU 0"));
+    assert!(err(&["cpu-rtt", "--cpus", "0,0"]).contains("two different CPUs"));
+    assert!(err(&["cpu-rtt", "--cpus", "0"]).contains("two CPUs"));
+    assert!(err(&["cpu-rtt", "--cpus", "0,4096"]).contains("two different CPUs"));
+    assert!(err(&["cpu-rtt", "--iters", "0"]).contains("at least one round trip"));
 }
