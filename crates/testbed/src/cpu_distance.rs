@@ -7,7 +7,7 @@
 //! line goes back and forth in 65-90 ns when they share one and in
 //! 320-350 ns when they do not, and every figure that hands data from one
 //! CPU to the other follows: rnicd's RDMA WRITE of 64 KiB between two
-//! testbed hosts runs at about 23 Gb/s in the first state and about 10 in
+//! testbed hosts ran at 22-23 Gb/s in the first state and 9-10 in
 //! the second (docs/ibverbs.md, "The two bandwidth levels"). The state
 //! lasts from seconds to minutes, so a bench that compares two programs
 //! records it around each run and compares runs in the same state.
