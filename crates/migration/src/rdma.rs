@@ -126,8 +126,13 @@ fn open_rnicd_towards(rnicd: &str, source: Ipv4Addr, per_link: bool) -> Result<C
 /// pairs in about [`links::LINK_TIMEOUT`] so that their channels fail over.
 fn connect_opts(access: u32, several_links: bool) -> ConnectOpts {
     let mut o = ConnectOpts { access, sq_psn: PSN, ..Default::default() };
-    if let Some(m) = std::env::var("TRANSIT_MIGRATION_RDMA_MTU").ok().and_then(|v| v.parse().ok()).and_then(verbs::Mtu::from_bytes) {
-        o.mtu = m;
+    // An experiment's knob (docs/migration.md, "Per byte, not per
+    // packet"): the queue pairs' path MTU, e.g. 8192 between two rnicds.
+    if let Ok(v) = std::env::var("TRANSIT_MIGRATION_RDMA_MTU") {
+        match v.parse().ok().and_then(verbs::Mtu::from_bytes) {
+            Some(m) => o.mtu = m,
+            None => tracing::warn!("TRANSIT_MIGRATION_RDMA_MTU={v:?} is no path MTU (256..4096, 8192, 16384, 32768); ignored"),
+        }
     }
     if several_links {
         o.timeout = links::RDMA_LINK_TIMEOUT;
