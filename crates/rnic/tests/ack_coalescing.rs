@@ -18,6 +18,7 @@ fn unsignaled_stream_needs_few_acks_and_no_nak() {
     let data = pattern(3, 64 * 1000);
     a.buf.write(0, &data);
     let acks0 = stat(&b.ctx, "tx_packets");
+    let drops0 = bed.kernel_drops();
 
     // 1,000 unsignaled one-packet WRITEs, then one signaled: when it
     // completes, every earlier one was acknowledged (in order).
@@ -38,14 +39,18 @@ fn unsignaled_stream_needs_few_acks_and_no_nak() {
     assert_eq!(b.buf.read(0, data.len()), data);
     let acks = stat(&b.ctx, "tx_packets") - acks0;
     assert!(acks < n / 2, "{acks} ACK packets for {n} unsignaled messages: not coalesced");
-    // Nothing was lost or reordered: no NAK asked for a resend. The
-    // requester's loss probe (4 ms at least, far beyond the responder's
-    // 100 us ACK timer) can still fire when the responder's host does not
-    // run its rnicd for that long (a loaded CI host): resends may only
-    // start from such a probe.
-    assert_eq!(stat(&b.ctx, "seq_naks_sent"), 0, "a NAK without loss");
-    let (rewinds, probes) = (stat(&a.ctx, "retransmit_rewinds"), stat(&a.ctx, "loss_probes"));
-    assert!(rewinds == 0 || probes > 0, "{rewinds} rewinds without a loss probe");
+    // Unless the kernel dropped a packet on the way (a receive buffer or
+    // backlog overflowing on a host too loaded to run rnicd in time), no
+    // NAK asks for a resend. The requester's loss probe (4 ms at least, far
+    // beyond the responder's 100 us ACK timer) can still fire when the
+    // responder's host does not run its rnicd for that long (a loaded CI
+    // host): without a drop, resends may only start from such a probe.
+    let drops = bed.kernel_drops() - drops0 + stat(&b.ctx, "rx_malformed") + stat(&b.ctx, "rx_bad_icrc");
+    if drops == 0 {
+        assert_eq!(stat(&b.ctx, "seq_naks_sent"), 0, "a NAK without loss: {}", b.ctx.stats().unwrap());
+        let (rewinds, probes) = (stat(&a.ctx, "retransmit_rewinds"), stat(&a.ctx, "loss_probes"));
+        assert!(rewinds == 0 || probes > 0, "{rewinds} rewinds without a loss probe: {}", a.ctx.stats().unwrap());
+    }
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Coalesced ACKs of a stream (`Qp::end_of_receive_pass`): a stream of
 //! multi-packet WRITEs paced by a capped link is acknowledged once per
-//! batch of packets, not per packet, and no NAK asks for a resend; a
+//! batch of packets, not per packet, and no NAK asks for a resend unless
+//! a packet was dropped on the way; a
 //! packet lost inside such a batch is still recovered by go-back-N with
 //! every byte in place; in a ping-pong of single-packet messages no ACK
 //! waits to be coalesced: each message gets its own.
@@ -27,7 +28,7 @@ fn stats(ctx: &Context, keys: &[&str]) -> Vec<u64> {
 }
 
 /// The receiver's counters a stream is judged by.
-const KEYS: &[&str] = &["rx_packets", "ack_packets_sent", "seq_naks_sent", "dup_requests"];
+const KEYS: &[&str] = &["rx_packets", "ack_packets_sent", "seq_naks_sent", "dup_requests", "rx_malformed", "rx_bad_icrc"];
 
 /// What a paced stream changed: the receiver's KEYS, and the sender's
 /// go-back-N rewinds and loss probes.
@@ -39,6 +40,13 @@ struct Stream {
     dups: u64,
     rewinds: u64,
     probes: u64,
+    /// Packets lost meanwhile without the stream asking: dropped by the
+    /// kernel (`Bed::kernel_drops`) or refused by the receiving rnicd.
+    drops: u64,
+    /// Both rnicds' counters at the end, for a failure's message (read
+    /// only through Debug, which the dead-code lint does not count).
+    #[allow(dead_code)]
+    rnicds: String,
 }
 
 /// Streams TOTAL bytes of 64 KiB WRITEs from host 0 to host 1 over a link
@@ -51,6 +59,7 @@ fn paced_stream(bed: &Bed, loss_pct: f64) -> Stream {
     a.buf.write(0, &data);
     bed.tb.set_rate(1, 0, Some(CAP_MBIT)).unwrap();
     bed.tb.set_loss(1, 0, loss_pct).unwrap();
+    let drops0 = bed.kernel_drops();
     let before = stats(&b.ctx, KEYS);
     let rewinds0 = stat(&a.ctx, "retransmit_rewinds");
     let probes0 = stat(&a.ctx, "loss_probes");
@@ -73,6 +82,7 @@ fn paced_stream(bed: &Bed, loss_pct: f64) -> Stream {
         let w = ok(&a.scq);
         done = w.wr_id as usize + 1;
     }
+    let drops = bed.kernel_drops() - drops0;
     bed.tb.set_loss(1, 0, 0.0).unwrap();
     bed.tb.set_rate(1, 0, None).unwrap();
     assert!(b.buf.read(0, TOTAL) == data, "the written bytes arrived");
@@ -84,6 +94,9 @@ fn paced_stream(bed: &Bed, loss_pct: f64) -> Stream {
         dups: d[3],
         rewinds: stat(&a.ctx, "retransmit_rewinds") - rewinds0,
         probes: stat(&a.ctx, "loss_probes") - probes0,
+        // rnicd's own refusals of what arrived are lost packets too.
+        drops: drops + d[4] + d[5],
+        rnicds: format!("sender {}\nreceiver {}", a.ctx.stats().unwrap(), b.ctx.stats().unwrap()),
     }
 }
 
@@ -92,13 +105,17 @@ fn a_paced_stream_is_acknowledged_per_batch_without_naks() {
     let bed = Bed::new("stack", 2);
     let s = paced_stream(&bed, 0.0);
     assert!(s.acks * 8 < s.rx_packets, "{} ACKs for {} packets: not coalesced ({s:?})", s.acks, s.rx_packets);
-    // No packet was lost or reordered, so no NAK asks for a resend. The
-    // requester's loss probe (4 ms at least, against the 500 us a
-    // coalesced ACK may wait) can still fire when the responder's host does
-    // not run its rnicd for that long (a loaded CI host): resends may only
-    // start from such a probe.
-    assert_eq!(s.seq_naks, 0, "a NAK without loss: {s:?}");
-    assert!((s.rewinds, s.dups) == (0, 0) || s.probes > 0, "resent without a loss probe: {s:?}");
+    // The link drops nothing of its own, so no NAK asks for a resend unless
+    // the kernel dropped a packet: the rate limiter's queue or a receive
+    // buffer overflowing on a host too loaded to run rnicd in time (a CI
+    // host), which is loss like any other. The requester's loss probe (4 ms
+    // at least, against the 500 us a coalesced ACK may wait) can also fire
+    // when the responder's host does not run its rnicd for that long:
+    // without a drop, resends may only start from such a probe.
+    if s.drops == 0 {
+        assert_eq!(s.seq_naks, 0, "a NAK without loss: {s:?}");
+        assert!((s.rewinds, s.dups) == (0, 0) || s.probes > 0, "resent without a loss probe: {s:?}");
+    }
 }
 
 #[test]

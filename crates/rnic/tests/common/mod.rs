@@ -32,6 +32,49 @@ pub struct Bed {
 }
 
 impl Bed {
+    /// Packets the kernel dropped on the way between the two hosts: the rate
+    /// limiter's queues on host 1's link (its egress, and the fabric's towards
+    /// it), the interfaces of both hosts and of the fabric (errors and drops,
+    /// both directions), the CPUs' backlogs that a veth hands packets to
+    /// (`netdev_max_backlog`, overflowing while a loaded host defers its
+    /// receive processing; counted for the whole machine) and the UDP
+    /// sockets' receive buffers of both hosts. A loss the stream did not ask
+    /// for, but a loss.
+    pub fn kernel_drops(&self) -> u64 {
+        let tbf = |ns: &str, dev: &str| -> u64 {
+            let out =
+                std::process::Command::new("ip").args(["netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev]).output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            text.split("dropped ").skip(1).filter_map(|t| t.split(',').next()?.trim().parse::<u64>().ok()).sum()
+        };
+        let udp = |h: usize| -> u64 {
+            let snmp = self.tb.host(h).sh("cat /proc/net/snmp").unwrap();
+            let rows: Vec<Vec<&str>> = snmp.lines().filter(|l| l.starts_with("Udp:")).map(|l| l.split_whitespace().collect()).collect();
+            let (names, values) = (&rows[0], &rows[1]);
+            ["InErrors", "RcvbufErrors"].iter().map(|k| values[names.iter().position(|n| n == k).unwrap()].parse::<u64>().unwrap()).sum()
+        };
+        let backlog: u64 = std::fs::read_to_string("/proc/net/softnet_stat")
+            .unwrap()
+            .lines()
+            .filter_map(|l| u64::from_str_radix(l.split_whitespace().nth(1)?, 16).ok())
+            .sum();
+        // /proc/net/dev of a namespace: per interface, receive errs and drop
+        // (fields 3 and 4 after the name), transmit errs and drop (11 and 12).
+        let dev = |ns: &str| -> u64 {
+            let out = std::process::Command::new("ip").args(["netns", "exec", ns, "cat", "/proc/net/dev"]).output().unwrap();
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter_map(|l| l.split_once(':'))
+                .map(|(_, v)| {
+                    let f: Vec<u64> = v.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+                    [2, 3, 10, 11].iter().filter_map(|&i| f.get(i)).sum::<u64>()
+                })
+                .sum()
+        };
+        let links = dev(&self.tb.fabric()) + dev(self.tb.host(0).name()) + dev(self.tb.host(1).name());
+        tbf(&self.tb.fabric(), "h1e0") + tbf(self.tb.host(1).name(), "eth0") + links + backlog + udp(0) + udp(1)
+    }
+
     pub fn new(prefix: &str, hosts: usize) -> Bed {
         Bed::with_args(prefix, hosts, &[])
     }
