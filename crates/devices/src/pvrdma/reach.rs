@@ -7,6 +7,8 @@
 //! rest of them first in the push; `migration::vm::MigratableVm::
 //! device_pages`).
 
+use std::collections::HashMap;
+
 use super::delta::Baseline;
 use super::dev::Dev;
 use super::objects::MrInfo;
@@ -41,21 +43,23 @@ pub(crate) fn device_pages(d: &Dev) -> Vec<(u64, u64)> {
 /// before its switch: the QPs', CQs' and memory regions' pages, not the
 /// DSR's and SRQs'): what it allocates ahead of a postcopy switch.
 pub(crate) fn early_pages(b: &Baseline) -> Vec<(u64, u64)> {
-    let (mrs, cqs, qps) = (&b.mrs, &b.cqs, &b.qps);
     let mut out = Vec::new();
     let mut pages = |list: &[u64]| out.extend(list.iter().map(|&gpa| (gpa, PAGE)));
-    let mut by_handle: Vec<_> = qps.iter().collect();
-    by_handle.sort_by_key(|(h, _)| **h);
-    for (_, q) in by_handle {
+    for q in by_handle(&b.qps) {
         pages(&q.pages.pages);
     }
-    let mut by_handle: Vec<_> = cqs.iter().collect();
-    by_handle.sort_by_key(|(h, _)| **h);
-    for (_, c) in by_handle {
+    for c in by_handle(&b.cqs) {
         pages(&c.pages.pages);
     }
-    mr_runs(mrs.iter().map(|(h, m)| (*h, m)), &mut out);
+    mr_runs(b.mrs.iter().map(|(h, m)| (*h, m)), &mut out);
     out
+}
+
+/// The values of `map` in handle order.
+fn by_handle<T>(map: &HashMap<u32, T>) -> Vec<&T> {
+    let mut v: Vec<_> = map.iter().collect();
+    v.sort_by_key(|(h, _)| **h);
+    v.into_iter().map(|(_, x)| x).collect()
 }
 
 /// The runs of memory regions but DMA ones, in handle order.

@@ -565,7 +565,7 @@ fn device_pages_here(
         Ok(false) => bail!("the devices' {at_switch} pages of the switch did not arrive within {DEVICE_PAGES_TIMEOUT:?}"),
         Err(why) => bail!("the devices' pages of the switch: {why}"),
     }
-    let named = crate::pages::count_pages(&super::device::lacking_in_order(device, |_| true, sh.total));
+    let named = super::device::count_named(device, sh.total);
     ctl.update(|s| {
         s.device_pages = crate::stats::DevicePages {
             named,

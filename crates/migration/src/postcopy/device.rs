@@ -71,6 +71,12 @@ pub fn lacking_in_order(device: &[PageRange], lacks: impl Fn(u64) -> bool, total
     out
 }
 
+/// How many distinct pages inside RAM the devices name (`DevicePages::named`,
+/// counted alike by both sides).
+pub fn count_named(device: &[PageRange], total: u64) -> u64 {
+    crate::pages::count_pages(&crate::pages::normalize(device.to_vec(), total))
+}
+
 /// The first `max` pages of `ranges`, in their order.
 pub fn first_pages(ranges: &[PageRange], max: u64) -> Vec<PageRange> {
     let mut left = max;
@@ -169,6 +175,8 @@ mod tests {
         let missing = [r(0, 11), r(52, 40)];
         assert_eq!(lacking_in_order(&device, |p| in_ranges(Some(&missing), p), 100), vec![r(52, 2), r(10, 1), r(90, 2)]);
         assert!(lacking_in_order(&device, |p| in_ranges(Some(&[]), p), 100).is_empty());
+        // Named: each page inside RAM once (50..54, 10..12, 90..100).
+        assert_eq!(count_named(&device, 100), 16);
     }
 
     #[test]

@@ -175,7 +175,7 @@ fn switch_over(
     };
     let server = urgent.map(|u| UrgentServer::start(u, ram, queue.clone(), ctl.clone(), sent.clone())).transpose()?;
     let sent_n = crate::pages::count_pages(&sent);
-    let named = crate::pages::count_pages(&super::device::lacking_in_order(&device, |_| true, total));
+    let named = super::device::count_named(&device, total);
     ctl.update(|s| s.device_pages = crate::stats::DevicePages { named, at_switch: sent_n, ..Default::default() });
     wire::send_msg(
         control,
