@@ -239,6 +239,9 @@ fn rnicd_counters(clients: &[verbs::Context]) -> Result<Vec<(String, u64)>> {
 /// daemon's, whichever namespace is asked), by name without the prefix.
 const LOOP_KEYS: &[&str] = &["sleeps", "woken_by_work"];
 
+/// The namespace counters, summed per host, that give the loop's a scale.
+const SCALE_KEYS: &[&str] = &["rx_packets", "tx_packets", "ack_packets_sent", "ack_packets_received"];
+
 /// Per host: the event loop's counters and the namespace counters that
 /// give them a scale (packets received and sent, ACKs sent and received),
 /// from `stats` (a client per host and link, host by host).
@@ -251,8 +254,8 @@ fn loop_counters(stats: &[verbs::Context], links: usize) -> Result<Vec<serde_jso
             for k in LOOP_KEYS {
                 m.insert(k.to_string(), json!(all[0][format!("loop_{k}")].as_u64().unwrap_or(0)));
             }
-            for k in ["rx_packets", "tx_packets", "ack_packets_sent", "ack_packets_received"] {
-                m.insert(k.to_string(), json!(all.iter().filter_map(|s| s[k].as_u64()).sum::<u64>()));
+            for k in SCALE_KEYS {
+                m.insert(k.to_string(), json!(all.iter().filter_map(|s| s[*k].as_u64()).sum::<u64>()));
             }
             Ok(m)
         })
@@ -271,7 +274,7 @@ fn wakeups(before: &[serde_json::Map<String, Value>], after: &[serde_json::Map<S
     let per = |a: f64, b: f64| if b > 0.0 { json!(a / b) } else { Value::Null };
     let side = |h: usize| {
         let mut m = serde_json::Map::new();
-        for k in LOOP_KEYS.iter().chain(&["rx_packets", "tx_packets", "ack_packets_sent", "ack_packets_received"]) {
+        for k in LOOP_KEYS.iter().chain(SCALE_KEYS) {
             m.insert(k.to_string(), json!(d(h, k)));
         }
         Value::Object(m)
