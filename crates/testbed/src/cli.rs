@@ -172,7 +172,7 @@ pub fn run(cmd: TestbedCmd) -> Result<()> {
                 let shared = rtt < crate::cpu_distance::SHARED_CACHE_RTT;
                 println!("{}", serde_json::json!({ "cpu_rtt_ns": ns, "cpus": cpus, "shared_cache": shared }));
             } else {
-                println!("a cache line goes from CPU {} to CPU {} and back in {ns} ns (mean of {iters})", cpus[0], cpus[1]);
+                println!("a cache line goes from CPU {a} to CPU {b} and back in {ns} ns (mean of {iters})");
             }
             Ok(())
         }
