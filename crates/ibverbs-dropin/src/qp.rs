@@ -10,6 +10,8 @@ use std::ffi::c_int;
 use std::net::Ipv4Addr;
 use std::sync::atomic::Ordering;
 
+use smallvec::SmallVec;
+
 use crate::cq::{cq, Cq};
 use crate::pdmr::{pd, Pd};
 use crate::set_errno;
@@ -464,6 +466,10 @@ pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _m
     0
 }
 
+/// WRs of one post call checked and gathered on the stack; longer chains
+/// spill to the heap.
+const POST_ON_STACK: usize = 16;
+
 pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
     let set_bad = |w: *mut ibv_send_wr| {
         if !bad.is_null() {
@@ -482,7 +488,9 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
     let free = x.inner.send_slots() as usize;
     // Inline payloads gathered per WR (they must outlive the post call).
     let mut inline: Vec<Vec<u8>> = Vec::new();
-    let mut wrs: Vec<(*mut ibv_send_wr, verbs::WrOpcode)> = Vec::new();
+    // A chain of up to POST_ON_STACK WRs is checked and posted without a
+    // heap allocation: perftest and most programs post one WR per call.
+    let mut wrs: SmallVec<[(*mut ibv_send_wr, verbs::WrOpcode); POST_ON_STACK]> = SmallVec::new();
     // Window binds, in the order of their WRs (mw.rs).
     let mut binds: Vec<(*mut ibv_mw, crate::mw::Bind)> = Vec::new();
     let mut err = 0;
@@ -550,7 +558,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         wrs.push((w, op));
         w = r.next;
     }
-    let mut posted = Vec::with_capacity(wrs.len());
+    let mut posted: SmallVec<[verbs::SendWr; POST_ON_STACK]> = SmallVec::with_capacity(wrs.len());
     let mut inl = inline.iter();
     let mut bind = binds.iter();
     for &(w, op) in &wrs {
@@ -872,7 +880,7 @@ pub(crate) unsafe fn post_recv_chain(
             *bad = w;
         }
     };
-    let mut wrs: Vec<verbs::RecvWr> = Vec::new();
+    let mut wrs: SmallVec<[verbs::RecvWr; POST_ON_STACK]> = SmallVec::new();
     let mut err = 0;
     let mut w = wr;
     while !w.is_null() {
