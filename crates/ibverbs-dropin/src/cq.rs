@@ -234,8 +234,14 @@ unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *
     }
     let chan = ch as *mut Channel;
     // A CQ without a channel of the program's gets the context's idle
-    // channel: the program never arms such a CQ itself.
-    let (channel, idle_fd) = if chan.is_null() { (&cx.idle, cx.idle.fd()) } else { (&(*chan).inner, -1) };
+    // channel: the program never arms such a CQ itself. Its polls nap on
+    // it only when rnicd is an ordinary process, to leave rnicd the CPU;
+    // a real-time rnicd preempts the program anyway, and a nap would only
+    // cost it an eventfd write and the program a wake-up per completion
+    // (docs/ibverbs.md, "What works").
+    let nap = chan.is_null() && !cx.inner.rnicd_realtime();
+    let channel = if chan.is_null() { &cx.idle } else { &(*chan).inner };
+    let idle_fd = if nap { cx.idle.fd() } else { -1 };
     let inner = match cx.inner.create_cq(cqe as u32, Some(channel)) {
         Ok(q) => q,
         Err(_) => {

@@ -189,6 +189,34 @@ fn perftest_between_hosts() {
     }
 }
 
+/// An idle CQ made without a channel: beside an rnicd under ordinary
+/// scheduling `ibv_poll_cq` naps on the context's idle channel (the program
+/// sleeps, leaving rnicd the CPU); beside a real-time rnicd, which preempts
+/// the program anyway, it only yields (docs/ibverbs.md, "What works").
+#[test]
+fn poll_cq_naps_only_beside_an_ordinary_rnicd() {
+    let tb = Testbed::create(TestbedOpts::new("ibvnap", 2)).expect("testbed (needs root)");
+    let nics = [Nic::start(&tb, 0), Nic::start_with(&tb, 1, &["--sched-fifo", "1"])];
+    let exe = CCheck::build("idle_poll");
+    let sleeps = |i: usize| {
+        let mut c = tb.host(i).command(exe.path());
+        c.env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &nics[i].sock);
+        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let out = finish(HostChild::new(c.spawn().expect("run idle_poll")));
+        let t = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && t.contains("all ok"), "idle_poll on host {i}:\n{t}");
+        let n = t.lines().find_map(|l| l.strip_prefix("voluntary ")).unwrap_or_else(|| panic!("no count:\n{t}"));
+        n.trim().parse::<i64>().unwrap()
+    };
+    // 200 empty polls: all but the first few nap, each a sleep of its own.
+    let ordinary = sleeps(0);
+    assert!(ordinary >= 100, "beside an ordinary rnicd, 200 empty polls slept only {ordinary} times");
+    // Yields are no voluntary switches; a handful may come from elsewhere
+    // (page faults on first touch, the kernel's own work).
+    let realtime = sleeps(1);
+    assert!(realtime <= 10, "beside a real-time rnicd, 200 empty polls slept {realtime} times");
+}
+
 #[test]
 fn c_program_loopback_memory_and_bad_calls() {
     let bed = Bed::new("ibvc", 1);

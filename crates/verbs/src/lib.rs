@@ -184,6 +184,15 @@ impl Context {
         &self.inner.sock_path
     }
 
+    /// Whether rnicd's event loop runs under a real-time policy (`rnicd
+    /// --sched-fifo`), as seen when this context opened: it then preempts
+    /// any program on its CPU, so a program waiting on a CQ need not sleep
+    /// to leave it room (the drop-in's `ibv_poll_cq` then yields instead
+    /// of napping; pace.rs).
+    pub fn rnicd_realtime(&self) -> bool {
+        self.inner.rnicd_cpu.realtime
+    }
+
     /// The port's GID: the IPv4 address rnicd serves.
     pub fn gid(&self) -> Ipv4Addr {
         self.inner.gid

@@ -35,7 +35,8 @@ pub const SPINS_BEFORE_YIELD: u32 = 16;
 
 /// Empty polls in a row after which a poller with a channel to sleep on
 /// naps (the drop-in's ibv_poll_cq, on a CQ made without a completion
-/// channel, sleeps on the context's idle channel, which rnicd signals when
+/// channel beside an rnicd under ordinary scheduling, sleeps on the
+/// context's idle channel, which rnicd signals when
 /// a completion lands in an armed CQ, for at most 1 ms, and then returns
 /// what it finds). A program spinning on its CQ then costs the
 /// CPU rnicd needs no more than one sleeping on a channel; a program whose

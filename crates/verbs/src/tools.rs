@@ -361,7 +361,7 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
             let me = Hello { ep: res.qp.endpoint(psn), addr: res.mr.addr, rkey: res.mr.rkey, ..ch.clone() };
             res.qp.connect(&ch.ep, &ConnectOpts { sq_psn: psn, ..opts(&ch)? })?;
             send_line(&mut w, &me)?;
-            serve(test, &res, &ch, LatWait::of(&a), &mut r)?;
+            serve(test, &res, &ch, LatWait::of(&a, &ctx), &mut r)?;
             Ok(())
         }
         Some(peer) => {
@@ -386,7 +386,7 @@ fn perf(test: &str, a: PerfArgs) -> anyhow::Result<()> {
             send_line(&mut w, &me)?;
             let sh: Hello = read_line(&mut r)?;
             res.qp.connect(&sh.ep, &ConnectOpts { sq_psn: psn, ..opts(&me)? })?;
-            let rep = client(test, &res, &me, &sh, a.duration, LatWait::of(&a))?;
+            let rep = client(test, &res, &me, &sh, a.duration, LatWait::of(&a, &ctx))?;
             send_line(&mut w, &"done")?;
             let _ = read_line::<String>(&mut r);
             print_report(&rep, a.json);
@@ -456,36 +456,40 @@ enum LatWait {
     /// (`verbs::pace`): yield after a few empty polls while the next
     /// message is due, else arm the CQ and sleep on its completion channel
     /// (after `spin` of spinning), the CPU left to rnicd and the peer.
-    Events { spin: Duration },
+    /// Beside a real-time rnicd (`nap` false) it only yields, as the
+    /// drop-in's does there.
+    Events { spin: Duration, nap: bool },
 }
 
 impl LatWait {
-    fn of(a: &PerfArgs) -> Self {
+    fn of(a: &PerfArgs, ctx: &Context) -> Self {
         if a.busy_poll {
             return LatWait::Busy;
         }
         let us = std::env::var("TRANSIT_POLL_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        LatWait::Events { spin: Duration::from_micros(us) }
+        LatWait::Events { spin: Duration::from_micros(us), nap: !ctx.rnicd_realtime() }
     }
 }
 
 /// Waits for one receive completion (at most `timeout`; 0 if none came).
 /// `Events` waits as the drop-in's ibv_poll_cq (`verbs::pace`): polls,
 /// yielding after a few, while the next message of the ping-pong is due,
-/// else (or after TRANSIT_POLL_SPIN_US of spinning) sleeps on the channel.
+/// else (or after TRANSIT_POLL_SPIN_US of spinning) sleeps on the channel;
+/// beside a real-time rnicd it only yields.
 fn wait_recv(res: &Res, wcs: &mut [Wc], wait: LatWait, timeout: Duration) -> anyhow::Result<usize> {
     let n = match wait {
         // Spin for the whole timeout (poll_or_wait spins without yielding).
         LatWait::Busy => res.rcq.poll_or_wait(&mut wcs[..1], &res.rchan, timeout, timeout)?,
-        LatWait::Events { spin } => {
+        LatWait::Events { spin, nap } => {
             let t0 = Instant::now();
             loop {
                 let n = res.rcq.poll(&mut wcs[..1])?;
                 if n > 0 {
                     break n;
                 }
-                match res.rpace.empty(pace::now_ns(), true, true) {
+                match res.rpace.empty(pace::now_ns(), nap, true) {
                     Idle::Spin => std::hint::spin_loop(),
+                    Idle::Yield if t0.elapsed() >= timeout => break 0,
                     Idle::Yield => std::thread::yield_now(),
                     Idle::Nap => break res.rcq.poll_or_wait(&mut wcs[..1], &res.rchan, spin, timeout.saturating_sub(t0.elapsed()))?,
                 }

@@ -35,11 +35,18 @@ pub struct Nic {
 impl Nic {
     /// Starts rnicd on host `i`'s eth0 address and waits for its control socket.
     pub fn start(tb: &Testbed, i: usize) -> Nic {
+        Nic::start_with(tb, i, &[])
+    }
+
+    /// Starts rnicd with `extra` options (e.g. `--sched-fifo 1`).
+    pub fn start_with(tb: &Testbed, i: usize, extra: &[&str]) -> Nic {
         let rnicd = profile_dir().join("rnicd");
         assert!(rnicd.exists(), "{} is missing: cargo build --release -p rnic", rnicd.display());
         let h = tb.host(i);
         let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-        let args = ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
+        let addr = h.addr(0).to_string();
+        let mut args = vec!["--addr", &addr, "--sock", sock.to_str().unwrap()];
+        args.extend_from_slice(extra);
         let child = h.spawn_ready(rnicd.to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
         Nic { child: Some(child), sock, addr: h.addr(0) }
     }
