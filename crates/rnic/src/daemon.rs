@@ -672,11 +672,11 @@ impl LoopKnobs {
             direct_rx: on("RNICD_DIRECT_RX"),
             lean_loop: on("RNICD_LEAN_LOOP"),
             control_first: on("RNICD_CONTROL_FIRST"),
-            spin: std::env::var("RNICD_SPIN_US").ok().and_then(|v| v.parse().ok()).map(Duration::from_micros).unwrap_or(if realtime() {
-                Duration::ZERO
-            } else {
-                SPIN
-            }),
+            spin: std::env::var("RNICD_SPIN_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_micros)
+                .unwrap_or(if crate::loop_priority::realtime(0) { Duration::ZERO } else { SPIN }),
             spin_worth: std::env::var("RNICD_SPIN_WORTH_US")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -684,13 +684,6 @@ impl LoopKnobs {
                 .unwrap_or(SPIN_WORTH),
         }
     }
-}
-
-/// Whether this thread runs under a real-time scheduling policy.
-fn realtime() -> bool {
-    // SAFETY: plain system call about the calling thread.
-    let policy = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
-    policy == libc::SCHED_FIFO || policy == libc::SCHED_RR
 }
 
 /// The running daemon: its namespaces, clients, sockets and loop state.

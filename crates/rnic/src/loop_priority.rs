@@ -14,6 +14,15 @@ use std::sync::{Arc, Mutex};
 
 use tracing::warn;
 
+/// Whether the thread `tid` (0: the calling one; a process's ID: its main
+/// thread, which is rnicd's event loop) runs under SCHED_FIFO or SCHED_RR
+/// (`rnicd --sched-fifo`). False for a task that does not exist.
+pub fn realtime(tid: i32) -> bool {
+    // SAFETY: plain system call; -1 (no such task) is no policy.
+    let policy = unsafe { libc::sched_getscheduler(tid) };
+    policy >= 0 && matches!(policy & !libc::SCHED_RESET_ON_FORK, libc::SCHED_FIFO | libc::SCHED_RR)
+}
+
 /// The event loop's nice value while a vmm it serves is in postcopy: the
 /// VM runs there and its RDMA traffic goes through this loop, beside the
 /// migration's push threads (normal priority) that copy its pages. At the
@@ -135,6 +144,13 @@ mod tests {
 
     fn on_a_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
         std::thread::spawn(f).join().unwrap()
+    }
+
+    #[test]
+    fn an_ordinary_process_is_not_realtime() {
+        assert!(!realtime(0));
+        assert!(!realtime(std::process::id() as i32));
+        assert!(!realtime(i32::MAX), "no such task");
     }
 
     /// Two loops in one process raise and restore their own threads only,

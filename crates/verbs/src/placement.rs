@@ -48,7 +48,7 @@ impl RnicdCpu {
         let off = !std::env::var("TRANSIT_VERBS_AVOID_RNICD_CPU").is_ok_and(|v| v == "1");
         let pid = nix::sys::socket::getsockopt(&sock.as_fd(), nix::sys::socket::sockopt::PeerCredentials).map_or(0, |c| c.pid());
         let stat = if off || pid <= 0 || pid as u32 == std::process::id() { None } else { File::open(format!("/proc/{pid}/stat")).ok() };
-        RnicdCpu { stat, realtime: pid > 0 && realtime(pid) }
+        RnicdCpu { stat, realtime: pid > 0 && rnic::loop_priority::realtime(pid) }
     }
 
     /// The CPU rnicd's event loop (its main thread) last ran on.
@@ -84,14 +84,6 @@ pub fn last_cpu(stat: &[u8]) -> Option<usize> {
     let s = std::str::from_utf8(stat).ok()?;
     let rest = &s[s.rfind(')')? + 1..];
     rest.split_ascii_whitespace().nth(39 - 3)?.parse().ok()
-}
-
-/// Whether the process `pid`'s main thread (rnicd's event loop) runs
-/// under SCHED_FIFO or SCHED_RR.
-pub fn realtime(pid: i32) -> bool {
-    // SAFETY: plain system call; -1 (no such process) is no policy of ours.
-    let policy = unsafe { libc::sched_getscheduler(pid) };
-    policy >= 0 && matches!(policy & !libc::SCHED_RESET_ON_FORK, libc::SCHED_FIFO | libc::SCHED_RR)
 }
 
 /// The CPU the calling thread runs on.
@@ -132,12 +124,6 @@ mod tests {
         assert_eq!(last_cpu(format!("1234 (a) b (c) S {tail}\n").as_bytes()), Some(7));
         assert_eq!(last_cpu(b"1234 (rnicd) S 1 2 3"), None);
         assert_eq!(last_cpu(b"garbage"), None);
-    }
-
-    #[test]
-    fn an_ordinary_process_is_not_realtime() {
-        assert!(!realtime(std::process::id() as i32));
-        assert!(!realtime(i32::MAX), "no such process");
     }
 
     #[test]
