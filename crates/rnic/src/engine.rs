@@ -1130,7 +1130,7 @@ impl StateTaker {
 fn map_ring<T: Copy>(at: (&OwnedFd, u64), slots: u32, what: &str) -> anyhow::Result<(Ring<T>, Mapping)> {
     let len = ring_bytes::<T>(slots);
     let map = Mapping::map_sealed(at.0, at.1, len)?;
-    map.populate();
+    map.populate_first(crate::ring::FIRST_USE_BYTES);
     // SAFETY: a mapping of the checked length, kept beside the ring.
     let ring = unsafe { Ring::new(map.ptr(), len, slots) }.ok_or_else(|| anyhow!("bad {what} ring"))?;
     Ok((ring, map))

@@ -156,15 +156,14 @@ impl Mapping {
         Ok(Mapping { ptr, len, window: None, placed: false })
     }
 
-    /// Faults the whole mapping in now (MADV_POPULATE_WRITE). For queue
-    /// rings, made ahead of a QP move: their first use is then not 1-2 page
-    /// faults per ring on the move's critical path (~10 ms for 1,000 QPs).
-    /// Best effort: an older kernel without it just faults later.
-    pub fn populate(&self) {
+    /// Faults the mapping's first `bytes` in now (MADV_POPULATE_WRITE), for
+    /// queue rings: see [`crate::ring::FIRST_USE_BYTES`]. Best effort: an
+    /// older kernel without it just faults later.
+    pub fn populate_first(&self, bytes: usize) {
         const MADV_POPULATE_WRITE: libc::c_int = 23;
         let base = self.ptr as usize & !4095;
-        let len = self.len + (self.ptr as usize - base);
-        if self.len > 0 {
+        let len = (self.len + (self.ptr as usize - base)).min(bytes);
+        if self.len > 0 && len > 0 {
             // SAFETY: advice on our own mapping's pages.
             unsafe { libc::madvise(base as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
         }
@@ -177,7 +176,7 @@ impl Mapping {
     /// ([`prefault_present`]) and unmapping it when its last region goes
     /// cost 1/512 of what 4 KiB pages do (with those, the unmap alone was
     /// the largest item of rnicd's profile in a migration). Best effort,
-    /// like [`Mapping::populate`].
+    /// like [`Mapping::populate_first`].
     pub fn advise_huge_pages(&self) {
         if self.len > 0 && self.window.is_none() {
             // SAFETY: advice on our own mapping; it changes no contents.

@@ -108,6 +108,18 @@ const _: () = assert!(std::mem::size_of::<SendWqe>() == 512);
 const _: () = assert!(std::mem::size_of::<Cqe>() == 32);
 const _: () = assert!(std::mem::size_of::<RingHeader>() <= HDR_BYTES);
 
+/// How much of a ring is faulted in when it is made, on both sides: its
+/// header page and its first page of slots, what a fresh ring's first posts
+/// or completions touch. A QP made ahead of a move then takes no page fault
+/// on its first use inside the move's downtime (for 1,000 QPs, 12-19 ms of
+/// faults against 0.2 ms). Not the whole ring: that is ~200 KiB for a QP of
+/// 256-WR queues, which the client allocates and zeroes and rnicd maps
+/// again, CPU taken from whatever shares the host while a destination
+/// builds 256 such QPs ahead (docs/pvrdma-migration.md, "Where the
+/// switchover's time goes"). Slots past the first page fault in as the
+/// ring fills.
+pub const FIRST_USE_BYTES: usize = HDR_BYTES + 4096;
+
 /// Bytes of a memfd holding a ring of `cap` slots of `T`, page aligned.
 pub fn ring_bytes<T>(cap: u32) -> usize {
     (HDR_BYTES + cap as usize * std::mem::size_of::<T>()).div_ceil(4096) * 4096

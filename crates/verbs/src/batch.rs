@@ -108,7 +108,7 @@ impl Context {
         if let Some(fd) = &rings_fd {
             for r in &rings {
                 let m = Mapping::map_sealed(fd, r.offset, r.len)?;
-                m.populate();
+                m.populate_first(rnic::ring::FIRST_USE_BYTES);
                 maps.push(m);
             }
         }

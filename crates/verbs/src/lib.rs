@@ -587,8 +587,8 @@ impl Pd {
             Some((s, r)) => unsafe { (Mapping::map_at(&sqfd, 0, sql, s as *mut u8)?, Mapping::map_at(&rqfd, 0, rql, r as *mut u8)?) },
             None => (Mapping::map(&sqfd, 0, sql)?, Mapping::map(&rqfd, 0, rql)?),
         };
-        sqm.populate();
-        rqm.populate();
+        sqm.populate_first(rnic::ring::FIRST_USE_BYTES);
+        rqm.populate_first(rnic::ring::FIRST_USE_BYTES);
         // SAFETY: mappings of the right size, kept in the Qp.
         let sq = unsafe { Ring::new(sqm.ptr(), sql, sq_slots) }.context("ring")?;
         let rq = unsafe { Ring::new(rqm.ptr(), rql, rq_slots) }.context("ring")?;

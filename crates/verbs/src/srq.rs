@@ -49,7 +49,7 @@ impl Pd {
         let len = ring_bytes::<RecvWqe>(slots);
         let fd = sealed_memfd("transit-srq", len)?;
         let map = Mapping::map(&fd, 0, len)?;
-        map.populate();
+        map.populate_first(rnic::ring::FIRST_USE_BYTES);
         // SAFETY: a mapping of the ring's size, kept in the Srq.
         let ring = unsafe { Ring::new(map.ptr(), len, slots) }.context("ring")?;
         let attr = SrqAttr { max_sge: attr.max_sge.max(1), ..*attr };
