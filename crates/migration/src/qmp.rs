@@ -132,6 +132,7 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
             let params = g.params.clone().unwrap_or_default().merged(args).map_err(QmpError::generic)?;
             let ctl = Arc::new(Control::default());
             ctl.set_downtime_ms(params.downtime_ms);
+            ctl.set_max_bandwidth(params.max_bandwidth);
             ctl.update(|s| {
                 s.status = Status::Setup;
                 s.role = "outgoing".into();
@@ -219,11 +220,15 @@ pub fn handle(vm: &Arc<dyn MigratableVm>, slot: &MigrationSlot, cmd: &str, args:
             let mut g = slot.inner.lock().unwrap();
             let p = g.params.clone().unwrap_or_default().merged(args).map_err(QmpError::generic)?;
             g.params = Some(p.clone());
-            // The downtime target applies to a running outgoing migration
-            // too (from its next round on); the others only to the next.
-            if args.get("downtime_ms").is_some() {
-                if let Some(j) = g.job.as_ref().filter(|j| !j.incoming && j.outcome.lock().unwrap().is_none()) {
+            // The downtime target (from the next round on) and the
+            // bandwidth cap (at once) apply to a running outgoing migration
+            // too; the others only to the next.
+            if let Some(j) = g.job.as_ref().filter(|j| !j.incoming && j.outcome.lock().unwrap().is_none()) {
+                if args.get("downtime_ms").is_some() {
                     j.ctl.set_downtime_ms(p.downtime_ms);
+                }
+                if args.get("max_bandwidth").is_some() {
+                    j.ctl.set_max_bandwidth(p.max_bandwidth);
                 }
             }
             Ok(serde_json::to_value(p).expect("params serialize"))

@@ -1,44 +1,133 @@
 //! A token bucket shared by all channels of one migration (`--max-bandwidth`).
+//!
+//! Its rate can change while the migration runs (`migrate-set-parameters
+//! max_bandwidth`, as QEMU's `max-bandwidth`): a sender waiting for tokens
+//! looks at the rate again at least every [`RECHECK`], so a raised or
+//! lifted cap takes effect within that, not after a wait computed at the
+//! old rate.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// Longest a waiting sender sleeps before it looks at the rate again.
+const RECHECK: Duration = Duration::from_millis(20);
+
 pub struct TokenBucket {
-    rate: f64, // bytes per second; 0 = unlimited
+    /// Bytes per second; 0 = unlimited.
+    rate: AtomicU64,
+    /// Tokens (bytes; negative: owed) and when they were last counted.
     state: Mutex<(f64, Instant)>,
+}
+
+impl Default for TokenBucket {
+    /// No cap.
+    fn default() -> Self {
+        TokenBucket::new(0)
+    }
 }
 
 impl TokenBucket {
     pub fn new(bytes_per_s: u64) -> Self {
-        TokenBucket { rate: bytes_per_s as f64, state: Mutex::new((0.0, Instant::now())) }
+        TokenBucket { rate: AtomicU64::new(bytes_per_s), state: Mutex::new((0.0, Instant::now())) }
     }
 
     /// The cap in bytes per second (0: none).
     pub fn rate(&self) -> u64 {
-        self.rate as u64
+        self.rate.load(Ordering::Relaxed)
     }
 
-    /// Take `n` bytes worth of tokens, sleeping as long as needed. A burst of
-    /// at most 50 ms worth of bytes is allowed so channels stay busy.
+    /// A new cap (0: none), from now on: what was owed at the old rate is
+    /// repaid at the new one, and lifting the cap forgives it.
+    pub fn set_rate(&self, bytes_per_s: u64) {
+        let mut s = self.state.lock().unwrap();
+        self.refill(&mut s, Instant::now());
+        self.rate.store(bytes_per_s, Ordering::Relaxed);
+        if bytes_per_s == 0 {
+            s.0 = 0.0;
+        }
+    }
+
+    /// Counts the tokens earned since the last count, at the current rate.
+    /// A burst of at most 50 ms worth of bytes is allowed so channels stay
+    /// busy.
+    fn refill(&self, s: &mut (f64, Instant), now: Instant) {
+        let rate = self.rate() as f64;
+        s.0 = (s.0 + now.duration_since(s.1).as_secs_f64() * rate).min(rate * 0.05);
+        s.1 = now;
+    }
+
+    /// Take `n` bytes worth of tokens, sleeping as long as needed.
     pub fn take(&self, n: usize) {
-        if self.rate <= 0.0 {
+        if self.rate() == 0 {
             return;
         }
-        let wait = {
+        {
             let mut s = self.state.lock().unwrap();
-            let now = Instant::now();
-            let burst = self.rate * 0.05;
-            s.0 = (s.0 + now.duration_since(s.1).as_secs_f64() * self.rate).min(burst);
-            s.1 = now;
+            self.refill(&mut s, Instant::now());
             s.0 -= n as f64;
-            if s.0 < 0.0 {
-                Duration::from_secs_f64(-s.0 / self.rate)
-            } else {
-                Duration::ZERO
-            }
-        };
-        if !wait.is_zero() {
-            std::thread::sleep(wait);
         }
+        loop {
+            let wait = {
+                let mut s = self.state.lock().unwrap();
+                let rate = self.rate();
+                if rate == 0 {
+                    return;
+                }
+                self.refill(&mut s, Instant::now());
+                if s.0 >= 0.0 {
+                    return;
+                }
+                Duration::from_secs_f64(-s.0 / rate as f64)
+            };
+            // Slept off to the last token: the debt is repaid.
+            if wait <= RECHECK {
+                std::thread::sleep(wait);
+                return;
+            }
+            std::thread::sleep(RECHECK);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lifted_cap_frees_a_waiting_sender_at_once() {
+        let b = std::sync::Arc::new(TokenBucket::new(1000));
+        let b2 = b.clone();
+        let t = Instant::now();
+        // 10 s worth of bytes at the old rate.
+        let waiter = std::thread::spawn(move || b2.take(10_000));
+        std::thread::sleep(Duration::from_millis(50));
+        b.set_rate(0);
+        waiter.join().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5), "the waiter slept {:?} after the cap was lifted", t.elapsed());
+        assert_eq!(b.rate(), 0);
+    }
+
+    #[test]
+    fn a_raised_cap_repays_the_debt_at_the_new_rate() {
+        let b = std::sync::Arc::new(TokenBucket::new(1000));
+        let b2 = b.clone();
+        let t = Instant::now();
+        let waiter = std::thread::spawn(move || b2.take(10_000));
+        std::thread::sleep(Duration::from_millis(50));
+        b.set_rate(1_000_000_000);
+        waiter.join().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5), "the waiter slept {:?} after the cap was raised", t.elapsed());
+    }
+
+    #[test]
+    fn the_cap_holds_the_rate() {
+        let b = TokenBucket::new(1_000_000);
+        let t = Instant::now();
+        for _ in 0..20 {
+            b.take(10_000);
+        }
+        // 200 KB at 1 MB/s, less the 50 ms burst: at least 0.15 s.
+        assert!(t.elapsed() >= Duration::from_millis(140), "{:?}", t.elapsed());
     }
 }

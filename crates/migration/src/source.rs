@@ -187,7 +187,8 @@ fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl
         }
     };
     plan.setup_step(ctl, "welcomed");
-    let bucket = Arc::new(TokenBucket::new(params.max_bandwidth));
+    // Its rate was set from `params` and may change while this runs.
+    let bucket = ctl.bucket().clone();
     let mut channels = match &plan.transport {
         Transport::Tcp => open_channels(&plan.links, session, params.channels, ram, plan.compress, &bucket, ctl, plan.deadline)?,
         Transport::Rdma { rnicd } => {
@@ -483,7 +484,7 @@ fn rounds(
     wait_round_done(link, round, ctl, round_deadline)?;
     last.secs = t_round.elapsed().as_secs_f64();
     // Bytes per second the link gave us, and wire bytes per non-zero page.
-    let mut bw = link_rate(last.wire, last.secs, params.max_bandwidth);
+    let mut bw = link_rate(last.wire, last.secs, link.bucket.rate());
     let mut page_cost = last.page_cost();
     // What the first round sent (for hybrid, the first eighth of RAM).
     let first_round_pages = last.pages;
@@ -612,7 +613,7 @@ fn rounds(
         wait_round_done(link, round, ctl, round_deadline)?;
         last.secs = t_round.elapsed().as_secs_f64();
         if last.wire >= RATE_MIN_BYTES {
-            bw = link_rate(last.wire, last.secs, params.max_bandwidth);
+            bw = link_rate(last.wire, last.secs, link.bucket.rate());
             page_cost = last.page_cost();
         }
     }

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Tunables of an outgoing migration (`migrate-set-parameters`, CLI flags).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -333,6 +333,10 @@ pub struct Control {
     /// start, changed by `migrate-set-parameters` while it runs (as QEMU's
     /// `downtime-limit`), read after each round.
     downtime_ms: AtomicU64,
+    /// An outgoing migration's bandwidth cap, shared by its channels:
+    /// `max_bandwidth` of its start, changed by `migrate-set-parameters`
+    /// while it runs (as QEMU's `max-bandwidth`).
+    bucket: Arc<crate::ratelimit::TokenBucket>,
 }
 
 /// Where a paused postcopy goes on.
@@ -366,6 +370,14 @@ impl Control {
     }
     pub fn downtime_ms(&self) -> u64 {
         self.downtime_ms.load(Ordering::SeqCst)
+    }
+    /// The bandwidth cap of this (outgoing) migration, bytes/s (0: none);
+    /// senders waiting for it see a change within 20 ms.
+    pub fn set_max_bandwidth(&self, bytes_per_s: u64) {
+        self.bucket.set_rate(bytes_per_s);
+    }
+    pub fn bucket(&self) -> &Arc<crate::ratelimit::TokenBucket> {
+        &self.bucket
     }
     /// Hand a paused postcopy the way to go on.
     pub fn offer_recovery(&self, r: RecoverRequest) {

@@ -14,7 +14,7 @@ use common::*;
 use migration::qmp::Outcome;
 use migration::vm::MigratableVm;
 use serde_json::json;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Migrate, then check: source paused with the same RAM the destination
 /// got, destination runs on and its dirtier oracle holds.
@@ -186,6 +186,38 @@ fn downtime_set_during_a_precopy_applies_to_it() {
     assert_eq!(os, Some(Outcome::OutgoingCompleted), "{st:#}");
     assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
     assert_eq!(st["throttle_steps"], 0, "{st:#}");
+    assert!(src.hashes() == dst.hashes(), "RAM differs");
+    run_and_check_oracle(&dst.vm, Duration::from_millis(200));
+}
+
+/// `max_bandwidth` set while a precopy runs applies to it at once: started
+/// at 256 KiB/s (its 32 MiB would take two minutes), the migration moves no
+/// more than the cap lets it; the cap lifted, it finishes long before the
+/// capped rest could have gone, byte-exact.
+#[test]
+fn bandwidth_set_during_a_precopy_applies_to_it() {
+    const CAP: u64 = 256 * 1024;
+    let src = Side::new(32 * MIB, 1);
+    src.vm.resume().unwrap();
+    let dst = Side::new(32 * MIB, 1);
+    let port = dst.incoming(false);
+    let uri = format!("tcp:127.0.0.1:{port}");
+    let t = Instant::now();
+    src.cmd("migrate", json!({"uri": uri, "channels": 2, "max_bandwidth": CAP})).unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let st = src.cmd("query-migrate", json!({})).unwrap();
+    let allowed = CAP as f64 * t.elapsed().as_secs_f64() + 4.0 * MIB as f64;
+    assert_eq!(st["status"], "active", "{st:#}");
+    assert!((st["wire_bytes"].as_u64().unwrap() as f64) < allowed, "{allowed} bytes allowed: {st:#}");
+    let p = src.cmd("migrate-set-parameters", json!({"max_bandwidth": 0})).unwrap();
+    assert_eq!(p["max_bandwidth"], 0);
+    let lifted = Instant::now();
+    let (os, od) = (src.slot.wait(), dst.slot.wait());
+    let st = src.cmd("query-migrate", json!({})).unwrap();
+    assert_eq!(os, Some(Outcome::OutgoingCompleted), "{st:#}");
+    assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));
+    // At the old cap the rest would take over 100 s.
+    assert!(lifted.elapsed() < Duration::from_secs(60), "finished {:?} after the cap was lifted: {st:#}", lifted.elapsed());
     assert!(src.hashes() == dst.hashes(), "RAM differs");
     run_and_check_oracle(&dst.vm, Duration::from_millis(200));
 }
