@@ -376,7 +376,7 @@ impl Control {
     pub fn set_max_bandwidth(&self, bytes_per_s: u64) {
         self.bucket.set_rate(bytes_per_s);
     }
-    pub fn bucket(&self) -> &Arc<crate::ratelimit::TokenBucket> {
+    pub(crate) fn bucket(&self) -> &Arc<crate::ratelimit::TokenBucket> {
         &self.bucket
     }
     /// Hand a paused postcopy the way to go on.
