@@ -16,8 +16,18 @@ const RECHECK: Duration = Duration::from_millis(20);
 pub struct TokenBucket {
     /// Bytes per second; 0 = unlimited.
     rate: AtomicU64,
-    /// Tokens (bytes; negative: owed) and when they were last counted.
-    state: Mutex<(f64, Instant)>,
+    state: Mutex<Tokens>,
+}
+
+struct Tokens {
+    /// In the bucket (bytes; negative: owed by the senders waiting).
+    have: f64,
+    /// All tokens ever earned: a waiter goes when this reaches the mark
+    /// its take set, so senders go in the order they took, whatever the
+    /// rate did meanwhile.
+    earned: f64,
+    /// When `have` and `earned` were last counted.
+    at: Instant,
 }
 
 impl Default for TokenBucket {
@@ -29,7 +39,7 @@ impl Default for TokenBucket {
 
 impl TokenBucket {
     pub fn new(bytes_per_s: u64) -> Self {
-        TokenBucket { rate: AtomicU64::new(bytes_per_s), state: Mutex::new((0.0, Instant::now())) }
+        TokenBucket { rate: AtomicU64::new(bytes_per_s), state: Mutex::new(Tokens { have: 0.0, earned: 0.0, at: Instant::now() }) }
     }
 
     /// The cap in bytes per second (0: none).
@@ -40,21 +50,24 @@ impl TokenBucket {
     /// A new cap (0: none), from now on: what was owed at the old rate is
     /// repaid at the new one, and lifting the cap forgives it.
     pub fn set_rate(&self, bytes_per_s: u64) {
-        let mut s = self.state.lock().unwrap();
-        self.refill(&mut s, Instant::now());
+        let mut t = self.state.lock().unwrap();
+        self.refill(&mut t);
         self.rate.store(bytes_per_s, Ordering::Relaxed);
         if bytes_per_s == 0 {
-            s.0 = 0.0;
+            t.have = 0.0;
         }
     }
 
     /// Counts the tokens earned since the last count, at the current rate.
-    /// A burst of at most 50 ms worth of bytes is allowed so channels stay
+    /// A burst of at most 50 ms worth of bytes is kept so channels stay
     /// busy.
-    fn refill(&self, s: &mut (f64, Instant), now: Instant) {
+    fn refill(&self, t: &mut Tokens) {
+        let now = Instant::now();
         let rate = self.rate() as f64;
-        s.0 = (s.0 + now.duration_since(s.1).as_secs_f64() * rate).min(rate * 0.05);
-        s.1 = now;
+        let new = now.duration_since(t.at).as_secs_f64() * rate;
+        t.earned += new;
+        t.have = (t.have + new).min(rate * 0.05);
+        t.at = now;
     }
 
     /// Take `n` bytes worth of tokens, sleeping as long as needed.
@@ -62,25 +75,29 @@ impl TokenBucket {
         if self.rate() == 0 {
             return;
         }
-        {
-            let mut s = self.state.lock().unwrap();
-            self.refill(&mut s, Instant::now());
-            s.0 -= n as f64;
-        }
+        let mark = {
+            let mut t = self.state.lock().unwrap();
+            self.refill(&mut t);
+            t.have -= n as f64;
+            if t.have >= 0.0 {
+                return;
+            }
+            t.earned - t.have
+        };
         loop {
             let wait = {
-                let mut s = self.state.lock().unwrap();
+                let mut t = self.state.lock().unwrap();
                 let rate = self.rate();
                 if rate == 0 {
                     return;
                 }
-                self.refill(&mut s, Instant::now());
-                if s.0 >= 0.0 {
+                self.refill(&mut t);
+                if t.earned >= mark {
                     return;
                 }
-                Duration::from_secs_f64(-s.0 / rate as f64)
+                Duration::from_secs_f64((mark - t.earned) / rate as f64)
             };
-            // Slept off to the last token: the debt is repaid.
+            // The last stretch at this rate: no need to look again.
             if wait <= RECHECK {
                 std::thread::sleep(wait);
                 return;
