@@ -173,6 +173,39 @@ pub fn migrate_recover(a: MigrateRecoverArgs) -> Result<()> {
 }
 
 /// Source of a hybrid migration: switch to postcopy at the end of this round.
+/// Parameters for the VM's migrations, as `migrate-set-parameters`.
+#[derive(clap::Args)]
+pub struct MigrateSetArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Cap over all channels: bytes/s (125M = 125 MiB/s) or bits/s
+    /// (1gbit); 0 = none. A running outgoing migration takes it at once.
+    #[arg(long)]
+    pub max_bandwidth: Option<String>,
+    /// Largest pause of the VM to aim for. A running outgoing precopy
+    /// takes it from its next round on.
+    #[arg(long)]
+    pub downtime_ms: Option<u64>,
+}
+
+/// Sets what was given; prints the parameters now in force.
+pub fn set_parameters(a: MigrateSetArgs) -> Result<()> {
+    let mut p = serde_json::Map::new();
+    if let Some(b) = &a.max_bandwidth {
+        let v = units::parse_bandwidth(b).map_err(|e| anyhow::anyhow!("--max-bandwidth {b:?}: {e}"))?;
+        p.insert("max_bandwidth".into(), json!(v));
+    }
+    if let Some(d) = a.downtime_ms {
+        p.insert("downtime_ms".into(), json!(d));
+    }
+    if p.is_empty() {
+        bail!("nothing to set: give --max-bandwidth or --downtime-ms");
+    }
+    let r = a.target.client()?.execute("migrate-set-parameters", Value::Object(p))?;
+    println!("{r}");
+    Ok(())
+}
+
 pub fn start_postcopy(t: Target) -> Result<()> {
     t.client()?.execute("migrate-start-postcopy", json!({}))?;
     Ok(())

@@ -61,6 +61,9 @@ pub enum VmCmd {
     MigrateRecover(crate::migrate::MigrateRecoverArgs),
     /// Source of a hybrid migration: switch to postcopy now.
     MigrateStartPostcopy(Target),
+    /// Set migration parameters (the next migration's; the bandwidth cap
+    /// and the downtime target also a running outgoing migration's).
+    MigrateSetParameters(crate::migrate::MigrateSetArgs),
     /// The guest's out-of-band channel: print the guest's message (waiting
     /// for one with --wait), or write the host's message with --write (a
     /// file's contents, or `-` for stdin).
@@ -201,6 +204,7 @@ pub fn run(cmd: VmCmd) -> Result<()> {
         VmCmd::MigrateIncoming(a) => crate::migrate::migrate_incoming(a),
         VmCmd::MigrateRecover(a) => crate::migrate::migrate_recover(a),
         VmCmd::MigrateStartPostcopy(t) => crate::migrate::start_postcopy(t),
+        VmCmd::MigrateSetParameters(a) => crate::migrate::set_parameters(a),
         VmCmd::Mailbox { target, write, wait } => mailbox(&target, write, wait),
         VmCmd::Cmd { target, command, arguments } => {
             let args: Value = serde_json::from_str(&arguments).context("arguments must be a JSON object")?;

@@ -91,6 +91,33 @@ fn postcopy_and_hybrid_dirtier_vms_hold_the_oracle() {
     }
 }
 
+/// `transit vm migrate-set-parameters --max-bandwidth 0` lifts the cap of
+/// a running postcopy's push: started at 256 KiB/s, its 128 MiB would take
+/// over eight minutes (a paused destination fetches nothing itself); it
+/// completes long before, byte-exact.
+#[test]
+fn a_cap_lifted_from_the_command_line_frees_a_running_push() {
+    let p = pair("pcsetbw", "fill", "128M", true);
+    p.src.wait_progress(1, Duration::from_secs(60)).unwrap();
+    p.migrate(json!({"mode": "postcopy", "max_bandwidth": 256 * 1024}));
+    wait_for("postcopy", Duration::from_secs(60), || status(&p.dst)["status"] == "postcopy-active");
+    let set = |args: &[&str]| {
+        let mut c = std::process::Command::new(transit_bin());
+        c.args(["vm", "migrate-set-parameters", "--control"]).arg(&p.src.socket).args(args);
+        c.output().unwrap()
+    };
+    let refused = set(&[]);
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("nothing to set"));
+    let out = set(&["--max-bandwidth", "0"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let params: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(params["max_bandwidth"], 0, "{params}");
+    p.wait_done();
+    let a = p.src.exec("query-ram-digest", json!({})).unwrap();
+    let b = p.dst.exec("query-ram-digest", json!({})).unwrap();
+    assert_eq!(a, b, "RAM differs");
+}
+
 #[test]
 fn postcopy_to_a_paused_destination_is_byte_exact() {
     let p = pair("pcfill", "fill", "128M", true);
