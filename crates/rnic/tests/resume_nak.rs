@@ -5,6 +5,10 @@
 //! longer answered). Only a rewind for a response that showed the same gap
 //! makes such a NAK a duplicate.
 //!
+//! The same holds when the lost resend was one for a gap the QP had NAKed
+//! before it was suspended: a NAK for the same PSN a round trip after that
+//! rewind means the resend was lost too.
+//!
 //! The peer runs without a retransmission timer or loss probe (timeout 0),
 //! so the NAK is the only thing that can make it resend: a requester that
 //! ignored it would wait for ever, and one with timers would wait for them
@@ -65,5 +69,53 @@ fn a_resumed_qps_sequence_nak_makes_the_peer_resend_after_a_lost_rnr_resend() {
     let r = ok(&m.rcq);
     assert_eq!((r.wr_id, r.byte_len), (7, 64), "{r:?}");
     assert_eq!(m.buf.read(0, 64), pattern(3, 64), "delivered once, whole");
+    assert_eq!(p.qp.state().unwrap(), QpState::Rts);
+}
+
+/// The peer's first SEND is dropped on the way in (nftables, by its PSN),
+/// so the QP NAKs the gap when the second arrives; the peer rewinds and
+/// resends, and the resend of the first is dropped too. The QP is
+/// suspended and resumed (the drop lifted meanwhile): its resume NAK names
+/// the PSN the gap NAK did, and the peer, which rewound for that PSN long
+/// before, resends at once. (The SENDs go apart: GRO would merge packets
+/// that leave together, and the rule would drop both.)
+#[test]
+fn a_resume_nak_for_a_gap_already_naked_makes_the_peer_resend_its_lost_resend() {
+    let bed = Bed::new("rnnakgap", 2);
+    let o = ConnectOpts { rnr_retry: 7, timeout: 0, ..Default::default() };
+    let (m, p) = pair(&bed, 0, 1, o);
+    m.qp.post_recv(&[RecvWr { wr_id: 7, sg_list: &[m.mr.sge(0, 64)] }, RecvWr { wr_id: 8, sg_list: &[m.mr.sge(64, 64)] }]).unwrap();
+    // The peer's first PSN (`pair`: 0x100000), bytes 9-11 of the BTH after
+    // the 8-byte UDP header.
+    let h = bed.tb.host(0);
+    nft(
+        h,
+        "counter lost { }\nchain in { type filter hook input priority -300; policy accept;\n udp dport 4791 @th,136,24 0x100000 counter name \"lost\" drop\n}",
+    );
+    let rewinds = || p.ctx.stats().unwrap()["retransmit_rewinds"].as_u64().unwrap();
+    let before = rewinds();
+    p.buf.write(16384, &pattern(5, 128));
+    p.qp.post_send(&[SendWr::send(1, &[p.mr.sge(16384, 64)])]).unwrap();
+    wait_until("the first SEND was lost", || counter(h, "lost") >= 1);
+    p.qp.post_send(&[SendWr::send(2, &[p.mr.sge(16384 + 64, 64)])]).unwrap();
+    wait_until("the first SEND's resend was lost too", || counter(h, "lost") >= 2);
+    assert!(rewinds() > before, "the peer rewound for the gap NAK");
+
+    m.qp.suspend().unwrap();
+    h.sh("nft delete table inet rnnak").unwrap();
+    // Well past the peer's round trip since it rewound.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(p.scq.poll(&mut [Wc::default(); 1]).unwrap() == 0, "nothing completed before the resume");
+
+    m.qp.resume().unwrap();
+    for id in [1, 2] {
+        let w = p.scq.wait(1, Duration::from_secs(20)).expect("the peer resent after the resumed QP's sequence NAK")[0];
+        assert_eq!((w.wr_id, w.status), (id, WcStatus::Success), "{w:?}");
+    }
+    for id in [7, 8] {
+        let r = ok(&m.rcq);
+        assert_eq!((r.wr_id, r.byte_len), (id, 64), "{r:?}");
+    }
+    assert_eq!(m.buf.read(0, 128), pattern(5, 128), "delivered once each, in order, whole");
     assert_eq!(p.qp.state().unwrap(), QpState::Rts);
 }

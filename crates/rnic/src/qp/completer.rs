@@ -201,7 +201,7 @@ impl Qp {
                     self.rewind_once(ctx);
                     return;
                 }
-                if self.last_rewind != Some(self.rt.una) {
+                if !self.rewound_lately(ctx.now) {
                     // A packet was lost: most often a full queue on the way.
                     self.cut_window(ctx);
                     self.rewind_once(ctx);

@@ -156,8 +156,9 @@ pub struct Qp {
     /// the kernel; the ACK reports how long it was held since.
     ack_since: Option<Instant>,
     rnr_until: Option<Instant>,
-    /// Avoids rewinding again for the same gap while a rewind is under way.
-    last_rewind: Option<u32>,
+    /// The PSN the last rewind for a gap went back to, and when: see
+    /// `Qp::rewind_once`.
+    last_rewind: Option<(u32, Instant)>,
     /// What the congestion window (`rt.cwnd`) remembers between ACKs.
     cc: window::Window,
     /// After a sequence NAK or a loss probe: resend at most this many

@@ -211,9 +211,15 @@ impl Qp {
     /// (infinite: the owner asked for no retransmission timer).
     fn probe_rto(&self) -> Option<Duration> {
         let ib = wire::ack_timeout_us(self.attr.timeout)?;
-        let us = if self.srtt_us == 0.0 { FIRST_PROBE_US } else { (self.srtt_us + 4.0 * self.rttvar_us).max(2.0 * self.srtt_us) };
-        let us = (us.max(MIN_PROBE_US) as u64) << self.probe_backoff.min(6);
+        let us = self.round_trips_us() << self.probe_backoff.min(6);
         (us < ib).then(|| Duration::from_micros(us))
+    }
+
+    /// A few smoothed round trips, at least MIN_PROBE (FIRST_PROBE before
+    /// any sample): the loss probe's time before its backoff.
+    fn round_trips_us(&self) -> u64 {
+        let us = if self.srtt_us == 0.0 { FIRST_PROBE_US } else { (self.srtt_us + 4.0 * self.rttvar_us).max(2.0 * self.srtt_us) };
+        us.max(MIN_PROBE_US) as u64
     }
 
     pub(super) fn rtt_update(&mut self, sample_us: f64) {
@@ -353,13 +359,25 @@ impl Qp {
     }
 
     /// A rewind because a response showed a gap at `una`: later responses
-    /// that show the same gap (sent before the resend reached the
-    /// responder) do not rewind again while the resend is under way.
+    /// that show the same gap within a round trip of it (sent before the
+    /// resend reached the responder) do not rewind again. One that comes
+    /// later says the resend was lost too, and rewinds: a QP that resumed
+    /// after a move names the PSN it expects once, and a requester whose
+    /// resend went to the old host while it was away must resend then, not
+    /// after its loss probe, backed off over the move (100-220 ms for a
+    /// tenth of 256 QPs in a capture before this rule).
     pub(super) fn rewind_once(&mut self, ctx: &mut Ctx) {
-        if self.last_rewind != Some(self.rt.una) {
+        if !self.rewound_lately(ctx.now) {
             self.rewind(ctx);
-            self.last_rewind = Some(self.rt.una);
+            self.last_rewind = Some((self.rt.una, ctx.now));
         }
+    }
+
+    /// Whether the last rewind for a gap went back to `una` within a
+    /// probe's time without its backoff (`round_trips_us`).
+    pub(super) fn rewound_lately(&self, now: Instant) -> bool {
+        let Some((psn, at)) = self.last_rewind else { return false };
+        psn == self.rt.una && now.saturating_duration_since(at) < Duration::from_micros(self.round_trips_us())
     }
 
     /// Retransmission timer.
