@@ -1,7 +1,7 @@
 //! Coalesced ACKs of a stream (`Qp::end_of_receive_pass`): a stream of
 //! multi-packet WRITEs paced by a capped link is acknowledged once per
 //! batch of packets, not per packet, and no NAK asks for a resend unless
-//! a packet was dropped on the way; a
+//! a packet was dropped or reordered on the way; a
 //! packet lost inside such a batch is still recovered by go-back-N with
 //! every byte in place; in a ping-pong of single-packet messages no ACK
 //! waits to be coalesced: each message gets its own.
@@ -105,16 +105,20 @@ fn a_paced_stream_is_acknowledged_per_batch_without_naks() {
     let bed = Bed::new("stack", 2);
     let s = paced_stream(&bed, 0.0);
     assert!(s.acks * 8 < s.rx_packets, "{} ACKs for {} packets: not coalesced ({s:?})", s.acks, s.rx_packets);
-    // The link drops nothing of its own, so no NAK asks for a resend unless
-    // the kernel dropped a packet: the rate limiter's queue or a receive
-    // buffer overflowing on a host too loaded to run rnicd in time (a CI
-    // host), which is loss like any other. The requester's loss probe (4 ms
-    // at least, against the 500 us a coalesced ACK may wait) can also fire
-    // when the responder's host does not run its rnicd for that long:
-    // without a drop, resends may only start from such a probe.
+    // The link drops nothing of its own, so a NAK asks for a resend only
+    // where the kernel dropped a packet (the rate limiter's queue, or a
+    // receive buffer overflowing on a host too loaded to run rnicd in time,
+    // a CI host: loss like any other) or delivered one out of order (a veth
+    // hands packets to the sending CPU's backlog, and a loaded host that
+    // defers it while the sender moves to the other CPU reorders them:
+    // seen once in CI, 1 NAK in 8,572 packets). A NAK per batch of
+    // coalesced ACKs would be hundreds. The requester's loss probe (4 ms at
+    // least, against the 500 us a coalesced ACK may wait) can also fire
+    // when the responder's host does not run its rnicd for that long: every
+    // resend starts from a NAK or such a probe.
     if s.drops == 0 {
-        assert_eq!(s.seq_naks, 0, "a NAK without loss: {s:?}");
-        assert!((s.rewinds, s.dups) == (0, 0) || s.probes > 0, "resent without a loss probe: {s:?}");
+        assert!(s.seq_naks * 1000 <= s.rx_packets, "NAKs without loss: {s:?}");
+        assert!(s.rewinds <= s.seq_naks + s.probes, "resent without a NAK or a loss probe: {s:?}");
     }
 }
 
@@ -156,9 +160,15 @@ fn each_message_of_a_single_packet_ping_pong_gets_its_own_ack() {
     }
     let d = |now: Vec<u64>, then: &[u64]| -> Vec<u64> { now.iter().zip(then).map(|(x, y)| x - y).collect() };
     let (da, db) = (d(stats(&a.ctx, keys), &a0), d(stats(&b.ctx, keys), &b0));
-    // Sent by each side for the other's messages (its duplicates too),
-    // and all of them received.
-    assert_eq!(db[0], ROUNDS + db[2], "B's ACKs for A's {ROUNDS} messages: {db:?}");
-    assert_eq!(da[0], ROUNDS + da[2], "A's ACKs for B's {ROUNDS} messages: {da:?}");
-    assert_eq!((da[1], db[1]), (db[0], da[0]), "ACKs lost on an unimpaired link: A {da:?}, B {db:?}");
+    // Sent by each side for each of the other's messages, and each of
+    // those received. A duplicate (the peer's loss probe fired while this
+    // host's rnicd did not run, a loaded host) is acknowledged too, but may
+    // share the ACK of the message it duplicates when both wait in one
+    // receive pass, and its own ACK may still be on the way when the
+    // counters are read; a new message never shares one: the next is sent
+    // only after its ACK arrived.
+    for (side, sent, got) in [("B's ACKs for A's", &db, &da), ("A's ACKs for B's", &da, &db)] {
+        assert!((ROUNDS..=ROUNDS + sent[2]).contains(&sent[0]), "{side} {ROUNDS} messages: sent {sent:?}");
+        assert!((ROUNDS..=sent[0]).contains(&got[1]), "{side} {ROUNDS} messages: sent {sent:?}, the other side {got:?}");
+    }
 }
