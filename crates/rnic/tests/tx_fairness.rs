@@ -1,0 +1,68 @@
+//! Transmit fairness among many busy QPs: each transmit round gives the QPs
+//! in turn a share of its packet budget, and the next round starts with
+//! the first QP the budget did not reach. Every QP with work sends within
+//! (QPs x share / budget) rounds. A round that started only one QP further
+//! on served the same few QPs again and again, and with 256 QPs a QP at
+//! the end of the order waited hundreds of rounds (130 ms for a READ
+//! answer after a move).
+mod common;
+use std::collections::HashSet;
+use std::net::Ipv4Addr;
+use std::time::Instant;
+
+use common::direct::{self, dup, Path};
+use rnic::engine::Engine;
+use rnic::mem::sealed_memfd;
+use rnic::proto::{Reply, Request};
+use rnic::types::{access, Mtu};
+use rnic::wire::{self, Flow, Headers, Opcode, Reth, ROCE_PORT};
+
+const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 2, 1);
+const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 2, 2);
+const READ_LEN: u32 = 64 * 1024;
+const RQ_PSN: u32 = 100;
+const QPS: u32 = 64;
+/// Packets per transmit round: 8 QPs' shares (8 packets at least each).
+const BUDGET: usize = 64;
+
+#[test]
+fn every_busy_qp_sends_within_one_pass_over_the_qps() {
+    let mut e = Engine::new(LOCAL);
+    let mut keep = Vec::new();
+    let Reply::Pd(pd) = e.control(1, Request::AllocPd, vec![]).unwrap() else { panic!() };
+    let memfd = sealed_memfd("reads", READ_LEN as usize).unwrap();
+    let iova = 0x7000_0000_0000u64;
+    let req = Request::RegMr { pd, iova, len: READ_LEN.into(), access: access::ALL, fd_offset: 0, key: None };
+    let Reply::Mr { rkey, .. } = e.control(1, req, vec![dup(&memfd)]).unwrap() else { panic!() };
+    keep.push(memfd);
+    let (cq, cqfd) = direct::cq(&mut e, 1, 256);
+    keep.push(cqfd);
+    let qps: Vec<u32> = (0..QPS)
+        .map(|k| {
+            let path = Path { peer: PEER, dest_qpn: 0x100 + k, rq_psn: RQ_PSN, mtu: Mtu::M256, max_dest_rd_atomic: 4 };
+            direct::rts_qp(&mut e, pd, cq, &path, &mut keep)
+        })
+        .collect();
+    // Each QP has a 64 KiB READ to answer: 256 response packets, far more
+    // than a round's share.
+    let now = Instant::now();
+    for (k, &qpn) in qps.iter().enumerate() {
+        let flow = Flow { src: PEER, dst: LOCAL, sport: 0xc000 + k as u16, dport: ROCE_PORT };
+        let mut h = Headers::new(Opcode::ReadRequest, qpn, RQ_PSN);
+        h.reth = Some(Reth { va: iova, rkey, len: READ_LEN });
+        e.on_packet(&wire::build(&flow, &h, &[]), PEER, flow.sport, now);
+    }
+
+    let rounds = QPS as usize * 8 / BUDGET;
+    let mut served = HashSet::new();
+    for _ in 0..rounds {
+        assert!(e.poll_tx(BUDGET, Instant::now()), "more to send");
+        for p in std::mem::take(&mut e.tx.pkts) {
+            let flow = Flow { src: LOCAL, dst: PEER, sport: p.sport, dport: ROCE_PORT };
+            let w = wire::parse(&p.buf[..p.len], Some(&flow)).expect("rnicd sends valid packets");
+            served.insert(w.bth.dest_qpn);
+        }
+    }
+    let waiting: Vec<u32> = (0..QPS).map(|k| 0x100 + k).filter(|q| !served.contains(q)).collect();
+    assert!(waiting.is_empty(), "after {rounds} rounds of {BUDGET} packets, {} of {QPS} QPs sent nothing: {waiting:x?}", waiting.len());
+}
