@@ -495,7 +495,7 @@ impl Engine {
         // the next round starts there (deficit round robin), so every busy
         // QP sends within one pass over them. Starting one QP further on
         // instead served the same few QPs round after round while the rest
-        // waited (with 256 QPs, 130 ms for a READ answer).
+        // waited (`tests/tx_fairness.rs`).
         let mut unserved = None;
         for k in 0..n {
             let at = (*rr + k) % n;

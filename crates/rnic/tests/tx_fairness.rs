@@ -2,9 +2,8 @@
 //! in turn a share of its packet budget, and the next round starts with
 //! the first QP the budget did not reach. Every QP with work sends within
 //! (QPs x share / budget) rounds. A round that started only one QP further
-//! on served the same few QPs again and again, and with 256 QPs a QP at
-//! the end of the order waited hundreds of rounds (130 ms for a READ
-//! answer after a move).
+//! on served the same few QPs again and again, and a QP at the end of the
+//! order waited up to (QPs - served) rounds.
 mod common;
 use std::collections::HashSet;
 use std::net::Ipv4Addr;
