@@ -10,11 +10,10 @@ use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
-use common::direct::{self, dup, Path};
+use common::direct::{self, Path};
 use rnic::engine::Engine;
-use rnic::mem::sealed_memfd;
-use rnic::proto::{Reply, Request};
-use rnic::types::{access, Mtu};
+use rnic::proto::Request;
+use rnic::types::Mtu;
 use rnic::wire::{self, Flow, Headers, NakCode, Opcode, Reth, Syndrome, ROCE_PORT};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 1);
@@ -34,14 +33,8 @@ fn rts_qp(e: &mut Engine, pd: u32, cq: u32, dest: u32, keep: &mut Vec<OwnedFd>) 
 fn a_resumed_qps_nak_goes_out_before_other_qps_bulk_responses() {
     let mut e = Engine::new(LOCAL);
     let mut keep = Vec::new();
-    let Reply::Pd(pd) = e.control(1, Request::AllocPd, vec![]).unwrap() else { panic!() };
-    let memfd = sealed_memfd("reads", READ_LEN as usize).unwrap();
-    let iova = 0x7000_0000_0000u64;
-    let req = Request::RegMr { pd, iova, len: READ_LEN.into(), access: access::ALL, fd_offset: 0, key: None };
-    let Reply::Mr { rkey, .. } = e.control(1, req, vec![dup(&memfd)]).unwrap() else { panic!() };
-    keep.push(memfd);
-    let (cq, cqfd) = direct::cq(&mut e, 1, 256);
-    keep.push(cqfd);
+    let direct::Readable { pd, rkey, cq } = direct::readable(&mut e, READ_LEN, &mut keep);
+    let iova = direct::READ_IOVA;
 
     // The busy QPs come first in the transmit order; the one that resumes last.
     let busy: Vec<u32> = (0..BUSY_QPS).map(|k| rts_qp(&mut e, pd, cq, 0x100 + k, &mut keep)).collect();

@@ -119,6 +119,7 @@ fn a_paced_stream_is_acknowledged_per_batch_without_naks() {
     if s.drops == 0 {
         assert!(s.seq_naks * 1000 <= s.rx_packets, "NAKs without loss: {s:?}");
         assert!(s.rewinds <= s.seq_naks + s.probes, "resent without a NAK or a loss probe: {s:?}");
+        assert!(s.dups == 0 || s.rewinds > 0, "duplicates without a resend: {s:?}");
     }
 }
 

@@ -9,11 +9,9 @@ use std::collections::HashSet;
 use std::net::Ipv4Addr;
 use std::time::Instant;
 
-use common::direct::{self, dup, Path};
+use common::direct::{self, Path};
 use rnic::engine::Engine;
-use rnic::mem::sealed_memfd;
-use rnic::proto::{Reply, Request};
-use rnic::types::{access, Mtu};
+use rnic::types::Mtu;
 use rnic::wire::{self, Flow, Headers, Opcode, Reth, ROCE_PORT};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 2, 1);
@@ -28,14 +26,8 @@ const BUDGET: usize = 64;
 fn every_busy_qp_sends_within_one_pass_over_the_qps() {
     let mut e = Engine::new(LOCAL);
     let mut keep = Vec::new();
-    let Reply::Pd(pd) = e.control(1, Request::AllocPd, vec![]).unwrap() else { panic!() };
-    let memfd = sealed_memfd("reads", READ_LEN as usize).unwrap();
-    let iova = 0x7000_0000_0000u64;
-    let req = Request::RegMr { pd, iova, len: READ_LEN.into(), access: access::ALL, fd_offset: 0, key: None };
-    let Reply::Mr { rkey, .. } = e.control(1, req, vec![dup(&memfd)]).unwrap() else { panic!() };
-    keep.push(memfd);
-    let (cq, cqfd) = direct::cq(&mut e, 1, 256);
-    keep.push(cqfd);
+    let direct::Readable { pd, rkey, cq } = direct::readable(&mut e, READ_LEN, &mut keep);
+    let iova = direct::READ_IOVA;
     let qps: Vec<u32> = (0..QPS)
         .map(|k| {
             let path = Path { peer: PEER, dest_qpn: 0x100 + k, rq_psn: RQ_PSN, mtu: Mtu::M256, max_dest_rd_atomic: 4 };

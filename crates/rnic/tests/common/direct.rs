@@ -22,6 +22,29 @@ pub fn dup(fd: &OwnedFd) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(libc::dup(fd.as_raw_fd())) }
 }
 
+/// What READ tests start from: client 1's PD, an MR of `len` bytes at
+/// `READ_IOVA` that peers may read (its rkey), and a CQ of 256 entries;
+/// the memfds go to `keep`.
+pub struct Readable {
+    pub pd: u32,
+    pub rkey: u32,
+    pub cq: u32,
+}
+
+/// The I/O address of [`readable`]'s MR.
+pub const READ_IOVA: u64 = 0x7000_0000_0000;
+
+pub fn readable(e: &mut Engine, len: u32, keep: &mut Vec<OwnedFd>) -> Readable {
+    let Reply::Pd(pd) = e.control(1, Request::AllocPd, vec![]).unwrap() else { panic!("AllocPd answered with another reply") };
+    let memfd = sealed_memfd("reads", len as usize).unwrap();
+    let req = Request::RegMr { pd, iova: READ_IOVA, len: len.into(), access: access::ALL, fd_offset: 0, key: None };
+    let Reply::Mr { rkey, .. } = e.control(1, req, vec![dup(&memfd)]).unwrap() else { panic!("RegMr answered with another reply") };
+    keep.push(memfd);
+    let (cq, cqfd) = cq(e, 1, 256);
+    keep.push(cqfd);
+    Readable { pd, rkey, cq }
+}
+
 /// A CQ of `cap` entries of client `c`; its ring's memfd.
 pub fn cq(e: &mut Engine, c: ClientId, cap: u32) -> (u32, OwnedFd) {
     let fd = sealed_memfd("cq", ring_bytes::<Cqe>(cap)).unwrap();
