@@ -172,7 +172,6 @@ pub fn migrate_recover(a: MigrateRecoverArgs) -> Result<()> {
     Ok(())
 }
 
-/// Source of a hybrid migration: switch to postcopy at the end of this round.
 /// Parameters for the VM's migrations, as `migrate-set-parameters`.
 #[derive(clap::Args)]
 pub struct MigrateSetArgs {
@@ -206,6 +205,7 @@ pub fn set_parameters(a: MigrateSetArgs) -> Result<()> {
     Ok(())
 }
 
+/// Source of a hybrid migration: switch to postcopy at the end of this round.
 pub fn start_postcopy(t: Target) -> Result<()> {
     t.client()?.execute("migrate-start-postcopy", json!({}))?;
     Ok(())
