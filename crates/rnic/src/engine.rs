@@ -409,6 +409,12 @@ impl Engine {
     /// at `arrived` (its receive timestamp), handled at `now`.
     pub fn on_packet_at(&mut self, buf: &[u8], src: Ipv4Addr, sport: u16, now: Instant, arrived: Instant) {
         self.stats.rx_packets += 1;
+        let waited = now.saturating_duration_since(arrived).as_micros() as u64;
+        if waited > 10_000 {
+            self.stats.rx_socket_waits_over_10ms += 1;
+        }
+        self.stats.rx_socket_wait_max_us = self.stats.rx_socket_wait_max_us.max(waited);
+        self.stats.rx_socket_wait_us_total += waited;
         let flow = Flow { src, dst: self.gid, sport, dport: ROCE_PORT };
         let p = match wire::parse(buf, Some(&flow)) {
             Ok(p) => p,

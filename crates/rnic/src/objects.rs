@@ -161,6 +161,15 @@ pub struct Stats {
     /// shows ACK coalescing).
     pub ack_packets_sent: u64,
     pub ack_packets_received: u64,
+    /// How long packets lay in the UDP socket before rnicd read them (from
+    /// the kernel's receive timestamp): the longest wait, the packets that
+    /// waited over 10 ms. A NIC's receive queue, where a packet can
+    /// wait behind the bulk of other QPs however fast each is handled.
+    pub rx_socket_wait_max_us: u64,
+    pub rx_socket_waits_over_10ms: u64,
+    /// The waits of all packets read, summed (µs): over `rx_packets`, the
+    /// mean wait.
+    pub rx_socket_wait_us_total: u64,
 }
 
 pub struct OutPkt {
