@@ -47,7 +47,7 @@ fn a_doorbell_reads_the_rings_of_the_qps_that_rang() {
     let mut sq_fds = Vec::new();
     let qpns: Vec<u32> = (0..QPS)
         .map(|k| {
-            let path = Path { peer: PEER, dest_qpn: 0x100 + k, rq_psn: 0, mtu: Mtu::M1024, max_dest_rd_atomic: 1 };
+            let path = Path { peer: PEER, dest_qpn: 0x100 + k, rq_psn: 0, mtu: Mtu::M1024, max_dest_rd_atomic: 1, timeout: 0 };
             let at = keep.len();
             let qpn = direct::rts_qp(&mut e, pd, cq, &path, &mut keep);
             sq_fds.push(at);
@@ -90,7 +90,7 @@ fn a_destroyed_qp_leaves_its_slot() {
     let Reply::Pd(pd) = e.control(1, Request::AllocPd, vec![]).unwrap() else { panic!() };
     let (cq, cqfd) = direct::cq(&mut e, 1, 64);
     keep.push(cqfd);
-    let path = Path { peer: PEER, dest_qpn: 0x100, rq_psn: 0, mtu: Mtu::M1024, max_dest_rd_atomic: 1 };
+    let path = Path { peer: PEER, dest_qpn: 0x100, rq_psn: 0, mtu: Mtu::M1024, max_dest_rd_atomic: 1, timeout: 0 };
     let qpn = direct::rts_qp(&mut e, pd, cq, &path, &mut keep);
     e.control(1, Request::DestroyQp { qpn }, vec![]).unwrap();
     let (client_page, fd) = DoorbellPage::create().unwrap();

@@ -25,7 +25,7 @@ const BUSY_QPS: u32 = 32;
 
 /// An RC QP of client 1 in RTS talking to PEER's QP `dest`.
 fn rts_qp(e: &mut Engine, pd: u32, cq: u32, dest: u32, keep: &mut Vec<OwnedFd>) -> u32 {
-    let path = Path { peer: PEER, dest_qpn: dest, rq_psn: RQ_PSN, mtu: Mtu::M256, max_dest_rd_atomic: 4 };
+    let path = Path { peer: PEER, dest_qpn: dest, rq_psn: RQ_PSN, mtu: Mtu::M256, max_dest_rd_atomic: 4, timeout: 0 };
     direct::rts_qp(e, pd, cq, &path, keep)
 }
 

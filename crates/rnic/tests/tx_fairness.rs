@@ -30,7 +30,7 @@ fn every_busy_qp_sends_within_one_pass_over_the_qps() {
     let iova = direct::READ_IOVA;
     let qps: Vec<u32> = (0..QPS)
         .map(|k| {
-            let path = Path { peer: PEER, dest_qpn: 0x100 + k, rq_psn: RQ_PSN, mtu: Mtu::M256, max_dest_rd_atomic: 4 };
+            let path = Path { peer: PEER, dest_qpn: 0x100 + k, rq_psn: RQ_PSN, mtu: Mtu::M256, max_dest_rd_atomic: 4, timeout: 0 };
             direct::rts_qp(&mut e, pd, cq, &path, &mut keep)
         })
         .collect();

@@ -58,9 +58,17 @@ impl Qp {
                 self.rtt_sample = None;
                 let path_us = ctx.arrived.saturating_duration_since(t).as_secs_f64() * 1e6 - self.peer_hold_us as f64;
                 self.on_rtt_sample(ctx, path_us.max(0.0));
+                // Karn: a backed-off probe stays backed off until a packet
+                // sent once is answered. Clearing the backoff on any
+                // progress kept a QP whose answers came later than its
+                // first probe (20 ms before any sample) probing at that
+                // pace for ever: each probe resent the window and voided
+                // the sample that would have lengthened it. With 256 QPs
+                // most never had a sample, and the resends filled the
+                // responders' sockets.
+                self.probe_backoff = 0;
             }
         }
-        self.probe_backoff = 0;
         self.grow_window();
         self.rt.retry_left = self.attr.retry_cnt;
         self.rt.rnr_left = self.attr.rnr_retry;

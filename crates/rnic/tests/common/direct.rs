@@ -4,14 +4,14 @@
 //! objects.
 
 use rnic::engine::Engine;
-use rnic::mem::sealed_memfd;
+use rnic::mem::{sealed_memfd, Mapping};
 use rnic::objects::ClientId;
 use rnic::proto::{Reply, Request};
-use rnic::ring::{ring_bytes, Cqe, RecvWqe, SendWqe};
+use rnic::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, Sge};
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use rnic::types::{access, mask, Mtu, QpAttr, QpCap, QpState, QpType};
+use rnic::types::{access, mask, send_flags, Mtu, QpAttr, QpCap, QpState, QpType};
 
 /// Slots of each ring of a QP made by [`rc_qp`] (and its WRs each way).
 pub const QP_DEPTH: u32 = 16;
@@ -80,13 +80,15 @@ pub fn rc_qp(e: &mut Engine, c: ClientId, pd: u32, cq: u32, sges: u32, inline: u
 }
 
 /// The path of an RC QP made by [`rts_qp`]: its peer, the PSN it expects
-/// first, the path MTU and how many READs or atomics it answers at once.
+/// first, the path MTU, how many READs or atomics it answers at once, and
+/// its IB timeout (0: none, no retransmission timer nor delay signal).
 pub struct Path {
     pub peer: Ipv4Addr,
     pub dest_qpn: u32,
     pub rq_psn: u32,
     pub mtu: Mtu,
     pub max_dest_rd_atomic: u8,
+    pub timeout: u8,
 }
 
 /// An RC QP of client 1 in RTS on `pd` and `cq` (one SGE, no inline data)
@@ -106,7 +108,34 @@ pub fn rts_qp(e: &mut Engine, pd: u32, cq: u32, path: &Path, keep: &mut Vec<Owne
     let m = mask::STATE | mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN | mask::MAX_DEST_RD_ATOMIC | mask::MIN_RNR_TIMER;
     e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
     a.qp_state = QpState::Rts;
+    a.timeout = path.timeout;
     let m = mask::STATE | mask::SQ_PSN | mask::TIMEOUT | mask::RETRY_CNT | mask::RNR_RETRY | mask::MAX_QP_RD_ATOMIC;
     e.control(1, Request::ModifyQp { qpn, attr: a, mask: m }, vec![]).unwrap();
     qpn
+}
+
+/// The send ring of a QP made by [`rc_qp`], posted to as its client would
+/// (the engine finds new WQEs in its next transmit round).
+pub struct SendRing {
+    ring: Ring<SendWqe>,
+    _map: Mapping,
+}
+
+impl SendRing {
+    /// The ring in `sq`, the QP's send ring memfd.
+    pub fn new(sq: &OwnedFd) -> SendRing {
+        let len = ring_bytes::<SendWqe>(QP_DEPTH);
+        let map = Mapping::map(sq, 0, len).unwrap();
+        // SAFETY: the mapping holds `len` bytes and lives as long as the ring.
+        let ring = unsafe { Ring::new(map.ptr(), len, QP_DEPTH) }.expect("a ring over the mapping");
+        SendRing { ring, _map: map }
+    }
+
+    /// A signaled RDMA WRITE of `len` bytes from [`readable`]'s MR (its
+    /// key `key`) to the peer's `remote_addr`/`rkey`.
+    pub fn post_write(&mut self, wr_id: u64, key: u32, len: u32, remote_addr: u64, rkey: u32) {
+        let mut w = SendWqe { wr_id, opcode: 0, flags: send_flags::SIGNALED, num_sge: 1, remote_addr, rkey, ..Default::default() };
+        w.sge[0] = Sge { addr: READ_IOVA, length: len, lkey: key };
+        assert!(self.ring.push(&w), "send ring full");
+    }
 }

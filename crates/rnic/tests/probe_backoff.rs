@@ -1,0 +1,66 @@
+//! Karn's rule for the loss probe: once a probe fired, its backoff stays
+//! until a packet sent only once is answered, which gives a round trip to
+//! time the next probe by. A QP whose answers come later than its first
+//! probe (20 ms before any sample) therefore probes once, not for every
+//! message: clearing the backoff on any answer had it resend each window
+//! and void each round trip sample, for ever. Engine in the test process,
+//! the peer played by the test with answers at chosen times.
+mod common;
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use common::direct::{self, Path, SendRing};
+use rnic::engine::Engine;
+use rnic::types::Mtu;
+use rnic::wire::{self, Aeth, Flow, Headers, Opcode, Syndrome, ROCE_PORT};
+
+const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 3, 1);
+const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 3, 2);
+const PEER_QPN: u32 = 0x77;
+
+/// Loss probes, and the smoothed round trip then (µs), of a QP that
+/// sends `writes` WRITEs one after another, each ACKed `answer` after it
+/// left; its probes resend, and their answers are never needed.
+fn probes(answer: Duration, writes: u64) -> (u64, f64) {
+    let mut e = Engine::new(LOCAL);
+    let mut keep = Vec::new();
+    let r = direct::readable(&mut e, 4096, &mut keep);
+    // Timeout 14: the IB timer (67 ms) stays out of the way of 30 ms answers.
+    let path = Path { peer: PEER, dest_qpn: PEER_QPN, rq_psn: 0, mtu: Mtu::M1024, max_dest_rd_atomic: 1, timeout: 14 };
+    let qpn = direct::rts_qp(&mut e, r.pd, r.cq, &path, &mut keep);
+    let mut sq = SendRing::new(&keep[keep.len() - 2]);
+    let flow = Flow { src: PEER, dst: LOCAL, sport: 0xc001, dport: ROCE_PORT };
+    let mut t = Instant::now();
+    for k in 0..writes {
+        sq.post_write(k, r.rkey, 512, 0x1000, 0x99);
+        e.poll_tx(64, t);
+        let out = std::mem::take(&mut e.tx.pkts);
+        let back = Flow { src: LOCAL, dst: PEER, sport: out[0].sport, dport: ROCE_PORT };
+        let req = wire::parse(&out[0].buf[..out[0].len], Some(&back)).unwrap();
+        assert_eq!(req.bth.opcode, Opcode::WriteOnly);
+        // The QP's timers run just before the answer comes.
+        e.poll_tx(64, t + answer - Duration::from_millis(1));
+        e.tx.pkts.clear();
+        let mut h = Headers::new(Opcode::Ack, qpn, req.bth.psn);
+        h.aeth = Some(Aeth { syndrome: Syndrome::Ack(0x1f), msn: k as u32 + 1 });
+        let at = t + answer;
+        e.on_packet_at(&wire::build(&flow, &h, &[]), PEER, flow.sport, at, at);
+        t = at + Duration::from_millis(1);
+    }
+    let srtt = e.qp(qpn).unwrap().debug_state(t)["requester"]["srtt_us"].as_f64().unwrap();
+    (e.stats.loss_probes, srtt)
+}
+
+#[test]
+fn answers_later_than_the_first_probe_stop_the_probes() {
+    let (n, srtt) = probes(Duration::from_millis(30), 10);
+    assert_eq!(n, 1, "one probe at 20 ms, then backed off until a round trip was timed");
+    assert!((29_000.0..=31_000.0).contains(&srtt), "the 30 ms round trip was timed: srtt {srtt} us");
+}
+
+#[test]
+fn prompt_answers_never_probe() {
+    let (n, srtt) = probes(Duration::from_millis(2), 10);
+    assert_eq!(n, 0);
+    assert!((1_900.0..=2_100.0).contains(&srtt), "srtt {srtt} us");
+}
