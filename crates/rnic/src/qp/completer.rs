@@ -201,19 +201,10 @@ impl Qp {
                 self.recovery = Some(RECOVERY_FIRST);
             }
             Syndrome::Nak(NakCode::PsnSeqError) => {
-                // The responder names the PSN it expects: it is ready, so an
-                // RNR wait (a suspended QP that resumed, maybe on another
-                // host) ends now and the resend starts at once.
-                self.rnr_until = None;
-                if !self.ack_through(ctx, prev) {
-                    self.rewind_once(ctx);
-                    return;
-                }
-                if !self.rewound_lately(ctx.now) {
-                    // A packet was lost: most often a full queue on the way.
-                    self.cut_window(ctx);
-                    self.rewind_once(ctx);
-                    self.recovery = Some(RECOVERY_FIRST);
+                let rewinds = ctx.stats.retransmit_rewinds;
+                self.on_seq_nak(ctx, prev);
+                if ctx.stats.retransmit_rewinds == rewinds {
+                    ctx.stats.seq_naks_ignored += 1;
                 }
             }
             Syndrome::Nak(code) => {
@@ -226,6 +217,24 @@ impl Qp {
                 self.fail_wqe_at(ctx, 0, status);
             }
             Syndrome::Reserved(_) => ctx.stats.rx_bad_response += 1,
+        }
+    }
+
+    /// A sequence NAK naming `prev + 1` as the PSN the responder expects.
+    fn on_seq_nak(&mut self, ctx: &mut Ctx, prev: u32) {
+        // The responder names the PSN it expects: it is ready, so an
+        // RNR wait (a suspended QP that resumed, maybe on another
+        // host) ends now and the resend starts at once.
+        self.rnr_until = None;
+        if !self.ack_through(ctx, prev) {
+            self.rewind_once(ctx);
+            return;
+        }
+        if !self.rewound_lately(ctx.now) {
+            // A packet was lost: most often a full queue on the way.
+            self.cut_window(ctx);
+            self.rewind_once(ctx);
+            self.recovery = Some(RECOVERY_FIRST);
         }
     }
 
