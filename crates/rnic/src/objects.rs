@@ -109,10 +109,6 @@ pub struct Stats {
     pub rnr_naks_received: u64,
     pub error_naks_sent: u64,
     pub retransmit_rewinds: u64,
-    /// Sequence NAKs that did not rewind: taken as duplicates of a NAK or
-    /// response gap the requester rewound for less than a round trip
-    /// before (`Qp::rewound_lately`).
-    pub seq_naks_ignored: u64,
     /// Go-back-N rewinds by the loss probe (a few RTTs without progress).
     pub loss_probes: u64,
     pub timeouts: u64,

@@ -359,18 +359,22 @@ impl Qp {
     }
 
     /// A rewind because a response showed a gap at `una`: later responses
-    /// that show the same gap within a round trip of it (sent before the
-    /// resend reached the responder) do not rewind again. One that comes
-    /// later says the resend was lost too, and rewinds: a QP that resumed
-    /// after a move names the PSN it expects once, and a requester whose
-    /// resend went to the old host while it was away must resend then, not
-    /// after its loss probe, backed off over the move (100-220 ms for a
-    /// tenth of 256 QPs in a capture before this rule).
+    /// that show the same gap within a round trip of the last rewind for
+    /// it (sent before the resend reached the responder) do not rewind
+    /// again. One that comes later says the resend was lost too, and
+    /// rewinds. Sequence NAKs always rewind (`on_seq_nak`).
     pub(super) fn rewind_once(&mut self, ctx: &mut Ctx) {
         if !self.rewound_lately(ctx.now) {
-            self.rewind(ctx);
-            self.last_rewind = Some((self.rt.una, ctx.now));
+            self.rewind_for_gap(ctx);
         }
+    }
+
+    /// A rewind for a gap at `una`, always taken, and remembered so that
+    /// responses showing the same gap within a round trip do not rewind
+    /// again (`rewind_once`).
+    pub(super) fn rewind_for_gap(&mut self, ctx: &mut Ctx) {
+        self.rewind(ctx);
+        self.last_rewind = Some((self.rt.una, ctx.now));
     }
 
     /// Whether the last rewind for a gap went back to `una` within a

@@ -1,10 +1,10 @@
-//! A sequence NAK for the PSN the requester went back to less than a
-//! round trip before is a duplicate (a NAK or a response gap that left the
-//! responder before the resend reached it): it does not rewind again, and
-//! `seq_naks_ignored` counts it. One that comes a round trip later says
-//! the resend was lost too (or the responder resumed, maybe on another
-//! host) and rewinds (`Qp::rewound_lately`). Engine in the test process,
-//! the responder played by the test.
+//! Every sequence NAK rewinds, even one for the PSN the requester went
+//! back to a moment before: a responder NAKs a gap once, so a second NAK
+//! says the resend was lost too, or that the responder resumed (maybe on
+//! another host) and names the PSN it expects (`Qp::on_seq_nak`). Taken
+//! as a duplicate within a round trip, such NAKs were ignored after moves
+//! at 256 QPs, whose round trips are tens of ms. Engine in the test
+//! process, the responder played by the test.
 mod common;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
@@ -18,7 +18,7 @@ const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 4, 1);
 const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 4, 2);
 
 #[test]
-fn a_sequence_nak_within_a_round_trip_of_the_rewind_is_a_duplicate() {
+fn every_sequence_nak_rewinds() {
     let mut e = Engine::new(LOCAL);
     let mut keep = Vec::new();
     let r = direct::readable(&mut e, 4096, &mut keep);
@@ -40,10 +40,11 @@ fn a_sequence_nak_within_a_round_trip_of_the_rewind_is_a_duplicate() {
     nak.aeth = Some(Aeth { syndrome: Syndrome::Nak(NakCode::PsnSeqError), msn: 0 });
     let nak = wire::build(&flow, &nak, &[]);
     let stat = |e: &Engine, k: &str| serde_json::to_value(&e.stats).unwrap()[k].as_u64().unwrap();
-    // Before any round trip was timed, the round trip counts as 20 ms.
-    for (ms, rewinds, ignored) in [(1, 1, 0), (2, 1, 1), (10, 1, 2), (40, 2, 2)] {
+    // Before any round trip was timed, the round trip counts as 20 ms:
+    // NAKs 1 and 9 ms after the first came within it.
+    for (ms, rewinds) in [(1, 1), (2, 2), (10, 3), (40, 4)] {
         let at = t + Duration::from_millis(ms);
         e.on_packet_at(&nak, PEER, flow.sport, at, at);
-        assert_eq!((stat(&e, "retransmit_rewinds"), stat(&e, "seq_naks_ignored")), (rewinds, ignored), "the NAK at {ms} ms");
+        assert_eq!(stat(&e, "retransmit_rewinds"), rewinds, "the NAK at {ms} ms rewinds");
     }
 }
