@@ -6,14 +6,14 @@ mod common;
 use std::net::Ipv4Addr;
 use std::time::Instant;
 
-use common::direct::{self, dup, Path, QP_DEPTH};
+use common::direct::{self, dup, Path, SendRing};
 use rnic::doorbell::DoorbellPage;
 use rnic::engine::Engine;
-use rnic::mem::{sealed_memfd, Mapping};
+use rnic::mem::sealed_memfd;
 use rnic::proto::{Reply, Request};
-use rnic::ring::{ring_bytes, Ring, SendWqe, Sge};
+use rnic::ring::{SendWqe, Sge};
 use rnic::types::{access, Mtu};
-use rnic::wire::{self, Flow, Opcode, ROCE_PORT};
+use rnic::wire::Opcode;
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 2, 1);
 const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 2, 2);
@@ -23,14 +23,7 @@ const POSTER: usize = 40;
 /// The destination QPNs of the SEND packets the engine has to send now.
 fn sends(e: &mut Engine) -> Vec<u32> {
     e.poll_tx(256, Instant::now());
-    let out = std::mem::take(&mut e.tx.pkts);
-    out.iter()
-        .filter_map(|p| {
-            let flow = Flow { src: LOCAL, dst: PEER, sport: p.sport, dport: ROCE_PORT };
-            let w = wire::parse(&p.buf[..p.len], Some(&flow)).expect("rnicd sends valid packets");
-            (w.bth.opcode == Opcode::SendOnly).then_some(w.bth.dest_qpn)
-        })
-        .collect()
+    direct::sent(e, |w| (w.bth.opcode == Opcode::SendOnly).then_some(w.bth.dest_qpn)).into_iter().flatten().collect()
 }
 
 #[test]
@@ -56,24 +49,20 @@ fn a_doorbell_reads_the_rings_of_the_qps_that_rang() {
         .collect();
 
     // One QP posts a SEND into its ring, as a client does before it rings.
-    let sq_len = ring_bytes::<SendWqe>(QP_DEPTH);
-    let map = Mapping::map_sealed(&keep[sq_fds[POSTER]], 0, sq_len).unwrap();
-    // SAFETY: the mapping is sq_len bytes and outlives the ring.
-    let mut sq = unsafe { Ring::<SendWqe>::new(map.ptr(), sq_len, QP_DEPTH) }.unwrap();
+    let mut sq = SendRing::new(&keep[sq_fds[POSTER]]);
     let mut w = SendWqe { wr_id: 7, opcode: 2, num_sge: 1, ..Default::default() };
     w.sge[0] = Sge { addr: iova, length: 64, lkey };
-    let post = |sq: &mut Ring<SendWqe>| assert!(sq.push(&w));
 
     let (client_page, fd) = DoorbellPage::create().unwrap();
     let page = DoorbellPage::map(&fd).unwrap();
-    post(&mut sq);
+    sq.post(&w);
     client_page.mark(qpns[POSTER]);
     e.doorbell_marked(1, &page);
     assert_eq!((e.stats.doorbells, e.stats.doorbell_qp_looks), (1, 1), "one doorbell, one QP's rings read");
     assert_eq!(sends(&mut e), vec![0x100 + POSTER as u32], "the marked QP's SEND left");
 
     // A doorbell with no bit set reads no ring.
-    post(&mut sq);
+    sq.post(&w);
     e.doorbell_marked(1, &page);
     assert_eq!(e.stats.doorbell_qp_looks, 1);
 

@@ -34,14 +34,13 @@ fn probes(answer: Duration, writes: u64) -> (u64, f64) {
     for k in 0..writes {
         sq.post_write(k, r.rkey, 512, 0x1000, 0x99);
         e.poll_tx(64, t);
-        let out = std::mem::take(&mut e.tx.pkts);
-        let back = Flow { src: LOCAL, dst: PEER, sport: out[0].sport, dport: ROCE_PORT };
-        let req = wire::parse(&out[0].buf[..out[0].len], Some(&back)).unwrap();
-        assert_eq!(req.bth.opcode, Opcode::WriteOnly);
+        let sent = direct::sent(&mut e, |w| (w.bth.opcode, w.bth.psn));
+        let (opcode, psn) = sent[0];
+        assert_eq!(opcode, Opcode::WriteOnly);
         // The QP's timers run just before the answer comes.
         e.poll_tx(64, t + answer - Duration::from_millis(1));
         e.tx.pkts.clear();
-        let mut h = Headers::new(Opcode::Ack, qpn, req.bth.psn);
+        let mut h = Headers::new(Opcode::Ack, qpn, psn);
         h.aeth = Some(Aeth { syndrome: Syndrome::Ack(0x1f), msn: k as u32 + 1 });
         let at = t + answer;
         e.on_packet_at(&wire::build(&flow, &h, &[]), PEER, flow.sport, at, at);

@@ -53,15 +53,8 @@ fn a_resumed_qps_nak_goes_out_before_other_qps_bulk_responses() {
 
     // One round with a budget far below the READ responses queued.
     e.poll_tx(64, Instant::now());
-    let out = std::mem::take(&mut e.tx.pkts);
-    let naks: Vec<_> = out
-        .iter()
-        .filter_map(|p| {
-            let flow = Flow { src: LOCAL, dst: PEER, sport: p.sport, dport: ROCE_PORT };
-            let w = wire::parse(&p.buf[..p.len], Some(&flow)).expect("rnicd sends valid packets");
-            (w.bth.dest_qpn == 0x999).then(|| (w.bth.opcode, w.bth.psn, w.aeth.map(|a| a.syndrome)))
-        })
-        .collect();
+    let out = direct::sent(&mut e, |w| (w.bth.dest_qpn == 0x999).then(|| (w.bth.opcode, w.bth.psn, w.aeth.map(|a| a.syndrome))));
+    let naks: Vec<_> = out.iter().flatten().copied().collect();
     assert_eq!(
         naks,
         vec![(Opcode::Ack, RQ_PSN, Some(Syndrome::Nak(NakCode::PsnSeqError)))],

@@ -30,10 +30,9 @@ fn every_sequence_nak_rewinds() {
     }
     let t = Instant::now();
     e.poll_tx(64, t);
-    let out = std::mem::take(&mut e.tx.pkts);
-    assert_eq!(out.len(), 2, "both WRITEs leave");
-    let back = Flow { src: LOCAL, dst: PEER, sport: out[0].sport, dport: ROCE_PORT };
-    let first = wire::parse(&out[0].buf[..out[0].len], Some(&back)).unwrap().bth.psn;
+    let psns = direct::sent(&mut e, |w| w.bth.psn);
+    assert_eq!(psns.len(), 2, "both WRITEs leave");
+    let first = psns[0];
 
     let flow = Flow { src: PEER, dst: LOCAL, sport: 0xc001, dport: ROCE_PORT };
     let mut nak = Headers::new(Opcode::Ack, qpn, first);

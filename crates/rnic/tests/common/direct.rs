@@ -12,6 +12,7 @@ use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use rnic::types::{access, mask, send_flags, Mtu, QpAttr, QpCap, QpState, QpType};
+use rnic::wire::{self, Flow, Packet, ROCE_PORT};
 
 /// Slots of each ring of a QP made by [`rc_qp`] (and its WRs each way).
 pub const QP_DEPTH: u32 = 16;
@@ -131,11 +132,29 @@ impl SendRing {
         SendRing { ring, _map: map }
     }
 
+    /// Posts `w` (no doorbell).
+    pub fn post(&mut self, w: &SendWqe) {
+        assert!(self.ring.push(w), "send ring full");
+    }
+
     /// A signaled RDMA WRITE of `len` bytes from [`readable`]'s MR (its
     /// key `key`) to the peer's `remote_addr`/`rkey`.
     pub fn post_write(&mut self, wr_id: u64, key: u32, len: u32, remote_addr: u64, rkey: u32) {
         let mut w = SendWqe { wr_id, opcode: 0, flags: send_flags::SIGNALED, num_sge: 1, remote_addr, rkey, ..Default::default() };
         w.sge[0] = Sge { addr: READ_IOVA, length: len, lkey: key };
-        assert!(self.ring.push(&w), "send ring full");
+        self.post(&w);
     }
+}
+
+/// The packets the engine has queued to send, taken from it, each parsed
+/// as its receiver would (ICRC included) and mapped by `f`.
+pub fn sent<T>(e: &mut Engine, mut f: impl FnMut(&Packet) -> T) -> Vec<T> {
+    let gid = e.gid;
+    std::mem::take(&mut e.tx.pkts)
+        .iter()
+        .map(|p| {
+            let flow = Flow { src: gid, dst: p.dst, sport: p.sport, dport: ROCE_PORT };
+            f(&wire::parse(&p.buf[..p.len], Some(&flow)).expect("rnicd sends valid packets"))
+        })
+        .collect()
 }
