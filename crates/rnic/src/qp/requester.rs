@@ -379,7 +379,7 @@ impl Qp {
 
     /// Whether the last rewind for a gap went back to `una` within a
     /// probe's time without its backoff (`round_trips_us`).
-    pub(super) fn rewound_lately(&self, now: Instant) -> bool {
+    fn rewound_lately(&self, now: Instant) -> bool {
         let Some((psn, at)) = self.last_rewind else { return false };
         psn == self.rt.una && now.saturating_duration_since(at) < Duration::from_micros(self.round_trips_us())
     }
