@@ -14,7 +14,7 @@ use common::direct::{self, Path};
 use rnic::engine::Engine;
 use rnic::proto::Request;
 use rnic::types::Mtu;
-use rnic::wire::{self, Flow, Headers, NakCode, Opcode, Reth, Syndrome, ROCE_PORT};
+use rnic::wire::{NakCode, Opcode, Syndrome};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 1);
 const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 2);
@@ -34,7 +34,6 @@ fn a_resumed_qps_nak_goes_out_before_other_qps_bulk_responses() {
     let mut e = Engine::new(LOCAL);
     let mut keep = Vec::new();
     let direct::Readable { pd, rkey, cq } = direct::readable(&mut e, READ_LEN, &mut keep);
-    let iova = direct::READ_IOVA;
 
     // The busy QPs come first in the transmit order; the one that resumes last.
     let busy: Vec<u32> = (0..BUSY_QPS).map(|k| rts_qp(&mut e, pd, cq, 0x100 + k, &mut keep)).collect();
@@ -42,13 +41,7 @@ fn a_resumed_qps_nak_goes_out_before_other_qps_bulk_responses() {
     e.control(1, Request::SuspendQps { qpns: vec![resumed] }, vec![]).unwrap();
 
     // Each busy QP has a 64 KiB READ to answer: 256 response packets.
-    let now = Instant::now();
-    for (k, &qpn) in busy.iter().enumerate() {
-        let flow = Flow { src: PEER, dst: LOCAL, sport: 0xc000 + k as u16, dport: ROCE_PORT };
-        let mut h = Headers::new(Opcode::ReadRequest, qpn, RQ_PSN);
-        h.reth = Some(Reth { va: iova, rkey, len: READ_LEN });
-        e.on_packet(&wire::build(&flow, &h, &[]), PEER, flow.sport, now);
-    }
+    direct::ask_reads(&mut e, PEER, &busy, RQ_PSN, rkey, READ_LEN);
     e.control(1, Request::ResumeQps { qpns: vec![resumed] }, vec![]).unwrap();
 
     // One round with a budget far below the READ responses queued.

@@ -12,7 +12,6 @@ use std::time::Instant;
 use common::direct::{self, Path};
 use rnic::engine::Engine;
 use rnic::types::Mtu;
-use rnic::wire::{self, Flow, Headers, Opcode, Reth, ROCE_PORT};
 
 const LOCAL: Ipv4Addr = Ipv4Addr::new(10, 9, 2, 1);
 const PEER: Ipv4Addr = Ipv4Addr::new(10, 9, 2, 2);
@@ -27,7 +26,6 @@ fn every_busy_qp_sends_within_one_pass_over_the_qps() {
     let mut e = Engine::new(LOCAL);
     let mut keep = Vec::new();
     let direct::Readable { pd, rkey, cq } = direct::readable(&mut e, READ_LEN, &mut keep);
-    let iova = direct::READ_IOVA;
     let qps: Vec<u32> = (0..QPS)
         .map(|k| {
             let path = Path { peer: PEER, dest_qpn: 0x100 + k, rq_psn: RQ_PSN, mtu: Mtu::M256, max_dest_rd_atomic: 4, timeout: 0 };
@@ -36,13 +34,7 @@ fn every_busy_qp_sends_within_one_pass_over_the_qps() {
         .collect();
     // Each QP has a 64 KiB READ to answer: 256 response packets, far more
     // than a round's share.
-    let now = Instant::now();
-    for (k, &qpn) in qps.iter().enumerate() {
-        let flow = Flow { src: PEER, dst: LOCAL, sport: 0xc000 + k as u16, dport: ROCE_PORT };
-        let mut h = Headers::new(Opcode::ReadRequest, qpn, RQ_PSN);
-        h.reth = Some(Reth { va: iova, rkey, len: READ_LEN });
-        e.on_packet(&wire::build(&flow, &h, &[]), PEER, flow.sport, now);
-    }
+    direct::ask_reads(&mut e, PEER, &qps, RQ_PSN, rkey, READ_LEN);
 
     let rounds = QPS as usize * 8 / BUDGET;
     let mut served = HashSet::new();

@@ -12,7 +12,7 @@ use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use rnic::types::{access, mask, send_flags, Mtu, QpAttr, QpCap, QpState, QpType};
-use rnic::wire::{self, Flow, Packet, ROCE_PORT};
+use rnic::wire::{self, Flow, Headers, Opcode, Packet, Reth, ROCE_PORT};
 
 /// Slots of each ring of a QP made by [`rc_qp`] (and its WRs each way).
 pub const QP_DEPTH: u32 = 16;
@@ -44,6 +44,19 @@ pub fn readable(e: &mut Engine, len: u32, keep: &mut Vec<OwnedFd>) -> Readable {
     let (cq, cqfd) = cq(e, 1, 256);
     keep.push(cqfd);
     Readable { pd, rkey, cq }
+}
+
+/// `peer` asks each QP of `qpns` (in RTS, expecting `psn`) to READ `len`
+/// bytes of [`readable`]'s MR (its rkey `rkey`), each from its own source
+/// port.
+pub fn ask_reads(e: &mut Engine, peer: Ipv4Addr, qpns: &[u32], psn: u32, rkey: u32, len: u32) {
+    let now = std::time::Instant::now();
+    for (k, &qpn) in qpns.iter().enumerate() {
+        let flow = Flow { src: peer, dst: e.gid, sport: 0xc000 + k as u16, dport: ROCE_PORT };
+        let mut h = Headers::new(Opcode::ReadRequest, qpn, psn);
+        h.reth = Some(Reth { va: READ_IOVA, rkey, len });
+        e.on_packet(&wire::build(&flow, &h, &[]), peer, flow.sport, now);
+    }
 }
 
 /// A CQ of `cap` entries of client `c`; its ring's memfd.
