@@ -85,3 +85,36 @@ fn namespaces_isolate_same_ids_and_refuse_duplicates() {
     let again = end_in(&bed, 0, g1);
     assert_eq!(again.qp.qpn, QPN);
 }
+
+/// `Context::close` ends the connection in one step: rnicd releases every
+/// object and the namespace with it, the handles still held drop without a
+/// request each, and the closed context refuses further requests.
+#[test]
+fn closing_a_context_releases_its_namespace() {
+    let bed = Bed::new("rnnsc", 1);
+    let g = bed.tb.spare_addr(0, 1);
+    bed.tb.host(0).sh(&format!("ip addr add {g}/24 dev eth0")).unwrap();
+    let old = end_in(&bed, 0, g);
+    old.ctx.close();
+    let e = old.ctx.alloc_pd().err().expect("a closed context refuses requests");
+    assert!(format!("{e:#}").contains("closed"), "{e:#}");
+
+    // rnicd handles the hang-up in its own time: the IDs come free soon.
+    let t0 = std::time::Instant::now();
+    loop {
+        let ctx = Context::open_namespace(Some(&bed.nics[0].sock), g).unwrap();
+        let (pd, cq) = (ctx.alloc_pd().unwrap(), ctx.create_cq(8, None).unwrap());
+        if pd.create_qp_with_qpn(&QpInitAttr::new(&cq, &cq), QPN).is_ok() {
+            break;
+        }
+        assert!(t0.elapsed() < T, "the closed connection's QPN stayed taken");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let again = end_in(&bed, 0, g);
+    // The old handles go now; nothing of theirs reaches rnicd, so the new
+    // objects with the same QPN and key stay.
+    drop(old);
+    assert_eq!(again.qp.state().unwrap(), QpState::Reset);
+    let e = again.pd.reg_mr_with_key(&again.buf, 0, 4096, access::ALL, KEY).err().expect("the key is still taken");
+    assert!(format!("{e:#}").contains("already in use"), "{e:#}");
+}

@@ -67,6 +67,8 @@ struct Inner {
     client: u64,
     /// Where rnicd runs: posting threads may keep off its CPU (placement.rs).
     rnicd_cpu: placement::RnicdCpu,
+    /// [`Context::close`] ended the connection: requests fail at once.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Inner {
@@ -75,6 +77,9 @@ impl Inner {
     /// one round trip.
     fn call(&self, req: &Request, fds: &[RawFd]) -> anyhow::Result<Reply> {
         let mut buf = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        if self.closed.load(Ordering::Acquire) {
+            bail!("the connection to rnicd was closed");
+        }
         let binary = rnic::spill::Format::for_request(req);
         let format = binary.unwrap_or_default();
         let bytes = format.encode(req)?;
@@ -164,6 +169,7 @@ impl Context {
             sock_path: path,
             client: 0,
             rnicd_cpu,
+            closed: Default::default(),
         };
         // The doorbell page, then the eventfd (rnicd takes the last fd as the eventfd).
         let hello_fds = [page_fd.as_raw_fd(), inner.doorbell.as_raw_fd()];
@@ -172,6 +178,17 @@ impl Context {
             r => bail!("unexpected reply {r:?}"),
         }
         Ok(Context { inner: Arc::new(inner) })
+    }
+
+    /// Ends the connection: rnicd releases every object it made at once
+    /// (and closes the namespace with its last client), as when the process
+    /// exits. Objects still held then drop without a request each, which
+    /// for hundreds of QPs, CQs and MRs is hundreds of round trips saved.
+    /// Every later request on this context fails.
+    pub fn close(&self) {
+        let _held = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.inner.closed.store(true, Ordering::Release);
+        let _ = nix::sys::socket::shutdown(self.inner.sock.as_raw_fd(), nix::sys::socket::Shutdown::Both);
     }
 
     /// rnicd's ID of this connection: what another client names when it
