@@ -185,6 +185,9 @@ pub fn check_hop(bed: &Bed, src: &mut VmProcess, dst: &VmProcess, (from, to): (u
     // The source closes its namespace when its main loop sees the
     // migration completed, which may be just after query-migrate says so.
     wait_for("the source's namespace to hold nothing", LONG, || pvrdma(src)["objects"]["qps"] == 0);
+    // The namespace itself is gone from the source host's rnicd, though the
+    // source process lives on (`--keep-after-migrate`).
+    wait_for("the source's rnicd to close the namespace", LONG, || !bed.namespaces(from).contains(&gid.to_string()));
     assert_qps_running(dst);
     quit_and_wait_exit(src, Duration::from_secs(20));
 }

@@ -60,6 +60,13 @@ impl Bed {
         self.tb.host(h).sh("ip -4 -o addr show dev eth0").unwrap().contains(&format!(" {gid}/"))
     }
 
+    /// The GIDs of the RDMA namespaces host `h`'s rnicd serves.
+    pub fn namespaces(&self, h: usize) -> Vec<String> {
+        let ctx = verbs::Context::open(Some(&self.nics[h].1)).unwrap();
+        let all = ctx.dump_qps().unwrap();
+        all.as_array().unwrap().iter().map(|n| n["gid"].as_str().unwrap().to_string()).collect()
+    }
+
     /// Waits (at most 10 s) until host `h` no longer holds `gid`: a killed
     /// VM's namespace closes with its process and its host releases the GID.
     pub fn wait_released(&self, h: usize, gid: Ipv4Addr) {
