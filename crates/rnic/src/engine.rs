@@ -17,7 +17,7 @@ use crate::async_events::AsyncSinks;
 use crate::doorbell::{self, DoorbellPage};
 use crate::keys::{AliasTarget, Export, Grant, IndirectKey, IndirectKind, Keys, MAX_INDIRECT, MAX_KLM};
 use crate::mem::{Mapping, RegionMemory};
-use crate::objects::{ClientId, Cq, IdMap, Mr, Stats, Tx};
+use crate::objects::{take_where, ClientId, Cq, IdMap, Mr, Stats, Tx};
 use crate::proto::{self, Reply, Request};
 use crate::qp::{Ctx, Qp, QpSnapshot, MAX_MSG};
 use crate::ring::{ring_bytes, Cqe, RecvWqe, Ring, SendWqe, MAX_INLINE, MAX_SGE};
@@ -82,6 +82,18 @@ pub struct Engine {
 pub struct FlowAhead {
     pub sport: u16,
     pub peer: Option<Ipv4Addr>,
+}
+
+/// The objects of a client that went away, out of every table: dropping
+/// them unmaps their rings and memory regions, at 256 QPs 10-35 ms that
+/// the event loop, which serves every other client, must not spend
+/// (`daemon`, `release_off_loop`).
+#[must_use = "dropped here, its unmapping stalls the caller"]
+pub struct Leftovers {
+    _qps: Vec<Qp>,
+    _cqs: Vec<Cq>,
+    _mrs: Vec<Arc<Mr>>,
+    _srqs: Vec<crate::srq::SharedSrq>,
 }
 
 impl Engine {
@@ -323,17 +335,21 @@ impl Engine {
         }
     }
 
-    /// A client went away: everything it owned goes, nothing else.
-    pub fn client_gone(&mut self, client: ClientId) {
-        self.qps.retain(|_, q| q.owner != client);
+    /// A client went away: everything it owned leaves the namespace now
+    /// (its IDs are free at once), nothing else. What those objects hold
+    /// (rings, memory mappings, sockets) comes back to be released where
+    /// its unmapping stalls no one (`Leftovers`).
+    pub fn client_gone(&mut self, client: ClientId) -> Leftovers {
+        let qps = take_where(&mut self.qps, |q| q.owner == client);
         self.doorbell_slots.retain(|(c, _), _| *c != client);
         self.compact_qpn_order();
-        self.keys.client_gone(client);
-        self.srqs.retain(|_, s| crate::srq::lock(s).owner != client);
-        self.cqs.retain(|_, c| c.owner != client);
+        let mrs = self.keys.client_gone(client);
+        let srqs = take_where(&mut self.srqs, |s| crate::srq::lock(s).owner == client);
+        let cqs = take_where(&mut self.cqs, |c| c.owner == client);
         self.pds.retain(|_, c| *c != client);
         self.channels.retain(|_, (c, _)| *c != client);
         self.asyncs.close(client);
+        Leftovers { _qps: qps, _cqs: cqs, _mrs: mrs, _srqs: srqs }
     }
 
     /// The client rang its doorbell without a doorbell page: look at the

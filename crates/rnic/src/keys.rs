@@ -434,14 +434,15 @@ impl Keys {
 
     /// A client went away: its keys go (aliases of them turn stale), and so
     /// do its aliases and grants to it.
-    pub fn client_gone(&mut self, client: ClientId) {
-        self.direct.retain(|_, m| m.owner != client);
+    pub fn client_gone(&mut self, client: ClientId) -> Vec<Arc<Mr>> {
+        let gone = crate::objects::take_where(&mut self.direct, |m| m.owner == client);
         self.indirect.retain(|_, k| k.owner != client);
         let (direct, indirect) = (&self.direct, &self.indirect);
         self.grants.retain(|key, g| {
             g.retain(|x| x.grantee != client);
             direct.contains_key(key) || indirect.contains_key(key)
         });
+        gone
     }
 
     /// The owner of a key (direct or indirect), if any.

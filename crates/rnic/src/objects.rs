@@ -57,6 +57,13 @@ impl Mr {
 /// Tables keyed by QPN / key / ID, looked up for every packet: a fast hash.
 pub type IdMap<V> = rustc_hash::FxHashMap<u32, V>;
 
+/// Takes the entries `f` picks out of `map` (`HashMap::extract_if`, which
+/// needs a newer Rust than this crate's minimum).
+pub fn take_where<V>(map: &mut IdMap<V>, mut f: impl FnMut(&V) -> bool) -> Vec<V> {
+    let ids: Vec<u32> = map.iter().filter(|(_, v)| f(v)).map(|(k, _)| *k).collect();
+    ids.iter().filter_map(|k| map.remove(k)).collect()
+}
+
 pub struct Cq {
     pub owner: ClientId,
     pub ring: Ring<Cqe>,

@@ -413,6 +413,6 @@ fn bad_srq_requests_get_errors() {
     assert!(matches!(e.control(c, Request::QuerySrqState { srq }, vec![]).unwrap(), Reply::SrqState(_)));
     e.control(c, Request::DestroySrq { srq }, vec![]).unwrap();
     // The client goes: everything of it goes.
-    e.client_gone(c);
+    drop(e.client_gone(c));
     assert!(e.is_empty());
 }
