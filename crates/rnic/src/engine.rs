@@ -337,7 +337,7 @@ impl Engine {
 
     /// A client went away: everything it owned leaves the namespace now
     /// (its IDs are free at once), nothing else. What those objects hold
-    /// (rings, memory mappings, sockets) comes back to be released where
+    /// (rings, memory mappings) comes back to be released where
     /// its unmapping stalls no one (`Leftovers`).
     pub fn client_gone(&mut self, client: ClientId) -> Leftovers {
         let qps = take_where(&mut self.qps, |q| q.owner == client);

@@ -134,6 +134,15 @@ fn bad_binds_and_bad_control_requests() {
 /// Messages in each `race`.
 const N_MSGS: usize = 256;
 
+/// Sets its flag when dropped, unwinding included.
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 /// Owner rebinds a key between two buffers A and B (same iova) while the
 /// peer writes (or reads) through it: every message lands wholly in A or
 /// wholly in B, or is refused with a remote access error when a rebind fell
@@ -171,8 +180,11 @@ fn race(bed: &Bed, msg: usize, read: bool, pause: Duration) -> (usize, usize, us
         }
     };
     std::thread::scope(|s| {
+        // Set however this closure ends (a failed wait panics): the
+        // rebinder stops, and the scope's join returns.
+        let _stop = SetOnDrop(&stop);
         s.spawn(|| {
-            while !first_done.load(Ordering::Acquire) {
+            while !first_done.load(Ordering::Acquire) && !stop.load(Ordering::Acquire) {
                 std::thread::sleep(Duration::from_micros(100));
             }
             let mut i = 0;
@@ -197,7 +209,6 @@ fn race(bed: &Bed, msg: usize, read: bool, pause: Duration) -> (usize, usize, us
             }
         }
         statuses.extend(a.scq.wait(N - 1, T).unwrap().iter().map(|w| (w.wr_id as usize, w.status)));
-        stop.store(true, Ordering::Relaxed);
     });
     let binds = rebinds.into_inner();
     let (mut whole, mut refused) = (0, 0);
