@@ -1021,7 +1021,7 @@ impl Daemon {
 
 /// Drops `what` on a thread of its own. Unmapping what a VM's namespace
 /// maps (at 256 QPs, its rings and the guest RAM its MRs cover) took the
-/// event loop 10-35 ms, a stall for every other client of this rnicd.
+/// event loop 11-34 ms, a stall for every other client of this rnicd.
 fn release_off_loop<T: Send + 'static>(what: T) {
     if let Err(e) = crate::loop_priority::spawn("rnicd-release", move || drop(what)) {
         // The closure, with `what`, was dropped here by then.

@@ -85,7 +85,7 @@ pub struct FlowAhead {
 }
 
 /// The objects of a client that went away, out of every table: dropping
-/// them unmaps their rings and memory regions, at 256 QPs 10-35 ms that
+/// them unmaps their rings and memory regions, at 256 QPs 11-34 ms that
 /// the event loop, which serves every other client, must not spend
 /// (`daemon`, `release_off_loop`).
 #[must_use = "dropped here, its unmapping stalls the caller"]
