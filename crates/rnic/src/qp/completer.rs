@@ -67,6 +67,7 @@ impl Qp {
                 // most never had a sample, and the resends filled the
                 // responders' sockets.
                 self.probe_backoff = 0;
+                self.timeout_backoff = 0;
             }
         }
         self.grow_window();

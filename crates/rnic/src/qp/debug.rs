@@ -44,7 +44,7 @@ impl Qp {
                 "retry_left": rt.retry_left, "rnr_left": rt.rnr_left,
                 "blocked": self.blocked(), "has_tx_work": self.has_tx_work(now),
                 "recovery": self.recovery, "rd_outstanding": self.rd_outstanding,
-                "srtt_us": self.srtt_us.round(), "probe_backoff": self.probe_backoff,
+                "srtt_us": self.srtt_us.round(), "probe_backoff": self.probe_backoff, "timeout_backoff": self.timeout_backoff,
                 "sq_outstanding": self.sq.len(), "tx_idx": self.tx_idx, "sq_retired": rt.sq_retired,
                 "sq_ring_ready": self.sq_ring.ready(), "max_send_wr": self.cap.max_send_wr,
                 "held_local": self.held_local.is_some(),

@@ -144,6 +144,11 @@ pub struct Qp {
     /// long before the IB timeout, without counting a retry (below).
     probe_deadline: Option<Instant>,
     probe_backoff: u32,
+    /// Doublings of the retransmission timer since the last round trip
+    /// timed (Karn, as for the probe): a timeout voids the pending sample,
+    /// so a timer that always fires before the answer would never learn
+    /// to wait longer.
+    timeout_backoff: u32,
     /// Smoothed round trip and its variation (µs), from ACKed new packets.
     srtt_us: f64,
     rttvar_us: f64,
@@ -234,6 +239,7 @@ impl Qp {
             retrans_deadline: None,
             probe_deadline: None,
             probe_backoff: 0,
+            timeout_backoff: 0,
             srtt_us: 0.0,
             rttvar_us: 0.0,
             rtt_sample: None,

@@ -32,6 +32,10 @@ const ACK_EVERY: u32 = 64;
 /// probes (each a resend) then add to its load.
 const MIN_PROBE_US: f64 = 4000.0;
 const FIRST_PROBE_US: f64 = 20_000.0;
+/// The retransmission timer waits at most this many IB timeouts for an
+/// answer however late the measured ones came, so that a peer that is gone
+/// is still given up on in bounded time (retry_cnt timers, backing off).
+const MAX_TIMEOUT_STRETCH: u64 = 4;
 
 impl Qp {
     /// Whether the next request is new and may not go yet (window, READ/atomic
@@ -202,8 +206,27 @@ impl Qp {
     }
 
     pub(super) fn arm_timer(&mut self, now: Instant) {
-        self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| now + Duration::from_micros(us));
+        self.arm_retrans_timer(now);
         self.probe_deadline = self.probe_rto().map(|d| now + d);
+    }
+
+    fn arm_retrans_timer(&mut self, now: Instant) {
+        self.retrans_deadline = self.retrans_timeout_us().map(|us| now + Duration::from_micros(us << self.timeout_backoff.min(6)));
+    }
+
+    /// The retransmission timer: the IB timeout, or longer when the
+    /// answers measured take longer (`measured_rto_us`, over whole round
+    /// trips), at most `MAX_TIMEOUT_STRETCH` times the IB timeout.
+    /// The verbs' timeout is the least time a QP waits for an answer. A
+    /// responder whose host is behind answers late but answers: with 256
+    /// QPs on a peer whose rnicd read its socket 70-100 ms late, a timer
+    /// of 67 ms (timeout 14) fired 300-1,300 times a second, and each
+    /// firing resent a whole window into that socket. None with timeout 0
+    /// (the owner asked for no timer).
+    fn retrans_timeout_us(&self) -> Option<u64> {
+        let ib = wire::ack_timeout_us(self.attr.timeout)?;
+        let measured = self.measured_rto_us().unwrap_or(0.0);
+        Some((measured as u64).clamp(ib, ib * MAX_TIMEOUT_STRETCH))
     }
 
     /// When to probe for a lost packet: a few smoothed round trips (at least
@@ -218,8 +241,13 @@ impl Qp {
     /// A few smoothed round trips, at least MIN_PROBE (FIRST_PROBE before
     /// any sample): the loss probe's time before its backoff.
     fn round_trips_us(&self) -> u64 {
-        let us = if self.srtt_us == 0.0 { FIRST_PROBE_US } else { (self.srtt_us + 4.0 * self.rttvar_us).max(2.0 * self.srtt_us) };
-        us.max(MIN_PROBE_US) as u64
+        self.measured_rto_us().unwrap_or(FIRST_PROBE_US).max(MIN_PROBE_US) as u64
+    }
+
+    /// SRTT + 4 RTTVAR (RFC 6298), at least two smoothed round trips (a
+    /// steady round trip drives RTTVAR towards 0); None before any sample.
+    fn measured_rto_us(&self) -> Option<f64> {
+        (self.srtt_us > 0.0).then(|| (self.srtt_us + 4.0 * self.rttvar_us).max(2.0 * self.srtt_us))
     }
 
     pub(super) fn rtt_update(&mut self, sample_us: f64) {
@@ -419,10 +447,11 @@ impl Qp {
         self.cc.timeout(&mut self.rt.cwnd, self.rt.una, self.rt.max_sent, max);
         ctx.stats.window_cuts += 1;
         self.rewind(ctx);
-        // Back off on consecutive timeouts so that a slow (not dead) peer
-        // is not buried under go-back-N retransmissions of whole windows.
-        let backoff = self.attr.retry_cnt.saturating_sub(self.rt.retry_left).min(6);
-        self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| ctx.now + Duration::from_micros(us << backoff));
+        // Back off on every timeout so that a slow (not dead) peer is not
+        // buried under go-back-N retransmissions of whole windows; the
+        // backoff stays until a round trip is timed (`timeout_backoff`).
+        self.timeout_backoff += 1;
+        self.arm_retrans_timer(ctx.now);
     }
 
     /// The loss probe: no progress for a few round trips means a lost packet

@@ -256,6 +256,7 @@ impl Qp {
         self.retrans_deadline = None;
         self.probe_deadline = None;
         self.probe_backoff = 0;
+        self.timeout_backoff = 0;
         self.srtt_us = 0.0;
         self.rttvar_us = 0.0;
         self.uc_dropping = false;
