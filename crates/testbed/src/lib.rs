@@ -202,6 +202,7 @@ impl Testbed {
     fn build(&self) -> Result<()> {
         let fab = fabric_netns(&self.name);
         sys::ip(None, &["netns", "add", &fab])?;
+        sys::bridge_without_netfilter(&fab)?;
         let mut script = String::from("link set lo up\n");
         for k in 0..self.nics {
             // No STP: ports forward at once. No IPv6 link-local: the fabric stays silent.

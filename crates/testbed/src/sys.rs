@@ -37,6 +37,18 @@ pub fn ip_batch(netns: &str, script: &str) -> Result<()> {
     run(Command::new("ip").args(["-n", netns, "-batch", "-"]), Some(script)).map(|_| ())
 }
 
+/// Bridges in `netns` forward frames as a switch does, without passing
+/// them through the IP netfilter hooks: with `br_netfilter` loaded
+/// (container hosts load it), a new namespace starts with
+/// `bridge-nf-call-iptables` on, and every packet crossing the fabric then
+/// takes the IPv4 hooks and a route lookup on the way. The fabric
+/// namespace holds no rules. Nothing to do without `br_netfilter` (`-e`:
+/// the keys do not exist).
+pub fn bridge_without_netfilter(netns: &str) -> Result<()> {
+    let keys = ["net.bridge.bridge-nf-call-iptables=0", "net.bridge.bridge-nf-call-ip6tables=0", "net.bridge.bridge-nf-call-arptables=0"];
+    run(Command::new("ip").args(["netns", "exec", netns, "sysctl", "-e", "-q", "-w"]).args(keys), None).map(|_| ())
+}
+
 /// `tc -n NETNS ARGS...`
 pub fn tc(netns: &str, args: &[&str]) -> Result<String> {
     run(Command::new("tc").args(["-n", netns]).args(args), None)
