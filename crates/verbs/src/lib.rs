@@ -57,7 +57,9 @@ pub mod tools;
 
 struct Inner {
     sock: OwnedFd,
-    lock: Mutex<Vec<u8>>,
+    /// One request at a time: the reply buffer, and whether
+    /// [`Context::close`] ended the connection (requests then fail at once).
+    conn: Mutex<Conn>,
     doorbell: OwnedFd,
     /// Which QPs rang (`rnic::doorbell`), shared with rnicd.
     doorbell_page: rnic::doorbell::DoorbellPage,
@@ -67,8 +69,11 @@ struct Inner {
     client: u64,
     /// Where rnicd runs: posting threads may keep off its CPU (placement.rs).
     rnicd_cpu: placement::RnicdCpu,
-    /// [`Context::close`] ended the connection: requests fail at once.
-    closed: std::sync::atomic::AtomicBool,
+}
+
+struct Conn {
+    buf: Vec<u8>,
+    closed: bool,
 }
 
 impl Inner {
@@ -76,10 +81,11 @@ impl Inner {
     /// travels in a memfd (`rnic::spill`): a batch over hundreds of QPs is
     /// one round trip.
     fn call(&self, req: &Request, fds: &[RawFd]) -> anyhow::Result<Reply> {
-        let mut buf = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        if self.closed.load(Ordering::Acquire) {
+        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        if conn.closed {
             bail!("the connection to rnicd was closed");
         }
+        let buf = &mut conn.buf;
         let binary = rnic::spill::Format::for_request(req);
         let format = binary.unwrap_or_default();
         let bytes = format.encode(req)?;
@@ -91,7 +97,7 @@ impl Inner {
             fdmsg::send_bytes(&self.sock, &bytes, fds)
         }
         .context("send control message")?;
-        let (n, mut rfds) = fdmsg::recv(&self.sock, &mut buf).context("receive control message")?.context("rnicd closed the connection")?;
+        let (n, mut rfds) = fdmsg::recv(&self.sock, buf).context("receive control message")?.context("rnicd closed the connection")?;
         let mut r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
         if let Ok(Reply::Spilled { len, format }) = r {
             let fd = rfds.pop().context("a spilled reply without its memfd")?;
@@ -162,14 +168,13 @@ impl Context {
         let (doorbell_page, page_fd) = rnic::doorbell::DoorbellPage::create()?;
         let mut inner = Inner {
             sock,
-            lock: Mutex::new(vec![0u8; fdmsg::MAX_MSG]),
+            conn: Mutex::new(Conn { buf: vec![0u8; fdmsg::MAX_MSG], closed: false }),
             doorbell,
             doorbell_page,
             gid: Ipv4Addr::UNSPECIFIED,
             sock_path: path,
             client: 0,
             rnicd_cpu,
-            closed: Default::default(),
         };
         // The doorbell page, then the eventfd (rnicd takes the last fd as the eventfd).
         let hello_fds = [page_fd.as_raw_fd(), inner.doorbell.as_raw_fd()];
@@ -186,8 +191,8 @@ impl Context {
     /// for hundreds of QPs, CQs and MRs is hundreds of round trips saved.
     /// Every later request on this context fails.
     pub fn close(&self) {
-        let _held = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.inner.closed.store(true, Ordering::Release);
+        let mut conn = self.inner.conn.lock().unwrap_or_else(|e| e.into_inner());
+        conn.closed = true;
         let _ = nix::sys::socket::shutdown(self.inner.sock.as_raw_fd(), nix::sys::socket::Shutdown::Both);
     }
 
