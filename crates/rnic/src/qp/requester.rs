@@ -206,12 +206,8 @@ impl Qp {
     }
 
     pub(super) fn arm_timer(&mut self, now: Instant) {
-        self.arm_retrans_timer(now);
-        self.probe_deadline = self.probe_rto().map(|d| now + d);
-    }
-
-    fn arm_retrans_timer(&mut self, now: Instant) {
         self.retrans_deadline = self.retrans_timeout_us().map(|us| now + Duration::from_micros(us << self.timeout_backoff.min(6)));
+        self.probe_deadline = self.probe_rto().map(|d| now + d);
     }
 
     /// The retransmission timer: the IB timeout, or longer when the
@@ -447,11 +443,18 @@ impl Qp {
         self.cc.timeout(&mut self.rt.cwnd, self.rt.una, self.rt.max_sent, max);
         ctx.stats.window_cuts += 1;
         self.rewind(ctx);
-        // Back off on every timeout so that a slow (not dead) peer is not
-        // buried under go-back-N retransmissions of whole windows; the
-        // backoff stays until a round trip is timed (`timeout_backoff`).
+        // Back off on consecutive timeouts so that a slow (not dead) peer
+        // is not buried under go-back-N retransmissions of whole windows.
+        // These timers count from the IB timeout, not the stretched one:
+        // nothing came back for the round trips measured, so the peer may
+        // be gone, and the owner's timeout and retry_cnt say how soon to
+        // give up (a cut link fails a migration's channel as fast as with
+        // the IB timer alone, plus the first, stretched wait). The next
+        // timer armed after progress stays backed off until a round trip
+        // is timed (`timeout_backoff`).
         self.timeout_backoff += 1;
-        self.arm_retrans_timer(ctx.now);
+        let consecutive = self.attr.retry_cnt.saturating_sub(self.rt.retry_left).min(6);
+        self.retrans_deadline = wire::ack_timeout_us(self.attr.timeout).map(|us| ctx.now + Duration::from_micros(us << consecutive));
     }
 
     /// The loss probe: no progress for a few round trips means a lost packet
