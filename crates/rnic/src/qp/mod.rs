@@ -144,10 +144,11 @@ pub struct Qp {
     /// long before the IB timeout, without counting a retry (below).
     probe_deadline: Option<Instant>,
     probe_backoff: u32,
-    /// Doublings of the retransmission timer since the last round trip
-    /// timed (Karn, as for the probe): a timeout voids the pending sample,
-    /// so a timer that always fires before the answer would never learn
-    /// to wait longer.
+    /// Timeouts since the last round trip timed: a timer armed after
+    /// progress or a new send is doubled this many times, at most 64x
+    /// (Karn, as for the probe): a timeout voids the pending sample, so a
+    /// timer that always fires before the answer would never learn to
+    /// wait longer.
     timeout_backoff: u32,
     /// Smoothed round trip and its variation (µs), from ACKed new packets.
     srtt_us: f64,

@@ -32,9 +32,10 @@ const ACK_EVERY: u32 = 64;
 /// probes (each a resend) then add to its load.
 const MIN_PROBE_US: f64 = 4000.0;
 const FIRST_PROBE_US: f64 = 20_000.0;
-/// The retransmission timer waits at most this many IB timeouts for an
-/// answer however late the measured ones came, so that a peer that is gone
-/// is still given up on in bounded time (retry_cnt timers, backing off).
+/// The retransmission timer armed after progress waits at most this many
+/// IB timeouts for an answer however late the measured ones came; the
+/// timers after it count from the IB timeout, so a peer that is gone is
+/// given up on about as soon as with the IB timer alone.
 const MAX_TIMEOUT_STRETCH: u64 = 4;
 
 impl Qp {
@@ -215,7 +216,7 @@ impl Qp {
     /// trips), at most `MAX_TIMEOUT_STRETCH` times the IB timeout.
     /// The verbs' timeout is the least time a QP waits for an answer. A
     /// responder whose host is behind answers late but answers: with 256
-    /// QPs on a peer whose rnicd read its socket 70-100 ms late, a timer
+    /// QPs on a peer whose rnicd read its socket 45-98 ms late, a timer
     /// of 67 ms (timeout 14) fired 300-1,300 times a second, and each
     /// firing resent a whole window into that socket. None with timeout 0
     /// (the owner asked for no timer).
