@@ -16,22 +16,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::sync::Mutex;
 
+use crate::iface::{Holder, Interfaces};
+
 const ETH_P_ARP: u16 = 0x0806;
 
-/// The interface of this network namespace that holds `ip`: (index, name, MAC).
-pub fn interface_of(ip: Ipv4Addr) -> io::Result<(u32, String, [u8; 6])> {
-    let addrs: Vec<_> = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?.collect();
-    let name = addrs
-        .iter()
-        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == ip))
-        .map(|a| a.interface_name.clone())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no interface holds {ip}")))?;
-    let link = addrs
-        .iter()
-        .filter(|a| a.interface_name == name)
-        .find_map(|a| a.address.as_ref().and_then(|s| s.as_link_addr()).and_then(|l| Some((l.ifindex() as u32, l.addr()?))))
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{name} has no link-layer address")))?;
-    Ok((link.0, name, link.1))
+/// The interface of this network namespace that holds `ip`.
+fn holder_of(ip: Ipv4Addr) -> io::Result<Holder> {
+    Interfaces::read()?.holder(ip).ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no interface holds {ip}")))
 }
 
 /// The ARP payload of a gratuitous request for `ip` from `mac`.
@@ -81,18 +72,18 @@ fn shared_packet_socket() -> io::Result<RawFd> {
     Ok(raw)
 }
 
-/// Where and what a gratuitous ARP for `ip` is: the interface's broadcast
-/// address and the frame.
-fn garp_for(ip: Ipv4Addr) -> io::Result<(libc::sockaddr_ll, [u8; 28], String)> {
-    let (ifindex, interface, mac) = interface_of(ip)?;
+/// Where and what a gratuitous ARP for `ip` on interface `on` is: the
+/// interface's broadcast address and the frame.
+fn garp_on(on: &Holder, ip: Ipv4Addr) -> io::Result<(libc::sockaddr_ll, [u8; 28])> {
+    let mac = on.mac.ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{} has no link-layer address", on.name)))?;
     // SAFETY: a zeroed sockaddr_ll is valid; fields set below.
     let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     sa.sll_family = libc::AF_PACKET as u16;
     sa.sll_protocol = ETH_P_ARP.to_be();
-    sa.sll_ifindex = ifindex as i32;
+    sa.sll_ifindex = on.index as i32;
     sa.sll_halen = 6;
     sa.sll_addr[..6].copy_from_slice(&[0xff; 6]);
-    Ok((sa, garp_request(mac, ip), interface))
+    Ok((sa, garp_request(mac, ip)))
 }
 
 /// Sends `pkt` to `sa` from `fd`, `count` times (at least once).
@@ -131,8 +122,9 @@ impl Announcer {
     /// Prepares gratuitous ARP for `ip` on the interface of the calling
     /// thread's network namespace that holds it.
     pub fn new(ip: Ipv4Addr) -> io::Result<Announcer> {
-        let (sa, pkt, interface) = garp_for(ip)?;
-        Ok(Announcer { fd: packet_socket()?, sa, pkt, interface })
+        let on = holder_of(ip)?;
+        let (sa, pkt) = garp_on(&on, ip)?;
+        Ok(Announcer { fd: packet_socket()?, sa, pkt, interface: on.name })
     }
 
     /// Broadcasts `count` gratuitous ARP requests.
@@ -145,9 +137,16 @@ impl Announcer {
 /// holds it (in the calling thread's network namespace), from the
 /// namespace's long-lived packet socket. Returns the interface's name.
 pub fn gratuitous_arp(ip: Ipv4Addr, count: usize) -> io::Result<String> {
-    let (sa, pkt, interface) = garp_for(ip)?;
-    send_frames(shared_packet_socket()?, &sa, &pkt, count)?;
-    Ok(interface)
+    let on = holder_of(ip)?;
+    announce_on(&on, ip, count)?;
+    Ok(on.name)
+}
+
+/// [`gratuitous_arp`] on interface `on`, as a caller that has just read
+/// the interfaces found it: no second read.
+pub fn announce_on(on: &Holder, ip: Ipv4Addr, count: usize) -> io::Result<()> {
+    let (sa, pkt) = garp_on(on, ip)?;
+    send_frames(shared_packet_socket()?, &sa, &pkt, count)
 }
 
 #[cfg(test)]

@@ -1350,15 +1350,14 @@ fn claim_or_release(nss: &mut HashMap<Ipv4Addr, Namespace>, cfg: &Config, gid: I
         return Err(format!("{gid} is this rnicd's own address, not a namespace GID that moves"));
     }
     let Some(ns) = nss.get_mut(&gid) else { return Err(format!("no namespace {gid}")) };
-    let r =
-        if claim { crate::gid::claim(gid, cfg.addr).map(|iface| info!("GID {gid} claimed on {iface}")) } else { crate::gid::release(gid) };
+    let r = if claim { crate::gid::claim(gid, cfg.addr).map(Some) } else { crate::gid::release(gid).map(|()| None) };
     match r {
-        Ok(()) => {
+        Ok(on) => {
             ns.claimed = claim;
-            if claim {
+            if let Some(on) = on {
                 // The address is on an interface now: the port follows its link.
-                ns.engine.set_active_mtu(crate::link::path_mtu_from(gid));
-                info!("GID {gid}: active MTU {}", ns.engine.active_mtu.bytes());
+                ns.engine.set_active_mtu(crate::link::path_mtu_on(&on.name));
+                info!("GID {gid} claimed on {}: active MTU {}", on.name, ns.engine.active_mtu.bytes());
             } else {
                 info!("GID {gid} released");
             }

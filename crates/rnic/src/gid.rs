@@ -18,49 +18,47 @@ use std::net::Ipv4Addr;
 
 use anyhow::{bail, Context, Result};
 
+use crate::iface::{Holder, Interfaces};
+
 /// Gratuitous ARP requests sent by a claim (one may be lost on a busy link).
 const ANNOUNCEMENTS: usize = 3;
 
 /// The interface holding `ip` (its index and name) and the prefix length
 /// of `ip` there; `None` if no interface of this network namespace holds it.
 pub(crate) fn address_of(ip: Ipv4Addr) -> Result<Option<(u32, String, u8)>> {
-    let Ok((index, iface, _)) = crate::announce::interface_of(ip) else { return Ok(None) };
-    let addrs = nix::ifaddrs::getifaddrs().context("listing interface addresses")?;
-    let prefix = addrs
-        .filter(|a| a.interface_name == iface)
-        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == ip))
-        .and_then(|a| a.netmask.as_ref().and_then(|m| m.as_sockaddr_in()).map(|m| u32::from(m.ip()).count_ones()))
-        .unwrap_or(32);
-    Ok(Some((index, iface, prefix as u8)))
+    let t = Interfaces::read().context("listing interface addresses")?;
+    Ok(t.holder(ip).map(|h| (h.index, h.name, h.prefix)))
 }
 
 /// Whether an interface of this network namespace holds `ip`.
 pub fn is_local(ip: Ipv4Addr) -> bool {
-    crate::announce::interface_of(ip).is_ok()
+    Interfaces::read().is_ok_and(|t| t.holds(ip))
 }
 
 /// Adds `gid` next to `host` (same interface and prefix) unless it is there
-/// already, then announces it. Returns the interface.
-pub fn claim(gid: Ipv4Addr, host: Ipv4Addr) -> Result<String> {
-    let Some((index, iface, prefix)) = address_of(host)? else { bail!("no interface of this host holds rnicd's address {host}") };
-    if !is_local(gid) {
+/// already, then announces it. Returns the interface. The interfaces are
+/// read once (iface.rs): a claim runs inside a migration's downtime.
+pub fn claim(gid: Ipv4Addr, host: Ipv4Addr) -> Result<Holder> {
+    let t = Interfaces::read().context("listing interface addresses")?;
+    let Some(on) = t.holder(host) else { bail!("no interface of this host holds rnicd's address {host}") };
+    if !t.holds(gid) {
         // Another claimant may have added it between the look and the add.
-        if let Err(e) = crate::netlink::change_address(true, index, gid, prefix) {
+        if let Err(e) = crate::netlink::change_address(true, on.index, gid, on.prefix) {
             if !is_local(gid) {
-                bail!("adding {gid}/{prefix} to {iface}: {e}");
+                bail!("adding {gid}/{} to {}: {e}", on.prefix, on.name);
             }
         }
     }
-    crate::announce::gratuitous_arp(gid, ANNOUNCEMENTS).with_context(|| format!("announcing {gid}"))?;
-    Ok(iface)
+    crate::announce::announce_on(&on, gid, ANNOUNCEMENTS).with_context(|| format!("announcing {gid}"))?;
+    Ok(on)
 }
 
 /// Removes `gid` from whichever interface holds it (nothing if none does).
 pub fn release(gid: Ipv4Addr) -> Result<()> {
-    let Some((index, iface, prefix)) = address_of(gid)? else { return Ok(()) };
-    if let Err(e) = crate::netlink::change_address(false, index, gid, prefix) {
+    let Some(on) = Interfaces::read().context("listing interface addresses")?.holder(gid) else { return Ok(()) };
+    if let Err(e) = crate::netlink::change_address(false, on.index, gid, on.prefix) {
         if is_local(gid) {
-            bail!("removing {gid}/{prefix} from {iface}: {e}");
+            bail!("removing {gid}/{} from {}: {e}", on.prefix, on.name);
         }
     }
     Ok(())

@@ -6,7 +6,7 @@
 //! side (the `verbs` crate).
 //!
 //! Dependencies run one way, from the bottom up:
-//! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd`, `spill` (no crate imports);
+//! `types`, `wire`, `ring`, `mem`, `trace`, `eventfd`, `spill`, `iface` (no crate imports);
 //! `qp_snapshot`, `announce`, `netlink`, `gid`, `link`, `doorbell`; `objects`; `srq`; `async_events` and `proto`; `qp`;
 //! `engine`; `ramclient`; `daemon`; `cli`.
 pub mod announce;
@@ -17,6 +17,7 @@ pub mod doorbell;
 pub mod engine;
 pub mod eventfd;
 pub mod gid;
+pub mod iface;
 pub mod keys;
 pub mod link;
 pub mod loop_priority;

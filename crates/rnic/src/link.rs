@@ -9,7 +9,6 @@
 //! which the host drops all RoCE traffic until the fragments time out.
 
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use crate::types::Mtu;
 
@@ -35,29 +34,16 @@ pub fn path_mtu_from(addr: Ipv4Addr) -> Mtu {
     interface_mtu(addr).map_or(UNKNOWN_LINK_PATH_MTU, path_mtu_fitting)
 }
 
+/// [`path_mtu_from`] for an address on interface `name`, as a caller that
+/// has just read the interfaces found it.
+pub fn path_mtu_on(name: &str) -> Mtu {
+    crate::iface::mtu(name).map_or(UNKNOWN_LINK_PATH_MTU, path_mtu_fitting)
+}
+
 /// The MTU of the interface holding `addr` in this network namespace (None
 /// if no interface has it, or its MTU is below IPv4's 576).
 pub fn interface_mtu(addr: Ipv4Addr) -> Option<usize> {
-    let ifname = nix::ifaddrs::getifaddrs()
-        .ok()?
-        .find(|a| a.address.as_ref().and_then(|s| s.as_sockaddr_in()).is_some_and(|s| s.ip() == addr))?
-        .interface_name;
-    // SAFETY: a throwaway socket for the SIOCGIFMTU ioctl, closed by OwnedFd.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: fd is a socket we just opened and own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: a zeroed ifreq with a NUL-terminated name is a valid argument.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.ifr_name.iter_mut().zip(ifname.bytes().take(libc::IFNAMSIZ - 1)) {
-        *d = s as libc::c_char;
-    }
-    // SAFETY: SIOCGIFMTU fills ifru_mtu of the ifreq it is given.
-    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU, &mut req) };
-    // SAFETY: an int of the ifreq, zeroed or filled by the kernel.
-    (r == 0).then_some(unsafe { req.ifr_ifru.ifru_mtu } as usize).filter(|m| *m >= 576)
+    crate::iface::mtu(&crate::iface::Interfaces::read().ok()?.holder(addr)?.name)
 }
 
 #[cfg(test)]
