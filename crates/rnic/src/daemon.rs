@@ -1261,6 +1261,13 @@ fn serve_client(
                 let gid = c.ns;
                 claim_or_release(nss, cfg, gid, matches!(req, Request::ClaimGid))
             }
+            Ok((Request::ClaimGidAndResumeQps { qpns }, _)) => {
+                let gid = c.ns;
+                claim_or_release(nss, cfg, gid, true).and_then(|_| match nss.get_mut(&gid) {
+                    Some(ns) => ns.engine.control(id, Request::ResumeQps { qpns }, Vec::new()).map_err(|e| format!("{e:#}")),
+                    None => Err(format!("no namespace {gid}")),
+                })
+            }
             Ok((Request::CreateAlias { pd, owner, key, alias, owner_namespace: Some(g) }, _)) if g != c.ns => {
                 alias_across(nss, c.ns, id, pd, (owner, key), g, alias)
             }

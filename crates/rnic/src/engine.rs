@@ -191,6 +191,7 @@ impl Engine {
             Request::Hello { .. }
             | Request::ClaimGid
             | Request::ReleaseGid
+            | Request::ClaimGidAndResumeQps { .. }
             | Request::JoinRamClient
             | Request::Spilled { .. }
             | Request::DumpQps => {

@@ -243,6 +243,14 @@ pub enum Request {
     /// the address). A claimed GID is also released when its namespace
     /// closes.
     ReleaseGid,
+    /// ClaimGid, then ResumeQps of `qpns` (at most MAX_BATCH), in one round
+    /// trip: a migration's destination does both inside its downtime. The
+    /// claim comes first, so the QPs' first packets (their resume NAKs)
+    /// leave from a host that answers for the GID; a claim that fails
+    /// resumes nothing.
+    ClaimGidAndResumeQps {
+        qpns: Vec<u32>,
+    },
     /// Carries an eventfd that rnicd signals when it queues an asynchronous
     /// event for this client (async_events.rs).
     OpenAsync,

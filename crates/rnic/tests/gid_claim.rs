@@ -59,3 +59,34 @@ fn claim_moves_the_gid_and_release_or_close_gives_it_up() {
     assert!(own.release_gid().is_err());
     drop(a);
 }
+
+/// A migration's destination claims the GID and resumes its QPs in one
+/// request: both happen, the claim first; a claim that fails resumes
+/// nothing.
+#[test]
+fn claim_and_resume_in_one_request() {
+    let bed = Bed::new("rngcr", 2);
+    let connect = |a: &End, b: &End| {
+        a.qp.connect(&b.qp.endpoint(0x10_0000), &ConnectOpts { sq_psn: 0xff_fff0, ..Default::default() }).unwrap();
+        b.qp.connect(&a.qp.endpoint(0xff_fff0), &ConnectOpts { sq_psn: 0x10_0000, ..Default::default() }).unwrap();
+    };
+
+    // A claim the daemon refuses (its own address): the QP stays suspended.
+    let (own, peer) = (End::new(bed.ctx(0), 4096, 16), End::new(bed.ctx(1), 4096, 16));
+    connect(&own, &peer);
+    own.ctx.suspend_qps(&[&own.qp]).unwrap();
+    let Err(e) = own.ctx.claim_gid_and_resume_qps(&[&own.qp]) else { panic!("the daemon's own address must be refused") };
+    assert!(format!("{e:#}").contains("own address"), "{e:#}");
+    own.ctx.resume_qps(&[&own.qp]).expect("the failed claim left the QP suspended");
+
+    // A namespace's claim: the address is here and the QP runs.
+    let gid = bed.tb.spare_addr(0, 1);
+    let ns = Context::open_namespace(Some(&bed.nics[0].sock), gid).unwrap();
+    let (moved, peer) = (End::new(ns, 4096, 16), End::new(bed.ctx(1), 4096, 16));
+    connect(&moved, &peer);
+    moved.ctx.suspend_qps(&[&moved.qp]).unwrap();
+    assert!(!holds(&bed, 0, gid));
+    moved.ctx.claim_gid_and_resume_qps(&[&moved.qp]).unwrap();
+    assert!(holds(&bed, 0, gid));
+    assert!(moved.ctx.resume_qps(&[&moved.qp]).is_err(), "the QP resumed with the claim");
+}

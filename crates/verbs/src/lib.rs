@@ -377,6 +377,18 @@ impl Context {
         self.chunked(qps, proto::MAX_BATCH, |c| Request::ResumeQps { qpns: qpns(c) }, ok_reply).map(drop)
     }
 
+    /// [`claim_gid`](Self::claim_gid), then [`resume_qps`](Self::resume_qps),
+    /// the claim riding on the first resume request: a migration's
+    /// destination does both inside its downtime, and each request is a
+    /// round trip to rnicd. A claim that fails resumes nothing.
+    pub fn claim_gid_and_resume_qps(&self, qps: &[&Qp]) -> anyhow::Result<()> {
+        let (first, rest) = qps.split_at(qps.len().min(proto::MAX_BATCH));
+        match self.inner.call(&Request::ClaimGidAndResumeQps { qpns: qpns(first) }, &[])? {
+            Reply::Ok => self.resume_qps(rest),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     /// Asks rnicd to queue this client's asynchronous events and signal
     /// the eventfd `fd` when it does (rnic::async_events).
     pub fn open_async(&self, fd: RawFd) -> anyhow::Result<()> {

@@ -554,30 +554,50 @@ impl Lifecycle for Pvrdma {
     /// Claims the GID on this host unless it holds it already (a VM that
     /// starts, is restored, or arrives by migration: the source released
     /// it at the commit), then resumes the QPs (also after a restore, where
-    /// they were created suspended) and serves doorbells again.
+    /// they were created suspended) and serves doorbells again. A claim and
+    /// a resume go to rnicd as one request: inside a migration's downtime
+    /// each request is a round trip that may wait for a CPU.
     fn resume(&mut self) {
         let mut d = lock(&self.shared);
-        if !d.claimed {
-            let t = Instant::now();
-            if let Err(e) = d.be.ctx.claim_gid() {
-                tracing::warn!("pvrdma {}: claiming GID {} on this host: {e:#}", d.name, d.gid);
-            }
-            d.claimed = true;
-            d.switch.record("claim GID", t);
-        }
+        let claim = !d.claimed;
         // A guest that turned bus mastering off keeps the device quiesced
         // until it turns it on again.
-        if !d.paused || !d.bus_master {
+        let wake = d.paused && d.bus_master;
+        if !claim && !wake {
             return;
         }
         let t = Instant::now();
-        self.paused_states.clear();
-        let suspended = std::mem::take(&mut d.suspended);
-        let qps: Vec<&verbs::Qp> = suspended.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
-        if let Err(e) = d.be.ctx.resume_qps(&qps) {
+        let suspended = if wake { std::mem::take(&mut d.suspended) } else { Vec::new() };
+        let (claimed, resumed) = {
+            let qps: Vec<&verbs::Qp> = suspended.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
+            match (claim, wake) {
+                // A failed claim resumed nothing: the QPs resume anyway
+                // (the peers then time out, which is what an operator sees).
+                (true, true) => match d.be.ctx.claim_gid_and_resume_qps(&qps) {
+                    Ok(()) => (Ok(()), Ok(())),
+                    Err(e) => (Err(e), d.be.ctx.resume_qps(&qps)),
+                },
+                (true, false) => (d.be.ctx.claim_gid(), Ok(())),
+                _ => (Ok(()), d.be.ctx.resume_qps(&qps)),
+            }
+        };
+        if let Err(e) = claimed {
+            tracing::warn!("pvrdma {}: claiming GID {} on this host (and resuming its QPs): {e:#}", d.name, d.gid);
+        }
+        if let Err(e) = resumed {
             tracing::warn!("pvrdma {}: resuming QPs: {e:#}", d.name);
         }
-        d.switch.record("resume QPs", t);
+        d.claimed = true;
+        let phase = match (claim, wake) {
+            (true, true) => "claim GID and resume QPs",
+            (true, false) => "claim GID",
+            _ => "resume QPs",
+        };
+        d.switch.record(phase, t);
+        if !wake {
+            return;
+        }
+        self.paused_states.clear();
         let t = Instant::now();
         d.paused = false;
         for h in d.cqs.handles() {
