@@ -23,13 +23,6 @@ use crate::iface::{Holder, Interfaces};
 /// Gratuitous ARP requests sent by a claim (one may be lost on a busy link).
 const ANNOUNCEMENTS: usize = 3;
 
-/// The interface holding `ip` (its index and name) and the prefix length
-/// of `ip` there; `None` if no interface of this network namespace holds it.
-pub(crate) fn address_of(ip: Ipv4Addr) -> Result<Option<(u32, String, u8)>> {
-    let t = Interfaces::read().context("listing interface addresses")?;
-    Ok(t.holder(ip).map(|h| (h.index, h.name, h.prefix)))
-}
-
 /// Whether an interface of this network namespace holds `ip`.
 pub fn is_local(ip: Ipv4Addr) -> bool {
     Interfaces::read().is_ok_and(|t| t.holds(ip))

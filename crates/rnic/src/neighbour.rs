@@ -22,11 +22,12 @@ use anyhow::{Context, Result};
 /// (rnicd's own address) and starts resolving it if it is not fresh.
 /// Returns false, doing nothing, when `peer` is not on that link.
 pub fn warm(host: Ipv4Addr, peer: Ipv4Addr) -> Result<bool> {
-    let Some((index, iface, prefix)) = crate::gid::address_of(host)? else { return Ok(false) };
-    if !on_link(host, prefix, peer) || peer == host {
+    let t = crate::iface::Interfaces::read().context("listing interface addresses")?;
+    let Some(on) = t.holder(host) else { return Ok(false) };
+    if !on_link(host, on.prefix, peer) || peer == host {
         return Ok(false);
     }
-    crate::netlink::use_neighbour(index, peer).with_context(|| format!("neighbour entry of {peer} on {iface}"))?;
+    crate::netlink::use_neighbour(on.index, peer).with_context(|| format!("neighbour entry of {peer} on {}", on.name))?;
     Ok(true)
 }
 
