@@ -259,6 +259,7 @@ impl Engine {
                 let done = self.suspend_connected(client, &qpns)?;
                 self.query_qp_states(client, &done)
             }
+            Request::SuspendAndFetchTraces { qpns, lkeys } => self.suspend_and_fetch_traces(client, &qpns, &lkeys),
             Request::QueryQpState { qpn } => {
                 let s = self.owned_qp(client, qpn)?.snapshot().map_err(|e| anyhow!(e))?;
                 Ok(Reply::QpState(Box::new(s)))
@@ -711,13 +712,40 @@ impl Engine {
     /// The traces of many MRs in one round trip: all keys are checked
     /// first, so a bad one clears no trace.
     fn fetch_traces(&mut self, client: ClientId, lkeys: &[u32]) -> anyhow::Result<Reply> {
-        if lkeys.len() > proto::MAX_TRACE_BATCH {
-            bail!("at most {} MRs per FetchTraces", proto::MAX_TRACE_BATCH);
-        }
+        self.check_trace_batch(client, lkeys)?;
         let mrs = lkeys.iter().map(|k| self.owned_mr(client, *k)).collect::<anyhow::Result<Vec<_>>>()?;
         let traces =
             mrs.iter().map(|m| m.trace.fetch_and_clear().map_err(|e| anyhow!("MR {:#x}: {e}", m.key))).collect::<anyhow::Result<_>>()?;
         Ok(Reply::Traces(traces))
+    }
+
+    fn check_trace_batch(&self, client: ClientId, lkeys: &[u32]) -> anyhow::Result<()> {
+        if lkeys.len() > proto::MAX_TRACE_BATCH {
+            bail!("at most {} MRs per FetchTraces", proto::MAX_TRACE_BATCH);
+        }
+        lkeys.iter().try_for_each(|k| self.owned_mr(client, *k).map(drop))
+    }
+
+    /// A migration source's pause in one round trip: suspend the connected
+    /// QPs, take their states, then the MRs' traces. The keys are checked
+    /// before anything is suspended (the QPNs are checked by the suspend
+    /// itself before any QP is), so a refused request changes nothing.
+    fn suspend_and_fetch_traces(&mut self, client: ClientId, qpns: &[u32], lkeys: &[u32]) -> anyhow::Result<Reply> {
+        self.check_trace_batch(client, lkeys)?;
+        let done = self.suspend_connected(client, qpns)?;
+        let Reply::QpStates(states) = self.query_qp_states(client, &done)? else { unreachable!("query_qp_states replies QpStates") };
+        // The QPs are suspended now, and the caller must learn their
+        // states: an MR without a trace (never started) reports every byte
+        // written rather than failing the request, which is what a caller
+        // of FetchTraces does with an error.
+        let traces = lkeys
+            .iter()
+            .map(|k| {
+                let mr = self.owned_mr(client, *k).expect("checked above");
+                mr.trace.fetch_and_clear().unwrap_or(crate::trace::TraceReport { granularity: 1, all_dirty: true, runs: Vec::new() })
+            })
+            .collect();
+        Ok(Reply::Suspended { states, traces })
     }
 }
 

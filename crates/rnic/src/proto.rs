@@ -271,6 +271,16 @@ pub enum Request {
     SuspendConnectedStates {
         qpns: Vec<u32>,
     },
+    /// SuspendConnectedStates, then FetchTraces of `lkeys`, in one pass: a
+    /// migration's source pauses its device and takes the last traces in
+    /// one round trip (once the QPs are suspended nothing writes their
+    /// memory, so those traces are the last). Every QPN and key is checked
+    /// before anything is suspended or cleared. At most MAX_BATCH QPNs and
+    /// MAX_TRACE_BATCH keys; the reply is `Suspended`.
+    SuspendAndFetchTraces {
+        qpns: Vec<u32>,
+        lkeys: Vec<u32>,
+    },
     /// Creates MRs, CQs and QPs in one round trip (a migrated device's
     /// restore), in order, each as its own request would. The memfds
     /// travel once beside the message (the guest RAM for every MR, one
@@ -428,6 +438,12 @@ pub enum Reply {
     SrqState(crate::srq::SrqSnapshot),
     /// FetchTraces: one report per MR, in the request's order.
     Traces(Vec<crate::trace::TraceReport>),
+    /// SuspendAndFetchTraces: the states of the QPs it suspended and one
+    /// trace report per MR, each in the request's order.
+    Suspended {
+        states: Vec<crate::qp_snapshot::QpSnapshot>,
+        traces: Vec<crate::trace::TraceReport>,
+    },
     /// The response is `len` bytes in `format` in the memfd beside this
     /// message: one larger than a datagram, or one that carries QP states
     /// or traces (`crate::spill`).

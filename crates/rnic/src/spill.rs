@@ -45,7 +45,7 @@ impl Format {
     /// Bincode for the replies that carry QP states or write traces (a
     /// migration's source suspending its QPs, fetching its last traces).
     pub fn for_reply(resp: &Response) -> Option<Format> {
-        matches!(resp, Ok(Reply::QpStates(_) | Reply::Traces(_))).then_some(Format::Bincode)
+        matches!(resp, Ok(Reply::QpStates(_) | Reply::Traces(_) | Reply::Suspended { .. })).then_some(Format::Bincode)
     }
 
     /// `msg` in this format.

@@ -231,3 +231,37 @@ fn batch_made_objects_carry_traffic_through_rnicd() {
     let stats = other.stats().unwrap();
     assert!(stats["bad_client_requests"].as_u64().unwrap() >= 1, "{stats}");
 }
+
+/// Through the real rnicd: SuspendAndFetchTraces suspends the connected QP
+/// and hands back its state and the pages a peer wrote, in one request; a
+/// key of another namespace refuses the whole request, before anything is
+/// suspended or any trace cleared.
+#[test]
+fn suspend_and_fetch_traces_in_one_request() {
+    let bed = Bed::new("rnsusptr", 2);
+    let ctx = bed.ctx(0);
+    let me = End::new(ctx.clone(), 1 << 20, 32);
+    let peer = End::new(bed.ctx(1), 1 << 20, 32);
+    let o = ConnectOpts { mtu: Mtu::M1024, rnr_retry: 7, ..Default::default() };
+    me.qp.connect(&peer.qp.endpoint(100), &ConnectOpts { sq_psn: 200, ..o }).unwrap();
+    peer.qp.connect(&me.qp.endpoint(200), &ConnectOpts { sq_psn: 100, ..o }).unwrap();
+    me.mr.start_trace(PAGE).unwrap();
+    // The peer WRITEs pages 3 and 4 of the MR.
+    peer.buf.write(0, &pattern(3, 8192));
+    peer.qp.post_send(&[SendWr::write(1, &[peer.mr.sge(0, 8192)], me.mr.addr + 3 * PAGE, me.mr.rkey)]).unwrap();
+    ok(&peer.scq);
+
+    let other = End::new(bed.ctx(0), 4096, 4);
+    let err = ctx.suspend_and_fetch_traces(&[&me.qp], &[&me.mr, &other.mr]).expect_err("a key of another namespace is refused");
+    assert!(format!("{err:#}").contains("no MR"), "{err:#}");
+    assert!(me.qp.query_state().is_err(), "a refused request suspended the QP");
+
+    let (states, traces) = ctx.suspend_and_fetch_traces(&[&me.qp], &[&me.mr]).unwrap();
+    assert_eq!(states.iter().map(|s| s.qpn).collect::<Vec<_>>(), [me.qp.qpn]);
+    assert_eq!(states[0].qpn, me.qp.query_state().unwrap().qpn, "the QP is suspended");
+    assert_eq!(traces.len(), 1);
+    assert!(!traces[0].all_dirty, "{:?}", traces[0]);
+    assert_eq!(traces[0].runs, [(3 * PAGE, 2 * PAGE)], "the refused request cleared nothing");
+    assert!(me.mr.fetch_trace().unwrap().runs.is_empty(), "the request cleared the trace it returned");
+    me.qp.resume().unwrap();
+}

@@ -342,6 +342,22 @@ impl Context {
         )
     }
 
+    /// [`Context::suspend_connected_states`], then
+    /// [`Context::fetch_traces`] of `mrs`, in one request when both fit in
+    /// one (MAX_BATCH QPs, MAX_TRACE_BATCH MRs): a migration's source
+    /// pauses its device and takes the last traces in one round trip.
+    pub fn suspend_and_fetch_traces(&self, qps: &[&Qp], mrs: &[&Mr]) -> anyhow::Result<(Vec<QpSnapshot>, Vec<TraceReport>)> {
+        if qps.len() > proto::MAX_BATCH || mrs.len() > proto::MAX_TRACE_BATCH {
+            let states = self.suspend_connected_states(qps)?;
+            return Ok((states, self.fetch_traces(mrs)?));
+        }
+        let request = Request::SuspendAndFetchTraces { qpns: qpns(qps), lkeys: mrs.iter().map(|m| m.lkey).collect() };
+        match self.inner.call(&request, &[])? {
+            Reply::Suspended { states, traces } if traces.len() == mrs.len() => Ok((states, traces)),
+            r => bail!("unexpected reply {r:?}"),
+        }
+    }
+
     /// The states of many suspended QPs, in their order (see [`Qp::query_state`]).
     pub fn query_qp_states(&self, qps: &[&Qp]) -> anyhow::Result<Vec<QpSnapshot>> {
         self.chunked(

@@ -160,8 +160,12 @@ pub(crate) struct Dev {
     pub bus_master: bool,
     /// A migration runs: every MR is traced (traces.rs).
     pub tracing: bool,
-    /// Pages traced in MRs destroyed since the last take.
+    /// Pages traced in MRs destroyed since the last take (and, once
+    /// `last_traces_taken`, those of every MR up to the pause).
     pub traced: Vec<super::traces::PageRun>,
+    /// The pause took rnicd's traces of every MR with its suspend: nothing
+    /// has written the MRs since, and `take_traced` asks rnicd no more.
+    pub last_traces_taken: bool,
     /// This host answers for the GID (claimed through rnicd).
     pub claimed: bool,
     pub testing: super::config::Testing,
@@ -204,6 +208,7 @@ impl Dev {
             bus_master: false,
             tracing: false,
             traced: Vec::new(),
+            last_traces_taken: false,
             claimed: false,
             testing,
             switch: Default::default(),

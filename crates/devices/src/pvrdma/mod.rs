@@ -530,18 +530,40 @@ impl Lifecycle for Pvrdma {
         // nothing but their attributes and posted WQEs. rnicd knows which
         // are connected (a QP may have gone to ERR on its own): one batched
         // request suspends those and returns their states.
+        // While a migration traces the MRs, the same request takes their
+        // last traces: once the QPs are suspended rnicd writes no guest
+        // memory, and the engine's last scan needs no round trip of its own.
         let handles = d.qps.handles();
-        let qps: Vec<&verbs::Qp> = handles.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
-        self.paused_states = match d.be.ctx.suspend_connected_states(&qps) {
-            Ok(states) => states.into_iter().map(|s| (s.qpn, s)).collect(),
+        let with_traces = d.traces_wanted();
+        let suspended = {
+            let qps: Vec<&verbs::Qp> = handles.iter().filter_map(|h| d.qps.get(*h)).map(|q| &q.qp).collect();
+            if with_traces {
+                let mrs: Vec<&verbs::Mr> = d.mrs.iter().map(|(_, m)| &m.mr).collect();
+                d.be.ctx.suspend_and_fetch_traces(&qps, &mrs).map(|(states, traces)| (states, Some(traces)))
+            } else {
+                d.be.ctx.suspend_connected_states(&qps).map(|states| (states, None))
+            }
+        };
+        let traces = match suspended {
+            Ok((states, traces)) => {
+                self.paused_states = states.into_iter().map(|s| (s.qpn, s)).collect();
+                traces
+            }
             Err(e) => {
                 tracing::warn!("pvrdma {}: suspending QPs: {e:#}", d.name);
-                HashMap::new()
+                self.paused_states = HashMap::new();
+                None
             }
         };
         let live = handles.into_iter().filter(|h| d.qps.get(*h).is_some_and(|q| self.paused_states.contains_key(&q.qp.qpn))).collect();
         d.suspended = live;
-        d.switch.record("suspend QPs", t);
+        let phase = if let Some(traces) = traces {
+            d.keep_last_traces(traces);
+            "suspend QPs and fetch traces"
+        } else {
+            "suspend QPs"
+        };
+        d.switch.record(phase, t);
         let t = Instant::now();
         for h in d.cqs.handles() {
             while d.drain_cq(h) > 0 {}
@@ -600,6 +622,7 @@ impl Lifecycle for Pvrdma {
         self.paused_states.clear();
         let t = Instant::now();
         d.paused = false;
+        d.last_traces_taken = false;
         for h in d.cqs.handles() {
             d.drain_and_notify(h);
         }

@@ -49,12 +49,14 @@ impl Dev {
     /// The traced pages of one MR since its last fetch.
     pub(crate) fn fetch_mr_trace(&mut self, mr: &verbs::Mr, info: &MrInfo, out: &mut Vec<PageRun>) {
         let t = mr.fetch_trace().map_err(|e| tracing::warn!("pvrdma {}: trace of MR {:#x}: {e:#}", self.name, info.key));
+        let before = out.len();
         self.counters.trace_overflows += add_trace(info, t, out);
+        self.counters.traced_pages += out[before..].iter().map(|r| r.1).sum::<u64>();
     }
 
     /// Starts tracing an MR (at its creation while a migration runs).
     pub(crate) fn start_mr_trace(&self, mr: &verbs::Mr) -> Result<(), String> {
-        if self.tracing && !self.testing.no_traces {
+        if self.traces_wanted() {
             mr.start_trace(GRANULARITY).map_err(|e| format!("pvrdma {}: tracing MR {:#x}: {e:#}", self.name, mr.lkey))?;
         }
         Ok(())
@@ -69,32 +71,25 @@ impl Dev {
         Ok(())
     }
 
+    /// Whether rnicd traces the MRs now (a migration runs).
+    pub(crate) fn traces_wanted(&self) -> bool {
+        self.tracing && !self.testing.no_traces
+    }
+
     pub(crate) fn take_traced(&mut self) -> Vec<PageRun> {
         let mut out = std::mem::take(&mut self.traced);
-        if !self.tracing || self.testing.no_traces {
+        if !self.traces_wanted() || self.last_traces_taken {
             return out;
         }
         let t = std::time::Instant::now();
         // Batched: a round trip per few MRs (FetchTraces), not one per MR.
         // If it fails, every page of every MR may have been written.
-        let mrs: Vec<&super::objects::Mr> = self.mrs.iter().map(|(_, m)| m).collect();
-        let live: Vec<&verbs::Mr> = mrs.iter().map(|m| &m.mr).collect();
-        let mut traces = self
-            .be
-            .ctx
-            .fetch_traces(&live)
-            .unwrap_or_else(|e| {
-                tracing::warn!("pvrdma {}: traces of {} MRs: {e:#}", self.name, mrs.len());
-                Vec::new()
-            })
-            .into_iter();
-        let mut overflows = 0;
-        for m in &mrs {
-            overflows += add_trace(&m.info, traces.next().ok_or(()), &mut out);
-        }
-        self.counters.trace_overflows += overflows;
-        let pages: u64 = out.iter().map(|r| r.1).sum();
-        self.counters.traced_pages += pages;
+        let live: Vec<&verbs::Mr> = self.mrs.iter().map(|(_, m)| &m.mr).collect();
+        let traces = self.be.ctx.fetch_traces(&live).unwrap_or_else(|e| {
+            tracing::warn!("pvrdma {}: traces of {} MRs: {e:#}", self.name, live.len());
+            Vec::new()
+        });
+        self.add_traces(traces, &mut out);
         if self.paused {
             // The switch's last scan: inside the downtime.
             self.switch.record("last trace fetch", t);
@@ -102,8 +97,31 @@ impl Dev {
         out
     }
 
+    /// The pause fetched the MRs' last traces with its suspend (`traces`,
+    /// one per MR in `mrs` order): they wait for the engine's last scan.
+    pub(crate) fn keep_last_traces(&mut self, traces: Vec<verbs::TraceReport>) {
+        let mut out = std::mem::take(&mut self.traced);
+        self.add_traces(traces, &mut out);
+        self.traced = out;
+        self.last_traces_taken = true;
+    }
+
+    /// Adds `traces` (one per MR, in `mrs` order; a missing one counts the
+    /// whole MR) to `out` and the counters.
+    fn add_traces(&mut self, traces: Vec<verbs::TraceReport>, out: &mut Vec<PageRun>) {
+        let before = out.len();
+        let mut traces = traces.into_iter();
+        let mut overflows = 0;
+        for (_, m) in self.mrs.iter() {
+            overflows += add_trace(&m.info, traces.next().ok_or(()), out);
+        }
+        self.counters.trace_overflows += overflows;
+        self.counters.traced_pages += out[before..].iter().map(|r| r.1).sum::<u64>();
+    }
+
     pub(crate) fn stop_traces(&mut self) {
-        if self.tracing && !self.testing.no_traces {
+        self.last_traces_taken = false;
+        if self.traces_wanted() {
             for (_, m) in self.mrs.iter() {
                 let _ = m.mr.stop_trace();
             }
