@@ -561,14 +561,20 @@ impl Outgoing {
         }
     }
 
+    /// The paused VM's state is on its way: what only one host may hold is
+    /// let go now, while the destination loads the state, so that the
+    /// release is not one more wait of the downtime after the destination
+    /// answered. If it fails, so does the migration (the VM runs on here);
+    /// a migration that fails after it, before the commit, resumes the VM
+    /// here, and its resume takes back what was let go.
+    pub fn let_go(&mut self) -> anyhow::Result<()> {
+        self.vm.let_go().context("handing the VM's identity over")
+    }
+
     /// The destination owns the VM from here: this side never runs it again.
-    /// What only one host may hold is let go first; if that fails, so does
-    /// the migration, before its commit (the VM runs on here).
-    pub fn commit(&mut self) -> anyhow::Result<()> {
-        self.vm.let_go().context("handing the VM's identity over")?;
+    pub fn commit(&mut self) {
         self.committed = true;
         self.ctl.update(|s| s.committed = true);
-        Ok(())
     }
 }
 

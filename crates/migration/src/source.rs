@@ -734,13 +734,15 @@ fn commit(
         let bytes: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
         wire::send_blob(&mut control, &bytes)?;
     }
+    guard.let_go()?;
+    step("identity let go");
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
     let dest_cpu = match recv_reply(&mut control)? {
         Msg::Loaded { cpu_s } => cpu_s,
         other => bail!("destination answered {other:?} to the end of the stream"),
     };
     // Commit point: from here the destination owns the VM.
-    guard.commit()?;
+    guard.commit();
     step("destination loaded");
     ctl.update(|s| s.cpu_s_dest = Some(dest_cpu));
     let go = wire::send_msg(&mut control, &Msg::Go);

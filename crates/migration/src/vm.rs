@@ -148,12 +148,14 @@ pub trait MigratableVm: Send + Sync {
         256 << 10
     }
 
-    /// The destination loaded the VM; it owns it once this returns (the
-    /// commit) and runs it on this side's go, which follows. What only one
-    /// host may hold at a time is let go here: a PVRDMA device's GID, which
-    /// the destination claims when it resumes the VM. An error fails the
-    /// migration before the commit: the VM resumes here (and takes back
-    /// whatever it had let go).
+    /// The paused VM's state has gone to the destination, which loads it
+    /// and, on the source's go after its answer, runs the VM. What only one
+    /// host may hold at a time is let go here, while the destination loads:
+    /// a PVRDMA device's GID, which the destination claims when it resumes
+    /// the VM (after the go, so never while this host still holds it). An
+    /// error, or a migration that fails later but before the commit, fails
+    /// the migration: the VM resumes here and takes back whatever it had
+    /// let go.
     fn let_go(&self) -> anyhow::Result<()> {
         Ok(())
     }

@@ -219,8 +219,9 @@ impl Pvrdma {
         self.early_base.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(reach::early_pages).unwrap_or_default()
     }
 
-    /// The destination owns the VM now: this host stops answering for the
-    /// GID, before the destination claims it.
+    /// The VM's state has gone to a migration's destination: this host
+    /// stops answering for the GID, before the destination claims it (and
+    /// claims it again in `resume` if the migration fails).
     pub fn release_gid(&self) -> Result<(), String> {
         let mut d = lock(&self.shared);
         let t = Instant::now();
@@ -575,7 +576,8 @@ impl Lifecycle for Pvrdma {
 
     /// Claims the GID on this host unless it holds it already (a VM that
     /// starts, is restored, or arrives by migration: the source released
-    /// it at the commit), then resumes the QPs (also after a restore, where
+    /// it as its state left; a source whose migration failed takes it back),
+    /// then resumes the QPs (also after a restore, where
     /// they were created suspended) and serves doorbells again. A claim and
     /// a resume go to rnicd as one request: inside a migration's downtime
     /// each request is a round trip that may wait for a CPU.

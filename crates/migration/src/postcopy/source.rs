@@ -192,6 +192,8 @@ fn switch_over(
         wire::send_blob(control, &bytes)?;
     }
     step("switchover sent");
+    guard.let_go()?;
+    step("identity let go");
     control.set_read_timeout(Some(Duration::from_secs(60)))?;
     match recv_reply(control)? {
         Msg::Loaded { .. } => {}
@@ -199,7 +201,7 @@ fn switch_over(
     }
     // Commit point: from here the destination owns the VM and this side
     // only serves its memory.
-    guard.commit()?;
+    guard.commit();
     step("destination loaded");
     let go = wire::send_msg(control, &Msg::Go);
     match go.map_err(anyhow::Error::from).and_then(|_| recv_reply(control)) {
