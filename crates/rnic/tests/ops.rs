@@ -462,3 +462,47 @@ fn completion_channel_notifies_armed_cq() {
     assert_eq!(cq.poll(&mut [Wc::default(); 4]).unwrap(), 2);
     drop(qp);
 }
+
+/// A waiter on a completion channel (what a PVRDMA WAIT doorbell sleeps
+/// on) ends a wait under way, and every wait after it, once interrupted,
+/// however long its timeout; cleared, it waits for channel events again.
+#[test]
+fn an_interrupted_channel_waiter_stops_waiting() {
+    let bed = Bed::new("rnwbrk", 2);
+    let a = End::new(bed.ctx(0), 1 << 20, 16);
+    let cb = bed.ctx(1);
+    let ch = cb.create_comp_channel().unwrap();
+    let cq = cb.create_cq(64, Some(&ch)).unwrap();
+    let pd = cb.alloc_pd().unwrap();
+    let qp = pd.create_qp(&QpInitAttr::new(&cq, &cq)).unwrap();
+    let buf = MemBuf::new(1 << 20).unwrap();
+    let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL).unwrap();
+    let o = ConnectOpts::default();
+    a.qp.connect(&qp.endpoint(7), &ConnectOpts { sq_psn: 3, ..o }).unwrap();
+    qp.connect(&a.qp.endpoint(3), &ConnectOpts { sq_psn: 7, ..o }).unwrap();
+    let waiter = std::sync::Arc::new(ch.waiter().unwrap());
+
+    // A wait of an hour, under way, ends with the interruption.
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let w = waiter.clone();
+    let sleeper = std::thread::spawn(move || {
+        started_tx.send(()).unwrap();
+        w.wait(Duration::from_secs(3600)).unwrap()
+    });
+    started.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    waiter.interrupt();
+    assert!(!sleeper.join().unwrap(), "an interrupted wait reports no channel event");
+    assert!(!waiter.wait(Duration::from_secs(3600)).unwrap(), "waits end at once while interrupted");
+
+    // Cleared: a wait times out, and a completion of an armed CQ wakes it.
+    waiter.clear_interrupt();
+    assert!(!waiter.is_interrupted());
+    assert!(!waiter.wait(Duration::from_millis(20)).unwrap(), "nothing happened");
+    qp.post_recv(&[RecvWr { wr_id: 1, sg_list: &[mr.sge(0, 4096)] }]).unwrap();
+    cq.req_notify(false);
+    a.qp.post_send(&[SendWr::send(1, &[a.mr.sge(0, 10)])]).unwrap();
+    assert!(waiter.wait(T).unwrap(), "a completion wakes a cleared waiter");
+    assert_eq!(cq.poll(&mut [Wc::default(); 4]).unwrap(), 1);
+    drop(qp);
+}

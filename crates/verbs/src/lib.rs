@@ -744,7 +744,10 @@ impl CompChannel {
     pub fn waiter(&self) -> anyhow::Result<ChannelWaiter> {
         let ep = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).context("epoll_create1")?;
         ep.add(&self.efd, EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLET, 0)).context("epoll_ctl")?;
-        Ok(ChannelWaiter { ep })
+        // Level-triggered: while the waiter is interrupted every wait ends.
+        let brk = rnic::eventfd::create(true).context("eventfd")?;
+        ep.add(&brk, EpollEvent::new(EpollFlags::EPOLLIN, 1)).context("epoll_ctl")?;
+        Ok(ChannelWaiter { ep, brk, interrupted: std::sync::atomic::AtomicBool::new(false) })
     }
 
     /// Waits for the next channel event without reading the eventfd: an
@@ -775,24 +778,49 @@ impl CompChannel {
 /// One thread's view of a completion channel (`CompChannel::waiter`).
 pub struct ChannelWaiter {
     ep: Epoll,
+    /// Signalled by [`ChannelWaiter::interrupt`], cleared by
+    /// [`ChannelWaiter::clear_interrupt`].
+    brk: OwnedFd,
+    interrupted: std::sync::atomic::AtomicBool,
 }
 
 impl ChannelWaiter {
     /// Waits for a channel event raised since the last wait (or since the
-    /// waiter was made); false on timeout or signal. An event may belong to
-    /// an earlier arm or another CQ of the channel: callers look at their
-    /// CQ afterwards anyway.
+    /// waiter was made); false on timeout, signal or while interrupted. An
+    /// event may belong to an earlier arm or another CQ of the channel:
+    /// callers look at their CQ afterwards anyway.
     /// epoll counts in milliseconds: a timeout is rounded up to the next
     /// one (rounding down would make a sub-millisecond wait a spin).
     pub fn wait(&self, timeout: Duration) -> anyhow::Result<bool> {
+        if self.is_interrupted() {
+            return Ok(false);
+        }
         let ms = Duration::from_millis(timeout.as_micros().div_ceil(1000) as u64);
         let ms = EpollTimeout::try_from(ms).unwrap_or(EpollTimeout::MAX);
         let mut ev = [EpollEvent::empty()];
         match self.ep.wait(&mut ev, ms) {
-            Ok(n) => Ok(n > 0),
+            Ok(n) => Ok(n > 0 && ev[0].data() == 0),
             Err(nix::errno::Errno::EINTR) => Ok(false),
             Err(e) => Err(e).context("epoll_wait"),
         }
+    }
+
+    /// Ends every wait of this waiter, those under way and those to come,
+    /// until [`ChannelWaiter::clear_interrupt`]: a thread that must not
+    /// sleep now (a vCPU being stopped) returns at once.
+    pub fn interrupt(&self) {
+        self.interrupted.store(true, Ordering::Release);
+        rnic::eventfd::signal(&self.brk);
+    }
+
+    /// Waits sleep again.
+    pub fn clear_interrupt(&self) {
+        self.interrupted.store(false, Ordering::Release);
+        rnic::eventfd::drain(&self.brk);
+    }
+
+    pub fn is_interrupted(&self) -> bool {
+        self.interrupted.load(Ordering::Acquire)
     }
 }
 

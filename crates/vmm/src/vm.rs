@@ -303,8 +303,19 @@ impl Vm {
 
     /// Stop vCPUs, then quiesce devices; nothing writes guest RAM after this.
     pub fn pause(&self) {
+        self.interrupt_device_waits(true);
         self.vcpus.lock().unwrap().pause();
         self.quiesce();
+    }
+
+    /// A vCPU asleep in a device's wait (a PVRDMA WAIT doorbell) is inside
+    /// its MMIO exit, where a kick does not reach it: the devices end such
+    /// waits while the vCPUs stop (`on`), or again let them sleep after a
+    /// pause that gave up. A resumed device lets them sleep again itself.
+    fn interrupt_device_waits(&self, on: bool) {
+        for d in &self.pvrdma {
+            d.lock().unwrap().interrupt_waits(on);
+        }
     }
 
     /// As [`Vm::pause`] for a control command, which must answer promptly:
@@ -315,13 +326,17 @@ impl Vm {
         // The vCPU set's lock is released before the state lock is taken
         // (`run_state` takes them in the other order) and before
         // `vcpu_status` takes it again: held across the match, it deadlocked.
+        self.interrupt_device_waits(true);
         let paused = self.vcpus.lock().unwrap().try_pause(bound);
         let late = match paused {
             Ok(()) => {
                 self.quiesce();
                 return Ok(());
             }
-            Err(late) => late,
+            Err(late) => {
+                self.interrupt_device_waits(false);
+                late
+            }
         };
         let status = self.vcpu_status();
         let waiting: Vec<usize> = late.iter().copied().filter(|&i| status.get(i).is_some_and(|s| s.waiting_for_page)).collect();

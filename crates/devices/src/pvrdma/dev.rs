@@ -115,6 +115,8 @@ pub(crate) struct Counters {
     /// rather than with a completion.
     pub cq_waits: u64,
     pub cq_wait_timeouts: u64,
+    /// WAIT doorbells ended early because the vCPUs were being stopped.
+    pub cq_waits_broken: u64,
     /// Sleeps that ended at the bound although a completion had reached
     /// rnicd's CQ by then: a wake-up that did not come (or a completion in
     /// the sleep's last instant).

@@ -244,6 +244,19 @@ impl Pvrdma {
         d.switch.record("close after the move", t);
     }
 
+    /// The vCPUs are about to be stopped (`true`) or were not (`false`,
+    /// a pause that gave up): a vCPU asleep in a WAIT doorbell sleeps
+    /// inside its MMIO exit, where the platform's kick, which wakes a HLT,
+    /// does not reach; without this it stopped only at the WAIT's bound
+    /// (`CQ_WAIT_MAX_US`). `resume` ends the interruption too.
+    pub fn interrupt_waits(&self, on: bool) {
+        if on {
+            self.cq_waiter.interrupt();
+        } else {
+            self.cq_waiter.clear_interrupt();
+        }
+    }
+
     /// `query-pvrdma`: objects, QP states and counters.
     pub fn query(&self) -> serde_json::Value {
         let d = lock(&self.shared);
@@ -345,10 +358,13 @@ impl PvrdmaBar {
             drop(d);
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || !self.cq_waiter.wait(left).unwrap_or(false) {
-                // The bound passed: one last look, as after a timer tick.
+                // The bound passed, or the vCPUs are being stopped: one
+                // last look, as after a timer tick.
                 let mut d = lock(&self.shared);
                 if d.cq_wait_done(handle) {
                     d.counters.cq_wait_late += 1;
+                } else if self.cq_waiter.is_interrupted() {
+                    d.counters.cq_waits_broken += 1;
                 } else {
                     d.counters.cq_wait_timeouts += 1;
                 }
@@ -582,6 +598,7 @@ impl Lifecycle for Pvrdma {
     /// a resume go to rnicd as one request: inside a migration's downtime
     /// each request is a round trip that may wait for a CPU.
     fn resume(&mut self) {
+        self.cq_waiter.clear_interrupt();
         let mut d = lock(&self.shared);
         let claim = !d.claimed;
         // A guest that turned bus mastering off keeps the device quiesced
