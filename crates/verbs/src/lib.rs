@@ -106,6 +106,18 @@ impl Inner {
         r.map_err(|e| anyhow!("rnicd: {e}"))
     }
 
+    /// A `Drop`'s destroy request. After [`Context::close`] rnicd has
+    /// dropped every object of the connection with it: nothing is sent,
+    /// and no error value is made (under `RUST_BACKTRACE` each captured a
+    /// backtrace, tens of microseconds an object: at 256 QPs that doubled
+    /// a migrated device's close).
+    fn destroy(&self, req: &Request) {
+        if self.conn.lock().unwrap_or_else(|e| e.into_inner()).closed {
+            return;
+        }
+        let _ = self.call(req, &[]);
+    }
+
     /// QP `qpn` posted: its bit, then the eventfd (`rnic::doorbell`).
     fn ring_doorbell(&self, qpn: u32) {
         self.doorbell_page.mark(qpn);
@@ -663,7 +675,7 @@ impl Pd {
 
 impl Drop for Pd {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.call(&Request::DeallocPd { pd: self.handle }, &[]);
+        self.ctx.inner.destroy(&Request::DeallocPd { pd: self.handle });
     }
 }
 
@@ -710,7 +722,7 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.call(&Request::DeregMr { lkey: self.lkey }, &[]);
+        self.ctx.inner.destroy(&Request::DeregMr { lkey: self.lkey });
     }
 }
 
@@ -826,7 +838,7 @@ impl ChannelWaiter {
 
 impl Drop for CompChannel {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.call(&Request::DestroyCompChannel { channel: self.handle }, &[]);
+        self.ctx.inner.destroy(&Request::DestroyCompChannel { channel: self.handle });
     }
 }
 
@@ -1046,7 +1058,7 @@ impl Cq {
 
 impl Drop for Cq {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.call(&Request::DestroyCq { cq: self.handle }, &[]);
+        self.ctx.inner.destroy(&Request::DestroyCq { cq: self.handle });
     }
 }
 
@@ -1489,7 +1501,7 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.call(&Request::DestroyQp { qpn: self.qpn }, &[]);
+        self.ctx.inner.destroy(&Request::DestroyQp { qpn: self.qpn });
     }
 }
 

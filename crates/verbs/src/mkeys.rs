@@ -45,7 +45,7 @@ impl IndirectKey {
 
 impl Drop for IndirectKey {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.call(&Request::DestroyKey { key: self.key }, &[]);
+        self.ctx.inner.destroy(&Request::DestroyKey { key: self.key });
     }
 }
 
@@ -254,7 +254,7 @@ impl Alias {
 
 impl Drop for Alias {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.call(&Request::DestroyKey { key: self.key }, &[]);
+        self.ctx.inner.destroy(&Request::DestroyKey { key: self.key });
     }
 }
 

@@ -152,7 +152,7 @@ impl Drop for Srq {
         if self.destroyed {
             return;
         }
-        let _ = self.call(Request::DestroySrq { srq: self.handle });
+        self.ctx.inner.destroy(&Request::DestroySrq { srq: self.handle });
     }
 }
 
