@@ -423,9 +423,18 @@ fn hostile_packets_and_requests_are_counted_and_dropped() {
     assert_eq!(b.buf.read(0, 11), b"still alive");
 }
 
-#[test]
-fn completion_channel_notifies_armed_cq() {
-    let bed = Bed::new("rnchan", 2);
+/// A sender on host 0 connected to a receiver on host 1 whose one CQ
+/// (send and receive) reports to a completion channel.
+struct ChannelPair {
+    a: End,
+    ch: CompChannel,
+    cq: Cq,
+    qp: Qp,
+    mr: Mr,
+    _keep: (Pd, MemBuf),
+}
+
+fn channel_pair(bed: &Bed) -> ChannelPair {
     let a = End::new(bed.ctx(0), 1 << 20, 16);
     let cb = bed.ctx(1);
     let ch = cb.create_comp_channel().unwrap();
@@ -437,6 +446,13 @@ fn completion_channel_notifies_armed_cq() {
     let o = ConnectOpts::default();
     a.qp.connect(&qp.endpoint(7), &ConnectOpts { sq_psn: 3, ..o }).unwrap();
     qp.connect(&a.qp.endpoint(3), &ConnectOpts { sq_psn: 7, ..o }).unwrap();
+    ChannelPair { a, ch, cq, qp, mr, _keep: (pd, buf) }
+}
+
+#[test]
+fn completion_channel_notifies_armed_cq() {
+    let bed = Bed::new("rnchan", 2);
+    let ChannelPair { a, ch, cq, qp, mr, _keep } = channel_pair(&bed);
     for i in 0..4 {
         qp.post_recv(&[RecvWr { wr_id: i, sg_list: &[mr.sge(0, 4096)] }]).unwrap();
     }
@@ -469,17 +485,7 @@ fn completion_channel_notifies_armed_cq() {
 #[test]
 fn an_interrupted_channel_waiter_stops_waiting() {
     let bed = Bed::new("rnwbrk", 2);
-    let a = End::new(bed.ctx(0), 1 << 20, 16);
-    let cb = bed.ctx(1);
-    let ch = cb.create_comp_channel().unwrap();
-    let cq = cb.create_cq(64, Some(&ch)).unwrap();
-    let pd = cb.alloc_pd().unwrap();
-    let qp = pd.create_qp(&QpInitAttr::new(&cq, &cq)).unwrap();
-    let buf = MemBuf::new(1 << 20).unwrap();
-    let mr = pd.reg_mr(&buf, 0, buf.len(), access::ALL).unwrap();
-    let o = ConnectOpts::default();
-    a.qp.connect(&qp.endpoint(7), &ConnectOpts { sq_psn: 3, ..o }).unwrap();
-    qp.connect(&a.qp.endpoint(3), &ConnectOpts { sq_psn: 7, ..o }).unwrap();
+    let ChannelPair { a, ch, cq, qp, mr, _keep } = channel_pair(&bed);
     let waiter = std::sync::Arc::new(ch.waiter().unwrap());
 
     // A wait of an hour, under way, ends with the interruption.
