@@ -257,14 +257,14 @@ impl Engine {
             Request::SuspendConnected { qpns } => Ok(Reply::Qpns(self.suspend_connected(client, &qpns)?)),
             Request::SuspendConnectedStates { qpns } => {
                 let done = self.suspend_connected(client, &qpns)?;
-                self.query_qp_states(client, &done)
+                Ok(Reply::QpStates(self.qp_states(client, &done)?))
             }
             Request::SuspendAndFetchTraces { qpns, lkeys } => self.suspend_and_fetch_traces(client, &qpns, &lkeys),
             Request::QueryQpState { qpn } => {
                 let s = self.owned_qp(client, qpn)?.snapshot().map_err(|e| anyhow!(e))?;
                 Ok(Reply::QpState(Box::new(s)))
             }
-            Request::QueryQpStates { qpns } => self.query_qp_states(client, &qpns),
+            Request::QueryQpStates { qpns } => Ok(Reply::QpStates(self.qp_states(client, &qpns)?)),
             Request::ResumeQp { qpn } => self.resume_qps(client, &[qpn], 1),
             Request::ResumeQps { qpns } => self.resume_qps(client, &qpns, proto::MAX_BATCH),
             Request::RestoreQps { states } => self.give_qp_states(client, &states, StateTaker::Reset),
@@ -712,18 +712,19 @@ impl Engine {
     /// The traces of many MRs in one round trip: all keys are checked
     /// first, so a bad one clears no trace.
     fn fetch_traces(&mut self, client: ClientId, lkeys: &[u32]) -> anyhow::Result<Reply> {
-        self.check_trace_batch(client, lkeys)?;
-        let mrs = lkeys.iter().map(|k| self.owned_mr(client, *k)).collect::<anyhow::Result<Vec<_>>>()?;
+        let mrs = self.trace_batch(client, lkeys)?;
         let traces =
             mrs.iter().map(|m| m.trace.fetch_and_clear().map_err(|e| anyhow!("MR {:#x}: {e}", m.key))).collect::<anyhow::Result<_>>()?;
         Ok(Reply::Traces(traces))
     }
 
-    fn check_trace_batch(&self, client: ClientId, lkeys: &[u32]) -> anyhow::Result<()> {
+    /// The MRs a trace request names: at most MAX_TRACE_BATCH, every one
+    /// the client's.
+    fn trace_batch(&self, client: ClientId, lkeys: &[u32]) -> anyhow::Result<Vec<Arc<Mr>>> {
         if lkeys.len() > proto::MAX_TRACE_BATCH {
             bail!("at most {} MRs per FetchTraces", proto::MAX_TRACE_BATCH);
         }
-        lkeys.iter().try_for_each(|k| self.owned_mr(client, *k).map(drop))
+        lkeys.iter().map(|k| self.owned_mr(client, *k).cloned()).collect()
     }
 
     /// A migration source's pause in one round trip: suspend the connected
@@ -731,20 +732,15 @@ impl Engine {
     /// before anything is suspended (the QPNs are checked by the suspend
     /// itself before any QP is), so a refused request changes nothing.
     fn suspend_and_fetch_traces(&mut self, client: ClientId, qpns: &[u32], lkeys: &[u32]) -> anyhow::Result<Reply> {
-        self.check_trace_batch(client, lkeys)?;
+        let mrs = self.trace_batch(client, lkeys)?;
         let done = self.suspend_connected(client, qpns)?;
-        let Reply::QpStates(states) = self.query_qp_states(client, &done)? else { unreachable!("query_qp_states replies QpStates") };
+        let states = self.qp_states(client, &done)?;
         // The QPs are suspended now, and the caller must learn their
         // states: an MR without a trace (never started) reports every byte
         // written rather than failing the request, which is what a caller
         // of FetchTraces does with an error.
-        let traces = lkeys
-            .iter()
-            .map(|k| {
-                let mr = self.owned_mr(client, *k).expect("checked above");
-                mr.trace.fetch_and_clear().unwrap_or(crate::trace::TraceReport { granularity: 1, all_dirty: true, runs: Vec::new() })
-            })
-            .collect();
+        let whole = || crate::trace::TraceReport { granularity: 1, all_dirty: true, runs: Vec::new() };
+        let traces = mrs.iter().map(|m| m.trace.fetch_and_clear().unwrap_or_else(|_| whole())).collect();
         Ok(Reply::Suspended { states, traces })
     }
 }
@@ -1118,13 +1114,13 @@ impl Engine {
         Ok(picked)
     }
 
-    fn query_qp_states(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Reply> {
+    fn qp_states(&mut self, client: ClientId, qpns: &[u32]) -> anyhow::Result<Vec<crate::qp_snapshot::QpSnapshot>> {
         self.check_batch(client, qpns, proto::MAX_QUERY_BATCH)?;
         let mut out = Vec::with_capacity(qpns.len());
         for &q in qpns {
             out.push(self.owned_qp(client, q)?.snapshot().map_err(|e| anyhow!("QP {q:#x}: {e}"))?);
         }
-        Ok(Reply::QpStates(out))
+        Ok(out)
     }
 
     /// RestoreQps and LoadQpStates: every QP named is the client's, named

@@ -323,10 +323,10 @@ impl Vm {
     /// on a page an incoming postcopy has not brought), nothing is stopped,
     /// the VM runs on as before, and the error says which vCPUs and why.
     pub fn try_pause(&self, bound: std::time::Duration) -> Result<()> {
+        self.interrupt_device_waits(true);
         // The vCPU set's lock is released before the state lock is taken
         // (`run_state` takes them in the other order) and before
         // `vcpu_status` takes it again: held across the match, it deadlocked.
-        self.interrupt_device_waits(true);
         let paused = self.vcpus.lock().unwrap().try_pause(bound);
         let late = match paused {
             Ok(()) => {
