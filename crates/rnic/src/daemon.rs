@@ -36,6 +36,9 @@ const RX_BATCH: usize = 64;
 const RX_CHUNK: usize = 8;
 const RX_BUF: usize = 65536;
 const TX_BUDGET: usize = 256;
+/// Packet work between looks at the control side within a round
+/// (`ControlWatch`).
+const CONTROL_LOOK: Duration = Duration::from_micros(100);
 /// Longest the event loop keeps polling after the last activity (the
 /// spin adapts below it: `spin::Spin`).
 const SPIN: Duration = Duration::from_micros(200);
@@ -204,10 +207,11 @@ impl Namespace {
     }
 
     /// Receives and transmits; returns (packets received, packets sent, more work pending).
-    fn pump(&mut self, udp_ready: bool, rxbufs: &mut [Vec<u8>]) -> (usize, usize, bool) {
+    /// Ends early, after a transmit, once `control` sees a control event waiting.
+    fn pump(&mut self, udp_ready: bool, rxbufs: &mut [Vec<u8>], control: &mut ControlWatch) -> (usize, usize, bool) {
         let (mut got, mut sent, mut more) = (0, 0, false);
         for _ in 0..4 {
-            let k = if udp_ready { recv_batch(&self.udp, rxbufs, &mut self.engine) } else { 0 };
+            let k = if udp_ready { recv_batch(&self.udp, rxbufs, &mut self.engine, control) } else { 0 };
             got += k;
             if k > 0 {
                 // Coalesced ACKs of streams go with this batch's transmit.
@@ -219,7 +223,7 @@ impl Namespace {
             let (s, m) = self.transmit();
             sent += s;
             more = m;
-            if k < RX_BATCH {
+            if k < RX_BATCH || control.waiting {
                 break;
             }
         }
@@ -661,6 +665,10 @@ struct LoopKnobs {
     /// UDP sockets (every EPOLL_EVERY-th round while polling), to measure
     /// what serving it every round gains.
     control_first: bool,
+    /// RNICD_CONTROL_LOOK_US: how much packet work (µs) a round does
+    /// between looks at the control side (`ControlWatch`); 0: it looks
+    /// only between rounds, for A/B runs.
+    control_look: Duration,
     /// RNICD_SPIN_US: the longest the loop keeps polling after the last
     /// activity (the spin adapts below it).
     /// 0 by default under a real-time policy (`--sched-fifo`): a spinning
@@ -682,6 +690,11 @@ impl LoopKnobs {
             direct_rx: on("RNICD_DIRECT_RX"),
             lean_loop: on("RNICD_LEAN_LOOP"),
             control_first: on("RNICD_CONTROL_FIRST"),
+            control_look: std::env::var("RNICD_CONTROL_LOOK_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_micros)
+                .unwrap_or(CONTROL_LOOK),
             spin: std::env::var("RNICD_SPIN_US")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -993,12 +1006,16 @@ impl Daemon {
     /// next round starts at once.
     fn pump(&mut self, round: &Round, udp_ready: &[Ipv4Addr]) {
         let (mut got, mut sent, mut more) = (0, 0, false);
+        let mut control = ControlWatch::new(&self.ctl, self.knobs.control_look);
         for (gid, ns) in self.nss.iter_mut() {
-            let (g, t, m) = ns.pump(self.busy || round.direct_rx || udp_ready.contains(gid), &mut self.rxbufs);
+            let (g, t, m) = ns.pump(self.busy || round.direct_rx || udp_ready.contains(gid), &mut self.rxbufs, &mut control);
             got += g;
             sent += t;
             more |= m;
         }
+        // A round cut short for a control event left packets in the
+        // sockets: back at once, after the event.
+        more |= control.waiting;
         // Busy (loop again at once, without yielding) only while there is
         // more to send or the socket had more than a batch. After an ordinary
         // receive or send the next packet cannot come before someone else
@@ -1061,8 +1078,9 @@ fn readable(token: u64) -> EpollEvent {
     EpollEvent::new(EpollFlags::EPOLLIN, token)
 }
 
-/// Receives and handles up to RX_BATCH datagrams, RX_CHUNK per recvmmsg.
-fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize {
+/// Receives and handles up to RX_BATCH datagrams, RX_CHUNK per recvmmsg;
+/// fewer when `control` sees a control event waiting.
+fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine, control: &mut ControlWatch) -> usize {
     let mut got = 0;
     while got < RX_BATCH {
         let n = recv_chunk(udp, bufs, engine);
@@ -1070,8 +1088,53 @@ fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize
         if n < RX_CHUNK {
             break;
         }
+        if control.look() {
+            engine.stats.rx_passes_cut_for_control += 1;
+            break;
+        }
     }
     got
+}
+
+/// Looks at the control side (client sockets, the listener, doorbells)
+/// in the middle of a round of packet work, at most once per `every` of
+/// it. A round is up to 4 receive batches of 64 datagrams per namespace,
+/// and with GRO a datagram holds up to 64 KiB: under a peer's streams
+/// one round can take milliseconds, and a control request that arrives
+/// in it (a migration's suspend, a claim, a resume, all downtime) would
+/// wait for its end. With the watch it waits for about `every` of packet
+/// work and the transmit that follows; each namespace still gets a
+/// receive batch of the round, so none is starved by a chatty client.
+struct ControlWatch<'a> {
+    ctl: &'a Epoll,
+    /// Zero: never look (control is served between rounds only).
+    every: Duration,
+    next: Instant,
+    /// A control event is waiting: the round ends after its transmits.
+    waiting: bool,
+}
+
+impl<'a> ControlWatch<'a> {
+    fn new(ctl: &'a Epoll, every: Duration) -> ControlWatch<'a> {
+        ControlWatch { ctl, every, next: Instant::now() + every, waiting: false }
+    }
+
+    /// Whether a control event is waiting, looked at (one `epoll_wait`
+    /// that consumes nothing: the control epoll is level-triggered) at
+    /// most once per `every`.
+    fn look(&mut self) -> bool {
+        if self.waiting || self.every.is_zero() {
+            return self.waiting;
+        }
+        let now = Instant::now();
+        if now < self.next {
+            return false;
+        }
+        self.next = now + self.every;
+        let mut ev = [EpollEvent::empty()];
+        self.waiting = self.ctl.wait(&mut ev, 0u16).unwrap_or(0) > 0;
+        self.waiting
+    }
 }
 
 fn recv_chunk(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine) -> usize {

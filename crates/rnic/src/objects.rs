@@ -177,6 +177,9 @@ pub struct Stats {
     /// The waits of all packets read, summed (µs): over `rx_packets`, the
     /// mean wait.
     pub rx_socket_wait_us_total: u64,
+    /// Receive batches ended early because a control request (or a new
+    /// client, or a doorbell) was waiting (`daemon::ControlWatch`).
+    pub rx_passes_cut_for_control: u64,
 }
 
 pub struct OutPkt {
