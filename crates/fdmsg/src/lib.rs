@@ -77,19 +77,40 @@ const SCM_MAX_FD: usize = 253;
 /// came with it (owned, close-on-exec). `None` when the peer closed the
 /// connection (an empty message without descriptors).
 pub fn recv(sock: impl AsFd, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedFd>)>> {
+    Ok(recv_stamped(sock, buf)?.map(|r| (r.len, r.fds)))
+}
+
+/// One message [`recv_stamped`] received.
+pub struct Received {
+    pub len: usize,
+    pub fds: Vec<OwnedFd>,
+    /// When the kernel queued it (wall clock), on a socket with
+    /// `SO_TIMESTAMPNS` set; the receiver's delay is the time since.
+    pub queued_at: Option<std::time::SystemTime>,
+}
+
+/// [`recv`], with the message's arrival time when the socket records it.
+pub fn recv_stamped(sock: impl AsFd, buf: &mut [u8]) -> Result<Option<Received>> {
     let room = buf.len();
-    let mut cbuf = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
+    let mut cbuf = nix::cmsg_space!([RawFd; SCM_MAX_FD], nix::sys::time::TimeSpec);
     let mut iov = [IoSliceMut::new(buf)];
     let msg = recvmsg::<UnixAddr>(sock.as_fd().as_raw_fd(), &mut iov, Some(&mut cbuf), MsgFlags::MSG_CMSG_CLOEXEC)?;
     if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
         return Err(Error::ControlTruncated);
     }
     let mut fds = Vec::new();
+    let mut queued_at = None;
     for c in msg.cmsgs()? {
-        if let ControlMessageOwned::ScmRights(v) = c {
-            // SAFETY: the kernel just installed these descriptors for us;
-            // owning them at once closes them on any error below.
-            fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+        match c {
+            ControlMessageOwned::ScmRights(v) => {
+                // SAFETY: the kernel just installed these descriptors for us;
+                // owning them at once closes them on any error below.
+                fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+            }
+            ControlMessageOwned::ScmTimestampns(ts) => {
+                queued_at = Some(std::time::UNIX_EPOCH + std::time::Duration::new(ts.tv_sec() as u64, ts.tv_nsec() as u32));
+            }
+            _ => {}
         }
     }
     if msg.flags.contains(MsgFlags::MSG_TRUNC) {
@@ -101,7 +122,7 @@ pub fn recv(sock: impl AsFd, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedF
     if msg.bytes == 0 && fds.is_empty() {
         return Ok(None);
     }
-    Ok(Some((msg.bytes, fds)))
+    Ok(Some(Received { len: msg.bytes, fds, queued_at }))
 }
 
 /// Receives one message and parses it as `T`; `None` when the peer closed.

@@ -71,3 +71,28 @@ fn oversized_message_is_refused_by_the_sender() {
     let big = vec![0u8; fdmsg::MAX_MSG + 1];
     assert!(matches!(fdmsg::send_bytes(&a, &big, &[]), Err(fdmsg::Error::TooLarge(_))));
 }
+
+/// A socket that records arrival times hands each message's out beside
+/// its descriptors; one that does not, none.
+#[test]
+fn arrival_time_comes_with_the_message_when_asked_for() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair();
+    let f = std::fs::File::open("/proc/self/exe").unwrap();
+    let mut buf = vec![0u8; fdmsg::MAX_MSG];
+    fdmsg::send(&a, &"plain", &[f.as_raw_fd()]).unwrap();
+    let r = fdmsg::recv_stamped(&b, &mut buf).unwrap().unwrap();
+    assert!(r.queued_at.is_none());
+    assert_eq!(r.fds.len(), 1);
+
+    nix::sys::socket::setsockopt(&b, nix::sys::socket::sockopt::ReceiveTimestampns, &true).unwrap();
+    let before = std::time::SystemTime::now();
+    fdmsg::send(&a, &"stamped", &[f.as_raw_fd()]).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let r = fdmsg::recv_stamped(&b, &mut buf).unwrap().unwrap();
+    assert_eq!(&buf[..r.len], b"\"stamped\"");
+    assert_eq!(r.fds.len(), 1, "descriptors still arrive beside the time");
+    let at = r.queued_at.expect("arrival time");
+    assert!(at >= before - std::time::Duration::from_millis(5), "{at:?} {before:?}");
+    assert!(at.elapsed().unwrap() >= std::time::Duration::from_millis(20), "queued before the receiver slept");
+}

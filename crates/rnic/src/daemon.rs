@@ -951,6 +951,11 @@ impl Daemon {
             let sock = unsafe { OwnedFd::from_raw_fd(fd) };
             let id = self.next_client;
             self.next_client += 1;
+            // Each request's arrival time: how long it lay in the socket
+            // before the loop read it (`note_control_wait`).
+            if let Err(e) = setsockopt(&sock, sockopt::ReceiveTimestampns, &true) {
+                warn!("control socket without arrival times: {e}");
+            }
             if self.ctl.add(&sock, readable(id << 1)).is_ok() {
                 self.clients.insert(id, Client { sock, doorbell: None, doorbell_page: None, ns: self.cfg.addr });
             }
@@ -1096,6 +1101,34 @@ fn recv_batch(udp: &OwnedFd, bufs: &mut [Vec<u8>], engine: &mut Engine, control:
     got
 }
 
+/// A control request waiting longer than this in its socket is logged
+/// (info) with its name.
+const CONTROL_WAIT_LOGGED: Duration = Duration::from_millis(1);
+
+/// Counts how long a control request lay in its socket before the loop
+/// read it: with the client's own time for the round trip, it tells a
+/// request that waited for rnicd (busy, or without a CPU) from one whose
+/// client waited for its answer. A migration's suspend, claim and resume
+/// are downtime, so the slow ones are logged by name.
+fn note_control_wait(engine: &mut Engine, queued_at: Option<std::time::SystemTime>, msg: &[u8]) {
+    let Some(waited) = queued_at.and_then(|t| t.elapsed().ok()) else { return };
+    let us = waited.as_micros() as u64;
+    engine.stats.control_wait_us_total += us;
+    engine.stats.control_wait_max_us = engine.stats.control_wait_max_us.max(us);
+    if waited >= CONTROL_WAIT_LOGGED {
+        engine.stats.control_waits_over_1ms += 1;
+        info!("{}: control request {} waited {:.2} ms in its socket", engine.gid, request_name(msg), waited.as_secs_f64() * 1e3);
+    }
+}
+
+/// The variant name at the start of a control request's JSON
+/// (`{"SuspendQps":...}` or `"Stats"`), for logs.
+fn request_name(msg: &[u8]) -> &str {
+    let head = msg.strip_prefix(b"{").unwrap_or(msg).strip_prefix(b"\"").unwrap_or(b"");
+    let end = head.iter().position(|&b| b == b'"').unwrap_or(0);
+    std::str::from_utf8(&head[..end]).ok().filter(|n| !n.is_empty()).unwrap_or("(unnamed)")
+}
+
 /// Looks at the control side (client sockets, the listener, doorbells)
 /// in the middle of a round of packet work, at most once per `every` of
 /// it. A round is up to 4 receive batches of 64 datagrams per namespace,
@@ -1230,8 +1263,11 @@ fn serve_client(
     loop {
         let Some(c) = clients.get(&id) else { return false };
         let Some(engine) = nss.get_mut(&c.ns).map(|n| &mut n.engine) else { return false };
-        let (n, fds) = match fdmsg::recv(&c.sock, buf) {
-            Ok(Some(x)) => x,
+        let (n, fds) = match fdmsg::recv_stamped(&c.sock, buf) {
+            Ok(Some(r)) => {
+                note_control_wait(engine, r.queued_at, &buf[..r.len]);
+                (r.len, r.fds)
+            }
             Ok(None) => return false,
             Err(e) => {
                 if e.would_block() {
@@ -1475,6 +1511,15 @@ pub fn spawn(cfg: Config) -> anyhow::Result<(Arc<AtomicBool>, std::thread::JoinH
 mod tests {
     use super::*;
     use nix::sys::socket::{getsockopt, sendto, MsgFlags, SockProtocol};
+
+    #[test]
+    fn a_request_is_named_by_its_variant() {
+        assert_eq!(request_name(br#"{"SuspendQps":{"qpns":[1,2]}}"#), "SuspendQps");
+        assert_eq!(request_name(br#""Stats""#), "Stats");
+        assert_eq!(request_name(b"garbage"), "(unnamed)");
+        assert_eq!(request_name(b""), "(unnamed)");
+        assert_eq!(request_name(br#"{"#), "(unnamed)");
+    }
 
     /// The Internet checksum of `b`.
     fn inet_csum(b: &[u8]) -> u16 {

@@ -180,6 +180,13 @@ pub struct Stats {
     /// Receive batches ended early because a control request (or a new
     /// client, or a doorbell) was waiting (`daemon::ControlWatch`).
     pub rx_passes_cut_for_control: u64,
+    /// How long control requests lay in their sockets before rnicd read
+    /// them (from the kernel's receive timestamp): the longest, the sum
+    /// (over `control_requests`, the mean), and those over 1 ms (each
+    /// logged at info with its name).
+    pub control_wait_max_us: u64,
+    pub control_wait_us_total: u64,
+    pub control_waits_over_1ms: u64,
 }
 
 pub struct OutPkt {
