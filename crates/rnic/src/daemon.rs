@@ -1136,8 +1136,9 @@ fn request_name(msg: &[u8]) -> &str {
 /// one round can take milliseconds, and a control request that arrives
 /// in it (a migration's suspend, a claim, a resume, all downtime) would
 /// wait for its end. With the watch it waits for about `every` of packet
-/// work and the transmit that follows; each namespace still gets a
-/// receive batch of the round, so none is starved by a chatty client.
+/// work and the transmit that follows; each namespace still gets one
+/// receive call (up to RX_CHUNK datagrams) per round, so none is starved
+/// by a chatty client.
 struct ControlWatch<'a> {
     ctl: &'a Epoll,
     /// Zero: never look (control is served between rounds only).
