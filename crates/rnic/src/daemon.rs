@@ -685,26 +685,16 @@ struct LoopKnobs {
 impl LoopKnobs {
     fn from_env() -> LoopKnobs {
         let on = |name: &str| std::env::var(name).map_or(true, |v| v != "0");
+        // A duration in whole microseconds; unset or unparsable: the default.
+        let micros = |name: &str| std::env::var(name).ok().and_then(|v| v.parse().ok()).map(Duration::from_micros);
         LoopKnobs {
             ring_poll: on("RNICD_RING_POLL"),
             direct_rx: on("RNICD_DIRECT_RX"),
             lean_loop: on("RNICD_LEAN_LOOP"),
             control_first: on("RNICD_CONTROL_FIRST"),
-            control_look: std::env::var("RNICD_CONTROL_LOOK_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .map(Duration::from_micros)
-                .unwrap_or(CONTROL_LOOK),
-            spin: std::env::var("RNICD_SPIN_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .map(Duration::from_micros)
-                .unwrap_or(if crate::loop_priority::realtime(0) { Duration::ZERO } else { SPIN }),
-            spin_worth: std::env::var("RNICD_SPIN_WORTH_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .map(Duration::from_micros)
-                .unwrap_or(SPIN_WORTH),
+            control_look: micros("RNICD_CONTROL_LOOK_US").unwrap_or(CONTROL_LOOK),
+            spin: micros("RNICD_SPIN_US").unwrap_or(if crate::loop_priority::realtime(0) { Duration::ZERO } else { SPIN }),
+            spin_worth: micros("RNICD_SPIN_WORTH_US").unwrap_or(SPIN_WORTH),
         }
     }
 }
