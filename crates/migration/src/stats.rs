@@ -337,6 +337,22 @@ pub struct Control {
     /// `max_bandwidth` of its start, changed by `migrate-set-parameters`
     /// while it runs (as QEMU's `max-bandwidth`).
     bucket: Arc<crate::ratelimit::TokenBucket>,
+    /// Figures that change with every page and fault, read when a status
+    /// is asked for (see [`live_figures`](Self::live_figures)).
+    live: Mutex<Option<LiveFn>>,
+}
+
+type LiveFn = Box<dyn Fn(&mut Stats) + Send + Sync>;
+
+/// While it lives, [`Control::snapshot`] reads the figures its function
+/// sets at the moment of the snapshot; dropped, they are what the engine
+/// last wrote.
+pub struct LiveFigures<'a>(&'a Control);
+
+impl Drop for LiveFigures<'_> {
+    fn drop(&mut self) {
+        *self.0.live.lock().unwrap() = None;
+    }
 }
 
 /// Where a paused postcopy goes on.
@@ -454,7 +470,47 @@ impl Control {
     pub fn update(&self, f: impl FnOnce(&mut Stats)) {
         f(&mut self.stats.lock().unwrap())
     }
+    /// The figures now.
     pub fn snapshot(&self) -> Stats {
-        self.stats.lock().unwrap().clone()
+        let mut s = self.stats.lock().unwrap().clone();
+        if let Some(live) = self.live.lock().unwrap().as_ref() {
+            live(&mut s);
+        }
+        s
+    }
+    /// Until the guard drops, each [`snapshot`](Self::snapshot) sets some
+    /// figures with `f` as it is taken. A postcopy destination's remaining
+    /// pages and fault waits move with every page: a status asked for
+    /// right after a thread's fault was served must show that fault, not
+    /// the figures of the engine's last periodic update.
+    pub fn live_figures(&self, f: impl Fn(&mut Stats) + Send + Sync + 'static) -> LiveFigures<'_> {
+        *self.live.lock().unwrap() = Some(Box::new(f));
+        LiveFigures(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// While the guard lives a snapshot reads the figure at that moment,
+    /// with no update in between; once it drops, the figure is the one
+    /// written last.
+    #[test]
+    fn live_figures_are_read_at_the_snapshot_until_the_guard_drops() {
+        let ctl = Control::default();
+        let missing = Arc::new(AtomicU64::new(100));
+        let live = ctl.live_figures({
+            let missing = missing.clone();
+            move |s| s.remaining_pages = missing.load(Ordering::Relaxed)
+        });
+        assert_eq!(ctl.snapshot().remaining_pages, 100);
+        missing.store(7, Ordering::Relaxed);
+        assert_eq!(ctl.snapshot().remaining_pages, 7);
+        ctl.update(|s| s.remaining_pages = 0);
+        drop(live);
+        missing.store(5, Ordering::Relaxed);
+        assert_eq!(ctl.snapshot().remaining_pages, 0);
     }
 }

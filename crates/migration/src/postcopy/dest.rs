@@ -346,13 +346,20 @@ pub(crate) fn run(
         false => None,
     };
     let t_post = Instant::now();
+    let live = ctl.live_figures({
+        let placer = placer.clone();
+        move |s| {
+            s.remaining_pages = placer.missing();
+            s.faults = placer.faults.load(std::sync::atomic::Ordering::Relaxed);
+            s.fault_waits = placer.fault_waits();
+        }
+    });
     ctl.update(|s| {
         if resumed {
             s.downtime_ms = Some(t.saturating_sub(sw.source_paused) as f64 / 1e6);
         }
         s.status = Status::PostcopyActive;
         s.ram_clients = n_clients;
-        s.remaining_pages = placer.missing();
     });
 
     let mut link = wait_for_every_page(acceptor, &params.rnicd, ctl, session, &sh, &placer, &sink, link);
@@ -382,6 +389,8 @@ pub(crate) fn run(
         s.remaining_pages = 0;
         s.fault_waits = placer.fault_waits();
     });
+    // The figures stay as written last; the placer may go.
+    drop(live);
     if let Some(mut l) = link.take() {
         let pages_read = l.fetch.is_some().then(|| {
             let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
@@ -598,10 +607,6 @@ fn wait_for_every_page(
         if placer.wait_complete(Duration::from_millis(20)) {
             break;
         }
-        ctl.update(|s| {
-            s.remaining_pages = placer.missing();
-            s.fault_waits = placer.fault_waits();
-        });
         let broken = match link.as_mut() {
             Some(l) => l.check(sh, sink),
             None => Some("not connected".into()),

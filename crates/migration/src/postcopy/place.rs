@@ -546,11 +546,13 @@ impl Placer {
         let w = self.waiters.lock().unwrap().remove(&pfn);
         if let Some(w) = w {
             let domains = self.domains.read().unwrap();
-            for (d, addr, since) in &w.who {
-                domains[*d].resolve(*addr);
-                domains[*d].note_wake(since.elapsed());
-            }
+            // Counted before the wake: a thread that goes on and asks for
+            // the status at once finds its wait in it.
             self.latencies_us.lock().unwrap().push(w.since.elapsed().as_secs_f64() * 1e6);
+            for (d, addr, since) in &w.who {
+                domains[*d].note_wake(since.elapsed());
+                domains[*d].resolve(*addr);
+            }
         }
         if self.present.fetch_add(1, Ordering::AcqRel) + 1 == self.total {
             *self.done.0.lock().unwrap() = true;
@@ -628,8 +630,8 @@ impl Placer {
         let mut w = self.waiters.lock().unwrap();
         if self.seen.get(pfn) {
             drop(w);
-            self.resolve_around(&dom, addr, pfn);
             dom.waits.lock().unwrap().faults_present += 1;
+            self.resolve_around(&dom, addr, pfn);
             return;
         }
         let now = Instant::now();
