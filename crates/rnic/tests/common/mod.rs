@@ -198,6 +198,16 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Waits until `count` reads `want` (a hang guard of `T`): what a host
+/// counts on receipt lags the sender's completion.
+pub fn reaches(count: impl Fn() -> u64, want: u64, what: &str) {
+    let t = Instant::now();
+    while count() != want {
+        assert!(t.elapsed() < T, "{what}: {} after {T:?}, not {want}", count());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 pub fn one(cq: &Cq) -> Wc {
     cq.wait(1, T).unwrap()[0]
 }
