@@ -159,10 +159,15 @@ impl RamClient {
                     })();
                     match r {
                         Ok(u) => {
-                            send(fd, &json!({"op": "postcopy-listen", "ranges": ranges}), Some(u.as_raw_fd()))?;
-                            if uffd.replace(u).is_none() {
+                            // In postcopy before the vmm hears it: once it
+                            // has, it may report postcopy under way.
+                            let first = uffd.is_none();
+                            if first {
                                 postcopy(true);
                             }
+                            let sent = send(fd, &json!({"op": "postcopy-listen", "ranges": ranges}), Some(u.as_raw_fd()));
+                            uffd.replace(u);
+                            sent?;
                         }
                         Err(e) => send(fd, &json!({"op": "error", "reason": format!("{e:#}")}), None)?,
                     }
