@@ -11,7 +11,8 @@ use std::io::{self, Read, Write};
 
 pub const MAGIC: [u8; 8] = *b"TRNSTMIG";
 /// 4: the control connection's spares (`ROLE_CONTROL_SPARE`, `Hello::spare_controls`).
-pub const VERSION: u32 = 4;
+/// 5: `ReadCap`, a cap changed during an rdma postcopy.
+pub const VERSION: u32 = 5;
 pub const ROLE_CONTROL: u8 = 0;
 pub const ROLE_DATA: u8 = 1;
 /// Postcopy: page requests (destination -> source) and their answers, on a
@@ -247,6 +248,9 @@ pub enum Msg {
     /// background reads keep to `max_bandwidth` (bytes/s, 0: no cap), the
     /// source's cap; reads for faults do not wait for it.
     PullPlan { max_bandwidth: u64 },
+    /// Source -> destination, postcopy over rdma: `max_bandwidth` changed
+    /// (`migrate-set-parameters`); the background reads keep to it from now.
+    ReadCap { max_bandwidth: u64 },
     /// Destination -> source, postcopy over tcp with several links: the
     /// answer to `channel_lost`, once the lost channel's reader was told to
     /// stop. A blob follows: the destination's bitmap of the pages it holds

@@ -154,6 +154,12 @@ impl Link {
                     Ok(()) => return None,
                     Err(e) => format!("the source's plan of pages to read: {e:#}"),
                 },
+                Ok(Msg::ReadCap { max_bandwidth }) if self.fetch.is_some() => {
+                    if let Some((f, _)) = &self.fetch {
+                        f.set_cap(max_bandwidth);
+                    }
+                    return None;
+                }
                 Ok(Msg::ChannelLost { index }) if self.fetch.is_none() => match self.channel_lost(sh, index as usize) {
                     Ok(()) => return None,
                     Err(e) => format!("data channel {index} lost: {e:#}"),

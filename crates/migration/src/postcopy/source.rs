@@ -93,7 +93,7 @@ pub(crate) fn run(guard: &mut Outgoing, st: Start) -> Result<()> {
     channels.clear_deadline();
     if let Some(reads) = reads {
         let Transport::Rdma { rnicd } = transport else { bail!("RDMA reads without the rdma transport") };
-        let st = ReadsStart { session, control, channels, reads, log, holes, pending, round, rnicd, cap: bucket.rate() };
+        let st = ReadsStart { session, control, channels, reads, log, holes, pending, round, rnicd };
         return run_reads(guard, st);
     }
     let urgent = urgent.ok_or_else(|| anyhow!("postcopy over tcp without an urgent connection"))?;
@@ -584,8 +584,6 @@ struct ReadsStart {
     pending: Vec<PageRange>,
     round: u64,
     rnicd: String,
-    /// The bandwidth cap (bytes/s), which the destination's reads keep to.
-    cap: u64,
 }
 
 /// Postcopy over the rdma transport. The data channels end before the
@@ -598,7 +596,7 @@ struct ReadsStart {
 /// `migrate resume` offers the RAM again on a new connection with the
 /// plan of what is still missing.
 fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
-    let ReadsStart { session, mut control, mut channels, reads, log, holes, pending, round, rnicd, cap } = st;
+    let ReadsStart { session, mut control, mut channels, reads, log, holes, pending, round, rnicd } = st;
     let ctl = guard.ctl.clone();
     let ram = guard.vm.ram();
     // After the switch the destination places pages itself: a WRITE that
@@ -618,7 +616,10 @@ fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
         s.rounds = round + 1;
         s.remaining_pages = queue.left();
     });
-    let mut conn = match send_plan(&mut control, &data, &zero, cap) {
+    // The cap the destination READs at: the one set now, which
+    // `migrate-set-parameters` may have changed since the start.
+    let mut sent_cap = ctl.bucket().rate();
+    let mut conn = match send_plan(&mut control, &data, &zero, sent_cap) {
         Ok(()) => Some((control, reads)),
         Err(e) => {
             tracing::warn!("the plan of pages to read did not go out: {e:#}");
@@ -629,7 +630,7 @@ fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
         let r = match conn.take() {
             // The RAM stays readable until the destination has it all.
             Some((mut c, _reads)) => {
-                let r = wait_complete(&mut c, &ctl);
+                let r = wait_complete(&mut c, &ctl, sent_cap);
                 if r.is_ok() {
                     c.close();
                 }
@@ -639,7 +640,8 @@ fn run_reads(guard: &mut Outgoing, st: ReadsStart) -> Result<()> {
         };
         let Err(e) = r else { break };
         let (target, t_paused) = pause_until_resume(&ctl, &e);
-        match reconnect_reads(&target, session, &ram, &rnicd, cap, &ctl) {
+        sent_cap = ctl.bucket().rate();
+        match reconnect_reads(&target, session, &ram, &rnicd, sent_cap, &ctl) {
             Ok(c) => {
                 conn = Some(c);
                 mark_resumed(&ctl, &target, t_paused);
@@ -701,10 +703,24 @@ fn send_plan(control: &mut ControlConn, data: &[PageRange], zero: &[PageRange], 
     Ok(())
 }
 
-/// Wait for the destination's `Complete` (it READs every page itself).
-fn wait_complete(control: &mut ControlConn, ctl: &Control) -> Result<()> {
+/// How often a source whose destination READs its pages looks for a new
+/// bandwidth cap, as senders waiting for the bucket do.
+const CAP_LOOK: Duration = Duration::from_millis(20);
+
+/// Wait for the destination's `Complete` (it READs every page itself,
+/// at the cap it was told last: `cap`). A cap changed meanwhile
+/// (`migrate-set-parameters`) goes to it within [`CAP_LOOK`].
+fn wait_complete(control: &mut ControlConn, ctl: &Control, mut cap: u64) -> Result<()> {
     control.set_read_timeout(None)?;
     loop {
+        let now = ctl.bucket().rate();
+        if now != cap {
+            wire::send_msg(control, &Msg::ReadCap { max_bandwidth: now })?;
+            cap = now;
+        }
+        if !control.wait_readable(CAP_LOOK) {
+            continue;
+        }
         match wire::recv_msg(control).map_err(|e| anyhow!("destination: {e}"))? {
             complete @ Msg::Complete { pages_read, .. } => {
                 let (pushed, requested) = pages_read.unwrap_or_default();
