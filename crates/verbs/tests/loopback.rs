@@ -164,15 +164,32 @@ fn a_solicited_wait_sleeps_through_unsolicited_messages() {
         qb.post_recv(&[RecvWr { wr_id: i, sg_list: &[mb.sge(i as usize * 64, 64)] }]).unwrap();
     }
     let woke = std::sync::atomic::AtomicBool::new(false);
+    let waiter_tid = std::sync::atomic::AtomicI32::new(0);
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
+            // SAFETY: gettid has no preconditions.
+            waiter_tid.store(unsafe { libc::gettid() }, std::sync::atomic::Ordering::SeqCst);
             let mut wc = [Wc::default(); 4];
             let n = rcqb.poll_or_wait_solicited(&mut wc, &chb, Duration::from_secs(20)).unwrap();
             woke.store(true, std::sync::atomic::Ordering::SeqCst);
             wc[..n].iter().map(|w| (w.status, w.wr_id)).collect::<Vec<_>>()
         });
-        // Let the waiter arm its CQ and sleep first.
-        std::thread::sleep(Duration::from_millis(200));
+        // The waiter armed its CQ and sleeps on the channel before the
+        // first message goes: seen armed, and asleep in two looks 20 ms
+        // apart (a look alone could catch it waiting for the ring's lock).
+        let asleep = || {
+            let tid = waiter_tid.load(std::sync::atomic::Ordering::SeqCst);
+            let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap_or_default();
+            tid != 0 && stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('S'))
+        };
+        let t = std::time::Instant::now();
+        while !(rcqb.armed() && asleep() && {
+            std::thread::sleep(Duration::from_millis(20));
+            asleep()
+        }) {
+            assert!(t.elapsed() < Duration::from_secs(20), "the waiter never slept on its channel");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         qa.post_send(&[SendWr::send(1, &[ma.sge(0, 8)])]).unwrap();
         assert_eq!(scqa.wait(1, Duration::from_secs(10)).unwrap()[0].status, WcStatus::Success);
         // The unsolicited message is in the receiver's CQ (the sender's
