@@ -32,10 +32,6 @@ fn transit() -> PathBuf {
     bin
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[test]
 fn live_migration_in_the_middle_of_the_verifier() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -63,12 +59,14 @@ fn migrate_verifier(nvme: &str) {
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
-    let port = free_port();
-    let uri = format!("tcp:127.0.0.1:{port}");
     let src_args = vm_args(&[]);
     let src = VmProcess::run_local(&unique_name("nvmig-src"), &src_args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
-    let dst_args = vm_args(&["--incoming", &uri]);
+    // A never-run VM listens on a port the kernel picks and says which:
+    // a port found free and let go first could be taken meanwhile.
+    let dst_args = vm_args(&["--paused"]);
     let mut dst = VmProcess::run_local(&unique_name("nvmig-dst"), &dst_args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let listening = dst.exec("migrate-incoming", json!({"uri": "tcp:127.0.0.1:0", "resume": true})).unwrap();
+    let uri = format!("tcp:127.0.0.1:{}", listening["port"]);
 
     // Migrate while the verifier runs at queue depth 128 on two queues.
     src.wait_progress(3000, Duration::from_secs(300)).unwrap();
