@@ -103,6 +103,7 @@ impl Fetcher {
                 claims: Vec::new(),
                 cap: c2,
                 next_bulk: Instant::now(),
+                paced_at: 0,
                 now: Vec::new(),
                 soon: Vec::new(),
                 turn: 0,
@@ -173,6 +174,8 @@ struct Fetch {
     cap: Arc<AtomicU64>,
     /// Under a cap: no bulk READ is posted before this.
     next_bulk: Instant,
+    /// The cap `next_bulk` was reckoned at (0: none).
+    paced_at: u64,
     /// Pages asked for now and as prefetch, not yet READ (no free slot,
     /// or read again after their link was dropped).
     now: Vec<u64>,
@@ -328,6 +331,15 @@ impl Fetch {
         while let Some(link) = self.free_link(READ_BULK, BULK_IN_FLIGHT) {
             let cap = self.cap.load(Ordering::Relaxed);
             let now = Instant::now();
+            // A cap raised or lifted since: the wait the last run left was
+            // reckoned at the old, lower rate, and would hold the new one
+            // back for up to a run at the old one. A lowered cap keeps it.
+            if cap != self.paced_at {
+                if cap == 0 || (self.paced_at > 0 && cap > self.paced_at) {
+                    self.next_bulk = self.next_bulk.min(now);
+                }
+                self.paced_at = cap;
+            }
             if cap > 0 && now < self.next_bulk {
                 return Ok(());
             }
