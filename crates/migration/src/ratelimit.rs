@@ -70,6 +70,30 @@ impl TokenBucket {
         t.at = now;
     }
 
+    /// For a loop with other work than waiting: how long until what was
+    /// [`charge`](Self::charge)d is paid for (`None`: nothing owed, or no
+    /// cap). It sends nothing while something is owed.
+    pub fn owed(&self) -> Option<Duration> {
+        let rate = self.rate();
+        if rate == 0 {
+            return None;
+        }
+        let mut t = self.state.lock().unwrap();
+        self.refill(&mut t);
+        (t.have < 0.0).then(|| Duration::from_secs_f64(-t.have / rate as f64))
+    }
+
+    /// `n` bytes sent without waiting (after [`owed`](Self::owed) found
+    /// nothing owed): the next ones wait until they are paid for.
+    pub fn charge(&self, n: u64) {
+        if self.rate() == 0 {
+            return;
+        }
+        let mut t = self.state.lock().unwrap();
+        self.refill(&mut t);
+        t.have -= n as f64;
+    }
+
     /// Take `n` bytes worth of tokens, sleeping as long as needed.
     pub fn take(&self, n: usize) {
         if self.rate() == 0 {
@@ -135,6 +159,25 @@ mod tests {
     fn a_raised_cap_repays_the_debt_at_the_new_rate() {
         let waited = waited_after_the_cap_became(1_000_000_000);
         assert!(waited < Duration::from_secs(5), "the waiter slept {waited:?} after the cap was raised");
+    }
+
+    /// Without sleeping: what is charged beyond the burst is owed for as
+    /// long as the rate takes to pay it; a raised cap pays it faster, a
+    /// lifted one forgives it.
+    #[test]
+    fn a_charge_is_owed_until_paid_at_the_rate_in_force() {
+        let b = TokenBucket::new(1_000_000);
+        assert_eq!(b.owed(), None);
+        b.charge(1_000_000);
+        let owed = b.owed().expect("a second's worth charged");
+        assert!(owed > Duration::from_millis(900) && owed <= Duration::from_secs(1), "{owed:?}");
+        b.set_rate(10_000_000);
+        let owed = b.owed().expect("still owed at the raised rate");
+        assert!(owed <= Duration::from_millis(100), "{owed:?}");
+        b.set_rate(0);
+        assert_eq!(b.owed(), None);
+        b.charge(1_000_000);
+        assert_eq!(b.owed(), None, "nothing is owed without a cap");
     }
 
     #[test]

@@ -28,14 +28,15 @@
 use super::place::{Placer, Via};
 use super::push::{Claim, PushQueue};
 use crate::pages::PageRange;
+use crate::ratelimit::TokenBucket;
 use crate::rdma::{PageReader, READS_IN_FLIGHT, READ_BULK, READ_QPS, READ_URGENT};
 use crate::stats::Control;
 use anyhow::{anyhow, Result};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use verbs::{Wc, WcStatus};
 
 /// Most pages of one READ: a whole raw run, as a batch's WRITE.
@@ -65,8 +66,8 @@ struct Pending {
 
 /// The fetcher thread of one connection to the source.
 pub(crate) struct Fetcher {
-    /// The background's cap in bytes/s (0: none).
-    cap: Arc<AtomicU64>,
+    /// The background's cap.
+    cap: Arc<TokenBucket>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<Result<()>>>,
 }
@@ -84,7 +85,7 @@ impl Fetcher {
     ) -> Result<Fetcher> {
         let stop = Arc::new(AtomicBool::new(false));
         let s2 = stop.clone();
-        let cap = Arc::new(AtomicU64::new(0));
+        let cap = Arc::new(TokenBucket::default());
         let c2 = cap.clone();
         let thread = std::thread::Builder::new().name("postcopy-rdma-read".into()).spawn(move || {
             let tally = ctl.clone();
@@ -102,8 +103,6 @@ impl Fetcher {
                 slots,
                 claims: Vec::new(),
                 cap: c2,
-                next_bulk: Instant::now(),
-                paced_at: 0,
                 now: Vec::new(),
                 soon: Vec::new(),
                 turn: 0,
@@ -119,7 +118,7 @@ impl Fetcher {
 
     /// Keep the background reads to `bytes_per_s` (0: no cap).
     pub(crate) fn set_cap(&self, bytes_per_s: u64) {
-        self.cap.store(bytes_per_s, Ordering::Relaxed);
+        self.cap.set_rate(bytes_per_s);
     }
 
     /// The thread ended: with an error if its queue pairs broke.
@@ -171,11 +170,9 @@ struct Fetch {
     /// READs in flight by work request id.
     slots: Vec<Option<Pending>>,
     claims: Vec<Claim>,
-    cap: Arc<AtomicU64>,
-    /// Under a cap: no bulk READ is posted before this.
-    next_bulk: Instant,
-    /// The cap `next_bulk` was reckoned at (0: none).
-    paced_at: u64,
+    /// No bulk READ is posted while it owes (a cap changed meanwhile
+    /// repays the debt at the new rate, as the source's senders do).
+    cap: Arc<TokenBucket>,
     /// Pages asked for now and as prefetch, not yet READ (no free slot,
     /// or read again after their link was dropped).
     now: Vec<u64>,
@@ -195,7 +192,7 @@ impl Fetch {
             // sleep on them until the bulk may go on.
             let idle = match (busy, self.queue.left() > 0) {
                 (true, _) => Duration::ZERO,
-                (false, true) => self.next_bulk.saturating_duration_since(Instant::now()).min(IDLE_WAIT),
+                (false, true) => self.cap.owed().unwrap_or(Duration::ZERO).min(IDLE_WAIT),
                 (false, false) => IDLE_WAIT,
             };
             let first = if idle.is_zero() {
@@ -329,31 +326,16 @@ impl Fetch {
     /// Keep every link's bulk queue pair busy with the source's plan.
     fn read_bulk(&mut self) -> Result<()> {
         while let Some(link) = self.free_link(READ_BULK, BULK_IN_FLIGHT) {
-            let cap = self.cap.load(Ordering::Relaxed);
-            let now = Instant::now();
-            // A cap raised or lifted since: the wait the last run left was
-            // reckoned at the old, lower rate, and would hold the new one
-            // back for up to a run at the old one. A lowered cap keeps it.
-            if cap != self.paced_at {
-                if cap == 0 || (self.paced_at > 0 && cap > self.paced_at) {
-                    self.next_bulk = self.next_bulk.min(now);
-                }
-                self.paced_at = cap;
-            }
-            if cap > 0 && now < self.next_bulk {
+            if self.cap.owed().is_some() {
                 return Ok(());
             }
             if !self.queue.claim(READ_RUN, &mut self.claims) {
                 return Ok(());
             }
             let claims = std::mem::take(&mut self.claims);
-            if cap > 0 {
-                // Charged as claimed (a burst of at most 50 ms, as the
-                // source's bucket allows).
-                let bytes: u64 = claims.iter().filter(|c| !c.known_zero).map(|c| c.count * crate::dirty::PAGE_SIZE).sum();
-                let start = self.next_bulk.max(now - Duration::from_millis(50));
-                self.next_bulk = start + Duration::from_secs_f64(bytes as f64 / cap as f64);
-            }
+            // Charged as claimed, known-zero pages free (a burst of at
+            // most 50 ms, as the source's bucket allows).
+            self.cap.charge(claims.iter().filter(|c| !c.known_zero).map(|c| c.count * crate::dirty::PAGE_SIZE).sum());
             for (k, c) in claims.iter().enumerate() {
                 if c.known_zero {
                     self.placer.place_zero(c.first, c.count, Via::Push);
