@@ -955,7 +955,7 @@ impl Daemon {
     fn doorbell(&mut self, id: ClientId) {
         if let Some(c) = self.clients.get(&id) {
             if let (Some(db), Some(ns)) = (c.doorbell.as_ref(), self.nss.get_mut(&c.ns)) {
-                eventfd::drain(db);
+                ns.engine.stats.doorbell_writes += eventfd::drain(db);
                 match &c.doorbell_page {
                     Some(page) => ns.engine.doorbell_marked(id, page),
                     None => ns.engine.doorbell(id),

@@ -14,6 +14,17 @@
 //! writes the eventfd; rnicd drains the eventfd, then swaps the words, then
 //! reads the rings. A bit set after rnicd's swap comes with an eventfd
 //! write after its drain, so that QP is looked at on the next doorbell.
+//!
+//! A bit found already set says that rnicd has not yet taken it: the
+//! doorbell that set it is written (or is being written by the thread that
+//! set it) and rnicd's swap, which reads the bit, comes after this post,
+//! whose ring index it then sees. Such a post writes no eventfd. Between a
+//! doorbell and rnicd's wake-up (an IPI and a switch, microseconds) a
+//! program keeps posting; each post used to write the eventfd again, one
+//! system call per post for a doorbell rnicd drains once. The cost: a
+//! thread preempted between its bit and its eventfd write holds back, until
+//! it runs again, the posts of other threads to the same slot (the same QP's
+//! other queue, or a QPN equal modulo [`SLOTS`]).
 
 use crate::mem::Mapping;
 use std::os::fd::OwnedFd;
@@ -57,10 +68,14 @@ impl DoorbellPage {
         unsafe { &*(self.map.ptr() as *const [AtomicU64; WORDS]) }
     }
 
-    /// Client: QP `qpn` has work (call before writing the eventfd).
-    pub fn mark(&self, qpn: u32) {
+    /// Client: QP `qpn` has work. Returns whether the eventfd must be
+    /// written: false if the bit was already set (a doorbell rnicd has not
+    /// yet taken covers this post too).
+    #[must_use = "false: the eventfd need not be written"]
+    pub fn mark(&self, qpn: u32) -> bool {
         let s = slot(qpn);
-        self.words()[s / 64].fetch_or(1 << (s % 64), Ordering::SeqCst);
+        let bit = 1 << (s % 64);
+        self.words()[s / 64].fetch_or(bit, Ordering::SeqCst) & bit == 0
     }
 
     /// rnicd: takes every set bit (clearing it) and calls `f` with its slot.
@@ -87,15 +102,27 @@ mod tests {
     fn marks_are_taken_once_by_slot() {
         let (client, fd) = DoorbellPage::create().unwrap();
         let rnicd = DoorbellPage::map(&fd).unwrap();
-        for q in [5, 70, 5 + SLOTS as u32, 4095] {
-            client.mark(q);
-        }
+        let first: Vec<bool> = [5, 70, 5 + SLOTS as u32, 4095].into_iter().map(|q| client.mark(q)).collect();
+        assert_eq!(first, [true, true, false, true], "a QPN sharing a set slot needs no eventfd");
         let mut got = Vec::new();
         rnicd.take(|s| got.push(s));
         assert_eq!(got, vec![5, 70, 4095]);
         got.clear();
         rnicd.take(|s| got.push(s));
         assert!(got.is_empty());
+    }
+
+    #[test]
+    fn a_post_before_rnicd_takes_the_bit_rings_no_second_time() {
+        let (client, fd) = DoorbellPage::create().unwrap();
+        let rnicd = DoorbellPage::map(&fd).unwrap();
+        assert!(client.mark(9), "the first post rings");
+        assert!(!client.mark(9), "rnicd has not taken the bit: no eventfd");
+        assert!(client.mark(10), "another slot rings");
+        let mut got = Vec::new();
+        rnicd.take(|s| got.push(s));
+        assert_eq!(got, vec![9, 10]);
+        assert!(client.mark(9), "taken: the next post rings again");
     }
 
     #[test]

@@ -144,6 +144,9 @@ pub struct Stats {
     /// QP of the client (`crate::doorbell`).
     pub doorbells: u64,
     pub doorbell_qp_looks: u64,
+    /// The clients' eventfd writes those doorbells drained: more than
+    /// `doorbells` when a client wrote again before rnicd woke.
+    pub doorbell_writes: u64,
     /// Transmit rounds that sent only ACKs and NAKs: the first after a
     /// resume, so that the resume NAKs wait for no QP's data.
     pub ack_only_rounds: u64,

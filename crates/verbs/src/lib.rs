@@ -118,10 +118,12 @@ impl Inner {
         let _ = self.call(req, &[]);
     }
 
-    /// QP `qpn` posted: its bit, then the eventfd (`rnic::doorbell`).
+    /// QP `qpn` posted: its bit, then the eventfd unless the bit was
+    /// still set from a doorbell rnicd has not taken (`rnic::doorbell`).
     fn ring_doorbell(&self, qpn: u32) {
-        self.doorbell_page.mark(qpn);
-        rnic::eventfd::signal(&self.doorbell);
+        if self.doorbell_page.mark(qpn) {
+            rnic::eventfd::signal(&self.doorbell);
+        }
     }
 }
 
