@@ -76,45 +76,9 @@ pub fn memfd() -> Result<RawFd, i32> {
     Ok(shared()?.fd.as_raw_fd())
 }
 
-/// One line of /proc/self/maps.
-struct Vma {
-    start: u64,
-    end: u64,
-    prot: i32,
-    offset: u64,
-    ours: bool,
-}
-
-fn vmas(lo: u64, hi: u64) -> Result<Vec<Vma>, i32> {
-    let text = std::fs::read_to_string("/proc/self/maps").map_err(|_| libc::EIO)?;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let mut it = line.split_whitespace();
-        let (Some(range), Some(perms), Some(off)) = (it.next(), it.next(), it.next()) else { continue };
-        let path = it.nth(2).unwrap_or("");
-        let Some((s, e)) = range.split_once('-') else { continue };
-        let (Ok(start), Ok(end), Ok(offset)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16), u64::from_str_radix(off, 16))
-        else {
-            continue;
-        };
-        if end <= lo || start >= hi {
-            continue;
-        }
-        let p = perms.as_bytes();
-        let mut prot = 0;
-        if p.first() == Some(&b'r') {
-            prot |= libc::PROT_READ;
-        }
-        if p.get(1) == Some(&b'w') {
-            prot |= libc::PROT_WRITE;
-        }
-        if p.get(2) == Some(&b'x') {
-            prot |= libc::PROT_EXEC;
-        }
-        let ours = path.starts_with(&format!("/memfd:{MEMFD_NAME}")) && offset == start;
-        out.push(Vma { start, end, prot, offset, ours });
-    }
-    Ok(out)
+/// The mappings that overlap [lo, hi) (`verbs::proc_maps`).
+fn vmas(lo: u64, hi: u64) -> Result<Vec<verbs::proc_maps::Vma>, i32> {
+    verbs::proc_maps::vmas(lo, hi, MEMFD_NAME).map_err(|_| libc::EIO)
 }
 
 fn page_range(addr: u64, len: u64) -> Result<(u64, u64), i32> {
@@ -143,7 +107,7 @@ pub fn share(addr: u64, len: u64) -> Result<(), i32> {
     }
     let fd = sh.fd.as_raw_fd();
     off_stack(|| {
-        for v in maps.iter().filter(|v| !v.ours) {
+        for v in maps.iter().filter(|v| !v.on_memfd) {
             move_to_memfd(fd, v.start.max(lo), v.end.min(hi), v.prot)?;
         }
         Ok::<(), i32>(())
@@ -247,7 +211,7 @@ pub fn unshare(addr: u64, len: u64) {
     for (a, b) in free {
         if let Ok(maps) = vmas(a, b) {
             off_stack(|| {
-                for v in maps.iter().filter(|v| v.ours) {
+                for v in maps.iter().filter(|v| v.on_memfd) {
                     let _ = move_to_private(v.start.max(a), v.end.min(b), v.prot);
                 }
             });
@@ -277,7 +241,7 @@ extern "C" fn after_fork_in_child() {
     for (lo, hi) in regs {
         if let Ok(maps) = vmas(lo, hi) {
             off_stack(|| {
-                for v in maps.iter().filter(|v| v.ours && v.offset == v.start) {
+                for v in maps.iter().filter(|v| v.on_memfd) {
                     let _ = move_to_private(v.start.max(lo), v.end.min(hi), v.prot);
                 }
             });

@@ -51,6 +51,7 @@ pub mod pace;
 pub mod peer;
 pub mod peer_bench;
 pub mod placement;
+pub mod proc_maps;
 pub mod rcache;
 mod srq;
 pub mod tools;

@@ -31,6 +31,7 @@ use anyhow::{bail, Context as _};
 use rnic::proto::{Reply, Request};
 use userfaultfd::{Event, FeatureFlags, Uffd, UffdBuilder};
 
+use crate::proc_maps::vmas;
 use crate::{Context, Mr, Pd, Sge};
 
 const PAGE: u64 = 4096;
@@ -397,50 +398,10 @@ impl Shared {
     }
 }
 
-/// One line of /proc/self/maps that overlaps the range.
-struct Vma {
-    start: u64,
-    end: u64,
-    prot: i32,
-    ours: bool,
-}
-
-fn vmas(lo: u64, hi: u64, memfd_name: &str) -> anyhow::Result<Vec<Vma>> {
-    let text = std::fs::read_to_string("/proc/self/maps")?;
-    let mut out = Vec::new();
-    let ours_path = format!("/memfd:{memfd_name}");
-    for line in text.lines() {
-        let mut it = line.split_whitespace();
-        let (Some(range), Some(perms), Some(off)) = (it.next(), it.next(), it.next()) else { continue };
-        let path = it.nth(2).unwrap_or("");
-        let Some((a, b)) = range.split_once('-') else { continue };
-        let (Ok(start), Ok(end), Ok(offset)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16), u64::from_str_radix(off, 16))
-        else {
-            continue;
-        };
-        if end <= lo || start >= hi {
-            continue;
-        }
-        let p = perms.as_bytes();
-        let mut prot = 0;
-        if p.first() == Some(&b'r') {
-            prot |= libc::PROT_READ;
-        }
-        if p.get(1) == Some(&b'w') {
-            prot |= libc::PROT_WRITE;
-        }
-        if p.get(2) == Some(&b'x') {
-            prot |= libc::PROT_EXEC;
-        }
-        out.push(Vma { start, end, prot, ours: path == ours_path && offset == start });
-    }
-    Ok(out)
-}
-
 /// Moves the pages of [s, e) that are not on the memfd yet onto it, at
 /// file offset = address, keeping their content and protection.
 fn move_to_memfd(fd: libc::c_int, name: &str, s: u64, e: u64) -> anyhow::Result<()> {
-    let vs = vmas(s, e, name)?;
+    let vs = vmas(s, e, name).context("read /proc/self/maps")?;
     let mut at = s;
     for v in &vs {
         if v.start > at {
@@ -448,7 +409,7 @@ fn move_to_memfd(fd: libc::c_int, name: &str, s: u64, e: u64) -> anyhow::Result<
         }
         let (a, b) = (v.start.max(s), v.end.min(e));
         at = b;
-        if v.ours {
+        if v.on_memfd {
             continue;
         }
         if v.prot & libc::PROT_READ == 0 {
