@@ -9,71 +9,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{finish, lib_dir, profile_dir, CCheck, Nic};
+use common::{finish, lib_dir, profile_dir, Bed, CCheck, Nic};
 use testbed::{HostChild, Testbed, TestbedOpts};
-
-/// Hosts with an rnicd each; rnicds stop before the testbed goes.
-struct Bed {
-    nics: Vec<Nic>,
-    tb: Testbed,
-}
-
-impl Bed {
-    fn new(prefix: &str, hosts: usize) -> Bed {
-        let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
-        let nics = (0..hosts).map(|i| Nic::start(&tb, i)).collect();
-        Bed { nics, tb }
-    }
-
-    /// `program args` in host `i`, on the drop-in and that host's rnicd.
-    /// `ip netns exec` execs the program, so killing the child kills it.
-    fn command(&self, i: usize, program: &str, args: &[&str]) -> Command {
-        let mut c = self.tb.host(i).command(program);
-        c.args(args);
-        c.env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &self.nics[i].sock);
-        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        c
-    }
-
-    fn run(&self, i: usize, program: &str, args: &[&str]) -> Output {
-        finish(HostChild::new(self.command(i, program, args).spawn().expect("run program")))
-    }
-
-    /// Waits until something listens on TCP `port` in host `i`.
-    fn wait_listen(&self, i: usize, port: u16, server: &mut HostChild) {
-        let t0 = Instant::now();
-        loop {
-            let out = self.tb.host(i).sh(&format!("ss -Hltn 'sport = :{port}'")).unwrap_or_default();
-            if !out.trim().is_empty() {
-                return;
-            }
-            if let Some(st) = server.try_wait().unwrap() {
-                panic!("server exited before listening: {st}");
-            }
-            assert!(t0.elapsed() < Duration::from_secs(30), "server never listened on {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// A server on host 0 and its client on host 1 (the server's address as
-    /// the last argument); both must exit 0. Returns (server, client) stdout.
-    fn pair(&self, program: &str, args: &[&str], port: u16) -> (String, String) {
-        let mut server = HostChild::new(self.command(0, program, args).spawn().expect("server"));
-        self.wait_listen(0, port, &mut server);
-        let addr = self.nics[0].addr.to_string();
-        let mut cargs = args.to_vec();
-        cargs.push(&addr);
-        let client = self.run(1, program, &cargs);
-        let server = finish(server);
-        let text = |o: &Output| String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
-        let (s, c) = (text(&server), text(&client));
-        assert!(server.status.success() && client.status.success(), "{program} {args:?} failed\n--- server\n{s}\n--- client\n{c}");
-        (s, c)
-    }
-}
 
 #[test]
 fn devinfo_shows_rnic0() {

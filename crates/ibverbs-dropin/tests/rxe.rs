@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{finish, lib_dir, profile_dir, Nic};
+use common::{finish, lib_dir, profile_dir, text, Nic};
 use testbed::{Host, HostChild, Testbed, TestbedOpts};
 
 /// The guest's link: a tap in host 0, which routes it to the testbed.
@@ -136,10 +136,6 @@ fn drop_in(host: &Host, nic: &Nic, program: &str, args: &[String]) -> Command {
     c.args(args).env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &nic.sock);
     c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     c
-}
-
-fn text(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
 }
 
 /// A client on host 1 against a server in the guest, which may not listen

@@ -5,11 +5,11 @@
 use std::io::Read;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use testbed::{HostChild, Testbed};
+use testbed::{HostChild, Testbed, TestbedOpts};
 
 /// target/<profile>: the test binary lives in its deps/.
 pub fn profile_dir() -> PathBuf {
@@ -136,5 +136,72 @@ pub fn c_check_passes_on_one_host(tag: &str, name: &str) {
 impl Drop for CCheck {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A program's stdout then stderr, as text.
+#[allow(dead_code)]
+pub fn text(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
+}
+
+/// Hosts with an rnicd each; rnicds stop before the testbed goes.
+#[allow(dead_code)]
+pub struct Bed {
+    pub nics: Vec<Nic>,
+    pub tb: Testbed,
+}
+
+#[allow(dead_code)]
+impl Bed {
+    pub fn new(prefix: &str, hosts: usize) -> Bed {
+        let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
+        let nics = (0..hosts).map(|i| Nic::start(&tb, i)).collect();
+        Bed { nics, tb }
+    }
+
+    /// `program args` in host `i`, on the drop-in and that host's rnicd.
+    /// `ip netns exec` execs the program, so killing the child kills it.
+    pub fn command(&self, i: usize, program: &str, args: &[&str]) -> Command {
+        let mut c = self.tb.host(i).command(program);
+        c.args(args);
+        c.env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &self.nics[i].sock);
+        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c
+    }
+
+    pub fn run(&self, i: usize, program: &str, args: &[&str]) -> Output {
+        finish(HostChild::new(self.command(i, program, args).spawn().expect("run program")))
+    }
+
+    /// Waits until something listens on TCP `port` in host `i`.
+    pub fn wait_listen(&self, i: usize, port: u16, server: &mut HostChild) {
+        let t0 = Instant::now();
+        loop {
+            let out = self.tb.host(i).sh(&format!("ss -Hltn 'sport = :{port}'")).unwrap_or_default();
+            if !out.trim().is_empty() {
+                return;
+            }
+            if let Some(st) = server.try_wait().unwrap() {
+                panic!("server exited before listening: {st}");
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "server never listened on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A server on host 0 and its client on host 1 (the server's address as
+    /// the last argument); both must exit 0. Returns (server, client) stdout.
+    pub fn pair(&self, program: &str, args: &[&str], port: u16) -> (String, String) {
+        let mut server = HostChild::new(self.command(0, program, args).spawn().expect("server"));
+        self.wait_listen(0, port, &mut server);
+        let addr = self.nics[0].addr.to_string();
+        let mut cargs = args.to_vec();
+        cargs.push(&addr);
+        let client = self.run(1, program, &cargs);
+        let server = finish(server);
+        let (s, c) = (text(&server), text(&client));
+        assert!(server.status.success() && client.status.success(), "{program} {args:?} failed\n--- server\n{s}\n--- client\n{c}");
+        (s, c)
     }
 }
