@@ -1433,16 +1433,23 @@ impl Qp {
             }
             posted += 1;
         }
-        // While rnicd polls our rings (after recent activity) it sees the
-        // WQEs without the doorbell, a syscall and a wakeup saved per post.
-        if posted > 0 && doorbell && ring.needs_doorbell() {
+        self.posted(ring, posted, doorbell);
+        result
+    }
+
+    /// The end of a post of `n` WQEs, the ring still locked: the doorbell
+    /// (if `doorbell` and rnicd is not polling the ring: while it polls,
+    /// after recent activity, it sees the WQEs without one, a syscall and a
+    /// wake-up saved per post); then, the lock let go, the posting thread
+    /// moves off rnicd's CPU the first time (`placement`).
+    fn posted<T: Copy>(&self, ring: std::sync::MutexGuard<'_, Ring<T>>, n: usize, doorbell: bool) {
+        if n > 0 && doorbell && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell(self.qpn);
         }
         drop(ring);
-        if posted > 0 {
+        if n > 0 {
             self.ctx.inner.rnicd_cpu.keep_off();
         }
-        result
     }
 
     /// ibv_post_recv.
@@ -1476,13 +1483,7 @@ impl Qp {
             }
             posted += 1;
         }
-        if posted > 0 && doorbell && ring.needs_doorbell() {
-            self.ctx.inner.ring_doorbell(self.qpn);
-        }
-        drop(ring);
-        if posted > 0 {
-            self.ctx.inner.rnicd_cpu.keep_off();
-        }
+        self.posted(ring, posted, doorbell);
         result
     }
 

@@ -164,9 +164,7 @@ impl Qp {
                 }
             }
         }
-        if posted > 0 && ring.needs_doorbell() {
-            self.ctx.inner.ring_doorbell(self.qpn);
-        }
+        self.posted(ring, posted, true);
         result
     }
 
