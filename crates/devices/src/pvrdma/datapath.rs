@@ -128,17 +128,23 @@ impl Dev {
         }
     }
 
-    pub fn post_sends(&mut self, handle: u32) -> Result<(), Errno> {
+    /// The tail the driver published for the QP's send (`send`) or
+    /// receive ring, before WQEs are taken from it: EIO for a QP whose
+    /// rings the device no longer reads, and an impossible tail makes the
+    /// QP fatal.
+    fn tail_to_take(&mut self, handle: u32, send: bool) -> Result<u32, Errno> {
         if self.qps.get(handle).is_some_and(|q| q.info.broken) {
             return Err(Errno::EIO);
         }
-        let tail = match self.ring_tail(handle, true) {
-            Ok(t) => t,
-            Err(e) => {
-                self.qp_fatal(handle);
-                return Err(e);
-            }
-        };
+        let tail = self.ring_tail(handle, send);
+        if tail.is_err() {
+            self.qp_fatal(handle);
+        }
+        tail
+    }
+
+    pub fn post_sends(&mut self, handle: u32) -> Result<(), Errno> {
+        let tail = self.tail_to_take(handle, true)?;
         let guest = self.guest.clone();
         let mut bad = None;
         {
@@ -188,16 +194,7 @@ impl Dev {
     }
 
     pub fn post_recvs(&mut self, handle: u32) -> Result<(), Errno> {
-        if self.qps.get(handle).is_some_and(|q| q.info.broken) {
-            return Err(Errno::EIO);
-        }
-        let tail = match self.ring_tail(handle, false) {
-            Ok(t) => t,
-            Err(e) => {
-                self.qp_fatal(handle);
-                return Err(e);
-            }
-        };
+        let tail = self.tail_to_take(handle, false)?;
         let guest = self.guest.clone();
         let mut bad = None;
         {
