@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{finish, lib_dir, profile_dir, Bed, CCheck, Nic};
+use common::{finish, lib_dir, profile_dir, rnicd, Bed, CCheck};
 use testbed::{HostChild, Testbed, TestbedOpts};
 
 #[test]
@@ -136,7 +136,7 @@ fn perftest_between_hosts() {
 #[test]
 fn poll_cq_naps_only_beside_an_ordinary_rnicd() {
     let tb = Testbed::create(TestbedOpts::new("ibvnap", 2)).expect("testbed (needs root)");
-    let nics = [Nic::start(&tb, 0), Nic::start_with(&tb, 1, &["--sched-fifo", "1"])];
+    let nics = [rnicd(&tb, 0, &[]), rnicd(&tb, 1, &["--sched-fifo", "1"])];
     let exe = CCheck::build("idle_poll");
     let sleeps = |i: usize| {
         let mut c = tb.host(i).command(exe.path());

@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{finish, lib_dir, profile_dir, text, Nic};
+use common::{finish, lib_dir, profile_dir, rnicd, text};
+use testbed::rnicd::Rnicd;
 use testbed::{Host, HostChild, Testbed, TestbedOpts};
 
 /// The guest's link: a tap in host 0, which routes it to the testbed.
@@ -131,7 +132,7 @@ poweroff -f
 }
 
 /// `program args` on host 1's drop-in and rnicd.
-fn drop_in(host: &Host, nic: &Nic, program: &str, args: &[String]) -> Command {
+fn drop_in(host: &Host, nic: &Rnicd, program: &str, args: &[String]) -> Command {
     let mut c = host.command(program);
     c.args(args).env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &nic.sock);
     c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -140,7 +141,7 @@ fn drop_in(host: &Host, nic: &Nic, program: &str, args: &[String]) -> Command {
 
 /// A client on host 1 against a server in the guest, which may not listen
 /// yet: it is retried while the TCP exchange cannot connect, never after.
-fn client_to_guest(host: &Host, nic: &Nic, program: &str, args: &[String]) -> String {
+fn client_to_guest(host: &Host, nic: &Rnicd, program: &str, args: &[String]) -> String {
     let t0 = Instant::now();
     loop {
         let out = finish(HostChild::new(drop_in(host, nic, program, args).spawn().expect("client")));
@@ -184,7 +185,7 @@ fn soft_roce_guest_and_drop_in_both_ways() {
         ))
         .expect("tap in host 0");
     host.sh(&format!("ip route add {TAP_NET}.0/24 via {}", router.addr(0))).expect("route to the guest");
-    let nic = Nic::start(&tb, 1);
+    let nic = rnicd(&tb, 1, &[]);
 
     let pp = format!("-d rnic0 -g 0 -n {PINGPONG_ITERS} -s {PINGPONG_SIZE} --chk");
     let wb = format!("-d rnic0 -x 0 -F -s {WRITE_SIZE} -n {WRITE_ITERS}");

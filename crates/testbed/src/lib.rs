@@ -20,6 +20,7 @@ pub mod cpu_distance;
 mod faults;
 mod host;
 mod reorder;
+pub mod rnicd;
 mod state;
 mod sys;
 

@@ -37,7 +37,7 @@ impl PeerProc {
         let f = std::env::temp_dir().join(format!("{}-guest.info", bed.tb.name()));
         std::fs::write(&f, guest.line()).unwrap();
         let mut cmd = bed.tb.host(host).command(env!("CARGO_BIN_EXE_transit-rdma"));
-        cmd.args(["peer", "--guest", f.to_str().unwrap(), "--sock", bed.nics[host].1.to_str().unwrap(), "--stall", "30"])
+        cmd.args(["peer", "--guest", f.to_str().unwrap(), "--sock", bed.nics[host].sock.to_str().unwrap(), "--stall", "30"])
             .args(extra)
             .stdout(Stdio::piped())
             .stdin(Stdio::null());
@@ -291,7 +291,7 @@ fn run_case(prefix: &str, loss: f64, count: u64, faults: Faults) -> (serde_json:
             bed.tb.set_loss(h, 0, loss).unwrap();
         }
     }
-    let guest = Guest::new(Context::open(Some(&bed.nics[0].1)).unwrap());
+    let guest = Guest::new(Context::open(Some(&bed.nics[0].sock)).unwrap());
     let (peer, pinfo) = PeerProc::start(&bed, 2, &guest.info(count), &["--timeout", "12"]);
     let violations = guest.run(&pinfo, count, faults);
     let (rep, ok) = peer.report();

@@ -44,11 +44,11 @@ fn a_posting_thread_moves_off_its_rnicds_cpu() {
     }
     let (cpu, other) = (mine[0], mine[1]);
     let bed = common::Bed::new("vplace", 1);
-    let (child, sock) = &bed.nics[0];
+    let sock = &bed.nics[0].sock;
     assert_eq!(bed.tb.hosts().len(), 1);
     // Read when a context opens; this test is alone in its binary.
     std::env::set_var("TRANSIT_VERBS_AVOID_RNICD_CPU", "1");
-    let rnicd = child.id() as i32;
+    let rnicd = bed.nics[0].pid().expect("rnicd runs") as i32;
     // rnicd's event loop (its main thread) on `cpu` alone.
     set_affinity(rnicd, &[cpu]);
 

@@ -16,7 +16,7 @@ impl Bed {
     /// Runs `transit-rdma TEST` as server on host 1 and client on host 0
     /// with the same options; returns the client's JSON report.
     fn pair(&self, test: &str, opts: &[&str]) -> serde_json::Value {
-        let sock = |h: usize| self.nics[h].1.to_str().unwrap().to_string();
+        let sock = |h: usize| self.nics[h].sock.to_str().unwrap().to_string();
         let mut server = self.tb.host(1).spawn(TOOL, [test, "--sock", &sock(1)].into_iter().chain(opts.iter().copied())).unwrap();
         let peer = self.tb.host(1).addr(0).to_string();
         let out: Output = self.tb.host(0).command(TOOL).args([test, &peer, "--sock", &sock(0), "--json"]).args(opts).output().unwrap();

@@ -16,51 +16,31 @@ use devices::pvrdma::{Pvrdma, PvrdmaBar, PvrdmaConfig};
 use devices::GuestMemory;
 use pvrdma_abi::ib;
 use pvrdma_abi::*;
-use testbed::{HostChild, Testbed, TestbedOpts};
+use testbed::rnicd::{build_bin, Rnicd};
+use testbed::{Testbed, TestbedOpts};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestRegionMmap};
 
 pub const RAM: u64 = 64 << 20;
 pub const T: Duration = Duration::from_secs(20);
 
-/// A running rnicd on a testbed host; stopped on drop.
-pub struct Nic {
-    pub child: Option<HostChild>,
-    pub sock: PathBuf,
-    pub addr: Ipv4Addr,
-}
-
-impl Drop for Nic {
-    fn drop(&mut self) {
-        self.child.take();
-        let _ = std::fs::remove_file(&self.sock);
-    }
-}
-
 /// The rnicd binary beside this test's executable (`cargo build --release -p rnic` builds it).
 fn rnicd_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("rnicd");
+    let p = build_bin("rnicd");
     assert!(p.exists(), "{} is missing: build it with `cargo build --release -p rnic`", p.display());
     p
 }
 
 /// Hosts with rnicd each; fields drop in order (rnicds, then the testbed).
 pub struct Bed {
-    pub nics: Vec<Nic>,
+    pub nics: Vec<Rnicd>,
     pub tb: Testbed,
 }
 
 impl Bed {
     pub fn new(prefix: &str, hosts: usize) -> Bed {
         let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
-        let mut nics = Vec::new();
-        for i in 0..hosts {
-            let h = tb.host(i);
-            let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-            let args = ["--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
-            let child = h.spawn_ready(rnicd_bin().to_str().unwrap(), args, &sock, T).expect("start rnicd");
-            nics.push(Nic { child: Some(child), sock, addr: h.addr(0) });
-        }
+        let bin = rnicd_bin();
+        let nics = (0..hosts).map(|i| Rnicd::start(&tb, i, &bin, &[]).expect("start rnicd")).collect();
         Bed { nics, tb }
     }
 

@@ -3,12 +3,12 @@
 //! and rnicd are, an rnicd per testbed host, and waiting for a program.
 
 use std::io::Read;
-use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use testbed::rnicd::Rnicd;
 use testbed::{HostChild, Testbed, TestbedOpts};
 
 /// target/<profile>: the test binary lives in its deps/.
@@ -26,37 +26,12 @@ pub fn lib_dir() -> &'static Path {
     })
 }
 
-pub struct Nic {
-    child: Option<HostChild>,
-    pub sock: PathBuf,
-    pub addr: Ipv4Addr,
-}
-
-impl Nic {
-    /// Starts rnicd on host `i`'s eth0 address and waits for its control socket.
-    pub fn start(tb: &Testbed, i: usize) -> Nic {
-        Nic::start_with(tb, i, &[])
-    }
-
-    /// Starts rnicd with `extra` options (e.g. `--sched-fifo 1`).
-    pub fn start_with(tb: &Testbed, i: usize, extra: &[&str]) -> Nic {
-        let rnicd = profile_dir().join("rnicd");
-        assert!(rnicd.exists(), "{} is missing: cargo build --release -p rnic", rnicd.display());
-        let h = tb.host(i);
-        let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-        let addr = h.addr(0).to_string();
-        let mut args = vec!["--addr", &addr, "--sock", sock.to_str().unwrap()];
-        args.extend_from_slice(extra);
-        let child = h.spawn_ready(rnicd.to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
-        Nic { child: Some(child), sock, addr: h.addr(0) }
-    }
-}
-
-impl Drop for Nic {
-    fn drop(&mut self) {
-        self.child.take();
-        let _ = std::fs::remove_file(&self.sock);
-    }
+/// This build's rnicd on host `i`'s eth0 address, with `extra` options
+/// (e.g. `--sched-fifo 1`).
+pub fn rnicd(tb: &Testbed, i: usize, extra: &[&str]) -> Rnicd {
+    let bin = profile_dir().join("rnicd");
+    assert!(bin.exists(), "{} is missing: cargo build --release -p rnic", bin.display());
+    Rnicd::start(tb, i, &bin, extra).expect("start rnicd")
 }
 
 /// Waits for a program (at most two minutes, then kills it) and returns
@@ -123,7 +98,7 @@ impl CCheck {
 #[allow(dead_code)]
 pub fn c_check_passes_on_one_host(tag: &str, name: &str) {
     let tb = Testbed::create(testbed::TestbedOpts::new(tag, 1)).expect("testbed (needs root)");
-    let nic = Nic::start(&tb, 0);
+    let nic = rnicd(&tb, 0, &[]);
     let exe = CCheck::build(name);
     let mut c = tb.host(0).command(exe.path());
     c.env("LD_LIBRARY_PATH", lib_dir()).env("TRANSIT_RNICD_SOCK", &nic.sock);
@@ -148,7 +123,7 @@ pub fn text(o: &Output) -> String {
 /// Hosts with an rnicd each; rnicds stop before the testbed goes.
 #[allow(dead_code)]
 pub struct Bed {
-    pub nics: Vec<Nic>,
+    pub nics: Vec<Rnicd>,
     pub tb: Testbed,
 }
 
@@ -156,7 +131,7 @@ pub struct Bed {
 impl Bed {
     pub fn new(prefix: &str, hosts: usize) -> Bed {
         let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
-        let nics = (0..hosts).map(|i| Nic::start(&tb, i)).collect();
+        let nics = (0..hosts).map(|i| rnicd(&tb, i, &[])).collect();
         Bed { nics, tb }
     }
 

@@ -9,25 +9,13 @@ use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use testbed::{HostChild, Testbed, TestbedOpts};
+use testbed::rnicd::Rnicd;
+use testbed::{Testbed, TestbedOpts};
 use verbs::*;
-
-pub struct Nic {
-    pub child: Option<HostChild>,
-    pub sock: PathBuf,
-    pub addr: Ipv4Addr,
-}
-
-impl Drop for Nic {
-    fn drop(&mut self) {
-        self.child.take();
-        let _ = std::fs::remove_file(&self.sock);
-    }
-}
 
 /// Fields drop in order: rnicd processes first, then the testbed.
 pub struct Bed {
-    pub nics: Vec<Nic>,
+    pub nics: Vec<Rnicd>,
     pub tb: Testbed,
 }
 
@@ -103,16 +91,8 @@ impl Bed {
     }
 
     fn start(tb: Testbed, extra: &[&str]) -> Bed {
-        let hosts = tb.hosts().len();
-        let mut nics = Vec::new();
-        for i in 0..hosts {
-            let h = tb.host(i);
-            let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-            let addr = h.addr(0).to_string();
-            let args = ["--addr", &addr, "--sock", sock.to_str().unwrap()].into_iter().chain(extra.iter().copied());
-            let child = h.spawn_ready(&rnicd_bin(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
-            nics.push(Nic { child: Some(child), sock, addr: h.addr(0) });
-        }
+        let bin = rnicd_bin();
+        let nics = (0..tb.hosts().len()).map(|i| Rnicd::start(&tb, i, bin.as_ref(), extra).expect("start rnicd")).collect();
         Bed { nics, tb }
     }
 
@@ -122,7 +102,7 @@ impl Bed {
 
     /// Kills host i's rnicd (the peer "vanishes").
     pub fn kill(&mut self, i: usize) {
-        self.nics[i].child.take();
+        self.nics[i].kill();
     }
 }
 

@@ -1,0 +1,63 @@
+//! An rnicd on a testbed host, as the integration tests of the crates that
+//! need one start it: serving the host's eth0 address on a control socket
+//! in the temporary directory named after the testbed and the host.
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use crate::{HostChild, Testbed};
+
+/// A running rnicd; killed, and its socket removed, when dropped.
+pub struct Rnicd {
+    child: Option<HostChild>,
+    pub sock: PathBuf,
+    /// The address it serves: its host's eth0.
+    pub addr: Ipv4Addr,
+}
+
+impl Rnicd {
+    /// Starts `bin` (an rnicd executable) on host `host` of `tb` with
+    /// `extra` options after `--addr` and `--sock`, and waits up to 20 s for
+    /// its control socket.
+    pub fn start(tb: &Testbed, host: usize, bin: &Path, extra: &[&str]) -> Result<Rnicd> {
+        let h = tb.host(host);
+        let addr = h.addr(0);
+        let sock = std::env::temp_dir().join(format!("{}-h{host}.rnicd.sock", tb.name()));
+        let program = bin.to_str().with_context(|| format!("{} is not UTF-8", bin.display()))?;
+        let (a, s) = (addr.to_string(), sock.to_string_lossy().into_owned());
+        let args = ["--addr", a.as_str(), "--sock", s.as_str()].into_iter().chain(extra.iter().copied());
+        let child = h.spawn_ready(program, args, &sock, Duration::from_secs(20)).with_context(|| format!("start rnicd on host {host}"))?;
+        Ok(Rnicd { child: Some(child), sock, addr })
+    }
+
+    /// Its process ID, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Kills it now (a peer that vanishes).
+    pub fn kill(&mut self) {
+        self.child.take();
+    }
+}
+
+impl Drop for Rnicd {
+    fn drop(&mut self) {
+        self.child.take();
+        let _ = std::fs::remove_file(&self.sock);
+    }
+}
+
+/// `target/<profile>/NAME`: an executable of this build, beside the
+/// running test's own (which cargo puts in `deps/`).
+pub fn build_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the running executable");
+    let mut dir = exe.parent().expect("a directory").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir.join(name)
+}
