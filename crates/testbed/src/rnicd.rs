@@ -51,6 +51,14 @@ impl Drop for Rnicd {
     }
 }
 
+/// This build's rnicd, `target/<profile>/rnicd` (panics if it is not
+/// built).
+pub fn build_rnicd() -> PathBuf {
+    let p = build_bin("rnicd");
+    assert!(p.exists(), "{} is missing: cargo build --release -p rnic --bin rnicd", p.display());
+    p
+}
+
 /// `target/<profile>/NAME`: an executable of this build, beside the
 /// running test's own (which cargo puts in `deps/`).
 pub fn build_bin(name: &str) -> PathBuf {

@@ -6,7 +6,6 @@
 
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,19 +15,12 @@ use devices::pvrdma::{Pvrdma, PvrdmaBar, PvrdmaConfig};
 use devices::GuestMemory;
 use pvrdma_abi::ib;
 use pvrdma_abi::*;
-use testbed::rnicd::{build_bin, Rnicd};
+use testbed::rnicd::{build_rnicd, Rnicd};
 use testbed::{Testbed, TestbedOpts};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestRegionMmap};
 
 pub const RAM: u64 = 64 << 20;
 pub const T: Duration = Duration::from_secs(20);
-
-/// The rnicd binary beside this test's executable (`cargo build --release -p rnic` builds it).
-fn rnicd_bin() -> PathBuf {
-    let p = build_bin("rnicd");
-    assert!(p.exists(), "{} is missing: build it with `cargo build --release -p rnic`", p.display());
-    p
-}
 
 /// Hosts with rnicd each; fields drop in order (rnicds, then the testbed).
 pub struct Bed {
@@ -39,7 +31,7 @@ pub struct Bed {
 impl Bed {
     pub fn new(prefix: &str, hosts: usize) -> Bed {
         let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
-        let bin = rnicd_bin();
+        let bin = build_rnicd();
         let nics = (0..hosts).map(|i| Rnicd::start(&tb, i, &bin, &[]).expect("start rnicd")).collect();
         Bed { nics, tb }
     }

@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use testbed::rnicd::Rnicd;
+use testbed::rnicd::{build_rnicd, Rnicd};
 use testbed::{HostChild, Testbed, TestbedOpts};
 
 /// target/<profile>: the test binary lives in its deps/.
@@ -29,9 +29,7 @@ pub fn lib_dir() -> &'static Path {
 /// This build's rnicd on host `i`'s eth0 address, with `extra` options
 /// (e.g. `--sched-fifo 1`).
 pub fn rnicd(tb: &Testbed, i: usize, extra: &[&str]) -> Rnicd {
-    let bin = profile_dir().join("rnicd");
-    assert!(bin.exists(), "{} is missing: cargo build --release -p rnic", bin.display());
-    Rnicd::start(tb, i, &bin, extra).expect("start rnicd")
+    Rnicd::start(tb, i, &build_rnicd(), extra).expect("start rnicd")
 }
 
 /// Waits for a program (at most two minutes, then kills it) and returns
