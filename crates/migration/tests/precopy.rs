@@ -38,10 +38,7 @@ fn migrate_and_verify_with(
     let params_verify = params.get("verify_ram").is_some();
     let dst = Side::on(net, src.dynvm.ram().len, src.vm.slices().len());
     let port = dst.incoming_on(net, false, false);
-    src.cmd("migrate", net.migrate_args(port, params)).unwrap();
-    while_running(src);
-    let (os, od) = (src.slot.wait(), dst.slot.wait());
-    let stats = src.cmd("query-migrate", json!({})).unwrap();
+    let (os, od, stats) = migrate_on_while(net, src, &dst, port, params, while_running);
     let dstats = dst.cmd("query-migrate", json!({})).unwrap();
     assert_eq!(os, Some(Outcome::OutgoingCompleted), "source: {stats:#}\ndestination: {dstats:#}");
     assert_eq!(od, Some(Outcome::IncomingCompleted { resumed: false }));

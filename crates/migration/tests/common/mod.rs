@@ -74,7 +74,21 @@ pub fn migrate(src: &Side, dst: &Side, port: u16, params: Value) -> (Option<Outc
 
 /// [`migrate`] over `net`.
 pub fn migrate_on(net: &Net, src: &Side, dst: &Side, port: u16, params: Value) -> (Option<Outcome>, Option<Outcome>, Value) {
+    migrate_on_while(net, src, dst, port, params, |_| {})
+}
+
+/// [`migrate_on`], calling `while_running` on the source once the
+/// migration has started.
+pub fn migrate_on_while(
+    net: &Net,
+    src: &Side,
+    dst: &Side,
+    port: u16,
+    params: Value,
+    while_running: impl FnOnce(&Side),
+) -> (Option<Outcome>, Option<Outcome>, Value) {
     src.cmd("migrate", net.migrate_args(port, params)).unwrap();
+    while_running(src);
     let o_src = src.slot.wait();
     let o_dst = dst.slot.wait();
     let stats = src.cmd("query-migrate", json!({})).unwrap();
