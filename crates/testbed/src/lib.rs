@@ -15,6 +15,7 @@
 //! # anyhow::Ok(())
 //! ```
 
+pub mod build;
 pub mod cli;
 pub mod cpu_distance;
 mod faults;

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
+use crate::build::build_bin;
 use crate::{HostChild, Testbed};
 
 /// A running rnicd; killed, and its socket removed, when dropped.
@@ -57,15 +58,4 @@ pub fn build_rnicd() -> PathBuf {
     let p = build_bin("rnicd");
     assert!(p.exists(), "{} is missing: cargo build --release -p rnic --bin rnicd", p.display());
     p
-}
-
-/// `target/<profile>/NAME`: an executable of this build, beside the
-/// running test's own (which cargo puts in `deps/`).
-pub fn build_bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the running executable");
-    let mut dir = exe.parent().expect("a directory").to_path_buf();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    dir.join(name)
 }

@@ -11,11 +11,8 @@ use std::time::{Duration, Instant};
 use testbed::rnicd::{build_rnicd, Rnicd};
 use testbed::{HostChild, Testbed, TestbedOpts};
 
-/// target/<profile>: the test binary lives in its deps/.
-pub fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
+/// target/<profile>.
+pub use testbed::build::build_dir as profile_dir;
 
 /// The drop-in, linked from this build's staticlib once per test process.
 pub fn lib_dir() -> &'static Path {
