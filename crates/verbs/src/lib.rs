@@ -1433,7 +1433,7 @@ impl Qp {
             }
             posted += 1;
         }
-        self.posted(ring, posted, doorbell);
+        self.finish_post(ring, posted, doorbell);
         result
     }
 
@@ -1442,7 +1442,7 @@ impl Qp {
     /// after recent activity, it sees the WQEs without one, a syscall and a
     /// wake-up saved per post); then, the lock let go, the posting thread
     /// moves off rnicd's CPU the first time (`placement`).
-    fn posted<T: Copy>(&self, ring: std::sync::MutexGuard<'_, Ring<T>>, n: usize, doorbell: bool) {
+    fn finish_post<T: Copy>(&self, ring: std::sync::MutexGuard<'_, Ring<T>>, n: usize, doorbell: bool) {
         if n > 0 && doorbell && ring.needs_doorbell() {
             self.ctx.inner.ring_doorbell(self.qpn);
         }
@@ -1483,7 +1483,7 @@ impl Qp {
             }
             posted += 1;
         }
-        self.posted(ring, posted, doorbell);
+        self.finish_post(ring, posted, doorbell);
         result
     }
 

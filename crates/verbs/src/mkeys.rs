@@ -164,7 +164,7 @@ impl Qp {
                 }
             }
         }
-        self.posted(ring, posted, true);
+        self.finish_post(ring, posted, true);
         result
     }
 
