@@ -318,7 +318,7 @@ fn run_row(bin: &Path, rnicd: Option<&Path>, transport: &str, links: usize, gib:
     set_link_mtu(&tb, a.link_mtu)?;
     let raw = raw_tcp_with_retries(&tb, links, a.channels_per_link, 5)?;
     let rnicds = match rnicd {
-        Some(r) => (0..2).map(|h| Rnicd::start(r, &tb, h)).collect::<Result<Vec<_>>>()?,
+        Some(r) => (0..2).map(|h| Rnicd::start(r, &tb, h, &[])).collect::<Result<Vec<_>>>()?,
         None => Vec::new(),
     };
     let mem = format!("{gib}G");

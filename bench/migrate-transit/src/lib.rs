@@ -280,38 +280,34 @@ fn fill(b: &mut [u8]) {
     }
 }
 
-/// rnicd in a testbed host, started with the host's first address: its
-/// default socket is the one a vmm there finds, and the host's other
-/// addresses (its other links) are served as namespaces of the same
-/// process. Killed, and its socket removed, when dropped.
-pub struct Rnicd {
-    child: testbed::HostChild,
-    sock: PathBuf,
-}
+/// `transit rnicd` in a testbed host, started with the host's first
+/// address: its default socket is the one a vmm there finds, and the
+/// host's other addresses (its other links) are served as namespaces of the
+/// same process. Killed, and its socket removed, when dropped.
+pub struct Rnicd(testbed::rnicd::Rnicd);
 
 impl Rnicd {
-    pub fn start(bin: &Path, tb: &Testbed, host: usize) -> Result<Rnicd> {
-        let h = tb.host(host);
-        let sock = rnic::daemon::default_socket_path(h.addr(0));
-        let args = ["rnicd", "--addr", &h.addr(0).to_string()];
-        let child = h.spawn_ready(bin.to_str().context("binary path")?, args, &sock, Duration::from_secs(20))?;
-        Ok(Rnicd { child, sock })
+    /// `bin` is the transit executable.
+    pub fn start(bin: &Path, tb: &Testbed, host: usize, extra: &[&str]) -> Result<Rnicd> {
+        let sock = rnic::daemon::default_socket_path(tb.host(host).addr(0));
+        let cmd = [bin.to_str().context("binary path")?, "rnicd"];
+        Ok(Rnicd(testbed::rnicd::Rnicd::start_cmd(tb, host, &cmd, Some(sock), extra)?))
     }
 
     /// Its CPU seconds so far, user and system (`ip netns exec` execs
     /// into rnicd, so the child's pid is rnicd's).
     pub fn cpu_s(&self) -> Result<f64> {
-        process_cpu_s(self.child.id())
+        process_cpu_s(self.pid())
     }
 
     /// Its control socket.
     pub fn socket(&self) -> &Path {
-        &self.sock
+        &self.0.sock
     }
 
     /// Its process id (for profilers).
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.0.pid().expect("rnicd runs until dropped")
     }
 }
 
@@ -326,12 +322,4 @@ pub fn process_cpu_s(pid: u32) -> Result<f64> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     Ok(ticks / hz)
-}
-
-impl Drop for Rnicd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.sock);
-    }
 }

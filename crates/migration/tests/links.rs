@@ -27,7 +27,7 @@ struct Pair {
 fn pair(transport: &'static str, workload: &str, memory: &str) -> Pair {
     let bin = transit_bin().expect("building transit");
     let tb = Testbed::create(TestbedOpts::new("miglinks", 2).nics(2)).unwrap();
-    let rnicds = if transport == "rdma" { (0..2).map(|h| Rnicd::start(&bin, &tb, h).unwrap()).collect() } else { Vec::new() };
+    let rnicds = if transport == "rdma" { (0..2).map(|h| Rnicd::start(&bin, &tb, h, &[]).unwrap()).collect() } else { Vec::new() };
     let spec = VmSpec { name: "links", memory, workload, args: "" };
     let src = start_vm(&bin, &tb, 0, &spec, None).unwrap();
     let incoming = format!("{transport}:0.0.0.0:4444");

@@ -9,9 +9,8 @@
 
 use migrate_transit::*;
 use serde_json::{json, Value};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use testbed::{HostChild, Testbed, TestbedOpts};
+use testbed::{Testbed, TestbedOpts};
 
 const MEM: &str = "64M";
 
@@ -19,29 +18,13 @@ const MEM: &str = "64M";
 struct Pair {
     src: VmProcess,
     dst: VmProcess,
-    nics: Vec<(HostChild, PathBuf)>,
+    nics: Vec<Rnicd>,
     tb: Testbed,
 }
 
-impl Drop for Pair {
-    fn drop(&mut self) {
-        for (_, s) in self.nics.drain(..) {
-            let _ = std::fs::remove_file(s);
-        }
-    }
-}
-
 /// rnicd on each host, serving its default socket (the vmm finds it).
-fn start_rnicds(bin: &std::path::Path, tb: &Testbed) -> Vec<(HostChild, PathBuf)> {
-    (0..2)
-        .map(|i| {
-            let h = tb.host(i);
-            let sock = rnic::daemon::default_socket_path(h.addr(0));
-            let args = ["rnicd", "--addr", &h.addr(0).to_string()];
-            let child = h.spawn_ready(bin.to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
-            (child, sock)
-        })
-        .collect()
+fn start_rnicds(bin: &std::path::Path, tb: &Testbed) -> Vec<Rnicd> {
+    (0..2).map(|i| Rnicd::start(bin, tb, i, &[]).expect("start rnicd")).collect()
 }
 
 fn pair(workload: &str) -> Pair {
@@ -64,7 +47,7 @@ impl Pair {
     fn rnicd_stats(&self) -> Vec<Value> {
         (0..2)
             .map(|h| {
-                let ctx = verbs::Context::open_namespace(Some(&self.nics[h].1), self.tb.host(h).addr(0)).unwrap();
+                let ctx = verbs::Context::open_namespace(Some(self.nics[h].socket()), self.tb.host(h).addr(0)).unwrap();
                 ctx.stats().unwrap()
             })
             .collect()

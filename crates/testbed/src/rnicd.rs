@@ -1,6 +1,7 @@
-//! An rnicd on a testbed host, as the integration tests of the crates that
-//! need one start it: serving the host's eth0 address on a control socket
-//! in the temporary directory named after the testbed and the host.
+//! An rnicd on a testbed host, as the integration tests and benchmarks of
+//! the crates that need one start it: serving the host's eth0 address on a
+//! control socket, by default in the temporary directory named after the
+//! testbed and the host.
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -24,12 +25,23 @@ impl Rnicd {
     /// `extra` options after `--addr` and `--sock`, and waits up to 20 s for
     /// its control socket.
     pub fn start(tb: &Testbed, host: usize, bin: &Path, extra: &[&str]) -> Result<Rnicd> {
+        let program = bin.to_str().with_context(|| format!("{} is not UTF-8", bin.display()))?;
+        Rnicd::start_cmd(tb, host, &[program], None, extra)
+    }
+
+    /// As [`start`](Self::start) for any command line that runs rnicd:
+    /// `cmd` is the program and the arguments before rnicd's own (`transit
+    /// rnicd`: the path of transit, then `rnicd`). `sock` is the control
+    /// socket; `None` is the temporary one [`start`](Self::start) uses.
+    /// Callers whose vmms or programs must find rnicd without being told
+    /// pass rnicd's default socket for the host's address.
+    pub fn start_cmd(tb: &Testbed, host: usize, cmd: &[&str], sock: Option<PathBuf>, extra: &[&str]) -> Result<Rnicd> {
+        let (program, lead) = cmd.split_first().context("an empty rnicd command")?;
         let h = tb.host(host);
         let addr = h.addr(0);
-        let sock = std::env::temp_dir().join(format!("{}-h{host}.rnicd.sock", tb.name()));
-        let program = bin.to_str().with_context(|| format!("{} is not UTF-8", bin.display()))?;
+        let sock = sock.unwrap_or_else(|| std::env::temp_dir().join(format!("{}-h{host}.rnicd.sock", tb.name())));
         let (a, s) = (addr.to_string(), sock.to_string_lossy().into_owned());
-        let args = ["--addr", a.as_str(), "--sock", s.as_str()].into_iter().chain(extra.iter().copied());
+        let args = lead.iter().copied().chain(["--addr", a.as_str(), "--sock", s.as_str()]).chain(extra.iter().copied());
         let child = h.spawn_ready(program, args, &sock, Duration::from_secs(20)).with_context(|| format!("start rnicd on host {host}"))?;
         Ok(Rnicd { child: Some(child), sock, addr })
     }

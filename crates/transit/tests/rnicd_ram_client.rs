@@ -15,9 +15,10 @@
 use migration::postcopy::clients::RamClient;
 use serde_json::{json, Value};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
-use testbed::{HostChild, Testbed, TestbedOpts};
+use testbed::rnicd::Rnicd;
+use testbed::{Testbed, TestbedOpts};
 use verbs::{access, ConnectOpts, Context, MemBuf, QpInitAttr, SendWr, Sge, WcStatus};
 use vmm::testing::{transit_bin, unique_name, TempPath, VmProcess};
 
@@ -30,17 +31,14 @@ const T: Duration = Duration::from_secs(60);
 struct Bed {
     src: VmProcess,
     dst: VmProcess,
-    nics: Vec<(HostChild, PathBuf)>,
+    nics: Vec<Rnicd>,
     _tb: Testbed,
     ram_sock: TempPath,
 }
 
-impl Drop for Bed {
-    fn drop(&mut self) {
-        for (_, s) in self.nics.drain(..) {
-            let _ = std::fs::remove_file(s);
-        }
-    }
+/// `transit rnicd` on host `i`, on the fixture's temporary socket.
+fn start_rnicd(tb: &Testbed, i: usize) -> Rnicd {
+    Rnicd::start_cmd(tb, i, &[transit_bin().to_str().unwrap(), "rnicd"], None, &[]).expect("start rnicd")
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
@@ -57,14 +55,7 @@ fn status(vm: &VmProcess) -> Value {
 
 fn bed(tag: &str) -> Bed {
     let tb = Testbed::create(TestbedOpts::new(tag, 2)).expect("testbed (needs root)");
-    let mut nics = Vec::new();
-    for i in 0..2 {
-        let h = tb.host(i);
-        let sock = std::env::temp_dir().join(format!("{}-h{i}.rnicd.sock", tb.name()));
-        let args = ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
-        let child = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
-        nics.push((child, sock));
-    }
+    let nics: Vec<Rnicd> = (0..2).map(|i| start_rnicd(&tb, i)).collect();
     let name = unique_name(tag);
     let src = VmProcess::start(
         tb.host(0).command(transit_bin()),
@@ -178,7 +169,7 @@ fn run(join: bool) {
         c.memfd.try_clone().unwrap()
         // The connection closes here: the vmm drops this client at advise.
     };
-    let ctx0 = Context::open(Some(&b.nics[0].1)).unwrap();
+    let ctx0 = Context::open(Some(&b.nics[0].sock)).unwrap();
     if join {
         assert_eq!(ctx0.join_ram_client(admitted_socket(b.ram_sock.path())).unwrap(), RAM);
     }
@@ -188,7 +179,7 @@ fn run(join: bool) {
     let qp0 = pd0.create_qp(&QpInitAttr::new(&scq0, &rcq0)).unwrap();
 
     // The bare-metal peer on host 1.
-    let ctx1 = Context::open(Some(&b.nics[1].1)).unwrap();
+    let ctx1 = Context::open(Some(&b.nics[1].sock)).unwrap();
     let pd1 = ctx1.alloc_pd().unwrap();
     let buf = MemBuf::new(MIB as usize).unwrap();
     let lmr = pd1.reg_mr(&buf, 0, buf.len(), access::ALL).unwrap();
@@ -251,7 +242,7 @@ fn run(join: bool) {
     // While the vmm it serves is in postcopy, rnicd's event loop runs
     // ahead of the push (nice -10), and only then.
     assert_eq!(ctx0.stats().unwrap()["ram_clients_in_postcopy"], 1);
-    let nices = rnicd_thread_nices(&b.nics[0].1);
+    let nices = rnicd_thread_nices(&b.nics[0].sock);
     assert!(nices.contains(&-10), "no thread of rnicd at nice -10 during postcopy: {nices:?}");
     // What the faults cost rnicd, as the destination reports it so far:
     // some, and waited for. Not how many: a fault maps the arrived pages
@@ -279,7 +270,7 @@ fn run(join: bool) {
     let d = status(&b.dst);
     assert_eq!(d["ram_clients"], 1, "{d:#}");
     assert_eq!(ctx0.stats().unwrap()["ram_clients_in_postcopy"], 0);
-    let nices = rnicd_thread_nices(&b.nics[0].1);
+    let nices = rnicd_thread_nices(&b.nics[0].sock);
     assert!(!nices.contains(&-10), "rnicd kept nice -10 after postcopy: {nices:?}");
     // The VM stayed paused: no fault was the vmm's own, and rnicd's are
     // counted as its own.
@@ -304,10 +295,8 @@ fn run(join: bool) {
 fn an_incoming_pvrdma_vm_makes_its_rnicd_a_ram_client() {
     let tb = Testbed::create(TestbedOpts::new("rcwire", 1)).expect("testbed (needs root)");
     let h = tb.host(0);
-    let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
-    let _sock_gone = TempPath(sock.clone());
-    let args = ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
-    let _nic = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
+    let nic = start_rnicd(&tb, 0);
+    let sock = nic.sock.clone();
     let gid = tb.spare_addr(0, 0);
     h.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
     let spec = format!("gid={gid},rnicd={}", sock.display());
@@ -341,11 +330,8 @@ fn an_incoming_pvrdma_vm_makes_its_rnicd_a_ram_client() {
 fn join_requests_without_a_proper_welcome_are_refused() {
     use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
     let tb = Testbed::create(TestbedOpts::new("rcbad", 1)).expect("testbed (needs root)");
-    let h = tb.host(0);
-    let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
-    let _sock_gone = TempPath(sock.clone());
-    let args = ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
-    let _nic = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
+    let nic = start_rnicd(&tb, 0);
+    let sock = nic.sock.clone();
     let ctx = Context::open(Some(&sock)).unwrap();
     let pair = || socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap();
 

@@ -4,9 +4,9 @@
 //! the old BAR layout (64-bit BARs above 4 GiB) refused, and a bad spec
 //! refused.
 //! Needs root (a testbed host) and the transit binary.
-use std::time::Duration;
 
 use serde_json::json;
+use testbed::rnicd::Rnicd;
 use testbed::{Testbed, TestbedOpts};
 use vmm::testing::{transit_bin, unique_name, TempPath, VmProcess};
 
@@ -14,9 +14,8 @@ use vmm::testing::{transit_bin, unique_name, TempPath, VmProcess};
 fn a_vm_with_a_pvrdma_device_answers_query_pvrdma() {
     let tb = Testbed::create(TestbedOpts::new("pvvm", 1)).expect("testbed (needs root)");
     let h = tb.host(0);
-    let sock = std::env::temp_dir().join(format!("{}-h0.rnicd.sock", tb.name()));
-    let args = ["rnicd", "--addr", &h.addr(0).to_string(), "--sock", sock.to_str().unwrap()];
-    let rnicd = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
+    let rnicd = Rnicd::start_cmd(&tb, 0, &[transit_bin().to_str().unwrap(), "rnicd"], None, &[]).expect("start rnicd");
+    let sock = rnicd.sock.clone();
     let gid = tb.spare_addr(0, 7);
     h.sh(&format!("ip addr add {gid}/24 dev eth0")).unwrap();
 

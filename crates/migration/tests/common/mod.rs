@@ -262,7 +262,7 @@ impl Net {
 /// Two testbed hosts, an rnicd on each. Fields drop in order: the rnicds
 /// before the testbed.
 pub struct RdmaBed {
-    nics: Vec<(testbed::HostChild, std::path::PathBuf)>,
+    nics: Vec<migrate_transit::Rnicd>,
     pub tb: testbed::Testbed,
 }
 
@@ -270,27 +270,11 @@ impl RdmaBed {
     pub fn new(name: &str) -> RdmaBed {
         let bin = migrate_transit::transit_bin().expect("building transit");
         let tb = testbed::Testbed::create(testbed::TestbedOpts::new(name, 2)).unwrap();
-        let nics = (0..2)
-            .map(|i| {
-                let h = tb.host(i);
-                let sock = rnic::daemon::default_socket_path(h.addr(0));
-                let args = ["rnicd", "--addr", &h.addr(0).to_string()];
-                let child = h.spawn_ready(bin.to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("start rnicd");
-                (child, sock)
-            })
-            .collect();
+        let nics = (0..2).map(|i| migrate_transit::Rnicd::start(&bin, &tb, i, &[]).expect("start rnicd")).collect();
         RdmaBed { nics, tb }
     }
     /// rnicd's control socket on host `i`.
     pub fn socket(&self, i: usize) -> String {
-        self.nics[i].1.to_string_lossy().into_owned()
-    }
-}
-
-impl Drop for RdmaBed {
-    fn drop(&mut self) {
-        for (_, s) in self.nics.drain(..) {
-            let _ = std::fs::remove_file(s);
-        }
+        self.nics[i].socket().to_string_lossy().into_owned()
     }
 }

@@ -15,12 +15,13 @@ use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
-use testbed::{HostChild, Testbed, TestbedOpts};
+use testbed::rnicd::Rnicd;
+use testbed::{Testbed, TestbedOpts};
 use vmm::testing::{transit_bin, unique_name, VmProcess};
 
 /// Fields drop in order: VMs and peers first, then rnicd, then the testbed.
 pub struct Bed {
-    pub nics: Vec<(HostChild, PathBuf)>,
+    pub nics: Vec<Rnicd>,
     pub tb: Testbed,
 }
 
@@ -40,11 +41,9 @@ impl Bed {
             // may lose while the request is out.
             h.sh("sysctl -qw net.ipv4.conf.all.arp_announce=2").unwrap();
             let sock = rnic::daemon::default_socket_path(h.addr(0));
-            let _ = std::fs::remove_file(&sock);
-            let addr = h.addr(0).to_string();
-            let args = [&["rnicd", "--addr", &addr], args].concat();
-            let child = h.spawn_ready(transit_bin().to_str().unwrap(), args, &sock, Duration::from_secs(20)).expect("rnicd did not start");
-            nics.push((child, sock));
+            let bin = transit_bin();
+            let cmd = [bin.to_str().unwrap(), "rnicd"];
+            nics.push(Rnicd::start_cmd(&tb, i, &cmd, Some(sock), args).expect("rnicd did not start"));
         }
         Bed { nics, tb }
     }
@@ -62,7 +61,7 @@ impl Bed {
 
     /// The GIDs of the RDMA namespaces host `h`'s rnicd serves.
     pub fn namespaces(&self, h: usize) -> Vec<String> {
-        let ctx = verbs::Context::open(Some(&self.nics[h].1)).unwrap();
+        let ctx = verbs::Context::open(Some(&self.nics[h].sock)).unwrap();
         let all = ctx.dump_qps().unwrap();
         all.as_array().unwrap().iter().map(|n| n["gid"].as_str().unwrap().to_string()).collect()
     }
@@ -115,7 +114,7 @@ impl Bed {
     /// windows, timers and queues of both ends of the guest's QPs.
     pub fn rnicd_qps(&self) -> String {
         let mut out = String::new();
-        for (h, (_, sock)) in self.nics.iter().enumerate() {
+        for (h, Rnicd { sock, .. }) in self.nics.iter().enumerate() {
             let r = std::process::Command::new(transit_bin()).args(["rdma", "qps", "--sock"]).arg(sock).output();
             let text = match r {
                 Ok(o) => format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
@@ -128,14 +127,6 @@ impl Bed {
 
     pub fn vm(&self, h: usize, gid: Ipv4Addr, args: &str) -> VmProcess {
         self.vm_with(h, gid, args, "", &[])
-    }
-}
-
-impl Drop for Bed {
-    fn drop(&mut self) {
-        for (_, s) in self.nics.drain(..) {
-            let _ = std::fs::remove_file(s);
-        }
     }
 }
 
@@ -189,7 +180,7 @@ impl Peer {
         let f = std::env::temp_dir().join(format!("{}.guest-ids", vm.name));
         std::fs::write(&f, &ids).unwrap();
         let mut cmd = bed.tb.host(2).command(transit_bin());
-        cmd.args(["rdma", "peer", "--guest", f.to_str().unwrap(), "--sock", bed.nics[2].1.to_str().unwrap(), "--stall", "60"])
+        cmd.args(["rdma", "peer", "--guest", f.to_str().unwrap(), "--sock", bed.nics[2].sock.to_str().unwrap(), "--stall", "60"])
             .args(["--progress", PROGRESS_EVERY])
             .args(extra)
             .stdout(Stdio::piped())
