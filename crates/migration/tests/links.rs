@@ -688,11 +688,12 @@ fn second_cut_after_the_recovery(p: &Pair) {
 /// oracle holds: a page that came twice was placed once.
 #[test]
 fn postcopy_urgent_connection_cut_mid_answer_asks_again_on_the_other_link() {
-    use common::{Fault, Proxy, Side, MIB};
+    use common::{wait_until, whole_pass_done, Fault, Proxy, Side, MIB};
     use migration::vm::MigratableVm;
     let src = Side::new(64 * MIB, 2);
     src.vm.resume().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    // All data, no holes (which would go as zero runs in no time).
+    wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
     let dst = Side::new(64 * MIB, 2);
     let port = dst.incoming_with(true, false);
     // The first link's connections in the order the source opens them:

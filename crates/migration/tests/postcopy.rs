@@ -55,12 +55,6 @@ fn dirtier_pair(net: &Net, prealloc: bool) -> (Side, Side, u16) {
     (src, dst, port)
 }
 
-/// Every dirtier has written each page of its slice at least once (its
-/// first page holds its pass count, 2 once the second pass began).
-fn whole_pass_done(vm: &Side) -> bool {
-    vm.vm.slices().iter().all(|&(first, _)| vm.vm.ram_pages().page(first)[0] >= 2)
-}
-
 /// The destination, paused, holds what the source stopped with (but for
 /// the dirtier's counters, which the oracle checks), and keeps holding the
 /// oracle while it runs on.
@@ -377,11 +371,14 @@ fn push_outlives_the_timeout(net: &Net, mode: &str) {
         let (s, d) = finish(&src, &dst);
         assert!(s["postcopy_ms"].as_f64().unwrap() > 1000.0, "{mode}: {s:#}");
         if mode == "hybrid" {
-            // The rest of the first pass was under way at the timeout: cut
-            // short, the pages not sent yet went by postcopy.
+            // The first pass was under way at the timeout: cut short, the
+            // pages not sent yet went by postcopy. The timeout counts from
+            // the command, so a slow set-up can make it cut the first
+            // eighth (one round) rather than the rest (two).
             let rounds = s["round_stats"].as_array().unwrap();
-            assert_eq!(rounds.len(), 2, "{s:#}");
-            assert!(rounds[1]["pages"].as_u64().unwrap() < 16000 - rounds[0]["pages"].as_u64().unwrap(), "{s:#}");
+            assert!(matches!(rounds.len(), 1 | 2), "{s:#}");
+            let sent: u64 = rounds.iter().map(|r| r["pages"].as_u64().unwrap()).sum();
+            assert!(sent < 16000, "{s:#}");
         }
         assert_same(&src.hashes(), &dst.hashes());
         assert_eq!(d["remaining_pages"], 0);
@@ -534,7 +531,8 @@ fn recovers_after_the_connections_break(net: &Net) {
     // cut below lands long before the last page.
     let src = Side::on(net, 128 * MIB, 2);
     src.vm.resume().unwrap();
-    std::thread::sleep(Duration::from_millis(50));
+    // All data, no holes (which would go as zero runs in no time).
+    wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
     let dst = Side::on(net, 128 * MIB, 2);
     let port = dst.incoming_on(net, true, false);
     let proxy = Proxy::start(port, Fault { conn: usize::MAX, ..Default::default() });
@@ -585,7 +583,8 @@ fn rdma_postcopy_recovers_after_the_link_is_cut() {
     let Net::Rdma(bed) = &net else { unreachable!() };
     let src = Side::on(&net, 128 * MIB, 2);
     src.vm.resume().unwrap();
-    std::thread::sleep(Duration::from_millis(50));
+    // All data, no holes (which would go as zero runs in no time).
+    wait_until("a whole pass of every dirtier", || whole_pass_done(&src));
     let dst = Side::on(&net, 128 * MIB, 2);
     let port = dst.incoming_on(&net, true, false);
     // 128 MiB at 10 MB/s: the cut lands long before the last page.

@@ -108,6 +108,13 @@ pub fn run_and_check_oracle(vm: &MemVm, d: Duration) {
     vm.check_oracle().unwrap();
 }
 
+/// Every dirtier has written each page of its slice at least once (its
+/// first page holds its pass count, 2 once the second pass began): RAM is
+/// all data, none of it memfd holes.
+pub fn whole_pass_done(vm: &Side) -> bool {
+    vm.vm.slices().iter().all(|&(first, _)| vm.vm.ram_pages().page(first)[0] >= 2)
+}
+
 pub fn wait_until(what: &str, f: impl Fn() -> bool) {
     let t = Instant::now();
     while !f() {
