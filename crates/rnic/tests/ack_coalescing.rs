@@ -40,16 +40,20 @@ fn unsignaled_stream_needs_few_acks_and_no_nak() {
     let acks = stat(&b.ctx, "tx_packets") - acks0;
     assert!(acks < n / 2, "{acks} ACK packets for {n} unsignaled messages: not coalesced");
     // Unless the kernel dropped a packet on the way (a receive buffer or
-    // backlog overflowing on a host too loaded to run rnicd in time), no
-    // NAK asks for a resend. The requester's loss probe (4 ms at least, far
-    // beyond the responder's 100 us ACK timer) can still fire when the
-    // responder's host does not run its rnicd for that long (a loaded CI
-    // host): without a drop, resends may only start from such a probe.
+    // backlog overflowing on a host too loaded to run rnicd in time), a NAK
+    // asks for a resend only where a loaded host's veth delivered packets
+    // out of order (see stream_acks.rs): at most one per thousand packets,
+    // where a NAK per coalesced ACK would be hundreds. The requester's loss
+    // probe (4 ms at least, far beyond the responder's 100 us ACK timer)
+    // can also fire when the responder's host does not run its rnicd for
+    // that long (a loaded CI host): every resend starts from a NAK or such
+    // a probe.
     let drops = bed.kernel_drops() - drops0 + stat(&b.ctx, "rx_malformed") + stat(&b.ctx, "rx_bad_icrc");
     if drops == 0 {
-        assert_eq!(stat(&b.ctx, "seq_naks_sent"), 0, "a NAK without loss: {}", b.ctx.stats().unwrap());
+        let (naks, received) = (stat(&b.ctx, "seq_naks_sent"), stat(&b.ctx, "rx_packets"));
+        assert!(naks * 1000 <= received, "{naks} NAKs without loss for {received} packets: {}", b.ctx.stats().unwrap());
         let (rewinds, probes) = (stat(&a.ctx, "retransmit_rewinds"), stat(&a.ctx, "loss_probes"));
-        assert!(rewinds == 0 || probes > 0, "{rewinds} rewinds without a loss probe: {}", a.ctx.stats().unwrap());
+        assert!(rewinds <= naks + probes, "{rewinds} rewinds without a NAK or a loss probe: {}", a.ctx.stats().unwrap());
     }
 }
 
