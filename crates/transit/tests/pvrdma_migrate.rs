@@ -223,7 +223,10 @@ fn with_ids_that_change_the_peers_operations_fail() {
     let bed = Bed::new("pvm-ids");
     let gid = bed.vm_gid(1);
     let a = bed.vm_with(0, gid, "count=0", "", &["--keep-after-migrate"]);
-    let peer = Peer::start(&bed, &a, &["--timeout", "14", "--duration", "40"]);
+    // The peer runs until its first error completion (or 60 s without
+    // progress), not for a set time: a set time could end before a slow
+    // guest gets to the move, and the peer would report success.
+    let peer = Peer::start(&bed, &a, &["--timeout", "14", "--duration", "300"]);
     a.wait_progress(STEP, LONG).unwrap();
     let b = destination(&bed, 1, gid, &PLAIN, ",testing=shift-ids");
     start_migration(&bed, &a, 1, params(Precopy, &PLAIN));
@@ -323,7 +326,8 @@ fn a_64_mib_write_half_acknowledged_at_each_switch() {
         nft_rules(h, &round_end);
         wait_for("a big WRITE verified by the peer", LONG, || nft_counter(h, "round_end") > 0);
         nft_rules(h, &hold);
-        wait_for("the big WRITE half acknowledged", Duration::from_secs(20), || nft_counter(h, "half_ack") > 0);
+        // Rules that land after this WRITE's half hold the next one's.
+        wait_for("the big WRITE half acknowledged", LONG, || nft_counter(h, "half_ack") > 0);
         let held = nft_counter(h, "held");
         start_migration(&bed, &src, to, params(mode, &load));
         let st = wait_switched(&src);

@@ -1,15 +1,20 @@
 //! The vCPU throttle of auto-converge: a throttled guest keeps running at
-//! any level, and lifting the throttle gives it back all of its time.
+//! any level, and runs on once the throttle is lifted.
 
 use std::time::{Duration, Instant};
 use vmm::config::VmConfig;
 use vmm::vm::Vm;
 
-/// Dirtier passes the guest completes within `d`.
-fn passes_within(vm: &Vm, d: Duration) -> u64 {
-    let before = vm.guest_progress();
-    std::thread::sleep(d);
-    vm.guest_progress() - before
+/// Waits until the guest completes another dirtier pass; fails if none
+/// comes within a minute (a vCPU the throttle stopped for good). How fast
+/// it runs is the bench's business (`bench/vm/run` measures the share a
+/// throttled vCPU keeps); a test on a loaded host can only ask that it runs.
+fn another_pass(vm: &Vm, what: &str) {
+    let (before, t) = (vm.guest_progress(), Instant::now());
+    while vm.guest_progress() == before {
+        assert!(t.elapsed() < Duration::from_secs(60), "no dirtier pass in 60 s {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 #[test]
@@ -40,9 +45,10 @@ fn throttled_guest_keeps_running_at_every_level() {
     for pct in [50, 80, 99] {
         vm.set_cpu_throttle(pct);
         assert_eq!(vm.cpu_throttle(), pct);
-        assert!(passes_within(&vm, Duration::from_secs(2)) > 0, "no dirtier pass in 2 s at {pct} % throttle");
+        another_pass(&vm, &format!("at {pct} % throttle"));
     }
     vm.set_cpu_throttle(0);
-    assert!(passes_within(&vm, Duration::from_millis(500)) > 0, "no dirtier pass after the throttle was lifted");
+    assert_eq!(vm.cpu_throttle(), 0);
+    another_pass(&vm, "after the throttle was lifted");
     vm.shutdown();
 }
