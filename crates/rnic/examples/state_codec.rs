@@ -1,12 +1,12 @@
 //! What the 256 QP states of a migration's switch cost to write and read
-//! in each spilled-message format (`rnic::spill::Format`): size, and the
+//! in each spilled-message format (`rnic::proto::spill::Format`): size, and the
 //! best of 50 encodes and decodes. States shaped like the PVRDMA bench's
 //! (a quarter of the QPs with READs replayable, a quarter with atomics).
 //! `cargo run --release -p rnic --example state_codec`
 
+use rnic::proto::spill::Format;
 use rnic::proto::{Reply, Response};
 use rnic::qp_snapshot::*;
-use rnic::spill::Format;
 use rnic::types::{QpAttr, QpState};
 use std::time::Instant;
 

@@ -1386,7 +1386,7 @@ fn parse_request(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<(Request, Vec<Ow
     let req = serde_json::from_slice::<Request>(bytes).map_err(|e| format!("malformed request: {e}"))?;
     let Request::Spilled { len, format } = req else { return Ok((req, fds)) };
     let fd = fds.pop().ok_or("a spilled request needs its memfd")?;
-    let bytes = crate::spill::read(fd, len).map_err(|e| format!("{e:#}"))?;
+    let bytes = crate::proto::spill::read(fd, len).map_err(|e| format!("{e:#}"))?;
     match format.decode::<Request>(&bytes).map_err(|e| format!("malformed spilled request: {e:#}"))? {
         Request::Spilled { .. } => Err("a spilled request inside a spilled request".into()),
         req => Ok((req, fds)),
@@ -1394,18 +1394,18 @@ fn parse_request(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<(Request, Vec<Ow
 }
 
 /// Sends `resp`, spilled into a memfd when it is larger than a datagram or
-/// carries QP states or traces (`crate::spill::Format::for_reply`).
+/// carries QP states or traces (`crate::proto::spill::Format::for_reply`).
 fn send_response(sock: &OwnedFd, resp: &Response) -> anyhow::Result<()> {
-    let binary = crate::spill::Format::for_reply(resp);
+    let binary = crate::proto::spill::Format::for_reply(resp);
     let format = binary.unwrap_or_default();
     let bytes = format.encode(resp)?;
-    if binary.is_none() && !crate::spill::needed(&bytes) {
+    if binary.is_none() && !crate::proto::spill::needed(&bytes) {
         return Ok(fdmsg::send_bytes(sock, &bytes, &[])?);
     }
     // A reply that cannot be spilled (no memfd: EMFILE, ENOMEM) goes as an
     // error the client can read; failing the send would drop the client
     // and with it every object it holds.
-    let fd = match crate::spill::write(&bytes) {
+    let fd = match crate::proto::spill::write(&bytes) {
         Ok(fd) => fd,
         Err(e) => {
             let err: Response = Err(format!("a reply of {} bytes could not be spilled: {e:#}", bytes.len()));

@@ -30,7 +30,6 @@ pub mod qp;
 pub mod qp_snapshot;
 pub mod ramclient;
 pub mod ring;
-pub mod spill;
 pub mod srq;
 pub mod trace;
 pub mod types;

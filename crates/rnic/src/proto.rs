@@ -10,12 +10,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::types::{DeviceAttr, PortAttr, QpAttr, QpCap};
 
-/// 3: QP states and traces travel spilled in bincode (`crate::spill`).
+pub mod spill;
+
+/// 3: QP states and traces travel spilled in bincode (`spill`).
 pub const PROTO_VERSION: u32 = 3;
 /// Most QPNs in one batched request.
 pub const MAX_BATCH: usize = 4096;
 /// Most QP states in one QueryQpStates or RestoreQps (larger than one
-/// datagram, the message spills into a memfd: `crate::spill`).
+/// datagram, the message spills into a memfd: `spill`).
 pub const MAX_QUERY_BATCH: usize = MAX_BATCH;
 /// Most objects in one CreateBatch (a migrated device's MRs and CQs, then
 /// its QPs, one request each at hundreds of QPs).
@@ -334,11 +336,11 @@ pub enum Request {
     },
     /// The request is `len` bytes in `format` in the message's last
     /// descriptor (a memfd): one larger than a datagram, or one that
-    /// carries QP states (`crate::spill`).
+    /// carries QP states (`spill`).
     Spilled {
         len: u64,
         #[serde(default)]
-        format: crate::spill::Format,
+        format: spill::Format,
     },
 }
 
@@ -446,11 +448,11 @@ pub enum Reply {
     },
     /// The response is `len` bytes in `format` in the memfd beside this
     /// message: one larger than a datagram, or one that carries QP states
-    /// or traces (`crate::spill`).
+    /// or traces (`spill`).
     Spilled {
         len: u64,
         #[serde(default)]
-        format: crate::spill::Format,
+        format: spill::Format,
     },
 }
 

@@ -1,5 +1,5 @@
 //! Control messages larger than one datagram travel in a memfd
-//! (`rnic::spill`): a batch over hundreds of QPs is one request and one
+//! (`rnic::proto::spill`): a batch over hundreds of QPs is one request and one
 //! reply, and a bad spilled request is refused without harm.
 mod common;
 

@@ -1,5 +1,5 @@
 //! `transit demo`: the main demo. By default the RDMA headline
-//! (crates/transit/src/demo_rdma.rs): a VM with a PVRDMA device and a
+//! (crates/transit/src/demo/rdma.rs): a VM with a PVRDMA device and a
 //! bare-metal peer, live-migrated A -> B -> A. With `--no-rdma`, the memory
 //! demo: two hosts (network namespaces), a VM running the memory dirtier on
 //! host A is live-migrated A -> B -> A while it runs, and after each hop
@@ -10,6 +10,8 @@ use anyhow::{bail, Result};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use vmm::testing::{unique_name, TempPath, VmProcess};
+
+mod rdma;
 
 #[derive(clap::Args)]
 pub struct DemoArgs {
@@ -55,7 +57,7 @@ fn oracle(vm: &VmProcess) -> Result<Value> {
 
 pub fn run(a: DemoArgs) -> Result<()> {
     if !a.no_rdma && !a.save_restore {
-        return crate::demo_rdma::run(a);
+        return rdma::run(a);
     }
     if a.save_restore {
         save_restore(a)

@@ -3,8 +3,6 @@
 use clap::{Parser, Subcommand};
 
 mod demo;
-mod demo_rdma;
-mod migrate;
 mod vm;
 
 #[derive(Parser)]
@@ -47,9 +45,9 @@ fn main() {
         Cmd::Demo(a) => demo::run(a),
     };
     if let Err(e) = r {
-        if let Some(p) = e.downcast_ref::<migrate::PostcopyPaused>() {
+        if let Some(p) = e.downcast_ref::<vm::migrate::PostcopyPaused>() {
             eprintln!("transit: {p}");
-            std::process::exit(migrate::EXIT_POSTCOPY_PAUSED);
+            std::process::exit(vm::migrate::EXIT_POSTCOPY_PAUSED);
         }
         eprintln!("transit: error: {e:#}");
         std::process::exit(1);

@@ -15,6 +15,8 @@ use std::time::Duration;
 use vmm::control::{Client, Control, ProcessRequest};
 use vmm::{RunState, Vm, VmConfig};
 
+pub mod migrate;
+
 /// Control commands served by the migration engine.
 const MIGRATION_COMMANDS: &[&str] = &[
     "migrate",
@@ -52,18 +54,18 @@ pub enum VmCmd {
     Console(Target),
     /// Live-migrate a running VM to a destination waiting with `--incoming`
     /// or `migrate-incoming`.
-    Migrate(crate::migrate::MigrateArgs),
+    Migrate(migrate::MigrateArgs),
     /// Make a VM started with `--incoming` (or any paused, never-run VM)
     /// wait for an incoming migration.
-    MigrateIncoming(crate::migrate::MigrateIncomingArgs),
+    MigrateIncoming(migrate::MigrateIncomingArgs),
     /// Destination of a postcopy paused by a broken connection: listen on a
     /// new address for the source's `migrate --resume`.
-    MigrateRecover(crate::migrate::MigrateRecoverArgs),
+    MigrateRecover(migrate::MigrateRecoverArgs),
     /// Source of a hybrid migration: switch to postcopy now.
     MigrateStartPostcopy(Target),
     /// Set migration parameters (the next migration's; the bandwidth cap
     /// and the downtime target also a running outgoing migration's).
-    MigrateSetParameters(crate::migrate::MigrateSetArgs),
+    MigrateSetParameters(migrate::MigrateSetArgs),
     /// The guest's out-of-band channel: print the guest's message (waiting
     /// for one with --wait), or write the host's message with --write (a
     /// file's contents, or `-` for stdin).
@@ -200,11 +202,11 @@ pub fn run(cmd: VmCmd) -> Result<()> {
             }
             Ok(())
         }
-        VmCmd::Migrate(a) => crate::migrate::migrate(a),
-        VmCmd::MigrateIncoming(a) => crate::migrate::migrate_incoming(a),
-        VmCmd::MigrateRecover(a) => crate::migrate::migrate_recover(a),
-        VmCmd::MigrateStartPostcopy(t) => crate::migrate::start_postcopy(t),
-        VmCmd::MigrateSetParameters(a) => crate::migrate::set_parameters(a),
+        VmCmd::Migrate(a) => migrate::migrate(a),
+        VmCmd::MigrateIncoming(a) => migrate::migrate_incoming(a),
+        VmCmd::MigrateRecover(a) => migrate::migrate_recover(a),
+        VmCmd::MigrateStartPostcopy(t) => migrate::start_postcopy(t),
+        VmCmd::MigrateSetParameters(a) => migrate::set_parameters(a),
         VmCmd::Mailbox { target, write, wait } => mailbox(&target, write, wait),
         VmCmd::Cmd { target, command, arguments } => {
             let args: Value = serde_json::from_str(&arguments).context("arguments must be a JSON object")?;

@@ -49,7 +49,6 @@ mod batch;
 pub mod mkeys;
 pub mod pace;
 pub mod peer;
-pub mod peer_bench;
 pub mod placement;
 pub mod proc_maps;
 pub mod rcache;
@@ -79,7 +78,7 @@ struct Conn {
 
 impl Inner {
     /// One request and its reply. Either, if larger than a datagram,
-    /// travels in a memfd (`rnic::spill`): a batch over hundreds of QPs is
+    /// travels in a memfd (`rnic::proto::spill`): a batch over hundreds of QPs is
     /// one round trip.
     fn call(&self, req: &Request, fds: &[RawFd]) -> anyhow::Result<Reply> {
         let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
@@ -87,11 +86,11 @@ impl Inner {
             bail!("the connection to rnicd was closed");
         }
         let buf = &mut conn.buf;
-        let binary = rnic::spill::Format::for_request(req);
+        let binary = rnic::proto::spill::Format::for_request(req);
         let format = binary.unwrap_or_default();
         let bytes = format.encode(req)?;
-        if binary.is_some() || rnic::spill::needed(&bytes) {
-            let spilled = rnic::spill::write(&bytes)?;
+        if binary.is_some() || rnic::proto::spill::needed(&bytes) {
+            let spilled = rnic::proto::spill::write(&bytes)?;
             let fds: Vec<RawFd> = fds.iter().copied().chain([spilled.as_raw_fd()]).collect();
             fdmsg::send(&self.sock, &Request::Spilled { len: bytes.len() as u64, format }, &fds)
         } else {
@@ -102,7 +101,7 @@ impl Inner {
         let mut r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
         if let Ok(Reply::Spilled { len, format }) = r {
             let fd = rfds.pop().context("a spilled reply without its memfd")?;
-            r = format.decode(&rnic::spill::read(fd, len)?).context("bad spilled reply from rnicd")?;
+            r = format.decode(&rnic::proto::spill::read(fd, len)?).context("bad spilled reply from rnicd")?;
         }
         r.map_err(|e| anyhow!("rnicd: {e}"))
     }

@@ -69,6 +69,8 @@ use serde::Serialize;
 
 use crate::*;
 
+mod bench;
+
 /// Word 0 of the hello each guest QP sends first ("HELLOPVR").
 pub const HELLO: u64 = 0x5256_504f_4c4c_4548;
 pub const STREAM_TO_PEER: u64 = 1 << 60;
@@ -566,7 +568,7 @@ pub fn run(a: PeerArgs) -> anyhow::Result<()> {
         Ok(())
     };
     if g.has("bench") {
-        return crate::peer_bench::serve(&a, &g, publish);
+        return bench::serve(&a, &g, publish);
     }
     let rep = serve(&a, &g, publish)?;
     println!("{}", serde_json::to_string(&rep)?);

@@ -1,7 +1,7 @@
 //! `workload=pvrdma-bench gid=A.B.C.D`: the guest side of `bench/pvrdma/run`.
 //!
 //! Two RC QPs to `transit rdma peer` (which sees `bench=1` in our IDs and
-//! answers as a bench responder, crates/verbs/src/peer_bench.rs): one that
+//! answers as a bench responder, crates/verbs/src/peer/bench.rs): one that
 //! RDMA-WRITEs into the peer's buffer, one that ping-pongs SENDs. After the
 //! ID exchange the guest takes its orders from the host through the
 //! mailbox, one at a time, so the bench can alternate it with bare-metal

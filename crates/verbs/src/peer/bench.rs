@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
-use crate::peer::{Info, PeerArgs};
+use super::{Info, PeerArgs};
 use crate::*;
 
 const TARGET_LEN: usize = 1 << 20;

@@ -14,7 +14,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 use vmm::testing::{unique_name, VmProcess};
 
-use crate::demo::{step, DemoArgs};
+use super::{step, DemoArgs};
 
 const PORT: u16 = 4440;
 const WAIT: Duration = Duration::from_secs(300);

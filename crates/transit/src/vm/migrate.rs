@@ -2,7 +2,7 @@
 //! The engine runs inside the vmm processes; this talks to their control
 //! sockets, shows progress and prints the final report.
 
-use crate::vm::Target;
+use super::Target;
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};

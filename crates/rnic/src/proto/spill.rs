@@ -25,7 +25,7 @@ use anyhow::{bail, Context as _};
 use bincode::Options as _;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
-use crate::proto::{Reply, Request, Response};
+use super::{Reply, Request, Response};
 
 /// How the bytes of a spilled message are encoded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
