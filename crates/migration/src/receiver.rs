@@ -7,11 +7,12 @@
 
 use crate::acceptor::Acceptor;
 use crate::compress::{decompress, Compress};
-use crate::cputime::{thread_cpu_s, CpuTally};
+use crate::cputime::thread_cpu_s;
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
 use crate::postcopy::place::{Alias, Placer, Via};
 use crate::stats::Control;
+use crate::stats::CpuTally;
 use crate::vm::RamRegion;
 use crate::wire::{self, DataItem, DataReader, Entry, Msg, Record, WireError};
 use anyhow::{bail, Context, Result};

@@ -325,7 +325,7 @@ pub struct Control {
     recover: Mutex<Option<RecoverRequest>>,
     recover_cv: std::sync::Condvar,
     /// CPU clocks of engine threads still running (see
-    /// [`CpuTally`](crate::cputime::CpuTally)): (destination side, clock).
+    /// [`CpuTally`]): (destination side, clock).
     live_cpu: Mutex<Vec<(bool, libc::clockid_t)>>,
     /// The `testing` parameter's fault, armed by the source.
     pub(crate) testing: crate::testing::Injector,
@@ -489,6 +489,37 @@ impl Control {
     }
 }
 
+/// Counts the calling thread's CPU time in one side's figure: while it
+/// runs, in [`Control::cpu_s_now`], and
+/// in the stats once dropped. Held by postcopy's threads for their whole
+/// life (their results are not joined).
+pub struct CpuTally<'a> {
+    ctl: &'a Control,
+    dest: bool,
+    clock: Option<libc::clockid_t>,
+}
+
+impl<'a> CpuTally<'a> {
+    pub fn new(ctl: &'a Control, dest: bool) -> Self {
+        let mut clock: libc::clockid_t = 0;
+        // SAFETY: the calling thread's own handle and a valid out pointer.
+        let clock = (unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clock) } == 0).then_some(clock);
+        if let Some(c) = clock {
+            ctl.track_cpu(dest, c);
+        }
+        CpuTally { ctl, dest, clock }
+    }
+}
+
+impl Drop for CpuTally<'_> {
+    fn drop(&mut self) {
+        match self.clock {
+            Some(c) => self.ctl.untrack_cpu(self.dest, c, crate::cputime::thread_cpu_s()),
+            None => self.ctl.add_cpu(self.dest, crate::cputime::thread_cpu_s()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -512,5 +543,30 @@ mod tests {
         drop(live);
         missing.store(5, Ordering::Relaxed);
         assert_eq!(ctl.snapshot().remaining_pages, 0);
+    }
+
+    /// A running thread's CPU shows in `cpu_s_now` before it ends, and once
+    /// it has ended it is counted once, on its own side only.
+    #[test]
+    fn tally_counts_running_threads_once() {
+        let ctl = std::sync::Arc::new(Control::default());
+        let (busy_tx, busy_rx) = std::sync::mpsc::channel();
+        let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+        let c = ctl.clone();
+        let t = std::thread::spawn(move || {
+            let _cpu = CpuTally::new(&c, true);
+            while crate::cputime::thread_cpu_s() < 0.05 {}
+            busy_tx.send(crate::cputime::thread_cpu_s()).unwrap();
+            end_rx.recv().unwrap();
+        });
+        let burnt = busy_rx.recv().unwrap();
+        let running = ctl.cpu_s_now(true);
+        assert!(running >= burnt, "a running thread's {burnt} s missing from {running} s");
+        assert_eq!(ctl.cpu_s_now(false), 0.0);
+        end_tx.send(()).unwrap();
+        t.join().unwrap();
+        let ended = ctl.cpu_s_now(true);
+        assert!(ended >= running && ended < running + 0.05, "ended thread counted as {ended} s, {running} s while running");
+        assert_eq!(ctl.snapshot().cpu_s_dest, Some(ended));
     }
 }

@@ -108,7 +108,7 @@ impl FaultThread {
         let stop = Arc::new(AtomicBool::new(false));
         let (w2, s2) = (wake.clone(), stop.clone());
         let thread = std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || {
-            let _cpu = crate::cputime::CpuTally::new(&ctl, true);
+            let _cpu = crate::stats::CpuTally::new(&ctl, true);
             fault_loop(placer, sink, w2, s2)
         })?;
         Ok(FaultThread { stop, wake, thread: Some(thread) })

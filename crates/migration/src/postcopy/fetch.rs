@@ -89,7 +89,7 @@ impl Fetcher {
         let c2 = cap.clone();
         let thread = std::thread::Builder::new().name("postcopy-rdma-read".into()).spawn(move || {
             let tally = ctl.clone();
-            let _cpu = crate::cputime::CpuTally::new(&tally, true);
+            let _cpu = crate::stats::CpuTally::new(&tally, true);
             super::fault_path_priority();
             let slots = vec![None; reader.links() * READ_QPS * READS_IN_FLIGHT];
             let live = (0..reader.links()).filter(|&k| reader.is_live(k)).count();

@@ -10,13 +10,13 @@
 use super::push::PushQueue;
 use crate::compress::Compress;
 use crate::control_conn::ControlConn;
-use crate::cputime::CpuTally;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::links::Links;
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
 use crate::ratelimit::TokenBucket;
 use crate::rdma::ReadableRam;
 use crate::sender::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
+use crate::stats::CpuTally;
 use crate::stats::{Control, RecoverRequest, Stats, Status};
 use crate::transport::Transport;
 use crate::vm::RamRegion;
