@@ -199,7 +199,7 @@ impl ControlConn {
     pub fn open_spares(addrs: &[&str], session: u64, ctl: &Control) -> Result<Vec<TcpStream>> {
         let mut out = Vec::new();
         for (k, addr) in addrs.iter().enumerate() {
-            let mut s = crate::sender::connect(addr, ctl)?;
+            let mut s = crate::wire::connect(addr, ctl)?;
             wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_CONTROL_SPARE)?;
             wire::send_msg(&mut s, &Msg::Channel { session, index: k as u32 + 1 })?;
             out.push(s);

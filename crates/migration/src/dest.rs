@@ -7,9 +7,9 @@ use crate::control_conn::ControlConn;
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
+use crate::place::Alias;
 use crate::postcopy::clients::{RamClients, RNICD_CLIENT};
 use crate::postcopy::dest::PageSource;
-use crate::postcopy::place::Alias;
 use crate::stats::{Control, Mode, Status};
 use crate::vm::MigratableVm;
 use crate::wire::{self, Msg, WireError};
@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use crate::acceptor::Acceptor;
 use crate::receiver::{accept_channels, drop_channel, receive_channel, RoundBarrier, RxShared, Suspects};
-pub use crate::receiver::{listen, IncomingParams, Prealloc, DATA_IDLE_TIMEOUT};
+pub use crate::receiver::{listen, IncomingParams, Prealloc};
+pub use crate::wire::DATA_IDLE_TIMEOUT;
 
 /// Receive one migration on `listener` into the paused `vm`.
 pub fn run(
@@ -117,7 +118,7 @@ fn run_inner(
     // channel shuts it down, which ends this read too.
     control.set_read_timeout(None)?;
     // The source's End or Switchover starts the downtime: be there at once.
-    crate::postcopy::set_priority(true);
+    crate::priority::set_priority(true);
     let end = recv_end(vm, &mut control, &sh, ctl, *t0, hello.mode != Mode::Precopy);
     if let Ok(Msg::Switchover { state_bytes, source_paused_unix_ns, dirty_ranges, device_pages }) = &end {
         let sw = crate::postcopy::dest::Switch {

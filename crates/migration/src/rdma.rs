@@ -29,12 +29,13 @@
 use crate::control_conn::ControlConn;
 use crate::links::{self, Links};
 use crate::ratelimit::TokenBucket;
-use crate::receiver::{apply_batch, count_batch, RxShared, DATA_IDLE_TIMEOUT};
+use crate::receiver::{apply_batch, count_batch, RxShared};
 use crate::sender::{recv_reply, spawn_channels, ChannelSet, ReadRam};
 use crate::stats::Control;
 use crate::testing::Fault;
 use crate::transport::DataSink;
 use crate::vm::RamRegion;
+use crate::wire::DATA_IDLE_TIMEOUT;
 use crate::wire::{self, BatchWriter, DataItem, DataReader, Entry, Msg, WireError, PAGE};
 use anyhow::{anyhow, bail, Context as _, Result};
 use std::io;

@@ -10,20 +10,18 @@ use crate::compress::{decompress, Compress};
 use crate::cputime::thread_cpu_s;
 use crate::dirty::PAGE_SIZE;
 use crate::pages::{AtomicBitmap, PageRange};
-use crate::postcopy::place::{Alias, Placer, Via};
+use crate::place::{Alias, Placer, Via};
 use crate::stats::Control;
 use crate::stats::CpuTally;
 use crate::vm::RamRegion;
+use crate::wire::DATA_IDLE_TIMEOUT;
 use crate::wire::{self, DataItem, DataReader, Entry, Msg, Record, WireError};
 use anyhow::{bail, Context, Result};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::{Duration, Instant};
-
-/// Longest silence accepted on a data connection during a migration.
-pub const DATA_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+use std::time::Instant;
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
@@ -293,7 +291,7 @@ fn place_batch_direct(
     scratch: &mut Vec<u8>,
     zstd: &mut Option<zstd::bulk::Decompressor<'static>>,
 ) -> Result<u64> {
-    let _rt = crate::postcopy::RealtimeSection::enter();
+    let _rt = crate::priority::RealtimeSection::enter();
     // The pages claimed here, as runs, and the hash each must have.
     let (mut mine, mut checks): (Vec<PageRange>, Vec<(u64, u64)>) = (Vec::new(), Vec::new());
     let read = plan_batch(rd, sh.total, data_len, scratch, |p, hash| {
@@ -674,9 +672,9 @@ pub(crate) fn receive_channel(index: usize, mut s: TcpStream, sh: Arc<RxShared>)
                         // Background work beside the VM it serves (a fault
                         // on a page this thread claimed waits only for a
                         // real-time section, see `place_batch_direct`).
-                        crate::postcopy::push_priority();
+                        crate::priority::push_priority();
                         postcopy = Some(CpuTally::new(&sh.ctl, true));
-                        crate::postcopy::bound_push_buffer(&s, sh.barrier.n, false);
+                        crate::priority::bound_push_buffer(&s, sh.barrier.n, false);
                     }
                     wait_for_bytes(&s, data_len);
                     if queued_bytes(&s) >= data_len {

@@ -10,8 +10,8 @@ use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::dirty::{Armer, PAGE_SIZE};
 use crate::links::{self, Links};
 use crate::pages::PageRange;
-use crate::postcopy::place::Alias;
-use crate::postcopy::push::PushQueue;
+use crate::place::Alias;
+use crate::push::PushQueue;
 use crate::ratelimit::TokenBucket;
 use crate::stats::{Control, Status};
 use crate::testing::Fault;
@@ -19,7 +19,7 @@ use crate::transport::DataSink;
 use crate::vm::{MigratableVm, RamRegion};
 use crate::wire::{self, BatchWriter, Enc, Msg};
 use anyhow::{anyhow, bail, Context, Result};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -213,7 +213,7 @@ impl Channel {
                 }
                 Job::Push(q, channels) => {
                     if let Some(s) = self.sink.tcp() {
-                        crate::postcopy::bound_push_buffer(s, channels, true);
+                        crate::priority::bound_push_buffer(s, channels, true);
                     }
                     let r = self.push(&q, &mut comp, &mut batch, &mut cbuf);
                     if replies.send(Reply::RoundDone(self.index, r)).is_err() {
@@ -279,7 +279,7 @@ impl Channel {
         let mut sent = Sent::default();
         let mut claims = Vec::new();
         // Background work: what the guest waits on goes by the fault path.
-        crate::postcopy::push_priority();
+        crate::priority::push_priority();
         while q.claim(CHUNK_PAGES, &mut claims) {
             for c in &claims {
                 let item = WorkItem { first: c.first, count: c.count, known_zero: c.known_zero, armed: false };
@@ -387,13 +387,13 @@ pub(crate) fn open_channels(
     let mut sinks: Vec<Box<dyn DataSink>> = Vec::new();
     for i in 0..n as usize {
         let link = links.of_channel(i);
-        let mut s = connect(links.addr(link), ctl)?;
+        let mut s = wire::connect(links.addr(link), ctl)?;
         if links.several() {
             links::shorten_timeout(&s);
         }
         wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_DATA)?;
         wire::send_msg(&mut s, &Msg::Channel { session, index: i as u32 })?;
-        s.set_write_timeout(Some(crate::receiver::DATA_IDLE_TIMEOUT))?;
+        s.set_write_timeout(Some(crate::wire::DATA_IDLE_TIMEOUT))?;
         sinks.push(Box::new(s));
     }
     spawn_channels(sinks, links, ReadRam::new(ram), compress, bucket, ctl, deadline)
@@ -490,10 +490,10 @@ pub(crate) fn spawn_channels(
 pub(crate) fn open_urgent(links: &Links, session: u64, ctl: &Control) -> Result<Vec<TcpStream>> {
     let mut out = Vec::new();
     for k in 0..links.len() {
-        let mut s = connect(links.addr(k), ctl)?;
+        let mut s = wire::connect(links.addr(k), ctl)?;
         wire::write_preamble(&mut s, wire::VERSION, wire::ROLE_URGENT)?;
         wire::send_msg(&mut s, &Msg::Channel { session, index: k as u32 })?;
-        s.set_write_timeout(Some(crate::receiver::DATA_IDLE_TIMEOUT))?;
+        s.set_write_timeout(Some(crate::wire::DATA_IDLE_TIMEOUT))?;
         if links.several() {
             links::shorten_timeout(&s);
         }
@@ -504,16 +504,6 @@ pub(crate) fn open_urgent(links: &Links, session: u64, ctl: &Control) -> Result<
 
 pub(crate) fn parse_tcp_uri(uri: &str) -> Result<Links> {
     Links::parse(uri)
-}
-
-pub(crate) fn connect(addr: &str, ctl: &Control) -> Result<TcpStream> {
-    let sa =
-        addr.to_socket_addrs().with_context(|| format!("resolving {addr}"))?.next().ok_or_else(|| anyhow!("{addr} resolves to nothing"))?;
-    let s = TcpStream::connect_timeout(&sa, Duration::from_secs(10)).with_context(|| format!("connecting to {addr}"))?;
-    s.set_nodelay(true)?;
-    wire::tune_socket(&s);
-    ctl.register(&s);
-    Ok(s)
 }
 
 /// The source's pause, where downtime starts: its time and its steps.

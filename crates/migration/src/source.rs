@@ -24,8 +24,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::sender::{
-    chunk, connect, give_up_at, open_channels, open_urgent, recv_reply, recv_welcome, written_holes_as_data, ChannelSet, Downtime,
-    Outgoing, WorkItem, CHUNK_PAGES, ZERO_CHUNK_PAGES,
+    chunk, give_up_at, open_channels, open_urgent, recv_reply, recv_welcome, written_holes_as_data, ChannelSet, Downtime, Outgoing,
+    WorkItem, CHUNK_PAGES, ZERO_CHUNK_PAGES,
 };
 pub use crate::sender::{is_zero, nonzero_xxh3};
 
@@ -155,7 +155,7 @@ struct Link {
 fn connect_session(vm: &Arc<dyn MigratableVm>, plan: &Plan, params: &Params, ctl: &Arc<Control>) -> Result<Link> {
     let ram = vm.ram();
     let session = unix_ns() ^ (std::process::id() as u64) << 32;
-    let mut control = connect(plan.links.first(), ctl)?;
+    let mut control = crate::wire::connect(plan.links.first(), ctl)?;
     wire::write_preamble(&mut control, wire::VERSION, wire::ROLE_CONTROL)?;
     wire::send_msg(
         &mut control,

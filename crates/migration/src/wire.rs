@@ -44,6 +44,9 @@ pub enum WireError {
     Io(#[from] io::Error),
 }
 
+/// Longest silence accepted on a data connection during a migration.
+pub const DATA_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A dead peer or a cut link must show up as an error within seconds, not
 /// after TCP's 15 minutes: keepalives on idle connections (2 s, then every
 /// second, 3 misses) and a 20 s limit on unacknowledged data (long enough
@@ -62,6 +65,25 @@ pub fn tune_socket(s: &std::net::TcpStream) {
     if let Some(e) = results.into_iter().find_map(Result::err) {
         tracing::debug!("keepalive options not set: {e}");
     }
+}
+
+/// A TCP connection to the destination (control or data): without
+/// Nagle, tuned to find a dead peer within seconds ([`tune_socket`]), and
+/// registered with the migration so that a cancel shuts it down.
+pub(crate) fn connect(addr: &str, ctl: &crate::stats::Control) -> anyhow::Result<std::net::TcpStream> {
+    use anyhow::Context as _;
+    use std::net::ToSocketAddrs;
+    let sa = addr
+        .to_socket_addrs()
+        .with_context(|| format!("resolving {addr}"))?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("{addr} resolves to nothing"))?;
+    let s =
+        std::net::TcpStream::connect_timeout(&sa, std::time::Duration::from_secs(10)).with_context(|| format!("connecting to {addr}"))?;
+    s.set_nodelay(true)?;
+    tune_socket(&s);
+    ctl.register(&s);
+    Ok(s)
 }
 
 pub fn write_preamble(w: &mut impl Write, version: u32, role: u8) -> io::Result<()> {

@@ -3,7 +3,7 @@
 //! incoming postcopy serves their faults too. The protocol and the client's
 //! side are in the `ram-client` crate.
 
-use super::place::FaultDomain;
+use crate::place::FaultDomain;
 use crate::vm::RamRegion;
 use anyhow::{anyhow, bail, Context, Result};
 use nix::sys::socket::{self, SockFlag, SockType, UnixAddr};

@@ -8,12 +8,12 @@
 
 use super::faults::{FaultThread, RequestSink};
 use super::fetch::Fetcher;
-use super::place::{Placer, Via};
-use super::push::PushQueue;
 use crate::acceptor::Acceptor;
 use crate::control_conn::ControlConn;
 use crate::cputime::{thread_cpu_s, unix_ns};
 use crate::pages::{normalize, PageRange};
+use crate::place::{Placer, Via};
+use crate::push::PushQueue;
 use crate::receiver::{accept_channels, drop_channel, place_batch, receive_channel, IncomingParams, RxShared};
 use crate::stats::CpuTally;
 use crate::stats::{Control, RecoverRequest, Status};
@@ -177,7 +177,7 @@ impl Link {
     /// Its reader stops (it places nothing more once its claims are given
     /// back or mapped) and the source hears which pages are here: it
     /// pushes the others again. A page on its way twice is placed once
-    /// (the first claim wins, [`super::place`]).
+    /// (the first claim wins, [`crate::place`]).
     fn channel_lost(&mut self, sh: &RxShared, index: usize) -> Result<()> {
         drop_channel(sh, index)?;
         if let Some(s) = self.socks.get(index) {
@@ -247,13 +247,13 @@ fn ranges_blob(b: &[u8], total: u64) -> Result<Vec<PageRange>> {
 fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control, mut first: u64) -> Result<()> {
     let _cpu = CpuTally::new(ctl, true);
     if first == 0 {
-        super::fault_path_priority();
+        crate::priority::fault_path_priority();
     } else {
         // The switch's class, set again so that the placer's real-time
         // sections leave it alone: each would take two scheduler calls per
         // run of pages (the devices' pages come in runs of 2-3), and drop
         // this thread to the normal class after the first.
-        super::set_priority(true);
+        crate::priority::set_priority(true);
     }
     let mut rd = DataReader::default();
     let mut zstd = None;
@@ -264,7 +264,7 @@ fn receive_urgent(mut s: TcpStream, placer: &Placer, total: u64, ctl: &Control, 
                 if first > 0 {
                     first = first.saturating_sub(n);
                     if first == 0 {
-                        super::fault_path_priority();
+                        crate::priority::fault_path_priority();
                     }
                 }
             }
@@ -311,7 +311,7 @@ pub(crate) struct Armed {
 pub(crate) fn arm(sh: &RxShared) -> Result<Armed> {
     let alias = match &sh.alias {
         Some(a) => a.clone(),
-        None => Arc::new(super::place::Alias::map(&sh.ram).context("mapping guest RAM for placing pages")?),
+        None => Arc::new(crate::place::Alias::map(&sh.ram).context("mapping guest RAM for placing pages")?),
     };
     let placer = Arc::new(Placer::new(sh.ram, sh.seen.clone(), alias, sh.maybe_nonzero.clone())?);
     let _ = sh.placer.set(placer.clone());
@@ -462,7 +462,7 @@ fn load_at_switch(
     let cpu0 = thread_cpu_s();
     let t_sw = Instant::now();
     // Until the VM runs, this is downtime and blocks only on I/O.
-    super::set_priority(true);
+    crate::priority::set_priority(true);
     let step = |name: &str| {
         let ms = t_sw.elapsed().as_secs_f64() * 1e3;
         ctl.update(|s| s.downtime_steps.push((name.to_string(), ms)));
@@ -532,7 +532,7 @@ fn load_at_switch(
     step("resumed");
     let t = unix_ns();
     let _ = wire::send_msg(&mut control, &Msg::Resumed { unix_ns: t, resumed, cpu_s: thread_cpu_s() - cpu0 });
-    super::set_priority(false);
+    crate::priority::set_priority(false);
     Ok(Running { resumed, resumed_at: t, placer, sink, faults, link, n_clients })
 }
 
@@ -561,7 +561,7 @@ fn device_pages_here(
     let lacking = super::device::lacking_in_order(device, lacks, sh.total);
     let share = super::device::first_pages(&lacking, super::device::SWITCH_PAGES_MAX);
     let sent_set = normalize(sent.to_vec(), sh.total);
-    let mut asks = super::place::Asks::default();
+    let mut asks = crate::place::Asks::default();
     for p in share.iter().flat_map(|r| r.first..r.end()) {
         if !super::device::in_ranges(Some(&sent_set), p) {
             placer.ask_now(p, &mut asks);

@@ -2,7 +2,7 @@
 //! domain (the vmm's uffd and each helper's) and asks the source for pages
 //! nobody asked for yet, on the urgent connection.
 
-use super::place::{Asks, Placer, PUSH_GRACE};
+use crate::place::{Asks, Placer, PUSH_GRACE};
 use crate::wire;
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::collections::VecDeque;
@@ -130,7 +130,7 @@ impl Drop for FaultThread {
 }
 
 fn fault_loop(placer: Arc<Placer>, sink: Arc<RequestSink>, wake: Arc<EventFd>, stop: Arc<AtomicBool>) {
-    super::fault_path_priority();
+    crate::priority::fault_path_priority();
     let mut asks = Asks::default();
     // Faults on prefetched pages, oldest first: (ask after, page).
     let mut deferred: VecDeque<(Instant, u64)> = VecDeque::new();

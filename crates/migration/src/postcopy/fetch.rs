@@ -25,9 +25,9 @@
 //! stopped, so the page read is the page the source holds, and each packet
 //! is checked by its ICRC on the way.
 
-use super::place::{Placer, Via};
-use super::push::{Claim, PushQueue};
 use crate::pages::PageRange;
+use crate::place::{Placer, Via};
+use crate::push::{Claim, PushQueue};
 use crate::ratelimit::TokenBucket;
 use crate::rdma::{PageReader, READS_IN_FLIGHT, READ_BULK, READ_QPS, READ_URGENT};
 use crate::stats::Control;
@@ -90,7 +90,7 @@ impl Fetcher {
         let thread = std::thread::Builder::new().name("postcopy-rdma-read".into()).spawn(move || {
             let tally = ctl.clone();
             let _cpu = crate::stats::CpuTally::new(&tally, true);
-            super::fault_path_priority();
+            crate::priority::fault_path_priority();
             let slots = vec![None; reader.links() * READ_QPS * READS_IN_FLIGHT];
             let live = (0..reader.links()).filter(|&k| reader.is_live(k)).count();
             link_stats(&ctl, &reader);

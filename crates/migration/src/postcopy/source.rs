@@ -7,12 +7,12 @@
 //! channel lost with its link is dropped instead, and the others push what
 //! it did not deliver.
 
-use super::push::PushQueue;
 use crate::compress::Compress;
 use crate::control_conn::ControlConn;
 use crate::dirty::{DirtyLog, PAGE_SIZE};
 use crate::links::Links;
 use crate::pages::{complement, normalize, AtomicBitmap, PageRange};
+use crate::push::PushQueue;
 use crate::ratelimit::TokenBucket;
 use crate::rdma::ReadableRam;
 use crate::sender::{nonzero_xxh3, open_channels, open_urgent, recv_reply, recv_welcome, ChannelSet, Downtime, Outgoing};
@@ -139,7 +139,7 @@ fn switch_over(
     let total = ram.pages();
     // All of it is downtime; it blocks only on I/O. (This thread ends with
     // the migration, so an early return needs no reset.)
-    super::set_priority(true);
+    crate::priority::set_priority(true);
     let pause = Downtime::pause(guard)?;
     let (paused_at, t_pause) = (pause.paused_at, pause.since);
     let step = |name: &str| pause.step(name);
@@ -216,7 +216,7 @@ fn switch_over(
     }
     // The downtime is over: back to the normal class (the threads below
     // inherit it).
-    super::set_priority(false);
+    crate::priority::set_priority(false);
     // Nothing writes this RAM any more, and the push only reads it.
     if let Some(log) = log {
         vm.retire(Box::new(log.into_tracker()));
@@ -492,7 +492,7 @@ fn recover_hello(
         if k == links.len() {
             bail!("no link takes the recovery's control connection: {}", tried.join("; "));
         }
-        match crate::sender::connect(links.addr(k), ctl) {
+        match crate::wire::connect(links.addr(k), ctl) {
             Ok(c) => break (c, links.from_link(k)),
             Err(e) => {
                 tracing::warn!("recovery: {e:#}; trying the next link");
@@ -812,7 +812,7 @@ impl UrgentServer {
 
 fn serve_requests(mut s: TcpStream, ram: RamRegion, queue: &PushQueue, ctl: &Control) -> Result<()> {
     let _cpu = CpuTally::new(ctl, false);
-    super::fault_path_priority();
+    crate::priority::fault_path_priority();
     let total = ram.pages();
     let mut w = s.try_clone()?;
     let mut batch = BatchWriter::new();

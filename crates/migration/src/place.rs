@@ -475,7 +475,7 @@ impl Placer {
                 p += 1;
             }
             // Nor may this thread lose its CPU to ordinary work meanwhile.
-            let _rt = super::RealtimeSection::enter();
+            let _rt = crate::priority::RealtimeSection::enter();
             f(run, p - run)?;
         }
         Ok(())
