@@ -117,7 +117,7 @@ pub unsafe extern "C" fn create_cq_ex(c: *mut ibv_context, attr: *mut ibv_cq_ini
     }
     let a = &*attr;
     // A CQ may name a parent domain (and only one: mlx5's rule); its queue
-    // keeps the library's memory (parent_domain.rs).
+    // keeps the library's memory (pdmr/parent_domain.rs).
     if a.comp_mask & IBV_CQ_INIT_ATTR_MASK_PD != 0 && crate::pdmr::pd(a.parent_domain).is_none_or(|p| p.parent.is_none()) {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
-//! Devices and contexts: ibv_get_device_list, ibv_open_device, the queries.
+//! Devices and contexts: ibv_get_device_list, the queries (ibv_open_device
+//! is in open.rs).
 //!
 //! There is one device, `rnic0`: the rnicd this process finds (the verbs
 //! crate's `find_socket`: `TRANSIT_RNICD_SOCK` or the default socket of one
@@ -8,14 +9,20 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
 use crate::sys::*;
-use crate::{cq, qp, set_errno};
+
+pub mod async_events;
+use crate::set_errno;
 
 pub const DEVICE_NAME: &str = "rnic0";
+
+/// Device memory per context, reported as `max_dm_size` (the MEMIC size
+/// of the NICs the tests were written on).
+pub const MAX_DM_SIZE: u64 = 256 << 10;
 
 /// An ibv_device with what opening it needs.
 #[repr(C)]
@@ -34,7 +41,7 @@ pub struct Context {
     /// The eventfd rnicd signals when it queues an asynchronous event for
     /// this context (async_events.rs).
     pub async_fd: OwnedFd,
-    pub events: crate::async_events::Events,
+    pub events: async_events::Events,
     /// Stands for the kernel command fd: some programs dup it (to import
     /// the context elsewhere, which this device refuses), so it must be a
     /// real descriptor.
@@ -63,7 +70,7 @@ fn namespace() -> Option<Ipv4Addr> {
     std::env::var("TRANSIT_IBV_NAMESPACE").ok().and_then(|s| s.parse().ok())
 }
 
-fn open_verbs(sock: &std::path::Path, ns: Option<Ipv4Addr>) -> anyhow::Result<verbs::Context> {
+pub(crate) fn open_verbs(sock: &std::path::Path, ns: Option<Ipv4Addr>) -> anyhow::Result<verbs::Context> {
     match ns {
         Some(g) => verbs::Context::open_namespace(Some(sock), g),
         None => verbs::Context::open(Some(sock)),
@@ -140,75 +147,6 @@ pub unsafe extern "C" fn ibv_get_device_index(dev: *mut ibv_device) -> c_int {
     0
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_context {
-    if dev.is_null() {
-        set_errno(libc::EINVAL);
-        return std::ptr::null_mut();
-    }
-    let d = &*(dev as *mut Device);
-    let Ok(inner) = open_verbs(&d.sock, d.namespace) else {
-        set_errno(libc::ENODEV);
-        return std::ptr::null_mut();
-    };
-    let port = match inner.query_port(1) {
-        Ok(p) => port_attr(&p),
-        Err(_) => {
-            set_errno(libc::ENODEV);
-            return std::ptr::null_mut();
-        }
-    };
-    let efd = libc::eventfd(0, libc::EFD_CLOEXEC);
-    let cfd = libc::eventfd(0, libc::EFD_CLOEXEC);
-    if efd < 0 || cfd < 0 {
-        return std::ptr::null_mut();
-    }
-    let (async_fd, cmd_fd) = (OwnedFd::from_raw_fd(efd), OwnedFd::from_raw_fd(cfd));
-    let Ok(idle) = inner.create_comp_channel() else {
-        set_errno(libc::EMFILE);
-        return std::ptr::null_mut();
-    };
-    if inner.open_async(async_fd.as_raw_fd()).is_err() {
-        set_errno(libc::ENODEV);
-        return std::ptr::null_mut();
-    }
-    let events = Default::default();
-    let mut c =
-        Box::new(Context { vctx: verbs_context::default(), inner, async_fd, cmd_fd, events, idle, port, dm_allocated: Default::default() });
-    let v = &mut c.vctx;
-    v.sz = std::mem::size_of::<verbs_context>();
-    v.query_port = Some(query_port_ex);
-    v.query_device_ex = Some(query_device_ex);
-    v.create_qp_ex = Some(qp::create_qp_ex);
-    v.create_cq_ex = Some(cq::create_cq_ex);
-    v.create_srq_ex = Some(crate::srq::create_srq_ex);
-    v.alloc_dm = Some(crate::dm::alloc_dm);
-    v.free_dm = Some(crate::dm::free_dm);
-    v.reg_dm_mr = Some(crate::dm::reg_dm_mr);
-    v.alloc_td = Some(crate::parent_domain::alloc_td);
-    v.dealloc_td = Some(crate::parent_domain::dealloc_td);
-    v.alloc_parent_domain = Some(crate::parent_domain::alloc_parent_domain);
-    v.context.device = dev;
-    v.context.cmd_fd = c.cmd_fd.as_raw_fd();
-    v.context.async_fd = c.async_fd.as_raw_fd();
-    v.context.num_comp_vectors = 1;
-    // Tells the inline functions of verbs.h that the verbs_context before
-    // this ibv_context is there (verbs_get_ctx_op).
-    v.context.abi_compat = usize::MAX as *mut c_void;
-    libc::pthread_mutex_init(&mut v.context.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
-    let ops = &mut v.context.ops;
-    ops.poll_cq = Some(cq::poll_cq);
-    ops.req_notify_cq = Some(cq::req_notify_cq);
-    ops.post_send = Some(qp::post_send);
-    ops.post_recv = Some(qp::post_recv);
-    ops.post_srq_recv = Some(crate::srq::post_srq_recv);
-    ops.alloc_mw = Some(crate::mw::alloc_mw);
-    ops.dealloc_mw = Some(crate::mw::dealloc_mw);
-    ops.bind_mw = Some(crate::mw::bind_mw);
-    let c = Box::into_raw(c);
-    &mut (*c).vctx.context
-}
-
 /// The drop-in's Context behind an ibv_context (NULL if none).
 pub unsafe fn ctx<'a>(c: *mut ibv_context) -> Option<&'a Context> {
     if c.is_null() {
@@ -238,7 +176,7 @@ fn mtu_enum(m: verbs::Mtu) -> ibv_mtu {
     }
 }
 
-fn port_attr(p: &verbs::PortAttr) -> ibv_port_attr {
+pub(crate) fn port_attr(p: &verbs::PortAttr) -> ibv_port_attr {
     ibv_port_attr {
         state: if p.state == "ACTIVE" { IBV_PORT_ACTIVE } else { IBV_PORT_DOWN },
         max_mtu: mtu_enum(p.max_mtu),
@@ -293,7 +231,7 @@ pub unsafe extern "C" fn ibv_query_device(c: *mut ibv_context, attr: *mut ibv_de
     0
 }
 
-unsafe extern "C" fn query_device_ex(
+pub(crate) unsafe extern "C" fn query_device_ex(
     c: *mut ibv_context,
     input: *const ibv_query_device_ex_input,
     attr: *mut ibv_device_attr_ex,
@@ -308,14 +246,14 @@ unsafe extern "C" fn query_device_ex(
         return r;
     }
     a.phys_port_cnt_ex = 1;
-    a.max_dm_size = crate::dm::MAX_DM_SIZE;
+    a.max_dm_size = MAX_DM_SIZE;
     let n = attr_size.min(std::mem::size_of::<ibv_device_attr_ex>());
     std::ptr::write_bytes(attr as *mut u8, 0, attr_size);
     std::ptr::copy_nonoverlapping(&a as *const _ as *const u8, attr as *mut u8, n);
     0
 }
 
-unsafe extern "C" fn query_port_ex(c: *mut ibv_context, port: u8, attr: *mut ibv_port_attr, len: usize) -> c_int {
+pub(crate) unsafe extern "C" fn query_port_ex(c: *mut ibv_context, port: u8, attr: *mut ibv_port_attr, len: usize) -> c_int {
     let (Some(c), false) = (ctx(c), attr.is_null()) else { return libc::EINVAL };
     if port != 1 {
         return libc::EINVAL;

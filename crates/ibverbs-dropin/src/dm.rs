@@ -20,14 +20,11 @@ use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::device::ctx;
+use crate::device::{ctx, MAX_DM_SIZE};
 use crate::pdmr::{pd, register_dm_range};
 use crate::set_errno;
 use crate::sys::*;
 
-/// Device memory per context, reported as `max_dm_size` (the MEMIC size
-/// of the NICs the tests were written on).
-pub const MAX_DM_SIZE: u64 = 256 << 10;
 /// Copies start and end on this boundary.
 const DM_ALIGN: u64 = 4;
 const PAGE: u64 = 4096;

@@ -15,14 +15,13 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub mod ah;
-pub mod async_events;
+mod chain;
 pub mod cq;
 pub mod device;
 pub mod dm;
 pub mod link;
 pub mod mem;
-pub mod mw;
-pub mod parent_domain;
+pub mod open;
 pub mod pdmr;
 pub mod qp;
 pub mod srq;

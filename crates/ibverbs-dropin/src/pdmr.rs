@@ -5,6 +5,8 @@ use std::ffi::{c_int, c_uint, c_void};
 
 use crate::device::ctx;
 use crate::sys::*;
+
+pub mod parent_domain;
 use crate::{mem, set_errno};
 
 #[repr(C)]
@@ -14,8 +16,8 @@ pub struct Pd {
     pub inner: std::sync::Arc<verbs::Pd>,
     /// MRs, QPs and parent domains made in this PD and not yet destroyed.
     pub users: std::sync::atomic::AtomicUsize,
-    /// Set if this is a parent domain (parent_domain.rs).
-    pub parent: Option<crate::parent_domain::Parent>,
+    /// Set if this is a parent domain (pdmr/parent_domain.rs).
+    pub parent: Option<parent_domain::Parent>,
 }
 
 #[repr(C)]
@@ -63,7 +65,7 @@ pub unsafe extern "C" fn ibv_dealloc_pd(p: *mut ibv_pd) -> c_int {
         return libc::EBUSY;
     }
     if let Some(parent) = &pd.parent {
-        crate::parent_domain::release(parent);
+        parent_domain::release(parent);
     }
     drop(Box::from_raw(p as *mut Pd));
     0
@@ -78,7 +80,7 @@ const KNOWN_ACCESS: c_uint =
 /// The access flags rnicd is given, or the errno a kernel driver returns
 /// for them. Optional flags (relaxed ordering and the rest of the optional
 /// range) may be ignored by a device; memory windows may be bound to an MR
-/// with MW_BIND (mw.rs); zero-based (but for device memory, dm.rs), ODP and
+/// with MW_BIND (qp/mw.rs); zero-based (but for device memory, dm.rs), ODP and
 /// the others are not supported here.
 fn check_access(access: c_uint) -> Result<c_uint, c_int> {
     let access = access & !ACCESS_OPTIONAL_RANGE;

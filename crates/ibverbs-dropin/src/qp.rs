@@ -12,10 +12,13 @@ use std::sync::atomic::Ordering;
 
 use smallvec::SmallVec;
 
+use crate::chain::POST_ON_STACK;
 use crate::cq::{cq, Cq};
 use crate::pdmr::{pd, Pd};
 use crate::set_errno;
 use crate::sys::*;
+
+pub mod mw;
 
 #[repr(C)]
 pub struct Qp {
@@ -34,7 +37,7 @@ pub struct Qp {
     /// The rings' memory from a parent domain's allocator: after `inner`
     /// (dropped first, unmapping the rings), so that it goes back to the
     /// allocator only once the rings are gone.
-    _queue_memory: Option<crate::parent_domain::QueueMemory>,
+    _queue_memory: Option<crate::pdmr::parent_domain::QueueMemory>,
 }
 
 /// One WR built through the ibv_qp_ex builders.
@@ -51,7 +54,7 @@ struct PendingWr {
     inline: Option<Vec<u8>>,
     /// UD: set by ibv_wr_set_ud_addr.
     ud: Option<verbs::UdDest>,
-    /// A window's bind: the window and its new key (mw.rs).
+    /// A window's bind: the window and its new key (qp/mw.rs).
     window: Option<(*mut ibv_mw, u32)>,
 }
 
@@ -116,7 +119,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     };
     init.sq_sig_all = a.sq_sig_all != 0;
     init.qp_type = qp_type;
-    let queue_memory = match crate::parent_domain::QueueMemory::for_qp(a.pd, verbs::qp_ring_bytes(&init.cap)) {
+    let queue_memory = match crate::pdmr::parent_domain::QueueMemory::for_qp(a.pd, verbs::qp_ring_bytes(&init.cap)) {
         Ok(m) => m,
         Err(e) => return fail(e),
     };
@@ -466,10 +469,6 @@ pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _m
     0
 }
 
-/// WRs of one post call checked and gathered on the stack; longer chains
-/// spill to the heap.
-const POST_ON_STACK: usize = 16;
-
 pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
     let set_bad = |w: *mut ibv_send_wr| {
         if !bad.is_null() {
@@ -491,8 +490,8 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
     // A chain of up to POST_ON_STACK WRs is checked and posted without a
     // heap allocation: perftest and most programs post one WR per call.
     let mut wrs: SmallVec<[(*mut ibv_send_wr, verbs::WrOpcode); POST_ON_STACK]> = SmallVec::new();
-    // Window binds, in the order of their WRs (mw.rs).
-    let mut binds: Vec<(*mut ibv_mw, crate::mw::Bind)> = Vec::new();
+    // Window binds, in the order of their WRs (qp/mw.rs).
+    let mut binds: Vec<(*mut ibv_mw, mw::Bind)> = Vec::new();
     let mut err = 0;
     let mut w = wr;
     while !w.is_null() {
@@ -501,7 +500,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             err = libc::ENOMEM;
             break;
         }
-        // Memory windows' WRs (mw.rs): BIND_MW becomes rnicd's key bind,
+        // Memory windows' WRs (qp/mw.rs): BIND_MW becomes rnicd's key bind,
         // LOCAL_INV its invalidation; other values are refused as drivers do.
         let op = if r.opcode == IBV_WR_BIND_MW { Some(verbs::WrOpcode::BindKey) } else { verbs::WrOpcode::from_u8(r.opcode as u8) };
         let Some(op) = op.filter(|op| r.opcode <= 9 && (r.opcode == IBV_WR_LOCAL_INV || r.opcode == IBV_WR_BIND_MW || !op.is_local()))
@@ -524,7 +523,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             // A bind names its range in bind_mw, not in the SGE list.
             let b = &r.__bindgen_anon_2.bind_mw;
             let earlier = binds.iter().rev().find(|(m, _)| *m == b.mw).map(|(_, e)| e.new_key);
-            match crate::mw::bind_request(b.mw, earlier, b.rkey, &b.bind_info) {
+            match mw::bind_request(b.mw, earlier, b.rkey, &b.bind_info) {
                 Ok(bind) => binds.push((b.mw, bind)),
                 Err(e) => {
                     err = e;
@@ -565,7 +564,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         let r = &*w;
         if op == verbs::WrOpcode::BindKey {
             let (_, b) = bind.next().expect("checked above");
-            posted.push(crate::mw::bind_wr(r.wr_id, (r.send_flags & 0xf) as u8 & !verbs::send_flags::INLINE, b));
+            posted.push(mw::bind_wr(r.wr_id, (r.send_flags & 0xf) as u8 & !verbs::send_flags::INLINE, b));
             continue;
         }
         // ibv_sge and the ring's Sge have the same layout (addr, length, lkey).
@@ -599,12 +598,12 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         }
         posted.push(s);
     }
-    if !posted.is_empty() && crate::mw::post_wrs(&x.inner, &posted).is_err() {
+    if !posted.is_empty() && mw::post_wrs(&x.inner, &posted).is_err() {
         set_bad(wr);
         return libc::ENOMEM;
     }
     for (m, b) in &binds {
-        crate::mw::posted(*m, b.new_key);
+        mw::posted(*m, b.new_key);
     }
     if err != 0 {
         set_bad(w);
@@ -629,10 +628,10 @@ pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *m
     }
     let max_sge = x.inner.cap.max_recv_sge as usize;
     let free = x.inner.recv_slots() as usize;
-    post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
+    crate::chain::post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
 }
 
-/// Posts one WR built elsewhere (a type 1 window's bind, mw.rs) on an RC
+/// Posts one WR built elsewhere (a type 1 window's bind, qp/mw.rs) on an RC
 /// QP that can send.
 pub(crate) unsafe fn post_one(q: *mut ibv_qp, s: verbs::SendWr) -> c_int {
     let Some(x) = qp(q) else { return libc::EINVAL };
@@ -642,7 +641,7 @@ pub(crate) unsafe fn post_one(q: *mut ibv_qp, s: verbs::SendWr) -> c_int {
     if x.inner.send_slots() == 0 {
         return libc::ENOMEM;
     }
-    match crate::mw::post_wrs(&x.inner, &[s]) {
+    match mw::post_wrs(&x.inner, &[s]) {
         Ok(()) => 0,
         Err(_) => libc::ENOMEM,
     }
@@ -734,10 +733,10 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
         }
         wrs.push(s);
     }
-    match crate::mw::post_wrs(&x.inner, &wrs) {
+    match mw::post_wrs(&x.inner, &wrs) {
         Ok(()) => {
             for (m, key) in b.wrs.iter().filter_map(|p| p.window) {
-                crate::mw::posted(m, key);
+                mw::posted(m, key);
             }
             0
         }
@@ -799,7 +798,7 @@ unsafe extern "C" fn wr_bind_mw(q: *mut ibv_qp_ex, m: *mut ibv_mw, rkey: u32, in
     let mut b = push(q, verbs::WrOpcode::BindKey, 0, 0);
     // The key an earlier bind of this batch gives the window, if any.
     let earlier = b.wrs.iter().rev().skip(1).find_map(|p| p.window.filter(|(w, _)| *w == m).map(|(_, k)| k));
-    let r = if info.is_null() { Err(libc::EINVAL) } else { crate::mw::bind_request(m, earlier, rkey, &*info) };
+    let r = if info.is_null() { Err(libc::EINVAL) } else { mw::bind_request(m, earlier, rkey, &*info) };
     match r {
         Ok(bind) => {
             let w = b.wrs.last_mut().unwrap();
@@ -862,47 +861,4 @@ unsafe extern "C" fn wr_set_inline_data_list(q: *mut ibv_qp_ex, n: usize, list: 
         }
     }
     with_last(q, |w| w.inline = Some(d));
-}
-
-/// Walks a receive chain for a QP's or an SRQ's ring: takes WRs while they
-/// are well formed and fit (`free` slots, `max_sge` each), posts them with
-/// `post`, and names the first WR not posted in `bad` (EINVAL for a bad
-/// WR, ENOMEM for a full ring), as rxe and mlx5 report a partial post.
-pub(crate) unsafe fn post_recv_chain(
-    wr: *mut ibv_recv_wr,
-    bad: *mut *mut ibv_recv_wr,
-    max_sge: usize,
-    free: usize,
-    post: impl FnOnce(&[verbs::RecvWr]) -> bool,
-) -> c_int {
-    let set_bad = |w: *mut ibv_recv_wr| {
-        if !bad.is_null() {
-            *bad = w;
-        }
-    };
-    let mut wrs: SmallVec<[verbs::RecvWr; POST_ON_STACK]> = SmallVec::new();
-    let mut err = 0;
-    let mut w = wr;
-    while !w.is_null() {
-        let r = &*w;
-        if wrs.len() >= free {
-            err = libc::ENOMEM;
-            break;
-        }
-        if r.num_sge < 0 || r.num_sge as usize > max_sge || (r.num_sge > 0 && r.sg_list.is_null()) {
-            err = libc::EINVAL;
-            break;
-        }
-        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge as usize);
-        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sges });
-        w = r.next;
-    }
-    if !wrs.is_empty() && !post(&wrs) {
-        set_bad(wr);
-        return libc::ENOMEM;
-    }
-    if err != 0 {
-        set_bad(w);
-    }
-    err
 }

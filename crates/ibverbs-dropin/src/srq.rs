@@ -136,5 +136,5 @@ pub unsafe extern "C" fn post_srq_recv(s: *mut ibv_srq, wr: *mut ibv_recv_wr, ba
     };
     let max_sge = x.inner.max_sge() as usize;
     let free = x.inner.free_slots() as usize;
-    crate::qp::post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
+    crate::chain::post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
 }

@@ -22,8 +22,8 @@
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::{pd, Pd};
 use crate::device::ctx;
-use crate::pdmr::{pd, Pd};
 use crate::set_errno;
 use crate::sys::*;
 

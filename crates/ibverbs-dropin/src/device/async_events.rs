@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use verbs::{AsyncEvent, AsyncKind};
 
-use crate::device::ctx;
+use super::ctx;
 use crate::set_errno;
 use crate::sys::*;
 
@@ -109,7 +109,7 @@ pub unsafe extern "C" fn ibv_get_async_event(c: *mut ibv_context, ev: *mut ibv_a
 }
 
 /// Moves rnicd's queued events (those naming live objects) to `pending`.
-fn fetch(cx: &crate::device::Context) -> bool {
+fn fetch(cx: &super::Context) -> bool {
     let Ok(evs) = cx.inner.fetch_async() else { return false };
     let mine: Vec<_> = evs.iter().filter_map(|e| cx.events.translate(e)).collect();
     lock(&cx.events.pending).extend(mine);
@@ -118,7 +118,7 @@ fn fetch(cx: &crate::device::Context) -> bool {
 
 /// Clears the fd's counter, takes whatever rnicd queued meanwhile (so no
 /// wake-up is lost), and signals the fd again if events remain.
-unsafe fn settle(cx: &crate::device::Context, fd: c_int) {
+unsafe fn settle(cx: &super::Context, fd: c_int) {
     let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     if libc::poll(&mut p, 1, 0) == 1 {
         let mut v = 0u64;

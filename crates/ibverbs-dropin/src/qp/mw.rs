@@ -158,7 +158,7 @@ pub unsafe extern "C" fn bind_mw(q: *mut ibv_qp, m: *mut ibv_mw, mb: *mut ibv_mw
         Err(e) => return e,
     };
     let s = bind_wr((*mb).wr_id, ((*mb).send_flags & 0xf) as u8, &b);
-    match crate::qp::post_one(q, s) {
+    match super::post_one(q, s) {
         0 => {
             posted(m, new_key);
             0

@@ -1,0 +1,55 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+//! WR chains as the post calls take them (a linked list of C structs).
+
+use std::ffi::c_int;
+
+use smallvec::SmallVec;
+
+use crate::sys::*;
+
+/// WRs of one post call checked and gathered on the stack; longer chains
+/// spill to the heap.
+pub(crate) const POST_ON_STACK: usize = 16;
+
+/// Walks a receive chain for a QP's or an SRQ's ring: takes WRs while they
+/// are well formed and fit (`free` slots, `max_sge` each), posts them with
+/// `post`, and names the first WR not posted in `bad` (EINVAL for a bad
+/// WR, ENOMEM for a full ring), as rxe and mlx5 report a partial post.
+pub(crate) unsafe fn post_recv_chain(
+    wr: *mut ibv_recv_wr,
+    bad: *mut *mut ibv_recv_wr,
+    max_sge: usize,
+    free: usize,
+    post: impl FnOnce(&[verbs::RecvWr]) -> bool,
+) -> c_int {
+    let set_bad = |w: *mut ibv_recv_wr| {
+        if !bad.is_null() {
+            *bad = w;
+        }
+    };
+    let mut wrs: SmallVec<[verbs::RecvWr; POST_ON_STACK]> = SmallVec::new();
+    let mut err = 0;
+    let mut w = wr;
+    while !w.is_null() {
+        let r = &*w;
+        if wrs.len() >= free {
+            err = libc::ENOMEM;
+            break;
+        }
+        if r.num_sge < 0 || r.num_sge as usize > max_sge || (r.num_sge > 0 && r.sg_list.is_null()) {
+            err = libc::EINVAL;
+            break;
+        }
+        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge as usize);
+        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sges });
+        w = r.next;
+    }
+    if !wrs.is_empty() && !post(&wrs) {
+        set_bad(wr);
+        return libc::ENOMEM;
+    }
+    if err != 0 {
+        set_bad(w);
+    }
+    err
+}
