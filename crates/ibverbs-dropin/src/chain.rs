@@ -11,6 +11,14 @@ use crate::sys::*;
 /// spill to the heap.
 pub(crate) const POST_ON_STACK: usize = 16;
 
+/// Names `w` as the first WR of a chain not posted, where the caller asked
+/// (`bad` may be NULL), as every post call reports a failure.
+pub(crate) unsafe fn name_bad<T>(bad: *mut *mut T, w: *mut T) {
+    if !bad.is_null() {
+        *bad = w;
+    }
+}
+
 /// Walks a receive chain for a QP's or an SRQ's ring: takes WRs while they
 /// are well formed and fit (`free` slots, `max_sge` each), posts them with
 /// `post`, and names the first WR not posted in `bad` (EINVAL for a bad
@@ -22,11 +30,6 @@ pub(crate) unsafe fn post_recv_chain(
     free: usize,
     post: impl FnOnce(&[verbs::RecvWr]) -> bool,
 ) -> c_int {
-    let set_bad = |w: *mut ibv_recv_wr| {
-        if !bad.is_null() {
-            *bad = w;
-        }
-    };
     let mut wrs: SmallVec<[verbs::RecvWr; POST_ON_STACK]> = SmallVec::new();
     let mut err = 0;
     let mut w = wr;
@@ -45,11 +48,11 @@ pub(crate) unsafe fn post_recv_chain(
         w = r.next;
     }
     if !wrs.is_empty() && !post(&wrs) {
-        set_bad(wr);
+        name_bad(bad, wr);
         return libc::ENOMEM;
     }
     if err != 0 {
-        set_bad(w);
+        name_bad(bad, w);
     }
     err
 }

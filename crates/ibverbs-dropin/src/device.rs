@@ -13,10 +13,10 @@ use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+use crate::set_errno;
 use crate::sys::*;
 
 pub mod async_events;
-use crate::set_errno;
 
 pub const DEVICE_NAME: &str = "rnic0";
 

@@ -5,9 +5,9 @@ use std::ffi::{c_int, c_uint, c_void};
 
 use crate::device::ctx;
 use crate::sys::*;
+use crate::{mem, set_errno};
 
 pub mod parent_domain;
-use crate::{mem, set_errno};
 
 #[repr(C)]
 pub struct Pd {

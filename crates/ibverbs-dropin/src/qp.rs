@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 
 use smallvec::SmallVec;
 
-use crate::chain::POST_ON_STACK;
+use crate::chain::{name_bad, post_recv_chain, POST_ON_STACK};
 use crate::cq::{cq, Cq};
 use crate::pdmr::{pd, Pd};
 use crate::set_errno;
@@ -470,17 +470,12 @@ pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _m
 }
 
 pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
-    let set_bad = |w: *mut ibv_send_wr| {
-        if !bad.is_null() {
-            *bad = w;
-        }
-    };
     let Some(x) = qp(q) else {
-        set_bad(wr);
+        name_bad(bad, wr);
         return libc::EINVAL;
     };
     if !x.can_send() {
-        set_bad(wr);
+        name_bad(bad, wr);
         return libc::EINVAL;
     }
     let cap = x.inner.cap;
@@ -599,36 +594,31 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         posted.push(s);
     }
     if !posted.is_empty() && mw::post_wrs(&x.inner, &posted).is_err() {
-        set_bad(wr);
+        name_bad(bad, wr);
         return libc::ENOMEM;
     }
     for (m, b) in &binds {
         mw::posted(*m, b.new_key);
     }
     if err != 0 {
-        set_bad(w);
+        name_bad(bad, w);
     }
     err
 }
 
 pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
-    let set_bad = |w: *mut ibv_recv_wr| {
-        if !bad.is_null() {
-            *bad = w;
-        }
-    };
     let Some(x) = qp(q) else {
-        set_bad(wr);
+        name_bad(bad, wr);
         return libc::EINVAL;
     };
     // As rxe and mlx5: a QP in RESET, or on an SRQ, takes no receives.
     if x.qpx.qp_base.state == IBV_QPS_RESET || !x.qpx.qp_base.srq.is_null() {
-        set_bad(wr);
+        name_bad(bad, wr);
         return libc::EINVAL;
     }
     let max_sge = x.inner.cap.max_recv_sge as usize;
     let free = x.inner.recv_slots() as usize;
-    crate::chain::post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
+    post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
 }
 
 /// Posts one WR built elsewhere (a type 1 window's bind, qp/mw.rs) on an RC

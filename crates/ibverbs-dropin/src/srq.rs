@@ -12,6 +12,7 @@
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::chain::{name_bad, post_recv_chain};
 use crate::pdmr::{pd, Pd};
 use crate::set_errno;
 use crate::sys::*;
@@ -125,16 +126,11 @@ pub unsafe extern "C" fn ibv_destroy_srq(s: *mut ibv_srq) -> c_int {
 /// ibv_post_srq_recv (context ops): checks the chain whole, then writes
 /// the WRs into the shared ring; `bad` names the first WR not posted.
 pub unsafe extern "C" fn post_srq_recv(s: *mut ibv_srq, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
-    let set_bad = |w: *mut ibv_recv_wr| {
-        if !bad.is_null() {
-            *bad = w;
-        }
-    };
     let Some(x) = srq(s) else {
-        set_bad(wr);
+        name_bad(bad, wr);
         return libc::EINVAL;
     };
     let max_sge = x.inner.max_sge() as usize;
     let free = x.inner.free_slots() as usize;
-    crate::chain::post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
+    post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
 }
