@@ -20,11 +20,7 @@ pub fn transit_bin() -> Result<PathBuf> {
     if let Ok(p) = std::env::var("TRANSIT_BIN") {
         return Ok(PathBuf::from(p));
     }
-    let exe = std::env::current_exe()?;
-    let mut dir = exe.parent().unwrap().to_path_buf();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
+    let dir = testbed::build::build_dir();
     let bin = dir.join("transit");
     let release = dir.ends_with("release");
     let target = dir.parent().unwrap().to_path_buf();

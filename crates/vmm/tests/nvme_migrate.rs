@@ -15,11 +15,7 @@ fn transit() -> PathBuf {
     if let Some(p) = std::env::var_os("TRANSIT_BIN") {
         return p.into();
     }
-    let exe = std::env::current_exe().unwrap();
-    let mut dir = exe.parent().unwrap().to_path_buf();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
+    let dir = testbed::build::build_dir();
     let target = dir.parent().unwrap().to_path_buf();
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.args(["build", "-q", "-p", "transit", "--bin", "transit"]).env("CARGO_TARGET_DIR", &target).env("UNICORN_NO_PKG_CONFIG", "1");
