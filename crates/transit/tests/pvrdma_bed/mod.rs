@@ -34,6 +34,8 @@ impl Bed {
     /// tests whose nftables rules must see each packet's own headers).
     pub fn with_rnicd_args(prefix: &str, args: &[&str]) -> Bed {
         let tb = Testbed::create(TestbedOpts::new(prefix, 3)).expect("testbed (needs root)");
+        let bin = transit_bin();
+        let cmd = [bin.to_str().unwrap(), "rnicd"];
         let mut nics = Vec::new();
         for i in 0..3 {
             let h = tb.host(i);
@@ -41,8 +43,6 @@ impl Bed {
             // may lose while the request is out.
             h.sh("sysctl -qw net.ipv4.conf.all.arp_announce=2").unwrap();
             let sock = rnic::daemon::default_socket_path(h.addr(0));
-            let bin = transit_bin();
-            let cmd = [bin.to_str().unwrap(), "rnicd"];
             nics.push(Rnicd::start_cmd(&tb, i, &cmd, Some(sock), args).expect("rnicd did not start"));
         }
         Bed { nics, tb }
