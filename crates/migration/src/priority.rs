@@ -36,13 +36,7 @@ pub(crate) fn bound_push_buffer(s: &std::net::TcpStream, channels: usize, send: 
 /// Without the privilege for [`fault_path_priority`], the fault path gets
 /// a larger CPU share (nice -10) than the vCPUs and the host's other work.
 pub(crate) fn urgent_priority() {
-    // Threads started by the switch inherit its real-time class: drop it.
-    set_priority(false);
-    // SAFETY: plain syscalls on the calling thread.
-    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
-    if r != 0 {
-        tracing::debug!("no higher priority for postcopy: {}", std::io::Error::last_os_error());
-    }
+    normal_class_at_nice(-10);
 }
 
 /// The postcopy push's senders and receivers run at the host's normal
@@ -54,11 +48,18 @@ pub(crate) fn urgent_priority() {
 /// every QP stall that long), since on a shared host only threads of one
 /// session group compete by nice value, and those are the VM's own.
 pub(crate) fn push_priority() {
+    normal_class_at_nice(0);
+}
+
+/// Moves the calling thread to the normal class (threads started by the
+/// switch inherit its real-time class) at `nice`. Errors only cost the
+/// priority.
+fn normal_class_at_nice(nice: i32) {
     set_priority(false);
     // SAFETY: plain syscalls on the calling thread.
-    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) };
+    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice) };
     if r != 0 {
-        tracing::debug!("push priority unchanged: {}", std::io::Error::last_os_error());
+        tracing::debug!("thread priority not set to nice {nice}: {}", std::io::Error::last_os_error());
     }
 }
 
