@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
+use testbed::rnicd::Rnicd;
 use vmm::testing::{unique_name, VmProcess};
 
 use super::{step, DemoArgs};
@@ -19,34 +20,20 @@ use super::{step, DemoArgs};
 const PORT: u16 = 4440;
 const WAIT: Duration = Duration::from_secs(300);
 
-/// rnicd on every host; dropped after the VMs and the peer.
-struct Nics {
-    children: Vec<testbed::HostChild>,
-    socks: Vec<std::path::PathBuf>,
-}
-
-impl Drop for Nics {
-    fn drop(&mut self) {
-        self.children.clear();
-        for s in &self.socks {
-            let _ = std::fs::remove_file(s);
-        }
-    }
-}
-
-fn start_nics(tb: &testbed::Testbed, me: &std::path::Path) -> Result<Nics> {
-    let mut n = Nics { children: Vec::new(), socks: Vec::new() };
-    for i in 0..3 {
-        let h = tb.host(i);
-        // ARP requests from a host name its own address, not a GID it may
-        // lose while the request is out.
-        h.sh("sysctl -qw net.ipv4.conf.all.arp_announce=2")?;
-        let sock = rnic::daemon::default_socket_path(h.addr(0));
-        let args = ["--log", "warn", "rnicd", "--addr", &h.addr(0).to_string()];
-        n.children.push(h.spawn_ready(me.to_str().context("path")?, args, &sock, Duration::from_secs(20))?);
-        n.socks.push(sock);
-    }
-    Ok(n)
+/// rnicd on every host, each on its host's default socket (the VMs' devices
+/// find it there); dropped after the VMs and the peer.
+fn start_nics(tb: &testbed::Testbed, me: &std::path::Path) -> Result<Vec<Rnicd>> {
+    let me = me.to_str().context("the transit path is not UTF-8")?;
+    (0..3)
+        .map(|i| {
+            let h = tb.host(i);
+            // ARP requests from a host name its own address, not a GID it may
+            // lose while the request is out.
+            h.sh("sysctl -qw net.ipv4.conf.all.arp_announce=2")?;
+            let sock = rnic::daemon::default_socket_path(h.addr(0));
+            Rnicd::start_cmd(tb, i, &[me, "--log", "warn", "rnicd"], Some(sock), &[])
+        })
+        .collect()
 }
 
 /// The peer process on host C; killed if the demo fails before its report.
@@ -277,7 +264,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let (ha, hb, hc) = (tb.host(0), tb.host(1), tb.host(2));
     eprintln!("    host A = {}, host B = {}, peer host C = {}", ha.addr(0), hb.addr(0), hc.addr(0));
     let nics = start_nics(&tb, &me)?;
-    let peer_nic = PeerNic(verbs::Context::open(Some(&nics.socks[2])).context("rnicd on host C")?);
+    let peer_nic = PeerNic(verbs::Context::open(Some(&nics[2].sock)).context("rnicd on host C")?);
     let gid = tb.spare_addr(0, 1);
     let name = unique_name("demo");
     step(&format!(
@@ -295,7 +282,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let mut child = hc
         .command(&me)
         .args(["--log", "warn", "rdma", "peer", "--guest", ids_file.to_str().context("path")?])
-        .args(["--sock", nics.socks[2].to_str().context("path")?, "--timeout", "20", "--stall", "120", "--duration", "86400"])
+        .args(["--sock", nics[2].sock.to_str().context("path")?, "--timeout", "20", "--stall", "120", "--duration", "86400"])
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
         .spawn()?;
