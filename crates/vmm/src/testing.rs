@@ -188,6 +188,11 @@ impl Drop for VmProcess {
             let _ = c.wait();
         }
         let _ = std::fs::remove_file(&self.socket);
+        // The console log stays where a test failed (it is what to read
+        // then); otherwise thousands of runs would leave thousands of logs.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.console_log);
+        }
     }
 }
 
