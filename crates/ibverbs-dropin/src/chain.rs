@@ -19,6 +19,25 @@ pub(crate) unsafe fn name_bad<T>(bad: *mut *mut T, w: *mut T) {
     }
 }
 
+// ibv_sge and the ring's Sge have the same layout (addr, length, lkey).
+const _: () = assert!(
+    std::mem::size_of::<ibv_sge>() == std::mem::size_of::<verbs::Sge>()
+        && std::mem::align_of::<ibv_sge>() == std::mem::align_of::<verbs::Sge>()
+);
+
+/// A WR's SGE list as the ring's Sges. `num_sge` 0 is an empty list
+/// whatever `sg_list` is: LOCAL_INV, zero-length sends and receives
+/// legally pass NULL there, and no slice may be made from a NULL pointer
+/// (not even an empty one). The caller has refused a negative `num_sge`,
+/// and a NULL `sg_list` with a positive one.
+pub(crate) unsafe fn sge_list<'a>(sg_list: *const ibv_sge, num_sge: c_int) -> &'a [verbs::Sge] {
+    if num_sge <= 0 || sg_list.is_null() {
+        &[]
+    } else {
+        std::slice::from_raw_parts(sg_list as *const verbs::Sge, num_sge as usize)
+    }
+}
+
 /// Walks a receive chain for a QP's or an SRQ's ring: takes WRs while they
 /// are well formed and fit (`free` slots, `max_sge` each), posts them with
 /// `post`, and names the first WR not posted in `bad` (EINVAL for a bad
@@ -43,8 +62,7 @@ pub(crate) unsafe fn post_recv_chain(
             err = libc::EINVAL;
             break;
         }
-        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge as usize);
-        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sges });
+        wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sge_list(r.sg_list, r.num_sge) });
         w = r.next;
     }
     if !wrs.is_empty() && !post(&wrs) {

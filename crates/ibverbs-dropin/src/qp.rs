@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 
 use smallvec::SmallVec;
 
-use crate::chain::{name_bad, post_recv_chain, POST_ON_STACK};
+use crate::chain::{name_bad, post_recv_chain, sge_list, POST_ON_STACK};
 use crate::cq::{cq, Cq};
 use crate::pdmr::{pd, Pd};
 use crate::set_errno;
@@ -533,7 +533,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             err = libc::EINVAL;
             break;
         }
-        let sges = std::slice::from_raw_parts(r.sg_list, r.num_sge as usize);
+        let sges = sge_list(r.sg_list, r.num_sge);
         if r.send_flags & IBV_SEND_INLINE != 0 && !op.is_read_or_atomic() {
             let total: usize = sges.iter().map(|s| s.length as usize).sum();
             if total > cap.max_inline_data as usize {
@@ -541,7 +541,8 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
                 break;
             }
             let mut buf = Vec::with_capacity(total);
-            for s in sges {
+            // An empty SGE may have a NULL address.
+            for s in sges.iter().filter(|s| s.length > 0) {
                 buf.extend_from_slice(std::slice::from_raw_parts(s.addr as *const u8, s.length as usize));
             }
             inline.push(buf);
@@ -562,9 +563,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             posted.push(mw::bind_wr(r.wr_id, (r.send_flags & 0xf) as u8 & !verbs::send_flags::INLINE, b));
             continue;
         }
-        // ibv_sge and the ring's Sge have the same layout (addr, length, lkey).
-        let sges = std::slice::from_raw_parts(r.sg_list as *const verbs::Sge, r.num_sge.max(0) as usize);
-        let mut s = verbs::SendWr::new(r.wr_id, op, sges);
+        let mut s = verbs::SendWr::new(r.wr_id, op, sge_list(r.sg_list, r.num_sge));
         s.flags = (r.send_flags & 0xf) as u8 & !verbs::send_flags::INLINE;
         match op {
             verbs::WrOpcode::RdmaWrite | verbs::WrOpcode::RdmaWriteImm | verbs::WrOpcode::RdmaRead => {

@@ -141,6 +141,48 @@ int main(void)
 		OK("send/recv with imm and a channel event");
 	}
 
+	/* Zero-length WRs without an SGE list (sg_list NULL, num_sge 0, as
+	 * programs legally pass them): two receives, then a SEND and a WRITE
+	 * with immediate consuming them, all four completing. */
+	{
+		char *z = malloc(64);
+		struct ibv_mr *zm = ibv_reg_mr(pd, z, 64, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+		CHECK("empty WRs", zm, "reg_mr errno %d", errno);
+		struct ibv_recv_wr r1 = { .wr_id = 31, .sg_list = NULL, .num_sge = 0 };
+		struct ibv_recv_wr r0 = { .wr_id = 30, .sg_list = NULL, .num_sge = 0, .next = &r1 }, *rbad;
+		CHECK("empty post_recv", ibv_post_recv(b, &r0, &rbad) == 0, "post_recv");
+		struct ibv_send_wr s1 = { .wr_id = 33, .sg_list = NULL, .num_sge = 0, .opcode = IBV_WR_RDMA_WRITE_WITH_IMM,
+					  .send_flags = IBV_SEND_SIGNALED, .imm_data = htobe32(0x5eed) };
+		struct ibv_send_wr s0 = { .wr_id = 32, .sg_list = NULL, .num_sge = 0, .opcode = IBV_WR_SEND,
+					  .send_flags = IBV_SEND_SIGNALED, .next = &s1 }, *sbad;
+		s1.wr.rdma.remote_addr = (uintptr_t)z;
+		s1.wr.rdma.rkey = zm->rkey;
+		CHECK("empty post_send", ibv_post_send(a, &s0, &sbad) == 0, "post_send");
+		int seen = 0;
+		for (int k = 0; k < 4; k++) {
+			struct ibv_wc wc = wait_ok("empty WRs");
+			CHECK("empty WRs", wc.wr_id >= 30 && wc.wr_id <= 33 && !(seen & (1 << (wc.wr_id - 30))), "wr_id %lu",
+			      (unsigned long)wc.wr_id);
+			seen |= 1 << (wc.wr_id - 30);
+			if (wc.wr_id == 30)
+				CHECK("empty SEND received", wc.opcode == IBV_WC_RECV && wc.byte_len == 0 &&
+								     !(wc.wc_flags & IBV_WC_WITH_IMM),
+				      "opcode %d len %u", wc.opcode, wc.byte_len);
+			if (wc.wr_id == 31)
+				CHECK("empty WRITE with imm received",
+				      wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM && wc.byte_len == 0 &&
+					      (wc.wc_flags & IBV_WC_WITH_IMM) && be32toh(wc.imm_data) == 0x5eed,
+				      "opcode %d len %u imm %x", wc.opcode, wc.byte_len, be32toh(wc.imm_data));
+			if (wc.wr_id == 32)
+				CHECK("empty SEND", wc.opcode == IBV_WC_SEND, "opcode %d", wc.opcode);
+			if (wc.wr_id == 33)
+				CHECK("empty WRITE with imm", wc.opcode == IBV_WC_RDMA_WRITE, "opcode %d", wc.opcode);
+		}
+		ibv_dereg_mr(zm);
+		free(z);
+		OK("zero-length SEND, WRITE with imm and receives without an SGE list");
+	}
+
 	/* READ and atomics. */
 	{
 		uint64_t *t = aligned_alloc(64, 4096), *l = aligned_alloc(64, 4096);
