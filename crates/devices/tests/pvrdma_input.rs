@@ -70,6 +70,18 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
     d.wr(REG_DSRLOW, dsr as u32);
     d.wr(REG_DSRHIGH, 0);
     assert_eq!(d.rd(REG_ERR), EINVAL as u32);
+    // Command and response slots outside guest RAM or not whole pages:
+    // refused at DSRHIGH, before any command could run without a way to
+    // answer it.
+    let slot = d.alloc(1);
+    for (cmd_slot, resp_slot) in [(slot, RAM + 4096), (slot + 8, slot), (RAM, slot)] {
+        d.put(dsr, &Dsr { cmd_slot_dma: cmd_slot, resp_slot_dma: resp_slot, ..Default::default() });
+        d.wr(REG_DSRLOW, dsr as u32);
+        d.wr(REG_DSRHIGH, 0);
+        assert_eq!(d.rd(REG_ERR), EFAULT as u32, "slots {cmd_slot:#x} / {resp_slot:#x}");
+        d.wr(REG_CTL, DEVICE_CTL_ACTIVATE);
+        assert_eq!(d.rd(REG_ERR), EPERM, "ACTIVATE after a refused DSR");
+    }
     d.bring_up();
     d.wr(REG_CTL, DEVICE_CTL_ACTIVATE);
     assert_eq!(d.rd(REG_ERR), EPERM, "ACTIVATE twice");
@@ -155,6 +167,9 @@ fn malformed_requests_get_error_statuses_and_harm_nothing() {
     assert_eq!(d.cmd::<_, CmdCreateQpRespV2>(qp(ib::qp_type::RC, 8, 9, 3)).err(), Some(EINVAL), "too many SGEs");
     assert_eq!(d.cmd::<_, CmdCreateQpRespV2>(qp(ib::qp_type::RC, 7, 1, 3)).err(), Some(EINVAL), "depth not a power of two");
     assert_eq!(d.cmd::<_, CmdCreateQpRespV2>(qp(ib::qp_type::RC, 1024, 8, 3)).err(), Some(EINVAL), "rings larger than their pages");
+    // Each QP's page list is kept (and saved): no more than twice what
+    // its rings need.
+    assert_eq!(d.cmd::<_, CmdCreateQpRespV2>(qp(ib::qp_type::RC, 8, 1, u16::MAX)).err(), Some(EINVAL), "pages far beyond its rings");
     assert_eq!(d.query()["objects"]["qps"], 0);
 
     // A working connection, then bad input on its rings and WQEs.

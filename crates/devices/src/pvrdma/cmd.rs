@@ -277,9 +277,13 @@ impl Dev {
         let rq_stride = rq_wqe_stride(max_recv_sge);
         let send_chunks = c.send_chunks as u32;
         let total = c.total_chunks as u32;
-        if queue_pages(c.max_send_wr, sq_stride) > send_chunks
+        // The queues' pages and at most as many again (a driver may round
+        // up): each QP's page list is kept, and saved with the device.
+        let (sq_pages, rq_pages) = (queue_pages(c.max_send_wr, sq_stride), queue_pages(max_recv_wr, rq_stride));
+        if sq_pages > send_chunks
             || total < QP_NUM_HEADER_PAGES + send_chunks
-            || queue_pages(max_recv_wr, rq_stride) > total - QP_NUM_HEADER_PAGES - send_chunks
+            || rq_pages > total - QP_NUM_HEADER_PAGES - send_chunks
+            || total > QP_NUM_HEADER_PAGES + 2 * (sq_pages + rq_pages)
         {
             return Err(Errno::EINVAL);
         }

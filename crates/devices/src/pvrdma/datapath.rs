@@ -15,7 +15,7 @@ use pvrdma_abi::*;
 use verbs::{RecvWr, SendWr, Wc, WcOpcode, WrOpcode};
 
 use super::dev::Dev;
-use super::objects::{OutRecv, OutSend};
+use super::objects::{OutRecv, OutSend, QpInfo};
 use super::Errno;
 
 /// How many completions one drain moves at most (a POLL doorbell's work is
@@ -147,6 +147,7 @@ impl Dev {
         let tail = self.tail_to_take(handle, true)?;
         let guest = self.guest.clone();
         let mut bad = None;
+        let left;
         {
             let qp = self.qps.get_mut(handle).ok_or(Errno::EINVAL)?;
             let i = &mut qp.info;
@@ -181,9 +182,16 @@ impl Dev {
                 qp.qp.post_send(&wrs).map_err(|_| Errno::ENOSPC)?;
                 self.counters.sq_wqes += batch.len() as u64;
                 qp.info.sq_out.extend(batch);
+                forget_retired_unsignaled(&mut qp.info);
             }
+            left = bad.is_none() && matches!(ring_has_data(tail, qp.info.sq.head, qp.info.sq.wqe_cnt), Ok(Some(_)));
             let head_at = qp.info.pages.gpa(qp.info.sq.ring_offset + 4, 4)?;
             guest.store_u32(head_at, qp.info.sq.head)?;
+        }
+        if left {
+            // Unsignaled sends bring no completion that would take the
+            // rest: the notifier thread looks again (`take_waiting_sends`).
+            self.sends_waiting.store(true, std::sync::atomic::Ordering::Release);
         }
         if let Some((wr_id, opcode, e)) = bad {
             self.counters.bad_wqes += 1;
@@ -191,6 +199,21 @@ impl Dev {
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Takes the send WQEs left in guests' rings while rnicd's queues were
+    /// full (`sends_waiting`); those that still find no room wait again.
+    pub fn take_waiting_sends(&mut self) {
+        if self.paused || !self.bus_master || self.regs.state != super::dev::DevState::Active {
+            self.sends_waiting.store(true, std::sync::atomic::Ordering::Release);
+            return;
+        }
+        let handles: Vec<u32> = self.qps.iter().filter(|(_, q)| !q.info.broken).map(|(h, _)| *h).collect();
+        for h in handles {
+            if self.ring_tail(h, true).is_ok_and(|t| self.qps.get(h).is_some_and(|q| t != q.info.sq.head)) {
+                let _ = self.post_sends(h);
+            }
+        }
     }
 
     pub fn post_recvs(&mut self, handle: u32) -> Result<(), Errno> {
@@ -201,7 +224,12 @@ impl Dev {
             let qp = self.qps.get_mut(handle).ok_or(Errno::EINVAL)?;
             let i = &mut qp.info;
             let mut batch: Vec<OutRecv> = Vec::new();
-            while let Ok(Some(slot)) = ring_has_data(tail, i.rq.head, i.rq.wqe_cnt) {
+            // As for sends: no more than rnicd's receive queue has room for
+            // (a guest that posts beyond its queue's depth sees its ring
+            // full); the rest go when receive completions free room.
+            let room = qp.qp.recv_slots() as usize;
+            while batch.len() < room {
+                let Ok(Some(slot)) = ring_has_data(tail, i.rq.head, i.rq.wqe_cnt) else { break };
                 let at = i.rq.offset + slot as u64 * i.rq.stride as u64;
                 match read_recv(&guest, &i.pages, at, i.rq.stride, i.rq.max_sge) {
                     Ok((hdr, sges)) => {
@@ -266,17 +294,22 @@ impl Dev {
     }
 
     /// Takes up to one batch of rnicd's completions of CQ `handle` into its
-    /// pending list; returns how many there were.
+    /// pending list, however long it is; returns how many there were.
     fn pull_batch(&mut self, handle: u32) -> usize {
-        self.pull_batch_noting(handle, &mut Vec::new())
+        self.pull_batch_noting(handle, usize::MAX, &mut Vec::new())
     }
 
-    /// `pull_batch`, adding to `sent` the QPs whose sends completed (their
-    /// completions freed room in rnicd's send queue).
-    fn pull_batch_noting(&mut self, handle: u32, sent: &mut Vec<u32>) -> usize {
+    /// `pull_batch` while the pending list holds fewer than `bound`
+    /// completions, adding to `freed` each QP and queue (true: send) whose
+    /// completions freed room in rnicd's queues.
+    fn pull_batch_noting(&mut self, handle: u32, bound: usize, freed: &mut Vec<(u32, bool)>) -> usize {
         let mut wcs = [Wc::default(); DRAIN_BATCH];
         let Some(cq) = self.cqs.get_mut(handle) else { return 0 };
-        let polled = match cq.cq.poll(&mut wcs) {
+        let want = DRAIN_BATCH.min(bound.saturating_sub(cq.ring.pending.len()));
+        if want == 0 {
+            return 0;
+        }
+        let polled = match cq.cq.poll(&mut wcs[..want]) {
             Ok(n) => n,
             Err(_) => {
                 // Overrun: the guest's CQ was smaller than what it had
@@ -292,11 +325,10 @@ impl Dev {
             }
         };
         for wc in &wcs[..polled] {
-            if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
-                if let Some(qp) = self.qp_handle_of(wc.qp_num) {
-                    if !sent.contains(&qp) {
-                        sent.push(qp);
-                    }
+            let send = !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
+            if let Some(qp) = self.qp_handle_of(wc.qp_num) {
+                if !freed.contains(&(qp, send)) {
+                    freed.push((qp, send));
                 }
             }
             if let Some(cqe) = self.complete(wc) {
@@ -322,14 +354,23 @@ impl Dev {
             return 0;
         }
         let guest = self.guest.clone();
-        let mut sent = Vec::new();
-        self.pull_batch_noting(handle, &mut sent);
-        // WQEs the guest queued while rnicd's send queue was full.
-        for qp in sent {
-            let waiting = self.qps.get(qp).is_some_and(|q| !q.info.broken)
-                && self.ring_tail(qp, true).is_ok_and(|t| self.qps.get(qp).is_some_and(|q| t != q.info.sq.head));
+        let mut freed = Vec::new();
+        // Completions wait in rnicd once the guest's ring and as many again
+        // are full: a guest that stops taking them then overruns rnicd's CQ
+        // (CQ_ERR, above) instead of growing this list without end.
+        let bound = self.cqs.get(handle).map_or(0, |c| c.ring.entries as usize);
+        self.pull_batch_noting(handle, bound, &mut freed);
+        // WQEs the guest queued while rnicd's queue was full. (A QP on an
+        // SRQ has no receive ring of its own: the SRQ refills itself.)
+        for (qp, send) in freed {
+            let own_ring = send || self.srq_of_qp(qp).is_none();
+            let waiting = own_ring
+                && self.qps.get(qp).is_some_and(|q| !q.info.broken)
+                && self
+                    .ring_tail(qp, send)
+                    .is_ok_and(|t| self.qps.get(qp).is_some_and(|q| t != if send { q.info.sq.head } else { q.info.rq.head }));
             if waiting {
-                let _ = self.post_sends(qp);
+                let _ = if send { self.post_sends(qp) } else { self.post_recvs(qp) };
             }
         }
         let Some(cq) = self.cqs.get_mut(handle) else { return 0 };
@@ -557,4 +598,23 @@ fn send_wc_opcode(op: u32) -> u32 {
         wr_opcode::ATOMIC_FETCH_AND_ADD => wc_opcode::FETCH_ADD,
         _ => wc_opcode::SEND,
     }
+}
+
+/// Drops the copies of unsignaled send WQEs that rnicd has certainly
+/// retired. rnicd holds at most its ring (the queue's depth) and as many
+/// again taken from it, so a WQE with more than that many posted after it
+/// is retired; an unsignaled one gets no completion, and no migration
+/// reposts it. Without this, a guest that never signals would grow the
+/// list without end (the copies go otherwise only with a later signaled
+/// completion). Signaled copies stay until their completion is taken.
+fn forget_retired_unsignaled(i: &mut QpInfo) {
+    let retired = i.sq_out.len().saturating_sub(2 * i.sq.wqe_cnt as usize + 1);
+    if retired == 0 || i.sq_sig_all {
+        return;
+    }
+    let mut k = 0;
+    i.sq_out.retain(|o| {
+        k += 1;
+        k > retired || o.hdr.send_flags & ib_send::SIGNALED != 0
+    });
 }

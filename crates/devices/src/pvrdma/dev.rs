@@ -183,6 +183,10 @@ pub(crate) struct Dev {
     /// Some guest CQ is armed: the notifier thread waits on rnicd's
     /// completion channel only then (mod.rs, `notifier`).
     pub cq_armed: Arc<std::sync::atomic::AtomicBool>,
+    /// Some QP's send WQEs wait in the guest's ring because rnicd's queue
+    /// was full at the doorbell: the notifier thread takes them when no
+    /// send completion (which takes them at once) comes first.
+    pub sends_waiting: Arc<std::sync::atomic::AtomicBool>,
     /// The notifier thread, unparked when the guest arms a CQ.
     pub notifier_thread: Option<std::thread::Thread>,
 }
@@ -217,6 +221,7 @@ impl Dev {
             msi: None,
             msix_function_masked: false,
             cq_armed: Default::default(),
+            sends_waiting: Default::default(),
             notifier_thread: None,
         }
     }
@@ -300,6 +305,12 @@ impl Dev {
         }
         let addr = (self.regs.dsr_high as u64) << 32 | self.regs.dsr_low as u64;
         let dsr: Dsr = self.guest.read(addr)?;
+        // The command and response slots are whole pages of guest RAM:
+        // checked now, so that no command runs (and makes objects) whose
+        // response could not be written.
+        if !self.guest.page_ok(dsr.cmd_slot_dma) || !self.guest.page_ok(dsr.resp_slot_dma) {
+            return Err(Errno::EFAULT);
+        }
         let ring = |info: &abi::RingPageInfo, size: usize| -> Result<Option<EventRing>, Errno> {
             if info.num_pages == 0 {
                 return Ok(None);

@@ -51,7 +51,7 @@ impl Guest {
     }
 
     /// Whether the page at `gpa` is page aligned and inside guest RAM.
-    fn page_ok(&self, gpa: u64) -> bool {
+    pub(crate) fn page_ok(&self, gpa: u64) -> bool {
         gpa.is_multiple_of(PAGE) && self.mem.check_range(GuestAddress(gpa), PAGE as usize)
     }
 

@@ -289,6 +289,9 @@ impl Pvrdma {
                 "cqs": d.cqs.len(), "qps": d.qps.len(), "srqs": d.srqs.len(),
             },
             "bus_master": d.bus_master,
+            "cqs": d.cqs.iter().map(|(h, c)| json!({
+                "handle": h, "entries": c.ring.entries, "pending": c.ring.pending.len(), "overran": c.overran,
+            })).collect::<Vec<_>>(),
             "srqs": d.srqs.iter().map(|(h, s)| json!({
                 "handle": h, "pd": s.info.pd_handle, "max_wr": s.info.rq.wqe_cnt, "max_sge": s.info.rq.max_sge,
                 "limit": s.info.limit, "broken": s.info.broken, "qps": s.info.qps, "outstanding": s.info.out.len(),
@@ -309,8 +312,15 @@ impl Pvrdma {
 /// device lock on a small host. The edge-triggered epoll keeps an event
 /// that came while parked, so arming never misses one.
 fn notifier(shared: Arc<Mutex<Dev>>, waiter: verbs::ChannelWaiter, stop: Arc<AtomicBool>) {
-    let armed = lock(&shared).cq_armed.clone();
+    let (armed, sends_waiting) = {
+        let d = lock(&shared);
+        (d.cq_armed.clone(), d.sends_waiting.clone())
+    };
     while !stop.load(Ordering::Acquire) {
+        // At least every 50 ms (the waits below).
+        if sends_waiting.swap(false, Ordering::AcqRel) {
+            lock(&shared).take_waiting_sends();
+        }
         if !armed.load(Ordering::Acquire) {
             std::thread::park_timeout(Duration::from_millis(50));
             // A restored device's CQs may be armed without an ARM doorbell.
