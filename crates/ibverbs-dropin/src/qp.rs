@@ -32,6 +32,8 @@ pub struct Qp {
     extended: bool,
     /// IBV_QPT_RC, IBV_QPT_UC or IBV_QPT_UD.
     qp_type: ibv_qp_type,
+    /// As created (init_attr.sq_sig_all), for ibv_query_qp.
+    sq_sig_all: c_int,
     /// WRs built by ibv_wr_* since ibv_wr_start, posted by ibv_wr_complete.
     batch: std::sync::Mutex<Batch>,
     /// The rings' memory from a parent domain's allocator: after `inner`
@@ -138,7 +140,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     // A QP on an SRQ has no receive queue of its own.
     cap.max_recv_wr = if srq.is_some() { 0 } else { inner.cap.max_recv_wr };
     cap.max_send_sge = inner.cap.max_send_sge;
-    cap.max_recv_sge = inner.cap.max_recv_sge;
+    cap.max_recv_sge = if srq.is_some() { 0 } else { inner.cap.max_recv_sge };
     cap.max_inline_data = inner.cap.max_inline_data;
     let mut x = ibv_qp_ex::default();
     let base = &mut x.qp_base;
@@ -200,6 +202,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         pd: pdr,
         extended,
         qp_type: a.qp_type,
+        sq_sig_all: (a.sq_sig_all != 0) as c_int,
         batch: Default::default(),
         _queue_memory: queue_memory,
     }));
@@ -414,9 +417,11 @@ pub unsafe extern "C" fn ibv_modify_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, m
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _mask: c_int, init: *mut ibv_qp_init_attr) -> c_int {
+pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int, init: *mut ibv_qp_init_attr) -> c_int {
     let (Some(x), false) = (qp(q), attr.is_null()) else { return libc::EINVAL };
     let Ok((v, cap)) = x.inner.query() else { return libc::EINVAL };
+    // A QP on an SRQ has no receive queue of its own (as create reports).
+    let on_srq = !x.qpx.qp_base.srq.is_null();
     let mut a = ibv_qp_attr {
         qp_state: state_to(v.qp_state),
         cur_qp_state: state_to(v.qp_state),
@@ -428,9 +433,9 @@ pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _m
         qp_access_flags: v.qp_access_flags,
         cap: ibv_qp_cap {
             max_send_wr: cap.max_send_wr,
-            max_recv_wr: cap.max_recv_wr,
+            max_recv_wr: if on_srq { 0 } else { cap.max_recv_wr },
             max_send_sge: cap.max_send_sge,
-            max_recv_sge: cap.max_recv_sge,
+            max_recv_sge: if on_srq { 0 } else { cap.max_recv_sge },
             max_inline_data: cap.max_inline_data,
         },
         pkey_index: v.pkey_index,
@@ -463,8 +468,13 @@ pub unsafe extern "C" fn ibv_query_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, _m
             srq: b.srq,
             cap: a.cap,
             qp_type: x.qp_type,
-            sq_sig_all: 0,
+            sq_sig_all: x.sq_sig_all,
         };
+    }
+    // As libibverbs' ibv_query_qp: the state read becomes qp->state (rnicd
+    // moves a QP to ERR on its own).
+    if mask as u32 & IBV_QP_STATE != 0 {
+        (*(q as *mut Qp)).qpx.qp_base.state = a.qp_state;
     }
     0
 }

@@ -56,7 +56,8 @@ static inline struct ibv_qp *loopback_qp(uint32_t depth, uint32_t sges, struct i
 	};
 	struct ibv_qp *qp = ibv_create_qp(pd, &a);
 	CHECK("create_qp", qp, "errno %d", errno);
-	CHECK("create_qp caps", !srq || a.cap.max_recv_wr == 0, "a QP on an SRQ has no receive queue");
+	CHECK("create_qp caps", !srq || (a.cap.max_recv_wr == 0 && a.cap.max_recv_sge == 0),
+	      "a QP on an SRQ has no receive queue");
 	return qp;
 }
 

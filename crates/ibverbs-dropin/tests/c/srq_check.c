@@ -86,6 +86,15 @@ int main(void)
 	struct ibv_qp_attr qa;
 	struct ibv_qp_init_attr qi;
 	CHECK("query_qp srq", ibv_query_qp(b, &qa, IBV_QP_STATE, &qi) == 0 && qi.srq == srq, "srq %p", (void *)qi.srq);
+	/* A QP on an SRQ has no receive queue: its receive caps read 0 (as
+	 * create reports them, and rxe does). */
+	memset(&qa, 0xff, sizeof(qa));
+	memset(&qi, 0xff, sizeof(qi));
+	CHECK("query_qp srq caps", ibv_query_qp(b, &qa, IBV_QP_CAP, &qi) == 0 && qa.cap.max_recv_wr == 0 &&
+					  qa.cap.max_recv_sge == 0 && qi.cap.max_recv_wr == 0 && qi.cap.max_recv_sge == 0 &&
+					  qa.cap.max_send_wr >= 16 && qi.cap.max_send_wr >= 16,
+	      "recv wr %u sge %u, init %u %u", qa.cap.max_recv_wr, qa.cap.max_recv_sge, qi.cap.max_recv_wr,
+	      qi.cap.max_recv_sge);
 	struct ibv_sge sge = { .addr = (uintptr_t)buf, .length = 64, .lkey = mr->lkey };
 	struct ibv_recv_wr rw = { .wr_id = 1, .sg_list = &sge, .num_sge = 1 }, *bad;
 	CHECK("post_recv on a QP with an SRQ", ibv_post_recv(b, &rw, &bad) == EINVAL && bad == &rw, "no EINVAL");

@@ -91,6 +91,23 @@ int main(void)
 				  qi.cap.max_send_wr >= 64, "state %d", qa.qp_state);
 	OK("loopback connect");
 
+	/* ibv_query_qp's init_attr reports sq_sig_all as the QP was created. */
+	{
+		struct ibv_qp_init_attr ia = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .sq_sig_all = 1,
+					       .cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1,
+							.max_recv_sge = 1 } };
+		struct ibv_qp *s = ibv_create_qp(pd, &ia);
+		CHECK("sq_sig_all", s, "errno %d", errno);
+		memset(&qi, 0xff, sizeof(qi));
+		CHECK("sq_sig_all", ibv_query_qp(s, &qa, IBV_QP_CAP, &qi) == 0 && qi.sq_sig_all == 1, "sq_sig_all %d",
+		      qi.sq_sig_all);
+		memset(&qi, 0xff, sizeof(qi));
+		CHECK("sq_sig_all 0", ibv_query_qp(a, &qa, IBV_QP_CAP, &qi) == 0 && qi.sq_sig_all == 0, "sq_sig_all %d",
+		      qi.sq_sig_all);
+		CHECK("sq_sig_all", ibv_destroy_qp(s) == 0, "destroy");
+		OK("query_qp sq_sig_all");
+	}
+
 	/* Ordinary memory of every kind. */
 	char *heap = malloc(100000 + 3);
 	write_between("malloc unaligned", heap + 3, heap + 3 + 50000, 50000 - 8, a);
@@ -221,6 +238,9 @@ int main(void)
 		CHECK("stale rkey", wc.status == IBV_WC_REM_ACCESS_ERR, "status %d", wc.status);
 		CHECK("stale rkey", ibv_query_qp(x, &qa, IBV_QP_STATE, &qi) == 0 && qa.qp_state == IBV_QPS_ERR, "state %d",
 		      qa.qp_state);
+		/* As libibverbs' ibv_query_qp: asked for the state, it updates
+		 * qp->state (rnicd moved the QP to ERR on its own). */
+		CHECK("query_qp updates qp->state", x->state == IBV_QPS_ERR, "state %d", x->state);
 		/* Both QPs went to ERR on their own: the requester on the NAK
 		 * (QP_FATAL), the responder on the access violation
 		 * (QP_ACCESS_ERR), in either order. */
