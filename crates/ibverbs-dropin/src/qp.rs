@@ -544,6 +544,12 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
             break;
         }
         let sges = sge_list(r.sg_list, r.num_sge);
+        // More SGEs than the QP takes are refused, inline data too (as
+        // rxe's validate_send_wr).
+        if sges.len() > cap.max_send_sge as usize || (op.is_atomic() && sges.len() != 1) {
+            err = libc::EINVAL;
+            break;
+        }
         if r.send_flags & IBV_SEND_INLINE != 0 && !op.is_read_or_atomic() {
             let total: usize = sges.iter().map(|s| s.length as usize).sum();
             if total > cap.max_inline_data as usize {
@@ -556,9 +562,6 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
                 buf.extend_from_slice(std::slice::from_raw_parts(s.addr as *const u8, s.length as usize));
             }
             inline.push(buf);
-        } else if sges.len() > cap.max_send_sge as usize || (op.is_atomic() && sges.len() != 1) {
-            err = libc::EINVAL;
-            break;
         }
         wrs.push((w, op));
         w = r.next;

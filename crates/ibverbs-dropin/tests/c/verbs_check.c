@@ -614,6 +614,23 @@ int main(void)
 		}
 		struct ibv_send_wr bw = { .sg_list = &s, .num_sge = 1, .opcode = 77 }, *sbad;
 		CHECK("bad opcode", ibv_post_send(c, &bw, &sbad) == EINVAL && sbad == &bw, "opcode");
+		/* Inline data from more SGEs than the QP takes: EINVAL as well (as
+		 * rxe), though their bytes (none) fit inline. */
+		{
+			struct ibv_qp_attr aa;
+			struct ibv_qp_init_attr ai;
+			CHECK("inline SGEs", ibv_query_qp(a, &aa, IBV_QP_CAP, &ai) == 0 && aa.cap.max_send_sge < 32,
+			      "max_send_sge %u", aa.cap.max_send_sge);
+			struct ibv_sge empty[32];
+			for (int i = 0; i < 32; i++)
+				empty[i] = (struct ibv_sge){ (uintptr_t)heap, 0, hm->lkey };
+			struct ibv_send_wr iw = { .wr_id = 40, .sg_list = empty, .num_sge = (int)aa.cap.max_send_sge + 1,
+						  .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_INLINE }, *ibad = NULL;
+			iw.wr.rdma.remote_addr = (uintptr_t)heap;
+			iw.wr.rdma.rkey = hm->rkey;
+			CHECK("inline with too many SGEs", ibv_post_send(a, &iw, &ibad) == EINVAL && ibad == &iw,
+			      "not refused");
+		}
 		bw.opcode = IBV_WR_LOCAL_INV; /* no memory windows on this device */
 		CHECK("LOCAL_INV", ibv_post_send(c, &bw, &sbad) == EINVAL && sbad == &bw, "opcode");
 		CHECK("dealloc busy pd", ibv_dealloc_pd(pd) == EBUSY, "ebusy");
