@@ -31,12 +31,19 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
             return std::ptr::null_mut();
         }
     };
-    let efd = libc::eventfd(0, libc::EFD_CLOEXEC);
-    let cfd = libc::eventfd(0, libc::EFD_CLOEXEC);
-    if efd < 0 || cfd < 0 {
-        return std::ptr::null_mut();
-    }
-    let (async_fd, cmd_fd) = (OwnedFd::from_raw_fd(efd), OwnedFd::from_raw_fd(cfd));
+    // Each eventfd is owned as soon as it exists, so that the first is
+    // closed when the second fails.
+    let eventfd = || match libc::eventfd(0, libc::EFD_CLOEXEC) {
+        fd if fd >= 0 => Ok(OwnedFd::from_raw_fd(fd)),
+        _ => Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EMFILE)),
+    };
+    let (async_fd, cmd_fd) = match eventfd().and_then(|a| Ok((a, eventfd()?))) {
+        Ok(fds) => fds,
+        Err(e) => {
+            set_errno(e);
+            return std::ptr::null_mut();
+        }
+    };
     let Ok(idle) = inner.create_comp_channel() else {
         set_errno(libc::EMFILE);
         return std::ptr::null_mut();

@@ -10,8 +10,10 @@
  * 1 at the first failure.
  */
 #include "check.h"
+#include <dirent.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,6 +36,61 @@ static struct ibv_async_event next_async_event(const char *what)
 	struct ibv_async_event ev;
 	CHECK(what, ibv_get_async_event(ctx, &ev) == 0, "errno %d", errno);
 	return ev;
+}
+
+/* How many file descriptors the program has open; those below 1024 are
+ * marked in `open` (when not NULL). */
+static int open_fds(char open[1024])
+{
+	DIR *d = opendir("/proc/self/fd");
+	CHECK("/proc/self/fd", d, "errno %d", errno);
+	if (open)
+		memset(open, 0, 1024);
+	int n = 0;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		int fd = atoi(e->d_name);
+		if (e->d_name[0] == '.' || fd == dirfd(d))
+			continue;
+		n++;
+		if (open && fd < 1024)
+			open[fd] = 1;
+	}
+	closedir(d);
+	return n;
+}
+
+/* ibv_open_device short of file descriptors (RLIMIT_NOFILE leaving none
+ * free, then one more each round until it succeeds) fails at each of its
+ * steps in turn, and leaves none of its own open. */
+static void open_device_short_of_fds(void)
+{
+	int n;
+	struct ibv_device **list = ibv_get_device_list(&n);
+	CHECK("device list", list && n == 1, "n=%d", n);
+	struct rlimit old;
+	CHECK("getrlimit", getrlimit(RLIMIT_NOFILE, &old) == 0, "errno %d", errno);
+	char open[1024];
+	int before = open_fds(open), failed = 0;
+	struct ibv_context *c = NULL;
+	for (int lim = 0, spare = 0; lim < 1024 && !c; lim++) {
+		/* A limit of `lim` leaves free the descriptors below it. */
+		if (open[lim])
+			continue;
+		struct rlimit r = { .rlim_cur = (rlim_t)lim, .rlim_max = old.rlim_max };
+		CHECK("setrlimit", setrlimit(RLIMIT_NOFILE, &r) == 0, "errno %d", errno);
+		c = ibv_open_device(list[0]);
+		CHECK("setrlimit", setrlimit(RLIMIT_NOFILE, &old) == 0, "errno %d", errno);
+		failed += !c;
+		CHECK("close_device", !c || ibv_close_device(c) == 0, "close");
+		int now = open_fds(NULL);
+		CHECK("open_device short of fds", now == before, "%d fds open after %s with %d free, %d before", now,
+		      c ? "success" : "failure", spare, before);
+		spare++;
+	}
+	CHECK("open_device short of fds", c && failed > 0, "opened %d after %d failures", !!c, failed);
+	ibv_free_device_list(list);
+	OK("open_device short of fds leaves none open");
 }
 
 static void write_between(const char *name, char *src, char *dst, size_t len, struct ibv_qp *qp)
@@ -64,6 +121,7 @@ static void write_between(const char *name, char *src, char *dst, size_t len, st
 int main(void)
 {
 	setvbuf(stdout, NULL, _IONBF, 0);
+	open_device_short_of_fds();
 	open_device();
 	CHECK("device name", !strcmp(ibv_get_device_name(ctx->device), "rnic0"), "%s", ibv_get_device_name(ctx->device));
 	struct ibv_port_attr pa;
