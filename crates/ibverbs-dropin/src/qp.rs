@@ -330,11 +330,14 @@ fn mtu_to(m: verbs::Mtu) -> ibv_mtu {
     }
 }
 
-/// Attribute mask bits this device understands (RC's and UD's).
+/// Attribute mask bits this device understands (RC's, UC's and UD's).
+/// IBV_QP_CAP is in no transition of the IB spec's table (kernel drivers
+/// refuse it in every one), and IBV_QP_EN_SQD_ASYNC_NOTIFY asks for an
+/// IBV_EVENT_SQ_DRAINED that rnicd never raises; both fail with EINVAL,
+/// as do alternate paths.
 const KNOWN_MASK: c_int = (IBV_QP_STATE
     | IBV_QP_QKEY
     | IBV_QP_CUR_STATE
-    | IBV_QP_EN_SQD_ASYNC_NOTIFY
     | IBV_QP_ACCESS_FLAGS
     | IBV_QP_PKEY_INDEX
     | IBV_QP_PORT
@@ -349,8 +352,24 @@ const KNOWN_MASK: c_int = (IBV_QP_STATE
     | IBV_QP_SQ_PSN
     | IBV_QP_MAX_DEST_RD_ATOMIC
     | IBV_QP_PATH_MIG_STATE
-    | IBV_QP_CAP
     | IBV_QP_DEST_QPN) as c_int;
+
+/// Which of IBV_QP_CUR_STATE and IBV_QP_PATH_MIG_STATE the transition
+/// `cur` -> `new` of a QP of type `t` takes as optional attributes in the
+/// IB spec's table (Linux's qp_state_table, ib_modify_qp_is_ok). Neither
+/// means anything to rnicd (a QP has one path, always migrated), so the
+/// drop-in takes them there and refuses them elsewhere, as drivers do.
+fn bookkeeping_attrs(t: ibv_qp_type, cur: ibv_qp_state, new: ibv_qp_state) -> u32 {
+    let ud = t == IBV_QPT_UD;
+    match (cur, new) {
+        (IBV_QPS_RTR | IBV_QPS_RTS | IBV_QPS_SQD, IBV_QPS_RTS) if ud => IBV_QP_CUR_STATE,
+        (IBV_QPS_RTR | IBV_QPS_RTS | IBV_QPS_SQD, IBV_QPS_RTS) => IBV_QP_CUR_STATE | IBV_QP_PATH_MIG_STATE,
+        // RC has no SQE state (UC and UD do).
+        (IBV_QPS_SQE, IBV_QPS_RTS) if t != IBV_QPT_RC => IBV_QP_CUR_STATE,
+        (IBV_QPS_SQD, IBV_QPS_SQD) if !ud => IBV_QP_PATH_MIG_STATE,
+        _ => 0,
+    }
+}
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_modify_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int) -> c_int {
@@ -360,6 +379,18 @@ pub unsafe extern "C" fn ibv_modify_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, m
     }
     let a = &*attr;
     let mask = mask as u32;
+    // As the kernel: the transition is judged from the state the caller
+    // names with IBV_QP_CUR_STATE, else from the QP's.
+    let cur = if mask & IBV_QP_CUR_STATE != 0 { a.cur_qp_state } else { x.qpx.qp_base.state };
+    if state_from(cur).is_none() {
+        return libc::EINVAL;
+    }
+    let new = if mask & IBV_QP_STATE != 0 { a.qp_state } else { cur };
+    let bookkeeping = mask & (IBV_QP_CUR_STATE | IBV_QP_PATH_MIG_STATE);
+    if bookkeeping & !bookkeeping_attrs(x.qp_type, cur, new) != 0 {
+        return libc::EINVAL;
+    }
+    let mask = mask & !bookkeeping;
     let mut v = verbs::QpAttr::default();
     if mask & IBV_QP_STATE != 0 {
         let Some(s) = state_from(a.qp_state) else { return libc::EINVAL };
@@ -398,7 +429,6 @@ pub unsafe extern "C" fn ibv_modify_qp(q: *mut ibv_qp, attr: *mut ibv_qp_attr, m
     v.retry_cnt = a.retry_cnt;
     v.rnr_retry = a.rnr_retry;
     v.qkey = a.qkey;
-    let mask = mask & !(IBV_QP_CUR_STATE | IBV_QP_EN_SQD_ASYNC_NOTIFY | IBV_QP_PATH_MIG_STATE | IBV_QP_CAP);
     match x.inner.modify(&v, mask) {
         Ok(()) => {
             if mask & IBV_QP_STATE != 0 {

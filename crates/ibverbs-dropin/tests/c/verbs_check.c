@@ -634,6 +634,53 @@ int main(void)
 		CHECK("modify bad transition", ibv_modify_qp(a, &rtr, IBV_QP_STATE) == EINVAL, "transition");
 		CHECK("state kept", ibv_query_qp(a, &rtr, IBV_QP_STATE, &qi) == 0 && rtr.qp_state == IBV_QPS_RTS, "%d",
 		      rtr.qp_state);
+		/* The mask bits rnicd has no use for, as ib_modify_qp_is_ok
+		 * judges them: IBV_QP_CAP in no transition, EN_SQD_ASYNC_NOTIFY
+		 * not at all (no IBV_EVENT_SQ_DRAINED would come), CUR_STATE and
+		 * PATH_MIG_STATE only where the spec's table takes them. */
+		{
+			struct ibv_qp *x = loopback_qp(4, 1, NULL), *y = loopback_qp(4, 1, NULL);
+			struct ibv_qp_attr m = { .qp_state = IBV_QPS_INIT, .port_num = 1,
+						 .cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1,
+							  .max_recv_sge = 1 } };
+			int init_mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
+			CHECK("RESET->INIT with IBV_QP_CAP", ibv_modify_qp(x, &m, init_mask | IBV_QP_CAP) == EINVAL, "accepted");
+			m.cur_qp_state = IBV_QPS_RESET;
+			CHECK("RESET->INIT with CUR_STATE", ibv_modify_qp(x, &m, init_mask | IBV_QP_CUR_STATE) == EINVAL,
+			      "accepted");
+			m.path_mig_state = IBV_MIG_MIGRATED;
+			CHECK("RESET->INIT with PATH_MIG_STATE",
+			      ibv_modify_qp(x, &m, init_mask | IBV_QP_PATH_MIG_STATE) == EINVAL, "accepted");
+			CHECK("still RESET", ibv_query_qp(x, &m, IBV_QP_STATE, &qi) == 0 && m.qp_state == IBV_QPS_RESET,
+			      "state %d", m.qp_state);
+			loopback_pair(x, y, LOOPBACK_ACCESS, 1);
+			m = (struct ibv_qp_attr){ .qp_state = IBV_QPS_SQD, .en_sqd_async_notify = 1 };
+			CHECK("RTS->SQD with EN_SQD_ASYNC_NOTIFY",
+			      ibv_modify_qp(x, &m, IBV_QP_STATE | IBV_QP_EN_SQD_ASYNC_NOTIFY) == EINVAL, "accepted");
+			CHECK("still RTS", ibv_query_qp(x, &m, IBV_QP_STATE, &qi) == 0 && m.qp_state == IBV_QPS_RTS,
+			      "state %d", m.qp_state);
+			m = (struct ibv_qp_attr){ .qp_state = IBV_QPS_RTS, .cur_qp_state = IBV_QPS_RTS,
+						  .path_mig_state = IBV_MIG_MIGRATED };
+			CHECK("RTS->RTS with CUR_STATE and PATH_MIG_STATE",
+			      ibv_modify_qp(x, &m, IBV_QP_STATE | IBV_QP_CUR_STATE | IBV_QP_PATH_MIG_STATE) == 0, "refused");
+			m.cur_qp_state = IBV_QPS_INIT;
+			CHECK("CUR_STATE INIT->RTS", ibv_modify_qp(x, &m, IBV_QP_STATE | IBV_QP_CUR_STATE) == EINVAL,
+			      "accepted");
+			m.qp_state = IBV_QPS_SQD;
+			CHECK("RTS->SQD", ibv_modify_qp(x, &m, IBV_QP_STATE) == 0, "refused");
+			CHECK("SQD->SQD with PATH_MIG_STATE", ibv_modify_qp(x, &m, IBV_QP_STATE | IBV_QP_PATH_MIG_STATE) == 0,
+			      "refused");
+			m.cur_qp_state = IBV_QPS_SQD;
+			CHECK("SQD->SQD with CUR_STATE", ibv_modify_qp(x, &m, IBV_QP_STATE | IBV_QP_CUR_STATE) == EINVAL,
+			      "accepted");
+			m = (struct ibv_qp_attr){ .qp_state = IBV_QPS_RTS, .cur_qp_state = IBV_QPS_SQD };
+			CHECK("SQD->RTS with CUR_STATE", ibv_modify_qp(x, &m, IBV_QP_STATE | IBV_QP_CUR_STATE) == 0,
+			      "refused");
+			CHECK("back in RTS", ibv_query_qp(x, &m, IBV_QP_STATE, &qi) == 0 && m.qp_state == IBV_QPS_RTS,
+			      "state %d", m.qp_state);
+			CHECK("destroy", ibv_destroy_qp(x) == 0 && ibv_destroy_qp(y) == 0, "destroy");
+			OK("modify_qp's CAP, EN_SQD_ASYNC_NOTIFY, CUR_STATE and PATH_MIG_STATE");
+		}
 		struct ibv_qp *c = loopback_qp(4, 2, NULL);
 		{
 			struct ibv_qp_attr ia = { .qp_state = IBV_QPS_INIT, .port_num = 1 };
