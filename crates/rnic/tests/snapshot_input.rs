@@ -66,6 +66,18 @@ fn bad_states_and_requests_are_refused() {
     assert_eq!(fresh2.query_state().unwrap().runtime.una, 95);
     // rnicd is still fine.
     assert!(ctx.stats().unwrap()["bad_client_requests"].as_u64().unwrap() >= 10);
+
+    // A state that says 5 PSNs of the oldest WQE were acknowledged, and a
+    // one-packet WQE reposted for it: the resume's resend names a packet
+    // beyond that WQE. The WQE fails; rnicd runs on.
+    let mut init = QpInitAttr::new(&cq, &cq);
+    init.cap.max_inline_data = 64;
+    let q = pd.create_qp_suspended(&init, &valid(0x503)).unwrap();
+    q.post_send(&[SendWr::send(7, &[]).with_inline(&[1u8])]).unwrap();
+    q.resume().unwrap();
+    let wc = cq.wait(1, T).unwrap();
+    assert_eq!((wc[0].wr_id, wc[0].status), (7, WcStatus::LocQpOpErr), "{wc:?}");
+    assert!(ctx.stats().is_ok(), "rnicd answers after the bad resume");
 }
 
 /// SuspendConnected (a migration's pause): only the connected QPs of the

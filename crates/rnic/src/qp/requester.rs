@@ -264,6 +264,12 @@ impl Qp {
         let flow = self.flow(ctx.gid);
         let dq = self.attr.dest_qp_num;
         let i = psn_diff(psn, e.first_psn).max(0) as u32;
+        // A restored state whose PSNs do not fit the WQEs reposted for it
+        // (a client's bad snapshot) names a packet beyond the WQE: the WQE
+        // fails, never an index past its end.
+        if i >= e.npkts {
+            return Err(WcStatus::LocQpOpErr);
+        }
         let mtu = self.mtu();
         let w = &e.wqe;
         match e.op {
