@@ -133,9 +133,12 @@ impl Engine {
         }
     }
 
+    /// A handle for a PD, CQ, SRQ or channel that none of them holds.
     fn alloc_id(&mut self) -> u32 {
-        self.next_id += 1;
-        self.next_id
+        let (pds, cqs, srqs, channels) = (&self.pds, &self.cqs, &self.srqs, &self.channels);
+        next_free_id(&mut self.next_id, |id| {
+            pds.contains_key(&id) || cqs.contains_key(&id) || srqs.contains_key(&id) || channels.contains_key(&id)
+        })
     }
 
     fn alloc_qpn(&mut self) -> u32 {
@@ -1197,4 +1200,30 @@ fn map_ring<T: Copy>(at: (&OwnedFd, u64), slots: u32, what: &str) -> anyhow::Res
 /// Whether `qp` has a transport (RTR, RTS or SQD): the QPs a pause suspends.
 pub(super) fn is_connected(qp: &Qp) -> bool {
     matches!(qp.attr.qp_state, QpState::Rtr | QpState::Rts | QpState::Sqd)
+}
+
+/// The next handle after `next` that is not 0 and not `taken`: the counter
+/// wraps after 2^32 allocations (a client's failed batches burn handles
+/// too), and a handle still in use is skipped, never given twice.
+fn next_free_id(next: &mut u32, taken: impl Fn(u32) -> bool) -> u32 {
+    loop {
+        *next = next.wrapping_add(1);
+        if *next != 0 && !taken(*next) {
+            return *next;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_free_id;
+
+    #[test]
+    fn handles_wrap_past_those_in_use_and_zero() {
+        let in_use = [u32::MAX, 1, 2];
+        let mut next = u32::MAX - 2;
+        let taken = |id| in_use.contains(&id);
+        assert_eq!(next_free_id(&mut next, taken), u32::MAX - 1);
+        assert_eq!(next_free_id(&mut next, taken), 3, "skips u32::MAX, 0, 1 and 2");
+    }
 }
