@@ -1311,6 +1311,19 @@ fn serve_client(
                     }
                 }
             }
+            // Objects belong to the namespace a client joins with its
+            // hello, and go with the client from there: made before it,
+            // they would stay in the default namespace for good.
+            Ok((req, _))
+                if c.doorbell.is_none()
+                    && !matches!(
+                        req,
+                        Request::QueryDevice | Request::QueryPort { .. } | Request::QueryGid { .. } | Request::Stats | Request::DumpQps
+                    ) =>
+            {
+                engine.stats.bad_client_requests += 1;
+                Err("say Hello first: a client's objects live in the namespace it joins".into())
+            }
             Ok((Request::JoinRamClient, fds)) => {
                 let mut fds = fds;
                 match (fds.pop(), fds.is_empty()) {

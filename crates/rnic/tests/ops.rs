@@ -404,6 +404,10 @@ fn hostile_packets_and_requests_are_counted_and_dropped() {
     assert!(raw(b"\x00\x01garbage", &[]).contains("malformed"));
     assert!(raw(br#"{"Hello":{"version":99}}"#, &[]).contains("Err"));
     assert!(raw(br#"{"RegMr":{"pd":1,"iova":0,"len":4096,"access":15,"fd_offset":0}}"#, &[]).contains("Err"));
+    // Objects only after the hello (they live in the namespace it joins);
+    // questions any time.
+    assert!(raw(br#""AllocPd""#, &[]).contains("Hello first"));
+    assert!(raw(br#""QueryDevice""#, &[]).contains("Device"));
     // An unsealed memfd must be refused (it could shrink under rnicd).
     let mfd = unsafe { libc::memfd_create(c"x".as_ptr(), 0) };
     unsafe { libc::ftruncate(mfd, 4096) };
