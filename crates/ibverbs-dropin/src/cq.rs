@@ -8,9 +8,11 @@
 
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::ptr::addr_of_mut;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 
+use crate::device::async_events::{ack, init_sync, wait_acked};
 use crate::device::ctx;
 use crate::set_errno;
 use crate::sys::*;
@@ -33,6 +35,11 @@ pub struct Cq {
     /// The context's idle channel's eventfd for a CQ made without a
     /// channel (else -1): what an idle ibv_poll_cq sleeps on.
     idle_fd: c_int,
+    /// Completion events ibv_get_cq_event handed out for this CQ, and its
+    /// IBV_EVENT_CQ_ERR events: ibv_destroy_cq waits until the program
+    /// has acked as many (`comp_events_completed`, `async_events_completed`).
+    comp_events_reported: AtomicU32,
+    pub(crate) async_events_reported: AtomicU32,
 }
 
 /// The longest nap of an idle ibv_poll_cq on the idle channel.
@@ -51,6 +58,7 @@ pub struct Channel {
     pub inner: verbs::CompChannel,
     cqs: Mutex<Vec<usize>>,
     /// CQs whose event was read from the eventfd but not yet handed out.
+    /// Taken with `cqs` held when both are, never the other way round.
     pending: Mutex<VecDeque<usize>>,
 }
 
@@ -249,9 +257,7 @@ unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *
             return std::ptr::null_mut();
         }
     };
-    let mut x = ibv_cq_ex { context: c, channel: ch, cq_context, cqe: inner.cap as c_int, ..Default::default() };
-    libc::pthread_mutex_init(&mut x.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
-    libc::pthread_cond_init(&mut x.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
+    let x = ibv_cq_ex { context: c, channel: ch, cq_context, cqe: inner.cap as c_int, ..Default::default() };
     let b = Box::into_raw(Box::new(Cq {
         cq: x,
         inner,
@@ -261,7 +267,10 @@ unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *
         pace: Pace::default(),
         current: Default::default(),
         idle_fd,
+        comp_events_reported: AtomicU32::new(0),
+        async_events_reported: AtomicU32::new(0),
     }));
+    init_sync(addr_of_mut!((*b).cq.mutex), addr_of_mut!((*b).cq.cond));
     if !chan.is_null() {
         (*chan).ch.refcnt += 1;
         (*chan).cqs.lock().unwrap_or_else(|e| e.into_inner()).push(b as usize);
@@ -285,7 +294,14 @@ pub unsafe extern "C" fn ibv_destroy_cq(c: *mut ibv_cq) -> c_int {
     if let Some(cx) = ctx(q.cq.context) {
         cx.events.remove(c as usize);
     }
-    drop(Box::from_raw(c as *mut Cq));
+    // No more events name the CQ; those handed out must be acked first
+    // (their thread may still use the CQ), as libibverbs' destroy waits.
+    let b = c as *mut Cq;
+    wait_acked(addr_of_mut!((*b).cq.mutex), addr_of_mut!((*b).cq.cond), || {
+        (*b).cq.comp_events_completed == (*b).comp_events_reported.load(Ordering::Acquire)
+            && (*b).cq.async_events_completed == (*b).async_events_reported.load(Ordering::Acquire)
+    });
+    drop(Box::from_raw(b));
     0
 }
 
@@ -426,11 +442,17 @@ pub unsafe extern "C" fn ibv_get_cq_event(ch: *mut ibv_comp_channel, cq_out: *mu
         let next = {
             let mut p = chan.pending.lock().unwrap_or_else(|e| e.into_inner());
             let next = p.pop_front();
-            if next.is_some() && !p.is_empty() {
-                // Keep the fd readable for the events still pending, so a
-                // program that polls the fd before each call sees them.
-                let one = 1u64;
-                libc::write(chan.ch.fd, &one as *const u64 as *const c_void, 8);
+            if let Some(c) = next {
+                // Counted while `pending` is locked: ibv_destroy_cq takes
+                // the CQ out of it under the lock, then waits for the ack
+                // of every event counted.
+                (*(c as *const Cq)).comp_events_reported.fetch_add(1, Ordering::AcqRel);
+                if !p.is_empty() {
+                    // Keep the fd readable for the events still pending, so a
+                    // program that polls the fd before each call sees them.
+                    let one = 1u64;
+                    libc::write(chan.ch.fd, &one as *const u64 as *const c_void, 8);
+                }
             }
             next
         };
@@ -446,9 +468,10 @@ pub unsafe extern "C" fn ibv_get_cq_event(ch: *mut ibv_comp_channel, cq_out: *mu
         if libc::read(chan.ch.fd, &mut v as *mut u64 as *mut c_void, 8) != 8 {
             return -1; // errno from read: EAGAIN on a non-blocking channel
         }
-        let cqs = chan.cqs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // The channel's CQs stay listed (and so alive) while they are looked at.
+        let cqs = chan.cqs.lock().unwrap_or_else(|e| e.into_inner());
         let mut p = chan.pending.lock().unwrap_or_else(|e| e.into_inner());
-        for c in cqs {
+        for &c in cqs.iter() {
             let q = &*(c as *const Cq);
             if q.armed.load(Ordering::Acquire) && !q.inner.armed() {
                 q.armed.store(false, Ordering::Release);
@@ -458,12 +481,11 @@ pub unsafe extern "C" fn ibv_get_cq_event(ch: *mut ibv_comp_channel, cq_out: *mu
     }
 }
 
+/// Acknowledges `n` events of the CQ and wakes an ibv_destroy_cq waiting
+/// for them, as libibverbs does.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_ack_cq_events(c: *mut ibv_cq, n: std::ffi::c_uint) {
-    if let Some(q) = cq(c) {
-        let m = &q.cq.mutex as *const _ as *mut libc::pthread_mutex_t;
-        libc::pthread_mutex_lock(m);
-        (*(c as *mut Cq)).cq.comp_events_completed += n;
-        libc::pthread_mutex_unlock(m);
+    if !c.is_null() {
+        ack(addr_of_mut!((*c).mutex), addr_of_mut!((*c).cond), addr_of_mut!((*c).comp_events_completed), n);
     }
 }

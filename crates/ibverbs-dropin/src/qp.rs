@@ -8,12 +8,14 @@
 
 use std::ffi::c_int;
 use std::net::Ipv4Addr;
-use std::sync::atomic::Ordering;
+use std::ptr::addr_of_mut;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use smallvec::SmallVec;
 
 use crate::chain::{name_bad, post_recv_chain, sge_list, POST_ON_STACK};
 use crate::cq::{cq, Cq};
+use crate::device::async_events::{init_sync, wait_acked};
 use crate::pdmr::{pd, Pd};
 use crate::set_errno;
 use crate::sys::*;
@@ -36,6 +38,10 @@ pub struct Qp {
     sq_sig_all: c_int,
     /// WRs built by ibv_wr_* since ibv_wr_start, posted by ibv_wr_complete.
     batch: std::sync::Mutex<Batch>,
+    /// Asynchronous events ibv_get_async_event handed out about the QP:
+    /// ibv_destroy_qp waits until the program has acked as many
+    /// (`events_completed`).
+    pub(crate) events_reported: AtomicU32,
     /// The rings' memory from a parent domain's allocator: after `inner`
     /// (dropped first, unmapping the rings), so that it goes back to the
     /// allocator only once the rings are gone.
@@ -154,8 +160,6 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     base.qp_num = inner.qpn;
     base.state = IBV_QPS_RESET;
     base.qp_type = a.qp_type;
-    libc::pthread_mutex_init(&mut base.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
-    libc::pthread_cond_init(&mut base.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
     let extended = a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
     if extended {
         let ops = match qp_type {
@@ -204,8 +208,10 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
         qp_type: a.qp_type,
         sq_sig_all: (a.sq_sig_all != 0) as c_int,
         batch: Default::default(),
+        events_reported: AtomicU32::new(0),
         _queue_memory: queue_memory,
     }));
+    init_sync(addr_of_mut!((*b).qpx.qp_base.mutex), addr_of_mut!((*b).qpx.qp_base.cond));
     if let Some(cx) = crate::device::ctx(c) {
         cx.events.add_qp((*b).inner.qpn, b as *mut ibv_qp);
     }
@@ -271,7 +277,11 @@ pub unsafe extern "C" fn ibv_destroy_qp(q: *mut ibv_qp) -> c_int {
     if let Some(cx) = crate::device::ctx((*q).context) {
         cx.events.remove(q as usize);
     }
-    let b = Box::from_raw(q as *mut Qp);
+    // No more events name the QP; those handed out must be acked first
+    // (their thread may still use the QP), as libibverbs' destroy waits.
+    let x = q as *mut Qp;
+    wait_acked(addr_of_mut!((*q).mutex), addr_of_mut!((*q).cond), || (*q).events_completed == (*x).events_reported.load(Ordering::Acquire));
+    let b = Box::from_raw(x);
     (*b.send_cq).users.fetch_sub(1, Ordering::AcqRel);
     (*b.recv_cq).users.fetch_sub(1, Ordering::AcqRel);
     (*b.pd).users.fetch_sub(1, Ordering::AcqRel);

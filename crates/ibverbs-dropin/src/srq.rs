@@ -10,9 +10,11 @@
 //! QP still uses with EBUSY.
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::ptr::addr_of_mut;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use crate::chain::{name_bad, post_recv_chain};
+use crate::device::async_events::{init_sync, wait_acked};
 use crate::pdmr::{pd, Pd};
 use crate::set_errno;
 use crate::sys::*;
@@ -25,6 +27,10 @@ pub struct Srq {
     pd: *const Pd,
     /// QPs attached and not yet destroyed.
     pub users: AtomicUsize,
+    /// Asynchronous events ibv_get_async_event handed out about the SRQ:
+    /// ibv_destroy_srq waits until the program has acked as many
+    /// (`events_completed`).
+    pub(crate) events_reported: AtomicU32,
 }
 
 pub unsafe fn srq<'a>(s: *mut ibv_srq) -> Option<&'a Srq> {
@@ -52,10 +58,9 @@ pub unsafe extern "C" fn ibv_create_srq(p: *mut ibv_pd, attr: *mut ibv_srq_init_
     a.max_sge = want.max_sge;
     let s = ibv_srq { context: (*p).context, srq_context: (*attr).srq_context, pd: p, handle: inner.handle(), ..Default::default() };
     pdr.users.fetch_add(1, Ordering::AcqRel);
-    let b = Box::into_raw(Box::new(Srq { srq: s, inner, pd: pdr, users: AtomicUsize::new(0) }));
+    let b = Box::into_raw(Box::new(Srq { srq: s, inner, pd: pdr, users: AtomicUsize::new(0), events_reported: AtomicU32::new(0) }));
     let base = &mut (*b).srq;
-    libc::pthread_mutex_init(&mut base.mutex as *mut _ as *mut libc::pthread_mutex_t, std::ptr::null());
-    libc::pthread_cond_init(&mut base.cond as *mut _ as *mut libc::pthread_cond_t, std::ptr::null());
+    init_sync(&mut base.mutex, &mut base.cond);
     if let Some(cx) = crate::device::ctx((*p).context) {
         cx.events.add_srq(base.handle, b as *mut ibv_srq);
     }
@@ -117,7 +122,11 @@ pub unsafe extern "C" fn ibv_destroy_srq(s: *mut ibv_srq) -> c_int {
     if let Some(cx) = crate::device::ctx((*s).context) {
         cx.events.remove(s as usize);
     }
-    let b = Box::from_raw(s as *mut Srq);
+    // No more events name the SRQ; those handed out must be acked first
+    // (their thread may still use the SRQ), as libibverbs' destroy waits.
+    let x = s as *mut Srq;
+    wait_acked(addr_of_mut!((*s).mutex), addr_of_mut!((*s).cond), || (*s).events_completed == (*x).events_reported.load(Ordering::Acquire));
+    let b = Box::from_raw(x);
     (*b.pd).users.fetch_sub(1, Ordering::AcqRel);
     drop(b);
     0

@@ -8,10 +8,18 @@
 //! hands the events out one per call, naming the program's ibv_qp,
 //! ibv_cq or ibv_srq. Events about an object the program has since destroyed are
 //! dropped.
+//!
+//! As in libibverbs, every event handed out about an object (here and by
+//! ibv_get_cq_event) is counted on it, and destroying the object waits
+//! until the program has acknowledged as many (`wait_acked`): an event
+//! thread that got an event may still use the object and ack it after
+//! another thread asked to destroy it.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_int, c_void};
 use std::os::fd::AsRawFd;
+use std::ptr::addr_of_mut;
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 use verbs::{AsyncEvent, AsyncKind};
@@ -57,6 +65,20 @@ impl Events {
         lock(&self.pending).retain(|(_, o)| *o != object);
     }
 
+    /// Takes the next event to hand out, counting it as reported on its
+    /// object while `pending` is locked: `remove` then either took it out
+    /// first or finds it counted (and its destroy waits for the ack).
+    fn next(&self) -> Option<(ibv_event_type, usize)> {
+        let mut p = lock(&self.pending);
+        let next = p.pop_front();
+        if let Some((t, o)) = next {
+            // SAFETY: the object is registered (its destroy removes it from
+            // `pending` under this lock before freeing it).
+            unsafe { reported(t, o) };
+        }
+        next
+    }
+
     fn translate(&self, e: &AsyncEvent) -> Option<(ibv_event_type, usize)> {
         let qp = |t| lock(&self.qps).get(&e.object).map(|o| (t, *o));
         match e.kind {
@@ -81,8 +103,7 @@ pub unsafe extern "C" fn ibv_get_async_event(c: *mut ibv_context, ev: *mut ibv_a
     }
     let fd = cx.async_fd.as_raw_fd();
     loop {
-        let next = lock(&cx.events.pending).pop_front();
-        if let Some((t, o)) = next {
+        if let Some((t, o)) = cx.events.next() {
             // The fd stays readable exactly while events remain, as a
             // kernel driver's event file does.
             settle(cx, fd);
@@ -109,10 +130,13 @@ pub unsafe extern "C" fn ibv_get_async_event(c: *mut ibv_context, ev: *mut ibv_a
 }
 
 /// Moves rnicd's queued events (those naming live objects) to `pending`.
+/// The objects are looked up with `pending` locked, so that an object's
+/// `remove` (tables first, then `pending`) never leaves one of its events
+/// behind.
 fn fetch(cx: &super::Context) -> bool {
     let Ok(evs) = cx.inner.fetch_async() else { return false };
-    let mine: Vec<_> = evs.iter().filter_map(|e| cx.events.translate(e)).collect();
-    lock(&cx.events.pending).extend(mine);
+    let mut p = lock(&cx.events.pending);
+    p.extend(evs.iter().filter_map(|e| cx.events.translate(e)));
     true
 }
 
@@ -131,9 +155,56 @@ unsafe fn settle(cx: &super::Context, fd: c_int) {
     }
 }
 
-/// Counts the event as handled on its object, as libibverbs does (its
-/// destroy calls wait for these counts on a kernel driver; here an object's
-/// events go with it, so destroy does not wait).
+/// Counts an event of type `t` about object `o` as handed out (the
+/// kernel's `events_reported`, which libibverbs' destroy calls wait for).
+unsafe fn reported(t: ibv_event_type, o: usize) {
+    match t {
+        IBV_EVENT_CQ_ERR => (*(o as *const crate::cq::Cq)).async_events_reported.fetch_add(1, Ordering::AcqRel),
+        IBV_EVENT_SRQ_LIMIT_REACHED => (*(o as *const crate::srq::Srq)).events_reported.fetch_add(1, Ordering::AcqRel),
+        _ => (*(o as *const crate::qp::Qp)).events_reported.fetch_add(1, Ordering::AcqRel),
+    };
+}
+
+/// An object's mutex and condition variable (ibv_cq's, ibv_qp's, ibv_srq's)
+/// as libc's types.
+unsafe fn pthread(mutex: *mut pthread_mutex_t, cond: *mut pthread_cond_t) -> (*mut libc::pthread_mutex_t, *mut libc::pthread_cond_t) {
+    (mutex as *mut libc::pthread_mutex_t, cond as *mut libc::pthread_cond_t)
+}
+
+/// Initializes an object's mutex and condition variable in place (they
+/// must not move afterwards).
+pub(crate) unsafe fn init_sync(mutex: *mut pthread_mutex_t, cond: *mut pthread_cond_t) {
+    let (m, c) = pthread(mutex, cond);
+    libc::pthread_mutex_init(m, std::ptr::null());
+    libc::pthread_cond_init(c, std::ptr::null());
+}
+
+/// Adds `n` to an object's acknowledged events under its mutex and wakes
+/// a destroy waiting for them (libibverbs' ibv_ack_cq_events and
+/// ibv_ack_async_event).
+pub(crate) unsafe fn ack(mutex: *mut pthread_mutex_t, cond: *mut pthread_cond_t, completed: *mut u32, n: u32) {
+    let (m, c) = pthread(mutex, cond);
+    libc::pthread_mutex_lock(m);
+    *completed = (*completed).wrapping_add(n);
+    libc::pthread_cond_signal(c);
+    libc::pthread_mutex_unlock(m);
+}
+
+/// Blocks until `acked()` (read under the object's mutex) holds: a destroy
+/// waiting, as libibverbs' ibv_cmd_destroy_cq/qp/srq, until every event
+/// handed out about the object has been acknowledged. The object no longer
+/// gets new events (its caller removed it first).
+pub(crate) unsafe fn wait_acked(mutex: *mut pthread_mutex_t, cond: *mut pthread_cond_t, acked: impl Fn() -> bool) {
+    let (m, c) = pthread(mutex, cond);
+    libc::pthread_mutex_lock(m);
+    while !acked() {
+        libc::pthread_cond_wait(c, m);
+    }
+    libc::pthread_mutex_unlock(m);
+}
+
+/// Counts the event as handled on its object, as libibverbs does, and
+/// wakes a destroy of the object waiting for it.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_ack_async_event(ev: *mut ibv_async_event) {
     if ev.is_null() {
@@ -141,10 +212,26 @@ pub unsafe extern "C" fn ibv_ack_async_event(ev: *mut ibv_async_event) {
     }
     let e = &*ev;
     match e.event_type {
-        IBV_EVENT_CQ_ERR if !e.element.cq.is_null() => (*e.element.cq).async_events_completed += 1,
-        IBV_EVENT_SRQ_LIMIT_REACHED if !e.element.srq.is_null() => (*e.element.srq).events_completed += 1,
-        IBV_EVENT_QP_FATAL | IBV_EVENT_QP_REQ_ERR | IBV_EVENT_QP_ACCESS_ERR if !e.element.qp.is_null() => {
-            (*e.element.qp).events_completed += 1
+        IBV_EVENT_CQ_ERR if !e.element.cq.is_null() => {
+            let q = e.element.cq;
+            ack(addr_of_mut!((*q).mutex), addr_of_mut!((*q).cond), addr_of_mut!((*q).async_events_completed), 1)
+        }
+        IBV_EVENT_QP_FATAL
+        | IBV_EVENT_QP_REQ_ERR
+        | IBV_EVENT_QP_ACCESS_ERR
+        | IBV_EVENT_COMM_EST
+        | IBV_EVENT_SQ_DRAINED
+        | IBV_EVENT_PATH_MIG
+        | IBV_EVENT_PATH_MIG_ERR
+        | IBV_EVENT_QP_LAST_WQE_REACHED
+            if !e.element.qp.is_null() =>
+        {
+            let q = e.element.qp;
+            ack(addr_of_mut!((*q).mutex), addr_of_mut!((*q).cond), addr_of_mut!((*q).events_completed), 1)
+        }
+        IBV_EVENT_SRQ_ERR | IBV_EVENT_SRQ_LIMIT_REACHED if !e.element.srq.is_null() => {
+            let s = e.element.srq;
+            ack(addr_of_mut!((*s).mutex), addr_of_mut!((*s).cond), addr_of_mut!((*s).events_completed), 1)
         }
         _ => {}
     }
