@@ -322,7 +322,14 @@ impl Qp {
                 return;
             }
         }
+        // In ERR every WQE is flushed as it is taken; at most what the ring
+        // holds now, so that a client refilling it cannot keep rnicd here.
+        let mut left = self.sq_ring.ready();
         while st == QpState::Err || self.sq.len() < self.cap.max_send_wr as usize {
+            if left == 0 {
+                break;
+            }
+            left -= 1;
             let Some(w) = self.sq_ring.pop() else { break };
             if WrOpcode::from_u8(w.opcode).is_some_and(|o| o.is_local()) {
                 if st != QpState::Err && !self.sq.is_empty() {
@@ -494,7 +501,12 @@ impl Qp {
             // comes (qp::ud), so that the ring holds exactly its receives.
             return;
         }
+        let mut left = self.rq_ring.ready();
         while self.rq.len() < want.min(self.cap.max_recv_wr as usize) || st == QpState::Err {
+            if left == 0 {
+                break;
+            }
+            left -= 1;
             let Some(r) = self.rq_ring.pop() else { break };
             if st == QpState::Err || r.num_sge as usize > MAX_SGE {
                 if st != QpState::Err {

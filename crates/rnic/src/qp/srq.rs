@@ -49,7 +49,14 @@ impl Qp {
     /// event if this take crossed the armed limit.
     pub(super) fn pop_srq(&mut self, ctx: &mut Ctx) -> Option<RecvWqe> {
         let (id, s) = self.srq.as_ref()?;
+        // Bad WQEs complete in error and the next is taken, at most a
+        // ring's worth per call (a client may keep writing bad ones).
+        let mut left = srq::lock(s).posted();
         loop {
+            if left == 0 {
+                return None;
+            }
+            left -= 1;
             let (t, limit_hit) = srq::lock(s).take()?;
             if limit_hit {
                 ctx.asyncs.raise(self.owner, AsyncEvent { kind: AsyncKind::SrqLimitReached, object: *id });

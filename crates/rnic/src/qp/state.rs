@@ -231,8 +231,14 @@ impl Qp {
 
     fn reset(&mut self) {
         self.clear_transport();
-        while self.sq_ring.pop().is_some() {}
-        while self.rq_ring.pop().is_some() {}
+        // What the rings hold now, not what a client keeps adding while
+        // rnicd drains them (its producer index is the client's to write).
+        for _ in 0..self.sq_ring.ready() {
+            self.sq_ring.pop();
+        }
+        for _ in 0..self.rq_ring.ready() {
+            self.rq_ring.pop();
+        }
         let keep = (self.attr.port_num, self.attr.path_mtu);
         self.attr = QpAttr::default();
         (self.attr.port_num, self.attr.path_mtu) = keep;

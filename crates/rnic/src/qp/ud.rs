@@ -113,7 +113,9 @@ impl Qp {
         if self.attr.qp_state != QpState::Err {
             return;
         }
-        while let Some(w) = self.sq_ring.pop() {
+        // What the ring holds now (a client may keep refilling it).
+        for _ in 0..self.sq_ring.ready() {
+            let Some(w) = self.sq_ring.pop() else { break };
             self.ud_send_done(ctx, &w, WcStatus::WrFlushErr);
         }
     }
@@ -125,9 +127,11 @@ impl Qp {
     /// Sends up to `budget` datagrams from the send ring (RTS only: in SQD
     /// the WQEs stay in the ring).
     pub(super) fn ud_transmit(&mut self, ctx: &mut Ctx, budget: &mut usize) {
-        while *budget > 0 && self.attr.qp_state == QpState::Rts {
+        let mut left = self.sq_ring.ready();
+        while *budget > 0 && left > 0 && self.attr.qp_state == QpState::Rts {
             let Some(w) = self.sq_ring.pop() else { break };
             *budget -= 1;
+            left -= 1;
             match self.ud_send(ctx, &w) {
                 Ok(()) => {
                     ctx.stats.ud_sent += 1;
