@@ -39,22 +39,26 @@ pub(crate) unsafe fn sge_list<'a>(sg_list: *const ibv_sge, num_sge: c_int) -> &'
 }
 
 /// Walks a receive chain for a QP's or an SRQ's ring: takes WRs while they
-/// are well formed and fit (`free` slots, `max_sge` each), posts them with
-/// `post`, and names the first WR not posted in `bad` (EINVAL for a bad
-/// WR, ENOMEM for a full ring), as rxe and mlx5 report a partial post.
+/// are well formed (`max_sge` each) and may fit (no more than `depth`, the
+/// queue's), posts them with `post`, and names the first WR not posted in
+/// `bad` (EINVAL for a bad WR, ENOMEM for a full queue), as rxe and mlx5
+/// report a partial post. `post` holds the queue's lock for the whole
+/// chain and says how many WRs went in if not all did (another thread may
+/// have filled the queue meanwhile), so that `bad` is exactly the first WR
+/// not posted.
 pub(crate) unsafe fn post_recv_chain(
     wr: *mut ibv_recv_wr,
     bad: *mut *mut ibv_recv_wr,
     max_sge: usize,
-    free: usize,
-    post: impl FnOnce(&[verbs::RecvWr]) -> bool,
+    depth: usize,
+    post: impl FnOnce(&[verbs::RecvWr]) -> Result<(), verbs::PostError>,
 ) -> c_int {
     let mut wrs: SmallVec<[verbs::RecvWr; POST_ON_STACK]> = SmallVec::new();
     let mut err = 0;
     let mut w = wr;
     while !w.is_null() {
         let r = &*w;
-        if wrs.len() >= free {
+        if wrs.len() >= depth {
             err = libc::ENOMEM;
             break;
         }
@@ -65,12 +69,22 @@ pub(crate) unsafe fn post_recv_chain(
         wrs.push(verbs::RecvWr { wr_id: r.wr_id, sg_list: sge_list(r.sg_list, r.num_sge) });
         w = r.next;
     }
-    if !wrs.is_empty() && !post(&wrs) {
-        name_bad(bad, wr);
-        return libc::ENOMEM;
+    if !wrs.is_empty() {
+        if let Err(e) = post(&wrs) {
+            name_bad(bad, nth(wr, e.posted));
+            return if e.full { libc::ENOMEM } else { libc::EINVAL };
+        }
     }
     if err != 0 {
         name_bad(bad, w);
     }
     err
+}
+
+/// The `n`th WR of a chain (0: `wr`), which has more than `n`.
+unsafe fn nth(mut wr: *mut ibv_recv_wr, n: usize) -> *mut ibv_recv_wr {
+    for _ in 0..n {
+        wr = (*wr).next;
+    }
+    wr
 }

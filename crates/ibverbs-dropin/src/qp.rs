@@ -3,8 +3,10 @@
 //!
 //! ibv_post_send/ibv_post_recv translate the WR chain into the SQ/RQ rings
 //! in shared memory; a system call (the doorbell) happens only when rnicd
-//! is not polling the rings. A chain is checked whole before any WR is
-//! posted, so `bad_wr` points at the first WR that was not posted.
+//! is not polling the rings. A chain is checked before any WR is posted,
+//! then posted under the queue's lock, as a driver posts it; `bad_wr`
+//! points at the first WR that was not posted, also when another thread
+//! filled the queue meanwhile.
 
 use std::ffi::c_int;
 use std::net::Ipv4Addr;
@@ -529,7 +531,10 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         return libc::EINVAL;
     }
     let cap = x.inner.cap;
-    let free = x.inner.send_slots() as usize;
+    // No more WRs than the queue holds are gathered; whether they fit now
+    // is for the post to say, the queue locked (another thread may be
+    // posting to it).
+    let depth = cap.max_send_wr as usize;
     // Inline payloads gathered per WR (they must outlive the post call).
     let mut inline: Vec<Vec<u8>> = Vec::new();
     // A chain of up to POST_ON_STACK WRs is checked and posted without a
@@ -541,7 +546,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
     let mut w = wr;
     while !w.is_null() {
         let r = &*w;
-        if wrs.len() >= free {
+        if wrs.len() >= depth {
             err = libc::ENOMEM;
             break;
         }
@@ -606,14 +611,14 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         wrs.push((w, op));
         w = r.next;
     }
-    let mut posted: SmallVec<[verbs::SendWr; POST_ON_STACK]> = SmallVec::with_capacity(wrs.len());
+    let mut posted: SmallVec<[verbs::SendOp; POST_ON_STACK]> = SmallVec::with_capacity(wrs.len());
     let mut inl = inline.iter();
     let mut bind = binds.iter();
     for &(w, op) in &wrs {
         let r = &*w;
         if op == verbs::WrOpcode::BindKey {
             let (_, b) = bind.next().expect("checked above");
-            posted.push(mw::bind_wr(r.wr_id, (r.send_flags & 0xf) as u8 & !verbs::send_flags::INLINE, b));
+            posted.push(mw::send_op(mw::bind_wr(r.wr_id, (r.send_flags & 0xf) as u8 & !verbs::send_flags::INLINE, b)));
             continue;
         }
         let mut s = verbs::SendWr::new(r.wr_id, op, sge_list(r.sg_list, r.num_sge));
@@ -643,14 +648,26 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
         if r.send_flags & IBV_SEND_INLINE != 0 && !op.is_read_or_atomic() {
             s = s.with_inline(inl.next().expect("gathered above"));
         }
-        posted.push(s);
+        posted.push(mw::send_op(s));
     }
-    if !posted.is_empty() && mw::post_wrs(&x.inner, &posted).is_err() {
-        name_bad(bad, wr);
-        return libc::ENOMEM;
-    }
-    for (m, b) in &binds {
+    // The whole chain is posted under the send queue's lock; if the queue
+    // filled first, the post says where it stopped.
+    let (n, stop) = if posted.is_empty() {
+        (0, 0)
+    } else {
+        match x.inner.try_post_send(&posted, false) {
+            Ok(()) => (wrs.len(), 0),
+            Err(e) => (e.posted, if e.full { libc::ENOMEM } else { libc::EINVAL }),
+        }
+    };
+    let mut bind = binds.iter();
+    for _ in wrs[..n].iter().filter(|(_, op)| *op == verbs::WrOpcode::BindKey) {
+        let (m, b) = bind.next().expect("one per bind WR");
         mw::posted(*m, b.new_key);
+    }
+    if stop != 0 {
+        name_bad(bad, wrs[n].0);
+        return stop;
     }
     if err != 0 {
         name_bad(bad, w);
@@ -668,9 +685,8 @@ pub unsafe extern "C" fn post_recv(q: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *m
         name_bad(bad, wr);
         return libc::EINVAL;
     }
-    let max_sge = x.inner.cap.max_recv_sge as usize;
-    let free = x.inner.recv_slots() as usize;
-    post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
+    let (max_sge, depth) = (x.inner.cap.max_recv_sge as usize, x.inner.cap.max_recv_wr as usize);
+    post_recv_chain(wr, bad, max_sge, depth, |wrs| x.inner.try_post_recv(wrs))
 }
 
 /// Posts one WR built elsewhere (a type 1 window's bind, qp/mw.rs) on an RC
@@ -680,12 +696,10 @@ pub(crate) unsafe fn post_one(q: *mut ibv_qp, s: verbs::SendWr) -> c_int {
     if !x.can_send() || x.qp_type == IBV_QPT_UD {
         return libc::EINVAL;
     }
-    if x.inner.send_slots() == 0 {
-        return libc::ENOMEM;
-    }
-    match mw::post_wrs(&x.inner, &[s]) {
+    match x.inner.try_post_send(&[mw::send_op(s)], true) {
         Ok(()) => 0,
-        Err(_) => libc::ENOMEM,
+        Err(e) if e.full => libc::ENOMEM,
+        Err(_) => libc::EINVAL,
     }
 }
 
@@ -741,9 +755,6 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
     if !x.can_send() {
         return libc::EINVAL;
     }
-    if b.wrs.len() > x.inner.send_slots() as usize {
-        return libc::ENOMEM;
-    }
     let cap = x.inner.cap;
     let mut wrs = Vec::with_capacity(b.wrs.len());
     for p in &b.wrs {
@@ -773,16 +784,19 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
         } else if p.sges.len() > cap.max_send_sge as usize || (p.opcode.is_atomic() && p.sges.len() != 1) {
             return libc::EINVAL;
         }
-        wrs.push(s);
+        wrs.push(mw::send_op(s));
     }
-    match mw::post_wrs(&x.inner, &wrs) {
+    // All or nothing under the send queue's lock (another thread may be
+    // posting to it).
+    match x.inner.try_post_send(&wrs, true) {
         Ok(()) => {
             for (m, key) in b.wrs.iter().filter_map(|p| p.window) {
                 mw::posted(m, key);
             }
             0
         }
-        Err(_) => libc::ENOMEM,
+        Err(e) if e.full => libc::ENOMEM,
+        Err(_) => libc::EINVAL,
     }
 }
 

@@ -132,14 +132,13 @@ pub unsafe extern "C" fn ibv_destroy_srq(s: *mut ibv_srq) -> c_int {
     0
 }
 
-/// ibv_post_srq_recv (context ops): checks the chain whole, then writes
-/// the WRs into the shared ring; `bad` names the first WR not posted.
+/// ibv_post_srq_recv (context ops): checks the chain, then writes the WRs
+/// into the shared ring; `bad` names the first WR not posted.
 pub unsafe extern "C" fn post_srq_recv(s: *mut ibv_srq, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
     let Some(x) = srq(s) else {
         name_bad(bad, wr);
         return libc::EINVAL;
     };
-    let max_sge = x.inner.max_sge() as usize;
-    let free = x.inner.free_slots() as usize;
-    post_recv_chain(wr, bad, max_sge, free, |wrs| x.inner.post_recv(wrs).is_ok())
+    let (max_sge, depth) = (x.inner.max_sge() as usize, x.inner.max_wr() as usize);
+    post_recv_chain(wr, bad, max_sge, depth, |wrs| x.inner.try_post_recv(wrs))
 }

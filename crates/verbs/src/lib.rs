@@ -1197,6 +1197,56 @@ pub struct RecvWr<'a> {
     pub sg_list: &'a [Sge],
 }
 
+/// One WR of a send chain for [`Qp::try_post_send`]: an ordinary WR, or a
+/// key-table one (as [`Qp::post_key_ops`] posts them).
+#[derive(Clone, Copy, Debug)]
+pub enum SendOp<'a> {
+    Wr(SendWr<'a>),
+    Key(mkeys::KeyOp<'a>),
+}
+
+/// A post that stopped short ([`Qp::try_post_send`], [`Qp::try_post_recv`],
+/// [`Srq::try_post_recv`]): the first `posted` WRs are queued, the others
+/// are not.
+#[derive(Debug)]
+pub struct PostError {
+    /// WRs queued (those before the one that stopped the post).
+    pub posted: usize,
+    /// The queue was full; else WR `posted` was refused (`error` says why).
+    pub full: bool,
+    pub error: anyhow::Error,
+}
+
+impl PostError {
+    fn stopped(posted: usize, stop: Stop, queue: &str) -> PostError {
+        match stop {
+            Stop::Full => PostError { posted, full: true, error: anyhow!("{queue} full") },
+            Stop::Refused(error) => PostError { posted, full: false, error },
+        }
+    }
+}
+
+impl std::fmt::Display for PostError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#} ({} WRs posted)", self.error, self.posted)
+    }
+}
+
+impl std::error::Error for PostError {}
+
+/// Why a post stopped, found with the ring locked (the error is made once
+/// the lock is let go).
+enum Stop {
+    Full,
+    Refused(anyhow::Error),
+}
+
+/// Free slots of a ring standing for a queue `depth` WRs deep: the ring is
+/// a power of two, at least `depth`, and the rest of it is not the queue's.
+fn queue_room<T: Copy>(ring: &Ring<T>, depth: u32) -> u32 {
+    ring.free_slots().saturating_sub(ring.cap() - depth.min(ring.cap()))
+}
+
 /// What the peer tells us out of band to connect a QP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct QpEndpoint {
@@ -1383,57 +1433,107 @@ impl Qp {
     }
 
     fn post_send_inner(&self, wrs: &[SendWr], doorbell: bool) -> anyhow::Result<()> {
+        self.push_sends(wrs, |wr| self.send_wqe(wr), doorbell, false, false).map_err(|e| e.error)
+    }
+
+    /// ibv_post_send as a driver posts a chain: its WRs, ordinary and
+    /// key-table ones, go in order under one hold of the send queue's lock
+    /// with one doorbell, into a queue `max_send_wr` deep (not the ring's
+    /// power of two), so that threads posting to one QP at once never
+    /// split each other's chains or overfill the queue. Stops at the first
+    /// WR that does not fit or is refused; the error says how many went in.
+    /// With `whole`, a chain that does not fit whole is not posted at all
+    /// (ibv_wr_complete).
+    pub fn try_post_send(&self, ops: &[SendOp], whole: bool) -> Result<(), PostError> {
+        let wqe = |op: &SendOp| match op {
+            SendOp::Wr(wr) => self.send_wqe(wr),
+            SendOp::Key(k) => k.wqe(),
+        };
+        self.push_sends(ops, wqe, true, true, whole)
+    }
+
+    /// Pushes the WQEs of `items` in order, the send ring locked, until one
+    /// does not fit (in the ring, or in `max_send_wr` if `capped`) or is
+    /// refused; with `whole`, none unless all fit.
+    fn push_sends<T>(
+        &self,
+        items: &[T],
+        wqe: impl Fn(&T) -> anyhow::Result<SendWqe>,
+        doorbell: bool,
+        capped: bool,
+        whole: bool,
+    ) -> Result<(), PostError> {
         let mut ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+        let room = if capped { queue_room(&ring, self.cap.max_send_wr) } else { ring.free_slots() } as usize;
         let mut posted = 0;
-        let mut result = Ok(());
-        for wr in wrs {
-            if wr.opcode.is_local() {
-                // A bind's ranges do not fit an SGE list's limits: its own call builds it.
-                result = Err(anyhow!("{:?} is posted with Qp::post_key_ops", wr.opcode));
-                break;
-            }
-            let mut w = SendWqe {
-                wr_id: wr.wr_id,
-                opcode: wr.opcode as u8,
-                flags: wr.flags,
-                imm: wr.imm,
-                remote_addr: wr.remote_addr,
-                rkey: wr.rkey,
-                compare_add: wr.compare_add,
-                swap: wr.swap,
-                ..Default::default()
-            };
-            if let Some(d) = wr.ud {
-                w.ud_dest = u32::from(d.gid);
-                w.ud_qpn = d.qpn;
-                w.ud_qkey = d.qkey;
-            }
-            if let Some(d) = wr.inline {
-                let operand = wr.opcode == WrOpcode::AtomicWrite && d.len() == 8;
-                if (d.len() > self.cap.max_inline_data as usize && !operand) || wr.opcode.is_read_or_atomic() {
-                    result = Err(anyhow!("inline data of {} bytes exceeds max_inline_data {}", d.len(), self.cap.max_inline_data));
+        let mut stop = None;
+        if whole && items.len() > room {
+            stop = Some(Stop::Full);
+        } else {
+            for item in items {
+                if posted == room {
+                    stop = Some(Stop::Full);
                     break;
                 }
-                w.inline[..d.len()].copy_from_slice(d);
-                w.inline_len = d.len() as u32;
-                w.flags |= send_flags::INLINE;
-            } else {
-                if wr.sg_list.len() > self.cap.max_send_sge as usize {
-                    result = Err(anyhow!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.cap.max_send_sge));
-                    break;
+                match wqe(item) {
+                    Ok(w) if ring.push(&w) => posted += 1,
+                    Ok(_) => {
+                        stop = Some(Stop::Full);
+                        break;
+                    }
+                    Err(e) => {
+                        stop = Some(Stop::Refused(e));
+                        break;
+                    }
                 }
-                w.num_sge = wr.sg_list.len() as u8;
-                w.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
-                w.flags &= !send_flags::INLINE;
             }
-            if !ring.push(&w) {
-                result = Err(anyhow!("send queue full"));
-                break;
-            }
-            posted += 1;
         }
         self.finish_post(ring, posted, doorbell);
-        result
+        match stop {
+            None => Ok(()),
+            Some(s) => Err(PostError::stopped(posted, s, "send queue")),
+        }
+    }
+
+    /// The WQE of an ordinary send WR.
+    fn send_wqe(&self, wr: &SendWr) -> anyhow::Result<SendWqe> {
+        if wr.opcode.is_local() {
+            // A bind's ranges do not fit an SGE list's limits: its own call builds it.
+            bail!("{:?} is posted with Qp::post_key_ops", wr.opcode);
+        }
+        let mut w = SendWqe {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode as u8,
+            flags: wr.flags,
+            imm: wr.imm,
+            remote_addr: wr.remote_addr,
+            rkey: wr.rkey,
+            compare_add: wr.compare_add,
+            swap: wr.swap,
+            ..Default::default()
+        };
+        if let Some(d) = wr.ud {
+            w.ud_dest = u32::from(d.gid);
+            w.ud_qpn = d.qpn;
+            w.ud_qkey = d.qkey;
+        }
+        if let Some(d) = wr.inline {
+            let operand = wr.opcode == WrOpcode::AtomicWrite && d.len() == 8;
+            if (d.len() > self.cap.max_inline_data as usize && !operand) || wr.opcode.is_read_or_atomic() {
+                bail!("inline data of {} bytes exceeds max_inline_data {}", d.len(), self.cap.max_inline_data);
+            }
+            w.inline[..d.len()].copy_from_slice(d);
+            w.inline_len = d.len() as u32;
+            w.flags |= send_flags::INLINE;
+        } else {
+            if wr.sg_list.len() > self.cap.max_send_sge as usize {
+                bail!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.cap.max_send_sge);
+            }
+            w.num_sge = wr.sg_list.len() as u8;
+            w.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
+            w.flags &= !send_flags::INLINE;
+        }
+        Ok(w)
     }
 
     /// The end of a post of `n` WQEs, the ring still locked: the doorbell
@@ -1466,39 +1566,53 @@ impl Qp {
     }
 
     fn post_recv_inner(&self, wrs: &[RecvWr], doorbell: bool) -> anyhow::Result<()> {
+        self.push_recvs(wrs, doorbell, false).map_err(|e| e.error)
+    }
+
+    /// ibv_post_recv as a driver posts a chain: in order under one hold of
+    /// the receive queue's lock, into a queue `max_recv_wr` deep (not the
+    /// ring's power of two), so that threads posting to one QP at once
+    /// never overfill it. Stops at the first WR that does not fit or is
+    /// refused; the error says how many went in.
+    pub fn try_post_recv(&self, wrs: &[RecvWr]) -> Result<(), PostError> {
+        self.push_recvs(wrs, true, true)
+    }
+
+    fn push_recvs(&self, wrs: &[RecvWr], doorbell: bool, capped: bool) -> Result<(), PostError> {
         let mut ring = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        let room = if capped { queue_room(&ring, self.cap.max_recv_wr) } else { ring.free_slots() } as usize;
         let mut posted = 0;
-        let mut result = Ok(());
+        let mut stop = None;
         for wr in wrs {
             if wr.sg_list.len() > self.cap.max_recv_sge as usize {
-                result = Err(anyhow!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), self.cap.max_recv_sge));
+                let e = anyhow!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), self.cap.max_recv_sge);
+                stop = Some(Stop::Refused(e));
                 break;
             }
             let mut r = RecvWqe { wr_id: wr.wr_id, num_sge: wr.sg_list.len() as u32, ..Default::default() };
             r.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
-            if !ring.push(&r) {
-                result = Err(anyhow!("receive queue full"));
+            if posted == room || !ring.push(&r) {
+                stop = Some(Stop::Full);
                 break;
             }
             posted += 1;
         }
         self.finish_post(ring, posted, doorbell);
-        result
+        match stop {
+            None => Ok(()),
+            Some(s) => Err(PostError::stopped(posted, s, "receive queue")),
+        }
     }
 
     /// Free slots in the send ring now (for pipelining tools).
     pub fn send_slots(&self) -> u32 {
-        let ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
-        // The ring is a power of two, at least max_send_wr: the rest of it
-        // is not the queue's.
-        ring.free_slots().saturating_sub(ring.cap() - self.cap.max_send_wr.min(ring.cap()))
+        queue_room(&self.sq.lock().unwrap_or_else(|e| e.into_inner()), self.cap.max_send_wr)
     }
 
     /// Free slots in the receive ring now: a caller posting a chain can
     /// tell which WR would overflow the queue before posting any.
     pub fn recv_slots(&self) -> u32 {
-        let ring = self.rq.lock().unwrap_or_else(|e| e.into_inner());
-        ring.free_slots().saturating_sub(ring.cap() - self.cap.max_recv_wr.min(ring.cap()))
+        queue_room(&self.rq.lock().unwrap_or_else(|e| e.into_inner()), self.cap.max_recv_wr)
     }
 }
 

@@ -101,7 +101,7 @@ pub enum KeyOp<'a> {
 }
 
 impl KeyOp<'_> {
-    fn wqe(&self) -> anyhow::Result<SendWqe> {
+    pub(crate) fn wqe(&self) -> anyhow::Result<SendWqe> {
         let flags = |signaled: bool| if signaled { send_flags::SIGNALED } else { 0 };
         Ok(match *self {
             KeyOp::Bind { wr_id, key, iova, access, ranges, signaled } => {

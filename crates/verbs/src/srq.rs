@@ -13,7 +13,7 @@ pub use rnic::ring::MAX_SGE as MAX_SRQ_SGE;
 use rnic::ring::{ring_bytes, RecvWqe, Ring, MAX_SGE};
 pub use rnic::srq::{SrqAttr, SrqSnapshot, MAX_SRQ, MAX_SRQ_WR, SRQ_SNAPSHOT_VERSION};
 
-use crate::{Context, Pd, Qp, RecvWr};
+use crate::{queue_room, Context, Pd, PostError, Qp, RecvWr};
 
 pub struct Srq {
     ctx: Context,
@@ -82,28 +82,38 @@ impl Srq {
         self.max_sge
     }
 
+    /// The queue's depth (max_wr as created).
+    pub fn max_wr(&self) -> u32 {
+        self.max_wr
+    }
+
     /// WRs that can be posted now before the queue is full.
     pub fn free_slots(&self) -> u32 {
-        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        ring.free_slots().saturating_sub(ring.cap() - self.max_wr)
+        queue_room(&self.ring.lock().unwrap_or_else(|e| e.into_inner()), self.max_wr)
     }
 
     /// ibv_post_srq_recv: posts in order; stops at the first WR that has
     /// too many SGEs or finds the queue full (the error says which).
     pub fn post_recv(&self, wrs: &[RecvWr]) -> anyhow::Result<()> {
+        self.try_post_recv(wrs).map_err(|e| e.error)
+    }
+
+    /// As `post_recv`, the error saying how many WRs went in: the chain is
+    /// posted under one hold of the queue's lock, as a driver does, so
+    /// that with threads posting at once it names the first WR not posted.
+    pub fn try_post_recv(&self, wrs: &[RecvWr]) -> Result<(), PostError> {
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        for wr in wrs {
+        let room = queue_room(&ring, self.max_wr) as usize;
+        for (posted, wr) in wrs.iter().enumerate() {
             if wr.sg_list.len() > self.max_sge as usize {
-                bail!("{} SGEs exceed the SRQ's max_sge {}", wr.sg_list.len(), self.max_sge);
-            }
-            // The ring is a power of two, at least max_wr: the rest is not the queue's.
-            if ring.free_slots().saturating_sub(ring.cap() - self.max_wr) == 0 {
-                bail!("shared receive queue full");
+                let error = anyhow!("{} SGEs exceed the SRQ's max_sge {}", wr.sg_list.len(), self.max_sge);
+                return Err(PostError { posted, full: false, error });
             }
             let mut r = RecvWqe { wr_id: wr.wr_id, num_sge: wr.sg_list.len() as u32, ..Default::default() };
             r.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
-            if !ring.push(&r) {
-                bail!("shared receive queue full");
+            if posted == room || !ring.push(&r) {
+                drop(ring);
+                return Err(PostError { posted, full: true, error: anyhow!("shared receive queue full") });
             }
         }
         Ok(())

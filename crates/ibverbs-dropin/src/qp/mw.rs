@@ -167,23 +167,15 @@ pub unsafe extern "C" fn bind_mw(q: *mut ibv_qp, m: *mut ibv_mw, mb: *mut ibv_mw
     }
 }
 
-/// Posts `wrs` in order: ordinary WRs through the send ring, window binds
-/// and local invalidations as rnicd's key-table WRs (`verbs` posts those
-/// apart), on the same ring, so that they run in the order posted.
-pub(crate) fn post_wrs(qp: &verbs::Qp, wrs: &[verbs::SendWr]) -> anyhow::Result<()> {
-    let mut i = 0;
-    while i < wrs.len() {
-        let local = wrs[i].opcode.is_local();
-        let end = wrs[i..].iter().position(|w| w.opcode.is_local() != local).map_or(wrs.len(), |n| i + n);
-        if local {
-            let ops: Vec<KeyOp> = wrs[i..end].iter().map(key_op).collect();
-            qp.post_key_ops(&ops)?;
-        } else {
-            qp.post_send(&wrs[i..end])?;
-        }
-        i = end;
+/// A WR as the send queue takes it: window binds and local invalidations
+/// as rnicd's key-table WRs, the others as they are. One post of a chain
+/// of both (`verbs::Qp::try_post_send`) keeps them in the order posted.
+pub(crate) fn send_op(w: verbs::SendWr) -> verbs::SendOp {
+    if w.opcode.is_local() {
+        verbs::SendOp::Key(key_op(&w))
+    } else {
+        verbs::SendOp::Wr(w)
     }
-    Ok(())
 }
 
 fn key_op<'a>(w: &verbs::SendWr<'a>) -> KeyOp<'a> {
