@@ -362,6 +362,33 @@ fn dying_client_loses_only_its_resources() {
     assert!(st["clients_gone"].as_u64().unwrap() >= 1, "{st}");
 }
 
+/// A client whose completion channel cannot take another event (a
+/// blocking eventfd at its largest count): rnicd skips the signal instead
+/// of waiting in the write, and serves every client on.
+#[test]
+fn a_full_blocking_channel_does_not_hold_rnicd() {
+    let bed = Bed::new("rnfullch", 1);
+    let ctx = bed.ctx(0);
+    let ch = ctx.create_comp_channel().unwrap();
+    // SAFETY: a write to the channel's own eventfd.
+    let full = 0xffff_ffff_ffff_fffe_u64.to_ne_bytes();
+    assert_eq!(unsafe { libc::write(ch.fd(), full.as_ptr().cast(), 8) }, 8);
+    let cq = ctx.create_cq(16, Some(&ch)).unwrap();
+    cq.req_notify(false);
+    let pd = ctx.alloc_pd().unwrap();
+    let qp = pd.create_qp(&QpInitAttr::new(&cq, &cq)).unwrap();
+    qp.modify(&QpAttr { qp_state: QpState::Err, ..Default::default() }, mask::STATE).unwrap();
+    qp.post_recv(&[RecvWr { wr_id: 9, sg_list: &[] }]).unwrap();
+    // The flushed receive completes and would signal the channel.
+    assert_eq!(one(&cq).status, WcStatus::WrFlushErr);
+    // Another client connects and asks (from a thread: a held rnicd would
+    // never answer its hello).
+    let sock = bed.nics[0].sock.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(Context::open(Some(&sock)).and_then(|c| c.stats()).is_ok()));
+    assert_eq!(rx.recv_timeout(Duration::from_secs(20)), Ok(true), "rnicd answers another client");
+}
+
 #[test]
 fn hostile_packets_and_requests_are_counted_and_dropped() {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
