@@ -275,7 +275,7 @@ unsafe fn create(c: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, ch: *
         (*chan).ch.refcnt += 1;
         (*chan).cqs.lock().unwrap_or_else(|e| e.into_inner()).push(b as usize);
     }
-    cx.events.add_cq((*b).inner.handle(), b as *mut ibv_cq);
+    cx.events.add_cq((*b).inner.handle(), b as *mut ibv_cq, &(*b).async_events_reported);
     b
 }
 

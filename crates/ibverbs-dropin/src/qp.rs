@@ -215,7 +215,7 @@ unsafe fn create(c: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ib
     }));
     init_sync(addr_of_mut!((*b).qpx.qp_base.mutex), addr_of_mut!((*b).qpx.qp_base.cond));
     if let Some(cx) = crate::device::ctx(c) {
-        cx.events.add_qp((*b).inner.qpn, b as *mut ibv_qp);
+        cx.events.add_qp((*b).inner.qpn, b as *mut ibv_qp, &(*b).events_reported);
     }
     b as *mut ibv_qp
 }

@@ -62,7 +62,7 @@ pub unsafe extern "C" fn ibv_create_srq(p: *mut ibv_pd, attr: *mut ibv_srq_init_
     let base = &mut (*b).srq;
     init_sync(&mut base.mutex, &mut base.cond);
     if let Some(cx) = crate::device::ctx((*p).context) {
-        cx.events.add_srq(base.handle, b as *mut ibv_srq);
+        cx.events.add_srq(base.handle, b as *mut ibv_srq, &(*b).events_reported);
     }
     b as *mut ibv_srq
 }

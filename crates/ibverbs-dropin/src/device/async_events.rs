@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_int, c_void};
 use std::os::fd::AsRawFd;
 use std::ptr::addr_of_mut;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 
 use verbs::{AsyncEvent, AsyncKind};
@@ -28,16 +28,25 @@ use super::ctx;
 use crate::set_errno;
 use crate::sys::*;
 
+/// An object events can name, as the address of its ibv_qp, ibv_cq or
+/// ibv_srq, and of its count of events handed out (the kernel's
+/// `events_reported`, which libibverbs' destroy calls wait for).
+#[derive(Clone, Copy)]
+struct Named {
+    object: usize,
+    reported: usize,
+}
+
 /// The objects events can name, and the events fetched but not handed out.
 #[derive(Default)]
 pub struct Events {
     /// QPN -> ibv_qp.
-    qps: Mutex<HashMap<u32, usize>>,
+    qps: Mutex<HashMap<u32, Named>>,
     /// rnicd CQ handle -> ibv_cq.
-    cqs: Mutex<HashMap<u32, usize>>,
+    cqs: Mutex<HashMap<u32, Named>>,
     /// rnicd SRQ handle -> ibv_srq.
-    srqs: Mutex<HashMap<u32, usize>>,
-    pending: Mutex<VecDeque<(ibv_event_type, usize)>>,
+    srqs: Mutex<HashMap<u32, Named>>,
+    pending: Mutex<VecDeque<(ibv_event_type, Named)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -45,24 +54,26 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Events {
-    pub fn add_qp(&self, qpn: u32, qp: *mut ibv_qp) {
-        lock(&self.qps).insert(qpn, qp as usize);
+    /// `reported` lives in the object and counts the events handed out
+    /// about it (so for each of the three below).
+    pub fn add_qp(&self, qpn: u32, qp: *mut ibv_qp, reported: &AtomicU32) {
+        lock(&self.qps).insert(qpn, Named { object: qp as usize, reported: reported as *const AtomicU32 as usize });
     }
 
-    pub fn add_cq(&self, handle: u32, cq: *mut ibv_cq) {
-        lock(&self.cqs).insert(handle, cq as usize);
+    pub fn add_cq(&self, handle: u32, cq: *mut ibv_cq, reported: &AtomicU32) {
+        lock(&self.cqs).insert(handle, Named { object: cq as usize, reported: reported as *const AtomicU32 as usize });
     }
 
-    pub fn add_srq(&self, handle: u32, srq: *mut ibv_srq) {
-        lock(&self.srqs).insert(handle, srq as usize);
+    pub fn add_srq(&self, handle: u32, srq: *mut ibv_srq, reported: &AtomicU32) {
+        lock(&self.srqs).insert(handle, Named { object: srq as usize, reported: reported as *const AtomicU32 as usize });
     }
 
     /// The QP, CQ or SRQ goes: its events, queued or to come, go with it.
     pub fn remove(&self, object: usize) {
-        lock(&self.qps).retain(|_, o| *o != object);
-        lock(&self.cqs).retain(|_, o| *o != object);
-        lock(&self.srqs).retain(|_, o| *o != object);
-        lock(&self.pending).retain(|(_, o)| *o != object);
+        lock(&self.qps).retain(|_, n| n.object != object);
+        lock(&self.cqs).retain(|_, n| n.object != object);
+        lock(&self.srqs).retain(|_, n| n.object != object);
+        lock(&self.pending).retain(|(_, n)| n.object != object);
     }
 
     /// Takes the next event to hand out, counting it as reported on its
@@ -70,23 +81,21 @@ impl Events {
     /// first or finds it counted (and its destroy waits for the ack).
     fn next(&self) -> Option<(ibv_event_type, usize)> {
         let mut p = lock(&self.pending);
-        let next = p.pop_front();
-        if let Some((t, o)) = next {
-            // SAFETY: the object is registered (its destroy removes it from
-            // `pending` under this lock before freeing it).
-            unsafe { reported(t, o) };
-        }
-        next
+        let (t, n) = p.pop_front()?;
+        // SAFETY: the object is registered (its destroy removes it from
+        // `pending` under this lock before freeing it), and its count with it.
+        unsafe { (*(n.reported as *const AtomicU32)).fetch_add(1, Ordering::AcqRel) };
+        Some((t, n.object))
     }
 
-    fn translate(&self, e: &AsyncEvent) -> Option<(ibv_event_type, usize)> {
-        let qp = |t| lock(&self.qps).get(&e.object).map(|o| (t, *o));
+    fn translate(&self, e: &AsyncEvent) -> Option<(ibv_event_type, Named)> {
+        let qp = |t| lock(&self.qps).get(&e.object).map(|n| (t, *n));
         match e.kind {
             AsyncKind::QpFatal => qp(IBV_EVENT_QP_FATAL),
             AsyncKind::QpReqErr => qp(IBV_EVENT_QP_REQ_ERR),
             AsyncKind::QpAccessErr => qp(IBV_EVENT_QP_ACCESS_ERR),
-            AsyncKind::CqErr => lock(&self.cqs).get(&e.object).map(|o| (IBV_EVENT_CQ_ERR, *o)),
-            AsyncKind::SrqLimitReached => lock(&self.srqs).get(&e.object).map(|o| (IBV_EVENT_SRQ_LIMIT_REACHED, *o)),
+            AsyncKind::CqErr => lock(&self.cqs).get(&e.object).map(|n| (IBV_EVENT_CQ_ERR, *n)),
+            AsyncKind::SrqLimitReached => lock(&self.srqs).get(&e.object).map(|n| (IBV_EVENT_SRQ_LIMIT_REACHED, *n)),
         }
     }
 }
@@ -153,16 +162,6 @@ unsafe fn settle(cx: &super::Context, fd: c_int) {
         let one = 1u64;
         libc::write(fd, &one as *const u64 as *const c_void, 8);
     }
-}
-
-/// Counts an event of type `t` about object `o` as handed out (the
-/// kernel's `events_reported`, which libibverbs' destroy calls wait for).
-unsafe fn reported(t: ibv_event_type, o: usize) {
-    match t {
-        IBV_EVENT_CQ_ERR => (*(o as *const crate::cq::Cq)).async_events_reported.fetch_add(1, Ordering::AcqRel),
-        IBV_EVENT_SRQ_LIMIT_REACHED => (*(o as *const crate::srq::Srq)).events_reported.fetch_add(1, Ordering::AcqRel),
-        _ => (*(o as *const crate::qp::Qp)).events_reported.fetch_add(1, Ordering::AcqRel),
-    };
 }
 
 /// An object's mutex and condition variable (ibv_cq's, ibv_qp's, ibv_srq's)
