@@ -1234,8 +1234,8 @@ impl std::fmt::Display for PostError {
 
 impl std::error::Error for PostError {}
 
-/// Why a post stopped, found with the ring locked (the error is made once
-/// the lock is let go).
+/// Why a post stopped (a full queue's error is made once the lock is let
+/// go).
 enum Stop {
     Full,
     Refused(anyhow::Error),
@@ -1245,6 +1245,23 @@ enum Stop {
 /// a power of two, at least `depth`, and the rest of it is not the queue's.
 fn queue_room<T: Copy>(ring: &Ring<T>, depth: u32) -> u32 {
     ring.free_slots().saturating_sub(ring.cap() - depth.min(ring.cap()))
+}
+
+/// Pushes the receive WQEs of `wrs` in order into `ring` (a QP's or an
+/// SRQ's, locked by the caller): at most `room`, each with at most
+/// `max_sge` SGEs. Returns how many went in, and why it stopped if it did.
+fn push_recv_wqes(ring: &mut Ring<RecvWqe>, wrs: &[RecvWr], max_sge: u32, room: usize) -> (usize, Option<Stop>) {
+    for (posted, wr) in wrs.iter().enumerate() {
+        if wr.sg_list.len() > max_sge as usize {
+            return (posted, Some(Stop::Refused(anyhow!("{} SGEs exceed max_recv_sge {max_sge}", wr.sg_list.len()))));
+        }
+        let mut r = RecvWqe { wr_id: wr.wr_id, num_sge: wr.sg_list.len() as u32, ..Default::default() };
+        r.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
+        if posted == room || !ring.push(&r) {
+            return (posted, Some(Stop::Full));
+        }
+    }
+    (wrs.len(), None)
 }
 
 /// What the peer tells us out of band to connect a QP.
@@ -1581,22 +1598,7 @@ impl Qp {
     fn push_recvs(&self, wrs: &[RecvWr], doorbell: bool, capped: bool) -> Result<(), PostError> {
         let mut ring = self.rq.lock().unwrap_or_else(|e| e.into_inner());
         let room = if capped { queue_room(&ring, self.cap.max_recv_wr) } else { ring.free_slots() } as usize;
-        let mut posted = 0;
-        let mut stop = None;
-        for wr in wrs {
-            if wr.sg_list.len() > self.cap.max_recv_sge as usize {
-                let e = anyhow!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), self.cap.max_recv_sge);
-                stop = Some(Stop::Refused(e));
-                break;
-            }
-            let mut r = RecvWqe { wr_id: wr.wr_id, num_sge: wr.sg_list.len() as u32, ..Default::default() };
-            r.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
-            if posted == room || !ring.push(&r) {
-                stop = Some(Stop::Full);
-                break;
-            }
-            posted += 1;
-        }
+        let (posted, stop) = push_recv_wqes(&mut ring, wrs, self.cap.max_recv_sge, room);
         self.finish_post(ring, posted, doorbell);
         match stop {
             None => Ok(()),

@@ -13,7 +13,7 @@ pub use rnic::ring::MAX_SGE as MAX_SRQ_SGE;
 use rnic::ring::{ring_bytes, RecvWqe, Ring, MAX_SGE};
 pub use rnic::srq::{SrqAttr, SrqSnapshot, MAX_SRQ, MAX_SRQ_WR, SRQ_SNAPSHOT_VERSION};
 
-use crate::{queue_room, Context, Pd, PostError, Qp, RecvWr};
+use crate::{push_recv_wqes, queue_room, Context, Pd, PostError, Qp, RecvWr};
 
 pub struct Srq {
     ctx: Context,
@@ -104,19 +104,12 @@ impl Srq {
     pub fn try_post_recv(&self, wrs: &[RecvWr]) -> Result<(), PostError> {
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         let room = queue_room(&ring, self.max_wr) as usize;
-        for (posted, wr) in wrs.iter().enumerate() {
-            if wr.sg_list.len() > self.max_sge as usize {
-                let error = anyhow!("{} SGEs exceed the SRQ's max_sge {}", wr.sg_list.len(), self.max_sge);
-                return Err(PostError { posted, full: false, error });
-            }
-            let mut r = RecvWqe { wr_id: wr.wr_id, num_sge: wr.sg_list.len() as u32, ..Default::default() };
-            r.sge[..wr.sg_list.len()].copy_from_slice(wr.sg_list);
-            if posted == room || !ring.push(&r) {
-                drop(ring);
-                return Err(PostError { posted, full: true, error: anyhow!("shared receive queue full") });
-            }
+        let (posted, stop) = push_recv_wqes(&mut ring, wrs, self.max_sge, room);
+        drop(ring);
+        match stop {
+            None => Ok(()),
+            Some(s) => Err(PostError::stopped(posted, s, "shared receive queue")),
         }
-        Ok(())
     }
 
     /// ibv_modify_srq with IBV_SRQ_LIMIT: arms the limit event (0 disarms).
