@@ -19,6 +19,16 @@ pub(crate) unsafe fn name_bad<T>(bad: *mut *mut T, w: *mut T) {
     }
 }
 
+/// The errno of a post that stopped short: ENOMEM for a full queue, EINVAL
+/// for a WR the queue refused.
+pub(crate) fn post_errno(e: &verbs::PostError) -> c_int {
+    if e.full {
+        libc::ENOMEM
+    } else {
+        libc::EINVAL
+    }
+}
+
 // ibv_sge and the ring's Sge have the same layout (addr, length, lkey).
 const _: () = assert!(
     std::mem::size_of::<ibv_sge>() == std::mem::size_of::<verbs::Sge>()
@@ -72,7 +82,7 @@ pub(crate) unsafe fn post_recv_chain(
     if !wrs.is_empty() {
         if let Err(e) = post(&wrs) {
             name_bad(bad, nth(wr, e.posted));
-            return if e.full { libc::ENOMEM } else { libc::EINVAL };
+            return post_errno(&e);
         }
     }
     if err != 0 {

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use smallvec::SmallVec;
 
-use crate::chain::{name_bad, post_recv_chain, sge_list, POST_ON_STACK};
+use crate::chain::{name_bad, post_errno, post_recv_chain, sge_list, POST_ON_STACK};
 use crate::cq::{cq, Cq};
 use crate::device::async_events::{init_sync, wait_acked};
 use crate::pdmr::{pd, Pd};
@@ -657,7 +657,7 @@ pub unsafe extern "C" fn post_send(q: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *m
     } else {
         match x.inner.try_post_send(&posted, false) {
             Ok(()) => (wrs.len(), 0),
-            Err(e) => (e.posted, if e.full { libc::ENOMEM } else { libc::EINVAL }),
+            Err(e) => (e.posted, post_errno(&e)),
         }
     };
     let mut bind = binds.iter();
@@ -698,8 +698,7 @@ pub(crate) unsafe fn post_one(q: *mut ibv_qp, s: verbs::SendWr) -> c_int {
     }
     match x.inner.try_post_send(&[mw::send_op(s)], true) {
         Ok(()) => 0,
-        Err(e) if e.full => libc::ENOMEM,
-        Err(_) => libc::EINVAL,
+        Err(e) => post_errno(&e),
     }
 }
 
@@ -795,8 +794,7 @@ unsafe extern "C" fn wr_complete(q: *mut ibv_qp_ex) -> c_int {
             }
             0
         }
-        Err(e) if e.full => libc::ENOMEM,
-        Err(_) => libc::EINVAL,
+        Err(e) => post_errno(&e),
     }
 }
 
