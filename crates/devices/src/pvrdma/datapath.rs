@@ -208,12 +208,20 @@ impl Dev {
             self.sends_waiting.store(true, std::sync::atomic::Ordering::Release);
             return;
         }
-        let handles: Vec<u32> = self.qps.iter().filter(|(_, q)| !q.info.broken).map(|(h, _)| *h).collect();
+        let handles: Vec<u32> = self.qps.iter().map(|(h, _)| *h).collect();
         for h in handles {
-            if self.ring_tail(h, true).is_ok_and(|t| self.qps.get(h).is_some_and(|q| t != q.info.sq.head)) {
+            if self.wqes_waiting(h, true) {
                 let _ = self.post_sends(h);
             }
         }
+    }
+
+    /// Whether QP `handle`'s send (`send`) or receive ring holds WQEs the
+    /// device has not taken, on a QP whose rings it still reads.
+    fn wqes_waiting(&self, handle: u32, send: bool) -> bool {
+        let Some(q) = self.qps.get(handle).filter(|q| !q.info.broken) else { return false };
+        let head = if send { q.info.sq.head } else { q.info.rq.head };
+        self.ring_tail(handle, send).is_ok_and(|t| t != head)
     }
 
     pub fn post_recvs(&mut self, handle: u32) -> Result<(), Errno> {
@@ -364,12 +372,7 @@ impl Dev {
         // SRQ has no receive ring of its own: the SRQ refills itself.)
         for (qp, send) in freed {
             let own_ring = send || self.srq_of_qp(qp).is_none();
-            let waiting = own_ring
-                && self.qps.get(qp).is_some_and(|q| !q.info.broken)
-                && self
-                    .ring_tail(qp, send)
-                    .is_ok_and(|t| self.qps.get(qp).is_some_and(|q| t != if send { q.info.sq.head } else { q.info.rq.head }));
-            if waiting {
+            if own_ring && self.wqes_waiting(qp, send) {
                 let _ = if send { self.post_sends(qp) } else { self.post_recvs(qp) };
             }
         }
