@@ -38,6 +38,25 @@ pub use crate::mem::Span;
 use crate::objects::{ClientId, IdMap, Mr};
 use crate::types::access;
 
+/// A resolved range: its host memory, and the MRs it lies in that were
+/// reached through weak references (a binding's entries, a foreign alias's
+/// target). Those have their last owner elsewhere: another namespace's
+/// table, or a closed namespace's objects being released on a thread of
+/// their own (`daemon::release_off_loop`). Holding them keeps the memory
+/// mapped until the packet's data has been copied.
+pub struct Resolved {
+    span: Span,
+    _keep: Vec<Arc<Mr>>,
+}
+
+impl std::ops::Deref for Resolved {
+    type Target = Span;
+
+    fn deref(&self) -> &Span {
+        &self.span
+    }
+}
+
 /// Most entries of one binding (a KLM list): 8 in the WQE's SGE array and
 /// 16 more in its inline area.
 pub const MAX_KLM: usize = 24;
@@ -78,7 +97,8 @@ pub struct Binding {
 }
 
 impl Binding {
-    fn resolve(&self, va: u64, len: u64, need: u32) -> Option<Span> {
+    /// The span of [va, va+len), adding to `keep` each MR it lies in.
+    fn resolve(&self, va: u64, len: u64, need: u32, keep: &mut Vec<Arc<Mr>>) -> Option<Span> {
         if self.access & need != need {
             return None;
         }
@@ -106,6 +126,7 @@ impl Binding {
                 0
             };
             mr.translate(mr.pd, e.va + (at - e.start), n, mr_need)?.push_to(n as usize, &mut pieces);
+            keep.push(mr);
             at += n;
             i += 1;
         }
@@ -138,14 +159,16 @@ pub enum ExportedMemory {
 }
 
 impl Export {
-    fn resolve(&self, va: u64, len: u64, need: u32) -> Option<Span> {
+    fn resolve(&self, va: u64, len: u64, need: u32, keep: &mut Vec<Arc<Mr>>) -> Option<Span> {
         self.grant.upgrade()?;
         match &self.memory {
             ExportedMemory::Mr(w) => {
                 let mr = w.upgrade()?;
-                mr.translate(mr.pd, va, len, need)
+                let span = mr.translate(mr.pd, va, len, need)?;
+                keep.push(mr);
+                Some(span)
             }
-            ExportedMemory::Binding(w) => w.upgrade()?.resolve(va, len, need),
+            ExportedMemory::Binding(w) => w.upgrade()?.resolve(va, len, need, keep),
         }
     }
 
@@ -237,7 +260,16 @@ impl Keys {
 
     /// Host memory of [va, va+len) through `key` in protection domain `pd`
     /// with access `need`; None if the key does not grant exactly that now.
-    pub fn resolve(&self, key: u32, pd: u32, va: u64, len: u64, need: u32) -> Option<Span> {
+    pub fn resolve(&self, key: u32, pd: u32, va: u64, len: u64, need: u32) -> Option<Resolved> {
+        let mut keep = Vec::new();
+        let span = self.resolve_keeping(key, pd, va, len, need, &mut keep)?;
+        Some(Resolved { span, _keep: keep })
+    }
+
+    /// `resolve`'s span, adding to `keep` each MR it reached through a weak
+    /// reference. (An MR in this table stays mapped while the packet is
+    /// handled: only the event loop changes the table.)
+    fn resolve_keeping(&self, key: u32, pd: u32, va: u64, len: u64, need: u32, keep: &mut Vec<Arc<Mr>>) -> Option<Span> {
         if let Some(mr) = self.direct.get(&key) {
             return mr.translate(pd, va, len, need);
         }
@@ -246,8 +278,8 @@ impl Keys {
             return None;
         }
         match &k.kind {
-            IndirectKind::Indirect { binding, .. } => binding.as_ref()?.resolve(va, len, need),
-            IndirectKind::Alias { target: AliasTarget::Foreign(e), .. } => e.resolve(va, len, need),
+            IndirectKind::Indirect { binding, .. } => binding.as_ref()?.resolve(va, len, need, keep),
+            IndirectKind::Alias { target: AliasTarget::Foreign(e), .. } => e.resolve(va, len, need, keep),
             IndirectKind::Alias { target_key, target_owner, target } => {
                 if !self.granted(*target_key, k.owner) {
                     return None;
@@ -264,7 +296,7 @@ impl Keys {
                     AliasTarget::Indirect { generation, .. } => {
                         let t = self.indirect.get(target_key).filter(|t| t.generation == *generation && t.owner == *target_owner)?;
                         match &t.kind {
-                            IndirectKind::Indirect { binding: Some(b), .. } => b.resolve(va, len, need),
+                            IndirectKind::Indirect { binding: Some(b), .. } => b.resolve(va, len, need, keep),
                             _ => None,
                         }
                     }
@@ -536,4 +568,90 @@ pub fn scatter(keys: &Keys, pd: u32, sges: &[crate::ring::Sge], mut off: u64, da
         return Err(WcStatus::LocLenErr);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+    use crate::mem::RegionMemory;
+
+    const PD: u32 = 1;
+    const IOVA: u64 = 0x1000;
+    const LEN: usize = 4096;
+
+    /// An MR of `owner`'s over a memfd of its own, mapped by itself (not
+    /// sealed against growing, so not through a shared window, which a
+    /// prefault thread may hold for a while): its last `Arc` unmaps it.
+    fn mr(owner: ClientId, key: u32) -> Arc<Mr> {
+        let fd = unsafe { libc::memfd_create(c"keys-test".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), LEN as libc::off_t) }, 0);
+        assert_eq!(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+        Arc::new(Mr {
+            owner,
+            pd: PD,
+            key,
+            iova: IOVA,
+            len: LEN as u64,
+            access: access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
+            mem: RegionMemory::map(&fd, IOVA, &[(0, LEN as u64)]).unwrap(),
+            invalidated: AtomicBool::new(false),
+            trace: Default::default(),
+        })
+    }
+
+    /// A namespace holding one foreign alias, `key`, of `memory`.
+    fn aliasing(key: u32, memory: ExportedMemory, grant: &Arc<Grant>) -> Keys {
+        let mut keys = Keys::default();
+        let target = AliasTarget::Foreign(Export { memory, grant: Arc::downgrade(grant) });
+        let kind = IndirectKind::Alias { target_key: 0x100, target_owner: 1, target };
+        keys.indirect.insert(key, IndirectKey { owner: 2, pd: PD, generation: 1, kind });
+        keys
+    }
+
+    /// What a packet resolved through a foreign alias stays mapped while
+    /// the packet's data is copied, though the target's namespace lets go
+    /// of it meanwhile (as its release thread does when it closes); later
+    /// packets find the alias stale.
+    #[test]
+    fn a_foreign_alias_keeps_its_target_mapped_while_a_packet_uses_it() {
+        let grant = Arc::new(Grant { grantee: 2 });
+        let target = mr(1, 0x100);
+        let keys = aliasing(0x200, ExportedMemory::Mr(Arc::downgrade(&target)), &grant);
+        let span = keys.resolve(0x200, PD, IOVA, LEN as u64, access::REMOTE_WRITE).expect("a live alias resolves");
+        drop(target);
+        // SAFETY: resolved for LEN bytes just now.
+        unsafe { span.write(&[0xab; LEN]) };
+        let mut back = [0u8; LEN];
+        unsafe { span.read(&mut back) };
+        assert!(back.iter().all(|&b| b == 0xab));
+        drop(span);
+        assert!(keys.resolve(0x200, PD, IOVA, 8, access::REMOTE_WRITE).is_none(), "the alias is stale");
+    }
+
+    /// The same through a foreign alias of a bound indirect key, whose
+    /// binding holds its MRs weakly.
+    #[test]
+    fn a_foreign_alias_of_a_binding_keeps_its_mrs_mapped_while_a_packet_uses_them() {
+        let grant = Arc::new(Grant { grantee: 2 });
+        let (a, b) = (mr(1, 0x101), mr(1, 0x102));
+        let half = LEN as u64 / 2;
+        let entries = vec![
+            Entry { mr: Arc::downgrade(&a), va: IOVA, len: half, start: 0 },
+            Entry { mr: Arc::downgrade(&b), va: IOVA, len: half, start: half },
+        ];
+        let binding = Arc::new(Binding { iova: 0, len: LEN as u64, access: access::REMOTE_WRITE, entries, lent: false });
+        let keys = aliasing(0x200, ExportedMemory::Binding(Arc::downgrade(&binding)), &grant);
+        let span = keys.resolve(0x200, PD, 0, LEN as u64, access::REMOTE_WRITE).expect("a live alias resolves");
+        drop((a, b, binding));
+        // SAFETY: resolved for LEN bytes just now.
+        unsafe { span.write(&[0xcd; LEN]) };
+        let mut back = [0u8; LEN];
+        unsafe { span.read(&mut back) };
+        assert!(back.iter().all(|&b| b == 0xcd));
+    }
 }

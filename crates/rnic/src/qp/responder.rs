@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::{Ctx, Qp, ReadExec, RespJob, WriteCtx, ATOMIC_REPLAY, MAX_MSG, MAX_RESP_QUEUE};
 use crate::async_events::AsyncKind;
-use crate::keys::{scatter, Span};
+use crate::keys::{scatter, Resolved};
 use crate::ring::{Cqe, MAX_SGE};
 use crate::types::{access, wc_flags, QpState, WcOpcode, WcStatus};
 use crate::wire::{self, psn_add, psn_diff, Aeth, Headers, NakCode, Opcode, Packet, Syndrome};
@@ -87,9 +87,9 @@ impl Refusal {
 enum Target {
     None,
     /// Host memory of this WRITE packet's payload.
-    Write(Span),
-    /// Host address of the atomic's 8-byte word.
-    Atomic(*mut u8),
+    Write(Resolved),
+    /// Host address of the atomic's 8-byte word, and what keeps it mapped.
+    Atomic(*mut u8, Resolved),
 }
 
 impl Qp {
@@ -484,7 +484,7 @@ impl Qp {
             if !(ptr as usize).is_multiple_of(8) {
                 return Err(Refusal::MisalignedAtomic);
             }
-            Ok(Target::Atomic(ptr))
+            Ok(Target::Atomic(ptr, span))
         } else {
             Ok(Target::None)
         }
@@ -492,7 +492,7 @@ impl Qp {
 
     /// An atomic write's target: 8 bytes at an 8-byte aligned address (IBTA
     /// 1.5 o9-28.2), in host memory aligned too, so one store writes them.
-    fn atomic_write_target(dst: Span, va: u64, n: u64) -> Result<Target, Refusal> {
+    fn atomic_write_target(dst: Resolved, va: u64, n: u64) -> Result<Target, Refusal> {
         if n != 8 {
             return Err(Refusal::Length);
         }
@@ -500,7 +500,7 @@ impl Qp {
         if !va.is_multiple_of(8) || !(ptr as usize).is_multiple_of(8) {
             return Err(Refusal::MisalignedAtomic);
         }
-        Ok(Target::Atomic(ptr))
+        Ok(Target::Atomic(ptr, dst))
     }
 
     /// The region `rkey` if it lies in the QP's PD and grants `need` on
@@ -521,7 +521,7 @@ impl Qp {
             self.execute_read(p);
             return Ok(());
         } else if op.is_atomic() {
-            if let Target::Atomic(ptr) = target {
+            if let Target::Atomic(ptr, _mapped) = target {
                 self.execute_atomic(p, ptr);
             }
             return Ok(());
@@ -576,7 +576,9 @@ impl Qp {
             // SAFETY: the R_Key check resolved [va, va+n) in this packet's handling.
             (Target::Write(dst), _) => unsafe { dst.write_streaming(p.payload) },
             // SAFETY: an atomic write's 8 aligned bytes, resolved just now.
-            (Target::Atomic(ptr), Ok(v)) => unsafe { AtomicU64::from_ptr(ptr as *mut u64) }.store(u64::from_ne_bytes(v), Ordering::SeqCst),
+            (Target::Atomic(ptr, _mapped), Ok(v)) => {
+                unsafe { AtomicU64::from_ptr(ptr as *mut u64) }.store(u64::from_ne_bytes(v), Ordering::SeqCst)
+            }
             _ => {}
         }
         w.va += n;
