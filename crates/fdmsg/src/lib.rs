@@ -8,11 +8,11 @@
 //! [`Error::ControlTruncated`]), never a cut-off message taken as whole;
 //! descriptors that did arrive with it are closed.
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::errno::Errno;
-use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr};
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -29,7 +29,10 @@ pub enum Error {
     TooManyFds { n: usize },
     #[error("message truncated: longer than the {0}-byte receive buffer")]
     Truncated(usize),
-    #[error("control data truncated")]
+    /// The message's descriptors did not all arrive: the receiver had no
+    /// free descriptor numbers left (or the sender passed more than
+    /// SCM_MAX_FD). Its bytes did; what descriptors came were closed.
+    #[error("control data truncated: the receiver could not take the message's descriptors")]
     ControlTruncated,
     #[error("bad message: {0}")]
     Json(#[from] serde_json::Error),
@@ -72,6 +75,10 @@ pub fn send_bytes(sock: impl AsFd, bytes: &[u8], fds: &[RawFd]) -> Result<()> {
 /// descriptors beyond [`MAX_FDS`] are received, closed and reported
 /// instead of being left open by a truncated control part.
 const SCM_MAX_FD: usize = 253;
+/// The control part's buffer, in words (aligned as a cmsghdr): room for
+/// SCM_MAX_FD descriptors and a timestamp, each with its 16-byte header.
+const CONTROL_WORDS: usize = 160;
+const _: () = assert!(CONTROL_WORDS * 8 >= 16 + SCM_MAX_FD * 4 + 4 + 16 + 16);
 
 /// Receives one message into `buf`: its length and the descriptors that
 /// came with it (owned, close-on-exec). `None` when the peer closed the
@@ -90,39 +97,66 @@ pub struct Received {
 }
 
 /// [`recv`], with the message's arrival time when the socket records it.
+///
+/// The control part is read with libc's CMSG macros rather than nix's
+/// iterator, which refuses a message flagged MSG_CTRUNC: a receiver out of
+/// descriptors (EMFILE) gets some of them, or none, and that flag; the
+/// kernel's headers then count what it did install, and those must be
+/// taken (and closed), not leaked.
 pub fn recv_stamped(sock: impl AsFd, buf: &mut [u8]) -> Result<Option<Received>> {
     let room = buf.len();
-    let mut cbuf = nix::cmsg_space!([RawFd; SCM_MAX_FD], nix::sys::time::TimeSpec);
-    let mut iov = [IoSliceMut::new(buf)];
-    let msg = recvmsg::<UnixAddr>(sock.as_fd().as_raw_fd(), &mut iov, Some(&mut cbuf), MsgFlags::MSG_CMSG_CLOEXEC)?;
-    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-        return Err(Error::ControlTruncated);
+    let mut cbuf = [0u64; CONTROL_WORDS];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: a zeroed msghdr is valid; its pointers are set below to
+    // buffers that outlive the call.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf.as_mut_ptr().cast();
+    mh.msg_controllen = std::mem::size_of_val(&cbuf);
+    // SAFETY: recvmsg into the buffers described by `mh`.
+    let n = unsafe { libc::recvmsg(sock.as_fd().as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(Errno::last().into());
     }
     let mut fds = Vec::new();
     let mut queued_at = None;
-    for c in msg.cmsgs()? {
-        match c {
-            ControlMessageOwned::ScmRights(v) => {
-                // SAFETY: the kernel just installed these descriptors for us;
-                // owning them at once closes them on any error below.
-                fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+    // SAFETY: walking the control part the kernel just wrote (msg_controllen
+    // says how much); every header's length covers its data.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&mh);
+        while !c.is_null() {
+            let data = libc::CMSG_DATA(c);
+            let len = ((*c).cmsg_len as usize).saturating_sub(data as usize - c as usize);
+            match ((*c).cmsg_level, (*c).cmsg_type) {
+                (libc::SOL_SOCKET, libc::SCM_RIGHTS) => {
+                    // Owned at once: closed on any error below.
+                    let raw = data.cast::<RawFd>();
+                    fds.extend((0..len / std::mem::size_of::<RawFd>()).map(|i| OwnedFd::from_raw_fd(raw.add(i).read_unaligned())));
+                }
+                (libc::SOL_SOCKET, libc::SCM_TIMESTAMPNS) if len >= std::mem::size_of::<libc::timespec>() => {
+                    let ts = data.cast::<libc::timespec>().read_unaligned();
+                    queued_at = Some(std::time::UNIX_EPOCH + std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32));
+                }
+                _ => {}
             }
-            ControlMessageOwned::ScmTimestampns(ts) => {
-                queued_at = Some(std::time::UNIX_EPOCH + std::time::Duration::new(ts.tv_sec() as u64, ts.tv_nsec() as u32));
-            }
-            _ => {}
+            c = libc::CMSG_NXTHDR(&mh, c);
         }
     }
-    if msg.flags.contains(MsgFlags::MSG_TRUNC) {
+    if mh.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(Error::ControlTruncated);
+    }
+    if mh.msg_flags & libc::MSG_TRUNC != 0 {
         return Err(Error::Truncated(room));
     }
     if fds.len() > MAX_FDS {
         return Err(Error::TooManyFds { n: fds.len() });
     }
-    if msg.bytes == 0 && fds.is_empty() {
+    let n = n as usize;
+    if n == 0 && fds.is_empty() {
         return Ok(None);
     }
-    Ok(Some(Received { len: msg.bytes, fds, queued_at }))
+    Ok(Some(Received { len: n, fds, queued_at }))
 }
 
 /// Receives one message and parses it as `T`; `None` when the peer closed.

@@ -31,6 +31,10 @@ pub struct RnicdArgs {
     /// usable; rnicd then sleeps as soon as it is idle instead of spinning.
     #[arg(long, value_name = "PRIO", value_parser = clap::value_parser!(u8).range(1..=99))]
     pub sched_fifo: Option<u8>,
+    /// Most completion channels one client may hold (each is a descriptor
+    /// in rnicd); a client beyond it gets an error, others are unaffected.
+    #[arg(long, value_name = "N", default_value_t = crate::daemon::DEFAULT_MAX_CHANNELS_PER_CLIENT)]
+    pub max_channels_per_client: usize,
 }
 
 pub fn rnicd(a: RnicdArgs) -> anyhow::Result<()> {
@@ -42,7 +46,7 @@ pub fn rnicd(a: RnicdArgs) -> anyhow::Result<()> {
     if let Some(prio) = a.sched_fifo {
         set_sched_fifo(prio)?;
     }
-    crate::daemon::run(crate::daemon::Config { addr, sock, gso: !a.no_gso }, None)
+    crate::daemon::run(crate::daemon::Config { addr, sock, gso: !a.no_gso, max_channels_per_client: a.max_channels_per_client }, None)
 }
 
 /// Puts the calling thread (rnicd's event loop) under SCHED_FIFO at `prio`;

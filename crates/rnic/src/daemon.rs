@@ -26,7 +26,11 @@ use crate::objects::{ClientId, OutPkt};
 use crate::proto::{self, Reply, Request, Response};
 use crate::wire::{self, Flow, ROCE_PORT};
 
+mod descriptors;
 mod spin;
+
+pub use descriptors::DEFAULT_MAX_CHANNELS_PER_CLIENT;
+use descriptors::{CLIENT_RESERVE, OBJECT_RESERVE};
 
 /// Most datagrams one receive pass takes (then the engine transmits).
 const RX_BATCH: usize = 64;
@@ -333,6 +337,8 @@ pub struct Config {
     /// batch IP id k and each segment's ICRC is computed for that id, so the
     /// packets are valid RoCEv2 on the wire.
     pub gso: bool,
+    /// Most completion channels one client may hold.
+    pub max_channels_per_client: usize,
 }
 
 /// Link MTU assumed when the address is not on any interface yet.
@@ -435,6 +441,9 @@ impl Senders {
                 report_local_drops(&s)?;
                 Ok(s)
             }) {
+                // Below the reserve the port's packets share a fallback
+                // socket: the descriptors left are for clients' requests.
+                Ok(s) if descriptors::short(s.as_raw_fd(), OBJECT_RESERVE * 2) => SendSock::Fallback,
                 Ok(s) => SendSock::Own(s),
                 Err(e) => {
                     warn!("{}: source port {sport} is taken ({e:#}); its packets leave from a fallback port", self.addr);
@@ -778,6 +787,7 @@ pub fn run(cfg: Config, stop: Option<Arc<AtomicBool>>) -> anyhow::Result<()> {
 impl Daemon {
     /// Opens the daemon's own namespace and the control socket.
     fn start(cfg: Config) -> anyhow::Result<Daemon> {
+        descriptors::raise_limit();
         let mut nss = HashMap::new();
         let ns = Namespace::open(cfg.addr, cfg.gso)?;
         let listener = bind_control(&cfg.sock)?;
@@ -939,6 +949,12 @@ impl Daemon {
         while let Ok(fd) = accept4(self.listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK) {
             // SAFETY: accept4 just returned this descriptor to us.
             let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+            // The last few descriptors stay for the clients already here
+            // (a hello beyond CLIENT_RESERVE is refused with an answer).
+            if descriptors::short(fd, CLIENT_RESERVE / 2) {
+                warn!("out of descriptors (limit {}): turned a new client away", descriptors::limit());
+                continue;
+            }
             let id = self.next_client;
             self.next_client += 1;
             // Each request's arrival time: how long it lay in the socket
@@ -1260,6 +1276,16 @@ fn serve_client(
                 (r.len, r.fds)
             }
             Ok(None) => return false,
+            Err(fdmsg::Error::ControlTruncated) => {
+                // Out of descriptors as it arrived: the request is answered
+                // (refused), and the client stays.
+                engine.stats.descriptor_refusals += 1;
+                if let Err(e) = send_response(&c.sock, &Err(out_of_descriptors())) {
+                    warn!("client {id}: {e:#}");
+                    return false;
+                }
+                continue;
+            }
             Err(e) => {
                 if e.would_block() {
                     return true;
@@ -1269,10 +1295,18 @@ fn serve_client(
             }
         };
         engine.stats.control_requests += 1;
+        // The highest descriptor received tells how many are in use; a
+        // spilled request's memfd (closed once read) counts too.
+        let short = |reserve| fds.iter().any(|f| descriptors::short(f.as_raw_fd(), reserve));
+        let (short_for_objects, short_for_clients) = (short(OBJECT_RESERVE), short(CLIENT_RESERVE));
         let resp: Response = match parse_request(&buf[..n], fds) {
             Err(e) => {
                 engine.stats.bad_client_requests += 1;
                 Err(e)
+            }
+            Ok((Request::Hello { .. }, _)) if short_for_clients => {
+                engine.stats.descriptor_refusals += 1;
+                Err(out_of_descriptors())
             }
             Ok((Request::Hello { version, namespace }, fds)) => {
                 let mut fds = fds;
@@ -1323,6 +1357,17 @@ fn serve_client(
             {
                 engine.stats.bad_client_requests += 1;
                 Err("say Hello first: a client's objects live in the namespace it joins".into())
+            }
+            Ok(_) if short_for_objects => {
+                engine.stats.descriptor_refusals += 1;
+                Err(out_of_descriptors())
+            }
+            Ok((Request::CreateCompChannel, _)) if engine.channels_of(id) >= cfg.max_channels_per_client => {
+                engine.stats.descriptor_refusals += 1;
+                Err(format!(
+                    "this client holds {} completion channels, the most rnicd allows one client (--max-channels-per-client)",
+                    cfg.max_channels_per_client
+                ))
             }
             Ok((Request::JoinRamClient, fds)) => {
                 let mut fds = fds;
@@ -1391,6 +1436,15 @@ fn serve_client(
             return false;
         }
     }
+}
+
+/// The answer to a request refused for want of descriptors.
+fn out_of_descriptors() -> String {
+    format!(
+        "rnicd is short of file descriptors (limit {}): refused this request and closed its descriptors; \
+         close unused objects, or raise rnicd's RLIMIT_NOFILE",
+        descriptors::limit()
+    )
 }
 
 /// A request and its descriptors; a spilled one (`Request::Spilled`) is

@@ -864,6 +864,11 @@ impl Engine {
 
 /// Completion verbs: completion channels and queues.
 impl Engine {
+    /// How many completion channels `client` holds.
+    pub fn channels_of(&self, client: ClientId) -> usize {
+        self.channels.values().filter(|(c, _)| *c == client).count()
+    }
+
     fn create_comp_channel(&mut self, client: ClientId, mut fds: Vec<OwnedFd>) -> anyhow::Result<Reply> {
         let fd = fds.pop().context("channel needs an eventfd")?;
         let id = self.alloc_id();

@@ -129,6 +129,9 @@ pub struct Stats {
     /// Completion channel events raised (each may wake a sleeping client).
     pub cq_events: u64,
     pub bad_client_requests: u64,
+    /// Requests refused because rnicd was short of descriptors, or their
+    /// client held its most completion channels (`daemon::descriptors`).
+    pub descriptor_refusals: u64,
     /// Control requests served (each one round trip; a spilled one too).
     pub control_requests: u64,
     pub bad_wqes: u64,

@@ -19,7 +19,13 @@ impl Drop for Nic {
 }
 fn nic(addr: Ipv4Addr) -> Nic {
     let path = std::env::temp_dir().join(format!("rnicd-test-{}-{addr}.sock", std::process::id()));
-    let (stop, h) = rnic::daemon::spawn(rnic::daemon::Config { addr, sock: path.clone(), gso: false }).unwrap();
+    let (stop, h) = rnic::daemon::spawn(rnic::daemon::Config {
+        addr,
+        sock: path.clone(),
+        gso: false,
+        max_channels_per_client: rnic::daemon::DEFAULT_MAX_CHANNELS_PER_CLIENT,
+    })
+    .unwrap();
     Nic { stop, h: Some(h), path }
 }
 

@@ -91,8 +91,20 @@ impl Bed {
     }
 
     fn start(tb: Testbed, extra: &[&str]) -> Bed {
+        Bed::start_under(tb, &[], extra)
+    }
+
+    /// With each rnicd run by `wrapper` (a program and its arguments that
+    /// runs the command after them, e.g. `prlimit --nofile=N:N --`).
+    pub fn under(prefix: &str, hosts: usize, wrapper: &[&str], extra: &[&str]) -> Bed {
+        let tb = Testbed::create(TestbedOpts::new(prefix, hosts)).expect("testbed (needs root)");
+        Bed::start_under(tb, wrapper, extra)
+    }
+
+    fn start_under(tb: Testbed, wrapper: &[&str], extra: &[&str]) -> Bed {
         let bin = rnicd_bin();
-        let nics = (0..tb.hosts().len()).map(|i| Rnicd::start(&tb, i, bin.as_ref(), extra).expect("start rnicd")).collect();
+        let cmd: Vec<&str> = wrapper.iter().copied().chain([bin.as_str()]).collect();
+        let nics = (0..tb.hosts().len()).map(|i| Rnicd::start_cmd(&tb, i, &cmd, None, extra).expect("start rnicd")).collect();
         Bed { nics, tb }
     }
 
