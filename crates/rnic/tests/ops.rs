@@ -316,6 +316,30 @@ fn vanished_peer_drives_qp_to_error() {
     assert!(st["timeouts"].as_u64().unwrap() >= 4, "{st}");
 }
 
+/// A stopped rnicd (SIGSTOP: alive, answering nothing): a control request
+/// fails once its timeout passes, saying so, and the connection closes;
+/// later requests fail at once, and dropping the objects does not wait.
+/// After SIGCONT, a new connection is served as before.
+#[test]
+fn a_stopped_rnicd_fails_requests_after_the_timeout() {
+    let bed = Bed::new("rnstop", 1);
+    let e = End::new(bed.ctx(0), 4096, 4);
+    e.ctx.set_call_timeout(Duration::from_millis(500)).unwrap();
+    let pid = bed.nics[0].pid().unwrap() as i32;
+    let signal = |s| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), s).unwrap();
+    signal(nix::sys::signal::Signal::SIGSTOP);
+    let t = std::time::Instant::now();
+    let err = e.ctx.query_device().map(|_| ()).expect_err("a stopped rnicd answers nothing");
+    assert!(format!("{err:#}").contains("did not answer within 500ms"), "{err:#}");
+    assert!(t.elapsed() < T, "failed only after {:?}", t.elapsed());
+    let err = e.ctx.create_cq(4, None).map(|_| ()).expect_err("the connection is closed");
+    assert!(format!("{err:#}").contains("closed"), "{err:#}");
+    drop(e);
+    assert!(t.elapsed() < T, "the objects' drops waited for rnicd");
+    signal(nix::sys::signal::Signal::SIGCONT);
+    End::new(bed.ctx(0), 4096, 4).ctx.query_device().unwrap();
+}
+
 #[test]
 fn qp_state_machine_rules() {
     let bed = Bed::new("rnfsm", 1);

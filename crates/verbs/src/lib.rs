@@ -76,6 +76,23 @@ struct Conn {
     closed: bool,
 }
 
+/// Makes each send and receive of a control request on `sock` wait at most
+/// `limit` (SO_SNDTIMEO, SO_RCVTIMEO).
+fn set_call_timeout(sock: &OwnedFd, limit: Duration) -> anyhow::Result<()> {
+    let tv = nix::sys::time::TimeVal::from(libc::timeval { tv_sec: limit.as_secs() as _, tv_usec: limit.subsec_micros() as _ });
+    nix::sys::socket::setsockopt(sock, nix::sys::socket::sockopt::ReceiveTimeout, &tv).context("SO_RCVTIMEO")?;
+    nix::sys::socket::setsockopt(sock, nix::sys::socket::sockopt::SendTimeout, &tv).context("SO_SNDTIMEO")?;
+    Ok(())
+}
+
+/// Longest a control request waits to be sent and answered by default
+/// ([`Context::set_call_timeout`]). rnicd answers
+/// every request from its event loop without waiting for anything, so one
+/// that takes this long means a stopped or stuck rnicd: the request fails
+/// and the connection closes, instead of the program (or the drop of its
+/// objects) waiting for good.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
 impl Inner {
     /// One request and its reply. Either, if larger than a datagram,
     /// travels in a memfd (`rnic::proto::spill`): a batch over hundreds of QPs is
@@ -85,7 +102,6 @@ impl Inner {
         if conn.closed {
             bail!("the connection to rnicd was closed");
         }
-        let buf = &mut conn.buf;
         let binary = rnic::proto::spill::Format::for_request(req);
         let format = binary.unwrap_or_default();
         let bytes = format.encode(req)?;
@@ -96,14 +112,32 @@ impl Inner {
         } else {
             fdmsg::send_bytes(&self.sock, &bytes, fds)
         }
-        .context("send control message")?;
-        let (n, mut rfds) = fdmsg::recv(&self.sock, buf).context("receive control message")?.context("rnicd closed the connection")?;
+        .map_err(|e| self.unanswered(&mut conn.closed, e, "send control message"))?;
+        let received = fdmsg::recv(&self.sock, &mut conn.buf);
+        let (n, mut rfds) = received
+            .map_err(|e| self.unanswered(&mut conn.closed, e, "receive control message"))?
+            .context("rnicd closed the connection")?;
+        let buf = &conn.buf;
         let mut r: proto::Response = serde_json::from_slice(&buf[..n]).context("bad reply from rnicd")?;
         if let Ok(Reply::Spilled { len, format }) = r {
             let fd = rfds.pop().context("a spilled reply without its memfd")?;
             r = format.decode(&rnic::proto::spill::read(fd, len)?).context("bad spilled reply from rnicd")?;
         }
         r.map_err(|e| anyhow!("rnicd: {e}"))
+    }
+
+    /// A send or receive error of a call. One that timed out (rnicd did
+    /// not take or answer the request within [`CALL_TIMEOUT`]) ends the
+    /// connection: a late answer would be taken for the next request's.
+    fn unanswered(&self, closed: &mut bool, e: fdmsg::Error, what: &str) -> anyhow::Error {
+        if !e.would_block() {
+            return anyhow::Error::new(e).context(what.to_string());
+        }
+        *closed = true;
+        let _ = nix::sys::socket::shutdown(self.sock.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        let limit = nix::sys::socket::getsockopt(&self.sock, nix::sys::socket::sockopt::ReceiveTimeout)
+            .map_or(CALL_TIMEOUT, |t| Duration::new(t.tv_sec() as u64, t.tv_usec() as u32 * 1000));
+        anyhow!("rnicd did not answer within {limit:?} ({what}); the connection to it is closed")
     }
 
     /// A `Drop`'s destroy request. After [`Context::close`] rnicd has
@@ -177,6 +211,7 @@ impl Context {
         let sock = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).context("socket")?;
         let ua = nix::sys::socket::UnixAddr::new(&path)?;
         nix::sys::socket::connect(sock.as_raw_fd(), &ua).with_context(|| format!("connect to rnicd at {}", path.display()))?;
+        set_call_timeout(&sock, CALL_TIMEOUT)?;
         let doorbell = rnic::eventfd::create(true)?;
         let rnicd_cpu = placement::RnicdCpu::of_peer(&sock);
         let (doorbell_page, page_fd) = rnic::doorbell::DoorbellPage::create()?;
@@ -208,6 +243,13 @@ impl Context {
         let mut conn = self.inner.conn.lock().unwrap_or_else(|e| e.into_inner());
         conn.closed = true;
         let _ = nix::sys::socket::shutdown(self.inner.sock.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+    }
+
+    /// How long each control request may wait to be sent and answered
+    /// ([`CALL_TIMEOUT`] by default) before it fails and the connection
+    /// closes.
+    pub fn set_call_timeout(&self, limit: Duration) -> anyhow::Result<()> {
+        set_call_timeout(&self.inner.sock, limit)
     }
 
     /// rnicd's ID of this connection: what another client names when it
