@@ -27,7 +27,13 @@ pub struct RingHeader {
     pub prod: AtomicU32,
     _p0: [u32; 15],
     pub cons: AtomicU32,
-    _p1: [u32; 15],
+    /// SQ: how many of the entries taken (`cons`) rnicd is done with
+    /// (completed, signaled or not, flushed, or dropped by a reset); the
+    /// rest are in its queues. Stored before any completion the client
+    /// can see: a queue's depth counts `prod - done`, as a hardware
+    /// queue's slot stays taken until its WQE completes.
+    pub done: AtomicU32,
+    _p1: [u32; 14],
     pub notify: AtomicU32,
     pub error: AtomicU32,
     /// SQ/RQ: nonzero while rnicd polls this ring itself; the client may
@@ -179,6 +185,18 @@ impl<T: Copy> Ring<T> {
     pub fn free_slots(&self) -> u32 {
         let cons = self.header().cons.load(Ordering::Acquire);
         self.cap.saturating_sub(self.local.wrapping_sub(cons))
+    }
+
+    /// Producer: entries posted that the consumer is not done with (see
+    /// [`RingHeader::done`]).
+    pub fn outstanding(&self) -> u32 {
+        self.local.wrapping_sub(self.header().done.load(Ordering::Acquire))
+    }
+
+    /// Consumer: publishes that all entries taken but the last `in_queue`
+    /// are done ([`RingHeader::done`]).
+    pub fn set_done(&self, in_queue: u32) {
+        self.header().done.store(self.local.wrapping_sub(in_queue), Ordering::Release);
     }
 
     /// Consumer: entries ready (0 if the producer index is nonsense).

@@ -316,6 +316,35 @@ fn vanished_peer_drives_qp_to_error() {
     assert!(st["timeouts"].as_u64().unwrap() >= 4, "{st}");
 }
 
+/// A send queue's slot stays taken until its WR completes, as on
+/// hardware, not only until rnicd takes the WQE from the ring: with the
+/// peer's rnicd stopped (no ACKs), a queue 4 deep takes 4 WRITEs, and once
+/// rnicd has taken all of them from the ring a fifth is still refused as
+/// full (the drop-in's ENOMEM). The ACKs' completions free the slots.
+#[test]
+fn a_send_slot_stays_taken_until_its_wr_completes() {
+    const DEPTH: u32 = 4;
+    let bed = Bed::new("rndepth", 2);
+    let o = ConnectOpts { timeout: 18, ..Default::default() };
+    let (a, b) = pair_sized(&bed, 0, 1, o, 1 << 16, DEPTH);
+    let sge = [a.mr.sge(0, 64)];
+    let write = |i: u64| SendOp::Wr(SendWr::write(i, &sge, b.mr.addr, b.mr.rkey));
+    let stopped = Stopped::new(&bed, 1);
+    let ring = a.qp.send_room();
+    for i in 0..DEPTH as u64 {
+        a.qp.try_post_send(&[write(i)], false).unwrap();
+    }
+    reaches(|| u64::from(a.qp.send_room() == ring), 1, "rnicd took the WQEs from the ring");
+    let e = a.qp.try_post_send(&[write(9)], false).expect_err("the queue holds 4 WRs not yet complete");
+    assert!(e.full && e.posted == 0, "{e:?}");
+    drop(stopped);
+    let done: Vec<u64> = a.scq.wait(DEPTH as usize, T).unwrap().iter().map(|w| w.wr_id).collect();
+    assert_eq!(done, (0..DEPTH as u64).collect::<Vec<_>>());
+    let more: Vec<SendOp> = (10..10 + DEPTH as u64).map(write).collect();
+    a.qp.try_post_send(&more, true).expect("the completions freed the queue");
+    assert_eq!(a.scq.wait(DEPTH as usize, T).unwrap().len(), DEPTH as usize);
+}
+
 /// A stopped rnicd (SIGSTOP: alive, answering nothing): a control request
 /// fails once its timeout passes, saying so, and the connection closes;
 /// later requests fail at once, and dropping the objects does not wait.
@@ -325,9 +354,7 @@ fn a_stopped_rnicd_fails_requests_after_the_timeout() {
     let bed = Bed::new("rnstop", 1);
     let e = End::new(bed.ctx(0), 4096, 4);
     e.ctx.set_call_timeout(Duration::from_millis(500)).unwrap();
-    let pid = bed.nics[0].pid().unwrap() as i32;
-    let signal = |s| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), s).unwrap();
-    signal(nix::sys::signal::Signal::SIGSTOP);
+    let stopped = Stopped::new(&bed, 0);
     let t = std::time::Instant::now();
     let err = e.ctx.query_device().map(|_| ()).expect_err("a stopped rnicd answers nothing");
     assert!(format!("{err:#}").contains("did not answer within 500ms"), "{err:#}");
@@ -336,8 +363,27 @@ fn a_stopped_rnicd_fails_requests_after_the_timeout() {
     assert!(format!("{err:#}").contains("closed"), "{err:#}");
     drop(e);
     assert!(t.elapsed() < T, "the objects' drops waited for rnicd");
-    signal(nix::sys::signal::Signal::SIGCONT);
+    drop(stopped);
     End::new(bed.ctx(0), 4096, 4).ctx.query_device().unwrap();
+}
+
+/// Host `i`'s rnicd stopped (SIGSTOP) until this is dropped, also when the
+/// test fails: a stopped rnicd would hold the objects' drops for their
+/// timeout.
+struct Stopped(nix::unistd::Pid);
+
+impl Stopped {
+    fn new(bed: &Bed, i: usize) -> Stopped {
+        let pid = nix::unistd::Pid::from_raw(bed.nics[i].pid().unwrap() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
+    }
 }
 
 #[test]

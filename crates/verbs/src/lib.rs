@@ -1283,10 +1283,20 @@ enum Stop {
     Refused(anyhow::Error),
 }
 
-/// Free slots of a ring standing for a queue `depth` WRs deep: the ring is
-/// a power of two, at least `depth`, and the rest of it is not the queue's.
+/// Free slots of a receive queue `depth` WRs deep: the ring is a power of
+/// two, at least `depth`, and the rest of it is not the queue's. rnicd
+/// takes a receive from the ring only when a message needs it, so the
+/// ring holds exactly the receives not yet used.
 fn queue_room<T: Copy>(ring: &Ring<T>, depth: u32) -> u32 {
     ring.free_slots().saturating_sub(ring.cap() - depth.min(ring.cap()))
+}
+
+/// Free slots of a send queue `depth` WRs deep: a WR holds its slot from
+/// its post until rnicd is done with it (it completed, signaled or not, or
+/// was flushed), as on hardware, not only until rnicd takes it from the
+/// ring, which it does at once.
+fn send_queue_room(ring: &Ring<SendWqe>, depth: u32) -> u32 {
+    ring.free_slots().min(depth.saturating_sub(ring.outstanding()))
 }
 
 /// Pushes the receive WQEs of `wrs` in order into `ring` (a QP's or an
@@ -1523,7 +1533,7 @@ impl Qp {
         whole: bool,
     ) -> Result<(), PostError> {
         let mut ring = self.sq.lock().unwrap_or_else(|e| e.into_inner());
-        let room = if capped { queue_room(&ring, self.cap.max_send_wr) } else { ring.free_slots() } as usize;
+        let room = if capped { send_queue_room(&ring, self.cap.max_send_wr) } else { ring.free_slots() } as usize;
         let mut posted = 0;
         let mut stop = None;
         if whole && items.len() > room {

@@ -14,6 +14,7 @@ impl Qp {
     pub(super) fn complete_front(&mut self, ctx: &mut Ctx, status: WcStatus) {
         let Some(e) = self.sq.pop_front() else { return };
         self.rt.sq_retired += 1;
+        self.publish_done();
         if self.tx_idx > 0 {
             self.tx_idx -= 1;
             if e.op.is_read_or_atomic() {

@@ -301,6 +301,15 @@ impl Qp {
         self.responder_acks_tx(ctx, budget);
     }
 
+    /// Tells the client how many of the send WQEs taken from its ring rnicd
+    /// is done with ([`crate::ring::RingHeader::done`]): after every
+    /// change, before the completion it makes, so that a program that
+    /// polled a completion finds its slot free. (Receives need no such
+    /// count: they stay in their ring until a message takes them.)
+    pub(super) fn publish_done(&self) {
+        self.sq_ring.set_done(self.sq.len() as u32 + u32::from(self.held_local.is_some()));
+    }
+
     /// Takes new send WQEs from the shared ring (bounded by max_send_wr).
     pub fn pull_sq(&mut self, ctx: &mut Ctx) {
         if self.suspended {
@@ -361,6 +370,7 @@ impl Qp {
                     if r.is_err() {
                         ctx.stats.bad_wqes += 1;
                     }
+                    self.publish_done();
                     let cqe = Cqe {
                         wr_id: w.wr_id,
                         qp_num: self.qpn,
@@ -447,6 +457,7 @@ impl Qp {
             }
         };
         self.rt.sq_retired += 1;
+        self.publish_done();
         if status != WcStatus::Success || self.sq_sig_all || w.flags & send_flags::SIGNALED != 0 {
             let cqe =
                 Cqe { wr_id: w.wr_id, qp_num: self.qpn, status: status as u8, opcode: WcOpcode::for_wr(op) as u8, ..Default::default() };

@@ -266,6 +266,7 @@ impl Qp {
         self.srtt_us = 0.0;
         self.rttvar_us = 0.0;
         self.uc_dropping = false;
+        self.publish_done();
         self.rtt_sample = None;
         self.rnr_until = None;
         self.last_rewind = None;
@@ -303,7 +304,9 @@ impl Qp {
     fn flush(&mut self, ctx: &mut Ctx) {
         self.pull_sq(ctx);
         self.pull_rq(ctx);
-        for e in self.sq.drain(..) {
+        let (sq, rq) = (std::mem::take(&mut self.sq), std::mem::take(&mut self.rq));
+        self.publish_done();
+        for e in sq {
             let cqe = Cqe {
                 wr_id: e.wqe.wr_id,
                 qp_num: self.qpn,
@@ -313,7 +316,7 @@ impl Qp {
             };
             ctx.complete(self.send_cq, cqe, false);
         }
-        for r in self.rq.drain(..) {
+        for r in rq {
             let cqe = Cqe {
                 wr_id: r.wr_id,
                 qp_num: self.qpn,

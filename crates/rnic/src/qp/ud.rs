@@ -154,6 +154,8 @@ impl Qp {
                 }
             }
         }
+        // Unsignaled datagrams are done once sent, without a completion.
+        self.publish_done();
     }
 
     /// One WQE to one packet.
@@ -198,6 +200,7 @@ impl Qp {
 
     fn ud_send_done(&mut self, ctx: &mut Ctx, w: &SendWqe, status: WcStatus) {
         self.rt.sq_retired += 1;
+        self.publish_done();
         let cqe = Cqe { wr_id: w.wr_id, qp_num: self.qpn, status: status as u8, opcode: WcOpcode::Send as u8, ..Default::default() };
         ctx.complete(self.send_cq, cqe, false);
     }
