@@ -376,6 +376,9 @@ impl Stopped {
     fn new(bed: &Bed, i: usize) -> Stopped {
         let pid = nix::unistd::Pid::from_raw(bed.nics[i].pid().unwrap() as i32);
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        // Stopped once the kernel says so (state T), not when the signal is sent.
+        let state = || std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap().rsplit(") ").next().unwrap().starts_with('T');
+        reaches(|| u64::from(state()), 1, "rnicd stopped");
         Stopped(pid)
     }
 }
