@@ -66,8 +66,14 @@ pub fn send_bytes(sock: impl AsFd, bytes: &[u8], fds: &[RawFd]) -> Result<()> {
     let iov = [IoSlice::new(bytes)];
     let rights = [ControlMessage::ScmRights(fds)];
     let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &rights };
-    sendmsg::<UnixAddr>(sock.as_fd().as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
-    Ok(())
+    // A socket with a send timeout (SO_SNDTIMEO) is not restarted after a
+    // signal handler, SA_RESTART or not: EINTR, nothing sent; send again.
+    loop {
+        match sendmsg::<UnixAddr>(sock.as_fd().as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Err(Errno::EINTR) => continue,
+            r => return r.map(|_| ()).map_err(Error::from),
+        }
+    }
 }
 
 /// The most descriptors one SCM_RIGHTS message can carry (the kernel's
@@ -114,11 +120,17 @@ pub fn recv_stamped(sock: impl AsFd, buf: &mut [u8]) -> Result<Option<Received>>
     mh.msg_iovlen = 1;
     mh.msg_control = cbuf.as_mut_ptr().cast();
     mh.msg_controllen = std::mem::size_of_val(&cbuf);
-    // SAFETY: recvmsg into the buffers described by `mh`.
-    let n = unsafe { libc::recvmsg(sock.as_fd().as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(Errno::last().into());
-    }
+    // SAFETY: recvmsg into the buffers described by `mh`. EINTR (a signal
+    // handler ran; a socket with SO_RCVTIMEO is not restarted) took
+    // nothing: receive again.
+    let n = loop {
+        let n = unsafe { libc::recvmsg(sock.as_fd().as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC) };
+        match (n, Errno::last()) {
+            (n, _) if n >= 0 => break n,
+            (_, Errno::EINTR) => continue,
+            (_, e) => return Err(e.into()),
+        }
+    };
     let mut fds = Vec::new();
     let mut queued_at = None;
     // SAFETY: walking the control part the kernel just wrote (msg_controllen

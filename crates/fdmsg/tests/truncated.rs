@@ -96,3 +96,35 @@ fn arrival_time_comes_with_the_message_when_asked_for() {
     assert!(at >= before - std::time::Duration::from_millis(5), "{at:?} {before:?}");
     assert!(at.elapsed().unwrap() >= std::time::Duration::from_millis(20), "queued before the receiver slept");
 }
+
+extern "C" fn on_usr1(_: libc::c_int) {}
+
+/// A receive on a socket with a timeout (SO_RCVTIMEO, which the kernel
+/// never restarts after a signal handler) that a signal interrupts goes on
+/// waiting: the message sent after the signal is what it returns.
+#[test]
+fn a_signal_while_waiting_does_not_end_the_receive() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair();
+    let limit = nix::sys::time::TimeVal::new(10, 0);
+    nix::sys::socket::setsockopt(&b, nix::sys::socket::sockopt::ReceiveTimeout, &limit).unwrap();
+    // A handler (not the default action, which would end the process).
+    let act = nix::sys::signal::SigAction::new(
+        nix::sys::signal::SigHandler::Handler(on_usr1),
+        nix::sys::signal::SaFlags::SA_RESTART,
+        nix::sys::signal::SigSet::empty(),
+    );
+    unsafe { nix::sys::signal::sigaction(nix::sys::signal::Signal::SIGUSR1, &act) }.unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        tx.send(unsafe { libc::pthread_self() }).unwrap();
+        let mut buf = [0u8; 64];
+        fdmsg::recv(&b, &mut buf).map(|r| r.map(|(n, _)| buf[..n].to_vec()))
+    });
+    let thread = rx.recv().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(unsafe { libc::pthread_kill(thread, libc::SIGUSR1) }, 0);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    fdmsg::send_bytes(&a, b"after the signal", &[]).unwrap();
+    assert_eq!(waiter.join().unwrap().unwrap().unwrap(), b"after the signal");
+}

@@ -13,7 +13,9 @@ use crate::types::{DeviceAttr, PortAttr, QpAttr, QpCap};
 pub mod spill;
 
 /// 3: QP states and traces travel spilled in bincode (`spill`).
-pub const PROTO_VERSION: u32 = 3;
+/// 4: a send ring's header says how many WQEs rnicd is done with
+/// (`ring::RingHeader::done`), which a client's queue depth counts on.
+pub const PROTO_VERSION: u32 = 4;
 /// Most QPNs in one batched request.
 pub const MAX_BATCH: usize = 4096;
 /// Most QP states in one QueryQpStates or RestoreQps (larger than one

@@ -239,6 +239,8 @@ impl Qp {
         for _ in 0..self.rq_ring.ready() {
             self.rq_ring.pop();
         }
+        // The sends dropped from the ring are done too: their slots are free.
+        self.publish_done();
         let keep = (self.attr.port_num, self.attr.path_mtu);
         self.attr = QpAttr::default();
         (self.attr.port_num, self.attr.path_mtu) = keep;
