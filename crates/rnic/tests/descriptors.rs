@@ -78,7 +78,9 @@ fn a_daemon_short_of_descriptors_refuses_requests_and_keeps_its_clients() {
         assert!(held.len() < LIMIT, "{} channels under a limit of {LIMIT} descriptors", held.len());
     };
     assert!(format!("{err:#}").contains("short of file descriptors"), "{err:#}");
-    assert!(held.len() > LIMIT / 2, "refused after {} channels: the reserve is larger than it should be", held.len());
+    // rnicd's own descriptors (a dozen here) and the reserve (64) leave
+    // well over 72 for channels: a refusal before that came too early.
+    assert!(held.len() > 72, "refused after {} channels: the reserve is larger than it should be", held.len());
     // The client is still connected and its objects still work.
     a.query_device().unwrap();
     a.create_cq(16, Some(&held[0])).map(|_| ()).expect_err("a CQ passes a memfd: refused too");
