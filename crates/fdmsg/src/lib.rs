@@ -125,10 +125,12 @@ pub fn recv_stamped(sock: impl AsFd, buf: &mut [u8]) -> Result<Option<Received>>
     // nothing: receive again.
     let n = loop {
         let n = unsafe { libc::recvmsg(sock.as_fd().as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC) };
-        match (n, Errno::last()) {
-            (n, _) if n >= 0 => break n,
-            (_, Errno::EINTR) => continue,
-            (_, e) => return Err(e.into()),
+        if n >= 0 {
+            break n;
+        }
+        match Errno::last() {
+            Errno::EINTR => continue,
+            e => return Err(e.into()),
         }
     };
     let mut fds = Vec::new();

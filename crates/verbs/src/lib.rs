@@ -83,7 +83,7 @@ fn set_call_timeout(sock: &OwnedFd, limit: Duration) -> anyhow::Result<()> {
     if limit < Duration::from_millis(1) || limit > Duration::from_secs(1 << 31) {
         bail!("a call timeout must be 1 ms to 2^31 s, not {limit:?}");
     }
-    let tv = nix::sys::time::TimeVal::from(libc::timeval { tv_sec: limit.as_secs() as _, tv_usec: limit.subsec_micros() as _ });
+    let tv = nix::sys::time::TimeVal::new(limit.as_secs() as _, limit.subsec_micros() as _);
     nix::sys::socket::setsockopt(sock, nix::sys::socket::sockopt::ReceiveTimeout, &tv).context("SO_RCVTIMEO")?;
     nix::sys::socket::setsockopt(sock, nix::sys::socket::sockopt::SendTimeout, &tv).context("SO_SNDTIMEO")?;
     Ok(())

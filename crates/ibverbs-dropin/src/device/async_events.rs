@@ -37,6 +37,12 @@ struct Named {
     reported: usize,
 }
 
+impl Named {
+    fn new<T>(object: *mut T, reported: &AtomicU32) -> Named {
+        Named { object: object as usize, reported: reported as *const AtomicU32 as usize }
+    }
+}
+
 /// The objects events can name, and the events fetched but not handed out.
 #[derive(Default)]
 pub struct Events {
@@ -57,15 +63,15 @@ impl Events {
     /// `reported` lives in the object and counts the events handed out
     /// about it (so for each of the three below).
     pub fn add_qp(&self, qpn: u32, qp: *mut ibv_qp, reported: &AtomicU32) {
-        lock(&self.qps).insert(qpn, Named { object: qp as usize, reported: reported as *const AtomicU32 as usize });
+        lock(&self.qps).insert(qpn, Named::new(qp, reported));
     }
 
     pub fn add_cq(&self, handle: u32, cq: *mut ibv_cq, reported: &AtomicU32) {
-        lock(&self.cqs).insert(handle, Named { object: cq as usize, reported: reported as *const AtomicU32 as usize });
+        lock(&self.cqs).insert(handle, Named::new(cq, reported));
     }
 
     pub fn add_srq(&self, handle: u32, srq: *mut ibv_srq, reported: &AtomicU32) {
-        lock(&self.srqs).insert(handle, Named { object: srq as usize, reported: reported as *const AtomicU32 as usize });
+        lock(&self.srqs).insert(handle, Named::new(srq, reported));
     }
 
     /// The QP, CQ or SRQ goes: its events, queued or to come, go with it.
